@@ -1,0 +1,167 @@
+"""The cluster as vramsched knows it: nodes, pods, and the ledger derived from them.
+
+Both sources feed it the same events: the embedded cluster file at start-up and the
+Kubernetes informers in live mode. Every reservation is derived from a pod (its
+assignment annotations, or a conservative guess for pods bound by someone else), so
+replaying the same objects always rebuilds the same ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+from extender.assignment import AssignmentError, decode_assignment
+from extender.demand import DemandError, PodRef, pod_demand, pod_ref
+from extender.inventory import node_inventory
+from extender.ledger import Ledger, Reservation
+from extender.placement import choose_devices, device_need
+
+__all__ = ["ClusterState", "TERMINAL_PHASES", "DEFAULT_SCHEDULER_NAME"]
+
+log = logging.getLogger(__name__)
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+DEFAULT_SCHEDULER_NAME = "vramsched"
+
+
+class ClusterState:
+    """Nodes and pods by name, plus the ledger; one event loop owns it (no locks needed)."""
+
+    def __init__(self, scheduler_name: str = DEFAULT_SCHEDULER_NAME, headroom: float = 0.0) -> None:
+        self.ledger = Ledger()
+        self.nodes: dict[str, Mapping[str, Any]] = {}
+        self.pods: dict[str, Mapping[str, Any]] = {}
+        self.pending: set[str] = set()
+        self.scheduler_name = scheduler_name
+        self.headroom = headroom
+        #: pods bound before we saw an assignment for them, placed by a conservative guess.
+        self.guessed: set[str] = set()
+
+    # ----- nodes ---------------------------------------------------------------------------
+    def upsert_node(self, node: Mapping[str, Any]) -> None:
+        name = (node.get("metadata") or {}).get("name")
+        if not isinstance(name, str) or not name:
+            return
+        old = self.nodes.get(name)
+        if old is not None and _rv(old) and _rv(old) == _rv(node):
+            return
+        self.nodes[name] = node
+        self.ledger.upsert_node(node_inventory(node))
+
+    def delete_node(self, name: str) -> None:
+        self.nodes.pop(name, None)
+        self.ledger.remove_node(name)
+
+    # ----- pods ----------------------------------------------------------------------------
+    def upsert_pod(self, pod: Mapping[str, Any]) -> None:
+        try:
+            ref = pod_ref(pod)
+        except DemandError:
+            return
+        key = ref.key
+        old = self.pods.get(key)
+        if old is not None and _uid(old) and _uid(pod) and _uid(old) != _uid(pod):
+            self.delete_pod(key)  # same name, new pod: the old one's VRAM is free
+        self.pods[key] = pod
+        spec = pod.get("spec") or {}
+        status = pod.get("status") or {}
+        if status.get("phase") in TERMINAL_PHASES:
+            self._forget(key)
+            return
+        node = spec.get("nodeName")
+        if not node:
+            # An assumed reservation from our own bind stays until the watch shows the binding.
+            if spec.get("schedulerName") == self.scheduler_name:
+                self.pending.add(key)
+            return
+        self.pending.discard(key)
+        self._account_bound(ref, pod, node)
+
+    def delete_pod(self, key: str) -> None:
+        self.pods.pop(key, None)
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        self.pending.discard(key)
+        self.guessed.discard(key)
+        self.ledger.release(key)
+
+    def _account_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str) -> None:
+        """Count a bound pod against the devices it holds."""
+        meta = pod.get("metadata") or {}
+        try:
+            demand = pod_demand(pod, headroom=self.headroom)
+        except DemandError as exc:
+            log.warning("bound pod %s has an unreadable demand: %s", ref, exc)
+            return
+        if not demand.wants_gpu:
+            return
+        try:
+            res = decode_assignment(ref, meta.get("annotations") or {}, demand.priority)
+        except AssignmentError as exc:
+            log.warning("%s", exc)
+            res = None
+        if res is not None and res.node == node:
+            self.guessed.discard(ref.key)
+            self.ledger.record(res)
+            return
+        existing = self.ledger.reservation(ref.key)
+        if existing is not None and existing.node == node:
+            return  # already counted (our own bind, or an earlier guess)
+        self.ledger.release(ref.key)
+        guess = choose_devices(self.ledger, demand, node)
+        if isinstance(guess, str):
+            guess = self._worst_case(demand, node)
+            if guess is None:
+                log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
+                return
+        self.guessed.add(ref.key)
+        self.ledger.record(guess)
+
+    def _worst_case(self, demand, node: str) -> Reservation | None:
+        """A pod running where it does not fit by our books: count it on the least used devices,
+        so the node shows as full rather than pretending the memory is free."""
+        a = self.ledger.arrays
+        r = self.ledger.node_row(node)
+        if r is None:
+            return None
+        lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
+        rows = [i for i in range(lo, hi) if a.devices[i].resource == demand.resource] or list(range(lo, hi))
+        if not rows:
+            return None
+        rows.sort(key=lambda i: (int(a.used[i]), i))
+        rows = rows[: demand.gpu_count] or rows[:1]
+        need = device_need(a, demand)
+        return Reservation(
+            pod=demand.pod,
+            node=node,
+            device_ids=tuple(a.devices[i].device_id for i in rows),
+            bytes_per_device=tuple(int(need[i]) for i in rows),
+            priority=demand.priority,
+            declared=demand.bytes_per_gpu is not None,
+        )
+
+    # ----- bulk ----------------------------------------------------------------------------
+    def load(self, objects: Iterable[Mapping[str, Any]]) -> None:
+        """Nodes first, then pods, so every bound pod finds its node."""
+        objects = list(objects)
+        for obj in objects:
+            if obj.get("kind") == "Node":
+                self.upsert_node(obj)
+        for obj in objects:
+            if obj.get("kind") == "Pod":
+                self.upsert_pod(obj)
+
+    def pod(self, key: str) -> Mapping[str, Any] | None:
+        return self.pods.get(key)
+
+    def live_pod_keys(self) -> set[str]:
+        return {k for k, p in self.pods.items() if (p.get("status") or {}).get("phase") not in TERMINAL_PHASES}
+
+
+def _rv(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")

@@ -1,0 +1,1 @@
+"""Subcommands of the `vramsched` CLI, one module each (discovered by `extender.cli`)."""

@@ -1,0 +1,96 @@
+"""`vramsched serve`: run the extender over an embedded cluster file or a live cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import ssl
+import time
+
+from aiohttp import web
+
+from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
+from extender.logs import setup_logging
+from extender.server import DEFAULT_MAX_BODY_BYTES, create_app
+from extender.service import EmbeddedBinder, ExtenderService
+from extender.source_file import ClusterFileError, read_cluster_file
+
+log = logging.getLogger("extender.serve")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the extender HTTP API")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--cluster", metavar="FILE", help="embedded mode: a Kubernetes List of Nodes and Pods (YAML or JSON)")
+    src.add_argument("--kubeconfig", metavar="PATH", help="live mode with this kubeconfig (default: in-cluster config)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: a sidecar of kube-scheduler)")
+    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME, help="pods with this spec.schedulerName are ours")
+    p.add_argument("--headroom", type=float, default=0.0, help="extra fraction of VRAM reserved over the declared model memory (default 0)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--assume-ttl", type=float, default=60.0, help="seconds a bind's reservation is kept before the watch confirms it")
+    p.add_argument("--pin-gpus", action="store_true", help="create a NVIDIA_VISIBLE_DEVICES ConfigMap per bound pod (live mode)")
+    p.add_argument("--tls-cert", metavar="FILE")
+    p.add_argument("--tls-key", metavar="FILE")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.headroom < 0 or args.headroom > 1:
+        raise SystemExit("--headroom must be between 0 and 1")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    return ctx
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    cluster = ClusterState(scheduler_name=args.scheduler_name, headroom=args.headroom)
+    if args.cluster:
+        try:
+            cluster.load(read_cluster_file(args.cluster))
+        except (OSError, ClusterFileError) as exc:
+            raise SystemExit(f"cannot load {args.cluster}: {exc}")
+        service = ExtenderService(cluster, EmbeddedBinder(cluster))
+        ready = None
+        source = None
+    else:
+        from extender.kube import LiveSource  # only live mode needs the Kubernetes client
+
+        source = LiveSource(cluster, kubeconfig=args.kubeconfig, pin_gpus=args.pin_gpus)
+        service = ExtenderService(cluster, source.binder, assume_ttl=args.assume_ttl, live=True)
+        ready = source.ready
+        await source.start()
+    app = create_app(service, max_body_bytes=args.max_body_bytes, ready=ready)
+    runner = web.AppRunner(app, access_log=None, handle_signals=True)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, ssl_context=_ssl_context(args), backlog=1024)
+    await site.start()
+    a = cluster.ledger.arrays
+    log.info(
+        "serving",
+        extra={"fields": {"host": args.host, "port": args.port, "nodes": len(cluster.ledger), "devices": len(a.devices),
+                          "pods": len(cluster.pods), "startup_s": round(time.monotonic() - started, 3),
+                          "mode": "embedded" if args.cluster else "live"}},
+    )
+    try:
+        while True:
+            await asyncio.sleep(3600)
+    finally:
+        if source is not None:
+            await source.stop()
+        await runner.cleanup()

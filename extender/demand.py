@@ -1,0 +1,193 @@
+"""What a pod needs from the GPUs: read from its annotation and its GPU resource request.
+
+`vramsched.io/model-memory` is the total VRAM the model needs across the pod's GPUs;
+`nvidia.com/gpu: N` (or a MIG resource) says on how many devices of one node it is spread.
+A pod without the annotation reserves whole devices: the safe default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from extender.inventory import GPU_RESOURCE, MIG_RESOURCE_PREFIX, is_gpu_resource
+from extender.quantity import QuantityError, format_bytes, parse_bytes, parse_milli, parse_quantity
+
+__all__ = [
+    "ANNOTATION_PREFIX",
+    "MODEL_MEMORY",
+    "ALLOWED_PRODUCTS",
+    "ASSIGNMENT",
+    "GPU_INDEX",
+    "DemandError",
+    "PodRef",
+    "Demand",
+    "pod_ref",
+    "pod_demand",
+    "MAX_MODEL_MEMORY",
+    "MAX_GPUS_PER_POD",
+]
+
+ANNOTATION_PREFIX = "vramsched.io/"
+MODEL_MEMORY = ANNOTATION_PREFIX + "model-memory"
+ALLOWED_PRODUCTS = ANNOTATION_PREFIX + "gpu-products"
+ASSIGNMENT = ANNOTATION_PREFIX + "assignment"
+GPU_INDEX = ANNOTATION_PREFIX + "gpu-index"
+# Larger than any GPU node that exists (8 x B200 = 1.4 TiB); beyond this a value is a typo.
+MAX_MODEL_MEMORY = 64 * 1024**4
+# kube-scheduler would never find a node with more; a larger request is a mistake, not a demand.
+MAX_GPUS_PER_POD = 64
+
+
+class DemandError(ValueError):
+    """A pod whose GPU demand cannot be understood; the message names the field and value."""
+
+
+@dataclass(frozen=True, slots=True)
+class PodRef:
+    """Identity of a pod: `namespace/name` for people, UID to tell re-creations apart."""
+
+    namespace: str
+    name: str
+    uid: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def __str__(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A pod's GPU demand: `gpu_count` devices of `resource` on one node, each with
+    `bytes_per_gpu` free (None: whole devices)."""
+
+    pod: PodRef
+    gpu_count: int
+    bytes_per_gpu: int | None
+    resource: str = GPU_RESOURCE
+    priority: int = 0
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    allowed_products: frozenset[str] | None = None
+    model_memory: int | None = None
+
+    @property
+    def mig_profile(self) -> str | None:
+        if self.resource.startswith(MIG_RESOURCE_PREFIX):
+            return self.resource[len(MIG_RESOURCE_PREFIX):]
+        return None
+
+    @property
+    def wants_gpu(self) -> bool:
+        return self.gpu_count > 0
+
+    def describe(self) -> str:
+        per = "whole device" if self.bytes_per_gpu is None else format_bytes(self.bytes_per_gpu)
+        return f"{self.gpu_count}x {self.resource} ({per} each)"
+
+
+def pod_ref(pod: Mapping[str, Any]) -> PodRef:
+    meta = pod.get("metadata") if isinstance(pod, Mapping) else None
+    if not isinstance(meta, Mapping):
+        raise DemandError("Pod has no metadata")
+    name, namespace = meta.get("name"), meta.get("namespace") or "default"
+    if not isinstance(name, str) or not name:
+        raise DemandError("Pod has no metadata.name")
+    if not isinstance(namespace, str):
+        raise DemandError("Pod metadata.namespace is not a string")
+    uid = meta.get("uid") or ""
+    return PodRef(namespace, name, uid if isinstance(uid, str) else str(uid))
+
+
+def _container_requests(container: Any) -> dict[str, Any]:
+    if not isinstance(container, Mapping):
+        raise DemandError("a container is not an object")
+    resources = container.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise DemandError("container resources is not an object")
+    requests = resources.get("requests") or {}
+    limits = resources.get("limits") or {}
+    if not isinstance(requests, Mapping) or not isinstance(limits, Mapping):
+        raise DemandError("container resources.requests/limits is not an object")
+    # Extended resources: requests default to limits (the API server does this on create).
+    merged = dict(limits)
+    merged.update(requests)
+    return merged
+
+
+def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Effective pod request per resource: max(sum over containers, max over init containers)."""
+    containers = spec.get("containers") or []
+    inits = spec.get("initContainers") or []
+    if not isinstance(containers, list) or not isinstance(inits, list):
+        raise DemandError("Pod spec.containers is not a list")
+    total: dict[str, Any] = {}
+    for c in containers:
+        for k, v in _container_requests(c).items():
+            total[k] = parse_quantity(v) + total.get(k, 0)
+    for c in inits:
+        for k, v in _container_requests(c).items():
+            q = parse_quantity(v)
+            if q > total.get(k, 0):
+                total[k] = q
+    return total
+
+
+def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
+    """Parse a Pod object (dict). Raises DemandError with a message fit for a filter `Error`.
+
+    `headroom` is an operator option (fraction added to the declared memory); off by default
+    because the declared model memory is exactly what the pod reserves.
+    """
+    ref = pod_ref(pod)
+    meta = pod["metadata"]
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        raise DemandError(f"pod {ref}: spec is missing")
+    try:
+        requests = _effective_requests(spec)
+    except QuantityError as exc:
+        raise DemandError(f"pod {ref}: invalid resource quantity: {exc}") from None
+    gpu_resources = {k: v for k, v in requests.items() if isinstance(k, str) and is_gpu_resource(k) and v != 0}
+    if len(gpu_resources) > 1:
+        raise DemandError(f"pod {ref}: requests several GPU resources ({', '.join(sorted(gpu_resources))}); use one")
+    resource, count = GPU_RESOURCE, 0
+    if gpu_resources:
+        resource, value = next(iter(gpu_resources.items()))
+        if value.denominator != 1 or value < 0:
+            raise DemandError(f"pod {ref}: {resource} request {float(value):g} is not a whole number of GPUs")
+        count = int(value)
+        if count > MAX_GPUS_PER_POD:
+            raise DemandError(f"pod {ref}: {resource} request {count} is more than {MAX_GPUS_PER_POD} GPUs")
+    annotations = meta.get("annotations") or {}
+    if not isinstance(annotations, Mapping):
+        raise DemandError(f"pod {ref}: metadata.annotations is not an object")
+    model_memory: int | None = None
+    raw = annotations.get(MODEL_MEMORY)
+    if raw is not None:
+        try:
+            model_memory = parse_bytes(raw, maximum=MAX_MODEL_MEMORY)
+        except QuantityError as exc:
+            raise DemandError(f"pod {ref}: annotation {MODEL_MEMORY}={str(raw)[:40]!r} is invalid: {exc}") from None
+        if count == 0:
+            raise DemandError(f"pod {ref}: annotation {MODEL_MEMORY} is set but the pod requests no {GPU_RESOURCE}")
+    per_gpu: int | None = None
+    if model_memory is not None and count:
+        total = model_memory + int(model_memory * headroom)
+        per_gpu = -(-total // count)
+    allowed = None
+    raw_products = annotations.get(ALLOWED_PRODUCTS)
+    if raw_products:
+        allowed = frozenset(p.strip() for p in str(raw_products).split(",") if p.strip()) or None
+    priority = spec.get("priority") or 0
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise DemandError(f"pod {ref}: spec.priority {priority!r} is not an integer")
+    try:
+        cpu = parse_milli(requests["cpu"]) if "cpu" in requests else 0
+        memory = parse_bytes(requests["memory"], allow_zero=True) if "memory" in requests else 0
+    except QuantityError as exc:
+        raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
+    return Demand(ref, count, per_gpu, resource, priority, cpu, memory, allowed, model_memory)

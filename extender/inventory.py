@@ -1,0 +1,325 @@
+"""GPU inventory of a node, read from NVIDIA GPU Feature Discovery labels and allocatable.
+
+A *device* is anything with its own VRAM that pods are placed on: a whole GPU
+(exclusive, time-sliced or MPS-shared) or a MIG slice. The ledger only ever
+sees devices; this module is the one place that knows how GFD spells them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Mapping
+
+from extender.quantity import MIB, QuantityError, parse_bytes, parse_milli, parse_quantity
+
+__all__ = [
+    "Sharing",
+    "Gpu",
+    "MigSlice",
+    "Device",
+    "NodeInventory",
+    "node_inventory",
+    "GPU_RESOURCE",
+    "SHARED_GPU_RESOURCE",
+    "MIG_RESOURCE_PREFIX",
+    "is_gpu_resource",
+]
+
+LABEL = "nvidia.com/"
+GPU_RESOURCE = "nvidia.com/gpu"
+SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+_MIG_LABEL = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb(?:\+me|\.me)?(?:\.[a-z0-9+]+)?)\.count$")
+_MIG_SINGLE_PRODUCT = re.compile(r"-MIG-(\d+g\.\d+gb(?:\+me)?)$")
+# Guards against a label typo turning one node into millions of devices.
+MAX_DEVICES_PER_NODE = 512
+MAX_REPLICAS = 1024
+
+
+def is_gpu_resource(name: str) -> bool:
+    """Whether a resource name is one of the GPU resources the NVIDIA device plugin advertises."""
+    return name == GPU_RESOURCE or name == SHARED_GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX)
+
+
+class Sharing(StrEnum):
+    """How pods share one device; decides what the ledger may put on it."""
+
+    EXCLUSIVE = "exclusive"
+    TIME_SLICING = "time-slicing"
+    MPS = "mps"
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """A whole physical GPU, possibly shared by time-slicing or MPS replicas."""
+
+    node: str
+    index: int
+    product: str
+    memory_bytes: int
+    replicas: int
+    sharing: Sharing
+    resource: str
+
+    @property
+    def device_id(self) -> str:
+        return str(self.index)
+
+    @property
+    def gpu_index(self) -> int:
+        return self.index
+
+    @property
+    def profile(self) -> str | None:
+        return None
+
+    @property
+    def per_pod_cap_bytes(self) -> int:
+        """MPS caps each client at memory/replicas (the daemon's pinned-memory limit)."""
+        if self.sharing is Sharing.MPS:
+            return self.memory_bytes // self.replicas
+        return self.memory_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MigSlice:
+    """One MIG device: isolated memory, so it is capacity of its own, never shared with its GPU."""
+
+    node: str
+    gpu_index: int
+    profile: str
+    slot: int
+    product: str
+    memory_bytes: int
+    replicas: int
+    resource: str
+
+    @property
+    def device_id(self) -> str:
+        return f"{self.gpu_index}:{self.profile}:{self.slot}"
+
+    @property
+    def sharing(self) -> Sharing:
+        return Sharing.TIME_SLICING if self.replicas > 1 else Sharing.EXCLUSIVE
+
+    @property
+    def per_pod_cap_bytes(self) -> int:
+        return self.memory_bytes
+
+
+Device = Gpu | MigSlice
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInventory:
+    """What vramsched may place on a node. `problem` says why a node is not a GPU node for us."""
+
+    name: str
+    devices: tuple[Device, ...] = ()
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    product: str = ""
+    mig_strategy: str = "none"
+    problem: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    resource_version: str = ""
+
+    @property
+    def gpu_count(self) -> int:
+        return len({d.gpu_index for d in self.devices})
+
+
+def _int_label(labels: Mapping[str, str], key: str, *, minimum: int = 0, maximum: int = 1 << 20) -> int:
+    raw = labels.get(key)
+    if raw is None:
+        raise _Missing(f"missing label {key}")
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise _Missing(f"label {key}={raw!r} is not an integer") from None
+    if not minimum <= value <= maximum:
+        raise _Missing(f"label {key}={raw!r} is out of range")
+    return value
+
+
+def _replicas(labels: Mapping[str, str], key: str) -> int:
+    """Replicas per device; absent means unshared. 0 (MIG parent GPUs) counts as 1 here."""
+    if key not in labels:
+        return 1
+    return max(1, _int_label(labels, key, maximum=MAX_REPLICAS))
+
+
+class _Missing(Exception):
+    """A label problem; becomes the node's `problem` (the filter reason)."""
+
+
+def _allocatable_count(alloc: Mapping[str, Any], resource: str) -> int | None:
+    raw = alloc.get(resource)
+    if raw is None:
+        return None
+    try:
+        value = parse_quantity(raw)
+    except QuantityError:
+        return 0
+    return max(0, int(value))
+
+
+def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
+    """Inventory of one Kubernetes Node object (as a dict). Never raises for bad labels."""
+    meta = node.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, Mapping):
+        labels = {}
+    status = node.get("status") or {}
+    alloc = status.get("allocatable") or status.get("capacity") or {}
+    if not isinstance(alloc, Mapping):
+        alloc = {}
+    try:
+        cpu = parse_milli(alloc["cpu"]) if "cpu" in alloc else 0
+        mem = parse_bytes(alloc["memory"], allow_zero=True) if "memory" in alloc else 0
+    except QuantityError:
+        cpu, mem = 0, 0
+    base = dict(name=name, cpu_milli=cpu, memory_bytes=mem, labels=labels,
+                resource_version=str(meta.get("resourceVersion") or ""))
+    strategy = str(labels.get(LABEL + "mig.strategy", "none") or "none")
+    product = str(labels.get(LABEL + "gpu.product", ""))
+    try:
+        if not product and strategy != "mixed":
+            raise _Missing(f"missing label {LABEL}gpu.product")
+        if strategy == "mixed":
+            devices = _mixed_mig(name, labels, alloc, product)
+        elif strategy == "single" or _MIG_SINGLE_PRODUCT.search(product):
+            devices = _single_mig(name, labels, alloc, product)
+        elif strategy == "none":
+            devices = _whole_gpus(name, labels, alloc, product)
+        else:
+            raise _Missing(f"label {LABEL}mig.strategy={strategy!r} is not none, single or mixed")
+    except _Missing as exc:
+        return NodeInventory(product=product, mig_strategy=strategy, problem=str(exc), **base)
+    if not devices:
+        return NodeInventory(product=product, mig_strategy=strategy, problem="node advertises no GPUs", **base)
+    return NodeInventory(devices=tuple(devices), product=product, mig_strategy=strategy, **base)
+
+
+def _sharing(labels: Mapping[str, str], product: str, replicas: int) -> Sharing:
+    if replicas <= 1:
+        return Sharing.EXCLUSIVE
+    strategy = str(labels.get(LABEL + "gpu.sharing-strategy", "")).lower()
+    if strategy == "mps":
+        return Sharing.MPS
+    return Sharing.TIME_SLICING
+
+
+def _whole_gpus(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
+    count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
+    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
+    replicas = _replicas(labels, LABEL + "gpu.replicas")
+    # renameByDefault advertises replicas as nvidia.com/gpu.shared and drops the -SHARED suffix.
+    resource = SHARED_GPU_RESOURCE if SHARED_GPU_RESOURCE in alloc else GPU_RESOURCE
+    advertised = _allocatable_count(alloc, resource)
+    if advertised is not None:
+        # Unhealthy devices disappear from allocatable first: believe the smaller number.
+        count = min(count, advertised // replicas)
+        if count == 0:
+            raise _Missing(f"node allocatable has no {resource}")
+    sharing = _sharing(labels, product, replicas)
+    memory = memory_mib * MIB
+    return [Gpu(name, i, product, memory, replicas, sharing, resource) for i in range(count)]
+
+
+def _mig_gpu_slots(product: str, profile: str, per_node: int) -> int:
+    """How many slices of `profile` one GPU holds, to number slices by physical GPU."""
+    from extender import mig  # local: MIG tables are only needed for MIG nodes
+
+    model = mig.model_for_product(product) if hasattr(mig, "model_for_product") else None
+    if model is not None:
+        prof = model.profiles.get(profile) if hasattr(model, "profiles") else None
+        if prof is not None and getattr(prof, "max_count", 0):
+            return int(prof.max_count)
+    g = int(profile.split("g", 1)[0]) if profile[0].isdigit() else 1
+    return max(1, 7 // max(1, g)) if per_node else 1
+
+
+def _single_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
+    m = _MIG_SINGLE_PRODUCT.search(product)
+    if m is None:
+        raise _Missing(f"label {LABEL}gpu.product={product!r} has no -MIG-<profile> suffix for mig.strategy=single")
+    profile = m.group(1)
+    count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
+    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
+    replicas = _replicas(labels, LABEL + "gpu.replicas")
+    advertised = _allocatable_count(alloc, GPU_RESOURCE)
+    if advertised is not None:
+        count = min(count, advertised // replicas)
+        if count == 0:
+            raise _Missing(f"node allocatable has no {GPU_RESOURCE}")
+    per_gpu = _mig_gpu_slots(product, profile, count)
+    parent = product[: m.start()]
+    return [
+        MigSlice(name, i // per_gpu, profile, i % per_gpu, parent, memory_mib * MIB, replicas, GPU_RESOURCE)
+        for i in range(count)
+    ]
+
+
+def _mixed_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
+    devices: list[Device] = []
+    profiles: list[tuple[str, int, int, int]] = []
+    for key in sorted(labels):
+        m = _MIG_LABEL.match(key)
+        if m is None:
+            continue
+        profile = m.group(1)
+        prefix = f"{LABEL}mig-{profile}"
+        count = _int_label(labels, prefix + ".count", maximum=MAX_DEVICES_PER_NODE)
+        if count == 0:
+            continue
+        memory_mib = _int_label(labels, prefix + ".memory", minimum=1, maximum=1 << 24)
+        replicas = _replicas(labels, prefix + ".replicas")
+        resource = f"{MIG_RESOURCE_PREFIX}{profile.replace('+', '.')}"
+        advertised = _allocatable_count(alloc, resource)
+        if advertised is not None:
+            count = min(count, advertised // replicas)
+        profiles.append((profile, count, memory_mib, replicas))
+    if not profiles:
+        # A mixed node may still have MIG-disabled GPUs advertised as nvidia.com/gpu.
+        if product and LABEL + "gpu.count" in labels and labels.get(LABEL + "gpu.replicas", "1") != "0":
+            return _whole_gpus(name, labels, alloc, product)
+        raise _Missing(f"missing labels {LABEL}mig-<profile>.count for mig.strategy=mixed")
+    layout = _layout_slices(product, labels, profiles)
+    for profile, count, memory_mib, replicas in profiles:
+        resource = f"{MIG_RESOURCE_PREFIX}{profile.replace('+', '.')}"
+        for slot, gpu_index in enumerate(layout.get(profile, [])[:count]):
+            devices.append(MigSlice(name, gpu_index, profile, slot, product, memory_mib * MIB, replicas, resource))
+    return devices
+
+
+def _layout_slices(product: str, labels: Mapping[str, str], profiles: list[tuple[str, int, int, int]]) -> dict[str, list[int]]:
+    """GPU index of each slice. Labels give per-node counts only, so infer a valid per-GPU layout
+    when the model is known, else spread slices over GPUs in order (indices are then nominal)."""
+    counts = {p: c for p, c, _, _ in profiles}
+    try:
+        gpu_count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
+    except _Missing:
+        gpu_count = 0
+    try:
+        from extender import mig
+
+        model = mig.model_for_product(product) if product else None
+        if model is not None and gpu_count > 0:
+            layouts = mig.infer_gpu_layouts(model, gpu_count, counts)
+            out: dict[str, list[int]] = {}
+            for gpu_index, geometry in enumerate(layouts):
+                for profile in geometry:
+                    out.setdefault(profile, []).append(gpu_index)
+            if all(len(out.get(p, [])) >= c for p, c in counts.items()):
+                return out
+    except Exception:  # noqa: BLE001 - an odd layout must not make the node unusable
+        pass
+    out = {}
+    for profile, count in counts.items():
+        per_gpu = _mig_gpu_slots(product, profile, count)
+        out[profile] = [i // per_gpu for i in range(count)]
+    return out

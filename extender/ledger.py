@@ -1,0 +1,327 @@
+"""The VRAM ledger: which pod holds how much memory on which device.
+
+The one invariant of vramsched lives here: on every device the reserved bytes never
+exceed its memory and the pods on it never exceed its replicas. `reserve` is a
+synchronous check-and-set, so callers on one event loop can never double-book even
+when binds race; nothing here awaits or does I/O.
+
+Per-device state is also kept in numpy arrays (one row per device, rows of a node
+contiguous) so that filter/prioritize over thousands of nodes are vector operations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from extender.demand import PodRef
+from extender.inventory import Device, NodeInventory
+
+__all__ = ["Reservation", "Ledger", "LedgerError", "DeviceArrays", "Violation", "check_invariant"]
+
+
+class LedgerError(Exception):
+    """A reservation that would break the invariant or conflicts with an existing one."""
+
+
+@dataclass(slots=True)
+class Reservation:
+    """A pod's hold on devices of one node. `assumed` until the API confirms it (live mode)."""
+
+    pod: PodRef
+    node: str
+    device_ids: tuple[str, ...]
+    bytes_per_device: tuple[int, ...]
+    priority: int = 0
+    assumed: bool = False
+    expires_at: float | None = None
+    declared: bool = True
+
+    @property
+    def key(self) -> str:
+        return self.pod.key
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_device)
+
+    def same_placement(self, other: "Reservation") -> bool:
+        return (self.node, self.device_ids, self.bytes_per_device) == (other.node, other.device_ids, other.bytes_per_device)
+
+
+@dataclass(slots=True)
+class DeviceArrays:
+    """Column store of all devices; index `i` is one device. Rebuilt when inventory changes."""
+
+    devices: list[Device] = field(default_factory=list)
+    node_names: list[str] = field(default_factory=list)
+    node_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    node_start: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    capacity: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    per_pod_cap: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    replicas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    used: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    used_replicas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    resource_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    product_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    gpu_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    resources: dict[str, int] = field(default_factory=dict)
+    products: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def free(self) -> np.ndarray:
+        return self.capacity - self.used
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant, for tests and `/state`."""
+
+    what: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}"
+
+
+class Ledger:
+    """Inventory of every node plus every reservation, with the per-device totals derived from them."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, NodeInventory] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._by_node: dict[str, set[str]] = {}
+        self._arrays = DeviceArrays()
+        self._row: dict[tuple[str, str], int] = {}
+        self._node_row: dict[str, int] = {}
+        self._dirty = True
+        #: bumped on every change; the planner uses it to know whether its plan is stale.
+        self.generation = 0
+        #: per-node generation, so a change invalidates only plans touching that node.
+        self.node_generation: dict[str, int] = {}
+
+    # ----- inventory -------------------------------------------------------------------
+    def upsert_node(self, inventory: NodeInventory) -> None:
+        old = self._nodes.get(inventory.name)
+        if old is not None and old.devices == inventory.devices and old.problem == inventory.problem:
+            self._nodes[inventory.name] = inventory
+            return
+        self._nodes[inventory.name] = inventory
+        self._touch(inventory.name)
+        self._dirty = True
+
+    def remove_node(self, name: str) -> None:
+        if self._nodes.pop(name, None) is not None:
+            self._touch(name)
+            self._dirty = True
+
+    def node(self, name: str) -> NodeInventory | None:
+        return self._nodes.get(name)
+
+    def nodes(self) -> Iterable[NodeInventory]:
+        return self._nodes.values()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    # ----- reservations ------------------------------------------------------------------
+    def reservation(self, pod_key: str) -> Reservation | None:
+        return self._reservations.get(pod_key)
+
+    def reservations(self) -> Iterator[Reservation]:
+        return iter(list(self._reservations.values()))
+
+    def pods_on(self, node: str) -> list[Reservation]:
+        return [self._reservations[k] for k in sorted(self._by_node.get(node, ()))]
+
+    def fits(self, res: Reservation) -> str | None:
+        """Why `res` cannot be applied now, or None when it fits."""
+        a = self.arrays
+        if res.node not in self._nodes:
+            return f"node {res.node} is not known"
+        if len(set(res.device_ids)) != len(res.device_ids):
+            return "the same device is listed twice"
+        for dev_id, nbytes in zip(res.device_ids, res.bytes_per_device):
+            i = self._row.get((res.node, dev_id))
+            if i is None:
+                return f"node {res.node} has no GPU device {dev_id}"
+            if nbytes < 0:
+                return "negative reservation"
+            if a.used_replicas[i] + 1 > a.replicas[i]:
+                return f"GPU {dev_id} on {res.node} has no free replica"
+            if a.used[i] + nbytes > a.capacity[i] or nbytes > a.per_pod_cap[i]:
+                return f"GPU {dev_id} on {res.node} has not enough free VRAM"
+        return None
+
+    def reserve(self, res: Reservation) -> Reservation:
+        """Atomically hold devices for a pod. Idempotent for an identical placement."""
+        existing = self._reservations.get(res.key)
+        if existing is not None:
+            if existing.same_placement(res):
+                if not res.assumed:
+                    existing.assumed, existing.expires_at = False, None
+                return existing
+            raise LedgerError(f"pod {res.key} already holds GPUs on {existing.node}")
+        why = self.fits(res)
+        if why is not None:
+            raise LedgerError(why)
+        self._apply(res, +1)
+        self._reservations[res.key] = res
+        self._by_node.setdefault(res.node, set()).add(res.key)
+        self._touch(res.node)
+        return res
+
+    def record(self, res: Reservation) -> Reservation:
+        """Account for a pod that is already running there, even if that oversubscribes a device.
+
+        The API is the truth: a pod bound before vramsched started (or by someone else) holds its
+        memory whether or not it should; hiding it would let us place more on top of it.
+        """
+        existing = self._reservations.get(res.key)
+        if existing is not None:
+            if existing.same_placement(res):
+                existing.assumed, existing.expires_at = res.assumed, res.expires_at
+                return existing
+            self.release(res.key)
+        self._apply(res, +1)
+        self._reservations[res.key] = res
+        self._by_node.setdefault(res.node, set()).add(res.key)
+        self._touch(res.node)
+        return res
+
+    def release(self, pod_key: str) -> Reservation | None:
+        res = self._reservations.pop(pod_key, None)
+        if res is None:
+            return None
+        self._apply(res, -1)
+        keys = self._by_node.get(res.node)
+        if keys is not None:
+            keys.discard(pod_key)
+            if not keys:
+                del self._by_node[res.node]
+        self._touch(res.node)
+        return res
+
+    def expire(self, now: float | None = None) -> list[Reservation]:
+        """Drop assumed reservations whose TTL passed (a bind whose pod never showed up)."""
+        now = time.monotonic() if now is None else now
+        gone = [r for r in self._reservations.values() if r.assumed and r.expires_at is not None and r.expires_at <= now]
+        for r in gone:
+            self.release(r.key)
+        return gone
+
+    # ----- arrays --------------------------------------------------------------------------
+    @property
+    def arrays(self) -> DeviceArrays:
+        if self._dirty:
+            self._rebuild()
+        return self._arrays
+
+    def row(self, node: str, device_id: str) -> int | None:
+        self.arrays
+        return self._row.get((node, device_id))
+
+    def node_row(self, node: str) -> int | None:
+        self.arrays
+        return self._node_row.get(node)
+
+    def _rebuild(self) -> None:
+        devices: list[Device] = []
+        names: list[str] = []
+        node_of: list[int] = []
+        starts: list[int] = [0]
+        for n, inv in enumerate(self._nodes.values()):
+            names.append(inv.name)
+            devices.extend(inv.devices)
+            node_of.extend([n] * len(inv.devices))
+            starts.append(len(devices))
+        resources: dict[str, int] = {}
+        products: dict[str, int] = {}
+        a = DeviceArrays(
+            devices=devices,
+            node_names=names,
+            node_of=np.asarray(node_of, np.int32),
+            node_start=np.asarray(starts, np.int64),
+            capacity=np.fromiter((d.memory_bytes for d in devices), np.int64, len(devices)),
+            per_pod_cap=np.fromiter((d.per_pod_cap_bytes for d in devices), np.int64, len(devices)),
+            replicas=np.fromiter((d.replicas for d in devices), np.int32, len(devices)),
+            used=np.zeros(len(devices), np.int64),
+            used_replicas=np.zeros(len(devices), np.int32),
+            resource_id=np.fromiter((resources.setdefault(d.resource, len(resources)) for d in devices), np.int32, len(devices)),
+            product_id=np.fromiter((products.setdefault(d.product, len(products)) for d in devices), np.int32, len(devices)),
+            gpu_index=np.fromiter((d.gpu_index for d in devices), np.int32, len(devices)),
+            resources=resources,
+            products=products,
+        )
+        self._arrays = a
+        self._row = {(d.node, d.device_id): i for i, d in enumerate(devices)}
+        self._node_row = {name: i for i, name in enumerate(names)}
+        self._dirty = False
+        for res in self._reservations.values():
+            self._apply(res, +1)
+
+    def _apply(self, res: Reservation, sign: int) -> None:
+        if self._dirty:
+            return  # the rebuild will apply every reservation
+        a = self._arrays
+        for dev_id, nbytes in zip(res.device_ids, res.bytes_per_device):
+            i = self._row.get((res.node, dev_id))
+            if i is None:
+                continue  # the device vanished from the node's labels; nothing to count it against
+            a.used[i] += sign * nbytes
+            a.used_replicas[i] += sign
+
+    def _touch(self, node: str) -> None:
+        self.generation += 1
+        self.node_generation[node] = self.node_generation.get(node, 0) + 1
+
+    # ----- totals ---------------------------------------------------------------------------
+    def totals(self) -> tuple[int, int]:
+        """(allocated, capacity) bytes over every device, for the metrics gauges."""
+        a = self.arrays
+        return int(a.used.sum()), int(a.capacity.sum())
+
+
+def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> list[Violation]:
+    """Everything that is wrong with the ledger; an empty list means the invariant holds.
+
+    - on every device: reserved bytes <= memory and pods <= replicas;
+    - every reservation is counted on devices that exist, and exactly once;
+    - with `live_pods` (keys of pods that exist), nothing is held by a pod that is gone.
+    """
+    out: list[Violation] = []
+    a = ledger.arrays
+    used = np.zeros_like(a.used)
+    used_replicas = np.zeros_like(a.used_replicas)
+    seen: set[str] = set()
+    for res in ledger.reservations():
+        if res.key in seen:
+            out.append(Violation("pod holds two reservations", res.key))
+        seen.add(res.key)
+        for dev_id, nbytes in zip(res.device_ids, res.bytes_per_device):
+            i = ledger.row(res.node, dev_id)
+            if i is None:
+                out.append(Violation(f"reservation on missing device {dev_id}", f"{res.node}/{res.key}"))
+                continue
+            used[i] += nbytes
+            used_replicas[i] += 1
+    for i in np.flatnonzero((used != a.used) | (used_replicas != a.used_replicas)):
+        d = a.devices[i]
+        out.append(Violation("derived totals disagree with reservations", f"{d.node}/GPU {d.device_id}"))
+    for i in np.flatnonzero(used > a.capacity):
+        d = a.devices[i]
+        out.append(Violation(f"VRAM oversubscribed: {int(used[i])} > {int(a.capacity[i])}", f"{d.node}/GPU {d.device_id}"))
+    for i in np.flatnonzero(used_replicas > a.replicas):
+        d = a.devices[i]
+        out.append(Violation(f"replicas oversubscribed: {int(used_replicas[i])} > {int(a.replicas[i])}", f"{d.node}/GPU {d.device_id}"))
+    if live_pods is not None:
+        alive = set(live_pods)
+        for key in sorted(seen - alive):
+            out.append(Violation("held by a pod that no longer exists", key))
+    return out

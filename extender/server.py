@@ -1,0 +1,197 @@
+"""aiohttp routes: decode the body, call the service, encode the answer. Nothing else.
+
+kube-scheduler treats any non-200 answer as an extender error, so malformed requests get
+a 4xx with an `Error` key (readable by both people and the scheduler's decoder), and
+problems with a well-formed request (a bad annotation) get 200 with `Error` set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from extender.demand import DemandError
+from extender.metrics import Metrics
+from extender.service import ExtenderService
+from extender.wire import (
+    VERBS,
+    ExtenderArgs,
+    ExtenderBindingArgs,
+    ExtenderPreemptionArgs,
+    HostPriorityList,
+)
+
+__all__ = ["create_app", "route_paths", "DEFAULT_MAX_BODY_BYTES", "SERVICE_KEY", "METRICS_KEY"]
+
+log = logging.getLogger(__name__)
+
+# 5,000 full Node objects with managedFields are ~25-50 MiB when nodeCacheCapable=false.
+DEFAULT_MAX_BODY_BYTES = 128 * 1024 * 1024
+SERVICE_KEY = web.AppKey("service", ExtenderService)
+METRICS_KEY = web.AppKey("metrics", Metrics)
+READY_KEY = web.AppKey("ready", object)
+
+_JSON = "application/json"
+_GET_PATHS = ("/healthz", "/readyz", "/metrics", "/state", "/openapi.yaml")
+
+
+def route_paths() -> set[str]:
+    """Every path the server answers; the deploy tests check the scheduler config against it."""
+    return {f"/{v}" for v in VERBS} | set(_GET_PATHS)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    data = body.__pydantic_serializer__.to_json(body) if isinstance(body, BaseModel) else orjson.dumps(body)
+    return web.Response(body=data, status=status, content_type=_JSON)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(body=orjson.dumps({"Error": message}), status=status, content_type=_JSON)
+
+
+def _validation_message(model: type[BaseModel], exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False)[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        parts.append(f"{loc}: {err.get('msg')}")
+    more = f" (+{exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+    return f"invalid {model.__name__}: " + "; ".join(parts) + more
+
+
+async def _decode(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.read()
+    if not raw:
+        raise web.HTTPBadRequest(text=f"empty body: expected {model.__name__} JSON")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise web.HTTPBadRequest(text=f"body must be a JSON object ({model.__name__}), got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise web.HTTPBadRequest(text=_validation_message(model, exc)) from None
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _timed(verb: str, handler: Handler) -> Handler:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        metrics = request.app[METRICS_KEY]
+        start = time.perf_counter()
+        code = 500
+        try:
+            response = await handler(request)
+            code = response.status
+            return response
+        except web.HTTPException as exc:
+            code = exc.status
+            raise
+        finally:
+            metrics.latency.labels(verb).observe(time.perf_counter() - start)
+            metrics.requests.labels(verb, str(code)).inc()
+            if code >= 400:
+                metrics.errors.labels(verb).inc()
+
+    return wrapped
+
+
+async def _filter(request: web.Request) -> web.Response:
+    args = await _decode(request, ExtenderArgs)
+    result = request.app[SERVICE_KEY].filter(args)
+    if result.Error:
+        request.app[METRICS_KEY].errors.labels("filter").inc()
+    return _json(result)
+
+
+async def _prioritize(request: web.Request) -> web.Response:
+    args = await _decode(request, ExtenderArgs)
+    return _json(HostPriorityList(request.app[SERVICE_KEY].prioritize(args)))
+
+
+async def _bind(request: web.Request) -> web.Response:
+    args = await _decode(request, ExtenderBindingArgs)
+    result = await request.app[SERVICE_KEY].bind(args)
+    if result.Error:
+        request.app[METRICS_KEY].errors.labels("bind").inc()
+    return _json(result)
+
+
+async def _preempt(request: web.Request) -> web.Response:
+    args = await _decode(request, ExtenderPreemptionArgs)
+    try:
+        return _json(request.app[SERVICE_KEY].preempt(args))
+    except DemandError as exc:
+        raise web.HTTPBadRequest(text=str(exc)) from None
+
+
+async def _unknown_verb(request: web.Request) -> web.Response:
+    verb = request.match_info.get("verb", "")
+    return _error(404, f"unknown verb {verb[:64]!r}: expected one of {', '.join(VERBS)}")
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ready, detail = request.app[READY_KEY]()
+    return _json({"ready": ready, **detail}, status=200 if ready else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS_KEY].render(), content_type="text/plain", charset="utf-8")
+
+
+async def _state(request: web.Request) -> web.Response:
+    return _json(request.app[SERVICE_KEY].state())
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    from importlib.resources import files
+
+    return web.Response(body=files("extender").joinpath("openapi.yaml").read_bytes(), content_type="application/yaml")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as JSON with `Error`; nothing escapes and stops the server."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        return _error(exc.status, message or exc.reason)
+    except Exception:  # noqa: BLE001 - the server must keep serving
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(500, "internal error in vramsched (see its log)")
+
+
+def create_app(
+    service: ExtenderService,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ready: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
+) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    app[SERVICE_KEY] = service
+    app[METRICS_KEY] = Metrics(lambda: service.ledger)
+    app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))
+    handlers = {"filter": _filter, "prioritize": _prioritize, "bind": _bind, "preempt": _preempt}
+    for verb in VERBS:
+        app.router.add_post(f"/{verb}", _timed(verb, handlers[verb]))
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/state", _state)
+    app.router.add_get("/openapi.yaml", _openapi)
+    app.router.add_post("/{verb}", _unknown_verb)
+    return app

@@ -1,0 +1,286 @@
+"""The extender's use cases: filter, prioritize, bind, preempt, state.
+
+Adapters hand in decoded wire objects and get wire objects back; this layer turns them
+into calls on the pure core (demand, placement, ledger) and on a `Binder`, the only
+thing that differs between the embedded cluster and a live one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping, Protocol
+
+from extender.assignment import encode_assignment
+from extender.cluster import ClusterState
+from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
+from extender.ledger import LedgerError, Reservation
+from extender.placement import choose_devices, filter_nodes, preempt_victims, score_nodes
+from extender.wire import (
+    ExtenderArgs,
+    ExtenderBindingArgs,
+    ExtenderBindingResult,
+    ExtenderFilterResult,
+    ExtenderPreemptionArgs,
+    ExtenderPreemptionResult,
+    HostPriority,
+    MetaPod,
+    MetaVictims,
+    NodeList,
+)
+
+__all__ = ["Binder", "BindError", "EmbeddedBinder", "PlanSource", "ExtenderService"]
+
+log = logging.getLogger(__name__)
+
+
+class BindError(Exception):
+    """The binding could not be written; the reservation is rolled back."""
+
+
+class Binder(Protocol):
+    """Makes a placement real: in-memory for the embedded cluster, API calls for a live one."""
+
+    async def bind(self, pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None: ...
+
+
+class PlanSource(Protocol):
+    """What the background planner offers the hot path: a node, and devices, per pending pod."""
+
+    def planned_node(self, pod_key: str) -> str | None: ...
+
+    def planned_reservation(self, pod_key: str, node: str) -> Reservation | None: ...
+
+    def notify_pending(self, pod_key: str) -> None: ...
+
+
+class EmbeddedBinder:
+    """Binds by updating the in-memory cluster, as the API server would after a Binding."""
+
+    def __init__(self, cluster: ClusterState) -> None:
+        self.cluster = cluster
+
+    async def bind(self, pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None:
+        meta = dict(pod.get("metadata") or {})
+        annotations = dict(meta.get("annotations") or {})
+        if reservation is not None:
+            annotations.update(encode_assignment(reservation))
+        meta["annotations"] = annotations
+        spec = dict(pod.get("spec") or {})
+        spec["nodeName"] = node
+        status = dict(pod.get("status") or {})
+        status["phase"] = status.get("phase") or "Pending"
+        self.cluster.upsert_pod({**pod, "metadata": meta, "spec": spec, "status": status})
+
+
+class ExtenderService:
+    """One instance per server; every method runs on the event loop that owns the cluster."""
+
+    def __init__(
+        self,
+        cluster: ClusterState,
+        binder: Binder,
+        *,
+        planner: PlanSource | None = None,
+        assume_ttl: float = 60.0,
+        live: bool = False,
+    ) -> None:
+        self.cluster = cluster
+        self.binder = binder
+        self.planner = planner
+        self.assume_ttl = assume_ttl
+        self.live = live
+
+    @property
+    def ledger(self):
+        return self.cluster.ledger
+
+    # ----- filter ------------------------------------------------------------------------------
+    def _demand(self, pod: Mapping[str, Any]) -> Demand:
+        return pod_demand(pod, headroom=self.cluster.headroom)
+
+    def _remember(self, pod: Mapping[str, Any]) -> None:
+        """Embedded mode learns pending pods from filter (there is no API to list them)."""
+        if self.live:
+            return
+        try:
+            key = pod_ref(pod).key
+        except DemandError:
+            return
+        known = self.cluster.pod(key)
+        if known is None or not (known.get("spec") or {}).get("nodeName"):
+            self.cluster.upsert_pod(pod)
+            if self.planner is not None:
+                self.planner.notify_pending(key)
+
+    def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
+        by_nodes = args.Nodes is not None
+        if by_nodes:
+            for node in args.Nodes.items:
+                self.cluster.upsert_node(node)
+            names = [str((n.get("metadata") or {}).get("name", "")) for n in args.Nodes.items]
+        else:
+            names = args.NodeNames or []
+        try:
+            demand = self._demand(args.Pod)
+        except DemandError as exc:
+            return ExtenderFilterResult(Error=str(exc))
+        self._remember(args.Pod)
+        self.ledger.expire()
+        outcome = filter_nodes(self.ledger, demand, names)
+        if by_nodes:
+            keep = set(outcome.feasible)
+            items = [n for n in args.Nodes.items if (n.get("metadata") or {}).get("name") in keep]
+            return ExtenderFilterResult(
+                Nodes=NodeList(items=items),
+                FailedNodes=outcome.failed,
+                FailedAndUnresolvableNodes=outcome.unresolvable,
+            )
+        return ExtenderFilterResult(
+            NodeNames=outcome.feasible, FailedNodes=outcome.failed, FailedAndUnresolvableNodes=outcome.unresolvable
+        )
+
+    # ----- prioritize --------------------------------------------------------------------------
+    def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
+        if args.Nodes is not None:
+            for node in args.Nodes.items:
+                self.cluster.upsert_node(node)
+            names = [str((n.get("metadata") or {}).get("name", "")) for n in args.Nodes.items]
+        else:
+            names = args.NodeNames or []
+        try:
+            demand = self._demand(args.Pod)
+        except DemandError:
+            return [HostPriority(Host=n, Score=0) for n in names]
+        planned = self.planner.planned_node(demand.pod.key) if self.planner is not None else None
+        return [HostPriority(Host=n, Score=s) for n, s in score_nodes(self.ledger, demand, names, planned)]
+
+    # ----- bind ----------------------------------------------------------------------------------
+    async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
+        key = f"{args.PodNamespace}/{args.PodName}"
+        pod = self.cluster.pod(key)
+        if pod is None:
+            return ExtenderBindingResult(Error=f"pod {key} is unknown to vramsched")
+        ref = pod_ref(pod)
+        if args.PodUID and ref.uid and args.PodUID != ref.uid:
+            return ExtenderBindingResult(Error=f"pod {key} has UID {ref.uid}, not {args.PodUID} (re-created?)")
+        if self.ledger.node(args.Node) is None:
+            return ExtenderBindingResult(Error=f"node {args.Node} is unknown to vramsched")
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if bound_to:
+            if bound_to == args.Node:
+                return ExtenderBindingResult()  # a retried bind that already landed
+            return ExtenderBindingResult(Error=f"pod {key} is already bound to {bound_to}")
+        try:
+            demand = self._demand(pod)
+        except DemandError as exc:
+            return ExtenderBindingResult(Error=str(exc))
+        reservation: Reservation | None = None
+        if demand.wants_gpu:
+            held = self.ledger.reservation(key)
+            if held is not None and held.node == args.Node:
+                reservation = held  # retry of a bind still in flight or assumed
+            else:
+                if held is not None:
+                    self.ledger.release(key)  # an assumed hold elsewhere from an abandoned attempt
+                try:
+                    reservation = self._reserve(demand, args.Node)
+                except LedgerError as exc:
+                    return ExtenderBindingResult(Error=f"pod {key} does not fit on {args.Node}: {exc}")
+        try:
+            await self.binder.bind(pod, args.Node, reservation)
+        except BindError as exc:
+            if reservation is not None:
+                current = self.ledger.reservation(key)
+                if current is reservation:
+                    self.ledger.release(key)
+            return ExtenderBindingResult(Error=f"binding {key} to {args.Node} failed: {exc}")
+        return ExtenderBindingResult()
+
+    def _reserve(self, demand: Demand, node: str) -> Reservation:
+        """Reserve the planned devices when they are still free, else best fit on that node."""
+        planned = self.planner.planned_reservation(demand.pod.key, node) if self.planner is not None else None
+        if planned is not None and self.ledger.fits(planned) is None:
+            candidate: Reservation | str = planned
+        else:
+            candidate = choose_devices(self.ledger, demand, node)
+        if isinstance(candidate, str):
+            raise LedgerError(candidate)
+        if self.live:
+            candidate.assumed = True
+            candidate.expires_at = time.monotonic() + self.assume_ttl
+        return self.ledger.reserve(candidate)
+
+    # ----- preempt ---------------------------------------------------------------------------------
+    def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
+        demand = self._demand(args.Pod)  # DemandError -> 400 in the adapter: preempt has no Error field
+        candidates: dict[str, list[str]] = {}
+        pdb: dict[str, int] = {}
+        if args.NodeNameToMetaVictims is not None:
+            for node, victims in args.NodeNameToMetaVictims.items():
+                candidates[node] = [p.UID for p in victims.Pods]
+                pdb[node] = victims.NumPDBViolations
+        elif args.NodeNameToVictims is not None:
+            for node, victims in args.NodeNameToVictims.items():
+                candidates[node] = [str((p.get("metadata") or {}).get("uid", "")) for p in victims.Pods]
+                pdb[node] = victims.NumPDBViolations
+        chosen = preempt_victims(self.ledger, demand, candidates)
+        return ExtenderPreemptionResult(
+            NodeNameToMetaVictims={
+                node: MetaVictims(Pods=[MetaPod(UID=u) for u in uids], NumPDBViolations=pdb.get(node, 0))
+                for node, uids in chosen.items()
+                if uids
+            }
+        )
+
+    # ----- state -----------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The ledger for people and tools: per node, per GPU (and per MIG slice) who holds what."""
+        ledger = self.ledger
+        a = ledger.arrays
+        holders: dict[tuple[str, str], list[str]] = {}
+        for res in ledger.reservations():
+            for dev in res.device_ids:
+                holders.setdefault((res.node, dev), []).append(res.key)
+        nodes = []
+        for inv in ledger.nodes():
+            gpus: dict[int, dict[str, Any]] = {}
+            for d in inv.devices:
+                i = ledger.row(inv.name, d.device_id)
+                used = int(a.used[i]) if i is not None else 0
+                used_rep = int(a.used_replicas[i]) if i is not None else 0
+                pods = sorted(holders.get((inv.name, d.device_id), []))
+                if d.profile is None:
+                    gpus[d.gpu_index] = {
+                        "index": d.gpu_index,
+                        "product": d.product,
+                        "memoryBytes": d.memory_bytes,
+                        "usedBytes": used,
+                        "replicas": d.replicas,
+                        "usedReplicas": used_rep,
+                        "sharing": d.sharing.value,
+                        "resource": d.resource,
+                        "pods": pods,
+                    }
+                else:
+                    g = gpus.setdefault(
+                        d.gpu_index,
+                        {"index": d.gpu_index, "product": d.product, "memoryBytes": 0, "usedBytes": 0,
+                         "replicas": 0, "usedReplicas": 0, "sharing": "mig", "resource": None, "pods": [], "slices": []},
+                    )
+                    g["memoryBytes"] += d.memory_bytes
+                    g["usedBytes"] += used
+                    g["replicas"] += d.replicas
+                    g["usedReplicas"] += used_rep
+                    g["pods"] = sorted(set(g["pods"]) | set(pods))
+                    g["slices"].append({
+                        "profile": d.profile, "slot": d.slot, "resource": d.resource, "memoryBytes": d.memory_bytes,
+                        "usedBytes": used, "replicas": d.replicas, "usedReplicas": used_rep, "pods": pods,
+                    })
+            entry: dict[str, Any] = {"name": inv.name, "gpus": [gpus[k] for k in sorted(gpus)]}
+            if inv.problem:
+                entry["problem"] = inv.problem
+            nodes.append(entry)
+        allocated, capacity = ledger.totals()
+        return {"nodes": nodes, "allocatedBytes": allocated, "capacityBytes": capacity,
+                "pending": sorted(self.cluster.pending)}

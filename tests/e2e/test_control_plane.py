@@ -1,0 +1,251 @@
+"""Tests of the e2e harness itself: a real etcd + kube-apiserver + kube-scheduler 1.20."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import kubernetes.config
+import pytest
+import yaml
+
+from controlplane import (
+    NOT_READY_TAINT,
+    SCHEDULER_API_V1BETA1,
+    ControlPlane,
+    ControlPlaneError,
+    to_v1beta1,
+)
+
+GPU = "nvidia.com/gpu"
+
+
+def pod_body(name: str, scheduler_name: str, gpus: int = 0) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": "100m", "memory": "64Mi"}}
+    if gpus:
+        resources["limits"] = {GPU: str(gpus)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "schedulerName": scheduler_name,
+            "containers": [{"name": "main", "image": "busybox", "resources": resources}],
+        },
+    }
+
+
+def bound_node(core: kubernetes.client.CoreV1Api, name: str) -> str | None:
+    return core.read_namespaced_pod(name, "default").spec.node_name
+
+
+@pytest.mark.e2e
+def test_api_answers_with_version_and_default_namespaces(cluster: ControlPlane) -> None:
+    with cluster.api_client() as client:
+        version = kubernetes.client.VersionApi(client).get_code()
+        namespaces = {
+            ns.metadata.name for ns in kubernetes.client.CoreV1Api(client).list_namespace().items
+        }
+    assert version.git_version == "v1.20.2"
+    assert {"default", "kube-system"} <= namespaces
+    assert cluster.server_url.startswith("https://127.0.0.1:")
+    kubeconfig = yaml.safe_load(Path(cluster.kubeconfig_path).read_text())
+    assert kubeconfig["users"][0]["user"]["token"] == cluster.admin_token
+
+
+@pytest.mark.e2e
+def test_gpu_node_is_ready_untainted_and_has_gpus(cluster: ControlPlane) -> None:
+    labels = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "81920"}
+    cluster.create_gpu_node("gpu-a", labels, {GPU: 8}, taints=[
+        {"key": "dedicated", "value": "gpu", "effect": "PreferNoSchedule"}])
+
+    with cluster.api_client() as client:
+        node = kubernetes.client.CoreV1Api(client).read_node("gpu-a")
+    ready = [c for c in node.status.conditions if c.type == "Ready"]
+    assert [c.status for c in ready] == ["True"]
+    taint_keys = [t.key for t in node.spec.taints or []]
+    assert NOT_READY_TAINT not in taint_keys
+    assert taint_keys == ["dedicated"]  # taints the caller asked for are kept
+    assert node.status.allocatable[GPU] == "8"
+    assert node.status.capacity[GPU] == "8"
+    assert node.metadata.labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
+
+
+@pytest.mark.e2e
+def test_scheduler_binds_pod_of_its_profile_and_ignores_others(cluster: ControlPlane) -> None:
+    cluster.create_gpu_node("gpu-b", {}, {GPU: 4})
+    cluster.start_scheduler(ControlPlane.scheduler_config("vramsched"))
+    with cluster.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespaced_pod("default", pod_body("other-scheduler", "someone-else"))
+        core.create_namespaced_pod("default", pod_body("plain", "vramsched"))
+
+        node = cluster.wait_for(lambda: bound_node(core, "plain"), timeout=60,
+                                message="pod 'plain' bound")
+        assert node == "gpu-b"
+        conditions = core.read_namespaced_pod("plain", "default").status.conditions or []
+        assert [(c.type, c.status) for c in conditions if c.type == "PodScheduled"] == [
+            ("PodScheduled", "True")]
+        # Created first, so the scheduler had it in hand before it bound 'plain'.
+        assert bound_node(core, "other-scheduler") is None
+
+
+@pytest.mark.e2e
+def test_apiserver_restart_keeps_etcd_data(cluster: ControlPlane) -> None:
+    cluster.create_gpu_node("gpu-c", {"zone": "z1"}, {GPU: 2})
+    port = cluster.apiserver_port
+
+    cluster.stop_apiserver()
+    with cluster.api_client() as client:
+        with pytest.raises(Exception):
+            kubernetes.client.CoreV1Api(client).read_node("gpu-c", _request_timeout=2)
+    cluster.start_apiserver()
+
+    assert cluster.apiserver_port == port
+    with cluster.api_client() as client:
+        node = kubernetes.client.CoreV1Api(client).read_node("gpu-c")
+    assert node.metadata.labels["zone"] == "z1"
+    assert node.status.allocatable[GPU] == "2"
+
+
+class RecordingExtender:
+    """A pass-through extender on a loopback port that records what the scheduler sends.
+
+    It only proves the harness wiring (urlPrefix -> scheduler -> HTTP); vramsched's own
+    extender is exercised by its own e2e tests.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                recorder.calls.append((self.path, body))
+                reply = {"Nodes": body.get("Nodes"), "NodeNames": body.get("NodeNames"),
+                         "FailedNodes": {}, "Error": ""}
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/scheduler"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recording_extender() -> Iterator[RecordingExtender]:
+    ext = RecordingExtender()
+    yield ext
+    ext.close()
+
+
+@pytest.mark.e2e
+def test_scheduler_calls_extender_at_url_prefix_for_gpu_pods_only(
+    cluster: ControlPlane, recording_extender: RecordingExtender
+) -> None:
+    cluster.create_gpu_node("gpu-d", {}, {GPU: 1})
+    config = ControlPlane.scheduler_config("vramsched", extender_url=recording_extender.url,
+                                           prioritize_verb=None)
+    written = yaml.safe_load(cluster.start_scheduler(config).read_text())
+    assert written["apiVersion"] == SCHEDULER_API_V1BETA1
+    with cluster.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespaced_pod("default", pod_body("no-gpu", "vramsched"))
+        core.create_namespaced_pod("default", pod_body("one-gpu", "vramsched", gpus=1))
+        assert cluster.wait_for(lambda: bound_node(core, "one-gpu"), timeout=60) == "gpu-d"
+        assert cluster.wait_for(lambda: bound_node(core, "no-gpu"), timeout=60) == "gpu-d"
+
+    paths = [path for path, _ in recording_extender.calls]
+    pods = [body["Pod"]["metadata"]["name"] for _, body in recording_extender.calls]
+    assert paths == ["/scheduler/filter"]  # one feasible node: no prioritize call
+    assert pods == ["one-gpu"]  # managedResources: the GPU-less pod never reaches it
+    sent_nodes = recording_extender.calls[0][1]["Nodes"]["items"]
+    assert [n["metadata"]["name"] for n in sent_nodes] == ["gpu-d"]
+
+
+@pytest.mark.e2e
+def test_service_account_kubeconfig_carries_rbac_of_that_account(cluster: ControlPlane) -> None:
+    path = cluster.service_account_kubeconfig("vramsched-system", "extender")
+    sa_client = kubernetes.config.new_client_from_config(config_file=str(path))
+    with sa_client:
+        sa_core = kubernetes.client.CoreV1Api(sa_client)
+        with pytest.raises(kubernetes.client.ApiException) as denied:
+            sa_core.list_node()
+        assert denied.value.status == 403
+        with cluster.api_client() as admin:
+            kubernetes.client.RbacAuthorizationV1Api(admin).create_cluster_role_binding({
+                "metadata": {"name": "e2e-extender-reads-nodes"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                            "name": "system:kube-scheduler"},
+                "subjects": [{"kind": "ServiceAccount", "name": "extender",
+                              "namespace": "vramsched-system"}],
+            })
+        try:
+            cluster.wait_for(lambda: sa_core.list_node() is not None, timeout=30,
+                             message="RBAC grant visible")
+        finally:
+            with cluster.api_client() as admin:
+                kubernetes.client.RbacAuthorizationV1Api(admin).delete_cluster_role_binding(
+                    "e2e-extender-reads-nodes")
+
+
+@pytest.mark.e2e
+def test_stop_leaves_no_process_behind(tmp_path: Path, control_plane: ControlPlane) -> None:
+    cp = ControlPlane(tmp_path / "cp", bin_dir=control_plane.bin_dir)
+    cp.start()
+    try:
+        cp.start_scheduler(ControlPlane.scheduler_config("vramsched"))
+        pids = [c.proc.pid for c in (cp.etcd, cp.apiserver, cp.scheduler) if c and c.proc]
+        assert len(pids) == 3
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        cp.stop()
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_v1_config_is_translated_for_kube_scheduler_1_20() -> None:
+    v1 = yaml.safe_load(ControlPlane.scheduler_config("vramsched", extender_url="http://x/s"))
+    out = to_v1beta1(v1)
+    assert out["apiVersion"] == SCHEDULER_API_V1BETA1
+    assert out["percentageOfNodesToScore"] == 100  # hoisted: 1.20 has no per-profile value
+    assert "percentageOfNodesToScore" not in out["profiles"][0]
+    assert out["extenders"] == v1["extenders"]
+    assert v1["apiVersion"] == "kubescheduler.config.k8s.io/v1"  # input left untouched
+
+
+def test_v1_config_that_1_20_cannot_express_is_refused() -> None:
+    multipoint = {"apiVersion": "kubescheduler.config.k8s.io/v1",
+                  "profiles": [{"schedulerName": "a", "plugins": {"multiPoint": {}}}]}
+    with pytest.raises(ControlPlaneError, match="multiPoint"):
+        to_v1beta1(multipoint)
+    disagree = {"profiles": [{"schedulerName": "a", "percentageOfNodesToScore": 50},
+                             {"schedulerName": "b", "percentageOfNodesToScore": 100}]}
+    with pytest.raises(ControlPlaneError, match="percentageOfNodesToScore"):
+        to_v1beta1(disagree)
