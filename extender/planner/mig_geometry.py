@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -40,7 +40,6 @@ from extender.mig import (
     format_geometry,
     geometry,
     geometry_descriptor,
-    geometry_is_subset,
     is_valid_geometry,
     place,
     uniform_geometry,
@@ -409,6 +408,7 @@ def _solve(
     all_vars += [v for row in u if row for v in row]
     all_vars += list(x.values())
     solved = False
+    values: dict[int, int] = {}
     for si, (name, expr, maximize) in enumerate(stages):
         if isinstance(expr, int):
             stage_status[name] = "CONSTANT"
@@ -436,6 +436,13 @@ def _solve(
             m.add_hint(v, solver.value(v))
         values = {v.index: solver.value(v) for v in all_vars}
 
+    if not solved:  # every objective was constant: any feasible assignment will do
+        solver.parameters.max_time_in_seconds = max(0.05, deadline - time.perf_counter())
+        st = solver.solve(m)
+        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(f"CP-SAT found no feasible layout: {solver.status_name(st)}")
+        values = {v.index: solver.value(v) for v in all_vars}
+
     def val(v: cp_model.IntVar | int) -> int:
         return v if isinstance(v, int) else values[v.index]
 
@@ -452,7 +459,7 @@ def _solve(
 def _read_back(classes, types, y, u, x, val, frozen, reconfigure: Reconfigure) -> MigPlan:
     gpu_plans: list[GpuPlan] = []
     placements: list[PodPlacement] = []
-    remaining = [list(d.pods) for d in types]
+    remaining = [list(reversed(d.pods)) for d in types]  # pop() hands out pods in input order
     warnings: list[str] = []
     for ci, c in enumerate(classes):
         # geometry per member: used GPUs first within each geometry, members in (node, index) order
@@ -743,7 +750,3 @@ __all__ = [
     "plan_mig_geometry",
     "plan_summary_rows",
 ]
-
-
-def _unused(_: Iterable) -> None:  # keep imported helpers referenced for type checkers
-    del geometry_is_subset

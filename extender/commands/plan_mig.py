@@ -1,0 +1,415 @@
+"""``vramsched plan-mig``: plan MIG geometries for a cluster snapshot (dry-run; prints table + YAML).
+
+The cluster file is what ``kubectl get nodes,pods -A -o yaml`` prints (a ``List``). The small
+label/annotation reader below (section "cluster file reading") is deliberately isolated: it will
+be replaced by ``extender.inventory`` / ``extender.quantity`` once those exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from extender import mig
+from extender.planner.mig_geometry import (
+    MIG_CONFIG_LABEL,
+    MigGpuState,
+    MigPlan,
+    MigSliceState,
+    PendingPod,
+    evaluate_uniform,
+    plan_mig_geometry,
+    plan_summary_rows,
+)
+
+MODEL_MEMORY_ANNOTATION = "vramsched.io/model-memory"
+ASSIGNMENT_ANNOTATION = "vramsched.io/assignment"
+
+# ---------------------------------------------------------------------------------------------
+# cluster file reading (to be replaced by extender.inventory / extender.quantity)
+
+_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
+_SUFFIX = {
+    "": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+}
+
+
+def parse_bytes(q: str) -> int:
+    """Kubernetes quantity (``16Gi``, ``17179869184``, ``16G``) -> bytes, rounded up."""
+    m = _QUANTITY_RE.match(str(q).strip())
+    if not m or m[2] not in _SUFFIX:
+        raise ValueError(f"not a memory quantity: {q!r} (expected e.g. 16Gi)")
+    whole, _, frac = m[1].partition(".")
+    mult = _SUFFIX[m[2]]
+    num = int(whole) * mult
+    if frac:
+        num += -(-int(frac) * mult // 10 ** len(frac))
+    return num
+
+
+@dataclass
+class ClusterSnapshot:
+    gpus: list[MigGpuState]
+    pending: list[PendingPod]
+    notes: list[str] = field(default_factory=list)  # nodes left out, and why
+
+
+def load_objects(path: Path) -> list[dict[str, Any]]:
+    """Objects of a Kubernetes ``List`` (or a multi-document YAML of objects)."""
+    with open(path, encoding="utf-8") as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    out: list[dict[str, Any]] = []
+    for d in docs:
+        if isinstance(d, dict) and (d.get("kind") == "List" or d.get("kind", "").endswith("List")) and "items" in d:
+            out.extend(d.get("items") or [])
+        elif isinstance(d, dict):
+            out.append(d)
+        else:
+            raise ValueError(f"{path}: expected Kubernetes objects, got {type(d).__name__}")
+    return out
+
+
+def _pod_key(pod: dict) -> str:
+    md = pod.get("metadata") or {}
+    return f"{md.get('namespace', 'default')}/{md.get('name', '?')}"
+
+
+def _mig_requests(pod: dict) -> Counter:
+    c: Counter = Counter()
+    for ctr in (pod.get("spec") or {}).get("containers") or []:
+        res = ctr.get("resources") or {}
+        req = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+        for r, v in req.items():
+            p = mig.profile_from_resource(r)
+            if p is not None:
+                c[p] += int(v)
+    return c
+
+
+def _pending_pod(pod: dict) -> PendingPod | None:
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    reqs = _mig_requests(pod)
+    mem = ann.get(MODEL_MEMORY_ANNOTATION)
+    if mem is None and not reqs:
+        return None
+    allowed = frozenset(reqs) if reqs else None
+    return PendingPod(_pod_key(pod), parse_bytes(mem) if mem is not None else 0, allowed)
+
+
+def _is_pending(pod: dict) -> bool:
+    spec = pod.get("spec") or {}
+    phase = (pod.get("status") or {}).get("phase", "Pending")
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    return not spec.get("nodeName") and phase == "Pending" and ASSIGNMENT_ANNOTATION not in ann
+
+
+def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuState]:
+    md = node.get("metadata") or {}
+    name = md.get("name", "?")
+    labels = md.get("labels") or {}
+    product = labels.get("nvidia.com/gpu.product", "")
+    strategy = labels.get("nvidia.com/mig.strategy")
+    counts: dict[str, int] = {}
+    mem: dict[str, int] = {}
+    for k, v in labels.items():
+        m = re.match(r"^nvidia\.com/(mig-.+)\.(count|memory)$", k)
+        if not m:
+            continue
+        prof = mig.profile_from_resource("nvidia.com/" + m[1])
+        if prof is None:
+            continue
+        if m[2] == "count":
+            counts[prof] = int(v)
+        else:
+            mem[prof] = int(v) * mig.MIB
+    if strategy is None and not counts:
+        return []  # not a MIG node
+    model = mig.model_for_product(product)
+    frozen: str | None = None
+    if strategy == "single":
+        # gpu.count counts MIG devices; one profile everywhere. Layout changes would have to
+        # stay single-profile per node, so the planner leaves these nodes alone.
+        m2 = re.search(r"-MIG-(.+)$", product)
+        prof = m2[1] if m2 else None
+        n_dev = int(labels.get("nvidia.com/gpu.count", "0"))
+        if model is None or prof is None or not model.has_profile(prof):
+            notes.append(f"{name}: mig.strategy=single with product {product!r}: not understood, skipped")
+            return []
+        per_gpu = dict(mig.named_geometries(model)[f"all-{prof}"])[prof]
+        counts = {prof: n_dev}
+        gpu_count = -(-n_dev // per_gpu)
+        mem_b = labels.get("nvidia.com/gpu.memory")
+        if mem_b:
+            mem[prof] = int(mem_b) * mig.MIB
+        frozen = "mig.strategy=single: layouts must stay single-profile; switch the node to mixed to plan it"
+    else:
+        gpu_count = int(labels.get("nvidia.com/gpu.count", "0"))
+    if not counts:
+        notes.append(f"{name}: MIG strategy {strategy} but no MIG slices labelled (MIG disabled or empty), skipped")
+        return []
+
+    # occupancy from vramsched assignments; pods holding MIG slices without one make the node opaque
+    occupied: dict[int, list[tuple[str, int, str]]] = defaultdict(list)
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        ann = (pod.get("metadata") or {}).get("annotations") or {}
+        raw = ann.get(ASSIGNMENT_ANNOTATION)
+        on_node = (pod.get("spec") or {}).get("nodeName") == name
+        if raw is None:
+            if on_node and _mig_requests(pod):
+                frozen = frozen or f"pod {_pod_key(pod)} holds MIG slices without a vramsched assignment"
+            continue
+        try:
+            a = json.loads(raw)
+        except json.JSONDecodeError:
+            if on_node:
+                frozen = frozen or f"pod {_pod_key(pod)} has an unreadable assignment annotation"
+            continue
+        if a.get("node") != name:
+            continue
+        per = int(a.get("bytesPerDevice", 0))
+        for dev in a.get("devices") or []:
+            parts = str(dev).split(":")
+            if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in counts:
+                frozen = frozen or f"pod {_pod_key(pod)} assignment device {dev!r} does not match the node's MIG slices"
+                continue
+            occupied[int(parts[0])].append((parts[1], per, _pod_key(pod)))
+
+    if model is None:
+        model_ok = False
+    else:
+        unknown = [p for p in counts if not model.has_profile(p)]
+        model_ok = not unknown
+        if unknown:
+            notes.append(f"{name}: profiles {unknown} are not in the {model.name} table; treated as an unknown GPU")
+    if model_ok:
+        assert model is not None
+        model = model.with_memory({p: b for p, b in mem.items() if model.has_profile(p)})
+
+    # per-GPU layouts
+    layouts: list[list[str]] | None = None
+    layout_known = gpu_count == 1
+    if model_ok:
+        cfg = labels.get(MIG_CONFIG_LABEL)
+        state = labels.get("nvidia.com/mig.config.state", "success")
+        g = mig.geometry_for_config_name(model, cfg) if cfg and state == "success" else None
+        if g is not None and all(k * gpu_count == counts.get(n, 0) for n, k in g) and sum(
+            k for _, k in g
+        ) * gpu_count == sum(counts.values()):
+            layouts = [[n for n, k in g for _ in range(k)] for _ in range(gpu_count)]
+            layout_known = True
+        else:
+            required = {i: Counter(p for p, _, _ in occ) for i, occ in occupied.items()}
+            try:
+                layouts = mig.infer_gpu_layouts(model, gpu_count, counts, required)
+            except mig.LayoutInferenceError as e:
+                notes.append(f"{name}: {e}; skipped")
+                return []
+    else:
+        # unknown GPU: spread the labelled slices round-robin just to account capacity
+        layouts = [[] for _ in range(max(gpu_count, 1))]
+        i = 0
+        for p in sorted(counts):
+            for _ in range(counts[p]):
+                layouts[i % len(layouts)].append(p)
+                i += 1
+        required_ok = all(
+            Counter(p for p, _, _ in occupied.get(j, [])) <= Counter(layouts[j]) for j in range(len(layouts))
+        )
+        if not required_ok:
+            # keep the capacity accounting honest: move assigned slices where the pods say they are
+            layouts = [[p for p, _, _ in occupied.get(j, [])] for j in range(len(layouts))]
+            rest = Counter(counts) - sum((Counter(ls) for ls in layouts), Counter())
+            for j, p in enumerate(sorted(rest.elements())):
+                layouts[j % len(layouts)].append(p)
+
+    states = []
+    for i, names in enumerate(layouts):
+        occ = list(occupied.get(i, []))
+        slices = []
+        for p in names:
+            hit = next((o for o in occ if o[0] == p), None)
+            if hit is not None:
+                occ.remove(hit)
+                slices.append(MigSliceState(p, hit[1], None, hit[2]))
+            else:
+                slices.append(MigSliceState(p))
+        if occ:
+            frozen = frozen or f"GPU {i}: assignments name slices the labels do not show"
+        states.append(
+            MigGpuState(
+                node=name,
+                gpu_index=i,
+                model=model if model_ok else None,
+                slices=tuple(slices),
+                product=product,
+                layout_known=layout_known,
+                frozen_reason=frozen,
+                profile_memory=tuple(sorted(mem.items())) if not model_ok else (),
+            )
+        )
+    if frozen:
+        states = [replace(s, frozen_reason=frozen) for s in states]
+    return states
+
+
+def read_cluster(cluster: Path, pending: Path | None = None) -> ClusterSnapshot:
+    objs = load_objects(cluster)
+    nodes = [o for o in objs if o.get("kind") == "Node"]
+    pods = [o for o in objs if o.get("kind") == "Pod"]
+    notes: list[str] = []
+    gpus: list[MigGpuState] = []
+    for n in sorted(nodes, key=lambda n: (n.get("metadata") or {}).get("name", "")):
+        gpus.extend(_node_states(n, pods, notes))
+    if pending is not None:
+        src = [o for o in load_objects(pending) if o.get("kind", "Pod") == "Pod"]
+    else:
+        src = [p for p in pods if _is_pending(p)]
+    pend = []
+    for p in src:
+        try:
+            pp = _pending_pod(p)
+        except ValueError as e:
+            notes.append(f"pod {_pod_key(p)}: {e}; ignored")
+            continue
+        if pp is not None:
+            pend.append(pp)
+    return ClusterSnapshot(gpus, pend, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def format_table(rows: list[dict[str, str]], columns: list[str]) -> str:
+    widths = {c: max([len(c)] + [len(r.get(c, "")) for r in rows]) for c in columns}
+    line = lambda r: "  ".join(r.get(c, "").ljust(widths[c]) for c in columns).rstrip()  # noqa: E731
+    return "\n".join([line({c: c.upper() for c in columns}), *(line(r) for r in rows)])
+
+
+def _gib(b: int) -> str:
+    return f"{b / mig.GIB:.1f} GiB"
+
+
+def print_plan(plan: MigPlan, snap: ClusterSnapshot, out: TextIO, uniform: list[MigPlan] | None = None) -> None:
+    rows = plan_summary_rows(plan)
+    out.write(format_table(rows, ["node", "model", "action", "mig.config", "reconfigured", "new pods", "geometry", "note"]))
+    out.write("\n\n")
+    total = len(snap.pending)
+    out.write(
+        f"pods placed: {plan.pods_placed}/{total} (upper bound {plan.pods_bound}, {plan.status}); "
+        f"MIG GPUs: {len(plan.gpus)}, in use after plan: {plan.gpus_used} (+{plan.new_gpus_used}); "
+        f"reconfigured GPUs: {plan.reconfigured_gpus}; wasted: {_gib(plan.wasted_bytes)}; "
+        f"solve: {plan.wall_seconds:.2f}s\n"
+    )
+    if uniform:
+        urows = [
+            {
+                "geometry": u.source,
+                "pods placed": str(u.pods_placed),
+                "GPUs in use": str(u.gpus_used),
+                "reconfigured": str(u.reconfigured_gpus),
+                "wasted": _gib(u.wasted_bytes),
+            }
+            for u in [plan, *uniform]
+        ]
+        out.write("\n" + format_table(urows, ["geometry", "pods placed", "GPUs in use", "reconfigured", "wasted"]) + "\n")
+    if plan.unplaced:
+        out.write(f"\nunplaced pods ({len(plan.unplaced)}):\n")
+        for key, reason in plan.unplaced[:20]:
+            out.write(f"  {key}: {reason}\n")
+        if len(plan.unplaced) > 20:
+            out.write(f"  ... and {len(plan.unplaced) - 20} more\n")
+    for w in [*snap.notes, *plan.warnings]:
+        out.write(f"note: {w}\n")
+    labels = plan.node_labels()
+    out.write("\n# mig-parted config (nvidia-mig-parted / GPU operator mig-manager)\n")
+    out.write(plan.mig_parted_yaml())
+    out.write("\n# node labels (dry-run: not applied)\n")
+    out.write(yaml.safe_dump({"nodeLabels": {n: {MIG_CONFIG_LABEL: v} for n, v in labels.items()}}, sort_keys=False))
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan-mig",
+        help="plan MIG geometries for pending pods (dry-run)",
+        description="Choose per-GPU MIG geometries (CP-SAT) so the most pending pods fit on the fewest "
+        "GPUs without destroying occupied slices; print a table, the nvidia.com/mig.config labels and "
+        "the mig-parted config that realises them.",
+    )
+    p.add_argument("--cluster", required=True, type=Path, help="kubectl get nodes,pods -A -o yaml output")
+    p.add_argument("--pending", type=Path, help="List of pending Pods (default: unbound pods in --cluster)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
+    p.add_argument("--workers", type=int, default=2, help="CP-SAT workers, at most 2 (default 2)")
+    p.add_argument(
+        "--reconfigure",
+        choices=["whole-gpu", "free-slices"],
+        default="whole-gpu",
+        help="whole-gpu (default): GPUs with a used slice keep their layout, as mig-parted requires; "
+        "free-slices: re-carve free parts of used GPUs (needs per-instance tooling)",
+    )
+    p.add_argument("--compare-uniform", action="store_true", help="also evaluate every uniform geometry")
+    p.add_argument("--output-yaml", type=Path, help="write the mig-parted config to this file")
+    p.add_argument("--apply-labels", action="store_true", help="label nodes in a live cluster (not implemented)")
+    p.add_argument("--kubeconfig", type=Path, help="kubeconfig for --apply-labels")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    try:
+        snap = read_cluster(args.cluster, args.pending)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        print(f"plan-mig: {e}", file=sys.stderr)
+        return 1
+    if not snap.gpus:
+        out.write("no MIG GPUs found in the cluster file\n")
+        for n in snap.notes:
+            out.write(f"note: {n}\n")
+        return 1
+    workers = max(1, min(2, args.workers))
+    plan = plan_mig_geometry(
+        snap.gpus, snap.pending, reconfigure=args.reconfigure, time_limit_s=args.time_limit, num_workers=workers
+    )
+    uniform = None
+    if args.compare_uniform:
+        uniform = [
+            evaluate_uniform(snap.gpus, snap.pending, fam, reconfigure=args.reconfigure, time_limit_s=args.time_limit, num_workers=workers)
+            for fam in mig.UNIFORM_FAMILIES
+        ]
+    print_plan(plan, snap, out, uniform)
+    if args.output_yaml:
+        args.output_yaml.write_text(plan.mig_parted_yaml(), encoding="utf-8")
+    if args.apply_labels:
+        out.write(
+            "\n--apply-labels: labelling a live cluster is not implemented; nothing was changed.\n"
+            "To apply by hand: install the config above as the mig-manager config (GPU operator "
+            "migManager.config.name ConfigMap, key config.yaml), then:\n"
+        )
+        for node, value in plan.node_labels().items():
+            out.write(f"  kubectl label node {node} {MIG_CONFIG_LABEL}={value} --overwrite\n")
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point until ``extender.cli`` registers the subcommand."""
+    parser = argparse.ArgumentParser(prog="vramsched")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
