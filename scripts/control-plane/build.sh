@@ -139,7 +139,7 @@ SRC
     rm -rf "$TMP_SRC"
     SRC="$(find_src)"
 fi
-echo "source: $SRC"
+echo "source: $SRC ($(( $(date +%s) - START ))s)"
 
 # ---- 3. Go environment: GOPATH mode, like upstream 1.20 ------------------------------------
 export GOPATH="$K8S_DIR/gopath"
@@ -176,11 +176,17 @@ if [[ ! -s "$OPENAPI_OUT" ]]; then
 fi
 
 # ---- 5. build ------------------------------------------------------------------------------
-V=k8s.io/kubernetes/vendor/k8s.io/component-base/version
-LDFLAGS="-s -w -X $V.gitMajor=1 -X $V.gitMinor=20 -X $V.gitVersion=v$K8S_VERSION \
- -X $V.gitTreeState=clean -X $V.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+# Version stamps, as hack/lib/version.sh sets them (else /version says v0.0.0-master).
+LDFLAGS="-s -w"
+BUILD_DATE="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+for pkg in client-go/pkg/version component-base/version; do
+    V="k8s.io/kubernetes/vendor/k8s.io/$pkg"
+    LDFLAGS+=" -X $V.gitMajor=1 -X $V.gitMinor=20 -X $V.gitVersion=v$K8S_VERSION"
+    LDFLAGS+=" -X $V.gitTreeState=clean -X $V.buildDate=$BUILD_DATE"
+done
 OUT_TMP="$K8S_DIR/bin.tmp"
 rm -rf "$OUT_TMP" && mkdir -p "$OUT_TMP"
+echo "go build kube-apiserver kube-scheduler ($(( $(date +%s) - START ))s)"
 nice -n 10 go build -ldflags "$LDFLAGS" -o "$OUT_TMP/" ./cmd/kube-apiserver ./cmd/kube-scheduler
 "$OUT_TMP/kube-apiserver" --version
 "$OUT_TMP/kube-scheduler" --version

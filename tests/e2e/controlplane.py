@@ -474,7 +474,13 @@ class ControlPlane:
                         "lastTransitionTime": now,
                     }
                 ],
-                "nodeInfo": {"kubeletVersion": f"v{K8S_VERSION}"},
+                "nodeInfo": {  # every field is required by the client's model
+                    "architecture": "amd64", "operatingSystem": "linux",
+                    "osImage": "fake", "kernelVersion": "fake",
+                    "containerRuntimeVersion": "fake://0", "kubeletVersion": f"v{K8S_VERSION}",
+                    "kubeProxyVersion": f"v{K8S_VERSION}", "bootID": name,
+                    "machineID": name, "systemUUID": name,
+                },
             },
         }
         with self.api_client() as client:
