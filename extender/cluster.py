@@ -14,10 +14,10 @@ from typing import Any, Iterable, Mapping
 from extender.assignment import AssignmentError, decode_assignment
 from extender.demand import DemandError, PodRef, pod_demand, pod_ref
 from extender.inventory import node_inventory
-from extender.ledger import Ledger, Reservation
+from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
 
-__all__ = ["ClusterState", "TERMINAL_PHASES", "DEFAULT_SCHEDULER_NAME"]
+__all__ = ["ClusterState", "TERMINAL_PHASES", "DEFAULT_SCHEDULER_NAME", "check_cluster"]
 
 log = logging.getLogger(__name__)
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -157,6 +157,48 @@ class ClusterState:
 
     def live_pod_keys(self) -> set[str]:
         return {k for k, p in self.pods.items() if (p.get("status") or {}).get("phase") not in TERMINAL_PHASES}
+
+
+def check_cluster(cluster: ClusterState) -> list[Violation]:
+    """`check_invariant` plus the ledger's agreement with the pods it was derived from.
+
+    - the device invariant (bytes <= memory, pods <= replicas) and nothing held by a gone pod;
+    - a reservation of a bound pod is on the node the pod is bound to;
+    - every live bound pod with a readable assignment for its node holds exactly that placement,
+      and every other live bound GPU pod on a node with devices is counted there (a guess).
+    """
+    out = check_invariant(cluster.ledger, cluster.live_pod_keys())
+    for key, pod in cluster.pods.items():
+        if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
+            continue
+        node = (pod.get("spec") or {}).get("nodeName")
+        res = cluster.ledger.reservation(key)
+        if not node:
+            continue
+        if res is not None and res.node != node:
+            out.append(Violation(f"held on {res.node} but bound to {node}", key))
+            continue
+        try:
+            demand = pod_demand(pod, headroom=cluster.headroom)
+        except DemandError:
+            continue  # unreadable: logged when it was accounted, nothing to hold
+        if not demand.wants_gpu:
+            if res is not None:
+                out.append(Violation("holds GPUs but requests none", key))
+            continue
+        inv = cluster.ledger.node(node)
+        if inv is None or not inv.devices:
+            continue  # bound where we know of no GPUs: nothing to count it against
+        if res is None:
+            out.append(Violation(f"bound to {node} but missing from the ledger", key))
+            continue
+        try:
+            recorded = decode_assignment(pod_ref(pod), (pod.get("metadata") or {}).get("annotations") or {})
+        except AssignmentError:
+            recorded = None
+        if recorded is not None and recorded.node == node and not recorded.same_placement(res):
+            out.append(Violation(f"ledger holds {res.device_ids} on {res.node}, assignment says {recorded.device_ids}", key))
+    return out
 
 
 def _rv(obj: Mapping[str, Any]) -> str:

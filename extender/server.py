@@ -26,12 +26,15 @@ from extender.wire import (
     HostPriorityList,
 )
 
-__all__ = ["create_app", "route_paths", "DEFAULT_MAX_BODY_BYTES", "SERVICE_KEY", "METRICS_KEY"]
+__all__ = ["create_app", "route_paths", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CONCURRENCY", "SERVICE_KEY", "METRICS_KEY"]
 
 log = logging.getLogger(__name__)
 
 # 5,000 full Node objects with managedFields are ~25-50 MiB when nodeCacheCapable=false.
 DEFAULT_MAX_BODY_BYTES = 128 * 1024 * 1024
+# Requests in flight at once; with the body limit it bounds the memory a flood can pin
+# (256 x a few KiB in normal use). kube-scheduler itself sends a few at a time.
+DEFAULT_MAX_CONCURRENCY = 256
 SERVICE_KEY = web.AppKey("service", ExtenderService)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 READY_KEY = web.AppKey("ready", object)
@@ -175,13 +178,42 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(500, "internal error in vramsched (see its log)")
 
 
+# Probes must answer under load, or the kubelet would restart a busy extender.
+_UNLIMITED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def _concurrency_limit(limit: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Refuse (503, `Error`, Retry-After) beyond `limit` requests in flight instead of queueing without bound."""
+    in_flight = 0
+
+    @web.middleware
+    async def limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        nonlocal in_flight
+        if request.path in _UNLIMITED_PATHS:
+            return await handler(request)
+        if in_flight >= limit:
+            response = _error(503, f"vramsched is busy: more than {limit} requests in flight; retry")
+            response.headers["Retry-After"] = "1"
+            return response
+        in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            in_flight -= 1
+
+    return limit_middleware
+
+
 def create_app(
     service: ExtenderService,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     ready: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors])
+    if max_concurrency < 1:
+        raise ValueError("max_concurrency must be at least 1")
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _concurrency_limit(max_concurrency)])
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = Metrics(lambda: service.ledger)
     app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))

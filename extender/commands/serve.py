@@ -12,7 +12,7 @@ from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.logs import setup_logging
-from extender.server import DEFAULT_MAX_BODY_BYTES, create_app
+from extender.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, create_app
 from extender.service import EmbeddedBinder, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
 
@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME, help="pods with this spec.schedulerName are ours")
     p.add_argument("--headroom", type=float, default=0.0, help="extra fraction of VRAM reserved over the declared model memory (default 0)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                   help="requests in flight before answering 503 (probes are exempt)")
     p.add_argument("--assume-ttl", type=float, default=60.0, help="seconds a bind's reservation is kept before the watch confirms it")
     p.add_argument("--pin-gpus", action="store_true", help="create a NVIDIA_VISIBLE_DEVICES ConfigMap per bound pod (live mode)")
     p.add_argument("--tls-cert", metavar="FILE")
@@ -41,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.headroom < 0 or args.headroom > 1:
         raise SystemExit("--headroom must be between 0 and 1")
+    if args.max_concurrency < 1:
+        raise SystemExit("--max-concurrency must be at least 1")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     try:
@@ -75,7 +79,7 @@ async def _serve(args: argparse.Namespace) -> int:
         service = ExtenderService(cluster, source.binder, assume_ttl=args.assume_ttl, live=True)
         ready = source.ready
         await source.start()
-    app = create_app(service, max_body_bytes=args.max_body_bytes, ready=ready)
+    app = create_app(service, max_body_bytes=args.max_body_bytes, max_concurrency=args.max_concurrency, ready=ready)
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=_ssl_context(args), backlog=1024)
