@@ -230,17 +230,15 @@ def _whole_gpus(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], 
     return [Gpu(name, i, product, memory, replicas, sharing, resource) for i in range(count)]
 
 
-def _mig_gpu_slots(product: str, profile: str, per_node: int) -> int:
+def _mig_gpu_slots(product: str, profile: str) -> int:
     """How many slices of `profile` one GPU holds, to number slices by physical GPU."""
     from extender import mig  # local: MIG tables are only needed for MIG nodes
 
-    model = mig.model_for_product(product) if hasattr(mig, "model_for_product") else None
-    if model is not None:
-        prof = model.profiles.get(profile) if hasattr(model, "profiles") else None
-        if prof is not None and getattr(prof, "max_count", 0):
-            return int(prof.max_count)
-    g = int(profile.split("g", 1)[0]) if profile[0].isdigit() else 1
-    return max(1, 7 // max(1, g)) if per_node else 1
+    model = mig.model_for_product(product)
+    if model is not None and model.has_profile(profile):
+        return model.profile(profile).max_count
+    g = int(profile.split("g", 1)[0]) if profile[:1].isdigit() else 1
+    return max(1, 7 // max(1, g))
 
 
 def _single_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
@@ -256,7 +254,7 @@ def _single_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], 
         count = min(count, advertised // replicas)
         if count == 0:
             raise _Missing(f"node allocatable has no {GPU_RESOURCE}")
-    per_gpu = _mig_gpu_slots(product, profile, count)
+    per_gpu = _mig_gpu_slots(product, profile)
     parent = product[: m.start()]
     return [
         MigSlice(name, i // per_gpu, profile, i % per_gpu, parent, memory_mib * MIB, replicas, GPU_RESOURCE)
@@ -316,10 +314,10 @@ def _layout_slices(product: str, labels: Mapping[str, str], profiles: list[tuple
                     out.setdefault(profile, []).append(gpu_index)
             if all(len(out.get(p, [])) >= c for p, c in counts.items()):
                 return out
-    except Exception:  # noqa: BLE001 - an odd layout must not make the node unusable
+    except (ValueError, KeyError):  # an odd layout must not make the node unusable
         pass
     out = {}
     for profile, count in counts.items():
-        per_gpu = _mig_gpu_slots(product, profile, count)
+        per_gpu = _mig_gpu_slots(product, profile)
         out[profile] = [i // per_gpu for i in range(count)]
     return out

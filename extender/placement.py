@@ -221,6 +221,7 @@ def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: s
     n_nodes = len(a.node_names)
     rows, _ = _node_rows(ledger, names)
     scores = np.zeros(n_nodes, np.int64)
+    placed = np.zeros(n_nodes, bool)
     if len(rows):
         chosen = _choose(fit, demand.gpu_count, rows)
         if len(chosen):
@@ -235,10 +236,12 @@ def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: s
             band = np.where(opened == 0, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
             placed = taken >= demand.gpu_count
             scores = np.where(placed, band, 0).astype(np.int64)
-    out = [(a.node_names[r], int(scores[r])) for r in rows.tolist()]
     if planned is not None:
-        out = [(n, MAX_SCORE if n == planned and s > 0 else min(s, MAX_SCORE - 1)) for n, s in out]
-    return out
+        scores = np.minimum(scores, MAX_SCORE - 1)
+        r = ledger.node_row(planned)
+        if r is not None and placed[r]:
+            scores[r] = MAX_SCORE
+    return [(a.node_names[r], int(scores[r])) for r in rows.tolist()]
 
 
 def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
@@ -333,7 +336,6 @@ def _fewest_victims(a, fit, lo, hi, k, ours, ledger) -> list[Reservation] | None
         if winners:
             return list(min(winners, key=lambda c: (max(r.priority for r in c), sum(r.priority for r in c))))
         if tried > _MAX_COMBINATIONS:
-            prefix = ours[: size]
             for extra in range(size, len(ours) + 1):
                 if _fits_without(a, fit, lo, hi, k, ours[:extra], ledger):
                     return list(ours[:extra])

@@ -1,0 +1,78 @@
+import pytest
+from builders import pod
+
+from extender.demand import DemandError, pod_demand
+from extender.quantity import GIB
+
+
+def test_split_evenly_over_gpus():
+    d = pod_demand(pod("p", "40Gi", gpus=4))
+    assert d.gpu_count == 4 and d.bytes_per_gpu == 10 * GIB and d.model_memory == 40 * GIB
+
+
+def test_rounds_up_per_gpu():
+    d = pod_demand(pod("p", "10", gpus=3))
+    assert d.bytes_per_gpu == 4
+
+
+def test_without_annotation_reserves_whole_gpus():
+    d = pod_demand(pod("p", None, gpus=2))
+    assert d.bytes_per_gpu is None and d.gpu_count == 2
+
+
+def test_headroom_is_opt_in():
+    assert pod_demand(pod("p", "10Gi")).bytes_per_gpu == 10 * GIB
+    assert pod_demand(pod("p", "10Gi"), headroom=0.1).bytes_per_gpu == 11 * GIB
+
+
+@pytest.mark.parametrize("value", ["16Gx", "0", "-1", "1e400", "NaN", "", "999Pi", "1.5.5Gi"])
+def test_bad_annotation_names_annotation_and_value(value):
+    with pytest.raises(DemandError) as exc:
+        pod_demand(pod("p", value))
+    assert "vramsched.io/model-memory" in str(exc.value) and "default/p" in str(exc.value)
+
+
+def test_requests_default_from_limits_and_init_containers():
+    p = pod("p", "8Gi")
+    p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "2"}}
+    assert pod_demand(p).gpu_count == 2
+    p["spec"]["initContainers"] = [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": "3"}}}]
+    assert pod_demand(p).gpu_count == 3
+
+
+def test_absurd_gpu_count_and_fractional():
+    with pytest.raises(DemandError, match="more than 64 GPUs"):
+        pod_demand(pod("p", "8Gi", gpus=10**6))
+    p = pod("p", "8Gi")
+    p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "500m"
+    p["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] = "500m"
+    with pytest.raises(DemandError, match="not a whole number"):
+        pod_demand(p)
+
+
+def test_mig_resource_and_products():
+    d = pod_demand(pod("p", "5Gi", resource="nvidia.com/mig-1g.10gb", annotations={"vramsched.io/gpu-products": "A, B"}))
+    assert d.mig_profile == "1g.10gb" and d.allowed_products == frozenset({"A", "B"})
+
+
+def test_annotation_without_gpu_request_is_an_error():
+    p = pod("p", "8Gi")
+    p["spec"]["containers"][0]["resources"] = {}
+    with pytest.raises(DemandError, match="requests no nvidia.com/gpu"):
+        pod_demand(p)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p.pop("metadata"),
+    lambda p: p["metadata"].pop("name"),
+    lambda p: p.update(spec=None),
+    lambda p: p["spec"].update(containers="x"),
+    lambda p: p["spec"].update(priority="high"),
+    lambda p: p["metadata"].update(annotations=["x"]),
+    lambda p: p["spec"]["containers"][0]["resources"].update(limits={"cpu": "lots"}),
+])
+def test_malformed_pods_raise_demand_error(mutate):
+    p = pod("p", "8Gi")
+    mutate(p)
+    with pytest.raises(DemandError):
+        pod_demand(p)

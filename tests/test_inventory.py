@@ -1,0 +1,84 @@
+from builders import A100_80, gpu_node, mig_mixed_node, mig_single_node
+
+from extender.inventory import Gpu, MigSlice, Sharing, node_inventory
+from extender.quantity import MIB
+
+
+def test_exclusive_gpus_from_labels():
+    inv = node_inventory(gpu_node("n", count=8, memory_mib=81559, product="NVIDIA-H100-80GB-HBM3"))
+    assert inv.problem is None
+    assert len(inv.devices) == 8
+    d = inv.devices[3]
+    assert isinstance(d, Gpu) and d.index == 3 and d.memory_bytes == 81559 * MIB
+    assert d.sharing is Sharing.EXCLUSIVE and d.replicas == 1 and d.per_pod_cap_bytes == d.memory_bytes
+
+
+def test_time_slicing_uses_per_gpu_replicas_and_shared_suffix():
+    inv = node_inventory(gpu_node("n", count=4, replicas=4))
+    assert inv.product.endswith("-SHARED")
+    assert [d.replicas for d in inv.devices] == [4, 4, 4, 4]
+    assert all(d.sharing is Sharing.TIME_SLICING for d in inv.devices)
+    # gpu.memory is per physical GPU, never divided by replicas
+    assert inv.devices[0].memory_bytes == 81920 * MIB
+
+
+def test_renamed_shared_resource():
+    inv = node_inventory(gpu_node("n", count=2, replicas=3, resource="nvidia.com/gpu.shared"))
+    assert {d.resource for d in inv.devices} == {"nvidia.com/gpu.shared"}
+    assert not inv.product.endswith("-SHARED")
+
+
+def test_mps_caps_each_replica():
+    inv = node_inventory(gpu_node("n", count=2, replicas=4, strategy="mps", memory_mib=81920))
+    d = inv.devices[0]
+    assert d.sharing is Sharing.MPS
+    assert d.per_pod_cap_bytes == 81920 * MIB // 4
+
+
+def test_allocatable_below_labels_drops_unhealthy_gpus():
+    inv = node_inventory(gpu_node("n", count=4, replicas=4, allocatable=12))
+    assert len(inv.devices) == 3
+
+
+def test_fixture_node_from_real_scheduler():
+    from builders import fixture_nodes
+
+    inv = node_inventory(fixture_nodes()[0])
+    assert inv.problem is None and len(inv.devices) == 4 and inv.devices[0].replicas == 4
+
+
+def test_missing_labels_name_the_label():
+    node = gpu_node("n")
+    del node["metadata"]["labels"]["nvidia.com/gpu.memory"]
+    assert node_inventory(node).problem == "missing label nvidia.com/gpu.memory"
+    plain = {"metadata": {"name": "cpu", "labels": {}}, "status": {"allocatable": {"cpu": "4"}}}
+    assert node_inventory(plain).problem == "missing label nvidia.com/gpu.product"
+    bad = gpu_node("n")
+    bad["metadata"]["labels"]["nvidia.com/gpu.count"] = "many"
+    assert "nvidia.com/gpu.count='many' is not an integer" in node_inventory(bad).problem
+    no_alloc = gpu_node("n", allocatable=0)
+    assert node_inventory(no_alloc).problem == "node allocatable has no nvidia.com/gpu"
+
+
+def test_mig_single_strategy_slices():
+    inv = node_inventory(mig_single_node("n", "1g.10gb", slices=14, memory_mib=9984))
+    assert inv.problem is None and len(inv.devices) == 14
+    assert all(isinstance(d, MigSlice) and d.profile == "1g.10gb" and d.memory_bytes == 9984 * MIB for d in inv.devices)
+    assert {d.gpu_index for d in inv.devices} == {0, 1}
+    assert len({d.device_id for d in inv.devices}) == 14
+
+
+def test_mig_mixed_strategy_uses_labelled_memory():
+    inv = node_inventory(mig_mixed_node("n", {"1g.10gb": (2, 9984), "2g.20gb": (1, 20096), "3g.40gb": (1, 40192)}))
+    assert inv.problem is None
+    by_profile = {}
+    for d in inv.devices:
+        by_profile.setdefault(d.profile, []).append(d)
+    assert len(by_profile["1g.10gb"]) == 2 and by_profile["1g.10gb"][0].memory_bytes == 9984 * MIB
+    assert by_profile["3g.40gb"][0].resource == "nvidia.com/mig-3g.40gb"
+    assert len({d.device_id for d in inv.devices}) == 4
+
+
+def test_bad_mig_strategy():
+    node = gpu_node("n", extra_labels={"nvidia.com/mig.strategy": "weird"})
+    assert "mig.strategy='weird'" in node_inventory(node).problem

@@ -1,0 +1,124 @@
+import pytest
+from builders import cluster, gpu_node, pod
+
+from extender.demand import PodRef
+from extender.inventory import node_inventory
+from extender.ledger import Ledger, LedgerError, Reservation, check_invariant
+from extender.quantity import GIB
+
+
+def _ledger(*nodes):
+    led = Ledger()
+    for n in nodes:
+        led.upsert_node(node_inventory(n))
+    return led
+
+
+def res(name, node, devices, gib, **kw):
+    return Reservation(PodRef("ns", name, f"u-{name}"), node, tuple(devices), tuple(g * GIB for g in gib), **kw)
+
+
+def test_reserve_checks_memory_and_replicas():
+    led = _ledger(gpu_node("n", count=1, replicas=2))
+    led.reserve(res("a", "n", ["0"], [50]))
+    with pytest.raises(LedgerError, match="not enough free VRAM"):
+        led.reserve(res("b", "n", ["0"], [31]))
+    led.reserve(res("b", "n", ["0"], [30]))
+    with pytest.raises(LedgerError, match="no free replica"):
+        led.reserve(res("c", "n", ["0"], [0]))
+    assert check_invariant(led) == []
+    assert led.totals() == (80 * GIB, 80 * GIB)
+
+
+def test_reserve_is_idempotent_and_rejects_a_second_placement():
+    led = _ledger(gpu_node("n", count=2, replicas=2))
+    first = led.reserve(res("a", "n", ["0"], [10]))
+    assert led.reserve(res("a", "n", ["0"], [10])) is first
+    with pytest.raises(LedgerError, match="already holds"):
+        led.reserve(res("a", "n", ["1"], [10]))
+    assert int(led.arrays.used_replicas.sum()) == 1
+
+
+def test_unknown_device_or_node_or_duplicate_device():
+    led = _ledger(gpu_node("n", count=2, replicas=2))
+    with pytest.raises(LedgerError, match="no GPU device 7"):
+        led.reserve(res("a", "n", ["7"], [1]))
+    with pytest.raises(LedgerError, match="not known"):
+        led.reserve(res("a", "x", ["0"], [1]))
+    with pytest.raises(LedgerError, match="twice"):
+        led.reserve(res("a", "n", ["0", "0"], [1, 1]))
+    assert led.totals()[0] == 0
+
+
+def test_release_and_node_relabel_keep_totals_consistent():
+    led = _ledger(gpu_node("n", count=2, replicas=2))
+    led.reserve(res("a", "n", ["1"], [10]))
+    led.upsert_node(node_inventory(gpu_node("n", count=4, replicas=2)))
+    a = led.arrays
+    assert int(a.used[led.row("n", "1")]) == 10 * GIB
+    assert check_invariant(led) == []
+    led.release("ns/a")
+    assert led.totals()[0] == 0 and check_invariant(led) == []
+
+
+def test_expire_drops_only_assumed_past_ttl():
+    led = _ledger(gpu_node("n", count=2, replicas=2))
+    led.reserve(res("a", "n", ["0"], [10], assumed=True, expires_at=5.0))
+    led.reserve(res("b", "n", ["1"], [10], assumed=True, expires_at=50.0))
+    led.reserve(res("c", "n", ["1"], [10]))
+    gone = led.expire(now=10.0)
+    assert [r.key for r in gone] == ["ns/a"]
+    assert led.reservation("ns/b") and led.reservation("ns/c")
+
+
+def test_invariant_checker_detects_overcommit_and_ghosts():
+    led = _ledger(gpu_node("n", count=1, replicas=2))
+    led.record(res("a", "n", ["0"], [60]))
+    led.record(res("b", "n", ["0"], [60]))  # recorded from the API even though it overcommits
+    problems = check_invariant(led, live_pods=["ns/a"])
+    text = "\n".join(map(str, problems))
+    assert "VRAM oversubscribed" in text
+    assert "ns/b: held by a pod that no longer exists" in text
+
+
+def test_cluster_rebuild_from_annotations_is_identical():
+    from extender.service import EmbeddedBinder
+
+    objs = [gpu_node("n", count=2, replicas=4), pod("a", "30Gi"), pod("b", "60Gi"), pod("c", "20Gi")]
+    c1 = cluster(*objs)
+    binder = EmbeddedBinder(c1)
+    import asyncio
+
+    from extender.placement import choose_devices
+    from extender.demand import pod_demand
+
+    for key in ["default/a", "default/b", "default/c"]:
+        p = c1.pod(key)
+        r = c1.ledger.reserve(choose_devices(c1.ledger, pod_demand(p), "n"))
+        asyncio.run(binder.bind(p, "n", r))
+    # a restart: a new cluster state from the same objects as the API would list them
+    c2 = cluster(*[c1.nodes["n"] | {"kind": "Node"}], *[p | {"kind": "Pod"} for p in c1.pods.values()])
+    snap = lambda c: sorted((r.key, r.node, r.device_ids, r.bytes_per_device) for r in c.ledger.reservations())
+    assert snap(c1) == snap(c2) and len(snap(c2)) == 3
+    assert check_invariant(c2.ledger, c2.live_pod_keys()) == []
+
+
+def test_terminal_and_deleted_pods_release():
+    c = cluster(gpu_node("n", count=1, replicas=4),
+                pod("a", "30Gi", node="n", phase="Running",
+                    annotations={"vramsched.io/assignment": '{"node":"n","devices":["0"],"bytesPerDevice":[32212254720]}'}))
+    assert c.ledger.totals()[0] == 30 * GIB
+    done = dict(c.pod("default/a"), status={"phase": "Succeeded"})
+    c.upsert_pod(done)
+    assert c.ledger.totals()[0] == 0
+    c.upsert_pod(dict(done, status={"phase": "Running"}))
+    assert c.ledger.totals()[0] == 30 * GIB
+    c.delete_pod("default/a")
+    assert c.ledger.totals()[0] == 0
+
+
+def test_bound_pod_without_assignment_is_counted_conservatively():
+    c = cluster(gpu_node("n", count=2, replicas=4), pod("legacy", None, node="n", phase="Running"))
+    # no annotation: it holds a whole GPU
+    assert c.ledger.totals()[0] == 80 * GIB
+    assert "default/legacy" in c.guessed

@@ -1,0 +1,128 @@
+from builders import cluster, gpu_node, mig_mixed_node, mig_single_node, pod
+
+from extender.demand import pod_demand
+from extender.ledger import check_invariant
+from extender.placement import choose_devices, filter_nodes, preempt_victims, score_nodes
+from extender.quantity import GIB
+
+
+def place(c, p, node):
+    r = choose_devices(c.ledger, pod_demand(p), node)
+    assert not isinstance(r, str), r
+    c.ledger.reserve(r)
+    return r
+
+
+def test_filter_reasons_are_specific():
+    c = cluster(gpu_node("full", count=1, replicas=2), gpu_node("small", count=1, memory_mib=24576), gpu_node("ok", count=1, replicas=2))
+    place(c, pod("x", "60Gi"), "full")
+    out = filter_nodes(c.ledger, pod_demand(pod("p", "40Gi")), ["full", "small", "ok", "ghost"])
+    assert out.feasible == ["ok"]
+    assert out.failed == {"full": "no GPU with 40Gi free: largest free 20Gi"}
+    assert out.unresolvable["small"] == "need 40Gi per GPU, GPUs have 24Gi"
+    assert out.unresolvable["ghost"] == "node unknown to vramsched"
+
+
+def test_multi_gpu_pod_needs_all_gpus_on_one_node():
+    c = cluster(gpu_node("n", count=4, replicas=2))
+    place(c, pod("a", "70Gi"), "n")
+    place(c, pod("b", "70Gi"), "n")
+    d = pod_demand(pod("p", "120Gi", gpus=4))  # 30Gi per GPU
+    out = filter_nodes(c.ledger, d, ["n"])
+    assert out.failed == {"n": "only 2 of 4 GPUs with 30Gi free: largest free 80Gi"}
+    r = choose_devices(c.ledger, pod_demand(pod("q", "120Gi", gpus=2)), "n")
+    assert r.device_ids == ("2", "3") and r.bytes_per_device == (60 * GIB, 60 * GIB)
+    assert filter_nodes(c.ledger, pod_demand(pod("p", "8Gi", gpus=8)), ["n"]).unresolvable == {"n": "node has 4 GPUs, pod needs 8"}
+
+
+def test_replicas_exhausted():
+    c = cluster(gpu_node("n", count=1, replicas=2))
+    place(c, pod("a", "1Gi"), "n")
+    place(c, pod("b", "1Gi"), "n")
+    out = filter_nodes(c.ledger, pod_demand(pod("p", "1Gi")), ["n"])
+    assert "replicas in use" in out.failed["n"]
+
+
+def test_best_fit_prefers_partly_used_gpu_and_never_opens_empty_one():
+    c = cluster(gpu_node("a", count=2, replicas=4), gpu_node("b", count=2, replicas=4), gpu_node("c", count=2, replicas=4))
+    place(c, pod("x", "60Gi"), "a")  # 20Gi left on a/0
+    place(c, pod("y", "30Gi"), "b")  # 50Gi left on b/0
+    scores = dict(score_nodes(c.ledger, pod_demand(pod("p", "16Gi")), ["a", "b", "c"]))
+    assert scores["a"] > scores["b"] > scores["c"]
+    # the chosen GPU on `a` is the partly used one
+    assert choose_devices(c.ledger, pod_demand(pod("p", "16Gi")), "a").device_ids == ("0",)
+    # a pod that fits only an empty GPU: node already in use beats an untouched node
+    scores = dict(score_nodes(c.ledger, pod_demand(pod("q", "70Gi")), ["a", "c"]))
+    assert scores["a"] > scores["c"]
+
+
+def test_planned_node_gets_top_score_only():
+    c = cluster(gpu_node("a", count=1, replicas=4), gpu_node("b", count=1, replicas=4))
+    scores = dict(score_nodes(c.ledger, pod_demand(pod("p", "16Gi")), ["a", "b"], planned="b"))
+    assert scores == {"a": scores["a"], "b": 10} and scores["a"] < 10
+
+
+def test_no_annotation_needs_an_empty_gpu():
+    c = cluster(gpu_node("n", count=2, replicas=4))
+    place(c, pod("a", "1Gi"), "n")
+    r = choose_devices(c.ledger, pod_demand(pod("whole", None)), "n")
+    assert r.device_ids == ("1",) and r.bytes_per_device == (80 * GIB,)
+    c.ledger.reserve(r)
+    assert filter_nodes(c.ledger, pod_demand(pod("more", "1Gi")), ["n"]).feasible == ["n"]
+    assert filter_nodes(c.ledger, pod_demand(pod("w2", None)), ["n"]).feasible == []
+
+
+def test_mps_respects_per_replica_cap():
+    c = cluster(gpu_node("m", count=1, replicas=4, strategy="mps"))
+    assert filter_nodes(c.ledger, pod_demand(pod("p", "21Gi")), ["m"]).unresolvable == {"m": "need 21Gi per GPU, MPS caps each replica at 20Gi"}
+    for i in range(4):
+        place(c, pod(f"p{i}", "20Gi"), "m")
+    assert "replicas in use" in filter_nodes(c.ledger, pod_demand(pod("q", "1Gi")), ["m"]).failed["m"]
+    assert check_invariant(c.ledger) == []
+
+
+def test_mig_mixed_profile_too_small_names_both_numbers_and_a_fitting_profile():
+    c = cluster(mig_mixed_node("m", {"1g.10gb": (4, 9984), "3g.40gb": (1, 40192)}))
+    d = pod_demand(pod("p", "12Gi", resource="nvidia.com/mig-1g.10gb"))
+    out = filter_nodes(c.ledger, d, ["m"])
+    assert out.unresolvable == {"m": "model needs 12Gi but 1g.10gb has 9.75Gi; smallest profile on node that fits: 3g.40gb"}
+    ok = pod_demand(pod("q", "5Gi", resource="nvidia.com/mig-1g.10gb"))
+    assert filter_nodes(c.ledger, ok, ["m"]).feasible == ["m"]
+    r = choose_devices(c.ledger, ok, "m")
+    assert r.device_ids[0].endswith(":1g.10gb:0")
+
+
+def test_mig_single_strategy_places_on_slices():
+    c = cluster(mig_single_node("s", "1g.10gb", slices=7, memory_mib=9984))
+    for i in range(7):
+        place(c, pod(f"p{i}", "9Gi"), "s")
+    out = filter_nodes(c.ledger, pod_demand(pod("x", "1Gi")), ["s"])
+    assert out.failed and check_invariant(c.ledger) == []
+    assert filter_nodes(c.ledger, pod_demand(pod("y", "10Gi")), ["s"]).unresolvable["s"].startswith("need 10Gi per GPU")
+
+
+def test_allowed_products():
+    c = cluster(gpu_node("a", product="NVIDIA-A100-SXM4-80GB"), gpu_node("h", product="NVIDIA-H100-80GB-HBM3"))
+    d = pod_demand(pod("p", "8Gi", annotations={"vramsched.io/gpu-products": "NVIDIA-H100-80GB-HBM3"}))
+    out = filter_nodes(c.ledger, d, ["a", "h"])
+    assert out.feasible == ["h"] and "not in the pod's allowed products" in out.unresolvable["a"]
+
+
+def test_preempt_keeps_fewest_lowest_priority_victims():
+    c = cluster(gpu_node("n", count=1, replicas=4))
+    victims = {}
+    for name, gib, prio in [("low-big", "40Gi", 1), ("low-small", "10Gi", 1), ("mid", "20Gi", 5), ("high", "10Gi", 100)]:
+        p = pod(name, gib, priority=prio)
+        c.upsert_pod(p)
+        place(c, p, "n")
+        victims[name] = p["metadata"]["uid"]
+    d = pod_demand(pod("new", "35Gi", priority=50))
+    out = preempt_victims(c.ledger, d, {"n": list(victims.values())})
+    assert out == {"n": [victims["low-big"]]}
+    # 45Gi: two victims are needed; the two lowest-priority ones, never the priority-100 pod
+    d = pod_demand(pod("new", "45Gi", priority=50))
+    out = preempt_victims(c.ledger, d, {"n": list(victims.values())})
+    assert sorted(out["n"]) == sorted([victims["low-big"], victims["low-small"]])
+    # nothing a lower-priority set of victims could free: node dropped
+    d2 = pod_demand(pod("huge", "79Gi", priority=50))
+    assert preempt_victims(c.ledger, d2, {"n": list(victims.values())}) == {}

@@ -1,0 +1,80 @@
+"""Property: no sequence of filter / prioritize / bind / delete ever puts a GPU over its VRAM."""
+
+import asyncio
+
+from builders import cluster, gpu_node, mig_mixed_node, pod, service
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from extender.ledger import check_invariant
+from extender.wire import ExtenderArgs, ExtenderBindingArgs
+
+NODES = ["ts", "mps", "excl", "mig"]
+RESOURCES = ["nvidia.com/gpu"] * 4 + ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]
+memories = st.one_of(st.none(), st.integers(1, 90).map(lambda g: f"{g}Gi"), st.integers(500, 90000).map(lambda m: f"{m}Mi"))
+
+
+class Scheduling(RuleBasedStateMachine):
+    @initialize()
+    def setup(self):
+        self.cluster = cluster(
+            gpu_node("ts", count=2, replicas=4),
+            gpu_node("mps", count=2, replicas=3, strategy="mps"),
+            gpu_node("excl", count=2, memory_mib=40960),
+            mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+        )
+        self.svc = service(self.cluster)
+        self.n = 0
+        self.bound: dict[str, str] = {}
+
+    @rule(memory=memories, gpus=st.integers(1, 3), resource=st.sampled_from(RESOURCES), prio=st.integers(0, 3),
+          pick=st.integers(0, 10), wrong=st.booleans())
+    def schedule(self, memory, gpus, resource, prio, pick, wrong):
+        self.n += 1
+        p = pod(f"p{self.n}", memory, gpus=1 if "mig" in resource else gpus, resource=resource, priority=prio)
+        out = self.svc.filter(ExtenderArgs(Pod=p, NodeNames=NODES))
+        if out.Error:
+            return
+        assert set(out.NodeNames) | set(out.FailedNodes) | set(out.FailedAndUnresolvableNodes) == set(NODES)
+        scores = self.svc.prioritize(ExtenderArgs(Pod=p, NodeNames=out.NodeNames))
+        assert all(0 <= h.Score <= 10 for h in scores)
+        if wrong:  # a bind kube-scheduler would not send: to a node that did not pass filter
+            target = NODES[pick % len(NODES)]
+        elif out.NodeNames:
+            target = max(scores, key=lambda h: h.Score).Host
+        else:
+            return
+        args = ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", PodUID=p["metadata"]["uid"], Node=target)
+        result = asyncio.run(self.svc.bind(args))
+        if not result.Error:
+            self.bound[f"default/{p['metadata']['name']}"] = target
+        elif not wrong:
+            raise AssertionError(f"bind to a filtered node failed: {result.Error}")
+
+    @rule(i=st.integers(0, 1000))
+    def delete(self, i):
+        if self.bound:
+            key = sorted(self.bound)[i % len(self.bound)]
+            self.cluster.delete_pod(key)
+            del self.bound[key]
+
+    @rule(i=st.integers(0, 1000))
+    def finish(self, i):
+        if self.bound:
+            key = sorted(self.bound)[i % len(self.bound)]
+            p = self.cluster.pod(key)
+            self.cluster.upsert_pod(dict(p, status={"phase": "Succeeded"}))
+            del self.bound[key]
+
+    @invariant()
+    def never_oversubscribed(self):
+        assert check_invariant(self.cluster.ledger, self.cluster.live_pod_keys()) == []
+        held = {r.key for r in self.cluster.ledger.reservations()}
+        gpu_pods = {k for k in self.bound if self.cluster.ledger.reservation(k) is not None}
+        assert gpu_pods <= held
+
+
+TestScheduling = Scheduling.TestCase
+TestScheduling.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,178 @@
+"""The HTTP adapter against request bodies recorded from a real kube-scheduler v1.20."""
+
+import csv
+
+import orjson
+import pytest
+from builders import FIXTURES, cluster, fixture, fixture_nodes, gpu_node, pod, service
+
+from extender.ledger import check_invariant
+from extender.server import create_app, route_paths
+
+
+@pytest.fixture
+def state():
+    return cluster(*fixture_nodes())
+
+
+@pytest.fixture
+async def client(aiohttp_client, state):
+    return await aiohttp_client(create_app(service(state), max_body_bytes=4 * 1024 * 1024))
+
+
+async def post(client, verb, body, status=200):
+    resp = await client.post(f"/{verb}", data=body if isinstance(body, (bytes, str)) else orjson.dumps(body),
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == status, await resp.text()
+    assert resp.content_type == "application/json"
+    return orjson.loads(await resp.read())
+
+
+async def test_filter_node_names_mode_exact_keys(client):
+    body = fixture("003-filter.json")
+    out = await post(client, "filter", body)
+    assert list(out) == ["Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"]
+    assert out["Nodes"] is None and out["Error"] == ""
+    assert out["NodeNames"] == body["NodeNames"]
+
+
+async def test_filter_full_nodes_mode_returns_nodes(client):
+    body = fixture("042-filter.json")
+    out = await post(client, "filter", body)
+    assert out["NodeNames"] is None
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["gpu-node-a", "gpu-node-b", "gpu-node-c"]
+    # the node objects come back as they were sent
+    assert out["Nodes"]["items"][0] == body["Nodes"]["items"][0]
+
+
+async def test_prioritize_is_a_bare_array_in_range(client):
+    body = fixture("004-prioritize.json")
+    out = await post(client, "prioritize", body)
+    assert isinstance(out, list)
+    assert [h["Host"] for h in out] == body["NodeNames"]
+    assert all(set(h) == {"Host", "Score"} and 0 <= h["Score"] <= 10 for h in out)
+
+
+async def test_bind_reserves_annotates_and_is_idempotent(client, state):
+    await post(client, "filter", fixture("003-filter.json"))
+    bind = fixture("005-bind.json")
+    assert await post(client, "bind", bind) == {"Error": ""}
+    assert await post(client, "bind", bind) == {"Error": ""}  # kube-scheduler retry after a timeout
+    p = state.pod("default/gpu-pod-2")
+    assert p["spec"]["nodeName"] == "gpu-node-c"
+    assert p["metadata"]["annotations"]["vramsched.io/gpu-index"] == "0"
+    held = state.ledger.reservation("default/gpu-pod-2")
+    assert held.node == "gpu-node-c" and held.bytes_per_device == (16 * 1024**3,)
+    other = dict(bind, Node="gpu-node-a")
+    out = await post(client, "bind", other)
+    assert out["Error"] == "pod default/gpu-pod-2 is already bound to gpu-node-c"
+    assert check_invariant(state.ledger, state.live_pod_keys()) == []
+
+
+async def test_bind_errors_change_nothing(client, state):
+    assert (await post(client, "bind", fixture("002-bind.json")))["Error"] == "pod default/gpu-pod-1 is unknown to vramsched"
+    await post(client, "filter", fixture("001-filter.json"))
+    wrong_node = dict(fixture("002-bind.json"), Node="nope")
+    assert (await post(client, "bind", wrong_node))["Error"] == "node nope is unknown to vramsched"
+    wrong_uid = dict(fixture("002-bind.json"), PodUID="other")
+    assert "re-created" in (await post(client, "bind", wrong_uid))["Error"]
+    assert state.ledger.totals()[0] == 0
+
+
+async def test_replay_whole_recorded_session(client, state):
+    """Every recorded filter/prioritize/bind, in the order the scheduler sent them."""
+    rows = list(csv.reader((FIXTURES / "index.tsv").open(), delimiter="\t"))
+    bound = 0
+    for number, _time, _run, verb, _pod, _told, _answered in rows:
+        files = sorted(FIXTURES.glob(f"{number}-{verb}.json"))
+        assert files, number
+        out = await post(client, verb, fixture(files[0].name))
+        if verb == "bind":
+            bound += out["Error"] == ""
+        if verb == "prioritize":
+            assert all(0 <= h["Score"] <= 10 for h in out)
+    assert bound >= 10
+    assert check_invariant(state.ledger, state.live_pod_keys()) == []
+    # the recorded scheduler chose the nodes; on each node we packed onto as few GPUs as possible
+    by_node = {}
+    for r in state.ledger.reservations():
+        by_node.setdefault(r.node, []).append(r)
+    for node, held in by_node.items():
+        gpus = {d for r in held for d in r.device_ids}
+        memory = sum(r.total_bytes for r in held)
+        least = max(-(-memory // (80 * 1024**3)), -(-len(held) // 4))
+        assert len(gpus) == least, (node, gpus)
+
+
+async def test_filter_error_field_for_bad_annotation(client, state):
+    body = fixture("003-filter.json")
+    body["Pod"]["metadata"]["annotations"]["vramsched.io/model-memory"] = "16Gx"
+    out = await post(client, "filter", body)
+    assert out["Error"].startswith("pod default/gpu-pod-2: annotation vramsched.io/model-memory='16Gx' is invalid")
+    assert state.ledger.totals()[0] == 0
+
+
+async def test_preempt_meta_victims(aiohttp_client):
+    c = cluster(gpu_node("n", count=1, replicas=4))
+    app = create_app(service(c))
+    cl = await aiohttp_client(app)
+    low = pod("low", "60Gi", priority=1)
+    await post(cl, "filter", {"Pod": low, "NodeNames": ["n"]})
+    assert await post(cl, "bind", {"PodName": "low", "PodNamespace": "default", "PodUID": low["metadata"]["uid"], "Node": "n"}) == {"Error": ""}
+    high = pod("high", "40Gi", priority=10)
+    body = {"Pod": high, "NodeNameToVictims": None,
+            "NodeNameToMetaVictims": {"n": {"Pods": [{"UID": low["metadata"]["uid"]}], "NumPDBViolations": 0}}}
+    out = await post(cl, "preempt", body)
+    assert out == {"NodeNameToMetaVictims": {"n": {"Pods": [{"UID": low["metadata"]["uid"]}], "NumPDBViolations": 0}}}
+    small = pod("small", "10Gi", priority=10)
+    body["Pod"] = small  # fits already: the scheduler's own victims are left as they are
+    assert (await post(cl, "preempt", body))["NodeNameToMetaVictims"]["n"]["Pods"] == [{"UID": low["metadata"]["uid"]}]
+
+
+@pytest.mark.parametrize(
+    "verb, body, status, needle",
+    [
+        ("filter", b"{not json", 400, "not valid JSON"),
+        ("filter", b"", 400, "empty body"),
+        ("filter", b"[]", 400, "must be a JSON object"),
+        ("filter", {"NodeNames": ["a"]}, 400, "Pod: Field required"),
+        ("filter", {"Pod": "x", "NodeNames": ["a"]}, 400, "invalid ExtenderArgs"),
+        ("filter", {"Pod": {}, "NodeNames": "a"}, 400, "NodeNames"),
+        ("bind", {"PodName": 1, "PodNamespace": "d", "Node": "n"}, 400, "PodName"),
+        ("preempt", {"Pod": None}, 400, "Pod"),
+        ("frobnicate", {}, 404, "unknown verb 'frobnicate'"),
+    ],
+)
+async def test_bad_requests_get_clear_4xx(client, state, verb, body, status, needle):
+    out = await post(client, verb, body, status=status)
+    assert needle in out["Error"]
+    assert state.ledger.totals()[0] == 0
+    assert (await client.get("/healthz")).status == 200
+
+
+async def test_body_limit(aiohttp_client, state):
+    cl = await aiohttp_client(create_app(service(state), max_body_bytes=1024))
+    resp = await cl.post("/filter", data=b"{" + b" " * 4096 + b"}", headers={"Content-Type": "application/json"})
+    assert resp.status == 413
+    assert "Error" in orjson.loads(await resp.read())
+
+
+async def test_health_metrics_state(client, state):
+    await post(client, "filter", fixture("003-filter.json"))
+    await post(client, "bind", fixture("005-bind.json"))
+    assert (await client.get("/readyz")).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert 'vramsched_request_duration_seconds_bucket{le="0.001",verb="filter"}' in metrics
+    assert 'vramsched_requests_total{code="200",verb="bind"} 1.0' in metrics
+    gauges = dict(line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_vram_"))
+    assert float(gauges["vramsched_vram_allocated_bytes"]) == 16 * 1024**3
+    assert float(gauges["vramsched_vram_free_bytes"]) == 12 * 81920 * 1024**2 - 16 * 1024**3
+    st = orjson.loads(await (await client.get("/state")).read())
+    node_c = next(n for n in st["nodes"] if n["name"] == "gpu-node-c")
+    g0 = node_c["gpus"][0]
+    assert {k: g0[k] for k in ("index", "memoryBytes", "usedBytes", "replicas", "pods")} == {
+        "index": 0, "memoryBytes": 81920 * 1024**2, "usedBytes": 16 * 1024**3, "replicas": 4, "pods": ["default/gpu-pod-2"]}
+
+
+def test_route_paths():
+    assert {"/filter", "/prioritize", "/bind", "/preempt", "/healthz", "/readyz", "/metrics", "/state"} <= route_paths()
