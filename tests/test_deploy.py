@@ -1,0 +1,684 @@
+"""The deployment is what users copy and paste, so it is checked like code.
+
+Every manifest must parse as the Kubernetes type it claims (no field silently dropped), carry
+the security settings and RBAC the deployment promises, and agree with the extender it runs:
+its routes, its command-line flags, the resources and annotations it understands.
+`kubectl kustomize` must render the base with whatever kubectl the machine has (CI installs
+Debian's kubernetes-client, 1.20 with kustomize v2.0.3; `KUBECTL=/path` overrides).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from kubernetes.client import ApiClient
+
+from extender import mig
+from extender.cli import build_parser
+from extender.demand import MODEL_MEMORY, pod_demand
+from extender.inventory import GPU_RESOURCE, SHARED_GPU_RESOURCE, is_gpu_resource, node_inventory
+from extender.quantity import MIB, parse_bytes
+from extender.server import route_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+EXAMPLES = DEPLOY / "examples"
+PIN = DEPLOY / "pin-gpus"
+CONFIG = ROOT / "config" / "KubeSchedulerConfiguration.yaml"
+CONFIG_KEY = "KubeSchedulerConfiguration.yaml"
+# Files under deploy/ that are not Kubernetes objects.
+NOT_OBJECTS = {"kustomization.yaml", CONFIG_KEY, "extender-args.patch.yaml"}
+
+MODEL_OF = {
+    ("v1", "Namespace"): "V1Namespace",
+    ("v1", "ServiceAccount"): "V1ServiceAccount",
+    ("v1", "ConfigMap"): "V1ConfigMap",
+    ("v1", "Service"): "V1Service",
+    ("v1", "Pod"): "V1Pod",
+    ("v1", "Node"): "V1Node",
+    ("apps/v1", "Deployment"): "V1Deployment",
+    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
+    ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+}
+_API = ApiClient()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def object_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in NOT_OBJECTS)
+
+
+def base_objects() -> list[dict[str, Any]]:
+    """The objects of the kustomize base, read from the files its kustomization lists."""
+    kust = load(DEPLOY / "kustomization.yaml")[0]
+    return [d for name in kust["resources"] for d in load(DEPLOY / name)]
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def scheduler_config() -> dict[str, Any]:
+    return load(CONFIG)[0]
+
+
+def the_extender() -> dict[str, Any]:
+    extenders = scheduler_config()["extenders"]
+    assert len(extenders) == 1
+    return extenders[0]
+
+
+def deployment() -> dict[str, Any]:
+    return one(base_objects(), "Deployment", "vramsched")
+
+
+def container(dep: dict[str, Any], name: str) -> dict[str, Any]:
+    return one([{"kind": "c", "metadata": {"name": c["name"]}, **c} for c in dep["spec"]["template"]["spec"]["containers"]], "c", name)
+
+
+def serve_args(argv: list[str]) -> Any:
+    """Parse `vramsched serve <argv>` with the real CLI parser (exits on an unknown flag)."""
+    return build_parser().parse_args(["serve", *argv])
+
+
+def dropped_fields(original: Any, kept: Any, path: str = "") -> list[str]:
+    """Paths present in `original` but lost by the Kubernetes model round trip (= unknown or misspelt)."""
+    if isinstance(original, dict):
+        if not isinstance(kept, dict):
+            return [path or "/"]
+        out: list[str] = []
+        for key, value in original.items():
+            if key not in kept:
+                out.append(f"{path}/{key}")
+            else:
+                out.extend(dropped_fields(value, kept[key], f"{path}/{key}"))
+        return out
+    if isinstance(original, list):
+        if not isinstance(kept, list) or len(kept) != len(original):
+            return [path]
+        return [p for i, (a, b) in enumerate(zip(original, kept)) for p in dropped_fields(a, b, f"{path}[{i}]")]
+    return [] if str(original).lower() == str(kept).lower() else [f"{path} ({original!r} became {kept!r})"]
+
+
+def check_object(doc: dict[str, Any]) -> None:
+    """Deserialize into the kubernetes client model (required fields, enums) and back; nothing may be lost."""
+    key = (doc.get("apiVersion"), doc.get("kind"))
+    assert key in MODEL_OF, f"no model for {key}: add it to MODEL_OF or fix apiVersion/kind"
+    model = _API._ApiClient__deserialize(doc, MODEL_OF[key])  # type: ignore[attr-defined]
+    lost = dropped_fields(doc, _API.sanitize_for_serialization(model))
+    assert not lost, f"{key[1]} {doc['metadata'].get('name')}: fields unknown to {MODEL_OF[key]}: {lost}"
+
+
+def go_duration_seconds(text: str) -> float:
+    """metav1.Duration as Go's time.ParseDuration reads it (the units a config would use)."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"not a Go duration: {text!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def kubectl() -> str:
+    exe = os.environ.get("KUBECTL") or shutil.which("kubectl")
+    if exe is None:
+        pytest.fail(
+            "kubectl not found, so `kubectl kustomize deploy/` cannot be checked. "
+            "Install it (Debian: apt-get install -y kubernetes-client, or `make deps`) "
+            "or set KUBECTL=/path/to/kubectl."
+        )
+    return exe
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    proc = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"kubectl kustomize {directory} failed:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return kustomize(DEPLOY)
+
+
+def pod_specs(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(metadata, spec) of the pods a workload object creates."""
+    if doc["kind"] == "Pod":
+        yield doc["metadata"], doc["spec"]
+    elif doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+        tpl = doc["spec"]["template"]
+        yield tpl.get("metadata", {}), tpl["spec"]
+
+
+def requested_resources(spec: dict[str, Any]) -> set[str]:
+    names: set[str] = set()
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        res = c.get("resources", {})
+        names |= set(res.get("requests", {})) | set(res.get("limits", {}))
+    return names
+
+
+def example_workloads() -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p in sorted(EXAMPLES.glob("*.yaml")) for d in load(p) if d["kind"] in ("Pod", "Deployment")]
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    i = args.index(flag)
+    return args[i + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# KubeSchedulerConfiguration
+
+# Field names per level (staging/src/k8s.io/kube-scheduler/config/v1/types.go and
+# component-base leader election), see /work/shared/reference/scheduler-config.md.
+_SCHEMA: dict[str, set[str]] = {
+    "": {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection", "percentageOfNodesToScore",
+         "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders", "delayCacheUntilActive"},
+    "leaderElection": {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock",
+                       "resourceName", "resourceNamespace"},
+    "profiles": {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"},
+    "extenders": {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS",
+                  "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"},
+    "managedResources": {"name", "ignoredByScheduler"},
+}
+# Default score-plugin weights of kube-scheduler v1 (pkg/scheduler/apis/config/v1/default_plugins.go).
+_USER_INTENT_SCORERS = {"TaintToleration": 3, "NodeAffinity": 2, "PodTopologySpread": 2, "InterPodAffinity": 2}
+_VRAM_BLIND_SCORERS = {"NodeResourcesFit": 1, "NodeResourcesBalancedAllocation": 1, "ImageLocality": 1}
+_MAX_NODE_SCORE, _MAX_EXTENDER_PRIORITY = 100, 10
+# Upstream SLO for one mutating API call (p99); bind makes up to 3 with --pin-gpus.
+_API_WRITE_SLO_S, _BIND_WRITES_WITH_PINNING = 1.0, 3
+# A Kubernetes qualified name with a prefix, and not in the kubernetes.io namespace: an extended resource.
+_EXTENDED_RESOURCE = re.compile(r"^(?!(?:[^/]*\.)?kubernetes\.io/)[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def test_deploy_copy_of_scheduler_config_is_identical() -> None:
+    assert (DEPLOY / CONFIG_KEY).read_bytes() == CONFIG.read_bytes(), (
+        "deploy/KubeSchedulerConfiguration.yaml drifted: cp config/KubeSchedulerConfiguration.yaml deploy/"
+    )
+
+
+def test_scheduler_config_uses_only_known_fields() -> None:
+    cfg = scheduler_config()
+    assert (cfg["apiVersion"], cfg["kind"]) == ("kubescheduler.config.k8s.io/v1", "KubeSchedulerConfiguration")
+    unknown = set(cfg) - _SCHEMA[""]
+    unknown |= {f"leaderElection.{k}" for k in set(cfg["leaderElection"]) - _SCHEMA["leaderElection"]}
+    for p in cfg["profiles"]:
+        unknown |= {f"profiles[].{k}" for k in set(p) - _SCHEMA["profiles"]}
+    for e in cfg["extenders"]:
+        unknown |= {f"extenders[].{k}" for k in set(e) - _SCHEMA["extenders"]}
+        for m in e.get("managedResources", []):
+            unknown |= {f"managedResources[].{k}" for k in set(m) - _SCHEMA["managedResources"]}
+    assert not unknown, f"kube-scheduler rejects unknown fields (strict decoding): {sorted(unknown)}"
+
+
+def test_scheduler_config_passes_kube_scheduler_validation_rules() -> None:
+    cfg = scheduler_config()
+    le = cfg["leaderElection"]
+    assert le["leaderElect"] is True and le["resourceLock"] == "leases"
+    names = [p["schedulerName"] for p in cfg["profiles"]]
+    assert all(names) and len(set(names)) == len(names)
+    for p in cfg["profiles"]:
+        assert 0 <= p.get("percentageOfNodesToScore", 0) <= 100
+    assert sum(1 for e in cfg["extenders"] if e.get("bindVerb")) <= 1, "only one extender can implement bind"
+    seen: set[str] = set()
+    for e in cfg["extenders"]:
+        if e.get("prioritizeVerb"):
+            assert isinstance(e.get("weight"), int) and e["weight"] > 0, "prioritizeVerb needs a positive weight"
+        for m in e.get("managedResources", []):
+            assert _EXTENDED_RESOURCE.match(m["name"]), f"not an extended resource name: {m['name']}"
+            assert m["name"] not in seen, f"duplicate managed resource {m['name']}"
+            seen.add(m["name"])
+            assert isinstance(m.get("ignoredByScheduler", False), bool)
+        assert go_duration_seconds(e["httpTimeout"]) > 0
+
+
+def test_leader_election_uses_its_own_lease_in_our_namespace() -> None:
+    le = scheduler_config()["leaderElection"]
+    assert le["resourceName"] == "vramsched"
+    assert le["resourceName"] != "kube-scheduler", "would compete with the default scheduler for its lease"
+    namespace = one(base_objects(), "Namespace")["metadata"]["name"]
+    assert le["resourceNamespace"] == namespace
+
+
+def test_one_profile_named_vramsched_scores_every_node() -> None:
+    (profile,) = scheduler_config()["profiles"]
+    assert profile["schedulerName"] == "vramsched"
+    assert profile["percentageOfNodesToScore"] == 100
+
+
+def test_every_configured_verb_is_a_route_of_the_extender() -> None:
+    ext = the_extender()
+    routes = route_paths()
+    prefix = urlparse(ext["urlPrefix"]).path.rstrip("/")
+    verbs = {k: ext.get(k) for k in ("filterVerb", "prioritizeVerb", "bindVerb", "preemptVerb")}
+    # The extender implements all four verbs, so all four are configured.
+    assert all(verbs.values()), f"a verb is not configured: {verbs}"
+    for key, verb in verbs.items():
+        # kube-scheduler POSTs to strings.TrimRight(urlPrefix, "/") + "/" + verb
+        assert f"{prefix}/{verb}" in routes, f"{key}={verb!r} -> {prefix}/{verb} is not served (routes: {sorted(routes)})"
+
+
+def test_url_prefix_points_at_the_sidecar_as_started() -> None:
+    ext = the_extender()
+    url = urlparse(ext["urlPrefix"])
+    args = serve_args(container(deployment(), "extender")["args"])
+    assert url.scheme == "http" and ext.get("enableHTTPS", False) is False and args.tls_cert is None
+    assert url.hostname == args.host == "127.0.0.1", "extender must listen on loopback only, where the scheduler calls it"
+    assert url.port == args.port
+
+
+def test_extender_serves_the_profile_scheduler_name() -> None:
+    args = serve_args(container(deployment(), "extender")["args"])
+    assert args.scheduler_name == scheduler_config()["profiles"][0]["schedulerName"]
+    assert args.pin_gpus is False, "pinning is opt-in (deploy/pin-gpus)"
+
+
+def test_extender_settings_keep_the_vram_ledger_authoritative() -> None:
+    ext = the_extender()
+    assert ext["nodeCacheCapable"] is True
+    assert ext["ignorable"] is False, "an ignorable extender lets GPU pods through without a reservation"
+    assert all(m.get("ignoredByScheduler") is False for m in ext["managedResources"])
+
+
+def test_managed_resources_cover_every_resource_the_extender_places() -> None:
+    managed = {m["name"] for m in the_extender()["managedResources"]}
+    known = {GPU_RESOURCE, SHARED_GPU_RESOURCE} | {
+        mig.resource_name(p.name) for model in mig.MODELS.values() for p in model.profiles
+    }
+    assert not known - managed, f"pods requesting these would bypass the extender: {sorted(known - managed)}"
+    assert all(is_gpu_resource(n) for n in managed), "a managed resource the extender does not understand"
+
+
+def test_weight_lets_vram_fit_outweigh_vram_blind_scorers_but_not_user_intent() -> None:
+    weight = the_extender()["weight"]
+    extender_span = _MAX_EXTENDER_PRIORITY * weight * (_MAX_NODE_SCORE // _MAX_EXTENDER_PRIORITY)
+    blind_span = _MAX_NODE_SCORE * sum(_VRAM_BLIND_SCORERS.values())
+    intent_span = _MAX_NODE_SCORE * sum(_USER_INTENT_SCORERS.values())
+    assert blind_span < extender_span < intent_span, (blind_span, extender_span, intent_span)
+
+
+def test_http_timeout_leaves_room_for_a_pinning_bind() -> None:
+    timeout = go_duration_seconds(the_extender()["httpTimeout"])
+    assert timeout >= _BIND_WRITES_WITH_PINNING * _API_WRITE_SLO_S
+
+
+# ---------------------------------------------------------------------------------------------
+# Every manifest parses as its Kubernetes type
+
+
+@pytest.mark.parametrize("path", object_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_manifest_parses_as_its_kubernetes_type(path: Path) -> None:
+    docs = load(path)
+    assert docs, f"{path} is empty"
+    for doc in docs:
+        check_object(doc)
+
+
+def test_kustomize_renders_the_base(rendered: list[dict[str, Any]]) -> None:
+    for doc in rendered:
+        check_object(doc)
+    expected = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in base_objects()}
+    got = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in rendered if o["kind"] != "ConfigMap"}
+    assert got == expected
+    cm = one(rendered, "ConfigMap")
+    assert cm["metadata"]["namespace"] == "vramsched"
+    assert re.fullmatch(r"vramsched-scheduler-config-[a-z0-9]{10}", cm["metadata"]["name"]), "hash suffix rolls the pods"
+    assert cm["data"][CONFIG_KEY] == CONFIG.read_text()
+    dep = one(rendered, "Deployment", "vramsched")
+    pod = dep["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    mount = one([{"kind": "m", "metadata": {"name": m["name"]}, **m} for m in container(dep, "kube-scheduler")["volumeMounts"]], "m", volume["name"])
+    assert f"--config={mount['mountPath']}/{CONFIG_KEY}" in container(dep, "kube-scheduler")["command"]
+
+
+def test_kustomize_renders_the_pinning_rbac() -> None:
+    docs = kustomize(PIN)
+    for doc in docs:
+        check_object(doc)
+    assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_pinning_patch_only_adds_the_flag() -> None:
+    patch = load(PIN / "extender-args.patch.yaml")[0]
+    (patched,) = patch["spec"]["template"]["spec"]["containers"]
+    assert set(patched) == {"name", "args"}
+    base = container(deployment(), patched["name"])
+    assert patched["args"] == base["args"] + ["--pin-gpus"]
+    assert serve_args(patched["args"]).pin_gpus is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Pod security and availability
+
+
+def test_pod_runs_non_root_with_runtime_default_seccomp() -> None:
+    spec = deployment()["spec"]["template"]["spec"]
+    sc = spec["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0 and sc["runAsGroup"] > 0
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not spec.get(host, False)
+    assert not any("hostPath" in v for v in spec["volumes"])
+
+
+@pytest.mark.parametrize("name", ["kube-scheduler", "extender"])
+def test_container_is_locked_down(name: str) -> None:
+    c = container(deployment(), name)
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert not sc.get("privileged", False)
+    assert sc.get("runAsUser", 1) != 0
+    assert {"livenessProbe", "readinessProbe"} <= set(c)
+    assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+    assert "memory" in c["resources"]["limits"]
+    image = c["image"]
+    assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), f"unpinned image {image}"
+
+
+def test_namespace_enforces_restricted_pod_security() -> None:
+    labels = one(base_objects(), "Namespace")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_upstream_scheduler_image_is_new_enough_for_the_config() -> None:
+    image = container(deployment(), "kube-scheduler")["image"]
+    m = re.fullmatch(r"registry\.k8s\.io/kube-scheduler:v1\.(\d+)\.(\d+)", image)
+    assert m, image
+    assert int(m[1]) >= 27, "profile-level percentageOfNodesToScore needs kube-scheduler >= 1.27"
+
+
+def test_two_replicas_behind_a_disruption_budget() -> None:
+    objs = base_objects()
+    dep = one(objs, "Deployment", "vramsched")
+    assert dep["spec"]["replicas"] == 2
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_scheduler_pod_is_not_scheduled_by_itself() -> None:
+    spec = deployment()["spec"]["template"]["spec"]
+    assert spec.get("schedulerName", "default-scheduler") == "default-scheduler"
+
+
+def test_metrics_service_selects_the_pods_and_a_named_port() -> None:
+    dep = deployment()
+    svc = one(base_objects(), "Service", "vramsched-metrics")
+    assert "ServiceMonitor" not in {o["kind"] for o in base_objects()}
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    for port in svc["spec"]["ports"]:
+        assert port["targetPort"] in ports
+        assert svc["metadata"]["annotations"]["prometheus.io/port"] == str(ports[port["targetPort"]])
+
+
+def test_extender_probes_call_its_health_routes_on_loopback() -> None:
+    c = container(deployment(), "extender")
+    args = serve_args(c["args"])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = c[probe]["exec"]["command"]
+        (url,) = re.findall(r"http://[^'\" ]+", " ".join(command))
+        parsed = urlparse(url)
+        assert (parsed.hostname, parsed.port) == (args.host, args.port)
+        assert parsed.path in route_paths()
+    assert urlparse(re.findall(r"http://[^'\" ]+", " ".join(c["readinessProbe"]["exec"]["command"]))[0]).path == "/readyz"
+
+
+def test_kube_scheduler_probes_use_its_secure_port() -> None:
+    c = container(deployment(), "kube-scheduler")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["scheme"] == "HTTPS" and ports[get["port"]] == 10259
+
+
+# ---------------------------------------------------------------------------------------------
+# RBAC
+
+SA = ("vramsched", "vramsched")  # namespace, name
+
+
+def rules_of(objs: list[dict[str, Any]], kind: str, name: str) -> set[tuple[str, str, str, str | None]]:
+    """(apiGroup, resource, verb, resourceName) for every combination a role grants."""
+    out: set[tuple[str, str, str, str | None]] = set()
+    for r in one(objs, kind, name)["rules"]:
+        assert "nonResourceURLs" not in r
+        for g in r["apiGroups"]:
+            for res in r["resources"]:
+                for v in r["verbs"]:
+                    for n in r.get("resourceNames") or [None]:
+                        out.add((g, res, v, n))
+    return out
+
+
+def test_extender_role_grants_exactly_what_the_extender_uses() -> None:
+    assert rules_of(base_objects(), "ClusterRole", "vramsched-extender") == {
+        ("", "pods", "get", None), ("", "pods", "list", None), ("", "pods", "watch", None), ("", "pods", "patch", None),
+        ("", "pods/binding", "create", None),
+        ("", "nodes", "get", None), ("", "nodes", "list", None), ("", "nodes", "watch", None),
+        ("", "events", "create", None),
+    }
+
+
+def test_pinning_role_only_creates_configmaps() -> None:
+    assert rules_of(load(PIN / "rbac.yaml"), "ClusterRole", "vramsched-extender-pinning") == {
+        ("", "configmaps", "create", None)
+    }
+    assert not any(o["kind"] == "ClusterRole" and "configmaps" in str(o["rules"]) for o in base_objects())
+
+
+def test_leader_election_role_is_limited_to_our_lease() -> None:
+    le = scheduler_config()["leaderElection"]
+    role = one(base_objects(), "Role", "vramsched-leader-election")
+    assert role["metadata"]["namespace"] == le["resourceNamespace"]
+    assert rules_of(base_objects(), "Role", "vramsched-leader-election") == {
+        ("coordination.k8s.io", "leases", "create", None),
+        ("coordination.k8s.io", "leases", "get", le["resourceName"]),
+        ("coordination.k8s.io", "leases", "update", le["resourceName"]),
+    }
+
+
+def test_scheduler_is_bound_to_the_upstream_scheduler_roles() -> None:
+    bound = {
+        (o["kind"], o["metadata"].get("namespace"), o["roleRef"]["kind"], o["roleRef"]["name"])
+        for o in base_objects() + load(PIN / "rbac.yaml")
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding")
+    }
+    assert bound == {
+        ("ClusterRoleBinding", None, "ClusterRole", "system:kube-scheduler"),
+        ("ClusterRoleBinding", None, "ClusterRole", "system:volume-scheduler"),
+        ("RoleBinding", "kube-system", "Role", "extension-apiserver-authentication-reader"),
+        ("RoleBinding", "vramsched", "Role", "vramsched-leader-election"),
+        ("ClusterRoleBinding", None, "ClusterRole", "vramsched-extender"),
+        ("ClusterRoleBinding", None, "ClusterRole", "vramsched-extender-pinning"),
+    }
+
+
+def test_every_binding_is_for_the_pods_service_account_only() -> None:
+    objs = base_objects() + load(PIN / "rbac.yaml")
+    sa = one(objs, "ServiceAccount")
+    assert (sa["metadata"]["namespace"], sa["metadata"]["name"]) == SA
+    assert deployment()["spec"]["template"]["spec"]["serviceAccountName"] == SA[1]
+    for o in objs:
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+            assert [(s["kind"], s["namespace"], s["name"]) for s in o["subjects"]] == [("ServiceAccount", *SA)], o["metadata"]["name"]
+
+
+def test_no_role_uses_wildcards_or_touches_secrets() -> None:
+    for o in base_objects() + load(PIN / "rbac.yaml"):
+        if o["kind"] in ("ClusterRole", "Role"):
+            for r in o["rules"]:
+                assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], o["metadata"]["name"]
+                assert "secrets" not in r["resources"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples
+
+
+def test_examples_request_only_managed_resources_through_vramsched() -> None:
+    managed = {m["name"] for m in the_extender()["managedResources"]}
+    profile = scheduler_config()["profiles"][0]["schedulerName"]
+    workloads = example_workloads()
+    assert len(workloads) >= 3
+    for path, doc in workloads:
+        for meta, spec in pod_specs(doc):
+            gpu = {r for r in requested_resources(spec) if is_gpu_resource(r)}
+            assert gpu and gpu <= managed, f"{path.name}: {gpu}"
+            assert spec["schedulerName"] == profile, path.name
+            pod = {"metadata": {"name": "x", "namespace": "default", **meta}, "spec": spec}
+            demand = pod_demand(pod)
+            assert demand.model_memory == parse_bytes(meta["annotations"][MODEL_MEMORY]) > 0
+
+
+def _device_memory_bytes(spec: dict[str, Any]) -> int:
+    """Memory of the device the pod lands on: from its nodeSelector (whole GPU) or the MIG node labels."""
+    (resource,) = {r for r in requested_resources(spec) if is_gpu_resource(r)}
+    if resource == GPU_RESOURCE:
+        return int(spec["nodeSelector"]["nvidia.com/gpu.memory"]) * MIB
+    labels = load(EXAMPLES / "mig-mixed-node.yaml")[0]["metadata"]["labels"]
+    profile = mig.profile_from_resource(resource)
+    return int(labels[f"nvidia.com/mig-{profile}.memory"]) * MIB
+
+
+def test_vllm_memory_fraction_matches_the_reservation() -> None:
+    checked = 0
+    for path, doc in example_workloads():
+        for meta, spec in pod_specs(doc):
+            (vllm,) = spec["containers"]
+            fraction = Fraction(flag_value(vllm["args"], "--gpu-memory-utilization"))
+            reserved = parse_bytes(meta["annotations"][MODEL_MEMORY])
+            budget = fraction * _device_memory_bytes(spec)
+            # vLLM must stay inside its reservation, without wasting more than 10% of it.
+            assert Fraction(9, 10) * reserved <= budget <= reserved, f"{path.name}: {float(budget) / 2**30:.2f} GiB"
+            checked += 1
+    assert checked >= 3
+
+
+def test_time_slicing_example_shares_a_managed_resource() -> None:
+    managed = {m["name"] for m in the_extender()["managedResources"]}
+    cm = load(EXAMPLES / "time-slicing-config.yaml")[0]
+    for key, text in cm["data"].items():
+        cfg = yaml.safe_load(text)
+        assert cfg["version"] == "v1", key
+        ts = cfg["sharing"]["timeSlicing"]
+        assert ts["failRequestsGreaterThanOne"] is True
+        for r in ts["resources"]:
+            assert r["replicas"] >= 2
+            advertised = r["name"] + ".shared" if ts.get("renameByDefault") else r["name"]
+            assert advertised in managed
+    # the vLLM example selects the nodes this config produces
+    node_labels = {"nvidia.com/gpu.sharing-strategy": "time-slicing"}
+    dep = load(EXAMPLES / "vllm-inference.yaml")[0]
+    assert node_labels.items() <= dep["spec"]["template"]["spec"]["nodeSelector"].items()
+
+
+def test_mig_example_layouts_are_valid_and_match_the_example_node() -> None:
+    cfg = yaml.safe_load(load(EXAMPLES / "mig-mixed-config.yaml")[0]["data"]["config.yaml"])
+    node = load(EXAMPLES / "mig-mixed-node.yaml")[0]
+    labels = node["metadata"]["labels"]
+    layout_name = labels["nvidia.com/mig.config"]
+    model = mig.model_for_product(labels["nvidia.com/gpu.product"])
+    assert model is not None
+    totals: Counter[str] = Counter()
+    gpus = 0
+    for entry in cfg["mig-configs"][layout_name]:
+        assert entry["mig-enabled"] is True, "whole GPUs on a MIG node are not placed by vramsched"
+        assert mig.is_valid_geometry(model, entry["mig-devices"]), entry
+        for profile, count in entry["mig-devices"].items():
+            totals[mig.resource_name(profile)] += count * len(entry["devices"])
+        gpus += len(entry["devices"])
+    alloc = {k: int(v) for k, v in node["status"]["allocatable"].items() if k.startswith("nvidia.com/mig-")}
+    assert alloc == dict(totals)
+    assert int(labels["nvidia.com/gpu.count"]) == gpus
+    inv = node_inventory(node)
+    assert inv.problem is None and inv.gpu_count == gpus
+    assert Counter(d.resource for d in inv.devices) == totals
+    for d in inv.devices:
+        assert d.memory_bytes == int(labels[f"nvidia.com/mig-{d.profile}.memory"]) * MIB
+
+
+def test_pinned_example_reads_the_configmap_named_after_the_pod() -> None:
+    pod = load(EXAMPLES / "pinned-inference.yaml")[0]
+    assert pod["kind"] == "Pod", "the ConfigMap name needs the pod name, known only for bare Pods"
+    (vllm,) = pod["spec"]["containers"]
+    refs = [e["configMapRef"] for e in vllm["envFrom"]]
+    assert refs == [{"name": f"vramsched-{pod['metadata']['name']}", "optional": False}]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def dockerfile() -> list[str]:
+    """Instructions, continuation lines joined, comments dropped."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_dockerfile_base_is_a_pinned_slim_python() -> None:
+    lines = dockerfile()
+    (arg,) = [line for line in lines if line.startswith("ARG PYTHON_IMAGE=")]
+    base = arg.split("=", 1)[1]
+    m = re.fullmatch(r"python:(\d+)\.(\d+)\.(\d+)-slim-[a-z]+(@sha256:[0-9a-f]{64})?", base)
+    assert m, f"base image not pinned to a patch release of a slim image: {base}"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == f">={m[1]}.{m[2]}"
+    assert all(line.split()[1] == "${PYTHON_IMAGE}" for line in lines if line.startswith("FROM"))
+
+
+def test_dockerfile_runs_as_the_deployments_non_root_user() -> None:
+    users = [line.split()[1] for line in dockerfile() if line.startswith("USER")]
+    uid, gid = users[-1].split(":")
+    sc = deployment()["spec"]["template"]["spec"]["securityContext"]
+    assert (int(uid), int(gid)) == (sc["runAsUser"], sc["runAsGroup"]) and int(uid) != 0
+
+
+def test_dockerfile_entrypoint_is_what_the_deployment_runs() -> None:
+    (entry,) = [line for line in dockerfile() if line.startswith("ENTRYPOINT")]
+    assert yaml.safe_load(entry.split(None, 1)[1]) == ["vramsched", "serve"]
+    assert container(deployment(), "extender")["command"] == ["vramsched", "serve"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["vramsched"] == "extender.cli:main"
+
+
+def test_docker_build_context_has_what_pip_install_needs() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    needed = {"pyproject.toml", project["project"]["readme"]}
+    needed |= {inc.rstrip("*") for inc in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied: set[str] = set()
+    for line in dockerfile():
+        if line.startswith("COPY") and "--from=" not in line:
+            copied |= {s.rstrip("/").removeprefix("./") for s in line.split()[1:-1]}
+    assert needed <= copied, f"not copied into the build stage: {needed - copied}"
+    ignored = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    assert not needed & set(ignored), f".dockerignore drops {needed & set(ignored)}"
+    assert {".git", ".venv"} <= set(ignored)
