@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from functools import lru_cache
 
 __all__ = ["QuantityError", "parse_quantity", "parse_bytes", "parse_milli", "format_bytes", "MIB", "GIB"]
 
@@ -47,6 +48,13 @@ def parse_quantity(text: object) -> Fraction:
         raise QuantityError(f"{text!r} is not a quantity string")
     if isinstance(text, int):
         return Fraction(text)
+    return _parse_text(text)
+
+
+@lru_cache(maxsize=4096)
+def _parse_text(text: str) -> Fraction:
+    """Cached: a cluster repeats a handful of quantity strings (`1`, `4`, `32Gi`) on every pod,
+    and Fraction arithmetic dominated start-up with 100,000 pods. Fractions are immutable."""
     s = text.strip()
     if not s or len(s) > _MAX_LEN:
         raise QuantityError(f"{text!r} is not a quantity")
