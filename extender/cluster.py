@@ -39,7 +39,8 @@ class ClusterState:
 
     # ----- nodes ---------------------------------------------------------------------------
     def upsert_node(self, node: Mapping[str, Any]) -> None:
-        name = (node.get("metadata") or {}).get("name")
+        meta = node.get("metadata")
+        name = meta.get("name") if isinstance(meta, Mapping) else None
         if not isinstance(name, str) or not name:
             return
         old = self.nodes.get(name)

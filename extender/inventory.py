@@ -169,11 +169,15 @@ def _allocatable_count(alloc: Mapping[str, Any], resource: str) -> int | None:
 def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
     """Inventory of one Kubernetes Node object (as a dict). Never raises for bad labels."""
     meta = node.get("metadata") or {}
+    if not isinstance(meta, Mapping):
+        meta = {}
     name = str(meta.get("name") or "")
     labels = meta.get("labels") or {}
     if not isinstance(labels, Mapping):
         labels = {}
     status = node.get("status") or {}
+    if not isinstance(status, Mapping):
+        status = {}
     alloc = status.get("allocatable") or status.get("capacity") or {}
     if not isinstance(alloc, Mapping):
         alloc = {}

@@ -8,6 +8,7 @@ problems with a well-formed request (a bad annotation) get 200 with `Error` set.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Awaitable, Callable
 
@@ -172,7 +173,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        return _error(exc.status, message or exc.reason)
+        response = _error(exc.status, message or exc.reason)
+        if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except Exception:  # noqa: BLE001 - the server must keep serving
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error(500, "internal error in vramsched (see its log)")
@@ -225,5 +229,8 @@ def create_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/state", _state)
     app.router.add_get("/openapi.yaml", _openapi)
-    app.router.add_post("/{verb}", _unknown_verb)
+    # Any other verb gets a helpful 404; the GET paths are left out so that POST /healthz is a 405
+    # whose Allow header lists only GET and HEAD.
+    others = "|".join(re.escape(p.lstrip("/")) for p in _GET_PATHS)
+    app.router.add_post(f"/{{verb:(?!(?:{others})$)[^{{}}/]+}}", _unknown_verb)
     return app

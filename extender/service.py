@@ -73,6 +73,13 @@ class EmbeddedBinder:
         self.cluster.upsert_pod({**pod, "metadata": meta, "spec": spec, "status": status})
 
 
+def _node_name(node: Mapping[str, Any]) -> str:
+    """A sent Node's name; "" for a malformed one (it is then reported as unknown, not a 500)."""
+    meta = node.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    return name if isinstance(name, str) else ""
+
+
 class ExtenderService:
     """One instance per server; every method runs on the event loop that owns the cluster."""
 
@@ -118,7 +125,7 @@ class ExtenderService:
         if by_nodes:
             for node in args.Nodes.items:
                 self.cluster.upsert_node(node)
-            names = [str((n.get("metadata") or {}).get("name", "")) for n in args.Nodes.items]
+            names = [_node_name(n) for n in args.Nodes.items]
         else:
             names = args.NodeNames or []
         try:
@@ -130,7 +137,7 @@ class ExtenderService:
         outcome = filter_nodes(self.ledger, demand, names)
         if by_nodes:
             keep = set(outcome.feasible)
-            items = [n for n in args.Nodes.items if (n.get("metadata") or {}).get("name") in keep]
+            items = [n for n in args.Nodes.items if _node_name(n) in keep]
             return ExtenderFilterResult(
                 Nodes=NodeList(items=items),
                 FailedNodes=outcome.failed,
@@ -145,7 +152,7 @@ class ExtenderService:
         if args.Nodes is not None:
             for node in args.Nodes.items:
                 self.cluster.upsert_node(node)
-            names = [str((n.get("metadata") or {}).get("name", "")) for n in args.Nodes.items]
+            names = [_node_name(n) for n in args.Nodes.items]
         else:
             names = args.NodeNames or []
         try:
