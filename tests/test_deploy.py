@@ -682,3 +682,11 @@ def test_docker_build_context_has_what_pip_install_needs() -> None:
     ignored = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
     assert not needed & set(ignored), f".dockerignore drops {needed & set(ignored)}"
     assert {".git", ".venv"} <= set(ignored)
+
+
+def test_deploy_docs_name_only_files_that_exist() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    paths = set(re.findall(r"(?<![\w/.-])((?:deploy|config)/[\w./-]*[\w/])", text))
+    assert len(paths) >= 8
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"docs/deploy.md names files that do not exist: {missing}"
