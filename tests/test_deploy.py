@@ -488,9 +488,10 @@ def test_extender_role_grants_exactly_what_the_extender_uses() -> None:
     }
 
 
-def test_pinning_role_only_creates_configmaps() -> None:
+def test_pinning_role_only_creates_and_reads_back_configmaps() -> None:
+    # get: only after a 409 on create (a retried bind), to check the existing ConfigMap is this pod's.
     assert rules_of(load(PIN / "rbac.yaml"), "ClusterRole", "vramsched-extender-pinning") == {
-        ("", "configmaps", "create", None)
+        ("", "configmaps", "create", None), ("", "configmaps", "get", None)
     }
     assert not any(o["kind"] == "ClusterRole" and "configmaps" in str(o["rules"]) for o in base_objects())
 
