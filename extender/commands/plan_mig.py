@@ -65,8 +65,9 @@ class ClusterSnapshot:
 
 def load_objects(path: Path) -> list[dict[str, Any]]:
     """Objects of a Kubernetes ``List`` (or a multi-document YAML of objects)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml is ~10x faster on big dumps
     with open(path, encoding="utf-8") as f:
-        docs = [d for d in yaml.safe_load_all(f) if d]
+        docs = [d for d in yaml.load_all(f, Loader=loader) if d]
     out: list[dict[str, Any]] = []
     for d in docs:
         if isinstance(d, dict) and (d.get("kind") == "List" or d.get("kind", "").endswith("List")) and "items" in d:

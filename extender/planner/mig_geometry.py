@@ -6,8 +6,11 @@ how many GPUs get each candidate geometry (``y``), how many of those actually ho
 (``u``), and how many pods of each demand type go to each profile (``x``). A pod fits a slice if
 the slice's memory is at least the pod's model memory and the profile is allowed for the pod;
 one pod per slice. Objectives, strictly in this order (solved as successive CP-SAT stages, each
-stage fixing the previous optimum): most pods placed, fewest GPUs used (GPUs that already run a
-pod are free), least memory wasted (slice memory minus pod memory), fewest GPUs reconfigured.
+stage fixing the previous optimum): most pods placed; fewest GPUs used (GPUs that already run a
+pod are free); fewest GPUs touched, i.e. reconfigured; least memory wasted (slice memory minus pod
+memory, proven within 1%). Reconfiguration comes before waste because every relabel makes the
+mig-manager pause the node's GPU operands, while spare slice memory still serves as KV cache;
+``tie_breakers`` changes the order.
 
 Occupied slices are never destroyed. ``reconfigure="whole-gpu"`` (default) keeps every GPU with
 an occupied slice exactly as it is, because mig-parted clears *all* instances of a device whose
@@ -160,6 +163,9 @@ class MigPlan:
     reconfigured_gpus: int
     wall_seconds: float
     warnings: list[str] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    stage_bounds: dict[str, tuple[int, int]] = field(default_factory=dict)  # (value, bound)
+    model_size: dict[str, int] = field(default_factory=dict)
 
     @property
     def objective(self) -> dict[str, int]:
@@ -316,6 +322,8 @@ def _solve(
     time_limit_s: float,
     num_workers: int,
     seed: int,
+    tie_breakers: Sequence[str] = ("gpus", "reconfig", "waste"),
+    gap: float = 0.01,
 ) -> MigPlan:
     t0 = time.perf_counter()
     if reconfigure not in ("whole-gpu", "free-slices"):
@@ -401,9 +409,14 @@ def _solve(
     solver.parameters.num_workers = max(1, min(2, num_workers))
     solver.parameters.random_seed = seed
     stage_status: dict[str, str] = {}
+    stage_seconds: dict[str, float] = {}
+    stage_bounds: dict[str, tuple[int, int]] = {}
     deadline = t0 + max(0.05, time_limit_s)
     bound = 0
-    stages = [("pods", pods_expr, True), ("gpus", used_expr, False), ("waste", waste_expr, False), ("reconfig", reconf_expr, False)]
+    exprs = {"gpus": used_expr, "reconfig": reconf_expr, "waste": waste_expr}
+    if sorted(tie_breakers) != sorted(exprs):
+        raise ValueError(f"tie_breakers must order {sorted(exprs)}, got {list(tie_breakers)}")
+    stages = [("pods", pods_expr, True)] + [(n, exprs[n], False) for n in tie_breakers]
     all_vars = [v for row in y for v in row if not isinstance(v, int)]
     all_vars += [v for row in u if row for v in row]
     all_vars += list(x.values())
@@ -419,8 +432,14 @@ def _solve(
             break
         share = left / (len(stages) - si) if si > 0 else left * 0.6
         solver.parameters.max_time_in_seconds = max(0.05, share)
+        # pods and GPUs are exact; waste and reconfiguration are tie-breakers, close enough is fine
+        solver.parameters.relative_gap_limit = gap if name in ("waste", "reconfig") else 0.0
         (m.maximize if maximize else m.minimize)(expr)
+        ts = time.perf_counter()
         st = solver.solve(m)
+        stage_seconds[name] = round(time.perf_counter() - ts, 3)
+        if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            stage_bounds[name] = (int(round(solver.objective_value)), int(round(solver.best_objective_bound)))
         stage_status[name] = solver.status_name(st)
         if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if not solved:
@@ -450,6 +469,9 @@ def _solve(
     plan.source = source
     plan.status = stage_status.get("pods", "CONSTANT")
     plan.stage_status = stage_status
+    plan.stage_seconds = stage_seconds
+    plan.stage_bounds = stage_bounds
+    plan.model_size = {"classes": len(classes), "demand_types": len(types), "variables": len(m.proto.variables), "constraints": len(m.proto.constraints)}
     plan.pods_bound = max(bound, plan.pods_placed)
     plan.warnings = warnings + plan.warnings
     plan.wall_seconds = time.perf_counter() - t0
@@ -662,8 +684,13 @@ def plan_mig_geometry(
     time_limit_s: float = 10.0,
     num_workers: int = 2,
     seed: int = 0,
+    tie_breakers: Sequence[str] = ("gpus", "reconfig", "waste"),
 ) -> MigPlan:
-    """Choose a geometry per GPU (maximal valid geometries, or the current one) for ``pending``."""
+    """Choose a geometry per GPU (maximal valid geometries, or the current one) for ``pending``.
+
+    ``time_limit_s`` bounds the whole run; the "most pods" stage gets 60% of it. A stage that
+    runs out of time keeps its best solution (status FEASIBLE) and later stages build on it.
+    """
     return _solve(
         gpus,
         pending,
@@ -673,6 +700,7 @@ def plan_mig_geometry(
         time_limit_s=time_limit_s,
         num_workers=num_workers,
         seed=seed,
+        tie_breakers=tie_breakers,
     )
 
 
