@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from extender.demand import DemandError
 from extender.metrics import Metrics
@@ -23,6 +24,7 @@ from extender.wire import (
     VERBS,
     ExtenderArgs,
     ExtenderBindingArgs,
+    ExtenderFilterResult,
     ExtenderPreemptionArgs,
     HostPriorityList,
 )
@@ -110,8 +112,12 @@ def _timed(verb: str, handler: Handler) -> Handler:
 async def _filter(request: web.Request) -> web.Response:
     args = await _decode(request, ExtenderArgs)
     result = request.app[SERVICE_KEY].filter(args)
-    if result.Error:
-        request.app[METRICS_KEY].errors.labels("filter").inc()
+    if not result.Error:
+        try:
+            return _json(result)
+        except PydanticSerializationError:  # full Nodes are echoed back; JSON encoders stop at ~250 levels
+            result = ExtenderFilterResult(Error="a Node in the request is nested too deeply to send back")
+    request.app[METRICS_KEY].errors.labels("filter").inc()
     return _json(result)
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any, Mapping, Protocol
 
 from extender.assignment import encode_assignment
-from extender.cluster import ClusterState
+from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
 from extender.placement import choose_devices, filter_nodes, preempt_victims, score_nodes
@@ -80,6 +80,12 @@ def _node_name(node: Mapping[str, Any]) -> str:
     return name if isinstance(name, str) else ""
 
 
+def _pod_uid(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    return uid if isinstance(uid, str) else ""
+
+
 class ExtenderService:
     """One instance per server; every method runs on the event loop that owns the cluster."""
 
@@ -107,8 +113,18 @@ class ExtenderService:
         return pod_demand(pod, headroom=self.cluster.headroom)
 
     def _remember(self, pod: Mapping[str, Any]) -> None:
-        """Embedded mode learns pending pods from filter (there is no API to list them)."""
+        """Embedded mode learns pending pods from filter (there is no API to list them).
+
+        Only pending pods: kube-scheduler never filters a bound or finished one, and taking a
+        `nodeName` (or a terminal phase) from a request body would let any caller write the ledger.
+        """
         if self.live:
+            return
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        if not isinstance(status, Mapping) or spec.get("nodeName"):
+            return
+        phase = status.get("phase")
+        if phase is not None and (not isinstance(phase, str) or phase in TERMINAL_PHASES):
             return
         try:
             key = pod_ref(pod).key
@@ -121,6 +137,10 @@ class ExtenderService:
                 self.planner.notify_pending(key)
 
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
+        try:
+            demand = self._demand(args.Pod)
+        except DemandError as exc:
+            return ExtenderFilterResult(Error=str(exc))  # before any change: an Error changes nothing
         by_nodes = args.Nodes is not None
         if by_nodes:
             for node in args.Nodes.items:
@@ -128,10 +148,6 @@ class ExtenderService:
             names = [_node_name(n) for n in args.Nodes.items]
         else:
             names = args.NodeNames or []
-        try:
-            demand = self._demand(args.Pod)
-        except DemandError as exc:
-            return ExtenderFilterResult(Error=str(exc))
         self._remember(args.Pod)
         self.ledger.expire()
         outcome = filter_nodes(self.ledger, demand, names)
@@ -149,16 +165,14 @@ class ExtenderService:
 
     # ----- prioritize --------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
-        if args.Nodes is not None:
-            for node in args.Nodes.items:
-                self.cluster.upsert_node(node)
-            names = [_node_name(n) for n in args.Nodes.items]
-        else:
-            names = args.NodeNames or []
+        sent = args.Nodes.items if args.Nodes is not None else None
+        names = [_node_name(n) for n in sent] if sent is not None else (args.NodeNames or [])
         try:
             demand = self._demand(args.Pod)
         except DemandError:
             return [HostPriority(Host=n, Score=0) for n in names]
+        for node in sent or ():
+            self.cluster.upsert_node(node)
         planned = self.planner.planned_node(demand.pod.key) if self.planner is not None else None
         return [HostPriority(Host=n, Score=s) for n, s in score_nodes(self.ledger, demand, names, planned)]
 
@@ -197,7 +211,8 @@ class ExtenderService:
         try:
             await self.binder.bind(pod, args.Node, reservation)
         except BindError as exc:
-            if reservation is not None:
+            # An uncertain outcome (timeout) keeps the assumed hold: the Binding may have landed.
+            if reservation is not None and not getattr(exc, "keep_reservation", False):
                 current = self.ledger.reservation(key)
                 if current is reservation:
                     self.ledger.release(key)
@@ -229,7 +244,7 @@ class ExtenderService:
                 pdb[node] = victims.NumPDBViolations
         elif args.NodeNameToVictims is not None:
             for node, victims in args.NodeNameToVictims.items():
-                candidates[node] = [str((p.get("metadata") or {}).get("uid", "")) for p in victims.Pods]
+                candidates[node] = [_pod_uid(p) for p in victims.Pods]
                 pdb[node] = victims.NumPDBViolations
         chosen = preempt_victims(self.ledger, demand, candidates)
         return ExtenderPreemptionResult(
