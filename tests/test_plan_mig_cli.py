@@ -184,4 +184,4 @@ def test_register_adds_subcommand(cluster: Path) -> None:
     sub = parser.add_subparsers(dest="command")
     plan_mig.register(sub)
     ns = parser.parse_args(["plan-mig", "--cluster", str(cluster), "--time-limit", "3"])
-    assert ns.func is plan_mig.run and ns.time_limit == 3.0 and not ns.apply_labels
+    assert ns.run is plan_mig.run and ns.time_limit == 3.0 and not ns.apply_labels

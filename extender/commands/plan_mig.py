@@ -363,7 +363,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output-yaml", type=Path, help="write the mig-parted config to this file")
     p.add_argument("--apply-labels", action="store_true", help="label nodes in a live cluster (not implemented)")
     p.add_argument("--kubeconfig", type=Path, help="kubeconfig for --apply-labels")
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    return args.run(args)
 
 
 if __name__ == "__main__":
