@@ -96,7 +96,9 @@ def test_parse_bytes() -> None:
     assert plan_mig.parse_bytes("1000") == 1000
     assert plan_mig.parse_bytes("2G") == 2 * 10**9
     assert plan_mig.parse_bytes("0.1") == 1  # rounded up
-    for bad in ("", "16GiB", "-1Gi", "abc", "1e3"):
+    assert plan_mig.parse_bytes("1e3") == 1000
+    assert plan_mig.parse_bytes("0") == 0
+    for bad in ("", "16GiB", "-1Gi", "abc"):
         with pytest.raises(ValueError):
             plan_mig.parse_bytes(bad)
 
@@ -170,6 +172,22 @@ def test_opaque_and_single_strategy_nodes_are_frozen(tmp_path: Path) -> None:
     assert plan_mig.run(args(cluster), out=out) == 0
     text = out.getvalue()
     assert "pods placed: 0/1" in text and "frozen" in text and "nodeLabels: {}" in text
+
+
+def test_assignment_forms_and_multi_gpu_pods(tmp_path: Path) -> None:
+    items = [
+        node("h", H100, 2, mig_labels({"1g.10gb": 14})),
+        # bytesPerDevice as a list (what the binder writes) and as one number; two pods on one device
+        pod("a", "5Gi", "h", {"node": "h", "devices": ["1:1g.10gb:3", "1:1g.10gb:4"], "bytesPerDevice": [GIB, GIB]}),
+        pod("b", "5Gi", "h", {"node": "h", "devices": ["1:1g.10gb:3"], "bytesPerDevice": GIB}),
+        pod("two", "8Gi", mig_limits={"nvidia.com/mig-1g.10gb": 2}),
+        pod("one", "8Gi"),
+    ]
+    snap = plan_mig.read_cluster(write_list(tmp_path / "c.yaml", items))
+    g1 = next(g for g in snap.gpus if g.gpu_index == 1)
+    assert g1.occupied == (("1g.10gb", 2),) and all(g.frozen_reason is None for g in snap.gpus)
+    assert [p.key for p in snap.pending] == ["ml/one"]
+    assert any("ml/two" in n and "several" in n for n in snap.notes)
 
 
 def test_no_mig_gpus(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ be replaced by ``extender.inventory`` / ``extender.quantity`` once those exist.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections import Counter, defaultdict
@@ -19,6 +18,10 @@ from typing import Any, TextIO
 import yaml
 
 from extender import mig
+from extender.assignment import AssignmentError, decode_assignment
+from extender.demand import pod_ref
+from extender.quantity import QuantityError
+from extender.quantity import parse_bytes as _parse_bytes
 from extender.planner.mig_geometry import (
     MIG_CONFIG_LABEL,
     MigGpuState,
@@ -32,28 +35,14 @@ from extender.planner.mig_geometry import (
 
 MODEL_MEMORY_ANNOTATION = "vramsched.io/model-memory"
 ASSIGNMENT_ANNOTATION = "vramsched.io/assignment"
+WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
 
 # ---------------------------------------------------------------------------------------------
 # cluster file reading (to be replaced by extender.inventory / extender.quantity)
 
-_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
-_SUFFIX = {
-    "": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-}
-
-
-def parse_bytes(q: str) -> int:
-    """Kubernetes quantity (``16Gi``, ``17179869184``, ``16G``) -> bytes, rounded up."""
-    m = _QUANTITY_RE.match(str(q).strip())
-    if not m or m[2] not in _SUFFIX:
-        raise ValueError(f"not a memory quantity: {q!r} (expected e.g. 16Gi)")
-    whole, _, frac = m[1].partition(".")
-    mult = _SUFFIX[m[2]]
-    num = int(whole) * mult
-    if frac:
-        num += -(-int(frac) * mult // 10 ** len(frac))
-    return num
+def parse_bytes(q: object) -> int:
+    """Kubernetes quantity (``16Gi``) -> bytes, rounded up (zero allowed: "no memory stated")."""
+    return _parse_bytes(q, allow_zero=True)
 
 
 @dataclass
@@ -96,12 +85,29 @@ def _mig_requests(pod: dict) -> Counter:
     return c
 
 
+def _gpu_requests(pod: dict) -> int:
+    n = 0
+    for ctr in (pod.get("spec") or {}).get("containers") or []:
+        res = ctr.get("resources") or {}
+        req = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+        n += int(req.get(WHOLE_GPU_RESOURCE, 0))
+    return n
+
+
 def _pending_pod(pod: dict) -> PendingPod | None:
+    """A pending pod as MIG demand: one slice with its model memory.
+
+    A pod that requests ``nvidia.com/mig-<profile>`` may only use that profile; one that
+    requests ``nvidia.com/gpu`` (or nothing) may use any profile that is large enough.
+    Raises ValueError for pods a single MIG slice cannot serve.
+    """
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     reqs = _mig_requests(pod)
     mem = ann.get(MODEL_MEMORY_ANNOTATION)
     if mem is None and not reqs:
         return None
+    if sum(reqs.values()) > 1 or len(reqs) > 1 or _gpu_requests(pod) > 1:
+        raise ValueError("asks for several GPUs or MIG devices; a MIG slice serves one pod on one device")
     allowed = frozenset(reqs) if reqs else None
     return PendingPod(_pod_key(pod), parse_bytes(mem) if mem is not None else 0, allowed)
 
@@ -160,6 +166,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
 
     # occupancy from vramsched assignments; pods holding MIG slices without one make the node opaque
     occupied: dict[int, list[tuple[str, int, str]]] = defaultdict(list)
+    seen_devices: set[str] = set()  # a time-sliced MIG device may be named by several pods
     for pod in pods:
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
@@ -171,19 +178,21 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
                 frozen = frozen or f"pod {_pod_key(pod)} holds MIG slices without a vramsched assignment"
             continue
         try:
-            a = json.loads(raw)
-        except json.JSONDecodeError:
+            res = decode_assignment(pod_ref(pod), ann)
+        except (AssignmentError, ValueError) as e:
             if on_node:
-                frozen = frozen or f"pod {_pod_key(pod)} has an unreadable assignment annotation"
+                frozen = frozen or f"pod {_pod_key(pod)}: {e}"
             continue
-        if a.get("node") != name:
+        if res is None or res.node != name:
             continue
-        per = int(a.get("bytesPerDevice", 0))
-        for dev in a.get("devices") or []:
+        for dev, per in zip(res.device_ids, res.bytes_per_device):
             parts = str(dev).split(":")
             if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in counts:
                 frozen = frozen or f"pod {_pod_key(pod)} assignment device {dev!r} does not match the node's MIG slices"
                 continue
+            if dev in seen_devices:
+                continue
+            seen_devices.add(dev)
             occupied[int(parts[0])].append((parts[1], per, _pod_key(pod)))
 
     if model is None:
@@ -280,7 +289,7 @@ def read_cluster(cluster: Path, pending: Path | None = None) -> ClusterSnapshot:
     for p in src:
         try:
             pp = _pending_pod(p)
-        except ValueError as e:
+        except (ValueError, QuantityError) as e:
             notes.append(f"pod {_pod_key(p)}: {e}; ignored")
             continue
         if pp is not None:
