@@ -143,6 +143,8 @@ def test_input_validation() -> None:
         plan_mig_geometry(g + g, pods(1), time_limit_s=TL)
     with pytest.raises(ValueError):
         plan_mig_geometry(g, pods(1), reconfigure="everything", time_limit_s=TL)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        plan_mig_geometry(g, pods(1), tie_breakers=("waste", "gpus"), time_limit_s=TL)
 
 
 # --------------------------------------------------------------------------------------------- occupied slices

@@ -349,7 +349,6 @@ def _solve(
     x: dict[tuple[int, str, int], cp_model.IntVar] = {}
     used_terms: list = []
     reconf_terms: list = []
-    reconf_const = 0
     for ci, c in enumerate(classes):
         n = len(c.members)
         if len(c.candidates) == 1:
@@ -369,11 +368,9 @@ def _solve(
             u.append(uc)
             used_terms.extend(uc)
         if c.frozen_reason is None and not (c.already_used and reconfigure == "whole-gpu"):
-            if c.current in c.candidates:
+            if c.current in c.candidates:  # otherwise every GPU of the class changes: a constant
                 k = c.candidates.index(c.current)
                 reconf_terms.append(n - yc[k])
-            else:
-                reconf_const += n
         # capacity per profile
         hosts = u[ci] if u[ci] is not None else yc
         profiles = sorted({p for g in c.candidates for p in c.free_cap(g)})
@@ -446,10 +443,10 @@ def _solve(
                 raise RuntimeError(f"CP-SAT found no solution in the '{name}' stage: {solver.status_name(st)}")
             break
         solved = True
-        val = int(round(solver.objective_value))
+        best = int(round(solver.objective_value))
         if name == "pods":
             bound = int(solver.best_objective_bound + 1e-6)
-        m.add(expr >= val if maximize else expr <= val)
+        m.add(expr >= best if maximize else expr <= best)
         m.clear_hints()
         for v in all_vars:
             m.add_hint(v, solver.value(v))
