@@ -1,0 +1,247 @@
+"""The background planner: keeps a batch plan for the pods pending for vramsched.
+
+It implements `PlanSource` for `ExtenderService`: prioritize gives the planned node the top
+score and bind reserves the planned GPUs when they are still free. The solve runs in a worker
+thread on a *copy* of the ledger, with a time limit, so the event loop (and every filter,
+prioritize and bind) never waits for it; until a plan exists the greedy best-fit path answers.
+
+Invalidation is per node: an entry is used while its node's `ledger.node_generation` is the one
+the plan was made from, or, after that node changed, while its reservation still fits (so binding
+one planned pod does not discard the plan of its neighbours). A pod that is bound, deleted or
+re-created (new UID) loses its entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from extender.cluster import ClusterState
+from extender.demand import Demand, DemandError, pod_demand
+from extender.ledger import Ledger, Reservation
+from extender.planner.capacity import Capacity, FragIndex, Workload
+from extender.planner.model import Plan, solve_batch
+
+__all__ = ["BackgroundPlanner", "PlanEntry", "snapshot"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PlanEntry:
+    node: str
+    reservation: Reservation | None
+    generation: int
+    uid: str
+
+
+@dataclass
+class PlannerStats:
+    plans: int = 0
+    last_seconds: float = 0.0
+    last_status: str = ""
+    last_gap: float = 0.0
+    last_batch: int = 0
+    last_placed: int = 0
+    errors: int = 0
+    hits: int = 0
+    stale: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def snapshot(cluster: ClusterState) -> tuple[Capacity, dict[str, int]]:
+    """A private copy of the cluster's capacity (ledger, CPU, memory) the worker may read freely,
+    and the per-node generations it reflects."""
+    src = cluster.ledger
+    ledger = Ledger()
+    for inv in src.nodes():
+        ledger.upsert_node(inv)
+    for res in src.reservations():
+        ledger.record(Reservation(res.pod, res.node, res.device_ids, res.bytes_per_device, res.priority, res.assumed,
+                                  res.expires_at, res.declared))
+    used_cpu: dict[str, int] = {}
+    used_mem: dict[str, int] = {}
+    for key, pod in cluster.pods.items():
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        try:
+            d = pod_demand(pod, headroom=cluster.headroom)
+        except DemandError:
+            continue
+        used_cpu[node] = used_cpu.get(node, 0) + d.cpu_milli
+        used_mem[node] = used_mem.get(node, 0) + d.memory_bytes
+    return Capacity.from_ledger(ledger, used_cpu, used_mem), dict(src.node_generation)
+
+
+class BackgroundPlanner:
+    """`PlanSource` backed by CP-SAT batch plans computed off the event loop."""
+
+    def __init__(
+        self,
+        cluster: ClusterState,
+        *,
+        time_limit: float = 1.0,
+        num_workers: int = 2,
+        debounce: float = 0.05,
+        max_batch: int = 500,
+        poll: float = 1.0,
+    ) -> None:
+        self.cluster = cluster
+        self.time_limit = time_limit
+        self.num_workers = num_workers
+        self.debounce = debounce
+        self.max_batch = max_batch
+        self.poll = poll
+        self.entries: dict[str, PlanEntry] = {}
+        self.stats = PlannerStats()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._planned_from: tuple[int, frozenset[str]] | None = None
+
+    # ----- PlanSource ---------------------------------------------------------------------------
+    def planned_node(self, pod_key: str) -> str | None:
+        e = self._valid(pod_key)
+        return e.node if e is not None else None
+
+    def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
+        e = self._valid(pod_key)
+        if e is None or e.node != node or e.reservation is None:
+            return None
+        r = e.reservation
+        self.stats.hits += 1
+        return Reservation(r.pod, r.node, r.device_ids, r.bytes_per_device, r.priority, declared=r.declared)
+
+    def notify_pending(self, pod_key: str) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _valid(self, pod_key: str) -> PlanEntry | None:
+        e = self.entries.get(pod_key)
+        if e is None:
+            return None
+        pod = self.cluster.pod(pod_key)
+        if pod is None or pod_key not in self.cluster.pending:
+            self.entries.pop(pod_key, None)
+            return None
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if uid != e.uid:
+            self.entries.pop(pod_key, None)
+            return None
+        ledger = self.cluster.ledger
+        if ledger.node_generation.get(e.node, 0) == e.generation:
+            return e
+        if ledger.node(e.node) is not None and (e.reservation is None or ledger.fits(e.reservation) is None):
+            return e  # the node changed, but what the plan holds for this pod is still free
+        self.stats.stale += 1
+        self.entries.pop(pod_key, None)
+        return None
+
+    # ----- planning -------------------------------------------------------------------------------
+    def pending_demands(self) -> list[Demand]:
+        out = []
+        for key in sorted(self.cluster.pending):
+            pod = self.cluster.pod(key)
+            if pod is None:
+                continue
+            try:
+                d = pod_demand(pod, headroom=self.cluster.headroom)
+            except DemandError:
+                continue
+            out.append(d)
+        return out[: self.max_batch]
+
+    def plan_once(self, executor_call=None) -> Plan | None:
+        """Plan synchronously (tests and the simulator use this; the loop calls `replan`)."""
+        demands = self.pending_demands()
+        if not demands:
+            self.entries.clear()
+            return None
+        cap, gens = snapshot(self.cluster)
+        plan = _solve(cap, demands, self.time_limit, self.num_workers)
+        self._install(demands, plan, gens, cap)
+        return plan
+
+    async def replan(self) -> Plan | None:
+        demands = self.pending_demands()
+        if not demands:
+            self.entries.clear()
+            return None
+        cap, gens = snapshot(self.cluster)  # on the loop: a consistent copy
+        started = time.perf_counter()
+        try:
+            plan = await asyncio.to_thread(_solve, cap, demands, self.time_limit, self.num_workers)
+        except Exception:  # noqa: BLE001 - planning is an optimisation; the greedy path still answers
+            self.stats.errors += 1
+            log.exception("background plan failed")
+            return None
+        self._install(demands, plan, gens, cap)
+        self.stats.last_seconds = time.perf_counter() - started
+        return plan
+
+    def _install(self, demands: list[Demand], plan: Plan, gens: dict[str, int], cap: Capacity) -> None:
+        a = cap.arrays
+        entries: dict[str, PlanEntry] = {}
+        for i, (res, node_row, _) in plan.choices.items():
+            d = demands[i]
+            pod = self.cluster.pod(d.pod.key)
+            uid = str(((pod or {}).get("metadata") or {}).get("uid") or "")
+            node = a.node_names[node_row]
+            entries[d.pod.key] = PlanEntry(node, res, gens.get(node, 0), uid)
+        self.entries = entries
+        self.stats.plans += 1
+        self.stats.last_status = plan.status
+        self.stats.last_gap = plan.gap
+        self.stats.last_batch = len(demands)
+        self.stats.last_placed = plan.placed
+        self._planned_from = (self.cluster.ledger.generation, frozenset(d.pod.key for d in demands))
+
+    def _needs_plan(self) -> bool:
+        pending = frozenset(self.cluster.pending)
+        if not pending:
+            return bool(self.entries)
+        if self._planned_from is None:
+            return True
+        gen, keys = self._planned_from
+        return keys != pending or gen != self.cluster.ledger.generation
+
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.poll)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            await asyncio.sleep(self.debounce)  # let a burst of pending pods arrive together
+            if self._needs_plan():
+                await self.replan()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="vramsched-planner")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None
+
+    def state(self) -> dict[str, Any]:
+        s = self.stats
+        return {"plans": s.plans, "entries": len(self.entries), "lastStatus": s.last_status, "lastGap": s.last_gap,
+                "lastBatch": s.last_batch, "lastPlaced": s.last_placed, "lastSeconds": round(s.last_seconds, 4),
+                "hits": s.hits, "stale": s.stale, "errors": s.errors}
+
+
+def _solve(cap: Capacity, demands: list[Demand], time_limit: float, num_workers: int) -> Plan:
+    frag = FragIndex(cap, Workload.from_demands(demands))
+    return solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)

@@ -1,0 +1,331 @@
+"""Free capacity as the planner sees it: the ledger's GPUs plus each node's free CPU and memory,
+and a workload profile to judge which free VRAM is *stranded*.
+
+kube-scheduler enforces CPU/memory itself, but a GPU plan that ignores them proposes nodes the
+scheduler will reject; so every planner and simulator policy works on this snapshot.
+
+Stranded VRAM follows the FGD paper's fragmentation measure (Weng et al., USENIX ATC'23): for a
+pending-demand type t, the free memory of a GPU is a fragment when a t pod cannot use it (too
+little memory left, no replica left, wrong product), and *all* free GPU memory of a node is a
+fragment when a t pod cannot run on that node at all (CPU, memory or GPU count). Weighting by the
+share of each type gives the expected stranded bytes. `FragIndex` keeps the per-node terms so a
+candidate placement is judged with a few vector operations.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from extender.demand import Demand
+from extender.ledger import DeviceArrays, Ledger, Reservation
+
+__all__ = ["Capacity", "Workload", "FragIndex", "Candidates", "device_matches", "candidates", "MAX_TYPES"]
+
+#: the workload profile keeps the most frequent demand types (their weights renormalised).
+MAX_TYPES = 48
+
+
+def _product_allowed(product: str, allowed: frozenset[str]) -> bool:
+    base = product[: -len("-SHARED")] if product.endswith("-SHARED") else product
+    return base in allowed or product in allowed
+
+
+def device_matches(a: DeviceArrays, resource: str, allowed: frozenset[str] | None) -> np.ndarray:
+    """Devices offering `resource` of an allowed product (the same rule as `placement`)."""
+    rid = a.resources.get(resource, -1)
+    m = a.resource_id == rid
+    if allowed is not None:
+        ok = [pid for name, pid in a.products.items() if _product_allowed(name, allowed)]
+        m &= np.isin(a.product_id, np.asarray(ok, np.int32))
+    return m
+
+
+@dataclass
+class Capacity:
+    """The ledger (GPU state) plus free CPU millicores and memory bytes per ledger node row.
+
+    Reservations go through `Ledger.reserve`, so the invariant is enforced exactly as in the server.
+    """
+
+    ledger: Ledger
+    cpu_free: np.ndarray
+    mem_free: np.ndarray
+    cpu_total: np.ndarray
+    mem_total: np.ndarray
+
+    @classmethod
+    def from_ledger(cls, ledger: Ledger, used_cpu: dict[str, int] | None = None, used_mem: dict[str, int] | None = None) -> "Capacity":
+        a = ledger.arrays
+        cpu = np.zeros(len(a.node_names), np.int64)
+        mem = np.zeros(len(a.node_names), np.int64)
+        for i, name in enumerate(a.node_names):
+            inv = ledger.node(name)
+            cpu[i] = inv.cpu_milli if inv is not None else 0
+            mem[i] = inv.memory_bytes if inv is not None else 0
+        # A node that does not state CPU/memory is not limited by them here (kube-scheduler decides).
+        cpu[cpu == 0] = 1 << 50
+        mem[mem == 0] = 1 << 60
+        free_cpu, free_mem = cpu.copy(), mem.copy()
+        for i, name in enumerate(a.node_names):
+            free_cpu[i] -= (used_cpu or {}).get(name, 0)
+            free_mem[i] -= (used_mem or {}).get(name, 0)
+        return cls(ledger, free_cpu, free_mem, cpu, mem)
+
+    @property
+    def arrays(self) -> DeviceArrays:
+        return self.ledger.arrays
+
+    def fits_host(self, demand: Demand) -> np.ndarray:
+        """Nodes with enough free CPU and memory for the pod (kube-scheduler's NodeResourcesFit)."""
+        return (self.cpu_free >= demand.cpu_milli) & (self.mem_free >= demand.memory_bytes)
+
+    def apply(self, demand: Demand, res: Reservation | None, node_row: int, *, overcommit: bool = False) -> None:
+        """Hold the pod's GPUs (atomic check-and-set; `overcommit` records like a device plugin
+        that does not know memory) and its CPU and memory."""
+        if res is not None:
+            if overcommit:
+                self.ledger.record(res)
+            else:
+                self.ledger.reserve(res)
+        self.cpu_free[node_row] -= demand.cpu_milli
+        self.mem_free[node_row] -= demand.memory_bytes
+
+    def remove(self, demand: Demand, node_row: int) -> None:
+        self.ledger.release(demand.pod.key)
+        self.cpu_free[node_row] += demand.cpu_milli
+        self.mem_free[node_row] += demand.memory_bytes
+
+
+@dataclass
+class Workload:
+    """Demand types and their shares: what the cluster's free capacity should stay useful for."""
+
+    gpu_count: np.ndarray  # (T,)
+    need: np.ndarray  # (T,) bytes per GPU, -1 for whole devices
+    cpu: np.ndarray
+    mem: np.ndarray
+    weight: np.ndarray  # (T,) sums to 1
+    resource: list[str] = field(default_factory=list)
+    allowed: list[frozenset[str] | None] = field(default_factory=list)
+
+    @classmethod
+    def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES, by: str = "pods",
+                     whole_bytes: int | None = None) -> "Workload":
+        """Types weighted by how many pods have them (`by="pods"`, FGD's choice) or by the GPU memory
+        they ask for (`by="memory"`: stranding what big pods need strands more memory). A whole
+        device counts as `whole_bytes` (default: the largest per-GPU request seen)."""
+        demands = list(demands)
+        if whole_bytes is None:
+            whole_bytes = max((d.bytes_per_gpu for d in demands if d.bytes_per_gpu), default=1)
+        counts: Counter = Counter()
+        for d in demands:
+            key = (d.gpu_count, -1 if d.bytes_per_gpu is None else d.bytes_per_gpu, d.cpu_milli, d.memory_bytes, d.resource,
+                   d.allowed_products)
+            if by == "memory":
+                counts[key] += d.gpu_count * (whole_bytes if d.bytes_per_gpu is None else d.bytes_per_gpu)
+            else:
+                counts[key] += 1
+        counts = Counter({k: v for k, v in counts.items() if v > 0})
+        top = counts.most_common(max_types)
+        if not top:
+            top = [((1, -1, 0, 0, "nvidia.com/gpu", None), 1)]
+        total = float(sum(c for _, c in top))
+        return cls(
+            gpu_count=np.asarray([k[0] for k, _ in top], np.int64),
+            need=np.asarray([k[1] for k, _ in top], np.int64),
+            cpu=np.asarray([k[2] for k, _ in top], np.int64),
+            mem=np.asarray([k[3] for k, _ in top], np.int64),
+            weight=np.asarray([c / total for _, c in top], np.float64),
+            resource=[k[4] for k, _ in top],
+            allowed=[k[5] for k, _ in top],
+        )
+
+    def __len__(self) -> int:
+        return len(self.weight)
+
+
+class FragIndex:
+    """Per-node fragmentation terms, updated node by node as pods are placed.
+
+    For node n and type t: `A[n,t]` free bytes on devices a t pod cannot use, `okc[n,t]` devices it
+    can use, `total[n]` all free bytes. Fragment of n for t is `A` if a t pod can run on n, else `total`.
+    """
+
+    def __init__(self, cap: Capacity, workload: Workload) -> None:
+        self.cap = cap
+        self.w = workload
+        a = cap.arrays
+        self.a = a
+        n_nodes = len(a.node_names)
+        T = len(workload)
+        self.match = np.zeros((len(a.capacity), T), bool)
+        self.need = np.zeros((len(a.capacity), T), np.int64)
+        for t in range(T):
+            self.match[:, t] = device_matches(a, workload.resource[t], workload.allowed[t])
+            self.need[:, t] = a.per_pod_cap if workload.need[t] < 0 else workload.need[t]
+        self.need_ok = self.need <= a.per_pod_cap[:, None]
+        # A GPU-less type uses no GPU memory, so none of it is a fragment for it while it can run.
+        self.gpuless = workload.gpu_count == 0
+        self.A = np.zeros((n_nodes, T), np.float64)
+        self.okc = np.zeros((n_nodes, T), np.int64)
+        self.total = np.zeros(n_nodes, np.float64)
+        self.refresh()
+
+    def _ok(self, rows: np.ndarray | slice, free: np.ndarray, rep_left: np.ndarray) -> np.ndarray:
+        ok = self.match[rows] & self.need_ok[rows] & (rep_left[:, None] > 0) & (free[:, None] >= self.need[rows])
+        return ok | self.gpuless
+
+    def refresh(self, node_rows: Sequence[int] | None = None) -> None:
+        a = self.a
+        if node_rows is None:
+            rows = slice(None)
+            free = (a.capacity - a.used).astype(np.float64)
+            ok = self._ok(rows, a.capacity - a.used, a.replicas - a.used_replicas)
+            n_nodes = len(a.node_names)
+            self.A = np.zeros((n_nodes, len(self.w)))
+            np.add.at(self.A, a.node_of, np.where(ok, 0.0, np.maximum(free, 0)[:, None]))
+            self.okc = np.zeros((n_nodes, len(self.w)), np.int64)
+            np.add.at(self.okc, a.node_of, ok.astype(np.int64))
+            self.total = np.bincount(a.node_of, weights=np.maximum(free, 0), minlength=n_nodes)
+            return
+        for n in node_rows:
+            lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+            free = a.capacity[lo:hi] - a.used[lo:hi]
+            ok = self._ok(slice(lo, hi), free, a.replicas[lo:hi] - a.used_replicas[lo:hi])
+            fpos = np.maximum(free, 0).astype(np.float64)
+            self.A[n] = (np.where(ok, 0.0, fpos[:, None])).sum(axis=0)
+            self.okc[n] = ok.sum(axis=0)
+            self.total[n] = fpos.sum()
+
+    def runnable(self, cpu_free: np.ndarray, mem_free: np.ndarray, okc: np.ndarray) -> np.ndarray:
+        w = self.w
+        return (cpu_free[..., None] >= w.cpu) & (mem_free[..., None] >= w.mem) & (okc >= w.gpu_count)
+
+    def node_frag(self, node_rows: np.ndarray | None = None) -> np.ndarray:
+        """Expected stranded bytes per node (weighted over the workload types)."""
+        rows = slice(None) if node_rows is None else node_rows
+        run = self.runnable(self.cap.cpu_free[rows], self.cap.mem_free[rows], self.okc[rows])
+        frag = np.where(run, self.A[rows], self.total[rows][:, None])
+        return frag @ self.w.weight
+
+    def delta(self, cand: "Candidates", demand: Demand) -> np.ndarray:
+        """Change of expected stranded bytes on the candidate's node if the pod went there."""
+        a = self.a
+        n = cand.node
+        A = self.A[n].copy()
+        okc = self.okc[n].copy()
+        total = self.total[n].copy()
+        for j in range(cand.devices.shape[1]):
+            g = cand.devices[:, j]
+            free = a.capacity[g] - a.used[g]
+            rep = a.replicas[g] - a.used_replicas[g]
+            ok = self._ok(g, free, rep)
+            nb = cand.need[:, j]
+            free2 = free - nb
+            ok2 = self._ok(g, free2, rep - 1)
+            f1 = np.maximum(free, 0).astype(np.float64)[:, None]
+            f2 = np.maximum(free2, 0).astype(np.float64)[:, None]
+            A += np.where(ok2, 0.0, f2) - np.where(ok, 0.0, f1)
+            okc += ok2.astype(np.int64) - ok.astype(np.int64)
+            total += (f2 - f1)[:, 0]
+        cpu2 = self.cap.cpu_free[n] - demand.cpu_milli
+        mem2 = self.cap.mem_free[n] - demand.memory_bytes
+        after = np.where(self.runnable(cpu2, mem2, okc), A, total[:, None]) @ self.w.weight
+        return after - self.node_frag(n)
+
+
+@dataclass
+class Candidates:
+    """Ways to place one pod: `node[c]` and its `devices[c, :]` (ledger device rows) with `need` bytes."""
+
+    node: np.ndarray
+    devices: np.ndarray  # (C, k) int
+    need: np.ndarray  # (C, k) bytes
+
+    def __len__(self) -> int:
+        return len(self.node)
+
+    def take(self, idx: np.ndarray) -> "Candidates":
+        return Candidates(self.node[idx], self.devices[idx], self.need[idx])
+
+    def opened(self, a: DeviceArrays) -> np.ndarray:
+        if self.devices.shape[1] == 0:
+            return np.zeros(len(self.node), np.int64)
+        return (a.used_replicas[self.devices] == 0).sum(axis=1)
+
+    def leftover(self, a: DeviceArrays) -> np.ndarray:
+        if self.devices.shape[1] == 0:
+            return np.zeros(len(self.node), np.int64)
+        return (a.capacity[self.devices] - a.used[self.devices] - self.need).sum(axis=1)
+
+    def reservation(self, a: DeviceArrays, c: int, demand: Demand) -> Reservation | None:
+        if self.devices.shape[1] == 0:
+            return None
+        rows = sorted(int(g) for g in self.devices[c])
+        need = {int(g): int(b) for g, b in zip(self.devices[c], self.need[c])}
+        return Reservation(
+            pod=demand.pod,
+            node=a.node_names[int(self.node[c])],
+            device_ids=tuple(a.devices[g].device_id for g in rows),
+            bytes_per_device=tuple(need[g] for g in rows),
+            priority=demand.priority,
+            declared=demand.bytes_per_gpu is not None,
+        )
+
+
+def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: bool = True, overcommit: bool = False) -> Candidates:
+    """Every distinct way to place `demand` now.
+
+    One GPU: each fitting device (identical devices of a node collapse to one when `dedupe`).
+    k GPUs: per node, the k devices picked by `order` ("tight": partly used first, then least
+    leftover; "index": lowest index; "spread": fewest pods, as the device plugin's distributed
+    allocation). No GPU: each node with room. `overcommit` ignores memory (replica count only).
+    """
+    a = cap.arrays
+    host = cap.fits_host(demand)
+    k = demand.gpu_count
+    if k == 0:
+        nodes = np.flatnonzero(host)
+        return Candidates(nodes, np.zeros((len(nodes), 0), np.int64), np.zeros((len(nodes), 0), np.int64))
+    matches = device_matches(a, demand.resource, demand.allowed_products)
+    need = a.per_pod_cap if demand.bytes_per_gpu is None else np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
+    ok = matches & (a.used_replicas < a.replicas) & host[a.node_of]
+    if not overcommit:
+        ok &= (a.capacity - a.used >= need) & (a.per_pod_cap >= need)
+    rows = np.flatnonzero(ok)
+    if k == 1:
+        if dedupe and len(rows):
+            cols = (a.product_id[rows], a.replicas[rows], a.capacity[rows], a.used_replicas[rows], a.used[rows], a.node_of[rows])
+            order = np.lexsort(cols)
+            srt = [c[order] for c in cols]
+            new = np.ones(len(rows), bool)
+            new[1:] = np.any([c[1:] != c[:-1] for c in srt], axis=0)
+            rows = np.sort(rows[order[new]])
+        return Candidates(a.node_of[rows].astype(np.int64), rows[:, None], need[rows][:, None])
+    if len(rows) == 0:
+        return Candidates(np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.int64))
+    node = a.node_of[rows]
+    if order == "index":
+        key2 = rows
+    elif order == "spread":
+        key2 = a.used_replicas[rows].astype(np.int64) * (1 << 32) + rows
+    else:
+        empty = (a.used_replicas[rows] == 0).astype(np.int64)
+        left = (a.capacity[rows] - a.used[rows] - need[rows])
+        key2 = np.lexsort((rows, left, empty))
+        inv = np.empty_like(key2)
+        inv[key2] = np.arange(len(key2))
+        key2 = inv
+    srt = np.lexsort((key2, node))
+    rows, node = rows[srt], node[srt]
+    first = np.r_[True, node[1:] != node[:-1]]
+    start = np.maximum.accumulate(np.where(first, np.arange(len(rows)), 0))
+    rank = np.arange(len(rows)) - start
+    counts = np.bincount(node, minlength=len(a.node_names))
+    keep = (rank < k) & (counts[node] >= k)
+    rows = rows[keep].reshape(-1, k)
+    return Candidates(a.node_of[rows[:, 0]].astype(np.int64), rows, need[rows])

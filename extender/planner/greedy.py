@@ -1,0 +1,140 @@
+"""One-pod-at-a-time placement rules: vramsched's own (the planner's warm start and its exact
+answer for a single pod) and the published baselines the simulator compares it with.
+
+Every rule picks among `capacity.candidates` (real, fitting placements), so none can break the
+ledger's invariant except `spread`, which models the device plugin's time-slicing that does not
+know memory and is therefore *recorded*, overcommit included, to show what it would do.
+
+- first-fit: first node in list order, lowest-index GPUs that fit.
+- best-fit: gpushare's per-GPU rule: the GPU(s) left with the least free memory.
+- spread: kube-scheduler's default NodeResourcesFit LeastAllocated on CPU and memory, counting
+  only `nvidia.com/gpu` replicas; the device plugin hands out replicas of the least shared GPUs.
+- fgd: fragmentation gradient descent: the placement that least increases expected stranded VRAM.
+- vramsched: fewest empty GPUs opened, then least increase of stranded VRAM (FGD's measure), then
+  lowest index: the planner's lexicographic goals restricted to one pod.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from extender.demand import Demand
+from extender.ledger import LedgerError, Reservation
+from extender.planner.capacity import Candidates, Capacity, FragIndex, candidates
+
+__all__ = ["Choice", "POLICIES", "choose", "place_one", "greedy_batch", "batch_order"]
+
+# (reservation or None for a GPU-less pod, node row, overcommit?)
+Choice = tuple[Reservation | None, int, bool]
+
+
+def _pick(cands: Candidates, keys: Sequence[np.ndarray], demand: Demand, cap: Capacity, overcommit: bool = False) -> Choice | None:
+    if len(cands) == 0:
+        return None
+    order = np.lexsort(tuple(reversed(list(keys))))
+    c = int(order[0])
+    return cands.reservation(cap.arrays, c, demand), int(cands.node[c]), overcommit
+
+
+def first_fit(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    c = candidates(cap, demand, order="index", dedupe=False)
+    first_dev = c.devices[:, 0] if c.devices.shape[1] else c.node
+    return _pick(c, [c.node, first_dev], demand, cap)
+
+
+def best_fit(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    c = candidates(cap, demand, order="tight")
+    a = cap.arrays
+    if demand.gpu_count == 0:
+        left = cap.cpu_free[c.node]
+        return _pick(c, [left, c.node], demand, cap)
+    return _pick(c, [c.leftover(a), c.node, c.devices[:, 0]], demand, cap)
+
+
+def spread(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    """LeastAllocated node by CPU/memory, then the least shared GPU replicas (memory ignored)."""
+    a = cap.arrays
+    c = candidates(cap, demand, order="spread", dedupe=False, overcommit=True)
+    if len(c) == 0:
+        return None
+    n = c.node
+    cpu_score = (cap.cpu_free[n] - demand.cpu_milli) / np.maximum(cap.cpu_total[n], 1)
+    mem_score = (cap.mem_free[n] - demand.memory_bytes) / np.maximum(cap.mem_total[n], 1)
+    score = np.floor(50 * (cpu_score + mem_score))  # kube-scheduler's integer 0..100 score
+    if demand.gpu_count == 1:
+        # one candidate per device: within the best node, the GPU with the fewest pods.
+        reps = a.used_replicas[c.devices[:, 0]]
+        return _pick(c, [-score, n, reps, c.devices[:, 0]], demand, cap, overcommit=True)
+    return _pick(c, [-score, n], demand, cap, overcommit=True)
+
+
+def fgd(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    assert frag is not None, "fgd needs a workload profile"
+    c = candidates(cap, demand)
+    if len(c) == 0:
+        return None
+    d = np.round(frag.delta(c, demand), 6)
+    return _pick(c, [d, c.node], demand, cap)
+
+
+def vramsched(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    c = candidates(cap, demand)
+    if len(c) == 0:
+        return None
+    a = cap.arrays
+    d = np.round(frag.delta(c, demand), 6) if frag is not None else c.leftover(a).astype(np.float64)
+    return _pick(c, [c.opened(a), d, c.node], demand, cap)
+
+
+POLICIES: dict[str, Callable[[Capacity, Demand, FragIndex | None], Choice | None]] = {
+    "first-fit": first_fit,
+    "best-fit": best_fit,
+    "spread": spread,
+    "fgd": fgd,
+    "vramsched": vramsched,
+}
+
+
+def place_one(cap: Capacity, demand: Demand, choice: Choice, frag: FragIndex | None = None) -> None:
+    res, node_row, overcommit = choice
+    cap.apply(demand, res, node_row, overcommit=overcommit)
+    if frag is not None:
+        frag.refresh([node_row])
+
+
+def choose(policy: str, cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    return POLICIES[policy](cap, demand, frag)
+
+
+def batch_order(demands: Sequence[Demand]) -> list[int]:
+    """Greedy order for a batch: highest priority, then most GPUs, then largest memory first."""
+    def size(d: Demand) -> int:
+        return d.gpu_count * (d.bytes_per_gpu if d.bytes_per_gpu is not None else 1 << 50)
+
+    return sorted(range(len(demands)), key=lambda i: (-demands[i].priority, -demands[i].gpu_count, -size(demands[i]), demands[i].pod.key))
+
+
+def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | None = None, *, apply: bool = False) -> dict[int, Choice]:
+    """vramsched's rule pod by pod (largest first). Without `apply` the capacity is restored after."""
+    placed: dict[int, Choice] = {}
+    done: list[tuple[Demand, int]] = []
+    try:
+        for i in batch_order(demands):
+            ch = vramsched(cap, demands[i], frag)
+            if ch is None:
+                continue
+            try:
+                place_one(cap, demands[i], ch, frag)
+            except LedgerError:
+                continue
+            placed[i] = ch
+            done.append((demands[i], ch[1]))
+    finally:
+        if not apply:
+            for d, n in reversed(done):
+                cap.remove(d, n)
+            if frag is not None and done:
+                frag.refresh(sorted({n for _, n in done}))
+    return placed

@@ -1,0 +1,763 @@
+"""The batch packing model (OR-Tools CP-SAT): place pending pods onto the current free capacity.
+
+Build. Identical pending pods form a *pod class* (same GPU count, bytes per GPU, resource,
+allowed products, CPU, memory, priority) with a count; candidate nodes with identical free state
+(CPU, memory, and the sorted states of their devices) form a *node class*. A node class with M
+nodes gets only as many interchangeable copies as could ever be used: at most the number of
+compatible pending pods, and, for classes of idle nodes when the greedy plan places every pod, at
+most the empty GPUs the greedy plan opened (each used idle node opens one, so an optimal plan
+cannot use more). Copies and identical devices inside a node are ordered (symmetry breaking).
+
+Variables per node copy j and device g: how many pods of each single-GPU class go to g; for a
+k-GPU class, how many such pods go to j (`z`) and how many of their shares land on g (`s`, with
+s <= z and sum_g s = k z: this always splits into z pods on k distinct devices). Device memory and
+replicas, node CPU and memory are hard constraints: the plan never overcommits.
+
+Goals, lexicographic, as two CP-SAT stages (stage 2 keeps stage 1's value):
+  1. most pods placed (priority-weighted: each priority level is worth twice the one below), then
+     fewest empty GPUs opened;
+  2. least stranded VRAM (FGD's expected fragmentation over the most common pending types: free
+     memory a type cannot use, or all of a node's free memory when the type cannot run there),
+     then fewest nodes touched.
+The greedy plan (vramsched's rule pod by pod) is the hint of stage 1 and the fallback: when a
+stage ends without a better solution the greedy plan is kept, so the result is never worse.
+Each stage reports its objective, proven bound and gap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from extender.demand import Demand
+from extender.ledger import LedgerError, Reservation
+from extender.planner.capacity import Capacity, FragIndex, Workload, device_matches
+from extender.planner.greedy import Choice, greedy_batch, place_one
+
+__all__ = ["Plan", "StageResult", "solve_batch", "MODEL_TYPES"]
+
+#: pending-demand types the model's stranded-VRAM term looks at (the most frequent ones).
+MODEL_TYPES = 4
+#: stranded VRAM is counted in units of 1/1000 of the largest GPU in the model.
+_STRANDED_UNITS = 1000
+#: above this many node copies the exact model is restricted to the greedy plan's neighbourhood
+#: (its nodes of each class plus slack); the proven bound then comes from the class relaxation.
+MAX_COPIES = 120
+_WEIGHT_RES = 100
+
+
+@dataclass
+class StageResult:
+    status: str
+    objective: float
+    bound: float
+    seconds: float
+
+    @property
+    def gap(self) -> float:
+        if self.objective == 0:
+            return 0.0 if self.bound >= 0 else float("inf")
+        return abs(self.objective - self.bound) / abs(self.objective)
+
+
+@dataclass
+class Plan:
+    """Chosen placement per pod index of the batch; `improved` when the solver beat greedy."""
+
+    choices: dict[int, Choice] = field(default_factory=dict)
+    status: str = "GREEDY"
+    improved: bool = False
+    stages: list[StageResult] = field(default_factory=list)
+    seconds: float = 0.0
+    greedy_cost: tuple[int, ...] = ()
+    cost: tuple[int, ...] = ()
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        return max((s.gap for s in self.stages), default=0.0)
+
+    @property
+    def placed(self) -> int:
+        return len(self.choices)
+
+
+@dataclass
+class _PodClass:
+    demand: Demand
+    members: list[int]
+    weight: int
+
+    @property
+    def k(self) -> int:
+        return self.demand.gpu_count
+
+
+@dataclass
+class _Copy:
+    cls: int
+    nodes: list[int]  # actual node rows of the class (the copy is any one of them)
+    devices: list[int]  # local device order -> device rows of the class's first node
+    index: int  # copy number inside its class
+
+
+def _pod_classes(demands: Sequence[Demand]) -> list[_PodClass]:
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, d in enumerate(demands):
+        groups[(d.gpu_count, d.bytes_per_gpu, d.resource, d.allowed_products, d.cpu_milli, d.memory_bytes, d.priority)].append(i)
+    prios = sorted({d.priority for d in demands})
+    rank = {p: min(r, 20) for r, p in enumerate(prios)}
+    return [_PodClass(demands[m[0]], m, 1 << rank[demands[m[0]].priority]) for m in groups.values()]
+
+
+def solve_batch(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex | None = None,
+    *,
+    time_limit: float = 1.0,
+    num_workers: int = 2,
+    workload: Workload | None = None,
+) -> Plan:
+    """Plan `demands` on `cap` (not modified). Falls back to the greedy plan on any solver trouble."""
+    start = time.perf_counter()
+    if frag is None:
+        frag = FragIndex(cap, workload or Workload.from_demands(demands))
+    greedy = greedy_batch(cap, demands, frag)
+    plan = Plan(choices=greedy, status="GREEDY")
+    if len(demands) <= 1:
+        plan.seconds = time.perf_counter() - start
+        return plan  # one pod: the greedy rule enumerates every placement of the same goals: exact
+    try:
+        built = _Builder(cap, demands, frag, greedy)
+        plan.stats = built.stats
+        if built.empty:
+            plan.seconds = time.perf_counter() - start
+            return plan
+        solved = built.solve(max(0.05, time_limit - (time.perf_counter() - start)), num_workers)
+    except Exception:  # noqa: BLE001 - the solver must never take the hot path down: greedy answers
+        import logging
+
+        logging.getLogger(__name__).exception("planner model failed; using the greedy plan")
+        plan.status = "ERROR"
+        plan.seconds = time.perf_counter() - start
+        return plan
+    plan.stages = solved.stages
+    plan.greedy_cost = solved.greedy_cost
+    plan.cost = solved.cost
+    plan.status = solved.status
+    if solved.choices is not None and solved.cost < solved.greedy_cost and _valid(cap, demands, solved.choices, frag):
+        plan.choices = solved.choices
+        plan.improved = True
+    else:
+        plan.cost = solved.greedy_cost
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _valid(cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice], frag: FragIndex) -> bool:
+    """Apply the plan through the ledger's check-and-set, then undo: proof that it never overcommits."""
+    done = []
+    ok = True
+    try:
+        for i, ch in choices.items():
+            place_one(cap, demands[i], ch, None)
+            done.append((demands[i], ch[1]))
+        if (cap.cpu_free < 0).any() or (cap.mem_free < 0).any():
+            ok = False
+    except LedgerError:
+        ok = False
+    finally:
+        for d, n in reversed(done):
+            cap.remove(d, n)
+    return ok
+
+
+@dataclass
+class _Solved:
+    choices: dict[int, Choice] | None
+    stages: list[StageResult]
+    status: str
+    cost: tuple[int, ...]
+    greedy_cost: tuple[int, ...]
+
+
+class _Builder:
+    def __init__(self, cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: dict[int, Choice],
+                 max_copies: int | None = MAX_COPIES) -> None:
+        self.cap, self.demands, self.frag, self.greedy = cap, demands, frag, greedy
+        a = cap.arrays
+        self.a = a
+        self.classes = _pod_classes(demands)
+        P = len(self.classes)
+        # device compatibility per pod class (static + current free), node host fit per class
+        free = a.capacity - a.used
+        rep = a.replicas - a.used_replicas
+        self.need = np.zeros((P, len(a.capacity)), np.int64)
+        fit = np.zeros((P, len(a.capacity)), bool)
+        host = np.zeros((P, len(a.node_names)), bool)
+        for p, pc in enumerate(self.classes):
+            d = pc.demand
+            need = a.per_pod_cap if d.bytes_per_gpu is None else np.full(len(a.capacity), d.bytes_per_gpu, np.int64)
+            self.need[p] = need
+            fit[p] = device_matches(a, d.resource, d.allowed_products) & (a.per_pod_cap >= need) & (free >= need) & (rep > 0)
+            host[p] = cap.fits_host(d)
+        okcount = np.zeros((P, len(a.node_names)), np.int64)
+        for p in range(P):
+            okcount[p] = np.bincount(a.node_of[fit[p]], minlength=len(a.node_names))
+        usable = host & (okcount >= np.asarray([pc.k for pc in self.classes])[:, None])
+        self.fit = fit
+        cand_nodes = np.flatnonzero(usable.any(axis=0))
+        # workload types for the stranded term
+        w = frag.w
+        top = np.argsort(-w.weight, kind="stable")[:MODEL_TYPES]
+        self.types = top
+        self.tw = np.maximum(1, np.rint(w.weight[top] / w.weight[top].sum() * _WEIGHT_RES)).astype(np.int64)
+        # node classes
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        self.dev_order: dict[int, list[int]] = {}
+        for n in cand_nodes.tolist():
+            lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+            keys = [(int(a.resource_id[g]), int(a.product_id[g]), int(a.capacity[g]), int(a.per_pod_cap[g]), int(a.replicas[g]),
+                     int(a.used[g]), int(a.used_replicas[g])) for g in range(lo, hi)]
+            order = sorted(range(lo, hi), key=lambda g: keys[g - lo])
+            self.dev_order[n] = order
+            key = (int(cap.cpu_free[n]), int(cap.mem_free[n]), tuple(keys[g - lo] for g in order), tuple(usable[:, n]))
+            groups[key].append(n)
+        greedy_opened = sum(int((a.used_replicas[list(_rows(a, ch))] == 0).sum()) for ch in greedy.values() if ch[0] is not None)
+        all_placed = len(greedy) == len(demands)
+        n_gpuless = sum(len(pc.members) for pc in self.classes if pc.k == 0)
+        greedy_nodes: dict[int, int] = defaultdict(int)
+        for ch in greedy.values():
+            greedy_nodes[ch[1]] += 1
+        self.copies: list[_Copy] = []
+        self.class_nodes: list[list[int]] = []
+        restricted = 0
+        full: list[int] = []
+        for key, nodes in groups.items():
+            compat = sum(len(pc.members) for p, pc in enumerate(self.classes) if usable[p, nodes[0]])
+            u = min(len(nodes), compat)
+            idle = all(dk[6] == 0 for dk in key[2])
+            if idle and all_placed:
+                u = min(u, greedy_opened + n_gpuless)
+            full.append(u)
+        restrict = max_copies is not None and sum(full) > max_copies
+        for c, (key, nodes) in enumerate(groups.items()):
+            u = full[c]
+            if restrict:
+                # neighbourhood of the greedy plan: the nodes it used of this class plus some slack
+                used = sum(1 for n in nodes if n in greedy_nodes)
+                cap_c = used + max(2, used // 2)
+                if cap_c < u:
+                    u = cap_c
+                    restricted += 1
+            # the greedy plan's nodes first, so copies can be mapped back to them
+            nodes = sorted(nodes, key=lambda n: (-greedy_nodes.get(n, 0), n))
+            self.class_nodes.append(nodes)
+            for j in range(u):
+                self.copies.append(_Copy(c, nodes, self.dev_order[nodes[0]], j))
+        self.groups = list(groups.items())
+        self.usable = usable
+        self.empty = not self.copies
+        self.stats = {"podClasses": P, "candidateNodes": len(cand_nodes), "nodeClasses": len(groups), "nodeCopies": len(self.copies),
+                      "types": len(top), "restrictedClasses": restricted}
+        self.restricted = restricted > 0
+        if not self.empty:
+            gmax = int(a.capacity.max()) if len(a.capacity) else 1
+            self.unit = max(1, gmax // _STRANDED_UNITS)
+            self._build()
+
+    # ----- model ----------------------------------------------------------------------------------
+    def _build(self) -> None:
+        a, cap, m = self.a, self.cap, cp_model.CpModel()
+        self.m = m
+        P = len(self.classes)
+        placed_terms: list[list] = [[] for _ in range(P)]
+        self.x: dict[tuple[int, int, int], cp_model.IntVar] = {}
+        self.z: dict[tuple[int, int], cp_model.IntVar] = {}
+        self.opened: list = []
+        self.touched: list = []
+        stranded_terms: list = []
+        self.u_vars: list = []
+        prev_copy: dict[int, tuple] = {}
+        self.node_pods: list = []
+        self.copy_info: list = []
+        self.aux: list = []  # (var, terms): var's hint is derived from the x/z hint (bool: any > 0)
+        for ci, cp in enumerate(self.copies):
+            n0 = cp.nodes[0]
+            devs = cp.devices
+            dev_bytes: list[list] = [[] for _ in devs]
+            dev_count: list[list] = [[] for _ in devs]
+            pods_here = []
+            cpu_terms, mem_terms = [], []
+            for p, pc in enumerate(self.classes):
+                if not self.usable[p, n0]:
+                    continue
+                n_p = len(pc.members)
+                d = pc.demand
+                if pc.k == 0:
+                    v = m.NewIntVar(0, n_p, f"z{p}_{ci}")
+                    self.z[p, ci] = v
+                    placed_terms[p].append(v)
+                    pods_here.append(v)
+                    cpu_terms.append(d.cpu_milli * v)
+                    mem_terms.append(d.memory_bytes * v)
+                    continue
+                if pc.k == 1:
+                    tot = []
+                    for li, g in enumerate(devs):
+                        if not self.fit[p, g]:
+                            continue
+                        need = int(self.need[p, g])
+                        ub = min(n_p, int(a.replicas[g] - a.used_replicas[g]))
+                        if need > 0:
+                            ub = min(ub, int((a.capacity[g] - a.used[g]) // need))
+                        if ub <= 0:
+                            continue
+                        v = m.NewIntVar(0, ub, f"x{p}_{ci}_{li}")
+                        self.x[p, ci, li] = v
+                        dev_bytes[li].append(need * v)
+                        dev_count[li].append(v)
+                        tot.append(v)
+                    if tot:
+                        placed_terms[p].extend(tot)
+                        pods_here.extend(tot)
+                        cpu_terms.append(d.cpu_milli * sum(tot))
+                        mem_terms.append(d.memory_bytes * sum(tot))
+                    continue
+                # k-GPU class: z pods on this node, s shares per device (each <= z, total k z)
+                fits = [li for li, g in enumerate(devs) if self.fit[p, g]]
+                if len(fits) < pc.k:
+                    continue
+                ub = min(n_p, len(fits) // pc.k * max(1, min(int(a.replicas[devs[li]] - a.used_replicas[devs[li]]) for li in fits)))
+                zv = m.NewIntVar(0, ub, f"z{p}_{ci}")
+                self.z[p, ci] = zv
+                shares = []
+                for li in fits:
+                    g = devs[li]
+                    need = int(self.need[p, g])
+                    sub = min(ub, int(a.replicas[g] - a.used_replicas[g]))
+                    if need > 0:
+                        sub = min(sub, int((a.capacity[g] - a.used[g]) // need))
+                    s = m.NewIntVar(0, max(0, sub), f"s{p}_{ci}_{li}")
+                    m.Add(s <= zv)
+                    self.x[p, ci, li] = s
+                    dev_bytes[li].append(need * s)
+                    dev_count[li].append(s)
+                    shares.append(s)
+                m.Add(sum(shares) == pc.k * zv)
+                placed_terms[p].append(zv)
+                pods_here.append(zv)
+                cpu_terms.append(d.cpu_milli * zv)
+                mem_terms.append(d.memory_bytes * zv)
+            if not pods_here:
+                continue
+            if cpu_terms:
+                m.Add(sum(cpu_terms) <= int(cap.cpu_free[n0]))
+                m.Add(sum(mem_terms) <= int(cap.mem_free[n0]))
+            t = m.NewBoolVar(f"t{ci}")
+            m.Add(sum(pods_here) <= len(self.demands) * t)
+            self.touched.append(t)
+            npods = m.NewIntVar(0, len(self.demands), f"np{ci}")
+            m.Add(npods == sum(pods_here))
+            self.aux.append((t, list(pods_here), True))
+            self.aux.append((npods, list(pods_here), False))
+            self.node_pods.append((ci, npods))
+            # symmetry: copies of a class are used in order of decreasing pod count
+            if cp.index > 0 and cp.cls in prev_copy:
+                m.Add(prev_copy[cp.cls] >= npods)
+            prev_copy[cp.cls] = npods
+            # devices: memory, replicas, opened, symmetric identical devices, stranded VRAM
+            devinfo = []
+            prev_dev_bytes = None
+            for li, g in enumerate(devs):
+                free0 = int(a.capacity[g] - a.used[g])
+                rep0 = int(a.replicas[g] - a.used_replicas[g])
+                used_b = sum(dev_bytes[li]) if dev_bytes[li] else 0
+                used_n = sum(dev_count[li]) if dev_count[li] else 0
+                if dev_bytes[li]:
+                    m.Add(used_b <= max(free0, 0))
+                    m.Add(used_n <= max(rep0, 0))
+                    if a.used_replicas[g] == 0:
+                        o = m.NewBoolVar(f"o{ci}_{li}")
+                        m.Add(used_n <= max(rep0, 1) * o)
+                        m.Add(used_b <= max(free0, 1) * o)  # bytes link: LP bound ~ volume / GPU size
+                        self.opened.append(o)
+                        self.aux.append((o, list(dev_count[li]), True))
+                same_as_prev = li > 0 and self._dev_key(devs[li - 1]) == self._dev_key(g)
+                if same_as_prev and prev_dev_bytes is not None and dev_bytes[li]:
+                    m.Add(prev_dev_bytes >= used_b)
+                prev_dev_bytes = used_b if dev_bytes[li] else None
+                devinfo.append((li, g, used_b, used_n, rep0, free0))
+            self.copy_info.append((ci, n0, devinfo, cpu_terms, mem_terms))
+        self.placed_terms = placed_terms
+        for p, pc in enumerate(self.classes):
+            if placed_terms[p]:
+                m.Add(sum(placed_terms[p]) <= len(pc.members))
+        W = len(self.opened) + 1
+        self.unplaced = sum(pc.weight * (len(pc.members) - sum(placed_terms[p])) for p, pc in enumerate(self.classes))
+        self.obj1 = W * self.unplaced + sum(self.opened)
+
+    def _build_stranded(self) -> None:
+        """Stage 2 terms: expected stranded VRAM after the plan on every node copy that may get pods."""
+        a, cap, m, unit, w = self.a, self.cap, self.m, self.unit, self.frag.w
+        stranded_terms: list = []
+        for ci, n0, devinfo, cpu_terms, mem_terms in self.copy_info:
+            free_after = []
+            for li, g, used_b, used_n, rep0, free0 in devinfo:
+                if isinstance(used_b, int):
+                    fa = m.NewConstant(max(free0, 0) // unit)
+                else:  # free after, in units (rounded down)
+                    fa = m.NewIntVar(0, max(free0, 0) // unit, f"f{ci}_{li}")
+                    m.Add(fa * unit <= max(free0, 0) - used_b)
+                    m.Add(fa * unit >= max(free0, 0) - used_b - unit + 1)
+                free_after.append((li, g, fa, used_n, rep0, free0))
+            for ti, t_idx in enumerate(self.types):
+                k_t = int(w.gpu_count[t_idx])
+                run = m.NewBoolVar(f"run{ci}_{ti}")
+                m.Add(sum(cpu_terms) <= int(cap.cpu_free[n0]) - int(w.cpu[t_idx])).OnlyEnforceIf(run) if cpu_terms else None
+                if not cpu_terms and (int(cap.cpu_free[n0]) < int(w.cpu[t_idx])):
+                    m.Add(run == 0)
+                m.Add(sum(mem_terms) <= int(cap.mem_free[n0]) - int(w.mem[t_idx])).OnlyEnforceIf(run) if mem_terms else None
+                if not mem_terms and (int(cap.mem_free[n0]) < int(w.mem[t_idx])):
+                    m.Add(run == 0)
+                oks = []
+                for li, g, fa, used_n, rep0, free0 in free_after:
+                    if k_t == 0:
+                        okv = None
+                    else:
+                        static = self.frag.match[g, t_idx] and self.frag.need_ok[g, t_idx]
+                        need_t = int(self.frag.need[g, t_idx])
+                        if not static or free0 < need_t or rep0 < 1:
+                            okv = False
+                        else:
+                            okv = m.NewBoolVar(f"ok{ci}_{li}_{ti}")
+                            m.Add(fa * unit >= need_t).OnlyEnforceIf(okv)
+                            if not isinstance(used_n, int):
+                                m.Add(used_n <= rep0 - 1).OnlyEnforceIf(okv)
+                            oks.append(okv)
+                    if okv is False:
+                        continue  # contributes nothing usable: all its free memory is stranded for t
+                    # usable[g,t] <= fa, <= cap*ok, <= cap*run
+                    uv = m.NewIntVar(0, max(free0, 0) // unit, f"u{ci}_{li}_{ti}")
+                    m.Add(uv <= fa)
+                    m.Add(uv == 0).OnlyEnforceIf(run.Not())
+                    if okv is not None:
+                        m.Add(uv == 0).OnlyEnforceIf(okv.Not())
+                    stranded_terms.append((-int(self.tw[ti]), uv))
+                if k_t > 0:
+                    if len(oks) < k_t:
+                        m.Add(run == 0)
+                    else:
+                        m.Add(sum(oks) >= k_t).OnlyEnforceIf(run)
+            for li, g, fa, used_n, rep0, free0 in free_after:
+                stranded_terms.append((int(self.tw.sum()), fa))
+        self.stranded = sum(c * v for c, v in stranded_terms)
+        self.obj2 = (len(self.touched) + 1) * self.stranded + sum(self.touched)
+
+    def relaxation_bound(self, time_limit: float, num_workers: int) -> float | None:
+        """A proven lower bound on stage 1 for the *whole* cluster: every node class is merged into
+        one bin with M times its free memory, replicas, CPU and memory (any real plan summed over the
+        nodes of a class is a solution of it, so its optimum can only be lower)."""
+        a, cap = self.a, self.cap
+        m = cp_model.CpModel()
+        placed: list[list] = [[] for _ in self.classes]
+        opened = []
+        for c, (key, nodes) in enumerate(self.groups):
+            M = len(nodes)
+            n0 = nodes[0]
+            devs = self.dev_order[n0]
+            dev_b: list[list] = [[] for _ in devs]
+            dev_n: list[list] = [[] for _ in devs]
+            cpu, mem = [], []
+            for p, pc in enumerate(self.classes):
+                if not self.usable[p, n0]:
+                    continue
+                n_p, d = len(pc.members), pc.demand
+                if pc.k == 0:
+                    v = m.NewIntVar(0, n_p, "")
+                    placed[p].append(v)
+                    cpu.append(d.cpu_milli * v)
+                    mem.append(d.memory_bytes * v)
+                    continue
+                zv = m.NewIntVar(0, n_p, "") if pc.k >= 2 else None
+                shares = []
+                for li, g in enumerate(devs):
+                    if self.fit[p, g]:
+                        v = m.NewIntVar(0, n_p, "")
+                        if zv is not None:
+                            m.Add(v <= zv)
+                        dev_b[li].append(int(self.need[p, g]) * v)
+                        dev_n[li].append(v)
+                        shares.append(v)
+                if not shares:
+                    continue
+                if zv is not None:
+                    m.Add(sum(shares) == pc.k * zv)
+                    placed[p].append(zv)
+                    cpu.append(d.cpu_milli * zv)
+                    mem.append(d.memory_bytes * zv)
+                else:
+                    placed[p].extend(shares)
+                    cpu.append(d.cpu_milli * sum(shares))
+                    mem.append(d.memory_bytes * sum(shares))
+            if cpu:
+                m.Add(sum(cpu) <= M * int(cap.cpu_free[n0]))
+                m.Add(sum(mem) <= M * int(cap.mem_free[n0]))
+            for li, g in enumerate(devs):
+                if not dev_b[li]:
+                    continue
+                free0 = max(0, int(a.capacity[g] - a.used[g]))
+                rep0 = max(0, int(a.replicas[g] - a.used_replicas[g]))
+                m.Add(sum(dev_b[li]) <= M * free0)
+                m.Add(sum(dev_n[li]) <= M * rep0)
+                if a.used_replicas[g] == 0:
+                    o = m.NewIntVar(0, M, "")
+                    m.Add(sum(dev_b[li]) <= free0 * o)
+                    m.Add(sum(dev_n[li]) <= max(rep0, 1) * o)
+                    opened.append(o)
+        for p, pc in enumerate(self.classes):
+            if placed[p]:
+                m.Add(sum(placed[p]) <= len(pc.members))
+        W = len(self.opened) + 1  # the same weights as the restricted model's stage 1
+        unplaced = sum(pc.weight * (len(pc.members) - sum(placed[p])) for p, pc in enumerate(self.classes))
+        m.Minimize(W * unplaced + sum(opened))
+        s = _solver(num_workers, time_limit)
+        st = s.Solve(m)
+        if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return float(s.BestObjectiveBound())
+        return None
+
+    def _dev_key(self, g: int) -> tuple:
+        a = self.a
+        return (int(a.resource_id[g]), int(a.product_id[g]), int(a.capacity[g]), int(a.per_pod_cap[g]), int(a.replicas[g]),
+                int(a.used[g]), int(a.used_replicas[g]))
+
+    # ----- hint from greedy ----------------------------------------------------------------------------
+    def _hint_values(self) -> dict[int, int] | None:
+        """Greedy plan as values of x/z (by copy): node rows of a class go to copies by pod count."""
+        a = self.a
+        cls_of_pod: dict[int, int] = {}
+        for p, pc in enumerate(self.classes):
+            for i in pc.members:
+                cls_of_pod[i] = p
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for i, ch in self.greedy.items():
+            by_node[ch[1]].append(i)
+        copies_of: dict[int, list[int]] = defaultdict(list)
+        for ci, cp in enumerate(self.copies):
+            copies_of[cp.cls].append(ci)
+        node_cls = {}
+        for cp in self.copies:
+            for n in cp.nodes:
+                node_cls[n] = cp.cls
+        vals: dict[int, int] = {}
+        per_cls_nodes: dict[int, list[int]] = defaultdict(list)
+        for n in by_node:
+            if n not in node_cls:
+                return None
+            per_cls_nodes[node_cls[n]].append(n)
+        for c, nodes in per_cls_nodes.items():
+            nodes.sort(key=lambda n: -len(by_node[n]))
+            if len(nodes) > len(copies_of[c]):
+                return None
+            for n, ci in zip(nodes, copies_of[c]):
+                devs = self.copies[ci].devices
+                actual = self.dev_order[n]
+                # device loads on this node (bytes) for symmetric ordering of identical devices
+                load: dict[int, int] = defaultdict(int)
+                counts: dict[tuple[int, int], int] = defaultdict(int)
+                zc: dict[int, int] = defaultdict(int)
+                for i in by_node[n]:
+                    res = self.greedy[i][0]
+                    p = cls_of_pod[i]
+                    if res is None:
+                        zc[p] += 1
+                        continue
+                    if self.classes[p].k >= 2:
+                        zc[p] += 1
+                    for dev_id, b in zip(res.device_ids, res.bytes_per_device):
+                        g = self.cap.ledger.row(a.node_names[n], dev_id)
+                        li = actual.index(g)
+                        load[li] += b
+                        counts[p, li] += 1
+                # permute identical devices so loads are non-increasing inside each run of identical devices
+                perm = list(range(len(devs)))
+                li = 0
+                while li < len(devs):
+                    lj = li
+                    while lj + 1 < len(devs) and self._dev_key(actual[lj + 1]) == self._dev_key(actual[li]):
+                        lj += 1
+                    block = sorted(range(li, lj + 1), key=lambda q: -load[q])
+                    for pos, q in zip(range(li, lj + 1), block):
+                        perm[q] = pos
+                    li = lj + 1
+                for (p, lq), cnt in counts.items():
+                    v = self.x.get((p, ci, perm[lq]))
+                    if v is None:
+                        return None
+                    vals[v.Index()] = vals.get(v.Index(), 0) + cnt
+                for p, cnt in zc.items():
+                    v = self.z.get((p, ci))
+                    if v is None:
+                        return None
+                    vals[v.Index()] = cnt
+        return vals
+
+    # ----- solve -----------------------------------------------------------------------------------------
+    def solve(self, time_limit: float, num_workers: int) -> _Solved:
+        m = self.m
+        t0 = time.perf_counter()
+        hint = self._hint_values()
+        if hint is not None:
+            self._hint_all(hint)
+        stages: list[StageResult] = []
+        greedy_cost = _evaluate(self.cap, self.demands, self.greedy, self.frag)
+        solver = _solver(num_workers, max(0.02, time_limit * 0.5 - (time.perf_counter() - t0)))
+        m.Minimize(self.obj1)
+        st = solver.Solve(m)
+        name = solver.StatusName(st)
+        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return _Solved(None, stages, name, greedy_cost, greedy_cost)
+        bound1 = solver.BestObjectiveBound()
+        if self.restricted:
+            # the restricted model's bound says nothing about nodes left out: use the class relaxation
+            relax = self.relaxation_bound(min(0.2, max(0.02, time_limit * 0.15)), num_workers)
+            bound1 = min(bound1, relax) if relax is not None else float("-inf")
+            if name == "OPTIMAL" and bound1 < solver.ObjectiveValue():
+                name = "FEASIBLE"
+        stages.append(StageResult(name, solver.ObjectiveValue(), bound1, solver.WallTime()))
+        best1 = int(round(solver.ObjectiveValue()))
+        values = self._values(solver)
+        choices = self._read_back(values)
+        status = name
+        remaining = time_limit - (time.perf_counter() - t0)
+        if remaining > 0.05:
+            # stage 2: keep stage 1's value, minimise stranded VRAM then nodes touched
+            self._build_stranded()
+            self._hint_all(values)
+            m.Add(self.obj1 <= best1)
+            m.Minimize(self.obj2)
+            solver2 = _solver(num_workers, max(0.02, time_limit - (time.perf_counter() - t0)))
+            st2 = solver2.Solve(m)
+            if st2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                stages.append(StageResult(solver2.StatusName(st2), solver2.ObjectiveValue(), solver2.BestObjectiveBound(), solver2.WallTime()))
+                choices = self._read_back(self._values(solver2))
+                status = "OPTIMAL" if name == "OPTIMAL" and st2 == cp_model.OPTIMAL and not self.restricted else "FEASIBLE"
+            else:
+                status = "FEASIBLE"
+        elif st == cp_model.OPTIMAL:
+            status = "FEASIBLE"  # stage 2 not run: stage 1 proven, the rest not
+        cost = _evaluate(self.cap, self.demands, choices, self.frag)
+        return _Solved(choices, stages, status, cost, greedy_cost)
+
+    def _hint_all(self, vals: dict[int, int]) -> None:
+        """Hint every decision variable, so CP-SAT starts from the complete (feasible) plan."""
+        m = self.m
+        m.ClearHints()
+        for v in list(self.x.values()) + list(self.z.values()):
+            m.AddHint(v, vals.get(v.Index(), 0))
+        for var, terms, is_bool in self.aux:
+            total = sum(vals.get(t.Index(), 0) for t in terms)
+            m.AddHint(var, (1 if total > 0 else 0) if is_bool else total)
+
+    def _values(self, solver: cp_model.CpSolver) -> dict[int, int]:
+        return {v.Index(): int(solver.Value(v)) for v in list(self.x.values()) + list(self.z.values())}
+
+    def _read_back(self, values: dict[int, int]) -> dict[int, Choice]:
+        a = self.a
+        queue = {p: list(pc.members) for p, pc in enumerate(self.classes)}
+        used_nodes: dict[int, int] = defaultdict(int)
+        choices: dict[int, Choice] = {}
+        for ci, cp in enumerate(self.copies):
+            n = cp.nodes[cp.index]
+            actual = self.dev_order[n]
+            for p, pc in enumerate(self.classes):
+                d = pc.demand
+                if pc.k == 0:
+                    v = self.z.get((p, ci))
+                    for _ in range(values.get(v.Index(), 0) if v is not None else 0):
+                        i = queue[p].pop()
+                        choices[i] = (None, n, False)
+                    continue
+                if pc.k == 1:
+                    for li in range(len(actual)):
+                        v = self.x.get((p, ci, li))
+                        if v is None:
+                            continue
+                        for _ in range(values[v.Index()]):
+                            i = queue[p].pop()
+                            g = actual[li]
+                            choices[i] = (Reservation(self.demands[i].pod, a.node_names[n], (a.devices[g].device_id,),
+                                                      (int(self.need[p, g]),), d.priority, d.bytes_per_gpu is not None), n, False)
+                    continue
+                v = self.z.get((p, ci))
+                zc = values.get(v.Index(), 0) if v is not None else 0
+                left = {li: values[self.x[p, ci, li].Index()] for li in range(len(actual)) if (p, ci, li) in self.x}
+                for _ in range(zc):
+                    pick = sorted(left, key=lambda li: (-left[li], li))[: pc.k]
+                    for li in pick:
+                        left[li] -= 1
+                    rows = sorted(actual[li] for li in pick)
+                    i = queue[p].pop()
+                    choices[i] = (Reservation(self.demands[i].pod, a.node_names[n], tuple(a.devices[g].device_id for g in rows),
+                                              tuple(int(self.need[p, g]) for g in rows), d.priority, d.bytes_per_gpu is not None), n, False)
+        return choices
+
+
+def _evaluate(cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice], frag: FragIndex) -> tuple[int, ...]:
+    """The goals of a plan, measured exactly (full workload profile, bytes), smaller is better:
+    (priority-weighted pods left out, empty GPUs opened, stranded VRAM increase in KiB, nodes touched)."""
+    classes = _pod_classes(demands)
+    weight = {i: pc.weight for pc in classes for i in pc.members}
+    a = cap.arrays
+    unplaced = sum(weight[i] for i in range(len(demands)) if i not in choices)
+    opened = 0
+    seen: set[int] = set()
+    for ch in choices.values():
+        for g in _rows(a, ch):
+            if a.used_replicas[g] == 0 and g not in seen:
+                opened += 1
+                seen.add(g)
+    nodes = sorted({ch[1] for ch in choices.values()})
+    before = float(frag.node_frag(np.asarray(nodes, np.int64)).sum()) if nodes else 0.0
+    done = []
+    try:
+        for i, ch in choices.items():
+            place_one(cap, demands[i], ch, None)
+            done.append((demands[i], ch[1]))
+        frag.refresh(nodes)
+        after = float(frag.node_frag(np.asarray(nodes, np.int64)).sum()) if nodes else 0.0
+    except LedgerError:
+        return (1 << 62,)
+    finally:
+        for d, n in reversed(done):
+            cap.remove(d, n)
+        frag.refresh(nodes)
+    return (unplaced, opened, int(round((after - before) / 1024)), len(nodes))
+
+
+def _solver(num_workers: int, seconds: float) -> cp_model.CpSolver:
+    """A solver for the hot path's budget: light presolve (the model is already reduced)."""
+    s = cp_model.CpSolver()
+    s.parameters.num_workers = max(1, num_workers)
+    s.parameters.max_time_in_seconds = max(0.02, seconds)
+    s.parameters.cp_model_probing_level = 0
+    s.parameters.symmetry_level = 0
+    s.parameters.max_presolve_iterations = 1
+    return s
+
+
+def _rows(a, ch: Choice) -> list[int]:
+    res = ch[0]
+    if res is None:
+        return []
+    start = int(a.node_start[ch[1]])
+    end = int(a.node_start[ch[1] + 1])
+    ids = set(res.device_ids)
+    return [g for g in range(start, end) if a.devices[g].device_id in ids]

@@ -1,0 +1,1 @@
+"""Replay pods against a cluster with several placement policies (same core as the server)."""

@@ -1,0 +1,175 @@
+"""Replay tasks against a cluster with one policy and measure the result.
+
+Pods that arrive together (same arrival time) are pending together: the greedy policies place
+them one by one, the planner plans them as one batch, exactly as for a burst of pending pods.
+Every vramsched policy places through `Ledger.reserve`, so an overcommit would raise; `spread`
+records what the device plugin would do, overcommit included, and the metrics count it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import groupby
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from extender.cluster import ClusterState
+from extender.demand import DemandError, pod_demand
+from extender.ledger import LedgerError, check_invariant
+from extender.planner.capacity import Capacity, FragIndex, Workload
+from extender.planner.greedy import POLICIES, choose, place_one
+from extender.simulate.trace import Task
+
+__all__ = ["PolicyResult", "run_policy", "build_capacity", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
+
+ALL_POLICIES = ("planner", "best-fit", "first-fit", "spread", "fgd")
+#: policies that must never overcommit (they are vramsched's own).
+VRAMSCHED_POLICIES = ("planner", "vramsched")
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    placed: int = 0
+    failed: int = 0
+    allocatedMemoryBytes: int = 0
+    requestedMemoryBytes: int = 0
+    capacityMemoryBytes: int = 0
+    gpusInUse: int = 0
+    gpusFree: int = 0
+    gpusTotal: int = 0
+    overcommittedGpus: int = 0
+    overcommittedBytes: int = 0
+    fragmentationBytes: float = 0.0
+    fragmentationRate: float = 0.0
+    failedGpuPods: int = 0
+    seconds: float = 0.0
+    batches: int = 0
+    solverBatches: int = 0
+    solverOptimal: int = 0
+    solverImproved: int = 0
+    invariantViolations: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("policy")
+        d.update(d.pop("extra"))
+        return d
+
+
+def build_capacity(nodes: Sequence[Mapping[str, Any]], bound: Sequence[Mapping[str, Any]] = ()) -> tuple[ClusterState, Capacity]:
+    """The cluster through the server's own loader; bound pods hold their GPUs, CPU and memory."""
+    cluster = ClusterState()
+    cluster.load([*nodes, *bound])
+    used_cpu: dict[str, int] = {}
+    used_mem: dict[str, int] = {}
+    for pod in bound:
+        node = (pod.get("spec") or {}).get("nodeName")
+        try:
+            d = pod_demand(pod)
+        except DemandError:
+            continue
+        used_cpu[node] = used_cpu.get(node, 0) + d.cpu_milli
+        used_mem[node] = used_mem.get(node, 0) + d.memory_bytes
+    return cluster, Capacity.from_ledger(cluster.ledger, used_cpu, used_mem)
+
+
+def run_policy(
+    policy: str,
+    nodes: Sequence[Mapping[str, Any]],
+    tasks: Sequence[Task],
+    bound: Sequence[Mapping[str, Any]] = (),
+    *,
+    churn: bool = False,
+    workload: Workload | None = None,
+    time_limit: float = 1.0,
+    num_workers: int = 2,
+) -> PolicyResult:
+    cluster, cap = build_capacity(nodes, bound)
+    workload = workload or Workload.from_demands(t.demand for t in tasks)
+    frag = FragIndex(cap, workload) if policy in ("fgd", "planner", "vramsched") else None
+    out = PolicyResult(policy)
+    start = time.perf_counter()
+    where: dict[str, int] = {}
+    demands_of: dict[str, Task] = {}
+    departures = sorted((t.departure, t.key) for t in tasks if churn and t.departure is not None)
+    last_arrival = max((t.arrival for t in tasks), default=0.0)
+    di = 0
+    for arrival, group in groupby(tasks, key=lambda t: t.arrival):
+        batch = list(group)
+        while di < len(departures) and departures[di][0] <= arrival:
+            key = departures[di][1]
+            di += 1
+            if key in where:
+                n = where.pop(key)
+                cap.remove(demands_of[key].demand, n)
+                if frag is not None:
+                    frag.refresh([n])
+        out.batches += 1
+        if policy == "planner" and len(batch) > 1:
+            placed = _plan_batch(cap, frag, batch, out, time_limit, num_workers)
+        else:
+            rule = "vramsched" if policy == "planner" else policy
+            placed = []
+            for t in batch:
+                ch = choose(rule, cap, t.demand, frag)
+                if ch is None:
+                    continue
+                try:
+                    place_one(cap, t.demand, ch, frag)
+                except LedgerError:
+                    continue
+                placed.append((t, ch[1]))
+        for t, n in placed:
+            where[t.key] = n
+            demands_of[t.key] = t
+        out.placed += len(placed)
+        ok = {t.key for t, _ in placed}
+        for t in batch:
+            if t.key not in ok:
+                out.failed += 1
+                out.failedGpuPods += t.demand.gpu_count > 0
+    out.seconds = time.perf_counter() - start
+    _measure(out, cap, workload, [demands_of[k].demand for k in where])
+    if policy != "spread":
+        out.invariantViolations = len(check_invariant(cap.ledger))
+    return out
+
+
+def _plan_batch(cap: Capacity, frag: FragIndex | None, batch: list[Task], out: PolicyResult, time_limit: float, num_workers: int):
+    from extender.planner.model import solve_batch
+
+    demands = [t.demand for t in batch]
+    plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)
+    out.solverBatches += 1
+    out.solverOptimal += plan.status == "OPTIMAL"
+    out.solverImproved += plan.improved
+    placed = []
+    for i, choice in plan.choices.items():
+        try:
+            place_one(cap, demands[i], choice, frag)
+        except LedgerError:
+            continue  # cannot happen for a valid plan; counted as failed rather than overcommitted
+        placed.append((batch[i], choice[1]))
+    return placed
+
+
+def _measure(out: PolicyResult, cap: Capacity, workload: Workload, placed) -> None:
+    a = cap.arrays
+    used = a.used
+    out.capacityMemoryBytes = int(a.capacity.sum())
+    out.allocatedMemoryBytes = int(np.minimum(used, a.capacity).sum())
+    out.requestedMemoryBytes = int(used.sum())
+    over = (used > a.capacity) | (a.used_replicas > a.replicas)
+    out.overcommittedGpus = int(over.sum())
+    out.overcommittedBytes = int(np.maximum(used - a.capacity, 0).sum())
+    out.gpusTotal = len(a.capacity)
+    out.gpusInUse = int((a.used_replicas > 0).sum())
+    out.gpusFree = int((a.used_replicas == 0).sum())
+    f = FragIndex(cap, workload)
+    out.fragmentationBytes = float(f.node_frag().sum())
+    free = float(np.maximum(a.capacity - used, 0).sum())
+    out.fragmentationRate = out.fragmentationBytes / free if free else 0.0
