@@ -53,10 +53,11 @@ fi
 
 mkdir -p "$K8S_DIR"
 START=$(date +%s)
-exec 3>&1 4>&2
+# fds 7/8 keep the terminal for the result line; children never see them (debconf writes to fd 3).
+exec 7>&1 8>&2
 exec >>"$LOG" 2>&1
 echo "=== build.sh started $(date -u +%FT%TZ) (force=$FORCE) ==="
-trap 'rc=$?; if [[ $rc != 0 ]]; then echo "control-plane: FAILED (exit $rc) after $(( $(date +%s) - START ))s; log: $LOG" >&4; tail -n 30 "$LOG" | sed "s/^/  | /" >&4; fi' EXIT
+trap 'rc=$?; if [[ $rc != 0 ]]; then echo "control-plane: FAILED (exit $rc) after $(( $(date +%s) - START ))s; log: $LOG" >&8; tail -n 30 "$LOG" | sed "s/^/  | /" >&8; fi' EXIT
 
 trap 'echo "error: line $LINENO: $BASH_COMMAND"' ERR
 
@@ -65,15 +66,24 @@ exec 9>"$K8S_DIR/.lock"
 flock 9
 if [[ $FORCE == 0 ]] && binaries_cached && [[ -z "$(missing_packages)" ]]; then
     echo "another build finished while we waited for the lock"
-    echo "control-plane: cached kube-apiserver/kube-scheduler v$K8S_VERSION in $BIN_DIR (built concurrently)" >&3
+    echo "control-plane: cached kube-apiserver/kube-scheduler v$K8S_VERSION in $BIN_DIR (built concurrently)" >&7
     exit 0
 fi
 
 export DEBIAN_FRONTEND=noninteractive
 APT_UPDATED=0
+retry() {  # a registry hiccup should not fail a CI run
+    local attempt
+    for attempt in 1 2 3; do
+        "$@" 7>&- 8>&- 9>&- && return 0
+        echo "attempt $attempt failed: $*"
+        sleep $((attempt * 5))
+    done
+    return 1
+}
 apt_update_once() {
     if [[ $APT_UPDATED == 0 ]]; then
-        apt-get update -q
+        retry apt-get update -q
         APT_UPDATED=1
     fi
 }
@@ -84,7 +94,7 @@ if [[ -n "$MISSING" ]]; then
     echo "installing: $MISSING"
     apt_update_once
     # shellcheck disable=SC2086
-    apt-get install -y -q --no-install-recommends $MISSING
+    retry apt-get install -y -q --no-install-recommends $MISSING
 fi
 
 # ---- 2. source -----------------------------------------------------------------------------
@@ -123,7 +133,7 @@ SRC
     fi
     TMP_SRC="$K8S_DIR/src.tmp"
     rm -rf "$TMP_SRC" && mkdir -p "$TMP_SRC"
-    (cd "$TMP_SRC" && apt-get source -q kubernetes)
+    (cd "$TMP_SRC" && retry apt-get source -q kubernetes)
     SRC_NAME="$(cd "$TMP_SRC" && find . -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -n1)"
     [[ -n "$SRC_NAME" && -d "$TMP_SRC/$SRC_NAME/vendor/k8s.io" && -d "$TMP_SRC/$SRC_NAME/cmd/kube-apiserver" ]] \
         || { echo "apt-get source kubernetes gave no full tree with vendor/ (need bookworm's 1.20.2)"; exit 1; }
@@ -196,4 +206,4 @@ rm -rf "$OUT_TMP"
 
 ELAPSED=$(( $(date +%s) - START ))
 echo "=== build.sh done in ${ELAPSED}s ==="
-echo "control-plane: built kube-apiserver/kube-scheduler v$K8S_VERSION in ${ELAPSED}s -> $BIN_DIR (etcd: $(command -v etcd))" >&3
+echo "control-plane: built kube-apiserver/kube-scheduler v$K8S_VERSION in ${ELAPSED}s -> $BIN_DIR (etcd: $(command -v etcd))" >&7

@@ -290,20 +290,30 @@ class ControlPlane:
         self,
         config: str | Mapping[str, Any] | None = None,
         *,
+        extender_url: str | None = None,
         leader_elect: bool = False,
         extra_args: Iterable[str] = (),
     ) -> Path:
         """Run kube-scheduler 1.20 with a KubeSchedulerConfiguration (YAML text or dict).
 
         ``kubescheduler.config.k8s.io/v1`` is translated to ``v1beta1`` (what 1.20 reads). The
-        client kubeconfig, healthz and metrics addresses are always ours (free loopback ports);
-        leader election is forced off unless ``leader_elect``. Returns the written config path.
+        client kubeconfig, healthz and metrics addresses are always ours (free loopback ports).
+        ``extender_url`` replaces the ``urlPrefix`` of every extender (e.g. the shipped
+        config/KubeSchedulerConfiguration.yaml pointed at a test extender's port).
+        Leader election is forced off unless ``leader_elect``; with it, the config's lease
+        namespace is created and ``system:kube-scheduler`` may use that lease, as deploy/ grants.
+        Returns the written config path; the scheduler is up (healthz) when this returns.
         """
         self.stop_scheduler()
         if config is None:
             config = self.scheduler_config()
         doc = yaml.safe_load(config) if isinstance(config, str) else copy.deepcopy(dict(config))
         doc = to_v1beta1(doc)
+        if extender_url is not None:
+            if not doc.get("extenders"):
+                raise ControlPlaneError("extender_url given but the config has no extenders")
+            for ext in doc["extenders"]:
+                ext["urlPrefix"] = extender_url
         self.scheduler_healthz_port = free_port()
         self.scheduler_metrics_port = free_port()
         doc["clientConnection"] = {
@@ -315,6 +325,11 @@ class ControlPlane:
         election = dict(doc.get("leaderElection") or {})
         election["leaderElect"] = bool(leader_elect)
         doc["leaderElection"] = election
+        if leader_elect:
+            self._grant_scheduler_lease(
+                election.get("resourceNamespace", "kube-system"),
+                election.get("resourceName", "kube-scheduler"),
+            )
         self.scheduler_config_path = self.workdir / "kube-scheduler.config.yaml"
         self.scheduler_config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         argv = [
@@ -336,6 +351,42 @@ class ControlPlane:
     def stop_scheduler(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+
+    def _grant_scheduler_lease(self, namespace: str, lease: str) -> None:
+        """Bootstrap RBAC lets system:kube-scheduler update only kube-system/kube-scheduler."""
+        with self.api_client() as client:
+            core = kubernetes.client.CoreV1Api(client)
+            rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+            name = f"e2e-scheduler-lease-{lease}"
+            _create_ignore_conflict(lambda: core.create_namespace({"metadata": {"name": namespace}}))
+            _create_ignore_conflict(lambda: rbac.create_namespaced_role(namespace, {
+                "metadata": {"name": name},
+                "rules": [
+                    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                     "verbs": ["create"]},
+                    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                     "resourceNames": [lease], "verbs": ["get", "update"]},
+                ],
+            }))
+            _create_ignore_conflict(lambda: rbac.create_namespaced_role_binding(namespace, {
+                "metadata": {"name": name},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                              "name": "system:kube-scheduler"}],
+            }))
+
+    def scheduler_lease_holder(self, namespace: str = "kube-system",
+                               name: str = "kube-scheduler") -> str | None:
+        """holderIdentity of the scheduler's Lease, or None (no lease / not held)."""
+        with self.api_client() as client:
+            api = kubernetes.client.CoordinationV1Api(client)
+            try:
+                lease = api.read_namespaced_lease(name, namespace)
+            except kubernetes.client.ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+        return lease.spec.holder_identity or None
 
     @property
     def scheduler_metrics_url(self) -> str:
@@ -608,6 +659,13 @@ class ControlPlane:
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={self.ca_path}",
+            # Never used, but without it the scheduler's delegated authn logs "missing content
+            # for CA bundle ...requestheader-client-ca-file" on every resync, drowning its log.
+            f"--requestheader-client-ca-file={self.ca_path}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--token-auth-file={self.workdir / 'tokens.csv'}",
             "--authorization-mode=Node,RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",

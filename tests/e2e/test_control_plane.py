@@ -115,23 +115,23 @@ def test_apiserver_restart_keeps_etcd_data(cluster: ControlPlane) -> None:
 
 
 class RecordingExtender:
-    """A pass-through extender on a loopback port that records what the scheduler sends.
+    """A minimal extender on a loopback port that records what the scheduler sends.
 
-    It only proves the harness wiring (urlPrefix -> scheduler -> HTTP); vramsched's own
-    extender is exercised by its own e2e tests.
+    filter passes every node, prioritize gives no scores, bind creates the Binding (the
+    extender's job when it is the binder). It only proves the harness wiring
+    (urlPrefix -> scheduler -> HTTP); vramsched's own extender has its own e2e tests.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cp: ControlPlane) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.api = cp.api_client()
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server API)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 recorder.calls.append((self.path, body))
-                reply = {"Nodes": body.get("Nodes"), "NodeNames": body.get("NodeNames"),
-                         "FailedNodes": {}, "Error": ""}
-                data = json.dumps(reply).encode()
+                data = json.dumps(recorder.reply(self.path.rsplit("/", 1)[-1], body)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -146,14 +146,35 @@ class RecordingExtender:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def reply(self, verb: str, body: dict[str, Any]) -> Any:
+        if verb == "filter":
+            return {"Nodes": body.get("Nodes"), "NodeNames": body.get("NodeNames"),
+                    "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+        if verb == "prioritize":
+            return []
+        if verb == "bind":
+            kubernetes.client.CoreV1Api(self.api).create_namespaced_binding(
+                body["PodNamespace"],
+                {"metadata": {"name": body["PodName"], "uid": body["PodUID"]},
+                 "target": {"kind": "Node", "name": body["Node"]}},
+                _preload_content=False,  # the server answers a Status, not a Binding
+            )
+            return {"Error": ""}
+        return {"Error": f"unexpected verb {verb}"}
+
+    def verbs_for(self, pod: str) -> list[str]:
+        return [path.rsplit("/", 1)[-1] for path, body in self.calls
+                if body.get("Pod", {}).get("metadata", {}).get("name", body.get("PodName")) == pod]
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.api.close()
 
 
 @pytest.fixture
-def recording_extender() -> Iterator[RecordingExtender]:
-    ext = RecordingExtender()
+def recording_extender(cluster: ControlPlane) -> Iterator[RecordingExtender]:
+    ext = RecordingExtender(cluster)
     yield ext
     ext.close()
 
@@ -180,6 +201,38 @@ def test_scheduler_calls_extender_at_url_prefix_for_gpu_pods_only(
     assert pods == ["one-gpu"]  # managedResources: the GPU-less pod never reaches it
     sent_nodes = recording_extender.calls[0][1]["Nodes"]["items"]
     assert [n["metadata"]["name"] for n in sent_nodes] == ["gpu-d"]
+
+
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "config" / "KubeSchedulerConfiguration.yaml"
+
+
+@pytest.mark.e2e
+def test_shipped_scheduler_config_runs_with_leader_election_and_extender_binding(
+    cluster: ControlPlane, recording_extender: RecordingExtender
+) -> None:
+    config = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    election = config["leaderElection"]
+    cluster.create_gpu_node("gpu-e", {}, {GPU: 2})
+    cluster.create_gpu_node("gpu-f", {}, {GPU: 2})
+    cluster.start_scheduler(SHIPPED_CONFIG.read_text(), extender_url=recording_extender.url,
+                            leader_elect=True)
+
+    holder = cluster.wait_for(
+        lambda: cluster.scheduler_lease_holder(election["resourceNamespace"],
+                                               election["resourceName"]),
+        timeout=60, message="the scheduler holds its own lease")
+    assert holder
+    with cluster.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespaced_pod("default", pod_body("gpu-pod", "vramsched", gpus=1))
+        node = cluster.wait_for(lambda: bound_node(core, "gpu-pod"), timeout=60,
+                                message="gpu-pod bound by the extender")
+    assert node in {"gpu-e", "gpu-f"}
+    verbs = recording_extender.verbs_for("gpu-pod")
+    assert verbs == ["filter", "prioritize", "bind"]  # two feasible nodes: prioritize runs
+    filter_args = recording_extender.calls[0][1]
+    assert filter_args["Nodes"] is None  # nodeCacheCapable: names only
+    assert sorted(filter_args["NodeNames"]) == ["gpu-e", "gpu-f"]
 
 
 @pytest.mark.e2e
