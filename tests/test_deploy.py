@@ -370,7 +370,9 @@ def test_pinning_patch_only_adds_the_flag() -> None:
     assert set(patched) == {"name", "args"}
     base = container(deployment(), patched["name"])
     assert patched["args"] == base["args"] + ["--pin-gpus"]
-    assert serve_args(patched["args"]).pin_gpus is True
+    parsed = serve_args(patched["args"])
+    # An explicit --replica-policy would override the --pin-gpus shorthand.
+    assert parsed.pin_gpus is True and parsed.replica_policy is None
 
 
 # ---------------------------------------------------------------------------------------------
