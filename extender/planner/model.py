@@ -14,7 +14,7 @@ s <= z and sum_g s = k z: this always splits into z pods on k distinct devices).
 replicas, node CPU and memory are hard constraints: the plan never overcommits.
 
 Goals, lexicographic, as two CP-SAT stages (stage 2 keeps stage 1's value):
-  1. most pods placed (priority-weighted: each priority level is worth twice the one below), then
+  1. most pods placed (priority-weighted: one pod outweighs all pods of lower priority together), then
      fewest empty GPUs opened;
   2. least stranded VRAM (FGD's expected fragmentation over the most common pending types: free
      memory a type cannot use, or all of a node's free memory when the type cannot run there),
@@ -110,9 +110,13 @@ def _pod_classes(demands: Sequence[Demand]) -> list[_PodClass]:
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, d in enumerate(demands):
         groups[(d.gpu_count, d.bytes_per_gpu, d.resource, d.allowed_products, d.cpu_milli, d.memory_bytes, d.priority)].append(i)
-    prios = sorted({d.priority for d in demands})
-    rank = {p: min(r, 20) for r, p in enumerate(prios)}
-    return [_PodClass(demands[m[0]], m, 1 << rank[demands[m[0]].priority]) for m in groups.values()]
+    # strict priority: one pod of a higher priority outweighs all pods of the lower ones together
+    weight: dict[int, int] = {}
+    below = 0
+    for p in sorted({d.priority for d in demands}):
+        weight[p] = min(below + 1, 1 << 40)
+        below += weight[p] * sum(1 for d in demands if d.priority == p)
+    return [_PodClass(demands[m[0]], m, weight[demands[m[0]].priority]) for m in groups.values()]
 
 
 def solve_batch(

@@ -1,0 +1,183 @@
+"""The CP-SAT batch model against brute force on small cases, and its safety nets."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from builders import gpu_node
+from extender.demand import Demand, PodRef
+from extender.ledger import check_invariant
+from extender.planner import model
+from extender.planner.capacity import Capacity, FragIndex, Workload
+from extender.planner.greedy import greedy_batch, place_one
+from extender.planner.model import solve_batch
+from extender.quantity import GIB
+from extender.simulate.engine import build_capacity
+
+
+def demand(name: str, gib: int | None, *, gpus: int = 1, cpu: int = 0, products: frozenset[str] | None = None,
+           priority: int = 0) -> Demand:
+    return Demand(PodRef("t", name), gpus, None if gib is None else gib * GIB, cpu_milli=cpu, allowed_products=products,
+                  priority=priority)
+
+
+def brute_force(cap: Capacity, demands: list[Demand]) -> tuple[int, int]:
+    """Best (placed, -opened) over every assignment of each pod to a device set or to nothing."""
+    a = cap.arrays
+    options = []
+    for d in demands:
+        opts: list[tuple[int, ...] | None] = [None]
+        for n in range(len(a.node_names)):
+            rows = range(int(a.node_start[n]), int(a.node_start[n + 1]))
+            opts.extend(itertools.combinations(rows, d.gpu_count))
+        options.append(opts)
+    best = (-1, 0)
+    for combo in itertools.product(*options):
+        used = a.used.copy()
+        reps = a.used_replicas.copy()
+        cpu = cap.cpu_free.copy()
+        ok = True
+        for d, rows in zip(demands, combo):
+            if rows is None:
+                continue
+            cpu[a.node_of[rows[0]]] -= d.cpu_milli
+            for g in rows:
+                need = a.per_pod_cap[g] if d.bytes_per_gpu is None else d.bytes_per_gpu
+                if need > a.per_pod_cap[g]:
+                    ok = False
+                used[g] += need
+                reps[g] += 1
+        if not ok or (used > a.capacity).any() or (reps > a.replicas).any() or (cpu < 0).any():
+            continue
+        placed = sum(rows is not None for rows in combo)
+        opened = int(((reps > 0) & (a.used_replicas == 0)).sum())
+        best = max(best, (placed, -opened))
+    return best[0], -best[1]
+
+
+def opened_by(cap: Capacity, plan) -> int:
+    a = cap.arrays
+    seen = set()
+    for res, n, _ in plan.choices.values():
+        for dev in res.device_ids:
+            g = cap.ledger.row(res.node, dev)
+            if a.used_replicas[g] == 0:
+                seen.add(g)
+    return len(seen)
+
+
+def test_solver_beats_greedy_where_greedy_strands_memory():
+    # two 100 GiB GPUs; largest-first greedy packs 45+45 then 30+30+25 and strands 25 GiB pieces:
+    # the optimum is 45+30+25 twice.
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
+    demands = [demand(f"p{i}", g) for i, g in enumerate([45, 45, 30, 30, 25, 25])]
+    assert len(greedy_batch(cap, demands)) == 5
+    plan = solve_batch(cap, demands, time_limit=5, num_workers=1)
+    assert plan.placed == 6
+    assert plan.improved
+    assert plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_brute_force_on_small_random_cases(seed):
+    rng = random.Random(seed)
+    nodes = [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=3, cpu=str(rng.choice([4, 8]))) for i in range(2)]
+    _, cap = build_capacity(nodes)
+    demands = []
+    for i in range(5):
+        k = rng.choice([1, 1, 1, 2])
+        demands.append(demand(f"p{i}", rng.choice([10, 30, 40, 50, 70]), gpus=k, cpu=rng.choice([1000, 2000, 3000])))
+    placed, opened = brute_force(cap, demands)
+    plan = solve_batch(cap, demands, time_limit=10, num_workers=1)
+    assert plan.placed == placed
+    assert opened_by(cap, plan) == opened
+
+
+def test_multi_gpu_pod_lands_on_one_node_and_distinct_gpus():
+    nodes = [gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), gpu_node("b", count=2, memory_mib=80 * 1024, replicas=4)]
+    _, cap = build_capacity(nodes)
+    demands = [demand("big", 60, gpus=2), demand("s1", 20), demand("s2", 20), demand("s3", 50)]
+    plan = solve_batch(cap, demands, time_limit=5, num_workers=1)
+    res = plan.choices[0][0]
+    assert len(set(res.device_ids)) == 2
+    assert plan.placed == 4
+
+
+def test_cpu_limit_and_allowed_products_are_respected():
+    nodes = [gpu_node("small-cpu", count=4, memory_mib=80 * 1024, replicas=4, cpu="2", product="NVIDIA-A100-SXM4-80GB"),
+             gpu_node("h100", count=1, memory_mib=80 * 1024, replicas=4, product="NVIDIA-H100-80GB-HBM3")]
+    _, cap = build_capacity(nodes)
+    demands = [demand(f"c{i}", 10, cpu=1000) for i in range(3)] + [demand("only-a100", 10, products=frozenset({"NVIDIA-A100-SXM4-80GB"}))]
+    plan = solve_batch(cap, demands, time_limit=5, num_workers=1)
+    on_small = [i for i, (_, n, _) in plan.choices.items() if cap.arrays.node_names[n] == "small-cpu" and demands[i].cpu_milli]
+    assert len(on_small) <= 2  # 2 CPUs on that node
+    assert cap.arrays.node_names[plan.choices[3][1]] == "small-cpu"
+    assert plan.placed == 4
+
+
+def test_priority_weighted_when_not_everything_fits():
+    _, cap = build_capacity([gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4)])
+    demands = [demand("low-a", 40), demand("low-b", 40), demand("high", 60, priority=1000)]
+    plan = solve_batch(cap, demands, time_limit=5, num_workers=1)
+    assert list(plan.choices) == [2]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_never_overcommits(seed):
+    rng = random.Random(100 + seed)
+    nodes = [gpu_node(f"n{i}", count=rng.choice([2, 4]), memory_mib=rng.choice([24, 48, 80]) * 1024, replicas=rng.choice([1, 2, 4]),
+                      cpu=str(rng.choice([8, 16]))) for i in range(5)]
+    _, cap = build_capacity(nodes)
+    demands = [demand(f"p{i}", rng.choice([None, 8, 12, 20, 30, 40]), gpus=rng.choice([1, 1, 2]), cpu=rng.choice([500, 2000, 4000]))
+               for i in range(25)]
+    plan = solve_batch(cap, demands, time_limit=2, num_workers=1)
+    for i, ch in plan.choices.items():
+        place_one(cap, demands[i], ch)  # reserve(): raises on any overcommit
+    assert check_invariant(cap.ledger) == []
+    assert (cap.cpu_free >= 0).all() and (cap.mem_free >= 0).all()
+
+
+def test_restricted_neighbourhood_is_valid_and_never_worse_than_greedy():
+    nodes = [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(12)]
+    _, cap = build_capacity(nodes)
+    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 30, 30, 20, 20, 60, 40, 40, 10, 70, 20, 30])]
+    frag = FragIndex(cap, Workload.from_demands(demands))
+    greedy = greedy_batch(cap, demands, frag)
+    built = model._Builder(cap, demands, frag, greedy, max_copies=3)
+    assert built.restricted
+    solved = built.solve(2.0, 1)
+    assert solved.cost <= solved.greedy_cost
+    relax = built.relaxation_bound(1.0, 1)
+    assert relax is not None and relax <= solved.stages[0].objective
+    plan = solve_batch(cap, demands, frag, time_limit=2, num_workers=1)
+    assert plan.placed >= len(greedy)
+
+
+def test_solver_failure_falls_back_to_greedy(monkeypatch):
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
+    demands = [demand(f"p{i}", g) for i, g in enumerate([45, 45, 30, 30, 25, 25])]
+
+    def boom(self, *a, **k):
+        raise RuntimeError("solver crashed")
+
+    monkeypatch.setattr(model._Builder, "solve", boom)
+    plan = solve_batch(cap, demands, time_limit=1, num_workers=1)
+    assert plan.status == "ERROR"
+    assert plan.placed == 5 and not plan.improved  # the greedy plan
+
+
+def test_single_pod_uses_the_exact_greedy_rule():
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4)])
+    plan = solve_batch(cap, [demand("p", 10)], time_limit=1, num_workers=1)
+    assert plan.status == "GREEDY" and plan.placed == 1
+
+
+def test_capacity_is_left_unchanged_by_planning():
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4)])
+    before = (cap.arrays.used.copy(), cap.cpu_free.copy(), len(list(cap.ledger.reservations())))
+    solve_batch(cap, [demand("a", 40), demand("b", 50), demand("c", 30)], time_limit=1, num_workers=1)
+    assert (cap.arrays.used == before[0]).all() and (cap.cpu_free == before[1]).all()
+    assert len(list(cap.ledger.reservations())) == before[2]

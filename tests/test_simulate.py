@@ -1,0 +1,156 @@
+"""The simulator: trace reading, inflation, policies, metrics, CLI output, and plan-defrag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from builders import gpu_node, pod
+from extender.cli import main
+from extender.ledger import Reservation
+from extender.assignment import encode_assignment
+from extender.demand import PodRef
+from extender.quantity import GIB, MIB
+from extender.simulate.engine import ALL_POLICIES, run_policy
+from extender.simulate.trace import inflate, read_inputs, read_trace_nodes, read_trace_pods
+
+NODE_HEAD = "sn,cpu_milli,memory_mib,gpu,model\n"
+POD_HEAD = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+
+
+def write(tmp_path, nodes: list[str], pods: list[str]):
+    n = tmp_path / "nodes.csv"
+    p = tmp_path / "pods.csv"
+    n.write_text(NODE_HEAD + "".join(r + "\n" for r in nodes))
+    p.write_text(POD_HEAD + "".join(r + "\n" for r in pods))
+    return n, p
+
+
+def task(name, gpus, milli, t, *, cpu=1000, spec="", dele=""):
+    return f"{name},{cpu},1024,{gpus},{milli},{spec},LS,Running,{t},{dele},{t}"
+
+
+def test_trace_reader_follows_the_trace_convention(tmp_path):
+    n, p = write(tmp_path, ["node-a,8000,65536,2,T4"],
+                 [task("b", 1, 300, 5), task("a", 1, 300, 5, spec="T4|P100"), task("m", 2, 0, 1), task("cpu", 0, 0, 0)])
+    nodes = read_trace_nodes(n)
+    assert nodes[0]["metadata"]["labels"]["nvidia.com/gpu.memory"] == "1000"
+    tasks = read_trace_pods(p)
+    assert [t.demand.pod.name for t in tasks] == ["cpu", "m", "a", "b"]  # creation time, then name
+    a = tasks[2].demand
+    assert a.bytes_per_gpu == 300 * MIB and a.allowed_products == frozenset({"T4", "P100"})
+    assert tasks[1].demand.gpu_count == 2 and tasks[1].demand.bytes_per_gpu is None  # whole GPUs
+    assert len(read_trace_pods(p, skip_cpu_only=True)) == 3
+
+
+def test_inflate_reaches_the_target_with_fresh_names(tmp_path):
+    _, p = write(tmp_path, [], [task(f"t{i}", 1, 500, i) for i in range(4)])
+    tasks = inflate(read_trace_pods(p), gpu_capacity=3, factor=1.5)
+    demand = sum(t.demand.bytes_per_gpu for t in tasks) / (1000 * MIB)
+    assert demand >= 4.5 and demand - 0.5 < 4.5
+    assert len({t.key for t in tasks}) == len(tasks)
+    assert [t.arrival for t in tasks] == sorted(t.arrival for t in tasks)
+
+
+def test_spread_overcommits_vram_and_vramsched_policies_never_do(tmp_path):
+    # one node, one GPU; two 600-MiB tasks: the device plugin's time-slicing puts both on it
+    n, p = write(tmp_path, ["n0,64000,262144,1,T4"], [task("x", 1, 600, 0), task("y", 1, 600, 1)])
+    nodes, tasks, bound = read_inputs(n, p)
+    spread = run_policy("spread", nodes, tasks, bound)
+    assert spread.placed == 2 and spread.overcommittedGpus == 1
+    for policy in ("planner", "best-fit", "first-fit", "fgd"):
+        r = run_policy(policy, nodes, tasks, bound)
+        assert (r.placed, r.failed, r.overcommittedGpus, r.invariantViolations) == (1, 1, 0, 0)
+
+
+def test_pods_arriving_together_are_planned_as_one_batch(tmp_path):
+    # two GPUs; six tasks at the same time: greedy strands memory, the batch plan fits all six
+    sizes = [450, 450, 300, 300, 250, 250]
+    n, p = write(tmp_path, ["n0,64000,262144,2,T4"], [task(f"p{i}", 1, s, 7) for i, s in enumerate(sizes)])
+    nodes, tasks, bound = read_inputs(n, p)
+    planner = run_policy("planner", nodes, tasks, bound, time_limit=5, num_workers=1)
+    best = run_policy("best-fit", nodes, tasks, bound)
+    assert planner.solverBatches == 1 and planner.placed == 6 and planner.overcommittedGpus == 0
+    assert best.placed == 5
+    assert planner.allocatedMemoryBytes == 2000 * MIB
+
+
+def test_churn_frees_capacity_for_later_pods(tmp_path):
+    rows = [task("first", 1, 1000, 0, dele="10"), task("second", 1, 1000, 20)]
+    n, p = write(tmp_path, ["n0,64000,262144,1,T4"], rows)
+    nodes, tasks, bound = read_inputs(n, p)
+    assert run_policy("planner", nodes, tasks, bound).placed == 1
+    assert run_policy("planner", nodes, tasks, bound, churn=True).placed == 2
+
+
+def test_cpu_bounds_placement_like_kube_scheduler(tmp_path):
+    n, p = write(tmp_path, ["n0,4000,262144,2,T4"], [task("a", 1, 100, 0, cpu=3000), task("b", 1, 100, 1, cpu=3000)])
+    nodes, tasks, bound = read_inputs(n, p)
+    for policy in ALL_POLICIES:
+        assert run_policy(policy, nodes, tasks, bound).placed == 1
+
+
+def test_simulate_json_output(tmp_path, capsys):
+    n, p = write(tmp_path, ["n0,64000,262144,2,T4", "n1,64000,262144,2,P100"],
+                 [task(f"p{i}", 1, 200 * (i % 5 + 1), i // 2) for i in range(12)])
+    assert main(["simulate", "--nodes", str(n), "--pods", str(p), "--json", "--inflate", "1.2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["policies"]) == set(ALL_POLICIES)
+    for name, r in out["policies"].items():
+        for key, typ in [("placed", int), ("failed", int), ("allocatedMemoryBytes", int), ("gpusInUse", int), ("gpusFree", int),
+                         ("overcommittedGpus", int), ("seconds", float)]:
+            assert isinstance(r[key], typ), (name, key)
+        assert r["gpusInUse"] + r["gpusFree"] == 4
+    assert out["policies"]["planner"]["overcommittedGpus"] == 0
+
+
+def test_simulate_reads_cluster_yaml_and_plots(tmp_path, capsys):
+    objs = [gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4), pod("a", "30Gi"), pod("b", "50Gi"), pod("c", "60Gi", gpus=2)]
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}))
+    png = tmp_path / "out.png"
+    assert main(["simulate", "--nodes", str(f), "--pods", str(f), "--policy", "planner", "--policy", "spread", "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "planner" in table and "spread" in table
+    assert png.stat().st_size > 1000
+
+
+def bound_pod(name, node, dev, gib, namespace="default"):
+    res = Reservation(PodRef(namespace, name), node, (dev,), (gib * GIB,))
+    p = pod(name, f"{gib}Gi", node=node, namespace=namespace, phase="Running", annotations=encode_assignment(res))
+    return p
+
+
+def test_plan_defrag_frees_gpus_with_fewest_moves_and_respects_limits(tmp_path, capsys):
+    objs = [gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4), gpu_node("g1", count=1, memory_mib=80 * 1024, replicas=4),
+            bound_pod("a", "g0", "0", 20), bound_pod("b", "g0", "1", 20), bound_pod("c", "g1", "0", 30, namespace="prod")]
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}))
+    assert main(["plan-defrag", "--cluster", str(f), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpusFreed"] == 2 and len(out["moves"]) == 2  # two moves free two GPUs; three would free no more
+    assert main(["plan-defrag", "--cluster", str(f), "--json", "--max-moves", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpusFreed"] == 1 and len(out["moves"]) == 1
+    assert main(["plan-defrag", "--cluster", str(f), "--json", "--exclude-namespace", "default"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpusFreed"] == 1 and [m["pod"] for m in out["moves"]] == ["prod/c"]
+    assert main(["plan-defrag", "--cluster", str(f)]) == 0
+    assert "Nothing was evicted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_every_policy_on_a_slice_of_the_real_trace(policy):
+    from pathlib import Path
+
+    trace = Path("/work/shared/traces")
+    if not trace.exists():
+        trace = Path(__file__).parent / "fixtures" / "traces"
+    nodes, tasks, bound = read_inputs(trace / "openb_node_list_gpu_node.csv", trace / "openb_pod_list_gpushare40.csv")
+    nodes, tasks = nodes[:40], tasks[:150]
+    r = run_policy(policy, nodes, tasks, bound)
+    assert r.placed + r.failed == 150
+    if policy != "spread":
+        assert r.overcommittedGpus == 0 and r.invariantViolations == 0
