@@ -70,6 +70,9 @@ class DeviceArrays:
     gpu_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     resources: dict[str, int] = field(default_factory=dict)
     products: dict[str, int] = field(default_factory=dict)
+    #: static facts derived from these rows (node kinds, name arrays, reasons), computed on
+    #: first use by the hot path and dropped with the arrays when the inventory changes.
+    derived: dict = field(default_factory=dict)
 
     @property
     def free(self) -> np.ndarray:
@@ -97,6 +100,8 @@ class Ledger:
         self._arrays = DeviceArrays()
         self._row: dict[tuple[str, str], int] = {}
         self._node_row: dict[str, int] = {}
+        #: keys of reservations stored as assumed, so expire() does not scan every reservation.
+        self._assumed: dict[str, None] = {}  # ordered like the reservations
         self._dirty = True
         #: bumped on every change; the planner uses it to know whether its plan is stale.
         self.generation = 0
@@ -173,6 +178,8 @@ class Ledger:
             raise LedgerError(why)
         self._apply(res, +1)
         self._reservations[res.key] = res
+        if res.assumed:
+            self._assumed[res.key] = None
         self._by_node.setdefault(res.node, set()).add(res.key)
         self._touch(res.node)
         return res
@@ -187,16 +194,21 @@ class Ledger:
         if existing is not None:
             if existing.same_placement(res):
                 existing.assumed, existing.expires_at = res.assumed, res.expires_at
+                if res.assumed:
+                    self._assumed[res.key] = None
                 return existing
             self.release(res.key)
         self._apply(res, +1)
         self._reservations[res.key] = res
+        if res.assumed:
+            self._assumed[res.key] = None
         self._by_node.setdefault(res.node, set()).add(res.key)
         self._touch(res.node)
         return res
 
     def release(self, pod_key: str) -> Reservation | None:
         res = self._reservations.pop(pod_key, None)
+        self._assumed.pop(pod_key, None)
         if res is None:
             return None
         self._apply(res, -1)
@@ -211,7 +223,13 @@ class Ledger:
     def expire(self, now: float | None = None) -> list[Reservation]:
         """Drop assumed reservations whose TTL passed (a bind whose pod never showed up)."""
         now = time.monotonic() if now is None else now
-        gone = [r for r in self._reservations.values() if r.assumed and r.expires_at is not None and r.expires_at <= now]
+        gone = []
+        for key in list(self._assumed):
+            r = self._reservations.get(key)
+            if r is None or not r.assumed:
+                self._assumed.pop(key, None)  # confirmed since: no longer a candidate
+            elif r.expires_at is not None and r.expires_at <= now:
+                gone.append(r)
         for r in gone:
             self.release(r.key)
         return gone

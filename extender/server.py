@@ -27,6 +27,7 @@ from extender.wire import (
     ExtenderFilterResult,
     ExtenderPreemptionArgs,
     HostPriorityList,
+    ScoredHosts,
 )
 
 __all__ = ["create_app", "route_paths", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CONCURRENCY", "SERVICE_KEY", "METRICS_KEY"]
@@ -112,6 +113,12 @@ def _timed(verb: str, handler: Handler) -> Handler:
 async def _filter(request: web.Request) -> web.Response:
     args = await _decode(request, ExtenderArgs)
     result = request.app[SERVICE_KEY].filter(args)
+    if not result.Error and result.Nodes is None:
+        # NodeNames form (nodeCacheCapable): plain lists and dicts of str, orjson is ~5x faster
+        return web.Response(body=orjson.dumps({
+            "Nodes": None, "NodeNames": result.NodeNames, "FailedNodes": result.FailedNodes,
+            "FailedAndUnresolvableNodes": result.FailedAndUnresolvableNodes, "Error": "",
+        }), content_type=_JSON)
     if not result.Error:
         try:
             return _json(result)
@@ -123,7 +130,10 @@ async def _filter(request: web.Request) -> web.Response:
 
 async def _prioritize(request: web.Request) -> web.Response:
     args = await _decode(request, ExtenderArgs)
-    return _json(HostPriorityList(request.app[SERVICE_KEY].prioritize(args)))
+    hosts = request.app[SERVICE_KEY].prioritize(args)
+    if isinstance(hosts, ScoredHosts):  # the hot path: encoded from arrays, no object per host
+        return web.Response(body=hosts.to_json(), content_type=_JSON)
+    return _json(HostPriorityList(list(hosts)))
 
 
 async def _bind(request: web.Request) -> web.Response:

@@ -7,8 +7,12 @@ needs, and validating a whole PodSpec on every call would cost more than the dec
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import weakref
+from collections.abc import Sequence
+from typing import Annotated, Any, overload
 
+import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "ExtenderFilterResult",
     "HostPriority",
     "HostPriorityList",
+    "ScoredHosts",
     "ExtenderBindingArgs",
     "ExtenderBindingResult",
     "MetaPod",
@@ -71,6 +76,69 @@ class HostPriority(BaseModel):
 
 class HostPriorityList(RootModel[list[HostPriority]]):
     """Prioritize answers with a bare JSON array, not an object."""
+
+
+class ScoredHosts(Sequence[HostPriority]):
+    """A prioritize answer kept as arrays: hosts `names[rows]` (in request order) with `scores`.
+
+    Reads like a list of HostPriority; `to_json` writes the bare array from per-node fragments
+    cached with `names`, without a Python object per host: 5,000 HostPriority models cost
+    milliseconds on every call, the fragments a join.
+    """
+
+    __slots__ = ("_names", "_rows", "_scores")
+
+    def __init__(self, names: np.ndarray, rows: np.ndarray, scores: np.ndarray) -> None:
+        if len(rows) != len(scores):
+            raise ValueError("one score per host")
+        if len(scores) and (int(scores.min()) < MIN_PRIORITY or int(scores.max()) > MAX_PRIORITY):
+            raise ValueError(f"extender scores must be within {MIN_PRIORITY}..{MAX_PRIORITY}")
+        self._names, self._rows, self._scores = names, rows, scores
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> HostPriority: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[HostPriority]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return HostPriority(Host=self._names[self._rows[i]], Score=int(self._scores[i]))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-sequence semantics, like list
+
+    def __repr__(self) -> str:
+        return f"ScoredHosts({len(self)} hosts)"
+
+    def to_json(self) -> bytes:
+        if not len(self._rows):
+            return b"[]"
+        table = _fragments(self._names, np.unique(self._scores).tolist())
+        return ("[" + ",".join(table[self._scores, self._rows].tolist()) + "]").encode()
+
+
+# names array -> (weak ref to it, fragment table [score, node] of '{"Host":"n","Score":s}')
+_FRAGMENTS: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def _fragments(names: np.ndarray, scores: list[int]) -> np.ndarray:
+    entry = _FRAGMENTS.get(id(names))
+    if entry is None or entry[0]() is not names:
+        for key in [k for k, (ref, _) in _FRAGMENTS.items() if ref() is None]:
+            del _FRAGMENTS[key]
+        entry = _FRAGMENTS[id(names)] = (weakref.ref(names), np.empty((MAX_PRIORITY + 1, len(names)), dtype=object))
+    table = entry[1]
+    for s in scores:
+        if table[s, 0] is None:
+            table[s] = [f'{{"Host":{orjson.dumps(n).decode()},"Score":{s}}}' for n in names.tolist()]
+    return table
 
 
 class ExtenderBindingArgs(BaseModel):
