@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -273,6 +275,34 @@ def test_stop_leaves_no_process_behind(tmp_path: Path, control_plane: ControlPla
     finally:
         cp.stop()
     assert not [pid for pid in pids if _alive(pid)]
+
+
+CRASHING_SESSION = """
+import os, sys, time
+sys.path.insert(0, {here!r})
+from controlplane import ControlPlane
+cp = ControlPlane({workdir!r}, bin_dir={bin_dir!r}).start()
+print(cp.etcd.proc.pid, cp.apiserver.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.e2e
+def test_components_die_with_a_killed_test_process(
+    tmp_path: Path, control_plane: ControlPlane
+) -> None:
+    script = CRASHING_SESSION.format(here=str(Path(__file__).parent), workdir=str(tmp_path / "cp"),
+                                     bin_dir=str(control_plane.bin_dir))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no finally in the child
+        proc.wait()
+    control_plane.wait_for(lambda: not [pid for pid in pids if _alive(pid)], timeout=15,
+                           message="etcd and kube-apiserver gone after their parent was killed")
 
 
 def _alive(pid: int) -> bool:
