@@ -483,14 +483,20 @@ def model_for_product(product: str) -> MigModel | None:
 
 
 def named_geometries(model: MigModel) -> dict[str, Geometry]:
-    """mig-parted style names for ``model`` (``all-<profile>`` at max count, ``all-balanced``)."""
+    """mig-parted style names for ``model``: ``all-<profile>`` at max count, ``all-<1g>.me``, ``all-balanced``."""
     out: dict[str, Geometry] = {}
     for p in model.profiles:
-        if p.media_extensions:
+        if p.media_extensions:  # config-default.yaml: "all-1g.10gb.me" is a single 1g.10gb+me
+            out[f"all-{p.name.replace('+', '.')}"] = geometry({p.name: 1})
             continue
         out[f"all-{p.name}"] = geometry({p.name: _max_uniform(model, p)})
     out["all-balanced"] = model.balanced
     return out
+
+
+def max_uniform_count(model: MigModel, profile: str) -> int:
+    """How many instances of ``profile`` one GPU holds when it holds nothing else."""
+    return _max_uniform(model, model.profile(profile))
 
 
 def _max_uniform(model: MigModel, p: MigProfile) -> int:

@@ -166,7 +166,9 @@ def test_unknown_products_have_no_table(product: str) -> None:
 @pytest.mark.parametrize("model", ALL_MODELS, ids=lambda m: m.name)
 def test_every_listed_geometry_is_valid(model: mig.MigModel) -> None:
     named = mig.named_geometries(model)
-    assert set(named) >= {"all-balanced"} and len(named) == 7
+    assert set(named) >= {"all-balanced"} and len(named) == 8
+    me = next(p.name for p in model.profiles if p.media_extensions)
+    assert named["all-" + me.replace("+", ".")] == ((me, 1),)
     for name, g in named.items():
         assert mig.is_valid_geometry(model, g), name
         assert reference_valid(model, Counter(dict(g))), name
@@ -223,6 +225,13 @@ def test_invalid_mixes_rejected(mix: dict[str, int]) -> None:
 )
 def test_valid_mixes_accepted(mix: dict[str, int]) -> None:
     assert mig.is_valid_geometry(mig.H100_80GB, mix)
+
+
+def test_max_uniform_count() -> None:
+    assert mig.max_uniform_count(mig.A100_40GB, "1g.10gb") == 4
+    assert mig.max_uniform_count(mig.H100_80GB, "1g.10gb") == 7
+    assert mig.max_uniform_count(mig.H100_80GB, "1g.10gb+me") == 1
+    assert mig.max_uniform_count(mig.H100_80GB, "3g.40gb") == 2
 
 
 def test_explicit_placements() -> None:
@@ -285,6 +294,7 @@ def test_config_names_round_trip() -> None:
     m = mig.H100_80GB
     assert mig.geometry_for_config_name(m, "all-balanced") == m.balanced
     assert mig.geometry_for_config_name(m, "all-1g.10gb") == mig.geometry({"1g.10gb": 7})
+    assert mig.geometry_for_config_name(m, "all-1g.10gb.me") == mig.geometry({"1g.10gb+me": 1})
     g = mig.geometry({"1g.10gb+me": 1, "1g.10gb": 2, "4g.40gb": 1})
     name = "vramsched-" + mig.geometry_descriptor(g)
     assert "+" not in name

@@ -151,7 +151,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         if model is None or prof is None or not model.has_profile(prof):
             notes.append(f"{name}: mig.strategy=single with product {product!r}: not understood, skipped")
             return []
-        per_gpu = dict(mig.named_geometries(model)[f"all-{prof}"])[prof]
+        per_gpu = mig.max_uniform_count(model, prof)
         counts = {prof: n_dev}
         gpu_count = -(-n_dev // per_gpu)
         mem_b = labels.get("nvidia.com/gpu.memory")
