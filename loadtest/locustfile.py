@@ -1,0 +1,261 @@
+"""Locust scenario: kube-scheduler's scheduling cycle against a scheduler extender.
+
+One task = one cycle as kube-scheduler runs it with `nodeCacheCapable: true` and
+`percentageOfNodesToScore: 100`: POST /filter with every node name, POST /prioritize with
+the survivors (skipped when only one survives, as kube-scheduler does), POST /bind to the
+best-scored node (ties broken at random, standing in for the in-tree scores).
+
+A request fails when the answer is not what kube-scheduler could use: non-200, malformed
+JSON, a key missing or of the wrong type, a node that was not sent, a node reported twice or
+not at all, a score outside 0..10, a filter `Error` for a well-formed pod, or a bind `Error`
+other than losing a race. Losing a race (another user took the GPU between our filter and
+our bind) is a legitimate outcome: it is counted apart, as "bind lost a race".
+
+Environment:
+  LOADTEST_NODES_FILE  the `<cluster>.nodes.json` sidecar of gen_cluster (node names)
+  LOADTEST_RATE        cycles/s per user (0 or unset: back to back, like a busy scheduler)
+  LOADTEST_SEED        pod mix seed (default 7)
+  LOADTEST_WARMUP      seconds at the start not counted in the latency file (default 2)
+  LOADTEST_RAW         path prefix for exact per-request latencies (`<prefix>.<pid>.json`)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from operator import itemgetter
+from pathlib import Path
+
+import orjson
+from locust import FastHttpUser, constant, constant_throughput, events, task
+
+from loadtest.pods import make_pod
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_HOST, _SCORE = itemgetter("Host"), itemgetter("Score")
+_FILTER_KEYS = frozenset({"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"})
+RACE_MARK = "does not fit on"  # the bind Error when the devices were taken since filter
+
+
+def _load_names() -> list[str]:
+    path = os.environ.get("LOADTEST_NODES_FILE")
+    if not path:
+        raise SystemExit("set LOADTEST_NODES_FILE to the .nodes.json sidecar written by loadtest.gen_cluster")
+    return list(orjson.loads(Path(path).read_bytes())["nodes"])
+
+
+NAMES = _load_names()
+NAMES_SET = frozenset(NAMES)
+NAMES_JSON = orjson.dumps(NAMES)
+RATE = float(os.environ.get("LOADTEST_RATE") or 0)
+WARMUP = float(os.environ.get("LOADTEST_WARMUP") or 2)
+_seeds = random.Random(int(os.environ.get("LOADTEST_SEED") or 7) + os.getpid())
+
+
+class _Raw:
+    """Exact latencies (ms) per verb after the warm-up, and outcome counts, for the summary:
+    locust's own percentiles are rounded to whole milliseconds below 100 ms."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.lat: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": [], "cycle": []}
+        self.counts = {"cycles": 0, "bound": 0, "races": 0, "unschedulable": 0, "failures": 0}
+        self.first = self.last = None
+        self.cycles_total = 0  # warm-up included, for CPU per cycle
+
+    def counting(self) -> bool:
+        return time.monotonic() - self.start >= WARMUP
+
+    def add(self, verb: str, ms: float) -> None:
+        if self.counting():
+            self.lat[verb].append(ms)
+
+    def count(self, what: str) -> None:
+        if self.counting():
+            now = time.monotonic()
+            self.first = self.first or now
+            self.last = now
+            self.counts[what] += 1
+
+    def dump(self, prefix: str) -> None:
+        span = (self.last - self.first) if self.first and self.last else 0.0
+        Path(f"{prefix}.{os.getpid()}.json").write_bytes(
+            orjson.dumps({"latency_ms": self.lat, "counts": self.counts, "span_s": span, "cycles_total": self.cycles_total})
+        )
+
+
+RAW = _Raw()
+
+
+@events.test_start.add_listener
+def _reset(**_kw) -> None:
+    global RAW
+    RAW = _Raw()
+
+
+@events.quitting.add_listener
+def _dump(**_kw) -> None:
+    prefix = os.environ.get("LOADTEST_RAW")
+    if prefix:
+        RAW.dump(prefix)
+
+
+class SchedulerUser(FastHttpUser):
+    """One kube-scheduler scheduling loop (cycles are serialized per scheduler)."""
+
+    wait_time = constant_throughput(RATE) if RATE > 0 else constant(0)
+    network_timeout = 10.0
+    connection_timeout = 10.0
+
+    def on_start(self) -> None:
+        self.rng = random.Random(_seeds.getrandbits(64))
+        self.tag = f"{os.getpid():x}-{self.rng.getrandbits(32):08x}"
+        self.n = 0
+
+    def _post(self, verb: str, body: bytes):
+        return self.client.post(f"/{verb}", data=body, headers=_JSON_HEADERS, catch_response=True, name=verb)
+
+    @task
+    def cycle(self) -> None:
+        self.n += 1
+        pod = make_pod(self.rng, f"lt-{self.tag}-{self.n}")
+        pod_json = orjson.dumps(pod)
+        started = time.perf_counter()
+        feasible = self._filter(pod_json)
+        if feasible is None:
+            return
+        if not feasible:
+            RAW.count("unschedulable")
+            self._cycle_done(started)
+            return
+        best = feasible[0] if len(feasible) == 1 else self._prioritize(pod_json, feasible)
+        if best is None:
+            return
+        self._bind(pod, best)
+        self._cycle_done(started)
+
+    def _cycle_done(self, started: float) -> None:
+        ms = (time.perf_counter() - started) * 1000
+        RAW.cycles_total += 1
+        RAW.count("cycles")
+        RAW.add("cycle", ms)
+        events.request.fire(request_type="CYCLE", name="cycle", response_time=ms, response_length=0,
+                            exception=None, context={})
+
+    def _filter(self, pod_json: bytes) -> list[str] | None:
+        body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + NAMES_JSON + b"}"
+        t = time.perf_counter()
+        with self._post("filter", body) as r:
+            ms = (time.perf_counter() - t) * 1000
+            why = None
+            try:
+                if r.status_code != 200:
+                    why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
+                else:
+                    out = orjson.loads(r.content)
+                    why = _check_filter(out)
+            except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
+                why = f"malformed filter answer: {exc!r}"
+            if why:
+                r.failure(why)
+                RAW.count("failures")
+                return None
+            RAW.add("filter", ms)
+            return out["NodeNames"]
+
+    def _prioritize(self, pod_json: bytes, feasible: list[str]) -> str | None:
+        body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + orjson.dumps(feasible) + b"}"
+        t = time.perf_counter()
+        with self._post("prioritize", body) as r:
+            ms = (time.perf_counter() - t) * 1000
+            why = None
+            best = None
+            try:
+                if r.status_code != 200:
+                    why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
+                else:
+                    out = orjson.loads(r.content)
+                    why, best = _check_prioritize(out, feasible, self.rng)
+            except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
+                why = f"malformed prioritize answer: {exc!r}"
+            if why:
+                r.failure(why)
+                RAW.count("failures")
+                return None
+            RAW.add("prioritize", ms)
+            return best
+
+    def _bind(self, pod: dict, node: str) -> None:
+        meta = pod["metadata"]
+        body = orjson.dumps({"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node})
+        t = time.perf_counter()
+        with self._post("bind", body) as r:
+            ms = (time.perf_counter() - t) * 1000
+            why = None
+            try:
+                if r.status_code != 200:
+                    why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
+                else:
+                    out = orjson.loads(r.content)
+                    if not isinstance(out, dict) or not isinstance(out.get("Error"), str):
+                        why = f"malformed bind answer: {r.text[:200]}"
+                    elif out["Error"] and RACE_MARK not in out["Error"]:
+                        why = f"bind refused: {out['Error'][:200]}"
+                    elif out["Error"]:
+                        RAW.count("races")
+                        events.request.fire(request_type="RACE", name="bind lost a race", response_time=ms,
+                                            response_length=0, exception=None, context={})
+                    else:
+                        RAW.count("bound")
+            except (orjson.JSONDecodeError, TypeError, AttributeError) as exc:
+                why = f"malformed bind answer: {exc!r}"
+            if why:
+                r.failure(why)
+                RAW.count("failures")
+                return
+            RAW.add("bind", ms)
+
+
+def _check_filter(out: object) -> str | None:
+    """Why kube-scheduler could not use this filter answer, or None."""
+    if not isinstance(out, dict) or set(out) != _FILTER_KEYS:
+        return f"filter answer keys {sorted(out) if isinstance(out, dict) else type(out).__name__}"
+    if out["Error"] != "":
+        return f"filter Error for a well-formed pod: {str(out['Error'])[:200]}"
+    feasible, failed, unres = out["NodeNames"], out["FailedNodes"], out["FailedAndUnresolvableNodes"]
+    if not isinstance(feasible, list) or not isinstance(failed, dict) or not isinstance(unres, dict):
+        return "filter answer NodeNames/FailedNodes/FailedAndUnresolvableNodes of the wrong type"
+    if out["Nodes"] is not None:
+        return "filter answer has Nodes with nodeCacheCapable"
+    if not NAMES_SET.issuperset(feasible):
+        return "filter answer claims a node that was not sent"
+    explained = failed.keys() | unres.keys()
+    if len(set(feasible)) != len(feasible) or not explained.isdisjoint(feasible):
+        return "filter answer lists a node twice"
+    if len(feasible) + len(explained) != len(NAMES):
+        return f"filter answer accounts for {len(feasible) + len(explained)} of {len(NAMES)} nodes"
+    if not all(type(v) is str and v for v in failed.values()) or not all(type(v) is str and v for v in unres.values()):
+        return "filter answer has an empty or non-string reason"
+    return None
+
+
+def _check_prioritize(out: object, feasible: list[str], rng: random.Random) -> tuple[str | None, str | None]:
+    """(why the answer is unusable or None, the best host)."""
+    if not isinstance(out, list):
+        return f"prioritize answer is a {type(out).__name__}, not a bare array", None
+    if not out:
+        return None, rng.choice(feasible)  # no opinion: any survivor
+    hosts = list(map(_HOST, out))
+    scores = list(map(_SCORE, out))
+    if set(map(type, scores)) != {int} or min(scores) < 0 or max(scores) > 10:
+        return "prioritize score out of range 0..10 or not an integer", None
+    if not set(hosts) <= set(feasible):
+        return "prioritize scored a node that was not sent", None
+    top = max(scores)
+    start = rng.randrange(len(scores))  # a random one among the best (in-tree scores would decide)
+    try:
+        i = scores.index(top, start)
+    except ValueError:
+        i = scores.index(top)
+    return None, hosts[i]
