@@ -1,0 +1,298 @@
+"""What the stock NVIDIA device plugin does with time-sliced GPUs, and the accounting that stays
+sound under it. Pure: no I/O.
+
+vramsched can choose the node, not the physical GPU: kubelet asks the device plugin
+(`GetPreferredAllocation`) which replica of which GPU a container gets. For time-sliced GPUs
+(`replicas > 1`, not MPS) the plugin's `greedyAlloc` takes one replica at a time from the
+physical GPU ranked first by `--shared-devices-allocation-policy`
+(k8s-device-plugin internal/rm/allocate.go):
+
+- `distributed` (default): fewest allocated replicas first; ties by GPUs picked least in this
+  request, then in no defined order (a Go map / heap order). So which of two equally loaded GPUs
+  gets the pod is unknowable, and the pods sharing a GPU can never be predicted.
+- `packed` (v0.20+): most allocated replicas first.
+
+The plugin counts replicas, never memory. So for these GPUs a per-GPU VRAM ledger is a fiction
+unless the choice is pinned (`NVIDIA_VISIBLE_DEVICES` hand-off). What *can* be guaranteed is a
+bound on the worst GPU over every choice the plugin may make:
+
+- a replica lands on a GPU whose allocated count is minimal (distributed); with U replicas
+  on n GPUs that minimum is at most floor((U-1)/n), so it shares its GPU with at most
+  ceil(U/n) - 1 others, taken from the replicas already on the node;
+- under `packed` (or any policy) a GPU holds at most `replicas` of them.
+
+Hence the node-level rule: after adding the pod, the sum of the `depth` largest replica
+reservations on the node's time-sliced GPUs of one resource is at most one GPU's memory, with
+depth = ceil(U/n) (distributed) or min(replicas, U) (packed). Checked at every bind against
+every pod then on the node, it holds whatever order kubelet admits them in, because each
+admission lands next to pods that the latest bind among them already counted. Departures only
+lower both sides.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from extender.inventory import Gpu, Sharing
+
+if TYPE_CHECKING:
+    from extender.ledger import Ledger, Reservation
+
+__all__ = [
+    "ReplicaPolicy",
+    "PIN_PREFIX",
+    "pin_configmap_name",
+    "references_pin_configmap",
+    "pin_environment",
+    "is_time_sliced",
+    "stack_depth",
+    "worst_case_load",
+    "plugin_candidates",
+    "SharedFit",
+    "shared_fit",
+]
+
+PIN_PREFIX = "vramsched-"
+
+
+class ReplicaPolicy(StrEnum):
+    """How the physical GPU of a time-sliced replica is chosen on the nodes.
+
+    `distributed`/`packed`: by the stock device plugin with that policy; vramsched keeps the
+    node-level worst-case bound. `pinned`: by vramsched, handed to the container through the
+    per-pod ConfigMap; per-GPU accounting is then exact.
+    """
+
+    DISTRIBUTED = "distributed"
+    PACKED = "packed"
+    PINNED = "pinned"
+
+
+# ----- the pinning hand-off ---------------------------------------------------------------------
+
+
+def pin_configmap_name(pod_name: str) -> str:
+    """The ConfigMap a pod references with `envFrom` to receive its GPU pin."""
+    return PIN_PREFIX + pod_name
+
+
+def references_pin_configmap(pod: Mapping[str, Any]) -> bool:
+    """Whether any container of the pod takes its environment from its pin ConfigMap."""
+    meta = pod.get("metadata") if isinstance(pod, Mapping) else None
+    spec = pod.get("spec") if isinstance(pod, Mapping) else None
+    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
+        return False
+    name = meta.get("name")
+    if not isinstance(name, str):
+        return False
+    want = pin_configmap_name(name)
+    for group in ("containers", "initContainers"):
+        for c in spec.get(group) or []:
+            if not isinstance(c, Mapping):
+                continue
+            for src in c.get("envFrom") or []:
+                ref = src.get("configMapRef") if isinstance(src, Mapping) else None
+                if isinstance(ref, Mapping) and ref.get("name") == want:
+                    return True
+    return False
+
+
+def pin_environment(reservation: "Reservation", pinned: bool, time_sliced: bool = True) -> dict[str, str]:
+    """The ConfigMap data for a pod: `NVIDIA_VISIBLE_DEVICES` only when the pin is real.
+
+    Real = pinned mode, whole GPUs (MIG devices are addressed by UUID, not index), time-sliced
+    (an exclusive GPU's identity does not matter to VRAM accounting, and pinning only some pods
+    of an exclusive node would let the plugin hand a pinned GPU to another pod). Otherwise the
+    ConfigMap still exists, so a pod that references it starts, with the plugin's choice.
+    """
+    whole = all(":" not in d for d in reservation.device_ids) and bool(reservation.device_ids)
+    if pinned and whole and time_sliced:
+        indices = sorted({int(d) for d in reservation.device_ids})
+        return {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, indices)), "VRAMSCHED_PINNED": "true"}
+    return {"VRAMSCHED_PINNED": "false"}
+
+
+# ----- the device plugin's choice, and the bound -------------------------------------------------
+
+
+def is_time_sliced(device: Any) -> bool:
+    """A device whose replicas share memory with no limit: time-slicing with replicas > 1.
+
+    MPS is not: the MPS daemon caps every client at memory/replicas, so any placement fits.
+    """
+    return device.sharing is Sharing.TIME_SLICING and device.replicas > 1
+
+
+def stack_depth(policy: ReplicaPolicy, units: int, gpus: int, replicas: int) -> int:
+    """Most replicas that may share one GPU once `units` replicas are on `gpus` GPUs."""
+    if units <= 0 or gpus <= 0:
+        return 0
+    if policy is ReplicaPolicy.DISTRIBUTED:
+        return min(replicas, -(-units // gpus))
+    return min(replicas, units)
+
+
+def worst_case_load(
+    existing: Sequence[int], size: int, count: int, gpus: int, replicas: int, policy: ReplicaPolicy
+) -> int:
+    """Largest VRAM one GPU may hold if `count` replicas of `size` bytes join `existing`.
+
+    = the sum of the `depth` largest replicas of the new multiset (a GPU may hold any
+    `depth` of them, the plugin's ties being unspecified).
+    """
+    sizes = sorted((int(s) for s in existing), reverse=True)
+    depth = stack_depth(policy, len(sizes) + count, gpus, replicas)
+    prefix = np.concatenate(([0], np.cumsum(np.asarray(sizes, np.int64)))) if sizes else np.zeros(1, np.int64)
+    best = 0
+    for j in range(0, min(count, depth) + 1):
+        rest = min(depth - j, len(sizes))
+        best = max(best, j * size + int(prefix[rest]))
+    return best
+
+
+def plugin_candidates(allocated: Sequence[int], replicas: Sequence[int], policy: ReplicaPolicy) -> list[int]:
+    """GPUs the plugin may give the next single replica to (all tied ones: the tie is not ours).
+
+    `allocated[i]` replicas of GPU i are in use out of `replicas[i]`.
+    """
+    free = [i for i, (u, r) in enumerate(zip(allocated, replicas)) if u < r]
+    if not free:
+        return []
+    pick = min if policy is ReplicaPolicy.DISTRIBUTED else max
+    best = pick(allocated[i] for i in free)
+    return [i for i in free if allocated[i] == best]
+
+
+# ----- the bound over a whole ledger, for placement ----------------------------------------------
+
+
+@dataclass(slots=True)
+class _Group:
+    """Time-sliced devices of one resource on one node: the unit the plugin chooses within."""
+
+    rows: np.ndarray
+    gpus: int
+    replicas: int
+    capacity: int
+    policy: ReplicaPolicy
+    sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _View:
+    arrays: Any
+    policy: ReplicaPolicy | None
+    generation: int = -1
+    node_generation: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, list[_Group]] = field(default_factory=dict)
+    subject: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    pin_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    base_t: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    base_t1: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+_VIEWS: "weakref.WeakKeyDictionary[Ledger, _View]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(slots=True)
+class SharedFit:
+    """Per device row: may the pod go there under the node-level bound, and the worst case."""
+
+    allowed: np.ndarray
+    worst: np.ndarray  # worst-case bytes on one GPU of the row's group if the pod joins it
+    needs_pin: np.ndarray  # rows refused because the node pins GPUs and the pod cannot be pinned
+    distributed: np.ndarray  # rows where the plugin spreads: bookkeeping should pick the least used
+    policy: str = ""
+
+
+def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
+    a = ledger.arrays
+    v = _VIEWS.get(ledger)
+    if v is None or v.arrays is not a or v.policy is not policy:
+        v = _View(arrays=a, policy=policy)
+        n = len(a.devices)
+        v.subject = np.zeros(n, bool)
+        v.pin_rows = np.zeros(n, bool)
+        v.base_t = np.zeros(n, np.int64)
+        v.base_t1 = np.zeros(n, np.int64)
+        by_group: dict[tuple[str, str], list[int]] = {}
+        for i, d in enumerate(a.devices):
+            if not is_time_sliced(d):
+                continue
+            if policy is ReplicaPolicy.PINNED and isinstance(d, Gpu):
+                v.pin_rows[i] = True  # exact per-GPU accounting; the pod must take the pin
+                continue
+            v.subject[i] = True
+            by_group.setdefault((d.node, d.resource), []).append(i)
+        for (node, _resource), rows in by_group.items():
+            d0 = a.devices[rows[0]]
+            # MIG replicas cannot be pinned by index: whatever the plugin's policy, assume the worst.
+            gpolicy = ReplicaPolicy.PACKED if policy is ReplicaPolicy.PINNED else policy
+            v.groups.setdefault(node, []).append(
+                _Group(np.asarray(rows, np.int64), len(rows), int(d0.replicas), int(d0.memory_bytes), gpolicy)
+            )
+        dirty = list(v.groups)
+        _VIEWS[ledger] = v
+    elif v.generation == ledger.generation:
+        return v
+    else:
+        dirty = [n for n in v.groups if ledger.node_generation.get(n, 0) != v.node_generation.get(n, -1)]
+    for node in dirty:
+        _refresh(ledger, v, node)
+        v.node_generation[node] = ledger.node_generation.get(node, 0)
+    v.generation = ledger.generation
+    return v
+
+
+def _refresh(ledger: "Ledger", v: _View, node: str) -> None:
+    groups = v.groups.get(node, [])
+    if not groups:
+        return
+    member: dict[int, _Group] = {}
+    for g in groups:
+        g.sizes = []
+        for r in g.rows.tolist():
+            member[r] = g
+    for res in ledger.pods_on(node):
+        for dev, nbytes in zip(res.device_ids, res.bytes_per_device):
+            r = ledger.row(node, dev)
+            g = member.get(r) if r is not None else None
+            if g is not None:
+                g.sizes.append(int(nbytes))
+    for g in groups:
+        g.sizes.sort(reverse=True)
+        prefix = np.concatenate(([0], np.cumsum(np.asarray(g.sizes, np.int64)))) if g.sizes else np.zeros(1, np.int64)
+        u = len(g.sizes)
+        t = stack_depth(g.policy, u + 1, g.gpus, g.replicas)
+        v.base_t[g.rows] = prefix[min(t, u)]
+        v.base_t1[g.rows] = prefix[min(max(t - 1, 0), u)]
+
+
+def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool) -> SharedFit | None:
+    """The node-level bound for every time-sliced device row, or None when the ledger's
+    per-device accounting is exact (no policy set: embedded cluster, simulator)."""
+    policy = getattr(ledger, "replica_policy", None)
+    if policy is None:
+        return None
+    policy = ReplicaPolicy(policy)
+    v = _view(ledger, policy)
+    if not v.subject.any() and not v.pin_rows.any():
+        return None
+    cap = v.arrays.capacity
+    worst = np.maximum(v.base_t, need + v.base_t1)
+    if gpu_count > 1:
+        for groups in v.groups.values():
+            for g in groups:
+                size = int(need[g.rows[0]])
+                worst[g.rows] = worst_case_load(g.sizes, size, gpu_count, g.gpus, g.replicas, g.policy)
+    worst = np.where(v.subject, worst, 0)
+    allowed = ~v.subject | (worst <= cap)
+    needs_pin = v.pin_rows & (not pin_configmap)
+    allowed &= ~needs_pin
+    distributed = v.subject & (policy is ReplicaPolicy.DISTRIBUTED)
+    return SharedFit(allowed=allowed, worst=worst, needs_pin=needs_pin, distributed=distributed, policy=policy.value)

@@ -1,0 +1,424 @@
+"""vramsched against a real control plane: etcd + kube-apiserver + kube-scheduler 1.20.
+
+The secondary kube-scheduler runs with a copy of config/KubeSchedulerConfiguration.yaml (urlPrefix
+pointed at a `vramsched serve --kubeconfig` subprocess, apiVersion translated to v1beta1). The
+extender runs as a ServiceAccount bound to the ClusterRoles of deploy/rbac.yaml (and
+deploy/pin-gpus/rbac.yaml), so these tests also prove the manifests grant enough and no more is
+needed. Nodes are fake (labels + status, no kubelet): binding only writes spec.nodeName.
+
+Every test checks the invariant on the API's own state: the ledger rebuilt from the pods'
+annotations (extender.cluster + check_invariant) and, for time-sliced GPUs, the worst case the
+device plugin could produce (extender.deviceplugin).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import orjson
+import pytest
+import yaml
+
+from controlplane import REPO_ROOT, Component, ControlPlane, free_port
+
+from extender.cluster import ClusterState
+from extender.deviceplugin import ReplicaPolicy, is_time_sliced, worst_case_load
+from extender.ledger import check_invariant
+
+GPU = "nvidia.com/gpu"
+GIB = 1024**3
+NS = "default"
+SA_NAMESPACE, SA_NAME = "vramsched", "vramsched"
+
+
+# ----- cluster objects ------------------------------------------------------------------------------
+
+
+def gpu_labels(product: str, count: int, memory_mib: int, replicas: int = 1) -> dict[str, str]:
+    shared = replicas > 1
+    return {
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": product + ("-SHARED" if shared else ""),
+        "nvidia.com/gpu.count": str(count),
+        "nvidia.com/gpu.memory": str(memory_mib),
+        "nvidia.com/gpu.replicas": str(replicas),
+        "nvidia.com/gpu.sharing-strategy": "time-slicing" if shared else "none",
+    }
+
+
+def add_node(cp: ControlPlane, name: str, product: str, count: int, memory_mib: int, replicas: int = 1) -> None:
+    cp.create_gpu_node(name, gpu_labels(product, count, memory_mib, replicas), {GPU: str(count * replicas)})
+
+
+def gpu_pod(name: str, memory: str | None, *, gpus: int = 1, scheduler: str = "vramsched", pin: bool = False) -> dict[str, Any]:
+    ann = {"vramsched.io/model-memory": memory} if memory else {}
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": "vllm/vllm-openai",
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {GPU: str(gpus)}},
+    }
+    if pin:
+        container["envFrom"] = [{"configMapRef": {"name": f"vramsched-{name}"}}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": ann},
+        "spec": {"schedulerName": scheduler, "containers": [container]},
+    }
+
+
+# ----- the extender process and the scheduler -------------------------------------------------------
+
+
+def _grant_extender_rbac(cp: ControlPlane) -> Path:
+    """ServiceAccount vramsched/vramsched with the extender's ClusterRoles from deploy/."""
+    kubeconfig = cp.service_account_kubeconfig(SA_NAMESPACE, SA_NAME)
+    wanted = {"vramsched-extender", "vramsched-extender-pinning"}
+    docs = []
+    for path in (REPO_ROOT / "deploy" / "rbac.yaml", REPO_ROOT / "deploy" / "pin-gpus" / "rbac.yaml"):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d["metadata"]["name"] in wanted]
+    with cp.api_client() as client:
+        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+        for doc in docs:
+            create = rbac.create_cluster_role if doc["kind"] == "ClusterRole" else rbac.create_cluster_role_binding
+            try:
+                create(doc)
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+    assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}, "deploy/ RBAC for the extender is missing"
+    return kubeconfig
+
+
+def scheduler_config(extender_url: str) -> dict[str, Any]:
+    """config/KubeSchedulerConfiguration.yaml as deployed, pointed at our extender."""
+    doc = yaml.safe_load((REPO_ROOT / "config" / "KubeSchedulerConfiguration.yaml").read_text())
+    (ext,) = doc["extenders"]
+    ext["urlPrefix"] = extender_url
+    return doc  # ControlPlane.start_scheduler translates v1 -> v1beta1 and sets addresses/election
+
+
+class Extender:
+    """`vramsched serve --kubeconfig` as a subprocess, restartable on the same port."""
+
+    def __init__(self, cp: ControlPlane, kubeconfig: Path, args: list[str]) -> None:
+        self.cp = cp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = cp.logs_dir / f"vramsched-{self.port}.log"
+        argv = [sys.executable, "-m", "extender", "serve", "--kubeconfig", str(kubeconfig),
+                "--port", str(self.port), "--log-level", "info", *args]
+        self.component = Component("vramsched", argv, self.log_path)
+
+    def start(self) -> None:
+        env_cwd = os.getcwd()
+        os.chdir(REPO_ROOT)
+        try:
+            self.component.start()
+        finally:
+            os.chdir(env_cwd)
+        self.cp.wait_for(lambda: self.get("/readyz") is not None, timeout=60, message=f"vramsched ready\n{self.describe()}")
+
+    def kill9(self) -> None:
+        """SIGKILL: no shutdown path runs, as when a node dies."""
+        proc = self.component.proc
+        assert proc is not None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        self.component.stop()
+
+    def stop(self) -> None:
+        self.component.stop()
+
+    def get(self, path: str) -> Any:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def post(self, path: str, body: Any) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def describe(self) -> str:
+        return self.component.describe(60)
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+
+@pytest.fixture
+def extender_args() -> list[str]:
+    """Extra `vramsched serve` flags; a test overrides it with parametrize."""
+    return []
+
+
+@pytest.fixture
+def stack(cluster: ControlPlane, extender_args: list[str]) -> Iterator[tuple[ControlPlane, Extender]]:
+    """Extender (with `extender_args`) + kube-scheduler running the deploy config."""
+    kubeconfig = _grant_extender_rbac(cluster)
+    ext = Extender(cluster, kubeconfig, extender_args)
+    ext.start()
+    cluster.start_scheduler(scheduler_config(ext.url))
+    try:
+        yield cluster, ext
+    finally:
+        ext.stop()
+
+
+# ----- observations -----------------------------------------------------------------------------------
+
+
+def core(cp: ControlPlane) -> kubernetes.client.CoreV1Api:
+    return kubernetes.client.CoreV1Api(cp.api_client())
+
+
+def raw_list(api: kubernetes.client.CoreV1Api, kind: str) -> list[dict[str, Any]]:
+    """Nodes or pods as the API's JSON (what the extender sees)."""
+    fn = api.list_node if kind == "Node" else api.list_pod_for_all_namespaces
+    resp = fn(_preload_content=False)
+    return [dict(item, kind=kind) for item in orjson.loads(resp.data)["items"]]
+
+
+def rebuilt_ledger(api: kubernetes.client.CoreV1Api, policy: ReplicaPolicy) -> ClusterState:
+    """The ledger a fresh vramsched would derive from the API right now."""
+    state = ClusterState()
+    state.ledger.replica_policy = policy
+    state.load(raw_list(api, "Node") + raw_list(api, "Pod"))
+    return state
+
+
+def assert_sound(api: kubernetes.client.CoreV1Api, policy: ReplicaPolicy) -> ClusterState:
+    """No GPU over its VRAM or replicas in the API's state, and none the device plugin could make so."""
+    state = rebuilt_ledger(api, policy)
+    assert state.guessed == set(), f"bound GPU pods without a readable assignment: {sorted(state.guessed)}"
+    assert check_invariant(state.ledger, state.live_pod_keys()) == []
+    for pod in state.pods.values():
+        node = (pod.get("spec") or {}).get("nodeName")
+        ann = (pod["metadata"].get("annotations") or {})
+        if node and "vramsched.io/assignment" in ann:
+            assert json.loads(ann["vramsched.io/assignment"])["node"] == node
+    if policy is not ReplicaPolicy.PINNED:
+        for inv in state.ledger.nodes():
+            shared = [d for d in inv.devices if is_time_sliced(d)]
+            if not shared:
+                continue
+            ids = {d.device_id for d in shared}
+            sizes = [b for r in state.ledger.pods_on(inv.name) for dev, b in zip(r.device_ids, r.bytes_per_device) if dev in ids]
+            worst = worst_case_load(sizes, 0, 0, len(shared), shared[0].replicas, policy)
+            assert worst <= shared[0].memory_bytes, f"{inv.name}: plugin could stack {worst} bytes on one GPU"
+    return state
+
+
+def wait_bound(cp: ControlPlane, api: kubernetes.client.CoreV1Api, names: list[str], timeout: float = 60) -> dict[str, str]:
+    def all_bound() -> dict[str, str] | None:
+        got = {n: api.read_namespaced_pod(n, NS).spec.node_name for n in names}
+        return got if all(got.values()) else None
+
+    return cp.wait_for(all_bound, timeout=timeout, message=f"pods {names} bound")
+
+
+def scheduling_events(api: kubernetes.client.CoreV1Api, name: str) -> list[str]:
+    events = api.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
+    return [e.message or "" for e in events if e.reason == "FailedScheduling"]
+
+
+def annotations(api: kubernetes.client.CoreV1Api, name: str) -> dict[str, str]:
+    return api.read_namespaced_pod(name, NS).metadata.annotations or {}
+
+
+# ----- the tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_binds_to_right_nodes_with_annotations_and_explains_refusals(stack: tuple[ControlPlane, Extender]) -> None:
+    cp, ext = stack
+    add_node(cp, "a100", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920)
+    add_node(cp, "l4", "NVIDIA-L4", count=1, memory_mib=23034)
+    api = core(cp)
+    # 60Gi fits only an A100; 20Gi on one GPU fits the L4 best; 2x70Gi needs both A100s.
+    api.create_namespaced_pod(NS, gpu_pod("big", "60Gi"))
+    got = wait_bound(cp, api, ["big"])
+    assert got["big"] == "a100"
+    api.create_namespaced_pod(NS, gpu_pod("small", "20Gi"))
+    api.create_namespaced_pod(NS, gpu_pod("huge", "200Gi"))  # fits no GPU anywhere
+    api.create_namespaced_pod(NS, gpu_pod("stranger", "1Gi", scheduler="default-scheduler"))
+    got = wait_bound(cp, api, ["small"])
+    assert got["small"] in {"a100", "l4"}
+    ann = annotations(api, "small")
+    assignment = json.loads(ann["vramsched.io/assignment"])
+    assert assignment["node"] == got["small"] and assignment["bytesPerDevice"] == [20 * GIB]
+    # Exclusive GPUs: the device plugin, not vramsched, picks which one; no index is claimed.
+    assert "vramsched.io/gpu-index" not in ann
+
+    events = cp.wait_for(lambda: scheduling_events(api, "huge"), timeout=30, message="FailedScheduling for huge")
+    # Whichever node still has a free GPU reached the extender; its refusal is in the event.
+    free_gpu = {"a100": "80Gi", "l4": "22.49Gi"}["l4" if got["small"] == "a100" else "a100"]
+    assert any(f"1 need 200Gi per GPU, GPUs have {free_gpu}" in m for m in events), events
+    huge = api.read_namespaced_pod("huge", NS)
+    assert huge.spec.node_name is None and "vramsched.io/assignment" not in (huge.metadata.annotations or {})
+
+    stranger = api.read_namespaced_pod("stranger", NS)
+    assert stranger.spec.node_name is None
+    assert "vramsched.io/assignment" not in (stranger.metadata.annotations or {})
+    assert scheduling_events(api, "stranger") == []
+    assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+    state = ext.get("/state")
+    held = {p for n in state["nodes"] for g in n["gpus"] for p in g["pods"]}
+    assert held == {"default/big", "default/small"}
+
+
+@pytest.mark.e2e
+def test_time_sliced_gpus_are_booked_for_the_device_plugins_worst_case(stack: tuple[ControlPlane, Extender]) -> None:
+    """Default policy `distributed`: the plugin, not vramsched, picks the GPU of each replica.
+
+    2 x 22.5Gi GPUs, 4 replicas each. 12+8+8 fit however the plugin spreads them; a second
+    12Gi could land next to the first one (24Gi on one GPU), although per-GPU books would say
+    it fits on the GPU holding 8Gi. A 2Gi pod still fits.
+    """
+    cp, ext = stack
+    add_node(cp, "l4-ts", "NVIDIA-L4", count=2, memory_mib=23034, replicas=4)
+    api = core(cp)
+    for name, memory in (("ts-a", "12Gi"), ("ts-b", "8Gi"), ("ts-c", "8Gi")):
+        api.create_namespaced_pod(NS, gpu_pod(name, memory))
+        wait_bound(cp, api, [name])
+    api.create_namespaced_pod(NS, gpu_pod("ts-d", "12Gi"))
+    events = cp.wait_for(lambda: scheduling_events(api, "ts-d"), timeout=30, message="FailedScheduling for ts-d")
+    assert any("device plugin (distributed) may stack 24Gi on a 22.49Gi GPU" in m for m in events), events
+    api.create_namespaced_pod(NS, gpu_pod("ts-e", "2Gi"))
+    wait_bound(cp, api, ["ts-e"])
+    assert api.read_namespaced_pod("ts-d", NS).spec.node_name is None
+    for name in ("ts-a", "ts-b", "ts-c", "ts-e"):
+        assert "vramsched.io/gpu-index" not in annotations(api, name)  # the plugin picks: no claim
+    state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+    # The extender's own ledger is the one the API rebuilds.
+    served = {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
+    assert served == {r.key for r in state.ledger.reservations()} == {f"default/ts-{x}" for x in "abce"}
+
+
+@pytest.mark.e2e
+def test_kill_and_restart_mid_run_loses_nothing_and_double_books_nothing(stack: tuple[ControlPlane, Extender]) -> None:
+    """Two time-sliced nodes hold exactly 16 pods of 30Gi (8 per node: at most 2 per 80Gi GPU
+    whatever the plugin does). 10 pods, SIGKILL the extender while they are being bound, 8 more
+    while it is down, restart it: 16 bound, 2 Pending with our reason, no GPU over its VRAM."""
+    cp, ext = stack
+    for n in ("ts-0", "ts-1"):
+        add_node(cp, n, "NVIDIA-A100-SXM4-80GB", count=4, memory_mib=81920, replicas=4)
+    api = core(cp)
+    first = [f"run-{i:02d}" for i in range(10)]
+    for name in first:
+        api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
+
+    def some_bound() -> int:
+        return sum(1 for n in first if api.read_namespaced_pod(n, NS).spec.node_name)
+
+    cp.wait_for(some_bound, timeout=60, interval=0.05, message="first binds")
+    ext.kill9()
+    bound_at_kill = some_bound()
+    second = [f"run-{i:02d}" for i in range(10, 18)]
+    for name in second:
+        api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
+    ext.start()
+    # A node event sends pods parked after "connection refused" back to the scheduling queue.
+    api.patch_node("ts-0", {"metadata": {"labels": {"e2e/extender-restarted": "true"}}})
+    everyone = first + second
+
+    def settled() -> dict[str, str] | None:
+        nodes = {n: api.read_namespaced_pod(n, NS).spec.node_name for n in everyone}
+        return nodes if sum(1 for v in nodes.values() if v) == 16 else None
+
+    nodes = cp.wait_for(settled, timeout=120, interval=0.5, message=f"16 pods bound\n{ext.describe()}")
+    state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+    # The two left over are refused by the restarted extender itself. (Their FailedScheduling
+    # events may lag: the event recorder rate-limits a pod that failed many times while the
+    # extender was down.) The books spread like the plugin: 2 x 30Gi per GPU.
+    waiting = [n for n, v in nodes.items() if not v]
+    assert len(waiting) == 2
+    for name in waiting:
+        pod = api.api_client.sanitize_for_serialization(api.read_namespaced_pod(name, NS))
+        answer = ext.post("/filter", {"Pod": pod, "Nodes": None, "NodeNames": ["ts-0", "ts-1"]})
+        assert answer["NodeNames"] == [] and set(answer["FailedNodes"].values()) == {"no GPU with 30Gi free: largest free 20Gi"}
+    per_node = {n: sum(1 for v in nodes.values() if v == n) for n in ("ts-0", "ts-1")}
+    assert per_node == {"ts-0": 8, "ts-1": 8}
+    assert 1 <= bound_at_kill < 18
+    served = ext.get("/state")
+    held = {p for n in served["nodes"] for g in n["gpus"] for p in g["pods"]}
+    assert held == {r.key for r in state.ledger.reservations()}
+    assert len(held) == 16
+
+
+@pytest.mark.e2e
+def test_watches_resume_after_apiserver_restart_and_release_finished_pods(stack: tuple[ControlPlane, Extender]) -> None:
+    cp, ext = stack
+    add_node(cp, "h100", "NVIDIA-H100-80GB-HBM3", count=2, memory_mib=81559)
+    api = core(cp)
+    api.create_namespaced_pod(NS, gpu_pod("w-1", "70Gi"))
+    api.create_namespaced_pod(NS, gpu_pod("w-2", "70Gi"))
+    wait_bound(cp, api, ["w-1", "w-2"])
+    cp.stop_apiserver()
+    time.sleep(2)
+    cp.start_apiserver()
+    api = core(cp)
+    # Both GPUs are full: w-3 waits. Finishing w-1 (Succeeded) and deleting w-2 frees them.
+    api.create_namespaced_pod(NS, gpu_pod("w-3", "70Gi"))
+    api.create_namespaced_pod(NS, gpu_pod("w-4", "70Gi"))
+    cp.wait_for(lambda: scheduling_events(api, "w-3"), timeout=30, message="w-3 refused while full")
+    api.patch_namespaced_pod_status("w-1", NS, {"status": {"phase": "Succeeded"}})
+    api.delete_namespaced_pod("w-2", NS, grace_period_seconds=0)
+
+    def held() -> set[str]:
+        return {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
+
+    cp.wait_for(lambda: not held() & {"default/w-1", "default/w-2"}, timeout=30, message="VRAM of w-1, w-2 released")
+    # A node event sends the refused pods back to the scheduling queue at once (else ~60 s).
+    api.patch_node("h100", {"metadata": {"labels": {"e2e/freed": "true"}}})
+    wait_bound(cp, api, ["w-3", "w-4"], timeout=90)
+    ready = ext.get("/readyz")
+    informers = ready["informers"]
+    assert ready["ready"] is True
+    assert informers["pods"]["watchResumes"] + informers["pods"]["relistsGone"] >= 1
+    assert informers["nodes"]["watchResumes"] + informers["nodes"]["relistsGone"] >= 1
+    state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+    held = {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
+    assert held == {r.key for r in state.ledger.reservations()} == {"default/w-3", "default/w-4"}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extender_args", [["--replica-policy", "pinned"]])
+def test_pinned_policy_hands_the_gpu_choice_to_the_container(stack: tuple[ControlPlane, Extender], extender_args: list[str]) -> None:
+    cp, ext = stack
+    add_node(cp, "ts-pin", "NVIDIA-L4", count=2, memory_mib=23034, replicas=4)
+    api = core(cp)
+    for name, memory in (("pin-a", "12Gi"), ("pin-b", "8Gi"), ("pin-c", "8Gi"), ("pin-d", "12Gi")):
+        api.create_namespaced_pod(NS, gpu_pod(name, memory, pin=True))
+        wait_bound(cp, api, [name])
+    api.create_namespaced_pod(NS, gpu_pod("unpinned", "1Gi"))
+    events = cp.wait_for(lambda: scheduling_events(api, "unpinned"), timeout=30, message="unpinned refused")
+    assert any("GPUs here are pinned: pod lacks envFrom ConfigMap vramsched-<pod-name>" in m for m in events), events
+    per_gpu: dict[str, int] = {}
+    for name in ("pin-a", "pin-b", "pin-c", "pin-d"):
+        pod = api.read_namespaced_pod(name, NS)
+        cm = api.read_namespaced_config_map(f"vramsched-{name}", NS)
+        index = pod.metadata.annotations["vramsched.io/gpu-index"]
+        assert cm.data == {"NVIDIA_VISIBLE_DEVICES": index, "VRAMSCHED_PINNED": "true"}
+        assert [(o.kind, o.name, o.uid) for o in cm.metadata.owner_references] == [("Pod", name, pod.metadata.uid)]
+        per_gpu[index] = per_gpu.get(index, 0) + json.loads(pod.metadata.annotations["vramsched.io/assignment"])["bytesPerDevice"][0]
+    # Pinned, the books are exact: 12+8 and 12+8 on the two 22.5Gi GPUs (distributed would refuse pin-d).
+    assert sorted(per_gpu.values()) == [20 * GIB, 20 * GIB]
+    assert_sound(api, ReplicaPolicy.PINNED)
