@@ -11,6 +11,7 @@ from collections.abc import Mapping  # the typing alias makes isinstance() 5x sl
 from dataclasses import dataclass
 from typing import Any
 
+from extender.deviceplugin import references_pin_configmap
 from extender.inventory import GPU_RESOURCE, MIG_RESOURCE_PREFIX, is_gpu_resource
 from extender.quantity import QuantityError, format_bytes, parse_bytes, parse_milli, parse_quantity
 
@@ -74,6 +75,8 @@ class Demand:
     memory_bytes: int = 0
     allowed_products: frozenset[str] | None = None
     model_memory: int | None = None
+    #: the pod takes its environment from its pin ConfigMap (extender.deviceplugin)
+    pin_configmap: bool = False
 
     @property
     def mig_profile(self) -> str | None:
@@ -191,4 +194,5 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         memory = parse_bytes(requests["memory"], allow_zero=True) if "memory" in requests else 0
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
-    return Demand(ref, count, per_gpu, resource, priority, cpu, memory, allowed, model_memory)
+    pinned = references_pin_configmap(pod) if count else False
+    return Demand(ref, count, per_gpu, resource, priority, cpu, memory, allowed, model_memory, pinned)

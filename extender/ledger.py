@@ -105,6 +105,9 @@ class Ledger:
         self._dirty = True
         #: bumped on every change; the planner uses it to know whether its plan is stale.
         self.generation = 0
+        #: how time-sliced replicas get their physical GPU (extender.deviceplugin.ReplicaPolicy);
+        #: None = the per-device books are exact (embedded cluster, simulator: no device plugin).
+        self.replica_policy: str | None = None
         #: per-node generation, so a change invalidates only plans touching that node.
         self.node_generation: dict[str, int] = {}
 

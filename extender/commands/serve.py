@@ -32,7 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="requests in flight before answering 503 (probes are exempt)")
     p.add_argument("--assume-ttl", type=float, default=60.0, help="seconds a bind's reservation is kept before the watch confirms it")
-    p.add_argument("--pin-gpus", action="store_true", help="create a NVIDIA_VISIBLE_DEVICES ConfigMap per bound pod (live mode)")
+    p.add_argument("--pin-gpus", action="store_true", help="shorthand for --replica-policy pinned (live mode)")
+    p.add_argument(
+        "--replica-policy", choices=("distributed", "packed", "pinned"), default=None,
+        help="who picks the physical GPU of a time-sliced replica: the device plugin with its "
+             "distributed (default) or packed policy, or vramsched via the pinning ConfigMap (docs/live.md)",
+    )
     p.add_argument("--tls-cert", metavar="FILE")
     p.add_argument("--tls-key", metavar="FILE")
     p.add_argument("--log-level", default="info")
@@ -69,14 +74,16 @@ async def _serve(args: argparse.Namespace) -> int:
             cluster.load(read_cluster_file(args.cluster))
         except (OSError, ClusterFileError) as exc:
             raise SystemExit(f"cannot load {args.cluster}: {exc}")
+        # No device plugin behind a cluster file: exact per-GPU books unless a policy is asked for.
+        cluster.ledger.replica_policy = args.replica_policy
         service = ExtenderService(cluster, EmbeddedBinder(cluster))
         ready = None
         source = None
     else:
-        from extender.kube import LiveSource  # only live mode needs the Kubernetes client
+        from extender.kube import LiveService, LiveSource  # only live mode needs the Kubernetes client
 
-        source = LiveSource(cluster, kubeconfig=args.kubeconfig, pin_gpus=args.pin_gpus)
-        service = ExtenderService(cluster, source.binder, assume_ttl=args.assume_ttl, live=True)
+        source = LiveSource(cluster, kubeconfig=args.kubeconfig, pin_gpus=args.pin_gpus, replica_policy=args.replica_policy)
+        service = LiveService(cluster, source, assume_ttl=args.assume_ttl)
         ready = source.ready
         await source.start()
     app = create_app(service, max_body_bytes=args.max_body_bytes, max_concurrency=args.max_concurrency, ready=ready)
