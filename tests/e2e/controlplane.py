@@ -90,9 +90,19 @@ class ControlPlaneError(RuntimeError):
 
 def free_port() -> int:
     """A loopback port that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (all held open while picking, so no repeats)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -314,8 +324,7 @@ class ControlPlane:
                 raise ControlPlaneError("extender_url given but the config has no extenders")
             for ext in doc["extenders"]:
                 ext["urlPrefix"] = extender_url
-        self.scheduler_healthz_port = free_port()
-        self.scheduler_metrics_port = free_port()
+        self.scheduler_healthz_port, self.scheduler_metrics_port, secure_port = free_ports(3)
         doc["clientConnection"] = {
             **(doc.get("clientConnection") or {}),
             "kubeconfig": str(self.scheduler_kubeconfig_path),
@@ -336,7 +345,7 @@ class ControlPlane:
             str(self.bin_dir / "kube-scheduler"),
             f"--config={self.scheduler_config_path}",
             "--bind-address=127.0.0.1",
-            f"--secure-port={free_port()}",
+            f"--secure-port={secure_port}",
             f"--cert-dir={self.workdir / 'scheduler-certs'}",
             f"--authentication-kubeconfig={self.scheduler_kubeconfig_path}",
             f"--authorization-kubeconfig={self.scheduler_kubeconfig_path}",
@@ -622,7 +631,7 @@ class ControlPlane:
                     shutil.rmtree(self.etcd_data_dir, ignore_errors=True)
 
     def _start_etcd(self) -> None:
-        self.etcd_port, self.etcd_peer_port = free_port(), free_port()
+        self.etcd_port, self.etcd_peer_port = free_ports(2)
         client = f"http://127.0.0.1:{self.etcd_port}"
         peer = f"http://127.0.0.1:{self.etcd_peer_port}"
         argv = [
