@@ -340,17 +340,19 @@ class Informer:
             while not self.may_start.wait(0.2):
                 if self._stop.is_set():
                     return
-        rv = ""
+        self.stats.resource_version = ""
         while not self._stop.is_set():
+            # The version to resume from is the last one delivered, even when a watch broke mid-way.
+            rv = self.stats.resource_version
             try:
                 if not rv:
                     rv = self._list()
-                rv = self._watch(rv)
+                self._watch(rv)
             except ApiError as exc:
                 if exc.status == 410:
                     self.stats.relists_gone += 1
                     log.info("watch expired, relisting", extra={"fields": {"kind": self.kind, "resourceVersion": rv}})
-                    rv = ""
+                    self.stats.resource_version = ""
                     continue
                 self._failed(exc)
             except Exception as exc:  # noqa: BLE001 - an informer thread must never die

@@ -1,0 +1,136 @@
+"""A scripted stand-in for the Kubernetes API, for the informer and binder unit tests.
+
+It implements `extender.kube.KubeApi`: `list`/`watch` replay scripted answers (a watch script is
+a list of events or an exception to raise), and the write calls keep the pods in a dict the way
+the API server would (merge-patch of annotations, Binding sets nodeName, 409 when bound).
+Every call is recorded in `calls`, so tests can assert order and arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any, Callable, Iterator, Mapping
+
+from extender.kube import ApiError
+
+
+class FakeApi:
+    def __init__(self) -> None:
+        self.lists: dict[str, list[Any]] = {"nodes": [], "pods": []}
+        self.watches: dict[str, list[Any]] = {"nodes": [], "pods": []}
+        self.calls: list[tuple[Any, ...]] = []
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.configmaps: dict[str, dict[str, Any]] = {}
+        self.on_exhausted: Callable[[str], None] | None = None
+        #: per write call: an ApiError to raise (once), or a callable run before answering
+        self.fail: dict[str, list[Any]] = {}
+        self.lock = threading.Lock()
+
+    # ----- informer side ----------------------------------------------------------------------------
+    def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
+        self.calls.append(("list", kind))
+        if not self.lists[kind]:
+            self._exhausted(kind)
+            raise ApiError(0, "Exhausted", "no more scripted lists")
+        answer = self.lists[kind].pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        items, rv = answer
+        return copy.deepcopy(items), rv
+
+    def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
+        self.calls.append(("watch", kind, resource_version))
+        if not self.watches[kind]:
+            self._exhausted(kind)
+            return iter(())
+        script = self.watches[kind].pop(0)
+        if isinstance(script, BaseException):
+            raise script
+        return self._replay(script)
+
+    @staticmethod
+    def _replay(script: list[Any]) -> Iterator[dict[str, Any]]:
+        for item in script:
+            if isinstance(item, BaseException):
+                raise item
+            yield copy.deepcopy(item)
+
+    def abort_watches(self) -> None:
+        self.calls.append(("abort",))
+
+    def _exhausted(self, kind: str) -> None:
+        if self.on_exhausted is not None:
+            self.on_exhausted(kind)
+
+    # ----- binder side ------------------------------------------------------------------------------
+    def _maybe_fail(self, what: str) -> None:
+        queue = self.fail.get(what)
+        if queue:
+            item = queue.pop(0)
+            if isinstance(item, BaseException):
+                raise item
+            item()
+
+    def add_pod(self, pod: Mapping[str, Any]) -> None:
+        meta = pod["metadata"]
+        self.pods[f"{meta.get('namespace', 'default')}/{meta['name']}"] = copy.deepcopy(dict(pod))
+
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        self.calls.append(("patch_pod", namespace, name, copy.deepcopy(dict(patch))))
+        self._maybe_fail("patch_pod")
+        pod = self.pods.get(f"{namespace}/{name}")
+        if pod is None:
+            raise ApiError(404, "NotFound", f'pods "{name}" not found')
+        meta = pod["metadata"]
+        want_uid = (patch.get("metadata") or {}).get("uid")
+        if want_uid and want_uid != meta.get("uid"):
+            raise ApiError(422, "Invalid", "metadata.uid: field is immutable")
+        ann = dict(meta.get("annotations") or {})
+        for k, v in ((patch.get("metadata") or {}).get("annotations") or {}).items():
+            if v is None:
+                ann.pop(k, None)
+            else:
+                ann[k] = v
+        meta["annotations"] = ann
+        return copy.deepcopy(pod)
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        self.calls.append(("read_pod", namespace, name))
+        pod = self.pods.get(f"{namespace}/{name}")
+        if pod is None:
+            raise ApiError(404, "NotFound", "")
+        return copy.deepcopy(pod)
+
+    def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        self.calls.append(("create_binding", namespace, name, copy.deepcopy(dict(body))))
+        self._maybe_fail("create_binding")
+        with self.lock:
+            pod = self.pods.get(f"{namespace}/{name}")
+            if pod is None:
+                raise ApiError(404, "NotFound", "")
+            uid = (body.get("metadata") or {}).get("uid")
+            if uid and uid != pod["metadata"].get("uid"):
+                raise ApiError(409, "Conflict", "Precondition failed: UID")
+            if pod["spec"].get("nodeName"):
+                raise ApiError(409, "Conflict", f"pod {name} is already assigned to node {pod['spec']['nodeName']}")
+            pod["spec"]["nodeName"] = body["target"]["name"]
+
+    def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.calls.append(("create_configmap", namespace, copy.deepcopy(dict(body))))
+        self._maybe_fail("create_configmap")
+        key = f"{namespace}/{body['metadata']['name']}"
+        if key in self.configmaps:
+            raise ApiError(409, "AlreadyExists", "")
+        self.configmaps[key] = copy.deepcopy(dict(body))
+        return copy.deepcopy(dict(body))
+
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any]:
+        self.calls.append(("read_configmap", namespace, name))
+        cm = self.configmaps.get(f"{namespace}/{name}")
+        if cm is None:
+            raise ApiError(404, "NotFound", "")
+        return copy.deepcopy(cm)
+
+    def writes(self) -> list[str]:
+        return [c[0] for c in self.calls if c[0] in ("patch_pod", "create_binding", "create_configmap")]

@@ -1,0 +1,196 @@
+"""KubeBinder and the live bind path against a scripted API: order of writes, idempotent retries,
+rollback, assumed holds and their expiry, the pinning ConfigMap, and no lock across API calls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import orjson
+
+from builders import gpu_node, pod
+from extender.cluster import ClusterState
+from extender.demand import ASSIGNMENT, GPU_INDEX
+from extender.kube import ApiError, LiveService, LiveSource
+from extender.ledger import check_invariant
+from extender.wire import ExtenderArgs, ExtenderBindingArgs
+from kube_fakes import FakeApi
+
+GIB = 1024**3
+
+
+def pinned_pod(name: str, memory: str) -> dict[str, Any]:
+    p = pod(name, memory)
+    p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": f"vramsched-{name}"}}]
+    return p
+
+
+def live(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], **kw: Any) -> tuple[LiveService, FakeApi, ClusterState]:
+    """A synced live service whose API is the fake; the pods exist in both."""
+    api = FakeApi()
+    c = ClusterState()
+    src = LiveSource(c, api=api, **kw)
+    src.apply("nodes", "replace", nodes)
+    src.apply("pods", "replace", pods)
+    for p in pods:
+        api.add_pod(p)
+    return LiveService(c, src, assume_ttl=kw.pop("assume_ttl", 60.0)), api, c
+
+
+def bind_args(p: dict[str, Any], node: str) -> ExtenderBindingArgs:
+    return ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", PodUID=p["metadata"]["uid"], Node=node)
+
+
+def filter_args(p: dict[str, Any], nodes: list[str]) -> ExtenderArgs:
+    return ExtenderArgs.model_validate({"Pod": p, "NodeNames": nodes})
+
+
+async def test_annotations_are_written_before_the_binding() -> None:
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    result = await service.bind(bind_args(p, "n1"))
+    assert result.Error == ""
+    assert api.writes() == ["patch_pod", "create_binding"]
+    patch = api.calls[0][3]
+    assert patch["metadata"]["uid"] == p["metadata"]["uid"]  # precondition: never annotate a re-created pod
+    assignment = orjson.loads(patch["metadata"]["annotations"][ASSIGNMENT])
+    assert assignment["node"] == "n1" and assignment["bytesPerDevice"] == [30 * GIB]
+    # The device plugin picks the physical GPU: no index is claimed (and a stale one is removed).
+    assert patch["metadata"]["annotations"][GPU_INDEX] is None
+    binding = api.calls[1][3]
+    assert binding["target"] == {"apiVersion": "v1", "kind": "Node", "name": "n1"}
+    assert binding["metadata"]["uid"] == p["metadata"]["uid"]
+    assert api.pods["default/p"]["spec"]["nodeName"] == "n1"
+    held = c.ledger.reservation("default/p")
+    assert held is not None and held.assumed  # until the watch shows the binding
+
+
+async def test_a_retried_bind_whose_binding_landed_succeeds_once() -> None:
+    """kube-scheduler timed out and calls bind again: the 409 from the API is a success."""
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    assert (await service.bind(bind_args(p, "n1"))).Error == ""
+    again = await service.bind(bind_args(p, "n1"))  # the watch has not shown the binding yet
+    assert again.Error == ""
+    assert [w for w in api.writes() if w == "create_binding"] == ["create_binding", "create_binding"]
+    assert ("read_pod", "default", "p") in api.calls
+    assert len(list(c.ledger.reservations())) == 1
+    assert check_invariant(c.ledger) == []
+
+
+async def test_a_binding_conflict_with_another_node_is_an_error() -> None:
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1"), gpu_node("n2")], [p])
+    api.pods["default/p"]["spec"]["nodeName"] = "n2"  # someone else bound it meanwhile
+    result = await service.bind(bind_args(p, "n1"))
+    assert "already bound to n2" in result.Error
+    assert c.ledger.reservation("default/p") is None  # our hold on n1 is rolled back
+
+
+async def test_an_uncertain_binding_keeps_the_assumed_hold_and_the_retry_confirms_it() -> None:
+    p, other = pod("p", "60Gi"), pod("other", "60Gi")
+    service, api, c = live([gpu_node("n1", count=1)], [p, other])
+
+    def lands_then_times_out() -> None:  # the Binding is written but the answer never comes
+        api.pods["default/p"]["spec"]["nodeName"] = "n1"
+        raise ApiError(0, "ReadTimeoutError", "read timed out")
+
+    api.fail["create_binding"] = [lands_then_times_out]
+    first = await service.bind(bind_args(p, "n1"))
+    assert "may not have landed" in first.Error
+    held = c.ledger.reservation("default/p")
+    assert held is not None and held.assumed
+    # Meanwhile the next pod's filter already sees the GPU as taken: no double booking.
+    refused = service.filter(filter_args(other, ["n1"]))
+    assert refused.NodeNames == [] and "n1" in refused.FailedNodes
+    retry = await service.bind(bind_args(p, "n1"))
+    assert retry.Error == ""
+    assert len(list(c.ledger.reservations())) == 1
+
+
+async def test_a_definite_failure_rolls_back_and_removes_the_annotation() -> None:
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    api.fail["create_binding"] = [ApiError(403, "Forbidden", 'cannot create resource "pods/binding"')]
+    result = await service.bind(bind_args(p, "n1"))
+    assert "forbidden by RBAC" in result.Error
+    assert c.ledger.reservation("default/p") is None
+    assert ASSIGNMENT not in api.pods["default/p"]["metadata"]["annotations"]
+    assert api.writes() == ["patch_pod", "create_binding", "patch_pod"]
+
+
+async def test_a_deleted_pod_fails_the_bind_cleanly() -> None:
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    del api.pods["default/p"]
+    result = await service.bind(bind_args(p, "n1"))
+    assert "no longer exists" in result.Error
+    assert c.ledger.reservation("default/p") is None and api.writes() == ["patch_pod"]
+
+
+async def test_assumed_holds_expire_after_their_ttl_unless_the_watch_confirms_them() -> None:
+    a, b = pod("a", "60Gi"), pod("b", "60Gi")
+    service, api, c = live([gpu_node("n1", count=1), gpu_node("n2", count=1)], [a, b])
+    assert (await service.bind(bind_args(a, "n1"))).Error == ""
+    assert (await service.bind(bind_args(b, "n2"))).Error == ""
+    # The watch shows b bound (with the annotations the binder wrote); a never shows up.
+    c.upsert_pod(api.pods["default/b"])
+    later = time.monotonic() + 61
+    expired = c.ledger.expire(now=later)
+    assert [r.key for r in expired] == ["default/a"]
+    assert c.ledger.reservation("default/b") is not None and not c.ledger.reservation("default/b").assumed
+
+
+async def test_binds_do_not_hold_a_lock_across_api_calls() -> None:
+    """A Binding stuck in the API does not stop another pod's bind (or filter) from finishing."""
+    slow, fast = pod("slow", "10Gi"), pod("fast", "10Gi")
+    service, api, c = live([gpu_node("n1"), gpu_node("n2")], [slow, fast])
+    release = threading.Event()
+    api.fail["create_binding"] = [lambda: release.wait(10)]
+    stuck = asyncio.create_task(service.bind(bind_args(slow, "n1")))
+    await asyncio.sleep(0.05)
+    done = await asyncio.wait_for(service.bind(bind_args(fast, "n2")), timeout=5)
+    assert done.Error == "" and not stuck.done()
+    assert service.filter(filter_args(pod("x", "10Gi"), ["n1", "n2"])).NodeNames == ["n1", "n2"]
+    release.set()
+    assert (await stuck).Error == ""
+
+
+async def test_pinned_policy_writes_a_configmap_owned_by_the_pod() -> None:
+    p = pinned_pod("p", "12Gi")
+    node = gpu_node("ts", count=2, memory_mib=23034, replicas=4)
+    service, api, c = live([node], [p], replica_policy="pinned")
+    assert (await service.bind(bind_args(p, "ts"))).Error == ""
+    assert api.writes() == ["patch_pod", "create_configmap", "create_binding"]
+    cm = api.configmaps["default/vramsched-p"]
+    index = api.pods["default/p"]["metadata"]["annotations"][GPU_INDEX]
+    assert cm["data"] == {"NVIDIA_VISIBLE_DEVICES": index, "VRAMSCHED_PINNED": "true"}
+    assert cm["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": p["metadata"]["uid"]}]
+    # A retry finds its own ConfigMap: fine. Someone else's: refused.
+    assert (await service.bind(bind_args(p, "ts"))).Error == ""
+    q = pinned_pod("q", "4Gi")
+    api.add_pod(q)
+    c.upsert_pod(q)
+    api.configmaps["default/vramsched-q"] = {"metadata": {"name": "vramsched-q", "ownerReferences": [{"uid": "older-q"}]}, "data": {}}
+    result = await service.bind(bind_args(q, "ts"))
+    assert "belongs to another pod" in result.Error and c.ledger.reservation("default/q") is None
+
+
+async def test_without_pinning_a_referenced_configmap_still_exists_but_pins_nothing() -> None:
+    p = pinned_pod("p", "12Gi")
+    node = gpu_node("ts", count=2, memory_mib=23034, replicas=4)
+    service, api, c = live([node], [p])  # default: the device plugin (distributed) picks
+    assert (await service.bind(bind_args(p, "ts"))).Error == ""
+    assert api.configmaps["default/vramsched-p"]["data"] == {"VRAMSCHED_PINNED": "false"}
+    assert GPU_INDEX not in api.pods["default/p"]["metadata"]["annotations"]
+
+
+async def test_pinned_policy_refuses_time_sliced_nodes_to_pods_that_cannot_be_pinned() -> None:
+    plain = pod("plain", "4Gi")
+    service, api, c = live([gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1)], [plain],
+                           replica_policy="pinned")
+    result = service.filter(filter_args(plain, ["ts", "whole"]))
+    assert result.NodeNames == ["whole"]  # an exclusive GPU's identity does not matter
+    assert result.FailedAndUnresolvableNodes == {"ts": "GPUs here are pinned: pod lacks envFrom ConfigMap vramsched-<pod-name>"}
