@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8888
 
-.PHONY: run test e2e venv deps clean
+.PHONY: run test e2e venv deps control-plane bench-mig clean
 
 venv: $(STAMP)
 
@@ -25,11 +25,20 @@ deps:
 run: venv
 	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT)
 
-test: venv deps
+# kube-apiserver + kube-scheduler 1.20.2 built from Debian's source package, etcd from Debian;
+# cached in ~/.cache/vramsched (a warm run is a no-op). See docs/control-plane.md.
+control-plane:
+	scripts/control-plane/build.sh
+
+test: venv deps control-plane
 	$(PY) -m pytest -q -p no:cacheprovider
 
-e2e: venv deps
-	$(PY) -m pytest -q -p no:cacheprovider tests/e2e
+# Only the tests that run against the real control plane (etcd, kube-apiserver, kube-scheduler).
+e2e: venv deps control-plane
+	$(PY) -m pytest -q -p no:cacheprovider -m e2e tests
+
+bench-mig: venv
+	$(PY) benchmarks/mig_geometry.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
