@@ -1,0 +1,167 @@
+"""The device plugin's choice of GPU for time-sliced replicas, and the bound vramsched keeps.
+
+The central test simulates the stock plugin (kubelet admitting bound pods in any order, the plugin
+breaking ties any way it likes) and checks that no GPU ever holds more VRAM than it has when
+every bind passed vramsched's node-level rule, for both policies.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builders import cluster, gpu_node, pod
+from extender.demand import pod_demand
+from extender.deviceplugin import (
+    ReplicaPolicy,
+    pin_environment,
+    plugin_candidates,
+    references_pin_configmap,
+    stack_depth,
+    worst_case_load,
+)
+from extender.ledger import Reservation, check_invariant
+from extender.demand import PodRef
+from extender.placement import choose_devices, filter_nodes
+
+GIB = 1024**3
+D, P = ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED
+
+
+def test_the_plugin_candidates_follow_allocate_go() -> None:
+    # distributed: fewest allocated replicas first; every tied GPU is possible.
+    assert plugin_candidates([1, 0, 0], [4, 4, 4], D) == [1, 2]
+    # packed: most allocated among GPUs that still have a free replica.
+    assert plugin_candidates([4, 2, 2], [4, 4, 4], P) == [1, 2]
+    assert plugin_candidates([2, 2], [2, 2], D) == []
+
+
+def test_stack_depth() -> None:
+    assert [stack_depth(D, u, 2, 4) for u in range(0, 9)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert [stack_depth(P, u, 2, 4) for u in range(0, 9)] == [0, 1, 2, 3, 4, 4, 4, 4, 4]
+
+
+def test_worst_case_of_the_e2e_example() -> None:
+    # 12, 8, 8 on two GPUs: a 12 more can land next to the first 12.
+    assert worst_case_load([12, 8, 8], 12, 1, gpus=2, replicas=4, policy=D) == 24
+    assert worst_case_load([12, 8, 8], 2, 1, gpus=2, replicas=4, policy=D) == 20
+    # packed may stack all four on one GPU.
+    assert worst_case_load([12, 8, 8], 2, 1, gpus=2, replicas=4, policy=P) == 30
+    # A 2-replica pod of 5 each makes 4 replicas on 2 GPUs, depth 2: the 12 and the 8 may meet.
+    assert worst_case_load([12, 8], 5, 2, gpus=2, replicas=4, policy=D) == 20
+    assert worst_case_load([12, 8], 15, 2, gpus=2, replicas=4, policy=D) == 30  # or its own two replicas
+
+
+def test_per_gpu_books_alone_are_not_sound_under_the_plugin() -> None:
+    """Best-fit books put 12+8 and 8+12 on two 22.5 GPUs; the plugin, breaking one tie its own
+    way, puts both 12s on one GPU."""
+    capacity = 22.5
+    assert max(12 + 8, 8 + 12) <= capacity  # what per-GPU books believe
+    gpus: list[list[int]] = [[], []]
+    for size, tie in ((12, 0), (8, 0), (8, 1), (12, 0)):
+        candidates = plugin_candidates([len(g) for g in gpus], [4, 4], D)
+        gpus[candidates[min(tie, len(candidates) - 1)]].append(size)
+    assert gpus == [[12, 12], [8, 8]] and sum(gpus[0]) > capacity
+    # vramsched's rule refuses that fourth pod.
+    assert worst_case_load([12, 8, 8], 12, 1, gpus=2, replicas=4, policy=D) > capacity
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["bind", "bind", "admit", "admit", "depart"]), st.integers(1, 100), st.integers(0, 50)),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(gpus=st.integers(1, 3), replicas=st.integers(2, 4), policy=st.sampled_from([D, P]), script=ops)
+def test_no_gpu_overflows_whatever_the_plugin_and_kubelet_do(gpus: int, replicas: int, policy: ReplicaPolicy, script: list) -> None:
+    """Binds go through vramsched's rule; kubelet admits bound pods in any order; the plugin
+    breaks ties any way; pods leave. No GPU ever holds more than its memory."""
+    memory = 100
+    bound: dict[int, int] = {}  # pod id -> size, everything bound to the node
+    waiting: list[int] = []  # bound, not yet admitted by kubelet
+    gpu_of: dict[int, int] = {}
+    next_id = 0
+    for kind, size, choice in script:
+        if kind == "bind":
+            if len(bound) < gpus * replicas and worst_case_load(list(bound.values()), size, 1, gpus, replicas, policy) <= memory:
+                bound[next_id] = size
+                waiting.append(next_id)
+                next_id += 1
+        elif kind == "admit" and waiting:
+            pid = waiting.pop(choice % len(waiting))
+            allocated = [sum(1 for g in gpu_of.values() if g == i) for i in range(gpus)]
+            candidates = plugin_candidates(allocated, [replicas] * gpus, policy)
+            assert candidates, "kubelet always finds a free replica for a bound pod"
+            gpu_of[pid] = candidates[choice % len(candidates)]
+            load = sum(bound[p] for p, g in gpu_of.items() if g == gpu_of[pid])
+            assert load <= memory, (gpu_of, bound)
+        elif kind == "depart" and bound:
+            pid = sorted(bound)[choice % len(bound)]
+            del bound[pid]
+            gpu_of.pop(pid, None)
+            if pid in waiting:
+                waiting.remove(pid)
+
+
+# ----- the rule inside placement ---------------------------------------------------------------------
+
+
+def ts_cluster(policy: str | None, *holds: tuple[str, int, int]):
+    """One time-sliced node, 2 x 22.49Gi (L4), 4 replicas; `holds` = (pod, gpu, GiB) already bound."""
+    c = cluster(gpu_node("ts", count=2, memory_mib=23034, replicas=4))
+    c.ledger.replica_policy = policy
+    for name, gpu, gib in holds:
+        c.ledger.reserve(Reservation(PodRef("default", name, name), "ts", (str(gpu),), (gib * GIB,)))
+    return c
+
+
+def test_distributed_refuses_what_the_plugin_could_stack_and_says_so() -> None:
+    c = ts_cluster("distributed", ("a", 0, 12), ("b", 0, 8), ("c", 1, 8))
+    out = filter_nodes(c.ledger, pod_demand(pod("d", "12Gi")), ["ts"])
+    assert out.feasible == [] and out.failed == {"ts": "device plugin (distributed) may stack 24Gi on a 22.49Gi GPU"}
+    assert filter_nodes(c.ledger, pod_demand(pod("e", "2Gi")), ["ts"]).feasible == ["ts"]
+    # Exact per-GPU books (no device plugin: embedded cluster, simulator) would take it.
+    exact = ts_cluster(None, ("a", 0, 12), ("b", 0, 8), ("c", 1, 8))
+    assert filter_nodes(exact.ledger, pod_demand(pod("d", "12Gi")), ["ts"]).feasible == ["ts"]
+
+
+def test_packed_is_stricter_than_distributed() -> None:
+    c = ts_cluster("packed", ("a", 0, 12), ("b", 1, 8))
+    out = filter_nodes(c.ledger, pod_demand(pod("c", "8Gi")), ["ts"])
+    assert out.failed == {"ts": "device plugin (packed) may stack 28Gi on a 22.49Gi GPU"}
+
+
+def test_distributed_books_each_replica_on_a_least_used_gpu() -> None:
+    c = ts_cluster("distributed", ("a", 0, 4))
+    res = choose_devices(c.ledger, pod_demand(pod("b", "4Gi")), "ts")
+    assert isinstance(res, Reservation) and res.device_ids == ("1",)  # best fit would say GPU 0
+    exact = ts_cluster(None, ("a", 0, 4))
+    assert choose_devices(exact.ledger, pod_demand(pod("b", "4Gi")), "ts").device_ids == ("0",)
+
+
+def test_mps_and_exclusive_gpus_keep_per_gpu_books() -> None:
+    """MPS caps each client at memory/replicas and an exclusive GPU holds one pod: the plugin's
+    choice cannot overcommit them, so no node-level rule applies."""
+    c = cluster(gpu_node("mps", count=2, memory_mib=81920, replicas=4, strategy="mps"), gpu_node("x", count=2))
+    c.ledger.replica_policy = "distributed"
+    for i in range(6):
+        d = pod_demand(pod(f"m{i}", "20Gi"))
+        res = choose_devices(c.ledger, d, "mps")
+        assert isinstance(res, Reservation)
+        c.ledger.reserve(res)
+    assert filter_nodes(c.ledger, pod_demand(pod("m6", "20Gi")), ["mps"]).feasible == ["mps"]
+    assert check_invariant(c.ledger) == []
+
+
+def test_pinning_environment_and_reference() -> None:
+    p = pod("web-0", "4Gi")
+    assert not references_pin_configmap(p) and not pod_demand(p).pin_configmap
+    p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-web-0"}}]
+    assert references_pin_configmap(p) and pod_demand(p).pin_configmap
+    res = Reservation(PodRef("default", "web-0"), "n", ("3", "1"), (GIB, GIB))
+    assert pin_environment(res, pinned=True) == {"NVIDIA_VISIBLE_DEVICES": "1,3", "VRAMSCHED_PINNED": "true"}
+    assert pin_environment(res, pinned=False) == {"VRAMSCHED_PINNED": "false"}
+    assert pin_environment(res, pinned=True, time_sliced=False) == {"VRAMSCHED_PINNED": "false"}
+    mig = Reservation(PodRef("default", "web-0"), "n", ("0:1g.10gb:2",), (GIB,))
+    assert pin_environment(mig, pinned=True) == {"VRAMSCHED_PINNED": "false"}
