@@ -59,6 +59,8 @@ def snapshot(cluster: ClusterState) -> tuple[Capacity, dict[str, int]]:
     and the per-node generations it reflects."""
     src = cluster.ledger
     ledger = Ledger()
+    if hasattr(src, "replica_policy"):
+        ledger.replica_policy = src.replica_policy  # same books as the server's ledger
     for inv in src.nodes():
         ledger.upsert_node(inv)
     for res in src.reservations():

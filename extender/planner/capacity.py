@@ -56,6 +56,8 @@ class Capacity:
     mem_free: np.ndarray
     cpu_total: np.ndarray
     mem_total: np.ndarray
+    _sig: np.ndarray | None = None
+    _sig_dirty: set[int] = field(default_factory=set)
 
     @classmethod
     def from_ledger(cls, ledger: Ledger, used_cpu: dict[str, int] | None = None, used_mem: dict[str, int] | None = None) -> "Capacity":
@@ -79,6 +81,24 @@ class Capacity:
     def arrays(self) -> DeviceArrays:
         return self.ledger.arrays
 
+    def signatures(self) -> np.ndarray:
+        """Per node, an id shared exactly by nodes in the same free state (CPU, memory and the
+        multiset of device states): such nodes are interchangeable for any placement rule."""
+        a = self.arrays
+        if self._sig is None or len(self._sig) != len(a.node_names):
+            self._sig = np.zeros(len(a.node_names), np.int64)
+            self._sig_ids: dict[tuple, int] = {}
+            self._sig_dirty = set(range(len(a.node_names)))
+        for n in self._sig_dirty:
+            lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+            devs = sorted(zip(a.resource_id[lo:hi].tolist(), a.product_id[lo:hi].tolist(), a.capacity[lo:hi].tolist(),
+                              a.per_pod_cap[lo:hi].tolist(), a.replicas[lo:hi].tolist(), a.used[lo:hi].tolist(),
+                              a.used_replicas[lo:hi].tolist()))
+            key = (int(self.cpu_free[n]), int(self.mem_free[n]), tuple(devs))
+            self._sig[n] = self._sig_ids.setdefault(key, len(self._sig_ids))
+        self._sig_dirty = set()
+        return self._sig
+
     def fits_host(self, demand: Demand) -> np.ndarray:
         """Nodes with enough free CPU and memory for the pod (kube-scheduler's NodeResourcesFit)."""
         return (self.cpu_free >= demand.cpu_milli) & (self.mem_free >= demand.memory_bytes)
@@ -93,11 +113,13 @@ class Capacity:
                 self.ledger.reserve(res)
         self.cpu_free[node_row] -= demand.cpu_milli
         self.mem_free[node_row] -= demand.memory_bytes
+        self._sig_dirty.add(node_row)
 
     def remove(self, demand: Demand, node_row: int) -> None:
         self.ledger.release(demand.pod.key)
         self.cpu_free[node_row] += demand.cpu_milli
         self.mem_free[node_row] += demand.memory_bytes
+        self._sig_dirty.add(node_row)
 
 
 @dataclass
@@ -280,16 +302,21 @@ class Candidates:
 def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: bool = True, overcommit: bool = False) -> Candidates:
     """Every distinct way to place `demand` now.
 
-    One GPU: each fitting device (identical devices of a node collapse to one when `dedupe`).
-    k GPUs: per node, the k devices picked by `order` ("tight": partly used first, then least
-    leftover; "index": lowest index; "spread": fewest pods, as the device plugin's distributed
-    allocation). No GPU: each node with room. `overcommit` ignores memory (replica count only).
+    One GPU: each fitting device. k GPUs: per node, the k devices picked by `order` ("tight":
+    partly used first, then least leftover; "index": lowest index; "spread": fewest pods, as the
+    device plugin's distributed allocation). No GPU: each node with room. `overcommit` ignores
+    memory (replica count only). With `dedupe`, identical devices of identical nodes (same
+    `signatures`) collapse to the one on the lowest node: every rule scores them the same.
     """
     a = cap.arrays
     host = cap.fits_host(demand)
     k = demand.gpu_count
+    sig = cap.signatures() if dedupe else None
     if k == 0:
         nodes = np.flatnonzero(host)
+        if sig is not None and len(nodes):
+            _, first = np.unique(sig[nodes], return_index=True)
+            nodes = nodes[np.sort(first)]
         return Candidates(nodes, np.zeros((len(nodes), 0), np.int64), np.zeros((len(nodes), 0), np.int64))
     matches = device_matches(a, demand.resource, demand.allowed_products)
     need = a.per_pod_cap if demand.bytes_per_gpu is None else np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
@@ -299,12 +326,16 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
     rows = np.flatnonzero(ok)
     if k == 1:
         if dedupe and len(rows):
-            cols = (a.product_id[rows], a.replicas[rows], a.capacity[rows], a.used_replicas[rows], a.used[rows], a.node_of[rows])
+            cols = (a.product_id[rows], a.replicas[rows], a.capacity[rows], a.used_replicas[rows], a.used[rows], sig[a.node_of[rows]])
             order = np.lexsort(cols)
             srt = [c[order] for c in cols]
             new = np.ones(len(rows), bool)
             new[1:] = np.any([c[1:] != c[:-1] for c in srt], axis=0)
-            rows = np.sort(rows[order[new]])
+            # first row of each group in sorted order is not necessarily the lowest node: take the min
+            group = np.cumsum(new) - 1
+            lowest = np.full(int(group[-1]) + 1, np.iinfo(np.int64).max, np.int64)
+            np.minimum.at(lowest, group, rows[order])
+            rows = np.sort(lowest)
         return Candidates(a.node_of[rows].astype(np.int64), rows[:, None], need[rows][:, None])
     if len(rows) == 0:
         return Candidates(np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.int64))
@@ -328,4 +359,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
     counts = np.bincount(node, minlength=len(a.node_names))
     keep = (rank < k) & (counts[node] >= k)
     rows = rows[keep].reshape(-1, k)
+    if sig is not None and len(rows):
+        _, first = np.unique(sig[a.node_of[rows[:, 0]]], return_index=True)
+        rows = rows[np.sort(first)]
     return Candidates(a.node_of[rows[:, 0]].astype(np.int64), rows, need[rows])

@@ -10,7 +10,7 @@ know memory and is therefore *recorded*, overcommit included, to show what it wo
 - spread: kube-scheduler's default NodeResourcesFit LeastAllocated on CPU and memory, counting
   only `nvidia.com/gpu` replicas; the device plugin hands out replicas of the least shared GPUs.
 - fgd: fragmentation gradient descent: the placement that least increases expected stranded VRAM.
-- vramsched: fewest empty GPUs opened, then least increase of stranded VRAM (FGD's measure), then
+- vramsched: least increase of stranded VRAM (FGD's measure), then fewest empty GPUs opened, then
   lowest index: the planner's lexicographic goals restricted to one pod.
 """
 
@@ -85,7 +85,7 @@ def vramsched(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> C
         return None
     a = cap.arrays
     d = np.round(frag.delta(c, demand), 6) if frag is not None else c.leftover(a).astype(np.float64)
-    return _pick(c, [c.opened(a), d, c.node], demand, cap)
+    return _pick(c, [d, c.opened(a), c.node], demand, cap)
 
 
 POLICIES: dict[str, Callable[[Capacity, Demand, FragIndex | None], Choice | None]] = {

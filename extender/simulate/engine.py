@@ -51,6 +51,8 @@ class PolicyResult:
     solverOptimal: int = 0
     solverImproved: int = 0
     invariantViolations: int = 0
+    gpusFreeMean: float = 0.0
+    gpusInUsePeak: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -90,7 +92,7 @@ def run_policy(
 ) -> PolicyResult:
     cluster, cap = build_capacity(nodes, bound)
     workload = workload or Workload.from_demands(t.demand for t in tasks)
-    frag = FragIndex(cap, workload) if policy in ("fgd", "planner", "vramsched") else None
+    frag = None if policy in ("first-fit", "best-fit", "spread") else FragIndex(cap, workload)
     out = PolicyResult(policy)
     start = time.perf_counter()
     where: dict[str, int] = {}
@@ -98,6 +100,7 @@ def run_policy(
     departures = sorted((t.departure, t.key) for t in tasks if churn and t.departure is not None)
     last_arrival = max((t.arrival for t in tasks), default=0.0)
     di = 0
+    free_sum = 0
     for arrival, group in groupby(tasks, key=lambda t: t.arrival):
         batch = list(group)
         while di < len(departures) and departures[di][0] <= arrival:
@@ -126,6 +129,9 @@ def run_policy(
         for t, n in placed:
             where[t.key] = n
             demands_of[t.key] = t
+        in_use = int((cap.arrays.used_replicas > 0).sum())
+        free_sum += len(cap.arrays.used_replicas) - in_use
+        out.gpusInUsePeak = max(out.gpusInUsePeak, in_use)
         out.placed += len(placed)
         ok = {t.key for t, _ in placed}
         for t in batch:
@@ -133,6 +139,7 @@ def run_policy(
                 out.failed += 1
                 out.failedGpuPods += t.demand.gpu_count > 0
     out.seconds = time.perf_counter() - start
+    out.gpusFreeMean = free_sum / max(1, out.batches)
     _measure(out, cap, workload, [demands_of[k].demand for k in where])
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))

@@ -1,0 +1,78 @@
+"""Trace packing benchmark: every policy on the Alibaba GPU-sharing trace (../shared/traces).
+
+    .venv/bin/python benchmarks/trace_packing.py                       # all pod lists, inflate 1.3 and none
+    .venv/bin/python benchmarks/trace_packing.py --lists default --inflate 1.3
+
+Each run is what `vramsched simulate --nodes <node list> --pods <pod list> --inflate F --json`
+prints for the same inputs (same code path). Results, margins of the planner over every
+baseline, and the command line go to benchmarks/results/trace_packing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from extender.planner.capacity import Workload  # noqa: E402
+from extender.simulate.engine import ALL_POLICIES, run_policy  # noqa: E402
+from extender.simulate.trace import inflate, read_inputs  # noqa: E402
+
+TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "traces"))
+LISTS = ["default", "gpushare40", "gpuspec10"]
+
+
+def run(pod_list: str, factor: float, policies: list[str], time_limit: float, churn: bool) -> dict:
+    nodes, tasks, bound = read_inputs(TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{pod_list}.csv")
+    workload = Workload.from_demands(t.demand for t in tasks)
+    gpus = sum(int(n["metadata"]["labels"]["nvidia.com/gpu.count"]) for n in nodes)
+    if factor > 0:
+        tasks = inflate(tasks, gpus, factor)
+    out = {"podList": pod_list, "inflate": factor, "churn": churn, "tasks": len(tasks), "gpus": gpus, "policies": {}}
+    for p in policies:
+        r = run_policy(p, nodes, tasks, bound, churn=churn, workload=workload, time_limit=time_limit)
+        out["policies"][p] = r.to_json()
+        print(f"  {pod_list} inflate={factor} churn={churn} {p}: placed {r.placed} alloc {r.allocatedMemoryBytes / 2**20 / 1000:.2f} GPUs "
+              f"free {r.gpusFree} over {r.overcommittedGpus} {r.seconds:.1f}s", flush=True)
+    pl = out["policies"].get("planner")
+    if pl:
+        out["planner margins"] = {
+            p: {"allocatedGpus": round((pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"]) / (1000 * 2**20), 2),
+                "allocatedPct": round(100 * (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"]) / max(1, r["allocatedMemoryBytes"]), 3),
+                "gpusFree": pl["gpusFree"] - r["gpusFree"], "placed": pl["placed"] - r["placed"]}
+            for p, r in out["policies"].items() if p != "planner"}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lists", nargs="*", default=LISTS)
+    ap.add_argument("--inflate", type=float, nargs="*", default=[1.3, 0.0])
+    ap.add_argument("--churn", action="store_true", help="also run every list without inflation with churn")
+    ap.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
+    ap.add_argument("--time-limit", type=float, default=1.0, help="planner: seconds per batch solve")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_packing.json"))
+    args = ap.parse_args()
+    started = time.time()
+    runs = []
+    for pod_list in args.lists:
+        for f in args.inflate:
+            runs.append(run(pod_list, f, args.policies, args.time_limit, False))
+        if args.churn:
+            runs.append(run(pod_list, 0.0, args.policies, args.time_limit, True))
+    body = {"command": " ".join(["benchmarks/trace_packing.py", *sys.argv[1:]]), "machine": platform.platform(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "wallSeconds": round(time.time() - started, 1),
+            "runs": runs}
+    Path(args.out).write_text(json.dumps(body, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
