@@ -373,6 +373,8 @@ class Informer:
 
     def _list(self) -> str:
         items, rv = self.api.list(self.kind)
+        for item in items:
+            _slim(item)
         self.stats.lists += 1
         self.deliver("replace", items)
         self.stats.resource_version = rv
@@ -397,12 +399,20 @@ class Informer:
             new_rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
             if kind != "BOOKMARK":
                 self.stats.events += 1
-                self.deliver(str(kind), obj)
+                self.deliver(str(kind), _slim(obj))
             if new_rv:
                 rv = new_rv
                 self.stats.resource_version = rv
             self._delay = 0.0
         return rv
+
+
+def _slim(obj: dict[str, Any]) -> dict[str, Any]:
+    """Drop managedFields: often the largest part of an object, and nothing vramsched reads."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return obj
 
 
 class LiveSource:
