@@ -70,6 +70,8 @@ class DeviceArrays:
     gpu_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     resources: dict[str, int] = field(default_factory=dict)
     products: dict[str, int] = field(default_factory=dict)
+    #: replicas in use per node (sum over its devices): "is anything running here" in O(1)
+    node_used_replicas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: static facts derived from these rows (node kinds, name arrays, reasons), computed on
     #: first use by the hot path and dropped with the arrays when the inventory changes.
     derived: dict = field(default_factory=dict)
@@ -279,6 +281,7 @@ class Ledger:
             gpu_index=np.fromiter((d.gpu_index for d in devices), np.int32, len(devices)),
             resources=resources,
             products=products,
+            node_used_replicas=np.zeros(len(names), np.int64),
         )
         self._arrays = a
         self._row = {(d.node, d.device_id): i for i, d in enumerate(devices)}
@@ -297,6 +300,7 @@ class Ledger:
                 continue  # the device vanished from the node's labels; nothing to count it against
             a.used[i] += sign * nbytes
             a.used_replicas[i] += sign
+            a.node_used_replicas[a.node_of[i]] += sign
 
     def _touch(self, node: str) -> None:
         self.generation += 1

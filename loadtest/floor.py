@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8891)
     args = p.parse_args(argv)
-    web.run_app(create_app(), host=args.host, port=args.port, access_log=None, print=None, backlog=1024)
+    try:  # the same event loop as `vramsched serve` (extender/commands/serve.py)
+        import uvloop
+    except ImportError:
+        loop = None
+    else:
+        loop = uvloop.new_event_loop()
+    web.run_app(create_app(), host=args.host, port=args.port, access_log=None, print=None, backlog=1024, loop=loop)
     return 0
 
 
