@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tls-cert", metavar="FILE")
     p.add_argument("--tls-key", metavar="FILE")
+    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep a CP-SAT batch plan for pending pods in a background thread; prioritize and bind "
+                        "follow it while it is fresh, best fit answers otherwise (default off, docs/packing.md)")
+    p.add_argument("--planner-time-limit", type=float, default=1.0, help="seconds per background plan (default 1)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -93,16 +97,18 @@ async def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"cannot load {args.cluster}: {exc}")
         # No device plugin behind a cluster file: exact per-GPU books unless a policy is asked for.
         cluster.ledger.replica_policy = args.replica_policy
-        service = ExtenderService(cluster, EmbeddedBinder(cluster))
+        service = ExtenderService(cluster, EmbeddedBinder(cluster), planner=_planner(args, cluster))
         ready = None
         source = None
     else:
         from extender.kube import LiveService, LiveSource  # only live mode needs the Kubernetes client
 
         source = LiveSource(cluster, kubeconfig=args.kubeconfig, pin_gpus=args.pin_gpus, replica_policy=args.replica_policy)
-        service = LiveService(cluster, source, assume_ttl=args.assume_ttl)
+        service = LiveService(cluster, source, assume_ttl=args.assume_ttl, planner=_planner(args, cluster))
         ready = source.ready
         await source.start()
+    if service.planner is not None:
+        await service.planner.start()
     app = create_app(service, max_body_bytes=args.max_body_bytes, max_concurrency=args.max_concurrency, ready=ready)
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
@@ -119,6 +125,16 @@ async def _serve(args: argparse.Namespace) -> int:
         while True:
             await asyncio.sleep(3600)
     finally:
+        if service.planner is not None:
+            await service.planner.stop()
         if source is not None:
             await source.stop()
         await runner.cleanup()
+
+
+def _planner(args: argparse.Namespace, cluster: ClusterState):
+    if not args.planner:
+        return None
+    from extender.planner.background import BackgroundPlanner  # imports OR-Tools only when asked for
+
+    return BackgroundPlanner(cluster, time_limit=args.planner_time_limit)
