@@ -7,6 +7,7 @@ thing that differs between the embedded cluster and a live one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Mapping, Protocol
@@ -103,6 +104,10 @@ class ExtenderService:
         self.planner = planner
         self.assume_ttl = assume_ttl
         self.live = live
+        #: binds waiting on the binder, by pod key: (node, outcome). Another bind of the same pod
+        #: meanwhile shares that outcome (same node) or is refused (another node), so a pod never
+        #: has two Bindings racing, nor one call releasing what a concurrent one is confirming.
+        self._in_flight: dict[str, tuple[str, str, asyncio.Future[ExtenderBindingResult]]] = {}
 
     @property
     def ledger(self):
@@ -187,6 +192,12 @@ class ExtenderService:
             return ExtenderBindingResult(Error=f"pod {key} has UID {ref.uid}, not {args.PodUID} (re-created?)")
         if self.ledger.node(args.Node) is None:
             return ExtenderBindingResult(Error=f"node {args.Node} is unknown to vramsched")
+        flight = self._in_flight.get(key)
+        if flight is not None:
+            node, uid, outcome = flight
+            if node == args.Node and uid == ref.uid:
+                return await asyncio.shield(outcome)  # kube-scheduler's retry of a slow bind
+            return ExtenderBindingResult(Error=f"pod {key} (UID {uid or '?'}) is being bound to {node}")
         bound_to = (pod.get("spec") or {}).get("nodeName")
         if bound_to:
             if bound_to == args.Node:
@@ -197,27 +208,43 @@ class ExtenderService:
         except DemandError as exc:
             return ExtenderBindingResult(Error=str(exc))
         reservation: Reservation | None = None
+        created = False  # a hold this call took; one reused from an earlier bind outlives our failure
         if demand.wants_gpu:
+            self.ledger.expire()
             held = self.ledger.reservation(key)
             if held is not None and held.node == args.Node:
                 reservation = held  # retry of a bind still in flight or assumed
             else:
                 if held is not None:
-                    self.ledger.release(key)  # an assumed hold elsewhere from an abandoned attempt
+                    if held.assumed:
+                        # An earlier bind whose outcome is unknown (a timeout) may have landed there:
+                        # freeing its devices now could double-book them when its watch event arrives.
+                        return ExtenderBindingResult(
+                            Error=f"pod {key} may already be bound to {held.node} (unconfirmed); retry later")
+                    self.ledger.release(key)
                 try:
                     reservation = self._reserve(demand, args.Node)
                 except LedgerError as exc:
                     return ExtenderBindingResult(Error=f"pod {key} does not fit on {args.Node}: {exc}")
+                created = True
+        outcome: asyncio.Future[ExtenderBindingResult] = asyncio.get_running_loop().create_future()
+        self._in_flight[key] = (args.Node, ref.uid, outcome)
+        result = ExtenderBindingResult(Error=f"binding {key} to {args.Node} was interrupted")
         try:
             await self.binder.bind(pod, args.Node, reservation)
+            result = ExtenderBindingResult()
         except BindError as exc:
             # An uncertain outcome (timeout) keeps the assumed hold: the Binding may have landed.
-            if reservation is not None and not getattr(exc, "keep_reservation", False):
+            # A hold reused from an earlier bind (which may have landed) waits for its watch event or TTL.
+            if created and not getattr(exc, "keep_reservation", False):
                 current = self.ledger.reservation(key)
                 if current is reservation:
                     self.ledger.release(key)
-            return ExtenderBindingResult(Error=f"binding {key} to {args.Node} failed: {exc}")
-        return ExtenderBindingResult()
+            result = ExtenderBindingResult(Error=f"binding {key} to {args.Node} failed: {exc}")
+        finally:
+            del self._in_flight[key]
+            outcome.set_result(result)
+        return result
 
     def _reserve(self, demand: Demand, node: str) -> Reservation:
         """Reserve the planned devices when they are still free, else best fit on that node."""
