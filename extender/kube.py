@@ -579,7 +579,8 @@ class KubeBinder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking client call in the binder's pool, never on the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn, *args)
 
@@ -610,7 +611,7 @@ class KubeBinder:
             if not ref.uid:
                 del patch["metadata"]["uid"]
             try:
-                await self._call(self.api.patch_pod, ref.namespace, ref.name, patch)
+                await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
             except ApiError as exc:
                 raise _definite(exc, f"cannot annotate pod {ref.key}") from None
             if references_pin_configmap(pod):
@@ -622,7 +623,7 @@ class KubeBinder:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         try:
-            await self._call(self.api.create_binding, ref.namespace, ref.name, binding)
+            await self.call(self.api.create_binding, ref.namespace, ref.name, binding)
         except ApiError as exc:
             if exc.status == 409:
                 await self._already_bound(ref, node, exc)
@@ -642,7 +643,7 @@ class KubeBinder:
 
     async def _already_bound(self, ref: Any, node: str, exc: ApiError) -> None:
         try:
-            current = await self._call(self.api.read_pod, ref.namespace, ref.name)
+            current = await self.call(self.api.read_pod, ref.namespace, ref.name)
         except ApiError as read_exc:
             raise BindUncertain(f"Binding conflict and pod unreadable ({read_exc.status})") from None
         meta = current.get("metadata") or {}
@@ -672,13 +673,13 @@ class KubeBinder:
             "data": data,
         }
         try:
-            await self._call(self.api.create_configmap, ref.namespace, body)
+            await self.call(self.api.create_configmap, ref.namespace, body)
             return
         except ApiError as exc:
             if exc.status != 409:
                 raise _definite(exc, f"cannot create ConfigMap {name}") from None
         try:
-            existing = await self._call(self.api.read_configmap, ref.namespace, name)
+            existing = await self.call(self.api.read_configmap, ref.namespace, name)
         except ApiError as exc:
             raise _definite(exc, f"ConfigMap {name} exists but is unreadable") from None
         owners = [o.get("uid") for o in (existing.get("metadata") or {}).get("ownerReferences") or []]
@@ -690,7 +691,7 @@ class KubeBinder:
     async def _unannotate(self, ref: Any) -> None:
         """Best effort after a definite failure: a pending pod should not carry a stale assignment."""
         try:
-            await self._call(self.api.patch_pod, ref.namespace, ref.name,
+            await self.call(self.api.patch_pod, ref.namespace, ref.name,
                              {"metadata": {"annotations": {ASSIGNMENT: None, GPU_INDEX: None}}})
         except ApiError:
             pass
@@ -732,6 +733,15 @@ class LiveService(ExtenderService):
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
         if not self.source.synced:
             return ExtenderBindingResult(Error=NOT_SYNCED)
+        key = f"{args.PodNamespace}/{args.PodName}"
+        if self.cluster.pod(key) is None:
+            # kube-scheduler can be faster than our pod watch: read the pod rather than fail the bind.
+            try:
+                pod = await self.source.binder.call(self.source.api.read_pod, args.PodNamespace, args.PodName)
+            except ApiError as exc:
+                return ExtenderBindingResult(Error=f"pod {key} is unknown to vramsched and unreadable ({exc.status} {exc.reason})")
+            if self.cluster.pod(key) is None:
+                self.cluster.upsert_pod(_slim(pod))
         return await super().bind(args)
 
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:

@@ -194,3 +194,15 @@ async def test_pinned_policy_refuses_time_sliced_nodes_to_pods_that_cannot_be_pi
     result = service.filter(filter_args(plain, ["ts", "whole"]))
     assert result.NodeNames == ["whole"]  # an exclusive GPU's identity does not matter
     assert result.FailedAndUnresolvableNodes == {"ts": "GPUs here are pinned: pod lacks envFrom ConfigMap vramsched-<pod-name>"}
+
+
+async def test_a_pod_the_watch_has_not_delivered_yet_is_read_from_the_api() -> None:
+    p = pod("fresh", "30Gi")
+    service, api, c = live([gpu_node("n1")], [])
+    api.add_pod(p)  # created and scheduled before our pod watch delivered it
+    assert (await service.bind(bind_args(p, "n1"))).Error == ""
+    assert api.calls[0] == ("read_pod", "default", "fresh")
+    assert api.pods["default/fresh"]["spec"]["nodeName"] == "n1"
+    assert c.ledger.reservation("default/fresh") is not None
+    gone = pod("gone", "1Gi")
+    assert "unknown to vramsched and unreadable (404" in (await service.bind(bind_args(gone, "n1"))).Error
