@@ -634,6 +634,12 @@ class KubeBinder:
                 if reservation is not None:
                     await self._unannotate(ref)
                 raise _definite(exc, f"Binding to {node} rejected") from None
+        if reservation is not None:
+            # The API accepted the Binding: the hold is now the truth, not a guess that may lapse.
+            # It stays `assumed` until the watch shows the pod, but no TTL can free it meanwhile:
+            # a watch lagging or reconnecting for longer than the TTL must not double-book.
+            # (A relist drops it if the pod was deleted in the meantime.)
+            reservation.expires_at = None
         log.info(
             "bound",
             extra={"fields": {"pod": ref.key, "node": node, "devices": list(reservation.device_ids) if reservation else [],

@@ -130,17 +130,25 @@ async def test_a_deleted_pod_fails_the_bind_cleanly() -> None:
     assert c.ledger.reservation("default/p") is None and api.writes() == ["patch_pod"]
 
 
-async def test_assumed_holds_expire_after_their_ttl_unless_the_watch_confirms_them() -> None:
-    a, b = pod("a", "60Gi"), pod("b", "60Gi")
-    service, api, c = live([gpu_node("n1", count=1), gpu_node("n2", count=1)], [a, b])
+async def test_only_holds_of_unsettled_binds_expire_after_their_ttl() -> None:
+    """A bind whose outcome is unknown holds its GPU for the TTL; one the API accepted holds it
+    until the watch shows the pod (or a relist shows it gone), however late that is."""
+    a, b, u = pod("a", "60Gi"), pod("b", "60Gi"), pod("u", "60Gi")
+    service, api, c = live([gpu_node("n1", count=1), gpu_node("n2", count=1), gpu_node("n3", count=1)], [a, b, u])
     assert (await service.bind(bind_args(a, "n1"))).Error == ""
     assert (await service.bind(bind_args(b, "n2"))).Error == ""
-    # The watch shows b bound (with the annotations the binder wrote); a never shows up.
-    c.upsert_pod(api.pods["default/b"])
-    later = time.monotonic() + 61
-    expired = c.ledger.expire(now=later)
-    assert [r.key for r in expired] == ["default/a"]
-    assert c.ledger.reservation("default/b") is not None and not c.ledger.reservation("default/b").assumed
+    api.fail["create_binding"] = [ApiError(504, "Timeout", "etcd request timed out")]
+    assert "may not have landed" in (await service.bind(bind_args(u, "n3"))).Error
+    c.upsert_pod(api.pods["default/b"])  # the watch shows b bound; a and u not yet
+    assert c.ledger.reservation("default/a").assumed and c.ledger.reservation("default/u").assumed
+    assert c.ledger.expire(now=time.monotonic() + 30) == []  # within the TTL (60 s)
+    expired = c.ledger.expire(now=time.monotonic() + 61)
+    assert [r.key for r in expired] == ["default/u"]
+    assert {r.key for r in c.ledger.reservations()} == {"default/a", "default/b"}
+    assert not c.ledger.reservation("default/b").assumed
+    # A relist without a (deleted meanwhile) releases its hold.
+    service.source.apply("pods", "replace", [api.pods["default/b"]])
+    assert {r.key for r in c.ledger.reservations()} == {"default/b"}
 
 
 async def test_binds_do_not_hold_a_lock_across_api_calls() -> None:
