@@ -12,7 +12,7 @@ import logging
 from typing import Any, Iterable, Mapping
 
 from extender.assignment import AssignmentError, decode_assignment
-from extender.demand import DemandError, PodRef, pod_demand, pod_ref
+from extender.demand import ASSIGNMENT, DemandError, PodRef, pod_demand, pod_ref
 from extender.inventory import node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
@@ -93,14 +93,18 @@ class ClusterState:
         try:
             demand = pod_demand(pod, headroom=self.headroom)
         except DemandError as exc:
-            log.warning("bound pod %s has an unreadable demand: %s", ref, exc)
+            # The reason quotes the annotation; annotations are only ever logged at debug.
+            log.warning("bound pod %s has an unreadable GPU demand; not counted (reason at debug level)", ref)
+            log.debug("bound pod %s: %s", ref, exc)
             return
         if not demand.wants_gpu:
             return
         try:
             res = decode_assignment(ref, meta.get("annotations") or {}, demand.priority)
         except AssignmentError as exc:
-            log.warning("%s", exc)
+            log.warning("bound pod %s has an unreadable %s annotation; counted by a guess (reason at debug level)",
+                        ref, ASSIGNMENT)
+            log.debug("%s", exc)
             res = None
         if res is not None and res.node == node:
             self.guessed.discard(ref.key)
