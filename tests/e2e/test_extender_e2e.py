@@ -422,3 +422,42 @@ def test_pinned_policy_hands_the_gpu_choice_to_the_container(stack: tuple[Contro
     # Pinned, the books are exact: 12+8 and 12+8 on the two 22.5Gi GPUs (distributed would refuse pin-d).
     assert sorted(per_gpu.values()) == [20 * GIB, 20 * GIB]
     assert_sound(api, ReplicaPolicy.PINNED)
+
+
+@pytest.mark.e2e
+def test_a_standby_replica_tracks_the_active_one_and_takes_over(stack: tuple[ControlPlane, Extender]) -> None:
+    """Two replicas run (as in deploy/: two pods, one scheduler leads). The standby learns every
+    bind from the API alone; after a failover it fills the node to exactly its capacity."""
+    cp, active = stack
+    standby = Extender(cp, _grant_extender_rbac(cp), [])
+    standby.start()
+    try:
+        add_node(cp, "ts", "NVIDIA-A100-SXM4-80GB", count=4, memory_mib=81920, replicas=4)  # 8 x 30Gi fit
+        api = core(cp)
+        first = [f"ha-{i}" for i in range(6)]
+        for name in first:
+            api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
+        wait_bound(cp, api, first)
+
+        def held(ext: Extender) -> set[str]:
+            return {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
+
+        expected = {f"default/{n}" for n in first}
+        cp.wait_for(lambda: held(standby) == expected, timeout=30, message="standby saw every bind")
+        assert standby.get("/state")["nodes"] == active.get("/state")["nodes"]
+        # Failover: the standby's scheduler takes the lead, the old replica dies.
+        cp.start_scheduler(scheduler_config(standby.url))
+        active.kill9()
+        second = [f"ha-{i}" for i in range(6, 10)]
+        for name in second:
+            api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
+
+        def bound() -> list[str]:
+            names = [n for n in first + second if api.read_namespaced_pod(n, NS).spec.node_name]
+            return names if len(names) == 8 else []
+
+        cp.wait_for(bound, timeout=60, message=f"8 pods bound after failover\n{standby.describe()}")
+        state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+        assert held(standby) == {r.key for r in state.ledger.reservations()} and len(held(standby)) == 8
+    finally:
+        standby.stop()
