@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
-from extender.placement import choose_devices, filter_nodes, preempt_victims, score_nodes
+from extender.placement import choose_devices, filter_nodes, preempt_victims, score_rows
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -25,6 +25,7 @@ from extender.wire import (
     ExtenderPreemptionArgs,
     ExtenderPreemptionResult,
     HostPriority,
+    ScoredHosts,
     MetaPod,
     MetaVictims,
     NodeList,
@@ -164,12 +165,13 @@ class ExtenderService:
                 FailedNodes=outcome.failed,
                 FailedAndUnresolvableNodes=outcome.unresolvable,
             )
-        return ExtenderFilterResult(
+        # Built from the core's own lists of str: validating thousands of names again costs a lot.
+        return ExtenderFilterResult.model_construct(
             NodeNames=outcome.feasible, FailedNodes=outcome.failed, FailedAndUnresolvableNodes=outcome.unresolvable
         )
 
     # ----- prioritize --------------------------------------------------------------------------
-    def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
+    def prioritize(self, args: ExtenderArgs) -> Sequence[HostPriority]:
         sent = args.Nodes.items if args.Nodes is not None else None
         names = [_node_name(n) for n in sent] if sent is not None else (args.NodeNames or [])
         try:
@@ -178,8 +180,10 @@ class ExtenderService:
             return [HostPriority(Host=n, Score=0) for n in names]
         for node in sent or ():
             self.cluster.upsert_node(node)
+        if not demand.wants_gpu:
+            return [HostPriority(Host=n, Score=0) for n in names]
         planned = self.planner.planned_node(demand.pod.key) if self.planner is not None else None
-        return [HostPriority(Host=n, Score=s) for n, s in score_nodes(self.ledger, demand, names, planned)]
+        return ScoredHosts(*score_rows(self.ledger, demand, names, planned))
 
     # ----- bind ----------------------------------------------------------------------------------
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
