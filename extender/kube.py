@@ -24,8 +24,8 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import orjson
 

@@ -116,17 +116,14 @@ class Extender:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = cp.logs_dir / f"vramsched-{self.port}.log"
-        argv = [sys.executable, "-m", "extender", "serve", "--kubeconfig", str(kubeconfig),
+        # `python -m extender`, with this checkout first on the path whatever the cwd.
+        boot = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from extender.cli import main; sys.exit(main())"
+        argv = [sys.executable, "-c", boot, "serve", "--kubeconfig", str(kubeconfig),
                 "--port", str(self.port), "--log-level", "info", *args]
         self.component = Component("vramsched", argv, self.log_path)
 
     def start(self) -> None:
-        env_cwd = os.getcwd()
-        os.chdir(REPO_ROOT)
-        try:
-            self.component.start()
-        finally:
-            os.chdir(env_cwd)
+        self.component.start()
         self.cp.wait_for(lambda: self.get("/readyz") is not None, timeout=60, message=f"vramsched ready\n{self.describe()}")
 
     def kill9(self) -> None:
