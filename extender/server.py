@@ -30,7 +30,7 @@ from extender.wire import (
     ScoredHosts,
 )
 
-__all__ = ["create_app", "route_paths", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CONCURRENCY", "SERVICE_KEY", "METRICS_KEY"]
+__all__ = ["create_app", "create_probe_app", "route_paths", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CONCURRENCY", "SERVICE_KEY", "METRICS_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,19 @@ def _concurrency_limit(limit: int) -> Callable[..., Awaitable[web.StreamResponse
             in_flight -= 1
 
     return limit_middleware
+
+
+def create_probe_app(main: web.Application) -> web.Application:
+    """GET-only /metrics, /healthz and /readyz of `main`, for a listener kubelet and Prometheus can
+    reach while the verbs stay on loopback (the extender is a sidecar: only kube-scheduler calls it)."""
+    app = web.Application(client_max_size=1024, middlewares=[_errors])
+    app[SERVICE_KEY] = main[SERVICE_KEY]
+    app[METRICS_KEY] = main[METRICS_KEY]
+    app[READY_KEY] = main[READY_KEY]
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    return app
 
 
 def create_app(

@@ -176,3 +176,18 @@ async def test_health_metrics_state(client, state):
 
 def test_route_paths():
     assert {"/filter", "/prioritize", "/bind", "/preempt", "/healthz", "/readyz", "/metrics", "/state"} <= route_paths()
+
+
+async def test_probe_app_serves_only_probes_and_metrics(aiohttp_client, state):
+    from extender.server import create_probe_app
+
+    main = create_app(service(state))
+    main_client = await aiohttp_client(main)
+    probes = await aiohttp_client(create_probe_app(main))
+    await post(main_client, "filter", fixture("003-filter.json"))
+    assert (await probes.get("/healthz")).status == 200
+    assert (await probes.get("/readyz")).status == 200
+    text = await (await probes.get("/metrics")).text()
+    assert 'vramsched_requests_total{code="200",verb="filter"} 1.0' in text  # the main app's registry
+    assert (await probes.post("/filter", data=orjson.dumps(fixture("003-filter.json")))).status in (404, 405)
+    assert (await probes.get("/state")).status == 404

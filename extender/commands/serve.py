@@ -13,7 +13,7 @@ from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.logs import setup_logging
-from extender.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, create_app
+from extender.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, create_app, create_probe_app
 from extender.service import EmbeddedBinder, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
 
@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="who picks the physical GPU of a time-sliced replica: the device plugin with its "
              "distributed (default) or packed policy, or vramsched via the pinning ConfigMap (docs/live.md)",
     )
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="also serve GET /metrics, /healthz, /readyz (nothing else) on this port; 0 = off")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="listen address of --metrics-port (default all interfaces)")
     p.add_argument("--tls-cert", metavar="FILE")
     p.add_argument("--tls-key", metavar="FILE")
     p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=False,
@@ -114,6 +117,11 @@ async def _serve(args: argparse.Namespace) -> int:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=_ssl_context(args), backlog=1024)
     await site.start()
+    probe_runner = None
+    if args.metrics_port:
+        probe_runner = web.AppRunner(create_probe_app(app), access_log=None, handle_signals=False)
+        await probe_runner.setup()
+        await web.TCPSite(probe_runner, args.metrics_host, args.metrics_port).start()
     a = cluster.ledger.arrays
     log.info(
         "serving",
@@ -129,6 +137,8 @@ async def _serve(args: argparse.Namespace) -> int:
             await service.planner.stop()
         if source is not None:
             await source.stop()
+        if probe_runner is not None:
+            await probe_runner.cleanup()
         await runner.cleanup()
 
 
