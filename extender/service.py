@@ -191,6 +191,9 @@ class ExtenderService:
         pod = self.cluster.pod(key)
         if pod is None:
             return ExtenderBindingResult(Error=f"pod {key} is unknown to vramsched")
+        scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
+        if scheduler != self.cluster.scheduler_name:  # kube-scheduler only sends its own pods; anyone else is refused
+            return ExtenderBindingResult(Error=f"pod {key} belongs to scheduler {scheduler!r}, not {self.cluster.scheduler_name!r}")
         ref = pod_ref(pod)
         if args.PodUID and ref.uid and args.PodUID != ref.uid:
             return ExtenderBindingResult(Error=f"pod {key} has UID {ref.uid}, not {args.PodUID} (re-created?)")

@@ -211,3 +211,18 @@ async def test_pod_specs_and_annotations_never_reach_the_log_above_debug(aiohttp
     quiet = [text(r) for r in caplog.records if r.levelno < logging.INFO and "SECRET" in text(r)]
     assert any("SECRET-A" in t for t in quiet) and any("SECRET-B" in t for t in quiet)
     assert any("bound-bad" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+async def test_bind_refuses_pods_of_another_scheduler(aiohttp_client) -> None:
+    """Whoever reaches the extender cannot use its pods/binding right on pods it does not schedule."""
+    other = pod("other", "16Gi", scheduler="default-scheduler")
+    unnamed = pod("unnamed", "16Gi")
+    del unnamed["spec"]["schedulerName"]
+    state = cluster(gpu_node("n0"), other, unnamed, pod("ours", "16Gi"))
+    client = await aiohttp_client(create_app(service(state)))
+    for name, expected in (("other", "default-scheduler"), ("unnamed", "default-scheduler"), ("ours", "")):
+        r = await client.post("/bind", data=orjson.dumps({"PodName": name, "PodNamespace": "default", "Node": "n0"}))
+        error = (await r.json())["Error"]
+        assert (expected in error and error) if expected else error == ""
+    assert [r.key for r in state.ledger.reservations()] == ["default/ours"]
+    assert not state.pods["default/other"]["spec"].get("nodeName")
