@@ -9,7 +9,7 @@ back instead of guessing them.
 A sidecar `<out>.nodes.json` lists the node names (in file order) for the load generator,
 which needs the candidate list without parsing the whole cluster.
 
-    python -m loadtest.gen_cluster --nodes 5000 --gpus 8 --occupancy 0.55 --out cluster.json
+    python -m loadtest.gen_cluster --nodes 5000 --gpus 8 --occupancy 0.6 --out cluster.json
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def _fill_node(t: NodeType, name: str, devices: list[Any], occupancy: float, pod
     return out
 
 
-def generate(nodes: int, gpus: int = 8, occupancy: float = 0.55, seed: int = 1) -> tuple[list[dict], list[dict]]:
+def generate(nodes: int, gpus: int = 8, occupancy: float = 0.6, seed: int = 1) -> tuple[list[dict], list[dict]]:
     """(node objects, pod objects) of a deterministic cluster of `nodes` nodes."""
     if nodes < 1 or gpus < 1:
         raise ValueError("need at least one node with one GPU")
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=5000)
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--occupancy", type=float, default=0.55, help="fraction of GPU slots and VRAM already taken (default 0.55)")
+    p.add_argument("--occupancy", type=float, default=0.6, help="fraction of GPU slots and VRAM already taken (default 0.6: 100,000 pods at 5,000 nodes)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, required=True, help="cluster file to write (JSON)")
     args = p.parse_args(argv)

@@ -24,18 +24,15 @@ from __future__ import annotations
 import os
 import random
 import time
-from operator import itemgetter
 from pathlib import Path
 
 import orjson
 from locust import FastHttpUser, constant, constant_throughput, events, task
 
+from loadtest.checks import RACE_MARK, check_filter, check_prioritize
 from loadtest.pods import make_pod
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
-_HOST, _SCORE = itemgetter("Host"), itemgetter("Score")
-_FILTER_KEYS = frozenset({"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"})
-RACE_MARK = "does not fit on"  # the bind Error when the devices were taken since filter
 
 
 def _load_names() -> list[str]:
@@ -154,7 +151,7 @@ class SchedulerUser(FastHttpUser):
                     why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
                 else:
                     out = orjson.loads(r.content)
-                    why = _check_filter(out)
+                    why = check_filter(out, NAMES_SET, len(NAMES))
             except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
                 why = f"malformed filter answer: {exc!r}"
             if why:
@@ -176,7 +173,7 @@ class SchedulerUser(FastHttpUser):
                     why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
                 else:
                     out = orjson.loads(r.content)
-                    why, best = _check_prioritize(out, feasible, self.rng)
+                    why, best = check_prioritize(out, feasible, self.rng)
             except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
                 why = f"malformed prioritize answer: {exc!r}"
             if why:
@@ -215,49 +212,3 @@ class SchedulerUser(FastHttpUser):
                 RAW.count("failures")
                 return
             RAW.add("bind", ms)
-
-
-def _check_filter(out: object) -> str | None:
-    """Why kube-scheduler could not use this filter answer, or None."""
-    if not isinstance(out, dict) or set(out) != _FILTER_KEYS:
-        return f"filter answer keys {sorted(out) if isinstance(out, dict) else type(out).__name__}"
-    if out["Error"] != "":
-        return f"filter Error for a well-formed pod: {str(out['Error'])[:200]}"
-    feasible, failed, unres = out["NodeNames"], out["FailedNodes"], out["FailedAndUnresolvableNodes"]
-    if not isinstance(feasible, list) or not isinstance(failed, dict) or not isinstance(unres, dict):
-        return "filter answer NodeNames/FailedNodes/FailedAndUnresolvableNodes of the wrong type"
-    if out["Nodes"] is not None:
-        return "filter answer has Nodes with nodeCacheCapable"
-    passed = set(feasible)  # every check below is a C-level set operation: the client must stay cheap
-    if not passed <= NAMES_SET:
-        return "filter answer claims a node that was not sent"
-    explained = failed.keys() | unres.keys()
-    if len(passed) != len(feasible) or not explained.isdisjoint(passed):
-        return "filter answer lists a node twice"
-    if not explained <= NAMES_SET or len(feasible) + len(explained) != len(NAMES):
-        return f"filter answer accounts for {len(feasible) + len(explained)} of {len(NAMES)} nodes"
-    for reasons in (failed.values(), unres.values()):
-        if reasons and (set(map(type, reasons)) != {str} or min(map(len, reasons)) == 0):
-            return "filter answer has an empty or non-string reason"
-    return None
-
-
-def _check_prioritize(out: object, feasible: list[str], rng: random.Random) -> tuple[str | None, str | None]:
-    """(why the answer is unusable or None, the best host)."""
-    if not isinstance(out, list):
-        return f"prioritize answer is a {type(out).__name__}, not a bare array", None
-    if not out:
-        return None, rng.choice(feasible)  # no opinion: any survivor
-    hosts = list(map(_HOST, out))
-    scores = list(map(_SCORE, out))
-    if set(map(type, scores)) != {int} or min(scores) < 0 or max(scores) > 10:
-        return "prioritize score out of range 0..10 or not an integer", None
-    if not set(hosts) <= set(feasible):
-        return "prioritize scored a node that was not sent", None
-    top = max(scores)
-    start = rng.randrange(len(scores))  # a random one among the best (in-tree scores would decide)
-    try:
-        i = scores.index(top, start)
-    except ValueError:
-        i = scores.index(top)
-    return None, hosts[i]

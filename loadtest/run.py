@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=5000)
     p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--occupancy", type=float, default=0.55)
+    p.add_argument("--occupancy", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--duration", default="60s", help="locust run time per target (default 60s)")
     p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")

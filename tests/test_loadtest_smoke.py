@@ -1,0 +1,187 @@
+"""The load test's scenario: its failure rules, the floor, and a few seconds of it for real.
+
+Speed is never asserted here (shared 2-core machine): `make loadtest` measures it.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from loadtest.checks import RACE_MARK, check_filter, check_prioritize
+from loadtest.floor import create_app as floor_app
+from loadtest.gen_cluster import generate, nodes_file, write_cluster
+from loadtest.pods import make_pod
+
+ROOT = Path(__file__).resolve().parent.parent
+SENT = frozenset({"a", "b", "c", "d"})
+
+
+def answer(**over):
+    out = {"Nodes": None, "NodeNames": ["a", "b"], "FailedNodes": {"c": "no GPU with 40Gi free: largest free 20Gi"},
+           "FailedAndUnresolvableNodes": {"d": "need 90Gi per GPU, GPUs have 80Gi"}, "Error": ""}
+    out.update(over)
+    return out
+
+
+def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
+    assert check_filter(answer(), SENT, 4) is None
+    # unresolvable nodes may also be listed in FailedNodes (kube-scheduler < 1.21 compatibility)
+    both = {"c": "x", "d": "need 90Gi per GPU, GPUs have 80Gi"}
+    assert check_filter(answer(FailedNodes=both), SENT, 4) is None
+    bad = {
+        "keys": {k: v for k, v in answer().items() if k != "Error"},
+        "Error": answer(Error="pod default/p: annotation is invalid"),
+        "not sent": answer(NodeNames=["a", "b", "zz"]),
+        "twice": answer(NodeNames=["a", "b", "c"]),
+        "missing": answer(NodeNames=["a"]),
+        "empty reason": answer(FailedNodes={"c": ""}),
+        "reason type": answer(FailedNodes={"c": 3}),
+        "Nodes": answer(Nodes={"items": []}),
+        "names type": answer(NodeNames="a,b"),
+        "unhashable": answer(NodeNames=[["a"], "b"]),
+        "not an object": ["a", "b"],
+    }
+    for why, out in bad.items():
+        assert check_filter(out, SENT, 4) is not None, why
+
+
+def test_prioritize_rules_check_range_type_and_hosts_and_pick_a_best_host():
+    rng = random.Random(1)
+    ok = [{"Host": "a", "Score": 3}, {"Host": "b", "Score": 10}, {"Host": "c", "Score": 10}]
+    for _ in range(20):
+        why, best = check_prioritize(ok, ["a", "b", "c"], rng)
+        assert why is None and best in ("b", "c")
+    assert check_prioritize([], ["a", "b"], rng)[0] is None  # no opinion is valid
+    for out in ([{"Host": "a", "Score": 11}], [{"Host": "a", "Score": -1}], [{"Host": "a", "Score": "5"}],
+                [{"Host": "a", "Score": True}], [{"Host": "a", "Score": 2.5}], [{"Host": "zz", "Score": 1}],
+                [{"Host": "a"}], ["a"], {"Host": "a", "Score": 1}):
+        why, best = check_prioritize(out, ["a", "b", "c"], rng)
+        assert why is not None and best is None, out
+
+
+async def test_floor_parses_the_same_requests_and_answers_validly(aiohttp_client):
+    client = await aiohttp_client(floor_app())
+    pod = make_pod(random.Random(3), "p-1")
+    body = {"Pod": pod, "Nodes": None, "NodeNames": sorted(SENT)}
+    out = await (await client.post("/filter", data=orjson.dumps(body))).json()
+    assert check_filter(out, SENT, len(SENT)) is None and out["NodeNames"] == sorted(SENT)
+    scores = await (await client.post("/prioritize", data=orjson.dumps(body))).json()
+    assert check_prioritize(scores, sorted(SENT), random.Random(1))[0] is None
+    bind = {"PodName": "p-1", "PodNamespace": "loadtest", "PodUID": "u", "Node": "a"}
+    assert await (await client.post("/bind", data=orjson.dumps(bind))).json() == {"Error": ""}
+
+
+def test_generated_cluster_is_what_vramsched_reads_with_every_pod_placed_by_annotation(tmp_path):
+    from extender.cluster import ClusterState
+    from extender.ledger import check_invariant
+    from extender.source_file import read_cluster_file
+
+    nodes, pods = generate(60, 8, 0.6, seed=5)
+    path = tmp_path / "c.json"
+    write_cluster(path, nodes, pods, {"seed": 5})
+    state = ClusterState()
+    state.load(read_cluster_file(path))
+    assert len(state.ledger) == 60 and len(state.pods) == len(pods) > 0
+    assert state.guessed == set()  # every running pod carries its assignment
+    assert sum(1 for _ in state.ledger.reservations()) == len(pods)
+    assert check_invariant(state.ledger, state.live_pod_keys()) == []
+    products = {n["metadata"]["labels"]["nvidia.com/gpu.product"] for n in nodes}
+    strategies = {n["metadata"]["labels"].get("nvidia.com/gpu.sharing-strategy", "mig") for n in nodes}
+    assert {"none", "time-slicing", "mps", "mig"} <= strategies
+    assert any("H100" in p for p in products) and any("H200" in p for p in products) and any("A100" in p for p in products)
+    assert orjson.loads(nodes_file(path).read_bytes())["nodes"] == [n["metadata"]["name"] for n in nodes]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_path):
+    nodes, pods = generate(40, 8, 0.5, seed=2)
+    cluster = tmp_path / "cluster.json"
+    write_cluster(cluster, nodes, pods, {"seed": 2})
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    server = subprocess.Popen([sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port),
+                               "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "server not ready"
+                time.sleep(0.1)
+        raw = tmp_path / "raw"
+        run = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "--only-summary",
+             "-u", "2", "-r", "2", "-t", "4s", "-H", f"http://127.0.0.1:{port}", "--csv", str(tmp_path / "smoke"),
+             "--loglevel", "WARNING"],
+            cwd=ROOT, env=dict(env, LOADTEST_NODES_FILE=str(nodes_file(cluster)), LOADTEST_RAW=str(raw), LOADTEST_WARMUP="0"),
+            capture_output=True, timeout=120,
+        )
+        assert run.returncode == 0, run.stdout.decode()[-2000:] + run.stderr.decode()[-2000:]
+        with (tmp_path / "smoke_stats.csv").open() as f:
+            rows = {r["Name"]: r for r in csv.DictReader(f)}
+        assert rows["Aggregated"]["Failure Count"] == "0"
+        assert int(rows["filter"]["Request Count"]) > 0 and int(rows["bind"]["Request Count"]) > 0
+        counts = orjson.loads(next(tmp_path.glob("raw.*.json")).read_bytes())["counts"]
+        assert counts["failures"] == 0 and counts["bound"] > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=10) as r:
+            state = orjson.loads(r.read())
+        # the pods locust bound are in the ledger, and no GPU or slice holds more than it has
+        assert len(state["nodes"]) == 40
+        for node in state["nodes"]:
+            for gpu in node["gpus"]:
+                for dev in gpu.get("slices") or [gpu]:
+                    assert dev["usedBytes"] <= dev["memoryBytes"] and dev["usedReplicas"] <= dev["replicas"], (node["name"], dev)
+        held = sum(1 for node in state["nodes"] for gpu in node["gpus"] for p in gpu["pods"] if p.startswith("loadtest/"))
+        assert held >= counts["bound"] > 0
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_race_mark_is_what_a_lost_bind_says():
+    from extender.cluster import ClusterState
+    from extender.service import EmbeddedBinder, ExtenderService
+    from extender.wire import ExtenderArgs, ExtenderBindingArgs
+    import asyncio
+
+    nodes, _ = generate(7, 1, 0.0, seed=3)  # one node of each kind, one GPU each, empty
+    state = ClusterState()
+    state.load(nodes)
+    svc = ExtenderService(state, EmbeddedBinder(state))
+    excl = next(n["metadata"]["name"] for n in nodes if n["metadata"]["name"].startswith("h100-x"))
+    pods = []
+    for i in range(2):  # both pass filter on the exclusive H100 before either binds
+        p = make_pod(random.Random(0), f"race-{i}")
+        p["metadata"]["annotations"] = {"vramsched.io/model-memory": "40Gi"}
+        p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+        assert excl in svc.filter(ExtenderArgs(Pod=p, NodeNames=[excl])).NodeNames
+        pods.append(p)
+    results = [asyncio.run(svc.bind(ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="loadtest",
+                                                         PodUID=p["metadata"]["uid"], Node=excl))) for p in pods]
+    assert results[0].Error == "" and RACE_MARK in results[1].Error
