@@ -34,7 +34,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -188,7 +188,7 @@ class _View:
     arrays: Any
     policy: ReplicaPolicy | None
     generation: int = -1
-    node_generation: dict[str, int] = field(default_factory=dict)
+    position: int = 0  # how far into ledger.touched this view is up to date
     groups: dict[str, list[_Group]] = field(default_factory=dict)
     subject: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     pin_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -236,16 +236,18 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
             v.groups.setdefault(node, []).append(
                 _Group(np.asarray(rows, np.int64), len(rows), int(d0.replicas), int(d0.memory_bytes), gpolicy)
             )
-        dirty = list(v.groups)
+        dirty: Iterable[str] = list(v.groups)
         _VIEWS[ledger] = v
     elif v.generation == ledger.generation:
         return v
+    elif v.position < ledger.touched_base:
+        dirty = list(v.groups)  # fell behind the ledger's change log
     else:
-        dirty = [n for n in v.groups if ledger.node_generation.get(n, 0) != v.node_generation.get(n, -1)]
+        dirty = {n for n in ledger.touched[v.position - ledger.touched_base:] if n in v.groups}
     for node in dirty:
         _refresh(ledger, v, node)
-        v.node_generation[node] = ledger.node_generation.get(node, 0)
     v.generation = ledger.generation
+    v.position = ledger.touched_base + len(ledger.touched)
     return v
 
 

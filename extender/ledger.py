@@ -112,6 +112,10 @@ class Ledger:
         self.replica_policy: str | None = None
         #: per-node generation, so a change invalidates only plans touching that node.
         self.node_generation: dict[str, int] = {}
+        #: nodes in the order they changed, from absolute position `touched_base`: lets a cache
+        #: refresh only what changed since it last looked instead of comparing every node.
+        self.touched: list[str] = []
+        self.touched_base = 0
 
     # ----- inventory -------------------------------------------------------------------
     def upsert_node(self, inventory: NodeInventory) -> None:
@@ -305,6 +309,10 @@ class Ledger:
     def _touch(self, node: str) -> None:
         self.generation += 1
         self.node_generation[node] = self.node_generation.get(node, 0) + 1
+        self.touched.append(node)
+        if len(self.touched) > 1 << 16:  # readers that fell this far behind rescan everything
+            del self.touched[: 1 << 15]
+            self.touched_base += 1 << 15
 
     # ----- totals ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
