@@ -71,14 +71,15 @@ def opened_by(cap: Capacity, plan) -> int:
 
 
 def test_solver_beats_greedy_where_greedy_strands_memory():
-    # two 100 GiB GPUs and 215 GiB of pods: the greedy rule (largest first) places 4, the optimum
-    # places 5 (for instance 60+15+15 and 50+45).
+    # two 100 GiB GPUs and exactly 190 GiB of pods: the greedy rule places 5 in either order (it
+    # strands memory), the optimum places all 6 (50+30+20 and 35+35+20).
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
-    demands = [demand(f"p{i}", g) for i, g in enumerate([15, 45, 50, 60, 15, 30])]
+    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
     frag = FragIndex(cap, Workload.from_demands(demands))
-    assert len(greedy_batch(cap, demands, frag)) == 4
+    assert len(greedy_batch(cap, demands, frag)) == 5
+    assert len(greedy_batch(cap, demands, frag, order="arrival")) == 5
     plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
-    assert plan.placed == 5
+    assert plan.placed == 6
     assert plan.improved
     assert plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0
     used = {}
@@ -167,7 +168,7 @@ def test_restricted_neighbourhood_is_valid_and_never_worse_than_greedy():
 
 def test_solver_failure_falls_back_to_greedy(monkeypatch):
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
-    demands = [demand(f"p{i}", g) for i, g in enumerate([15, 45, 50, 60, 15, 30])]
+    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
 
     def boom(self, *a, **k):
         raise RuntimeError("solver crashed")
@@ -175,7 +176,7 @@ def test_solver_failure_falls_back_to_greedy(monkeypatch):
     monkeypatch.setattr(model._Builder, "solve", boom)
     plan = solve_batch(cap, demands, time_limit=1, num_workers=1)
     assert plan.status == "ERROR"
-    assert plan.placed == 4 and not plan.improved  # the greedy plan
+    assert plan.placed == 5 and not plan.improved  # the greedy plan
 
 
 def test_single_pod_uses_the_exact_greedy_rule():

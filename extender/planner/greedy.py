@@ -116,12 +116,14 @@ def batch_order(demands: Sequence[Demand]) -> list[int]:
     return sorted(range(len(demands)), key=lambda i: (-demands[i].priority, -demands[i].gpu_count, -size(demands[i]), demands[i].pod.key))
 
 
-def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | None = None, *, apply: bool = False) -> dict[int, Choice]:
-    """vramsched's rule pod by pod (largest first). Without `apply` the capacity is restored after."""
+def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | None = None, *, apply: bool = False,
+                 order: str = "size") -> dict[int, Choice]:
+    """vramsched's rule pod by pod, largest first (`order="size"`) or as given ("arrival").
+    Without `apply` the capacity is restored after."""
     placed: dict[int, Choice] = {}
     done: list[tuple[Demand, int]] = []
     try:
-        for i in batch_order(demands):
+        for i in (batch_order(demands) if order == "size" else range(len(demands))):
             ch = vramsched(cap, demands[i], frag)
             if ch is None:
                 continue

@@ -53,6 +53,8 @@ _STRANDED_UNITS = 1000
 MAX_COPIES = 120
 #: batches up to this size on many distinct nodes use the candidate-subset model (`_small`).
 SMALL_BATCH = 16
+#: a small batch gets the exact model over the whole cluster only up to this many node copies.
+SMALL_EXACT = 24
 _TOP_K = 6
 #: the search stops early after this many rounds in a row without a better plan.
 _LNS_PATIENCE = 4
@@ -141,6 +143,11 @@ def solve_batch(
     if frag is None:
         frag = FragIndex(cap, workload or Workload.from_demands(demands))
     greedy = greedy_batch(cap, demands, frag)
+    if 1 < len(demands) <= SMALL_BATCH:
+        # a small batch also tries the pods in the order they came: the better plan is the warm start
+        other = greedy_batch(cap, demands, frag, order="arrival")
+        if _evaluate(cap, demands, other, frag) < _evaluate(cap, demands, greedy, frag):
+            greedy = other
     plan = Plan(choices=greedy, status="GREEDY")
     if len(demands) <= 1:
         plan.seconds = time.perf_counter() - start
@@ -152,7 +159,8 @@ def solve_batch(
             plan.seconds = time.perf_counter() - start
             return plan
         remaining = max(0.05, time_limit - (time.perf_counter() - start))
-        if built.full_copies <= MAX_COPIES:
+        exact_limit = SMALL_EXACT if len(demands) <= SMALL_BATCH else MAX_COPIES
+        if built.full_copies <= exact_limit:
             built._build()
             solved = built.solve(remaining, num_workers)
         elif len(demands) <= SMALL_BATCH:
