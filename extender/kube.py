@@ -443,6 +443,8 @@ class LiveSource:
             may_start=self._nodes_applied,
         )
         self._synced = {"nodes": False, "pods": False}
+        #: pods seen bound to a node we did not know yet, by node: counted when it arrives
+        self._orphans: dict[str, set[str]] = {}
 
     # ----- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -508,15 +510,21 @@ class LiveSource:
 
     def _upsert_node(self, node: Mapping[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name") or "")
-        new = name not in self.cluster.nodes
         self.cluster.upsert_node(node)
-        if new and self._synced["pods"]:
-            # Pods seen bound to it before the node itself arrived could not be counted then.
-            for pod in list(self.cluster.pods.values()):
-                if (pod.get("spec") or {}).get("nodeName") == name:
-                    key = _key(pod)
-                    if key and self.cluster.ledger.reservation(key) is None:
-                        self.cluster.upsert_pod(pod)
+        # Pods seen bound to it before the node itself arrived (two watches, no common order)
+        # could not be counted then.
+        for key in self._orphans.pop(name, ()):
+            pod = self.cluster.pods.get(key)
+            if pod is not None and (pod.get("spec") or {}).get("nodeName") == name:
+                self.cluster.upsert_pod(pod)
+
+    def _upsert_pod(self, pod: Mapping[str, Any]) -> None:
+        self.cluster.upsert_pod(pod)
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node and node not in self.cluster.nodes:
+            key = _key(pod)
+            if key:
+                self._orphans.setdefault(node, set()).add(key)
 
     def _apply_pod(self, op: str, payload: Any) -> None:
         c = self.cluster
@@ -525,11 +533,11 @@ class LiveSource:
             for key in [k for k in c.pods if k not in keys]:
                 c.delete_pod(key)
             for pod in payload:
-                c.upsert_pod(pod)
+                self._upsert_pod(pod)
             self._synced["pods"] = True
             log.info("pods synced", extra={"fields": {"pods": len(c.pods), "reservations": sum(1 for _ in c.ledger.reservations())}})
         elif op in ("ADDED", "MODIFIED"):
-            c.upsert_pod(payload)
+            self._upsert_pod(payload)
         elif op == "DELETED":
             key = _key(payload)
             known = c.pods.get(key) if key else None
