@@ -88,6 +88,11 @@ def _pod_uid(pod: Mapping[str, Any]) -> str:
     return uid if isinstance(uid, str) else ""
 
 
+#: pending pods learned from filter bodies that embedded mode keeps (kube-scheduler binds a pod
+#: right after filtering it, so only unschedulable ones ever reach this many).
+MAX_LEARNED_PENDING = 4096
+
+
 class ExtenderService:
     """One instance per server; every method runs on the event loop that owns the cluster."""
 
@@ -109,6 +114,8 @@ class ExtenderService:
         #: meanwhile shares that outcome (same node) or is refused (another node), so a pod never
         #: has two Bindings racing, nor one call releasing what a concurrent one is confirming.
         self._in_flight: dict[str, tuple[str, str, asyncio.Future[ExtenderBindingResult]]] = {}
+        #: pending pods embedded mode learned from filter, oldest first (see _remember)
+        self._learned: dict[str, None] = {}
 
     @property
     def ledger(self):
@@ -141,6 +148,22 @@ class ExtenderService:
             self.cluster.upsert_pod(pod)
             if self.planner is not None:
                 self.planner.notify_pending(key)
+            self._learned.pop(key, None)
+            self._learned[key] = None
+            while len(self._learned) > MAX_LEARNED_PENDING:
+                self._forget_learned(next(iter(self._learned)))
+
+    def _forget_learned(self, key: str) -> None:
+        """Nothing ever deletes a pod in embedded mode: without a bound, a long-running server would
+        keep every unschedulable pod it was ever asked about. The oldest still-pending one goes;
+        if kube-scheduler binds it after all, bind says it is unknown and the pod is retried."""
+        del self._learned[key]
+        pod = self.cluster.pod(key)
+        if pod is None or (pod.get("spec") or {}).get("nodeName"):
+            return  # bound since (or gone): the cluster keeps it as it should
+        if key in self._in_flight or self.ledger.reservation(key) is not None:
+            return
+        self.cluster.delete_pod(key)
 
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         try:

@@ -436,3 +436,22 @@ def test_preempt_full_victims_with_malformed_metadata(driver: Driver) -> None:
     status, body = driver.send("preempt", dumps({"Pod": pod("preemptor", "16Gi", priority=100),
                                                  "NodeNameToVictims": victims}))
     assert status == 200 and set(body["NodeNameToMetaVictims"]) <= {"h100-0"}
+
+
+async def test_embedded_mode_keeps_a_bounded_number_of_learned_pending_pods(monkeypatch) -> None:
+    """A long-running embedded server is asked about endless unschedulable pods: it must not keep them all."""
+    import extender.service as svc
+    from extender.wire import ExtenderArgs, ExtenderBindingArgs
+
+    monkeypatch.setattr(svc, "MAX_LEARNED_PENDING", 50)
+    state = cluster(gpu_node("n0", count=1), pod("from-file", "16Gi"))
+    s = service(state)
+    for i in range(200):
+        s.filter(ExtenderArgs(Pod=pod(f"big-{i}", "1Ti"), NodeNames=["n0"]))  # fits nowhere
+        if i == 100:
+            s.filter(ExtenderArgs(Pod=pod("fits", "16Gi"), NodeNames=["n0"]))
+            assert (await s.bind(ExtenderBindingArgs(PodName="fits", PodNamespace="default", Node="n0"))).Error == ""
+    learned = [k for k in state.pods if k.startswith("default/big-")]
+    assert len(learned) == 50 and "default/big-199" in learned and "default/big-0" not in learned
+    assert "default/from-file" in state.pods and state.pods["default/fits"]["spec"]["nodeName"] == "n0"
+    assert check_cluster(state) == []
