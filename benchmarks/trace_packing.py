@@ -51,6 +51,25 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
     return out
 
 
+def markdown(body: dict) -> str:
+    lines = []
+    for run in body["runs"]:
+        title = f"{run['podList']}, inflate {run['inflate'] or 'none'}" + (", churn" if run["churn"] else "")
+        lines += [f"**{title}** ({run['tasks']} tasks, {run['gpus']} GPUs)", "",
+                  "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | frag. rate | overcommitted GPUs | seconds |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, r in run["policies"].items():
+            lines.append(f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / (1000 * 2**20):.2f} | {r['gpusInUse']} | "
+                         f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r['fragmentationRate']:.3f} | {r['overcommittedGpus']} | {r['seconds']:.1f} |")
+        m = run.get("planner margins")
+        if m:
+            lines += ["", "planner minus baseline: " + "; ".join(
+                f"{p}: {v['allocatedGpus']:+.2f} GPUs of memory ({v['allocatedPct']:+.3f}%), {v['gpusFree']:+d} free GPUs, {v['placed']:+d} pods"
+                for p, v in m.items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lists", nargs="*", default=LISTS)
@@ -59,7 +78,11 @@ def main() -> int:
     ap.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
     ap.add_argument("--time-limit", type=float, default=1.0, help="planner: seconds per batch solve")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_packing.json"))
+    ap.add_argument("--markdown", action="store_true", help="print the tables of an existing --out file and exit")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.out).read_text())))
+        return 0
     started = time.time()
     runs = []
     for pod_list in args.lists:

@@ -81,6 +81,18 @@ class Capacity:
     def arrays(self) -> DeviceArrays:
         return self.ledger.arrays
 
+    def matches(self, resource: str, allowed: frozenset[str] | None) -> np.ndarray:
+        """`device_matches`, cached: devices do not change while a plan or a replay runs."""
+        a = self.arrays
+        cache = self.__dict__.setdefault("_match_cache", {})
+        key = (id(a), resource, allowed)
+        m = cache.get(key)
+        if m is None:
+            if len(cache) > 256:
+                cache.clear()
+            m = cache[key] = device_matches(a, resource, allowed)
+        return m
+
     def signatures(self) -> np.ndarray:
         """Per node, an id shared exactly by nodes in the same free state (CPU, memory and the
         multiset of device states): such nodes are interchangeable for any placement rule."""
@@ -318,7 +330,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
             _, first = np.unique(sig[nodes], return_index=True)
             nodes = nodes[np.sort(first)]
         return Candidates(nodes, np.zeros((len(nodes), 0), np.int64), np.zeros((len(nodes), 0), np.int64))
-    matches = device_matches(a, demand.resource, demand.allowed_products)
+    matches = cap.matches(demand.resource, demand.allowed_products)
     need = a.per_pod_cap if demand.bytes_per_gpu is None else np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
     ok = matches & (a.used_replicas < a.replicas) & host[a.node_of]
     if not overcommit:
@@ -326,16 +338,16 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
     rows = np.flatnonzero(ok)
     if k == 1:
         if dedupe and len(rows):
-            cols = (a.product_id[rows], a.replicas[rows], a.capacity[rows], a.used_replicas[rows], a.used[rows], sig[a.node_of[rows]])
-            order = np.lexsort(cols)
-            srt = [c[order] for c in cols]
-            new = np.ones(len(rows), bool)
-            new[1:] = np.any([c[1:] != c[:-1] for c in srt], axis=0)
-            # first row of each group in sorted order is not necessarily the lowest node: take the min
-            group = np.cumsum(new) - 1
-            lowest = np.full(int(group[-1]) + 1, np.iinfo(np.int64).max, np.int64)
-            np.minimum.at(lowest, group, rows[order])
-            rows = np.sort(lowest)
+            # one 64-bit mix of the device state and its node's signature (a collision would only
+            # merge two candidates, never create a placement that does not fit)
+            with np.errstate(over="ignore"):
+                h = sig[a.node_of[rows]].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                for col, mul in ((a.used, 0xC2B2AE3D27D4EB4F), (a.used_replicas, 0x165667B19E3779F9),
+                                 (a.capacity, 0x27D4EB2F165667C5), (a.replicas, 0x85EBCA77C2B2AE63),
+                                 (a.product_id, 0xFF51AFD7ED558CCD)):
+                    h = (h ^ col[rows].astype(np.uint64)) * np.uint64(mul)
+            _, first = np.unique(h, return_index=True)  # first occurrence = lowest row = lowest node
+            rows = np.sort(rows[first])
         return Candidates(a.node_of[rows].astype(np.int64), rows[:, None], need[rows][:, None])
     if len(rows) == 0:
         return Candidates(np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.int64))

@@ -233,7 +233,8 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
     """
     t0 = time.perf_counter()
     a = cap.arrays
-    relax = built.relaxation_bound(min(0.25, time_limit * 0.2), num_workers)
+    # the relaxation is small: give it its own short budget even when the greedy plan used the rest
+    relax = built.relaxation_bound(max(0.1, min(0.25, time_limit * 0.2)), num_workers)
     current = dict(greedy)
     greedy_cost = _evaluate(cap, demands, current, frag)
     cost = greedy_cost
@@ -270,6 +271,8 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
             idle_rounds = 0
     obj = _stage1(cost)
     bound = relax if relax is not None else float("-inf")
+    if obj == 0:
+        bound = 0.0  # every pod placed: nothing can be better
     stages = [StageResult("OPTIMAL" if bound >= obj else "FEASIBLE", float(obj), float(bound), time.perf_counter() - t0)]
     # stage 2 (stranded VRAM, nodes touched) is only improved by the search here, never proven
     return _Solved(current, stages, "FEASIBLE", cost, greedy_cost, rounds, accepted)
@@ -308,9 +311,12 @@ def _small(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
         return _Solved(None, [], "GREEDY", gc, gc, len(subset))
     res = sb.solve(max(0.05, time_limit - (time.perf_counter() - t0) - 0.05), num_workers)
     if res.stages:
-        relax = built.relaxation_bound(min(0.1, max(0.02, time_limit * 0.1)), num_workers)
         st = res.stages[0]
-        bound = min(st.bound, relax) if relax is not None else float("-inf")
+        if st.objective == 0:
+            bound = 0.0  # every pod placed: nothing can be better
+        else:
+            relax = built.relaxation_bound(max(0.05, min(0.1, time_limit * 0.1)), num_workers)
+            bound = min(st.bound, relax) if relax is not None else float("-inf")
         res.stages[0] = StageResult("OPTIMAL" if bound >= st.objective else "FEASIBLE", st.objective, bound, st.seconds)
         if len(res.stages) > 1 and res.stages[1].status == "OPTIMAL":
             s2 = res.stages[1]
