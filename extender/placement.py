@@ -27,6 +27,8 @@ __all__ = [
     "preempt_victims",
     "MAX_SCORE",
     "device_need",
+    "score_rows",
+    "warm",
 ]
 
 MAX_SCORE = 10
@@ -164,6 +166,15 @@ def _per_node(a: DeviceArrays, mask: np.ndarray) -> np.ndarray:
     out = np.zeros(len(starts), np.int64)
     out[nonempty] = np.add.reduceat(mask, starts[nonempty], dtype=np.int64)
     return out
+
+
+def warm(ledger: Ledger) -> None:
+    """Build the per-inventory caches (node kinds, per-resource views) now, at start-up,
+    rather than in the first filter calls kube-scheduler makes."""
+    a = ledger.arrays
+    _node_info(ledger, a)
+    for resource in list(a.resources):
+        _resource_arrays(ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource))  # type: ignore[arg-type]
 
 
 def _node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
@@ -467,7 +478,10 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
     a = fit.a
     in_rows = np.zeros(len(a.node_names), bool)
     in_rows[rows] = True
-    cand = np.flatnonzero(fit.ok & np.repeat(in_rows, np.diff(a.node_start)))
+    sizes = a.derived.get("sizes")
+    if sizes is None:
+        sizes = a.derived["sizes"] = np.diff(a.node_start)
+    cand = np.flatnonzero(fit.ok & np.repeat(in_rows, sizes))
     if len(cand) == 0:
         return cand
     empty = (a.used_replicas[cand] == 0).astype(np.int64)

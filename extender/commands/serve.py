@@ -13,6 +13,7 @@ from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.logs import setup_logging
+from extender.placement import warm
 from extender.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, create_app, create_probe_app
 from extender.service import EmbeddedBinder, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
@@ -93,6 +94,7 @@ async def _serve(args: argparse.Namespace) -> int:
             gc.disable()
             try:
                 cluster.load(read_cluster_file(args.cluster))
+                warm(cluster.ledger)  # device arrays, node kinds, per-resource views: before the first request
             finally:
                 gc.freeze()
                 gc.enable()
