@@ -15,6 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from extender.demand import Demand
+from extender.deviceplugin import PIN_PREFIX, SharedFit, shared_fit
 from extender.inventory import MigSlice
 from extender.ledger import DeviceArrays, Ledger, Reservation
 from extender.quantity import format_bytes
@@ -52,6 +53,8 @@ class _Fit:
     matches: np.ndarray  # device has the requested resource (and allowed product)
     need: np.ndarray  # bytes the pod needs on each device
     ok: np.ndarray  # device can take the pod now
+    #: node-level bound for time-sliced GPUs whose physical GPU the device plugin picks
+    shared: SharedFit | None = None
 
     @property
     def leftover(self) -> np.ndarray:
@@ -79,7 +82,10 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None) -> _
         matches &= np.isin(a.product_id, np.asarray(allowed, np.int32))
     need = device_need(a, demand)
     ok = matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need) & (a.per_pod_cap >= need)
-    return _Fit(a, matches, need, ok)
+    shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap) if demand.wants_gpu and local is None else None
+    if shared is not None:
+        ok &= shared.allowed
+    return _Fit(a, matches, need, ok, shared)
 
 
 def _product_allowed(product: str, allowed: frozenset[str]) -> bool:
@@ -327,6 +333,11 @@ def _explain(
     free = (a.capacity - a.used + 1) * with_slot - 1  # free VRAM where a slot is open, else -1
     largest = _segment_max(free, a.node_start, n_nodes)
     need = demand.bytes_per_gpu
+    if fit.shared is not None:
+        for r in rows.tolist():
+            if not _explain_shared(fit, demand, r, a.node_names[r], out):
+                out.failed[a.node_names[r]] = _mem_reason(need, int(largest[r]), int(n_ok[r]), k)
+        return
     figures, first, inverse = np.unique(largest[rows] * 1024 + n_ok[rows], return_index=True, return_inverse=True)
     msgs = [_mem_reason(need, int(largest[rows[i]]), int(n_ok[rows[i]]), k) for i in first.tolist()]
     out.failed.update(zip(names[rows].tolist(), np.asarray(msgs, dtype=object)[inverse].tolist()))
@@ -381,6 +392,27 @@ def _fixed_reason(ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: i
     if category == 2:
         return f"node has {n_match} {_unit(demand)}, pod needs {demand.gpu_count}"
     return _too_small(ledger, name, demand, fit)
+
+
+def _explain_shared(fit: _Fit, demand: Demand, r: int, name: str, out: FilterOutcome) -> bool:
+    """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin), if any."""
+    a, s = fit.a, fit.shared
+    lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
+    rows = np.arange(lo, hi)
+    match = fit.matches[rows]
+    if match.any() and int((match & ~s.needs_pin[rows]).sum()) < demand.gpu_count:
+        out.unresolvable[name] = f"GPUs here are pinned: pod lacks envFrom ConfigMap {PIN_PREFIX}<pod-name>"
+        return True
+    local = match & (a.used_replicas[rows] < a.replicas[rows]) & (a.capacity[rows] - a.used[rows] >= fit.need[rows]) \
+        & (a.per_pod_cap[rows] >= fit.need[rows])
+    blocked = local & ~s.allowed[rows]
+    if int(local.sum()) < demand.gpu_count or not blocked.any():
+        return False
+    i = rows[blocked][np.argmin(s.worst[rows][blocked])]
+    out.failed[name] = (
+        f"device plugin ({s.policy}) may stack {format_bytes(int(s.worst[i]))} on a {format_bytes(int(a.capacity[i]))} GPU"
+    )
+    return True
 
 
 def _unit(demand: Demand) -> str:
@@ -485,6 +517,9 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
     if len(cand) == 0:
         return cand
     empty = (a.used_replicas[cand] == 0).astype(np.int64)
+    if fit.shared is not None:
+        # The plugin spreads these replicas: book each on a least-used GPU, as it will count it.
+        empty = np.where(fit.shared.distributed[cand], a.used_replicas[cand], empty)
     leftover = a.capacity[cand] - a.used[cand] - fit.need[cand]
     if k == 1:
         best = _first_best_per_node(a.node_of[cand], empty, leftover)

@@ -180,17 +180,20 @@ class ExtenderService:
         self._remember(args.Pod)
         self.ledger.expire()
         outcome = filter_nodes(self.ledger, demand, names)
+        # kube-scheduler < 1.21 has no FailedAndUnresolvableNodes and would drop those reasons from
+        # the pod's event; >= 1.21 lets the unresolvable entry win when a node is in both maps.
+        failed = {**outcome.failed, **outcome.unresolvable}
         if by_nodes:
             keep = set(outcome.feasible)
             items = [n for n in args.Nodes.items if _node_name(n) in keep]
             return ExtenderFilterResult(
                 Nodes=NodeList(items=items),
-                FailedNodes=outcome.failed,
+                FailedNodes=failed,
                 FailedAndUnresolvableNodes=outcome.unresolvable,
             )
         # Built from the core's own lists of str: validating thousands of names again costs a lot.
         return ExtenderFilterResult.model_construct(
-            NodeNames=outcome.feasible, FailedNodes=outcome.failed, FailedAndUnresolvableNodes=outcome.unresolvable
+            NodeNames=outcome.feasible, FailedNodes=failed, FailedAndUnresolvableNodes=outcome.unresolvable
         )
 
     # ----- prioritize --------------------------------------------------------------------------
