@@ -112,3 +112,27 @@ def test_background_loop_plans_off_the_event_loop():
 
     node, plans = asyncio.run(scenario())
     assert node in NODES and plans >= 1
+
+
+def test_a_failing_solver_leaves_the_greedy_path_in_charge(monkeypatch):
+    from extender.planner import background
+
+    p = pod("x", "20Gi")
+    c, planner, svc = setup(p)
+
+    def boom(*a, **k):
+        raise RuntimeError("solver crashed")
+
+    monkeypatch.setattr(background, "_solve", boom)
+    assert asyncio.run(planner.replan()) is None
+    assert planner.stats.errors == 1 and planner.planned_node("default/x") is None
+    plain = ExtenderService(c, EmbeddedBinder(c))
+    assert scores(svc, p) == scores(plain, p)
+
+
+def test_a_recreated_pod_does_not_inherit_the_old_plan():
+    c, planner, svc = setup(pod("x", "20Gi", uid="old"))
+    planner.plan_once()
+    assert planner.planned_node("default/x") is not None
+    c.upsert_pod(pod("x", "20Gi", uid="new"))
+    assert planner.planned_node("default/x") is None

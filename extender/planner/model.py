@@ -193,11 +193,15 @@ def _valid(cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice],
     """Apply the plan through the ledger's check-and-set, then undo: proof that it never overcommits."""
     done = []
     ok = True
+    nodes = sorted({ch[1] for ch in choices.values()})
+    cpu0, mem0 = cap.cpu_free[nodes].copy(), cap.mem_free[nodes].copy()
     try:
         for i, ch in choices.items():
             place_one(cap, demands[i], ch, None)
             done.append((demands[i], ch[1]))
-        if (cap.cpu_free < 0).any() or (cap.mem_free < 0).any():
+        cpu1, mem1 = cap.cpu_free[nodes], cap.mem_free[nodes]
+        # CPU or memory the plan itself takes below zero (a node already over is not the plan's doing)
+        if ((cpu1 < 0) & (cpu1 < cpu0)).any() or ((mem1 < 0) & (mem1 < mem0)).any():
             ok = False
     except LedgerError:
         ok = False
