@@ -1,0 +1,193 @@
+"""`make soak`: a bounded soak of vramsched under the load-test scenario, on loopback only.
+
+1. generate (or reuse) a cluster file (loadtest.gen_cluster) and start `vramsched serve` on it;
+2. probe: locust back to back for --probe, to measure the maximum cycle rate right now;
+3. soak: locust at half that rate (constant throughput per user) for --duration (10 min),
+   sampling the server's RSS every few seconds;
+4. check the ledger at the end through GET /state (no GPU or slice over its memory or replicas)
+   and report: failures, RSS growth from the end of the warm-up to the end, the RSS timeline.
+
+Embedded mode never deletes a pod, so every bound pod stays in memory for good (~5 KiB each).
+To measure leaks rather than that legitimate growth, the default cluster is nearly full
+(--occupancy 0.9): the probe and the warm-up fill what is left, then the soak runs at a steady
+state (kube-scheduler retrying pods that fit nowhere, some binds in fragments that free up).
+The number of pods bound during the measured window is reported next to the growth.
+
+    python -m loadtest.soak                      # 10 minutes, the figures for docs/reliability.md
+    python -m loadtest.soak --duration 60s --warmup 20s --probe 15s   # a quick look
+
+Exit status 1 when there was any failure, RSS grew 5% or more, or the ledger broke the invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.gen_cluster import nodes_file
+from loadtest.run import ROOT, _free_port, _proc_status, _seconds, _stop, _wait_ready, cluster_file, run_locust
+
+RSS_GROWTH_LIMIT = 0.05
+
+
+class RssSampler(threading.Thread):
+    """(seconds since start, VmRSS bytes) of a process every `every` seconds."""
+
+    def __init__(self, pid: int, every: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every = pid, every
+        self.samples: list[tuple[float, int]] = []
+        self._stop_event = threading.Event()
+        self.started = time.monotonic()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            rss = _proc_status(self.pid).get("VmRSS", 0)
+            if rss:
+                self.samples.append((round(time.monotonic() - self.started, 1), rss))
+            self._stop_event.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=10)
+
+    def at(self, t: float) -> int:
+        """RSS of the first sample at or after `t` seconds."""
+        for s, rss in self.samples:
+            if s >= t:
+                return rss
+        return self.samples[-1][1]
+
+
+def ledger_check(port: int) -> dict[str, Any]:
+    """Invariant over GET /state: every GPU and MIG slice within its memory and replicas."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=120) as r:
+        state = orjson.loads(r.read())
+    bad: list[str] = []
+    devices = 0
+    for node in state["nodes"]:
+        for gpu in node["gpus"]:
+            parts = gpu.get("slices") or [gpu]
+            for d in parts:
+                devices += 1
+                if d["usedBytes"] > d["memoryBytes"] or d["usedReplicas"] > d["replicas"]:
+                    bad.append(f"{node['name']}/GPU {gpu['index']}{'/' + d['profile'] if 'profile' in d else ''}")
+    return {"devices": devices, "violations": bad, "allocated_bytes": state["allocatedBytes"],
+            "capacity_bytes": state["capacityBytes"], "pending": len(state["pending"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--occupancy", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")
+    p.add_argument("--probe", default="30s", help="back-to-back run that measures the maximum rate (default 30s)")
+    p.add_argument("--duration", default="10m", help="soak length at half the maximum rate (default 10m)")
+    p.add_argument("--warmup", default="2m", help="start of the soak left out of the RSS baseline (default 2m)")
+    p.add_argument("--sample", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
+    args = p.parse_args(argv)
+    probe_s, soak_s, warmup_s = _seconds(args.probe), _seconds(args.duration), _seconds(args.warmup)
+    if warmup_s >= soak_s:
+        raise SystemExit("--warmup must be shorter than --duration")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    cluster = cluster_file(out, args.nodes, args.gpus, args.occupancy, args.seed)
+    sidecar = nodes_file(cluster)
+    meta = orjson.loads(sidecar.read_bytes())
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "soak.server.log").open("wb"),
+    )
+    try:
+        startup = _wait_ready(f"http://127.0.0.1:{port}/readyz", server, timeout=300)
+        print(f"vramsched ready in {startup:.1f}s: {len(meta['nodes'])} nodes, {meta['pods']} pods; "
+              f"probing the maximum rate for {args.probe} ...", flush=True)
+        run_args = argparse.Namespace(users=args.users, rate=0.0, duration_s=probe_s, warmup=min(5.0, probe_s / 3),
+                                      processes=1)
+        probe = run_locust("soak-probe", port, run_args, sidecar, out, server.pid)
+        max_rate = probe["cycles_per_s"]
+        if max_rate <= 0:
+            raise SystemExit("the probe measured no cycles")
+        rate = max_rate / 2
+        print(f"maximum {max_rate:.1f} cycles/s ({probe['failures']} failures); soaking at {rate:.1f} cycles/s "
+              f"for {args.duration} ...", flush=True)
+        sampler = RssSampler(server.pid, args.sample)
+        sampler.start()
+        run_args = argparse.Namespace(users=args.users, rate=rate / args.users, duration_s=soak_s, warmup=warmup_s,
+                                      processes=1)
+        soak = run_locust("soak", port, run_args, sidecar, out, server.pid)
+        sampler.stop()
+        ledger = ledger_check(port)
+        alive = server.poll() is None
+    finally:
+        _stop(server)
+
+    base, end = sampler.at(warmup_s), sampler.samples[-1][1]
+    peak = max(rss for _, rss in sampler.samples)
+    growth = (end - base) / base
+    counts = soak["counts"]
+    summary = {
+        "nodes": len(meta["nodes"]),
+        "pods_at_start": meta["pods"],
+        "occupancy": args.occupancy,
+        "users": args.users,
+        "max_cycles_per_s": max_rate,
+        "soak_cycles_per_s": soak["cycles_per_s"],
+        "target_cycles_per_s": round(rate, 1),
+        "duration_s": soak_s,
+        "warmup_s": warmup_s,
+        "measured_s": soak["measured_s"],
+        "failures": soak["failures"] + probe["failures"],
+        "counts_after_warmup": counts,
+        "rss_bytes": {"after_warmup": base, "end": end, "peak": peak},
+        "rss_growth": round(growth, 4),
+        "rss_growth_limit": RSS_GROWTH_LIMIT,
+        "rss_timeline": sampler.samples,
+        "ledger": ledger,
+        "server_alive_at_end": alive,
+        "verbs": soak["verbs"],
+        "cpus": os.cpu_count(),
+    }
+    ok = summary["failures"] == 0 and growth < RSS_GROWTH_LIMIT and not ledger["violations"] and alive
+    summary["passed"] = ok
+    (out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(render(summary))
+    return 0 if ok else 1
+
+
+def render(s: dict[str, Any]) -> str:
+    mib = 2**20
+    r = s["rss_bytes"]
+    c = s["counts_after_warmup"]
+    return "\n".join([
+        f"vramsched soak: {s['nodes']} nodes, {s['pods_at_start']} pods at start (occupancy {s['occupancy']}), "
+        f"{s['users']} users, loopback",
+        f"  maximum {s['max_cycles_per_s']:.1f} cycles/s; soak at {s['soak_cycles_per_s']:.1f} cycles/s "
+        f"(target {s['target_cycles_per_s']:.1f}) for {s['duration_s']:.0f}s, {s['warmup_s']:.0f}s warm-up",
+        f"  after warm-up: {c.get('cycles', 0)} cycles, {c.get('bound', 0)} bound, {c.get('unschedulable', 0)} unschedulable, "
+        f"{c.get('races', 0)} lost races; failures {s['failures']}",
+        f"  RSS after warm-up {r['after_warmup'] / mib:.1f} MiB, end {r['end'] / mib:.1f} MiB, peak {r['peak'] / mib:.1f} MiB: "
+        f"growth {s['rss_growth'] * 100:+.2f}% (limit {s['rss_growth_limit'] * 100:.0f}%)",
+        f"  ledger at the end: {s['ledger']['devices']} devices, {len(s['ledger']['violations'])} over memory or replicas",
+        f"  {'PASSED' if s['passed'] else 'FAILED'}  (loadtest/results/soak.json)",
+    ])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
