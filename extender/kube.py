@@ -203,9 +203,7 @@ class ClientApi:
                 return items, str(meta.get("resourceVersion") or "")
 
     def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
-        import urllib3
-        from kubernetes.watch.watch import iter_resp_lines
-
+        """Opens the watch now (so the caller knows the API answered), then streams its events."""
         resp = self._request(
             "GET", _PATHS[kind],
             query={"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
@@ -214,6 +212,12 @@ class ClientApi:
         )
         if not 200 <= resp.status < 300:
             raise self._error(resp)
+        return self._stream(resp)
+
+    def _stream(self, resp: Any) -> Iterator[dict[str, Any]]:
+        import urllib3
+        from kubernetes.watch.watch import iter_resp_lines
+
         with self._watch_lock:
             self._watches.add(resp)
         try:
@@ -274,13 +278,25 @@ class InformerStats:
     errors: int = 0
     last_error: str = ""
     events: int = 0
+    #: a list or watch is answering now; False from the first error until one answers again
+    connected: bool = False
+    down_since: float | None = None  # time.monotonic() of the first error of the current outage
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "synced": self.synced, "resourceVersion": self.resource_version, "lists": self.lists,
             "relistsGone": self.relists_gone, "watchResumes": self.watch_resumes, "errors": self.errors,
-            "lastError": self.last_error, "events": self.events,
+            "lastError": self.last_error, "events": self.events, "connected": self.connected,
+            "downForS": round(time.monotonic() - self.down_since, 1) if self.down_since is not None else 0.0,
         }
+
+    def up(self) -> None:
+        self.connected, self.down_since = True, None
+
+    def down(self) -> None:
+        self.connected = False
+        if self.down_since is None:
+            self.down_since = time.monotonic()
 
 
 Deliver = Callable[[str, Any], None]
@@ -363,6 +379,7 @@ class Informer:
             return  # shutting down: the aborted watch is not an error
         self.stats.errors += 1
         self.stats.last_error = str(exc)[:300]
+        self.stats.down()
         self._delay = min(self.backoff_max, max(self.backoff_initial, self._delay * 2))
         delay = self._delay * random.uniform(0.8, 1.2)
         log.warning(
@@ -373,6 +390,7 @@ class Informer:
 
     def _list(self) -> str:
         items, rv = self.api.list(self.kind)
+        self.stats.up()
         for item in items:
             _slim(item)
         self.stats.lists += 1
@@ -388,7 +406,9 @@ class Informer:
             self.stats.watch_resumes += 1  # from the last version seen, not from a new list
         self._fresh = False
         timeout = random.randint(*self.watch_timeout)
-        for event in self.api.watch(self.kind, rv, timeout):
+        events = self.api.watch(self.kind, rv, timeout)
+        self.stats.up()
+        for event in events:
             if self._stop.is_set():
                 break
             kind = event.get("type")
@@ -464,8 +484,15 @@ class LiveSource:
         return self._synced["nodes"] and self._synced["pods"]
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready once synced, and still ready when the API server goes away: filter and prioritize
+        answer from the last consistent view meanwhile (binds fail and are retried). The detail
+        says so: `apiServer` is "unreachable" and `staleForS` counts the outage."""
+        stats = (self.nodes.stats, self.pods.stats)
+        down = [s.down_since for s in stats if s.down_since is not None]
         return self.synced, {
             "source": "kubernetes",
+            "apiServer": "connected" if all(s.connected for s in stats) else ("unreachable" if down else "connecting"),
+            "staleForS": round(time.monotonic() - min(down), 1) if down else 0.0,
             "replicaPolicy": self.policy.value,
             "nodes": len(self.cluster.nodes),
             "pods": len(self.cluster.pods),
