@@ -98,7 +98,16 @@ def run(n_nodes: int, n_pods: int, time_limit: float, workers: int, seed: int) -
         "stages": [{"status": s.status, "objective": s.objective, "bound": s.bound, "gap": round(s.gap, 5),
                     "seconds": round(s.seconds, 3)} for s in plan.stages],
         "gap": round(plan.gap, 5), **plan.stats,
-    }
+        "goals": "cost = (priority-weighted pods left out, stranded VRAM increase KiB, empty GPUs opened, nodes touched)",
+    } | _opened_gap(plan)
+
+
+def _opened_gap(plan) -> dict:
+    lb = plan.stats.get("openedLowerBound")
+    if lb is None or len(plan.cost) < 3:
+        return {}
+    opened = plan.cost[2]
+    return {"openedGpus": opened, "openedGap": round((opened - lb) / opened, 5) if opened else 0.0}
 
 
 def main() -> int:

@@ -70,6 +70,20 @@ def markdown(body: dict) -> str:
     return "\n".join(lines)
 
 
+def plots(body: dict, where: Path) -> None:
+    from dataclasses import fields
+
+    from extender.simulate.engine import PolicyResult
+    from extender.simulate.plot import plot_results
+
+    known = {f.name for f in fields(PolicyResult)}
+    for run in body["runs"]:
+        results = [PolicyResult(policy=name, **{k: v for k, v in r.items() if k in known}) for name, r in run["policies"].items()]
+        name = f"trace_{run['podList']}_inflate{run['inflate'] or 0}{'_churn' if run['churn'] else ''}.png"
+        plot_results(results, where / name, title=f"Alibaba trace {run['podList']}, inflate {run['inflate'] or 'none'}"
+                     + (", churn" if run["churn"] else "") + f" ({run['tasks']} tasks, {run['gpus']} GPUs)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lists", nargs="*", default=LISTS)
@@ -79,9 +93,13 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=1.0, help="planner: seconds per batch solve")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_packing.json"))
     ap.add_argument("--markdown", action="store_true", help="print the tables of an existing --out file and exit")
+    ap.add_argument("--plots", action="store_true", help="draw one PNG per run of an existing --out file and exit")
     args = ap.parse_args()
     if args.markdown:
         print(markdown(json.loads(Path(args.out).read_text())))
+        return 0
+    if args.plots:
+        plots(json.loads(Path(args.out).read_text()), Path(args.out).parent)
         return 0
     started = time.time()
     runs = []

@@ -169,6 +169,8 @@ def solve_batch(
         else:
             solved = _large(cap, demands, frag, greedy, built, remaining, num_workers)
             plan.stats = {**built.stats, "lnsRounds": solved.rounds, "lnsAccepted": solved.accepted}
+            if solved.opened_bound is not None:
+                plan.stats["openedLowerBound"] = solved.opened_bound
     except Exception:  # noqa: BLE001 - the solver must never take the hot path down: greedy answers
         import logging
 
@@ -220,6 +222,7 @@ class _Solved:
     greedy_cost: tuple[int, ...]
     rounds: int = 0
     accepted: int = 0
+    opened_bound: int | None = None
 
 
 def _stage1(cost: tuple[int, ...]) -> int:
@@ -238,7 +241,9 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
     t0 = time.perf_counter()
     a = cap.arrays
     # the relaxation is small: give it its own short budget even when the greedy plan used the rest
-    relax = built.relaxation_bound(max(0.1, min(0.25, time_limit * 0.2)), num_workers)
+    # one relaxation bounds W * unplaced + opened: pods left out, and GPUs that must be opened
+    W = len(cap.arrays.capacity) + 1
+    relax = built.relaxation_bound(max(0.1, min(0.25, time_limit * 0.2)), num_workers, W)
     current = dict(greedy)
     greedy_cost = _evaluate(cap, demands, current, frag)
     cost = greedy_cost
@@ -274,12 +279,16 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
             accepted += 1
             idle_rounds = 0
     obj = _stage1(cost)
-    bound = relax if relax is not None else float("-inf")
+    bound = float(max(0, math.ceil((relax - (W - 1)) / W))) if relax is not None else float("-inf")
     if obj == 0:
         bound = 0.0  # every pod placed: nothing can be better
     stages = [StageResult("OPTIMAL" if bound >= obj else "FEASIBLE", float(obj), float(bound), time.perf_counter() - t0)]
-    # stage 2 (stranded VRAM, nodes touched) is only improved by the search here, never proven
-    return _Solved(current, stages, "FEASIBLE", cost, greedy_cost, rounds, accepted)
+    # stage 2 (stranded VRAM, nodes touched) is only improved by the search here, never proven; what
+    # is proven is how many empty GPUs any plan placing these pods must open
+    out = _Solved(current, stages, "FEASIBLE", cost, greedy_cost, rounds, accepted)
+    if relax is not None and obj == 0 and relax < W:
+        out.opened_bound = int(math.ceil(relax))
+    return out
 
 
 def _small(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: dict[int, Choice], built: "_Builder",
