@@ -78,7 +78,9 @@ def server() -> Iterator[ServerThread]:
     )
     with ServerThread(create_app(service(c))) as srv:
         srv.cluster = c
+        srv.cases = 0
         yield srv
+        print(f"\nschemathesis: {srv.cases} generated requests")
 
 
 # Loaded at import (pytest 9 cannot resolve schemathesis' lazy fixture schemas); the server's
@@ -91,6 +93,7 @@ schema.config.generation.update(max_examples=30)
 @schema.parametrize()
 @settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_openapi(case, server: ServerThread) -> None:
+    server.cases += 1
     case.call_and_validate(
         base_url=f"http://127.0.0.1:{server.port}",
         excluded_checks=[negative_data_rejection, positive_data_acceptance],
