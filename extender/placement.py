@@ -75,17 +75,30 @@ def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
 def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None) -> _Fit:
     """The demand against every device, or against `local` (one node's rows, see `_node_arrays`)."""
     a = ledger.arrays if local is None else local
-    rid = a.resources.get(demand.resource, -1)
-    matches = a.resource_id == rid
-    if demand.allowed_products is not None:
-        allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
-        matches &= np.isin(a.product_id, np.asarray(allowed, np.int32))
-    need = device_need(a, demand)
-    ok = matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need) & (a.per_pod_cap >= need)
+    matches, need, big_enough = _static_fit(a, demand)
+    ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
     shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap) if demand.wants_gpu and local is None else None
     if shared is not None:
         ok &= shared.allowed
     return _Fit(a, matches, need, ok, shared)
+
+
+def _static_fit(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(devices of the resource and products, bytes needed on each, those big enough for it):
+    labels and demand only, so kept with `a` per demand shape. Callers never write them."""
+    cache = a.derived.setdefault("static_fit", {})
+    key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products)
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= _STATIC_COUNTS_CACHED:
+            cache.clear()
+        matches = a.resource_id == a.resources.get(demand.resource, -1)
+        if demand.allowed_products is not None:
+            allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
+            matches &= np.isin(a.product_id, np.asarray(allowed, np.int32))
+        need = device_need(a, demand)
+        hit = cache[key] = (matches, need, matches & (a.per_pod_cap >= need))
+    return hit
 
 
 def _product_allowed(product: str, allowed: frozenset[str]) -> bool:
@@ -241,7 +254,11 @@ def _resource_arrays(ledger: Ledger, demand: Demand) -> DeviceArrays | None:
     idx, static = view
     if idx is None:
         return None
-    return replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx])
+    current = static.derived.get("current")  # unchanged ledger since the last call: same view
+    if current is None or current[0] != ledger.generation:
+        current = static.derived["current"] = (
+            ledger.generation, replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx]))
+    return current[1]
 
 
 def _filter_rows(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
@@ -358,7 +375,7 @@ def _static_counts(a: DeviceArrays, fit: _Fit, demand: Demand) -> tuple[np.ndarr
         n_match = cache.get((demand.resource, demand.allowed_products))
         if n_match is None:
             n_match = cache[(demand.resource, demand.allowed_products)] = _per_node(a, fit.matches)
-        big_enough = fit.matches & (a.per_pod_cap >= fit.need)
+        big_enough = _static_fit(a, demand)[2]
         hit = cache[key] = (n_match, _per_node(a, big_enough), big_enough)
     return hit
 
