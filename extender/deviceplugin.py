@@ -55,6 +55,7 @@ __all__ = [
     "plugin_candidates",
     "SharedFit",
     "shared_fit",
+    "allowed_without",
 ]
 
 PIN_PREFIX = "vramsched-"
@@ -298,3 +299,32 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
     allowed &= ~needs_pin
     distributed = v.subject & (policy is ReplicaPolicy.DISTRIBUTED)
     return SharedFit(allowed=allowed, worst=worst, needs_pin=needs_pin, distributed=distributed, policy=policy.value)
+
+
+def allowed_without(
+    ledger: "Ledger", lo: int, hi: int, victims: Sequence["Reservation"], need: np.ndarray, gpu_count: int
+) -> np.ndarray:
+    """Rows lo..hi (one node) where the node-level bound admits the pod once `victims` are gone:
+    preemption must not evict pods whose departure would still leave the pod refused."""
+    out = np.ones(hi - lo, bool)
+    policy = getattr(ledger, "replica_policy", None)
+    if policy is None or hi <= lo:
+        return out
+    v = _view(ledger, ReplicaPolicy(policy))
+    node = v.arrays.devices[lo].node
+    gone: dict[int, list[int]] = {}
+    for res in victims:
+        for dev, nbytes in zip(res.device_ids, res.bytes_per_device):
+            r = ledger.row(res.node, dev)
+            if r is not None:
+                gone.setdefault(r, []).append(int(nbytes))
+    for g in v.groups.get(node, []):
+        sizes = list(g.sizes)
+        for r in g.rows.tolist():
+            for nbytes in gone.get(r, []):
+                if nbytes in sizes:
+                    sizes.remove(nbytes)
+        worst = worst_case_load(sizes, int(need[g.rows[0]]), gpu_count, g.gpus, g.replicas, g.policy)
+        if worst > g.capacity:
+            out[g.rows - lo] = False
+    return out

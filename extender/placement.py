@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from extender.demand import Demand
-from extender.deviceplugin import PIN_PREFIX, SharedFit, shared_fit
+from extender.deviceplugin import PIN_PREFIX, SharedFit, allowed_without, shared_fit
 from extender.inventory import MigSlice
 from extender.ledger import DeviceArrays, Ledger, Reservation
 from extender.quantity import format_bytes
@@ -688,4 +688,7 @@ def _fits_without(a, fit, lo, hi, k, victims, ledger=None) -> bool:
                 used_rep[i - lo] -= 1
     need = fit.need[lo:hi]
     ok = fit.matches[lo:hi] & (used_rep < a.replicas[lo:hi]) & (a.capacity[lo:hi] - used >= need) & (a.per_pod_cap[lo:hi] >= need)
+    if fit.shared is not None:  # the device plugin's node-level bound, with the victims gone
+        ok &= fit.shared.allowed[lo:hi] if not victims else ~fit.shared.needs_pin[lo:hi] & allowed_without(
+            ledger, lo, hi, victims, fit.need, k)
     return int(ok.sum()) >= k

@@ -22,7 +22,7 @@ from extender.deviceplugin import (
 )
 from extender.ledger import Reservation, check_invariant
 from extender.demand import PodRef
-from extender.placement import choose_devices, filter_nodes
+from extender.placement import choose_devices, filter_nodes, preempt_victims
 
 GIB = 1024**3
 D, P = ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED
@@ -165,3 +165,14 @@ def test_pinning_environment_and_reference() -> None:
     assert pin_environment(res, pinned=True, time_sliced=False) == {"VRAMSCHED_PINNED": "false"}
     mig = Reservation(PodRef("default", "web-0"), "n", ("0:1g.10gb:2",), (GIB,))
     assert pin_environment(mig, pinned=True) == {"VRAMSCHED_PINNED": "false"}
+
+
+def test_preemption_only_evicts_what_lets_the_pod_past_the_plugins_worst_case() -> None:
+    """12+8+8 on 2 x 22.49Gi; a 12Gi preemptor. Evicting an 8 frees a GPU in the books but the
+    plugin could still stack 12+12: useless, so not offered. Evicting the 12 works."""
+    c = ts_cluster("distributed", ("a", 0, 12), ("b", 1, 8), ("c", 0, 8))
+    preemptor = pod_demand(pod("p", "12Gi", priority=10))
+    assert preempt_victims(c.ledger, preemptor, {"ts": ["b"]}) == {}
+    assert preempt_victims(c.ledger, preemptor, {"ts": ["a"]}) == {"ts": ["a"]}
+    exact = ts_cluster(None, ("a", 0, 12), ("b", 1, 8), ("c", 0, 8))
+    assert preempt_victims(exact.ledger, preemptor, {"ts": ["b"]}) == {"ts": ["b"]}  # exact books: it would fit
