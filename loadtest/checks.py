@@ -45,8 +45,10 @@ def check_filter(out: object, sent: frozenset[str], n_sent: int) -> str | None:
     return None
 
 
-def check_prioritize(out: object, feasible: list[str], rng: random.Random) -> tuple[str | None, str | None]:
-    """(why the answer is unusable or None, the best host)."""
+def check_prioritize(
+    out: object, feasible: list[str], rng: random.Random, feasible_set: frozenset[str] | set[str] | None = None
+) -> tuple[str | None, str | None]:
+    """(why the answer is unusable or None, the best host). `feasible_set`: `set(feasible)` if at hand."""
     if not isinstance(out, list):
         return f"prioritize answer is a {type(out).__name__}, not a bare array", None
     if not out:
@@ -56,7 +58,7 @@ def check_prioritize(out: object, feasible: list[str], rng: random.Random) -> tu
         scores = list(map(_SCORE, out))
         if set(map(type, scores)) != {int} or min(scores) < 0 or max(scores) > 10:
             return "prioritize score out of range 0..10 or not an integer", None
-        if not set(hosts) <= set(feasible):
+        if not set(hosts) <= (set(feasible) if feasible_set is None else feasible_set):
             return "prioritize scored a node that was not sent", None
     except (KeyError, TypeError) as exc:
         return f"malformed prioritize entry: {exc!r}", None
