@@ -308,7 +308,7 @@ def _explain(
         bad = bad[~known[1][bad]]
         if not len(bad):
             return
-    n_match, n_big, big_enough = _static_counts(a, fit, demand)
+    n_match, n_big, big_enough = _static_counts(a, fit, demand, kind)
     with_slot = big_enough & (a.used_replicas < a.replicas)
     n_slot = _per_node(a, with_slot)
     cat = np.select(
@@ -363,20 +363,28 @@ def _explain(
 _STATIC_COUNTS_CACHED = 256
 
 
-def _static_counts(a: DeviceArrays, fit: _Fit, demand: Demand) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _static_counts(
+    a: DeviceArrays, fit: _Fit, demand: Demand, kind: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per node: devices of the resource (and product), and those big enough for the pod; plus
-    the big-enough mask. They depend on labels and the demand only, so they are kept per demand."""
+    the big-enough mask. They depend on labels and the demand only, so they are kept per demand,
+    and counted on one node per kind (nodes of a kind have the same devices) instead of all."""
     cache = a.derived.setdefault("static_counts", {})
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
         if len(cache) >= _STATIC_COUNTS_CACHED:
             cache.clear()
-        n_match = cache.get((demand.resource, demand.allowed_products))
-        if n_match is None:
-            n_match = cache[(demand.resource, demand.allowed_products)] = _per_node(a, fit.matches)
+        reps = a.derived.get("kind_reps")
+        if reps is None:
+            reps = a.derived["kind_reps"] = np.unique(kind, return_index=True)[1] if len(kind) else np.zeros(0, np.int64)
+        bounds = list(zip(a.node_start[reps].tolist(), a.node_start[reps + 1].tolist()))
         big_enough = _static_fit(a, demand)[2]
-        hit = cache[key] = (n_match, _per_node(a, big_enough), big_enough)
+        per_kind = np.zeros((2, int(kind.max()) + 1 if len(kind) else 0), np.int64)
+        for j, (lo, hi) in enumerate(bounds):
+            per_kind[0, kind[reps[j]]] = np.count_nonzero(fit.matches[lo:hi])
+            per_kind[1, kind[reps[j]]] = np.count_nonzero(big_enough[lo:hi])
+        hit = cache[key] = (per_kind[0][kind], per_kind[1][kind], big_enough)
     return hit
 
 
