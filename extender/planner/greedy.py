@@ -118,12 +118,14 @@ def batch_order(demands: Sequence[Demand]) -> list[int]:
 
 def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | None = None, *, apply: bool = False,
                  order: str = "size") -> dict[int, Choice]:
-    """vramsched's rule pod by pod, largest first (`order="size"`) or as given ("arrival").
+    """vramsched's rule pod by pod, largest first (`order="size"`) or in queue order ("arrival":
+    priority, then as given).
     Without `apply` the capacity is restored after."""
     placed: dict[int, Choice] = {}
     done: list[tuple[Demand, int]] = []
     try:
-        for i in (batch_order(demands) if order == "size" else range(len(demands))):
+        queue = sorted(range(len(demands)), key=lambda i: -demands[i].priority)  # stable: arrival within a priority
+        for i in (batch_order(demands) if order == "size" else queue):
             ch = vramsched(cap, demands[i], frag)
             if ch is None:
                 continue

@@ -142,12 +142,12 @@ def solve_batch(
     start = time.perf_counter()
     if frag is None:
         frag = FragIndex(cap, workload or Workload.from_demands(demands))
-    greedy = greedy_batch(cap, demands, frag)
-    if 1 < len(demands) <= SMALL_BATCH:
-        # a small batch also tries the pods in the order they came: the better plan is the warm start
-        other = greedy_batch(cap, demands, frag, order="arrival")
-        if _evaluate(cap, demands, other, frag) < _evaluate(cap, demands, greedy, frag):
-            greedy = other
+    if len(demands) <= SMALL_BATCH:
+        # a few pods: in queue order (priority, then arrival), exactly as the hot path would place them;
+        # largest-first plans of small batches looked better per batch but lost memory over a replay
+        greedy = greedy_batch(cap, demands, frag, order="arrival")
+    else:
+        greedy = greedy_batch(cap, demands, frag)  # largest first, the classic packing order
     plan = Plan(choices=greedy, status="GREEDY")
     if len(demands) <= 1:
         plan.seconds = time.perf_counter() - start
