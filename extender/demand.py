@@ -21,11 +21,14 @@ __all__ = [
     "ALLOWED_PRODUCTS",
     "ASSIGNMENT",
     "GPU_INDEX",
+    "PIN_ENV",
+    "PIN_FIELD_PATH",
     "DemandError",
     "PodRef",
     "Demand",
     "pod_ref",
     "pod_demand",
+    "reads_pin_annotation",
     "MAX_MODEL_MEMORY",
     "MAX_GPUS_PER_POD",
 ]
@@ -35,6 +38,11 @@ MODEL_MEMORY = ANNOTATION_PREFIX + "model-memory"
 ALLOWED_PRODUCTS = ANNOTATION_PREFIX + "gpu-products"
 ASSIGNMENT = ANNOTATION_PREFIX + "assignment"
 GPU_INDEX = ANNOTATION_PREFIX + "gpu-index"
+#: The variable the NVIDIA Container Toolkit selects GPUs by (deviceListStrategy: envvar).
+PIN_ENV = "NVIDIA_VISIBLE_DEVICES"
+#: The downward-API form of the pin: kubelet resolves it when the container starts, after the
+#: binder wrote the annotation. The only spelling kubelet accepts (fieldpath.SplitMaybeSubscriptedPath).
+PIN_FIELD_PATH = f"metadata.annotations['{GPU_INDEX}']"
 # Larger than any GPU node that exists (8 x B200 = 1.4 TiB); beyond this a value is a typo.
 MAX_MODEL_MEMORY = 64 * 1024**4
 # kube-scheduler would never find a node with more; a larger request is a mistake, not a demand.
@@ -75,8 +83,12 @@ class Demand:
     memory_bytes: int = 0
     allowed_products: frozenset[str] | None = None
     model_memory: int | None = None
-    #: the pod takes its environment from its pin ConfigMap (extender.deviceplugin)
+    #: the pod takes the GPU pin: envFrom its pin ConfigMap (extender.deviceplugin) or
+    #: NVIDIA_VISIBLE_DEVICES from the gpu-index annotation (`pin_annotation`)
     pin_configmap: bool = False
+    #: every GPU container reads NVIDIA_VISIBLE_DEVICES from the gpu-index annotation, so it sees
+    #: no GPU at all unless the binder writes an index there: only pinnable GPUs will do
+    pin_annotation: bool = False
 
     @property
     def mig_profile(self) -> str | None:
@@ -140,6 +152,52 @@ def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
     return total
 
 
+def _env_from_pin_annotation(container: Mapping[str, Any]) -> bool:
+    """The container's effective NVIDIA_VISIBLE_DEVICES (the last `env` entry of that name wins
+    in kubelet, and `env` beats `envFrom`) is the downward-API reference to the gpu-index annotation."""
+    env = container.get("env")
+    if not isinstance(env, list):
+        return False
+    last: Any = None
+    for entry in env:
+        if isinstance(entry, Mapping) and entry.get("name") == PIN_ENV:
+            last = entry
+    if last is None or last.get("value"):
+        return False
+    source = last.get("valueFrom")
+    ref = source.get("fieldRef") if isinstance(source, Mapping) else None
+    return isinstance(ref, Mapping) and ref.get("fieldPath") == PIN_FIELD_PATH
+
+
+def _requests_gpu(container: Mapping[str, Any]) -> bool:
+    resources = container.get("resources")
+    if not isinstance(resources, Mapping):
+        return False
+    for group in ("limits", "requests"):
+        values = resources.get(group)
+        if isinstance(values, Mapping) and any(isinstance(k, str) and is_gpu_resource(k) and str(v) not in ("0", "") for k, v in values.items()):
+            return True
+    return False
+
+
+def reads_pin_annotation(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod takes its GPU pin from the `vramsched.io/gpu-index` annotation.
+
+    True when every container that requests a GPU (init containers included) sets
+    `NVIDIA_VISIBLE_DEVICES` from `metadata.annotations['vramsched.io/gpu-index']` through the
+    downward API. Stricter than the ConfigMap form on purpose: a GPU container without it would
+    run on the device plugin's choice, not on the GPU vramsched booked.
+    """
+    spec = pod.get("spec") if isinstance(pod, Mapping) else None
+    if not isinstance(spec, Mapping):
+        return False
+    gpu_containers = [
+        c for group in ("containers", "initContainers") for c in (spec.get(group) or [])
+        if isinstance(c, Mapping) and _requests_gpu(c)
+    ]
+    return bool(gpu_containers) and all(_env_from_pin_annotation(c) for c in gpu_containers)
+
+
 def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     """Parse a Pod object (dict). Raises DemandError with a message fit for a filter `Error`.
 
@@ -194,5 +252,6 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         memory = parse_bytes(requests["memory"], allow_zero=True) if "memory" in requests else 0
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
-    pinned = references_pin_configmap(pod) if count else False
-    return Demand(ref, count, per_gpu, resource, priority, cpu, memory, allowed, model_memory, pinned)
+    from_annotation = reads_pin_annotation(pod) if count else False
+    pinned = from_annotation or (references_pin_configmap(pod) if count else False)
+    return Demand(ref, count, per_gpu, resource, priority, cpu, memory, allowed, model_memory, pinned, from_annotation)

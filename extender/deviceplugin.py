@@ -48,6 +48,8 @@ __all__ = [
     "PIN_PREFIX",
     "pin_configmap_name",
     "references_pin_configmap",
+    "PIN_MISSING",
+    "annotation_pin_refusal",
     "pin_environment",
     "is_time_sliced",
     "stack_depth",
@@ -59,6 +61,12 @@ __all__ = [
 ]
 
 PIN_PREFIX = "vramsched-"
+#: Why pinned mode refuses a time-sliced node to a pod that takes no pin (either form).
+PIN_MISSING = (
+    f"GPUs here are pinned: pod takes no pin (envFrom ConfigMap {PIN_PREFIX}<pod-name>"
+    " or NVIDIA_VISIBLE_DEVICES from annotation vramsched.io/gpu-index)"
+)
+_FROM_ANNOTATION = "pod reads NVIDIA_VISIBLE_DEVICES from annotation vramsched.io/gpu-index"
 
 
 class ReplicaPolicy(StrEnum):
@@ -66,7 +74,7 @@ class ReplicaPolicy(StrEnum):
 
     `distributed`/`packed`: by the stock device plugin with that policy; vramsched keeps the
     node-level worst-case bound. `pinned`: by vramsched, handed to the container through the
-    per-pod ConfigMap; per-GPU accounting is then exact.
+    per-pod ConfigMap or the downward API (gpu-index annotation); per-GPU accounting is then exact.
     """
 
     DISTRIBUTED = "distributed"
@@ -101,6 +109,22 @@ def references_pin_configmap(pod: Mapping[str, Any]) -> bool:
                 if isinstance(ref, Mapping) and ref.get("name") == want:
                     return True
     return False
+
+
+def annotation_pin_refusal(devices: Iterable[Any], resource: str, policy: "ReplicaPolicy | str | None") -> str | None:
+    """Why a node cannot take a pod that reads its GPUs from the gpu-index annotation, or None.
+
+    Such a container sees exactly the GPUs named there, and none when the annotation is absent
+    (kubelet then sets the variable to "", which the NVIDIA runtime reads as no GPU). The binder
+    writes an index only where the pin is real: pinned mode, whole time-sliced GPUs. Elsewhere the
+    pod would start without a GPU, so it must not go there at all.
+    """
+    if policy is None or ReplicaPolicy(policy) is not ReplicaPolicy.PINNED:
+        return f"{_FROM_ANNOTATION}: GPUs are pinned only with --replica-policy pinned"
+    matching = [d for d in devices if d.resource == resource]
+    if matching and not all(isinstance(d, Gpu) and is_time_sliced(d) for d in matching):
+        return f"{_FROM_ANNOTATION}: GPUs here cannot be pinned (only whole time-sliced GPUs are)"
+    return None
 
 
 def pin_environment(reservation: "Reservation", pinned: bool, time_sliced: bool = True) -> dict[str, str]:

@@ -11,6 +11,8 @@ Two adapters, nothing else:
 - `KubeBinder`: writes the assignment annotations on the pod, optionally the pinning
   ConfigMap, then creates the Binding (`pods/binding`). The API calls run in a thread pool;
   the reservation was already taken synchronously by the service before the first await.
+  After a bind it hands one `VramschedAssigned` Event to `EventRecorder`, which posts it later
+  from a bounded queue: an event never delays or fails a bind.
 
 The ledger is derived from what the API returns (bound pods and their `vramsched.io/`
 annotations), so a restart, a second replica or a relist rebuilds it identically.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,18 +32,25 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import orjson
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from extender.assignment import encode_assignment
+from extender.bind_event import bind_event, bind_message
 from extender.cluster import ClusterState
-from extender.demand import ASSIGNMENT, GPU_INDEX, DemandError, pod_ref
+from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, DemandError, pod_ref, reads_pin_annotation
 from extender.deviceplugin import (
     ReplicaPolicy,
+    annotation_pin_refusal,
     is_time_sliced,
     pin_configmap_name,
     pin_environment,
     references_pin_configmap,
 )
 from extender.ledger import Reservation
+from extender.quantity import format_bytes
 from extender.service import BindError, ExtenderService
+from extender.service import _node_name  # noqa: PLC2701 - the same reading of a sent Node as the service's
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -58,6 +68,7 @@ __all__ = [
     "Informer",
     "LiveSource",
     "KubeBinder",
+    "EventRecorder",
     "BindUncertain",
     "LiveService",
     "NOT_SYNCED",
@@ -105,6 +116,8 @@ class KubeApi(Protocol):
     def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
 
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> None: ...
 
 
 _PATHS = {"nodes": "/api/v1/nodes", "pods": "/api/v1/pods"}
@@ -261,6 +274,10 @@ class ClientApi:
 
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]:
         return self._json("GET", f"/api/v1/namespaces/{namespace}/configmaps/{name}")
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
+        # core/v1, not events.k8s.io: the same call works from 1.20 to today.
+        self._json("POST", f"/api/v1/namespaces/{namespace}/events", body=dict(body), timeout=self.write_timeout)
 
 
 # ===== informers ===================================================================================
@@ -497,6 +514,7 @@ class LiveSource:
             "nodes": len(self.cluster.nodes),
             "pods": len(self.cluster.pods),
             "informers": {"nodes": self.nodes.stats.as_dict(), "pods": self.pods.stats.as_dict()},
+            "events": self.binder.events.stats(),
         }
 
     # ----- events ------------------------------------------------------------------------------------
@@ -585,6 +603,95 @@ def _key(pod: Mapping[str, Any]) -> str:
 # ===== binder =======================================================================================
 
 
+class EventRecorder:
+    """Posts Events from a bounded queue, one at a time, off the bind path.
+
+    `emit` never blocks and never raises: it queues the event (the first call starts the sender
+    task on the running loop) or, when the queue is full because the API server is slow or
+    away, drops it. Each post runs in a thread of its own with the client's write timeout, so a
+    stuck events call never takes a bind worker. `sent`, `failed` and `dropped` count outcomes
+    (exported as `vramsched_bind_events_total{outcome}` and in /readyz).
+    """
+
+    def __init__(self, api: KubeApi, *, capacity: int = 256) -> None:
+        self.api = api
+        self.capacity = capacity
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+        self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
+
+    def emit(self, namespace: str, body: dict[str, Any]) -> None:
+        """Queue one event; call from the event loop."""
+        if self._closed:
+            self.dropped += 1
+            return
+        if self._queue is None:
+            self._queue = asyncio.Queue(self.capacity)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="vramsched-events")
+        try:
+            self._queue.put_nowait((namespace, body))
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 100 == 0:
+                log.warning("event queue full, event dropped",
+                            extra={"fields": {"dropped": self.dropped, "capacity": self.capacity}})
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            namespace, body = await self._queue.get()
+            try:
+                await loop.run_in_executor(self._pool, self.api.create_event, namespace, body)
+                self.sent += 1
+            except Exception as exc:  # noqa: BLE001 - an event is never worth more than a log line
+                self.failed += 1
+                log.warning("cannot create event",
+                            extra={"fields": {"pod": f"{namespace}/{(body.get('involvedObject') or {}).get('name')}",
+                                              "error": str(exc)[:300]}})
+            finally:
+                self._queue.task_done()
+
+    async def drain(self) -> None:
+        """Wait until every queued event was posted or failed (tests, orderly shutdown)."""
+        if self._queue is not None:
+            await self._queue.join()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, int]:
+        return {"sent": self.sent, "failed": self.failed, "dropped": self.dropped, "queued": self.queued}
+
+
+class _EventCollector(Collector):
+    """The recorder's counters for /metrics, read at scrape time."""
+
+    def __init__(self, recorder: EventRecorder) -> None:
+        self._recorder = recorder
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        r = self._recorder
+        counter = CounterMetricFamily("vramsched_bind_events", "VramschedAssigned events by outcome", labels=["outcome"])
+        for outcome, value in (("sent", r.sent), ("failed", r.failed), ("dropped", r.dropped)):
+            counter.add_metric([outcome], value)
+        yield counter
+        yield GaugeMetricFamily("vramsched_bind_events_queued", "Events waiting to be posted", value=r.queued)
+
+
 class BindUncertain(BindError):
     """The Binding may or may not have landed (timeout, 5xx): keep the reservation as assumed;
     its TTL or the watch settles it, and kube-scheduler's retry finds the pod already bound."""
@@ -604,15 +711,18 @@ class KubeBinder:
 
     def __init__(
         self, api: KubeApi, *, pinned: bool = False, workers: int = 8,
-        cluster: ClusterState | None = None,
+        cluster: ClusterState | None = None, events: EventRecorder | None = None,
     ) -> None:
         self.api = api
         self.cluster = cluster
         self.pinned = pinned
+        self.events = events if events is not None else EventRecorder(api)
+        self.instance = socket.gethostname()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bind")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.events.close()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking client call in the binder's pool, never on the event loop."""
@@ -626,10 +736,14 @@ class KubeBinder:
         the assignment are the ledger's accounting slots, and a GPU index would be a false claim.
         """
         out: dict[str, str | None] = dict(encode_assignment(reservation))
-        env = pin_environment(reservation, self.pinned, self._time_sliced(reservation))
-        if not (references_pin_configmap(pod) and "NVIDIA_VISIBLE_DEVICES" in env):
+        if not self._pins(pod, reservation):
             out[GPU_INDEX] = None
         return out
+
+    def _pins(self, pod: Mapping[str, Any], reservation: Reservation) -> bool:
+        """The pod takes a pin (either form) and this reservation gets a real one."""
+        env = pin_environment(reservation, self.pinned, self._time_sliced(reservation))
+        return PIN_ENV in env and (references_pin_configmap(pod) or reads_pin_annotation(pod))
 
     def _time_sliced(self, reservation: Reservation) -> bool:
         inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None
@@ -641,6 +755,11 @@ class KubeBinder:
     async def bind(self, pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None:
         ref = pod_ref(pod)
         started = time.monotonic()
+        if reservation is not None and reads_pin_annotation(pod) and not self._pins(pod, reservation):
+            # Its containers would start with NVIDIA_VISIBLE_DEVICES="" (no GPU at all). Filter
+            # keeps such pods off unpinnable nodes; this guards any other way in. Nothing written.
+            raise BindError(f"pod {ref.key} reads {PIN_ENV} from annotation {GPU_INDEX}, "
+                            f"but its GPUs on {node} cannot be pinned; it would start without a GPU")
         if reservation is not None:
             patch = {"metadata": {"uid": ref.uid or None, "annotations": self.annotations(pod, reservation)}}
             if not ref.uid:
@@ -675,12 +794,26 @@ class KubeBinder:
             # a watch lagging or reconnecting for longer than the TTL must not double-book.
             # (A relist drops it if the pod was deleted in the meantime.)
             reservation.expires_at = None
+            self._record_event(pod, reservation)
         log.info(
             "bound",
             extra={"fields": {"pod": ref.key, "node": node, "devices": list(reservation.device_ids) if reservation else [],
                               "bytes": reservation.total_bytes if reservation else 0,
                               "ms": round((time.monotonic() - started) * 1000, 1)}},
         )
+
+    def _record_event(self, pod: Mapping[str, Any], reservation: Reservation) -> None:
+        """One `VramschedAssigned` Event per bind, queued: never delays or fails the bind."""
+        try:
+            if self.cluster is not None:
+                message = bind_message(self.cluster.ledger, reservation, self._pins(pod, reservation))
+            else:
+                message = f"reserved {format_bytes(reservation.total_bytes)} on {reservation.node}"
+            ref = pod_ref(pod)
+            self.events.emit(ref.namespace, bind_event(ref, message, time.time(), self.instance))
+        except Exception:  # noqa: BLE001 - the bind succeeded; an event must not turn it into a failure
+            log.exception("cannot build the bind event")
+            self.events.failed += 1
 
     async def _already_bound(self, ref: Any, node: str, exc: ApiError) -> None:
         try:
@@ -760,10 +893,48 @@ class LiveService(ExtenderService):
         super().__init__(cluster, source.binder, live=True, **kwargs)
         self.source = source
 
+    def metric_collectors(self) -> list[Collector]:
+        """Extra /metrics of live mode (registered by `extender.server.create_app`)."""
+        return [_EventCollector(self.source.binder.events)]
+
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         if not self.source.synced:
             return ExtenderFilterResult(Error=NOT_SYNCED)
-        return super().filter(args)
+        result = super().filter(args)
+        if not result.Error and reads_pin_annotation(args.Pod):
+            self._keep_pinnable(args, result)
+        return result
+
+    def _unpinnable(self, pod: Mapping[str, Any], names: list[str]) -> dict[str, str]:
+        """Nodes where a pod reading NVIDIA_VISIBLE_DEVICES from the gpu-index annotation would get
+        no index, hence no GPU (extender.deviceplugin.annotation_pin_refusal), with the reason."""
+        try:
+            resource = self._demand(pod).resource
+        except DemandError:
+            return {}
+        ledger, policy = self.ledger, self.ledger.replica_policy
+        out: dict[str, str] = {}
+        for name in names:
+            inv = ledger.node(name)
+            why = annotation_pin_refusal(inv.devices if inv is not None else (), resource, policy)
+            if why is not None:
+                out[name] = why
+        return out
+
+    def _keep_pinnable(self, args: ExtenderArgs, result: ExtenderFilterResult) -> None:
+        """Move the nodes that cannot pin this pod from the feasible list to the unresolvable ones
+        (no eviction can make a node pinnable)."""
+        feasible = [_node_name(n) for n in result.Nodes.items] if result.Nodes is not None else list(result.NodeNames or [])
+        refused = self._unpinnable(args.Pod, feasible)
+        if not refused:
+            return
+        if result.Nodes is not None:
+            result.Nodes.items = [n for n in result.Nodes.items if _node_name(n) not in refused]
+        else:
+            result.NodeNames = [n for n in feasible if n not in refused]
+        # As the service does: < 1.21 only reads FailedNodes, >= 1.21 lets the unresolvable entry win.
+        result.FailedNodes = {**(result.FailedNodes or {}), **refused}
+        result.FailedAndUnresolvableNodes = {**(result.FailedAndUnresolvableNodes or {}), **refused}
 
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
         if not self.source.synced:
@@ -788,4 +959,9 @@ class LiveService(ExtenderService):
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
         if not self.source.synced:
             return ExtenderPreemptionResult(NodeNameToMetaVictims={})
-        return super().preempt(args)
+        result = super().preempt(args)
+        if reads_pin_annotation(args.Pod) and result.NodeNameToMetaVictims:
+            # Evicting anyone on a node that cannot pin the pod would free nothing it can use.
+            refused = self._unpinnable(args.Pod, list(result.NodeNameToMetaVictims))
+            result.NodeNameToMetaVictims = {n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused}
+        return result

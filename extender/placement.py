@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from extender.demand import Demand
-from extender.deviceplugin import PIN_PREFIX, SharedFit, allowed_without, shared_fit
+from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, shared_fit
 from extender.inventory import MigSlice
 from extender.ledger import DeviceArrays, Ledger, Reservation
 from extender.quantity import format_bytes
@@ -426,7 +426,7 @@ def _explain_shared(fit: _Fit, demand: Demand, r: int, name: str, out: FilterOut
     rows = np.arange(lo, hi)
     match = fit.matches[rows]
     if match.any() and int((match & ~s.needs_pin[rows]).sum()) < demand.gpu_count:
-        out.unresolvable[name] = f"GPUs here are pinned: pod lacks envFrom ConfigMap {PIN_PREFIX}<pod-name>"
+        out.unresolvable[name] = PIN_MISSING
         return True
     local = match & (a.used_replicas[rows] < a.replicas[rows]) & (a.capacity[rows] - a.used[rows] >= fit.need[rows]) \
         & (a.per_pod_cap[rows] >= fit.need[rows])

@@ -249,6 +249,8 @@ def create_app(
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _concurrency_limit(max_concurrency)])
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = Metrics(lambda: service.ledger)
+    for collector in getattr(service, "metric_collectors", lambda: [])():  # live mode: bind event counters
+        app[METRICS_KEY].registry.register(collector)
     app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))
     handlers = {"filter": _filter, "prioritize": _prioritize, "bind": _bind, "preempt": _preempt}
     for verb in VERBS:

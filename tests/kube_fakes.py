@@ -2,7 +2,8 @@
 
 It implements `extender.kube.KubeApi`: `list`/`watch` replay scripted answers (a watch script is
 a list of events or an exception to raise), and the write calls keep the pods in a dict the way
-the API server would (merge-patch of annotations, Binding sets nodeName, 409 when bound).
+the API server would (merge-patch of annotations, Binding sets nodeName, 409 when bound; events
+are kept in `events`).
 Every call is recorded in `calls`, so tests can assert order and arguments.
 """
 
@@ -22,6 +23,7 @@ class FakeApi:
         self.calls: list[tuple[Any, ...]] = []
         self.pods: dict[str, dict[str, Any]] = {}
         self.configmaps: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
         self.on_exhausted: Callable[[str], None] | None = None
         #: per write call: an ApiError to raise (once), or a callable run before answering
         self.fail: dict[str, list[Any]] = {}
@@ -131,6 +133,13 @@ class FakeApi:
         if cm is None:
             raise ApiError(404, "NotFound", "")
         return copy.deepcopy(cm)
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
+        self.calls.append(("create_event", namespace, copy.deepcopy(dict(body))))
+        self._maybe_fail("create_event")
+        if (body.get("involvedObject") or {}).get("namespace") != namespace:
+            raise ApiError(422, "Invalid", "involvedObject.namespace: does not match event.namespace")
+        self.events.append(copy.deepcopy(dict(body)))
 
     def writes(self) -> list[str]:
         return [c[0] for c in self.calls if c[0] in ("patch_pod", "create_binding", "create_configmap")]

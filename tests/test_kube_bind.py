@@ -1,5 +1,6 @@
 """KubeBinder and the live bind path against a scripted API: order of writes, idempotent retries,
-rollback, assumed holds and their expiry, the pinning ConfigMap, and no lock across API calls."""
+rollback, assumed holds and their expiry, the pinning ConfigMap and its downward-API form, the
+bind events (queued, never delaying or failing a bind), and no lock across API calls."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import orjson
 
 from builders import gpu_node, pod
 from extender.cluster import ClusterState
-from extender.demand import ASSIGNMENT, GPU_INDEX
-from extender.kube import ApiError, LiveService, LiveSource
+from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
+from extender.deviceplugin import PIN_MISSING
+from extender.kube import ApiError, EventRecorder, LiveService, LiveSource
 from extender.ledger import check_invariant
-from extender.wire import ExtenderArgs, ExtenderBindingArgs
+from extender.server import METRICS_KEY, create_app
+from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderPreemptionArgs
 from kube_fakes import FakeApi
 
 GIB = 1024**3
@@ -24,6 +27,15 @@ GIB = 1024**3
 def pinned_pod(name: str, memory: str) -> dict[str, Any]:
     p = pod(name, memory)
     p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": f"vramsched-{name}"}}]
+    return p
+
+
+def downward_pod(name: str, memory: str, **kw: Any) -> dict[str, Any]:
+    """The Deployment-friendly pin: NVIDIA_VISIBLE_DEVICES from the gpu-index annotation."""
+    p = pod(name, memory, **kw)
+    p["spec"]["containers"][0]["env"] = [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {"fieldPath": PIN_FIELD_PATH}}}
+    ]
     return p
 
 
@@ -201,7 +213,8 @@ async def test_pinned_policy_refuses_time_sliced_nodes_to_pods_that_cannot_be_pi
                            replica_policy="pinned")
     result = service.filter(filter_args(plain, ["ts", "whole"]))
     assert result.NodeNames == ["whole"]  # an exclusive GPU's identity does not matter
-    assert result.FailedAndUnresolvableNodes == {"ts": "GPUs here are pinned: pod lacks envFrom ConfigMap vramsched-<pod-name>"}
+    assert result.FailedAndUnresolvableNodes == {"ts": PIN_MISSING}
+    assert "envFrom ConfigMap vramsched-<pod-name>" in PIN_MISSING and "vramsched.io/gpu-index" in PIN_MISSING
 
 
 async def test_a_pod_the_watch_has_not_delivered_yet_is_read_from_the_api() -> None:
@@ -214,3 +227,146 @@ async def test_a_pod_the_watch_has_not_delivered_yet_is_read_from_the_api() -> N
     assert c.ledger.reservation("default/fresh") is not None
     gone = pod("gone", "1Gi")
     assert "unknown to vramsched and unreadable (404" in (await service.bind(bind_args(gone, "n1"))).Error
+
+
+# ----- the downward-API pin: NVIDIA_VISIBLE_DEVICES from the gpu-index annotation -------------------
+
+
+async def test_pinned_policy_takes_a_downward_api_pod_on_time_sliced_gpus_and_annotates_before_binding() -> None:
+    p = downward_pod("web-7f9c-x2", "12Gi")
+    node = gpu_node("ts", count=2, memory_mib=23034, replicas=4)
+    service, api, c = live([node], [p], replica_policy="pinned")
+    assert service.filter(filter_args(p, ["ts"])).NodeNames == ["ts"]
+    assert (await service.bind(bind_args(p, "ts"))).Error == ""
+    # No ConfigMap: the annotation is the hand-off, written by the patch that precedes the Binding.
+    assert api.writes() == ["patch_pod", "create_binding"] and api.configmaps == {}
+    index = api.calls[0][3]["metadata"]["annotations"][GPU_INDEX]
+    assignment = orjson.loads(api.calls[0][3]["metadata"]["annotations"][ASSIGNMENT])
+    assert index == ",".join(assignment["devices"]) and index in {"0", "1"}
+    assert api.pods["default/web-7f9c-x2"]["metadata"]["annotations"][GPU_INDEX] == index
+    # Pinned books are exact: the L4 example of docs/live.md takes four pods (12+8 | 12+8).
+    for name, memory in (("b", "8Gi"), ("c", "12Gi"), ("d", "8Gi")):
+        q = downward_pod(name, memory)
+        api.add_pod(q)
+        c.upsert_pod(q)
+        assert service.filter(filter_args(q, ["ts"])).NodeNames == ["ts"], name
+        assert (await service.bind(bind_args(q, "ts"))).Error == ""
+    per_gpu: dict[str, int] = {}
+    for key, stored in api.pods.items():
+        ann = stored["metadata"]["annotations"]
+        per_gpu[ann[GPU_INDEX]] = per_gpu.get(ann[GPU_INDEX], 0) + orjson.loads(ann[ASSIGNMENT])["bytesPerDevice"][0]
+    assert sorted(per_gpu.values()) == [20 * GIB, 20 * GIB]
+    assert check_invariant(c.ledger) == []
+
+
+async def test_a_downward_api_pod_is_kept_where_no_index_would_be_written() -> None:
+    """Without an index its container would start with NVIDIA_VISIBLE_DEVICES="" (no GPU at all)."""
+    p = downward_pod("web-1", "12Gi")
+    nodes = [gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1)]
+    service, api, c = live(nodes, [p], replica_policy="pinned")
+    result = service.filter(filter_args(p, ["ts", "whole"]))
+    assert result.NodeNames == ["ts"]
+    assert "cannot be pinned" in result.FailedAndUnresolvableNodes["whole"]
+    assert result.FailedNodes["whole"] == result.FailedAndUnresolvableNodes["whole"]  # kube-scheduler < 1.21
+    # The same pod without the env var may use the exclusive GPU: the check is the pod's form.
+    plain = pod("plain", "12Gi")
+    assert service.filter(filter_args(plain, ["whole"])).NodeNames == ["whole"]
+    # The binder refuses before writing anything, whatever the caller.
+    refused = await service.bind(bind_args(p, "whole"))
+    assert "would start without a GPU" in refused.Error
+    assert api.writes() == [] and c.ledger.reservation("default/web-1") is None
+
+
+async def test_a_downward_api_pod_is_refused_everywhere_unless_gpus_are_pinned() -> None:
+    p = downward_pod("web-1", "12Gi")
+    nodes = [gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1)]
+    service, api, c = live(nodes, [p])  # default policy: the device plugin picks
+    result = service.filter(filter_args(p, ["ts", "whole"]))
+    assert result.NodeNames == []
+    assert set(result.FailedAndUnresolvableNodes) == {"ts", "whole"}
+    assert all("only with --replica-policy pinned" in m for m in result.FailedAndUnresolvableNodes.values())
+    assert "would start without a GPU" in (await service.bind(bind_args(p, "ts"))).Error
+    assert api.writes() == []
+
+
+async def test_preemption_never_evicts_for_a_downward_api_pod_on_a_node_that_cannot_pin_it() -> None:
+    victim = pod("victim", "70Gi", node="whole", priority=0)
+    nodes = [gpu_node("whole", count=1)]
+    service, api, c = live(nodes, [victim], replica_policy="pinned")
+    victims = {"whole": {"Pods": [{"UID": victim["metadata"]["uid"]}], "NumPDBViolations": 0}}
+    plain = pod("plain", "70Gi", priority=100)
+    chosen = service.preempt(ExtenderPreemptionArgs.model_validate({"Pod": plain, "NodeNameToMetaVictims": victims}))
+    assert set(chosen.NodeNameToMetaVictims) == {"whole"}  # a plain pod would evict it
+    downward = downward_pod("web-1", "70Gi", priority=100)
+    chosen = service.preempt(ExtenderPreemptionArgs.model_validate({"Pod": downward, "NodeNameToMetaVictims": victims}))
+    assert chosen.NodeNameToMetaVictims == {}
+
+
+# ----- bind events ----------------------------------------------------------------------------------
+
+
+async def test_each_bind_records_one_assigned_event_on_the_pod() -> None:
+    p = pinned_pod("p", "12Gi")
+    node = gpu_node("ts", count=2, memory_mib=23034, replicas=4)
+    service, api, c = live([node], [p], replica_policy="pinned")
+    assert (await service.bind(bind_args(p, "ts"))).Error == ""
+    await service.source.binder.events.drain()
+    (event,) = api.events
+    index = api.pods["default/p"]["metadata"]["annotations"][GPU_INDEX]
+    assert event["reason"] == "VramschedAssigned" and event["type"] == "Normal"
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "default", "name": "p",
+                                       "uid": p["metadata"]["uid"]}
+    assert event["metadata"]["namespace"] == "default" and event["metadata"]["name"].startswith("p.")
+    assert event["message"] == f"reserved 12Gi on GPU {index} of ts (time-slicing, 1/4 replicas, pinned)"
+    assert event["firstTimestamp"] == event["lastTimestamp"] and event["count"] == 1
+    assert "eventTime" not in event  # core/v1 legacy rules: valid on 1.20 as on today's servers
+    # The event comes after the Binding, never before.
+    order = [call[0] for call in api.calls if call[0] in ("create_binding", "create_event")]
+    assert order == ["create_binding", "create_event"]
+
+
+async def test_unpinned_events_name_the_device_counted_not_a_gpu_claimed() -> None:
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1", count=2)], [p])
+    assert (await service.bind(bind_args(p, "n1"))).Error == ""
+    await service.source.binder.events.drain()
+    (event,) = api.events
+    assert event["message"] == "reserved 30Gi on a GPU of n1 (exclusive, counted on GPU 0; the device plugin picks the GPU)"
+
+
+async def test_a_failing_event_call_does_not_fail_the_bind() -> None:
+    p, q = pod("p", "30Gi"), pod("q", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p, q])
+    api.fail["create_event"] = [ApiError(403, "Forbidden", 'cannot create resource "events"')]
+    assert (await service.bind(bind_args(p, "n1"))).Error == ""
+    assert api.pods["default/p"]["spec"]["nodeName"] == "n1"
+    assert (await service.bind(bind_args(q, "n1"))).Error == ""
+    events = service.source.binder.events
+    await events.drain()
+    assert (events.failed, events.sent, events.dropped) == (1, 1, 0)
+    assert [e["involvedObject"]["name"] for e in api.events] == ["q"]
+    ready, detail = service.source.ready()
+    assert detail["events"] == {"sent": 1, "failed": 1, "dropped": 0, "queued": 0}
+
+
+async def test_a_stuck_events_api_delays_no_bind_and_the_queue_drops_beyond_its_bound() -> None:
+    pods = [pod(f"p{i}", "10Gi") for i in range(5)]
+    service, api, c = live([gpu_node("n1"), gpu_node("n2")], pods)
+    recorder = service.source.binder.events = EventRecorder(api, capacity=2)
+    release = threading.Event()
+    api.fail["create_event"] = [lambda: release.wait(10)]
+    try:
+        for i, p in enumerate(pods):
+            result = await asyncio.wait_for(service.bind(bind_args(p, "n1" if i % 2 else "n2")), timeout=5)
+            assert result.Error == ""
+        # One event is stuck in the API, two wait in the queue, two were dropped.
+        assert (recorder.queued, recorder.dropped, recorder.sent) == (2, 2, 0)
+        text = create_app(service)[METRICS_KEY].render().decode()  # the counters are on /metrics
+        assert 'vramsched_bind_events_total{outcome="dropped"} 2.0' in text
+        assert "vramsched_bind_events_queued 2.0" in text
+    finally:
+        release.set()
+    await recorder.drain()
+    assert (recorder.sent, recorder.failed, recorder.dropped) == (3, 0, 2)
+    assert all(api.pods[f"default/{p['metadata']['name']}"]["spec"]["nodeName"] for p in pods)
+    recorder.close()

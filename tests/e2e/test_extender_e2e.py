@@ -32,7 +32,7 @@ import yaml
 from controlplane import REPO_ROOT, Component, ControlPlane, free_port
 
 from extender.cluster import ClusterState
-from extender.deviceplugin import ReplicaPolicy, is_time_sliced, worst_case_load
+from extender.deviceplugin import PIN_MISSING, ReplicaPolicy, is_time_sliced, worst_case_load
 from extender.ledger import check_invariant
 
 GPU = "nvidia.com/gpu"
@@ -407,7 +407,7 @@ def test_pinned_policy_hands_the_gpu_choice_to_the_container(stack: tuple[Contro
         wait_bound(cp, api, [name])
     api.create_namespaced_pod(NS, gpu_pod("unpinned", "1Gi"))
     events = cp.wait_for(lambda: scheduling_events(api, "unpinned"), timeout=30, message="unpinned refused")
-    assert any("GPUs here are pinned: pod lacks envFrom ConfigMap vramsched-<pod-name>" in m for m in events), events
+    assert any(PIN_MISSING in m for m in events), events
     per_gpu: dict[str, int] = {}
     for name in ("pin-a", "pin-b", "pin-c", "pin-d"):
         pod = api.read_namespaced_pod(name, NS)
