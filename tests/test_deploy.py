@@ -31,7 +31,9 @@ from extender.cli import build_parser
 from extender.demand import MODEL_MEMORY, pod_demand
 from extender.inventory import GPU_RESOURCE, SHARED_GPU_RESOURCE, is_gpu_resource, node_inventory
 from extender.quantity import MIB, parse_bytes
-from extender.server import route_paths
+from extender.cluster import ClusterState
+from extender.server import create_app, create_probe_app, route_paths
+from extender.service import EmbeddedBinder, ExtenderService
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -433,27 +435,67 @@ def test_scheduler_pod_is_not_scheduled_by_itself() -> None:
     assert spec.get("schedulerName", "default-scheduler") == "default-scheduler"
 
 
-def test_metrics_service_selects_the_pods_and_a_named_port() -> None:
+def container_ports(c: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+
+
+def probe_app_paths() -> set[tuple[str, str]]:
+    """(method, path) of every route of the extender's GET-only probe listener (--metrics-port)."""
+    main = create_app(ExtenderService(ClusterState(), EmbeddedBinder(ClusterState())))
+    return {(r.method, r.resource.canonical) for r in create_probe_app(main).router.routes()}
+
+
+def test_metrics_service_selects_the_pods_and_named_ports() -> None:
     dep = deployment()
     svc = one(base_objects(), "Service", "vramsched-metrics")
     assert "ServiceMonitor" not in {o["kind"] for o in base_objects()}
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
     for port in svc["spec"]["ports"]:
-        assert port["targetPort"] in ports
-        assert svc["metadata"]["annotations"]["prometheus.io/port"] == str(ports[port["targetPort"]])
+        assert port["targetPort"] in ports, port
+        assert port["port"] == ports[port["targetPort"]]
+    # The prometheus.io annotations point at the extender's plain-HTTP probe listener ...
+    ann = svc["metadata"]["annotations"]
+    extender = container(dep, "extender")
+    args = serve_args(extender["args"])
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/scheme"] == "http"
+    assert int(ann["prometheus.io/port"]) == container_ports(extender)["http-metrics"] == args.metrics_port
+    assert ("GET", ann["prometheus.io/path"]) in probe_app_paths()
+    # ... and kube-scheduler's secure port stays scrapeable as the second port (HTTPS + token).
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == {"http-metrics", "https"}
+    assert container_ports(container(dep, "kube-scheduler"))["https"] == 10259
 
 
-def test_extender_probes_call_its_health_routes_on_loopback() -> None:
+def test_extender_probes_use_its_get_only_listener_and_the_verbs_stay_on_loopback() -> None:
     c = container(deployment(), "extender")
     args = serve_args(c["args"])
+    # kubelet probes the pod IP: the probe listener must listen there, the verbs must not.
+    assert args.metrics_port and args.metrics_host == "0.0.0.0" and args.host == "127.0.0.1"
+    assert container_ports(c) == {"http-metrics": args.metrics_port}
+    served = probe_app_paths()
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        command = c[probe]["exec"]["command"]
-        (url,) = re.findall(r"http://[^'\" ]+", " ".join(command))
-        parsed = urlparse(url)
-        assert (parsed.hostname, parsed.port) == (args.host, args.port)
-        assert parsed.path in route_paths()
-    assert urlparse(re.findall(r"http://[^'\" ]+", " ".join(c["readinessProbe"]["exec"]["command"]))[0]).path == "/readyz"
+        assert "exec" not in c[probe]
+        get = c[probe]["httpGet"]
+        assert get["port"] == "http-metrics" and get.get("scheme", "HTTP") == "HTTP"
+        assert get["path"] in route_paths() and ("GET", get["path"]) in served
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert {c[p]["httpGet"]["path"] for p in ("startupProbe", "livenessProbe")} == {"/healthz"}
+    # Nothing but GET (and aiohttp's implied HEAD) on the probe listener: no verb, no /state.
+    assert {m for m, _ in served} <= {"GET", "HEAD"}
+    assert {p for _, p in served} == {"/healthz", "/readyz", "/metrics"}
+
+
+async def test_the_probe_listener_answers_the_probes_and_refuses_the_verbs() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    c = ClusterState()
+    main = create_app(ExtenderService(c, EmbeddedBinder(c)))
+    async with TestClient(TestServer(create_probe_app(main))) as client:
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert (await client.get(path)).status == 200, path
+        for verb in ("filter", "prioritize", "bind", "preempt"):
+            assert (await client.post(f"/{verb}", json={})).status in (404, 405), verb
+        assert (await client.get("/state")).status == 404
 
 
 def test_kube_scheduler_probes_use_its_secure_port() -> None:
@@ -639,6 +681,19 @@ def test_pinned_example_reads_the_configmap_named_after_the_pod() -> None:
     assert refs == [{"name": f"vramsched-{pod['metadata']['name']}", "optional": False}]
 
 
+def test_pinned_deployment_example_reads_the_gpu_index_annotation() -> None:
+    dep = load(EXAMPLES / "pinned-deployment.yaml")[0]
+    assert dep["kind"] == "Deployment", "the downward-API form is the one that works without per-pod names"
+    (meta, spec), = pod_specs(dep)
+    pod = {"metadata": {"name": "any-random-name", "namespace": "default", **meta}, "spec": spec}
+    demand = pod_demand(pod)
+    assert demand.pin_annotation and demand.pin_configmap  # pinned pod, no ConfigMap needed
+    assert not any("envFrom" in c for c in spec["containers"])
+    assert "vramsched.io/gpu-index" not in meta.get("annotations", {}), "vramsched writes it at bind time"
+    # Pinning happens only on time-sliced GPUs: the example must select them.
+    assert spec["nodeSelector"]["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
+
+
 # ---------------------------------------------------------------------------------------------
 # Dockerfile
 
@@ -771,21 +826,25 @@ def _create_or_keep(call: Any, ok: tuple[int, ...] = (409,)) -> None:
 
 
 def _start_extender(cp: Any, args: list[str]) -> str:
-    """`vramsched serve` with the given Deployment arguments, on a free port, as the ServiceAccount."""
+    """`vramsched serve` with the given Deployment arguments, on free ports, as the ServiceAccount.
+
+    Ready when the probe listener (--metrics-port, where kubelet's readinessProbe goes) says so."""
     from controlplane import Component, free_port
 
-    port = free_port()
+    port, probe_port = free_port(), free_port()
     argv = list(args)
     argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--metrics-port") + 1] = str(probe_port)
     cp.extender = Component("vramsched", [sys.executable, "-m", "extender", "serve", *argv,
                                           "--kubeconfig", str(cp.sa_kubeconfig)], cp.extender_log)
     cp.extender.start()
     url = f"http://127.0.0.1:{port}"
+    readiness = container(deployment(), "extender")["readinessProbe"]["httpGet"]["path"]
 
     def ready() -> bool:
         if not cp.extender.running():
             raise AssertionError(cp.extender.describe())
-        with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{probe_port}{readiness}", timeout=2) as resp:
             return resp.status == 200
 
     cp.wait_for(ready, timeout=60, ignore=(OSError,), message="extender ready (synced as the ServiceAccount)")

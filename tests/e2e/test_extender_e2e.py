@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -25,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes.client
+import kubernetes.watch
 import orjson
 import pytest
 import yaml
 
 from controlplane import REPO_ROOT, Component, ControlPlane, free_port
 
+from extender.bind_event import REASON
 from extender.cluster import ClusterState
 from extender.deviceplugin import PIN_MISSING, ReplicaPolicy, is_time_sliced, worst_case_load
 from extender.ledger import check_invariant
@@ -458,3 +461,88 @@ def test_a_standby_replica_tracks_the_active_one_and_takes_over(stack: tuple[Con
         assert held(standby) == {r.key for r in state.ledger.reservations()} and len(held(standby)) == 8
     finally:
         standby.stop()
+
+
+def example_template_pod(path: Path) -> dict[str, Any]:
+    """A Pod as the ReplicaSet of the example Deployment would create it: random name, no ConfigMap."""
+    doc = yaml.safe_load(path.read_text())
+    assert doc["kind"] == "Deployment"
+    tpl = doc["spec"]["template"]
+    meta = {**tpl["metadata"], "generateName": f"{doc['metadata']['name']}-"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": tpl["spec"]}
+
+
+def versions_until_bound(api: kubernetes.client.CoreV1Api, name: str, since: str) -> list[Any]:
+    """Every version of the pod the API server committed from `since` up to the first one bound."""
+    seen: list[Any] = []
+    w = kubernetes.watch.Watch()
+    for event in w.stream(api.list_namespaced_pod, NS, field_selector=f"metadata.name={name}",
+                          resource_version=since, timeout_seconds=30):
+        seen.append(event["object"])
+        if event["object"].spec.node_name:
+            w.stop()
+    return seen
+
+
+def assigned_events(api: kubernetes.client.CoreV1Api, name: str) -> list[Any]:
+    events = api.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
+    return [e for e in events if e.reason == REASON]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extender_args", [["--replica-policy", "pinned"]])
+def test_deployment_pods_pin_through_the_downward_api_and_each_bind_records_an_event(
+    stack: tuple[ControlPlane, Extender], extender_args: list[str]
+) -> None:
+    """Pods of deploy/examples/pinned-deployment.yaml (random names, NVIDIA_VISIBLE_DEVICES from
+    the gpu-index annotation): the API server accepts the field path, vramsched pins them on the
+    time-sliced GPUs only, and every version of a pod that is bound already holds its GPU index,
+    so kubelet can never start the container with an empty variable."""
+    cp, ext = stack
+    add_node(cp, "a100-ts", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920, replicas=4)
+    add_node(cp, "a100-x", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920)  # exclusive: cannot pin
+    api = core(cp)
+    template = example_template_pod(REPO_ROOT / "deploy" / "examples" / "pinned-deployment.yaml")
+    (env,) = template["spec"]["containers"][0]["env"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['vramsched.io/gpu-index']"
+    created = [api.create_namespaced_pod(NS, template).metadata for _ in range(3)]
+    names = [m.name for m in created]
+    nodes = wait_bound(cp, api, names)
+    assert set(nodes.values()) == {"a100-ts"}
+    per_gpu: dict[str, int] = {}
+    for meta in created:
+        versions = versions_until_bound(api, meta.name, meta.resource_version)
+        bound = versions[-1]
+        assert bound.spec.node_name == "a100-ts", [v.spec.node_name for v in versions]
+        index = (bound.metadata.annotations or {}).get("vramsched.io/gpu-index")
+        assignment = json.loads(bound.metadata.annotations["vramsched.io/assignment"])
+        # The first bound version carries the index, and it names the GPU vramsched booked.
+        assert index is not None and index == ",".join(assignment["devices"]) and index in {"0", "1"}
+        # Written by an earlier write than the Binding: a version holds it while still unbound.
+        assert any(v.spec.node_name is None and (v.metadata.annotations or {}).get("vramsched.io/gpu-index") == index
+                   for v in versions[:-1]), meta.name
+        # No ConfigMap is involved in this form.
+        with pytest.raises(kubernetes.client.ApiException):
+            api.read_namespaced_config_map(f"vramsched-{meta.name}", NS)
+        per_gpu[index] = per_gpu.get(index, 0) + 1
+    # Pinned books are exact and spread by best fit: all three fit, each on one of the two GPUs.
+    assert sum(per_gpu.values()) == 3
+
+    # One VramschedAssigned event per bind, after the Binding, naming the pinned GPU.
+    for meta in created:
+        (event,) = cp.wait_for(lambda n=meta.name: assigned_events(api, n), timeout=30, message=f"event for {meta.name}")
+        index = annotations(api, meta.name)["vramsched.io/gpu-index"]
+        assert event.type == "Normal" and event.involved_object.uid == meta.uid
+        assert re.fullmatch(rf"reserved 16Gi on GPU {index} of a100-ts \(time-slicing, [1-4]/4 replicas, pinned\)", event.message), event.message
+        assert event.source.component == "vramsched-extender"
+    assert ext.get("/readyz")["events"]["failed"] == 0
+
+    # The exclusive node is never offered to such a pod: there it would see no GPU at all.
+    probe = api.api_client.sanitize_for_serialization(api.read_namespaced_pod(names[0], NS))
+    probe["metadata"]["name"] = "dw-probe"
+    probe["spec"].pop("nodeName", None)
+    probe["spec"].pop("nodeSelector", None)
+    answer = ext.post("/filter", {"Pod": probe, "Nodes": None, "NodeNames": ["a100-ts", "a100-x"]})
+    assert answer["NodeNames"] == ["a100-ts"]
+    assert "cannot be pinned" in answer["FailedAndUnresolvableNodes"]["a100-x"]
+    assert_sound(api, ReplicaPolicy.PINNED)
