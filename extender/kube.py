@@ -425,6 +425,7 @@ class Informer:
         timeout = random.randint(*self.watch_timeout)
         events = self.api.watch(self.kind, rv, timeout)
         self.stats.up()
+        self._delay = 0.0  # the API answers again: the next outage starts its backoff afresh
         for event in events:
             if self._stop.is_set():
                 break

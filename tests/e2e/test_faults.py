@@ -138,8 +138,8 @@ def test_apiserver_stopped_and_restarted_during_binds(stack: tuple[ControlPlane,
     names = [f"api-{i:02d}" for i in range(20)]
     for name in names[:12]:
         api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
-    cp.wait_for(lambda: 1 <= sum(1 for v in bound_names(api, names[:12]).values() if v) < 12, timeout=60,
-                interval=0.05, message="binding under way")
+    cp.wait_for(lambda: any(bound_names(api, names[:12]).values()), timeout=60, interval=0.05,
+                message="binding under way")
     cp.stop_apiserver()
     time.sleep(5)
     cp.start_apiserver()
@@ -165,8 +165,9 @@ def test_filter_answers_from_the_last_view_while_the_api_is_down_and_readyz_says
     body = {"Pod": pod, "Nodes": None, "NodeNames": ["h100"]}
     before = ext.post("/filter", body)
     assert before["NodeNames"] == ["h100"]
-    ready = ext.get("/readyz")
-    assert ready["ready"] is True and ready["apiServer"] == "connected"
+    ready = cp.wait_for(lambda: (r := ext.get("/readyz")) and r["apiServer"] == "connected" and r, timeout=30,
+                        message=f"/readyz connected: {ext.get('/readyz')}")
+    assert ready["ready"] is True
     state_before = ext.get("/state")
 
     cp.stop_apiserver()
@@ -308,10 +309,10 @@ def test_dropped_watch_connections_resume_without_losing_an_event(proxied: tuple
     assert cut >= 4  # the watches (and the binder's keep-alive connections) really were cut
     expected = {f"{NS}/{n}" for n in alive}
     cp.wait_for(lambda: held(ext) == expected, timeout=60, message=f"ledger caught up: {held(ext)} vs {expected}")
-    ready = ext.get("/readyz")
+    ready = cp.wait_for(lambda: (r := ext.get("/readyz")) and r["apiServer"] == "connected" and r, timeout=60,
+                        message=f"informers reconnected: {ext.get('/readyz')}")
     resumed = {k: v["watchResumes"] + v["relistsGone"] + v["lists"] - 1 for k, v in ready["informers"].items()}
     assert all(n >= 1 for n in resumed.values()), ready
-    assert ready["apiServer"] == "connected"
     state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     assert {r.key for r in state.ledger.reservations()} == expected
     assert all(got[n] for n in alive)
@@ -391,9 +392,9 @@ def test_sigkill_under_locust_load_three_times_loses_nothing(stack: tuple[Contro
     batches = [names[0:6], names[6:12], names[12:18], names[18:22]]
     restarts = 0
     try:
+        for name in batches[0]:
+            api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
         for batch, more in zip(batches, batches[1:]):
-            for name in batch:
-                api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
             # kill while this batch is being bound (or, once the GPUs are full, refused)
             cp.wait_for(lambda: any(v for v in bound_names(api, batch).values()) or
                         sum(1 for v in bound_names(api, names).values() if v) >= 16,
