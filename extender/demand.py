@@ -143,7 +143,9 @@ def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for c in containers:
         for k, v in _container_requests(c).items():
-            total[k] = parse_quantity(v) + total.get(k, 0)
+            q = parse_quantity(v)
+            prev = total.get(k)
+            total[k] = q if prev is None else q + prev  # no Fraction + 0 for the usual single container
     for c in inits:
         for k, v in _container_requests(c).items():
             q = parse_quantity(v)

@@ -32,9 +32,10 @@ lower both sides.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Mapping, Sequence  # not the typing aliases: isinstance() per pod
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
