@@ -72,10 +72,14 @@ def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
     return np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
 
 
-def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None) -> _Fit:
-    """The demand against every device, or against `local` (one node's rows, see `_node_arrays`)."""
+def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with_ok: bool = True) -> _Fit:
+    """The demand against every device, or against `local` (one node's rows, see `_node_arrays`,
+    or one resource's, see `_resource_arrays`). `with_ok=False` leaves `ok` empty for callers
+    that do not read it (`_filter_one`)."""
     a = ledger.arrays if local is None else local
     matches, need, big_enough = _static_fit(a, demand)
+    if not with_ok:
+        return _Fit(a, matches, need, np.zeros(0, bool), None)
     ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
     shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap) if demand.wants_gpu and local is None else None
     if shared is not None:
@@ -214,12 +218,36 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     if not demand.wants_gpu:
         out.feasible = list(names)
         return out
-    fit = _fit(ledger, demand, _resource_arrays(ledger, demand))
+    view = _resource_arrays(ledger, demand)
+    one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
+    fit = _fit(ledger, demand, view, with_ok=not one)
     rows, unknown = _node_rows(ledger, names)
     for n in unknown:
         out.unresolvable[n] = "node unknown to vramsched"
-    _filter_rows(ledger, fit, demand, rows, out)
+    if one:
+        _filter_one(ledger, fit, demand, rows, out)
+    else:
+        _filter_rows(ledger, fit, demand, rows, out)
     return out
+
+
+def _filter_one(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
+    """`_filter_rows` for the commonest pod, one device with declared bytes (no device-plugin
+    bound): a node fits iff the most free VRAM on a big-enough device with a free replica covers
+    the pod. Same answers as counting fitting devices, in half the passes over the devices."""
+    a = fit.a
+    names = _node_info(ledger, a)[0]
+    with_slot = _static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
+    largest = _segment_max((a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names))
+    good = largest[rows] >= demand.bytes_per_gpu
+    feasible_rows = rows[good]
+    out.feasible = names[feasible_rows].tolist()
+    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
+        _remember_rows(ledger, list(out.feasible), feasible_rows, [])  # prioritize will send this list
+    bad = rows[~good]
+    if len(bad):
+        # a failing node has no fitting device: n_ok is 0 there; a free replica iff largest >= 0
+        _explain(ledger, fit, demand, bad, out, np.zeros(len(a.node_names), np.int64), rows, (with_slot, largest))
 
 
 def _resource_arrays(ledger: Ledger, demand: Demand) -> DeviceArrays | None:
@@ -284,7 +312,7 @@ _FIXED_CACHED = 256
 
 def _explain(
     ledger: Ledger, fit: _Fit, demand: Demand, bad: np.ndarray, out: FilterOutcome, n_ok: np.ndarray,
-    asked: np.ndarray | None = None,
+    asked: np.ndarray | None = None, one: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """A reason for every node in `bad`, in vector form: nodes are sorted into categories
     (0 not a GPU node, 1 no such resource, 2 too few devices, 3 devices too small: unresolvable;
@@ -309,8 +337,12 @@ def _explain(
         if not len(bad):
             return
     n_match, n_big, big_enough = _static_counts(a, fit, demand, kind)
-    with_slot = big_enough & (a.used_replicas < a.replicas)
-    n_slot = _per_node(a, with_slot)
+    if one is not None:  # from _filter_one (k == 1): a free replica on a big-enough device iff largest >= 0
+        with_slot, largest = one
+        n_slot = (largest >= 0).astype(np.int64)
+    else:
+        with_slot = big_enough & (a.used_replicas < a.replicas)
+        n_slot = _per_node(a, with_slot)
     cat = np.select(
         [problem[bad], n_match[bad] == 0, n_match[bad] < k, n_big[bad] < k, n_slot[bad] < k], [0, 1, 2, 3, 4], 5
     )
@@ -347,8 +379,9 @@ def _explain(
     if not mem.any():
         return
     rows = bad[mem]
-    free = (a.capacity - a.used + 1) * with_slot - 1  # free VRAM where a slot is open, else -1
-    largest = _segment_max(free, a.node_start, n_nodes)
+    if one is None:
+        free = (a.capacity - a.used + 1) * with_slot - 1  # free VRAM where a slot is open, else -1
+        largest = _segment_max(free, a.node_start, n_nodes)
     need = demand.bytes_per_gpu
     if fit.shared is not None:
         for r in rows.tolist():
