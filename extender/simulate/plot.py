@@ -34,7 +34,7 @@ def plot_results(results: Sequence[PolicyResult], path: str | Path, title: str =
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         for b, v in zip(bars, values):
-            ax.annotate(f"{v:.3g}" if isinstance(v, float) else str(v), (b.get_x() + b.get_width() / 2, b.get_height()),
+            ax.annotate(f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=7)
     fig.suptitle(title or "vramsched simulate", fontsize=11)
     fig.tight_layout()
