@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand

@@ -147,23 +147,13 @@ class Workload:
     allowed: list[frozenset[str] | None] = field(default_factory=list)
 
     @classmethod
-    def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES, by: str = "pods",
-                     whole_bytes: int | None = None) -> "Workload":
-        """Types weighted by how many pods have them (`by="pods"`, FGD's choice) or by the GPU memory
-        they ask for (`by="memory"`: stranding what big pods need strands more memory). A whole
-        device counts as `whole_bytes` (default: the largest per-GPU request seen)."""
-        demands = list(demands)
-        if whole_bytes is None:
-            whole_bytes = max((d.bytes_per_gpu for d in demands if d.bytes_per_gpu), default=1)
-        counts: Counter = Counter()
-        for d in demands:
-            key = (d.gpu_count, -1 if d.bytes_per_gpu is None else d.bytes_per_gpu, d.cpu_milli, d.memory_bytes, d.resource,
-                   d.allowed_products)
-            if by == "memory":
-                counts[key] += d.gpu_count * (whole_bytes if d.bytes_per_gpu is None else d.bytes_per_gpu)
-            else:
-                counts[key] += 1
-        counts = Counter({k: v for k, v in counts.items() if v > 0})
+    def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> "Workload":
+        """The most common demand types, weighted by how many pods have them (FGD's choice)."""
+        counts: Counter = Counter(
+            (d.gpu_count, -1 if d.bytes_per_gpu is None else d.bytes_per_gpu, d.cpu_milli, d.memory_bytes, d.resource,
+             d.allowed_products)
+            for d in demands
+        )
         top = counts.most_common(max_types)
         if not top:
             top = [((1, -1, 0, 0, "nvidia.com/gpu", None), 1)]

@@ -19,7 +19,7 @@ from extender.cluster import ClusterState
 from extender.demand import DemandError, pod_demand
 from extender.ledger import LedgerError, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload
-from extender.planner.greedy import POLICIES, choose, place_one
+from extender.planner.greedy import choose, place_one
 from extender.simulate.trace import Task
 
 __all__ = ["PolicyResult", "run_policy", "build_capacity", "ALL_POLICIES", "VRAMSCHED_POLICIES"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from extender.demand import Demand, DemandError, PodRef, pod_demand
 from extender.inventory import GPU_RESOURCE
