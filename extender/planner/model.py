@@ -828,14 +828,6 @@ class _Builder:
             bound1 = min(bound1, relax) if relax is not None else float("-inf")
             if name == "OPTIMAL" and bound1 < solver.ObjectiveValue():
                 name = "FEASIBLE"
-        elif name != "OPTIMAL":
-            # CP-SAT's own bound is often weak when pods are left out; the class relaxation is another
-            # valid lower bound, and the larger of two lower bounds is one too
-            relax = self.relaxation_bound(min(0.2, max(0.05, time_limit * 0.1)), num_workers)
-            if relax is not None:
-                bound1 = max(bound1, relax)
-            if bound1 >= solver.ObjectiveValue():
-                name = "OPTIMAL"
         stages.append(StageResult(name, solver.ObjectiveValue(), bound1, solver.WallTime()))
         best1 = int(round(solver.ObjectiveValue()))
         values = self._values(solver)
