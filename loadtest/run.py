@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
+        "results": os.path.relpath(out, ROOT) if out.resolve().is_relative_to(ROOT) else str(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(render(summary))
@@ -294,7 +295,7 @@ def render(s: dict[str, Any]) -> str:
     c = s["cpu_ms_per_cycle"]
     lines.append(f"  CPU ms per cycle: server {c['server']:.2f}, locust {c['locust']:.2f}"
                  + (f", floor server {c['floor_server']:.2f}" if c.get("floor_server") is not None else ""))
-    lines.append("  results: loadtest/results/ (summary.json, *_stats.csv, *.html)")
+    lines.append(f"  results: {s['results']} (summary.json, *_stats.csv, *.html)")
     return "\n".join(lines)
 
 
