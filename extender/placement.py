@@ -168,7 +168,7 @@ def _node_info(ledger: Ledger, a: DeviceArrays) -> tuple[np.ndarray, np.ndarray,
                     (type(d).__name__, d.resource, d.product, d.memory_bytes, d.per_pod_cap_bytes, d.replicas,
                      d.sharing, d.profile) for d in inv.devices))
             kind[r] = kinds.setdefault(sig, len(kinds))
-        info = a.derived["nodes"] = (np.array(a.node_names, dtype=object), kind, problem)
+        info = a.derived["nodes"] = (_node_names(a), kind, problem)
     return info
 
 
@@ -198,6 +198,16 @@ def warm(ledger: Ledger) -> None:
     _node_info(ledger, a)
     for resource in list(a.resources):
         _resource_arrays(ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource))  # type: ignore[arg-type]
+
+
+def _node_names(a: DeviceArrays) -> np.ndarray:
+    """The node names of `a` as an object array (fast fancy indexing), one per arrays: encoders
+    cache per-node fragments by this array's identity. Cheaper than `_node_info` (no kinds)."""
+    names = a.derived.get("names")
+    if names is None:
+        info = a.derived.get("nodes")
+        names = a.derived["names"] = info[0] if info is not None else np.array(a.node_names, dtype=object)
+    return names
 
 
 def _node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
@@ -236,7 +246,7 @@ def _filter_one(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out
     bound): a node fits iff the most free VRAM on a big-enough device with a free replica covers
     the pod. Same answers as counting fitting devices, in half the passes over the devices."""
     a = fit.a
-    names = _node_info(ledger, a)[0]
+    names = _node_names(a)
     with_slot = _static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
     largest = _segment_max((a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names))
     good = largest[rows] >= demand.bytes_per_gpu
@@ -291,7 +301,7 @@ def _resource_arrays(ledger: Ledger, demand: Demand) -> DeviceArrays | None:
 
 def _filter_rows(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
     a = fit.a
-    names = _node_info(ledger, a)[0]
+    names = _node_names(a)
     ok_count = _per_node(a, fit.ok)
     good = ok_count[rows] >= demand.gpu_count
     feasible_rows = rows[good]
