@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8888
 
-.PHONY: run test e2e venv deps control-plane bench-mig clean
+.PHONY: run test e2e venv deps control-plane bench-mig loadtest clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,14 @@ test: venv deps control-plane
 # Only the tests that run against the real control plane (etcd, kube-apiserver, kube-scheduler).
 e2e: venv deps control-plane
 	$(PY) -m pytest -q -p no:cacheprovider -m e2e tests
+
+# Load test: vramsched and a parse-only floor server under the same locust scenario, same run.
+# `make loadtest NODES=1000 DURATION=20s`; results in loadtest/results/ (see docs/performance.md).
+NODES ?= 5000
+DURATION ?= 60s
+USERS ?= 4
+loadtest: venv
+	$(PY) -m loadtest.run --nodes $(NODES) --duration $(DURATION) --users $(USERS)
 
 bench-mig: venv
 	$(PY) benchmarks/mig_geometry.py
