@@ -462,3 +462,40 @@ async def test_an_in_flight_bind_of_an_older_pod_with_the_same_name_is_not_share
     binder.answers.append(BindError("pod no longer exists"))
     binder.gates[0][0].set()
     assert (await first).Error
+
+
+# ----- the checker every test above relies on can fail -------------------------------------------------
+def test_check_cluster_reports_each_kind_of_corruption() -> None:
+    def fresh() -> ClusterState:
+        return make_cluster(gpu_node("a", count=2), gpu_node("b", count=2),
+                            pod("p", "60Gi", node="a", phase="Running", uid="up"),
+                            pod("q", "60Gi", node="a", phase="Running", uid="uq"))
+
+    state = fresh()
+    assert check_cluster(state) == [] and len(list(state.ledger.reservations())) == 2
+    p = state.ledger.reservation("default/p")
+
+    state.ledger.record(Reservation(pod=pod_ref(pod("x", "1Gi", uid="ux")), node="a", device_ids=p.device_ids,
+                                    bytes_per_device=(80 * 2**30,)))
+    found = " ".join(map(str, check_cluster(state)))
+    assert "VRAM oversubscribed" in found and "held by a pod that no longer exists" in found
+
+    state = fresh()
+    state.ledger.release("default/q")
+    assert "bound to a but missing from the ledger" in " ".join(map(str, check_cluster(state)))
+
+    state = fresh()
+    held = state.ledger.release("default/p")
+    state.ledger.record(Reservation(pod=held.pod, node="b", device_ids=("0",), bytes_per_device=held.bytes_per_device))
+    assert "held on b but bound to a" in " ".join(map(str, check_cluster(state)))
+
+    state = fresh()
+    p = state.ledger.reservation("default/p")
+    annotated = pod("p", "60Gi", node="a", phase="Running", uid="up", annotations={
+        "vramsched.io/assignment": orjson.dumps({"node": "a", "devices": list(p.device_ids),
+                                                 "bytesPerDevice": list(p.bytes_per_device)}).decode()})
+    state.pods["default/p"] = annotated  # the API says one thing ...
+    other = "1" if p.device_ids == ("0",) else "0"
+    state.ledger.release("default/p")  # ... the ledger another
+    state.ledger.record(Reservation(pod=p.pod, node="a", device_ids=(other,), bytes_per_device=p.bytes_per_device))
+    assert "assignment says" in " ".join(map(str, check_cluster(state)))
