@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8888
 
-.PHONY: run test e2e venv deps control-plane bench-mig loadtest clean
+.PHONY: run test e2e venv deps control-plane bench-mig loadtest soak clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 # System tools the test suite uses: kubectl (renders deploy/ with kustomize).
 deps:
 	@command -v kubectl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null)
+	@command -v openssl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null)
 
 run: venv
 	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT)
@@ -44,6 +45,10 @@ DURATION ?= 60s
 USERS ?= 4
 loadtest: venv
 	$(PY) -m loadtest.run --nodes $(NODES) --duration $(DURATION) --users $(USERS)
+
+# Soak: 10 minutes of the locust scenario at half the measured maximum rate; RSS growth, failures.
+soak: venv
+	$(PY) -m loadtest.soak
 
 bench-mig: venv
 	$(PY) benchmarks/mig_geometry.py
