@@ -116,6 +116,11 @@ class Ledger:
         #: refresh only what changed since it last looked instead of comparing every node.
         self.touched: list[str] = []
         self.touched_base = 0
+        #: per resource id, per node row: the largest free VRAM on a device of that resource with a
+        #: free replica (see `slot_free`); derived state, built on first use, kept current by
+        #: refreshing the node rows `_apply` marked stale, and verified by `check_invariant`.
+        self._slot_free: dict[int, np.ndarray] = {}
+        self._stale_rows: set[int] = set()
 
     # ----- inventory -------------------------------------------------------------------
     def upsert_node(self, inventory: NodeInventory) -> None:
@@ -290,6 +295,8 @@ class Ledger:
         self._arrays = a
         self._row = {(d.node, d.device_id): i for i, d in enumerate(devices)}
         self._node_row = {name: i for i, name in enumerate(names)}
+        self._slot_free = {}
+        self._stale_rows = set()
         self._dirty = False
         for res in self._reservations.values():
             self._apply(res, +1)
@@ -305,6 +312,8 @@ class Ledger:
             a.used[i] += sign * nbytes
             a.used_replicas[i] += sign
             a.node_used_replicas[a.node_of[i]] += sign
+            if self._slot_free:
+                self._stale_rows.add(int(a.node_of[i]))
 
     def _touch(self, node: str) -> None:
         self.generation += 1
@@ -314,11 +323,62 @@ class Ledger:
             del self.touched[: 1 << 15]
             self.touched_base += 1 << 15
 
+    # ----- per-node summaries ------------------------------------------------------------------
+    def slot_free(self, resource_id: int) -> np.ndarray:
+        """Per node row: the largest `capacity - used` over its devices of `resource_id` that have a
+        free replica, -1 where none has one (the max of `(free + 1) * has_slot - 1` over those
+        devices, -1 for a node without any). Lets filter answer a one-device pod per node
+        (5,000 rows) instead of per device (40,000). Read-only for callers."""
+        a = self.arrays
+        if self._stale_rows:
+            self._refresh_slot_free()
+        s = self._slot_free.get(resource_id)
+        if s is None:
+            s = self._slot_free[resource_id] = slot_free_of(a, resource_id)
+            s.flags.writeable = False
+        return s
+
+    def _refresh_slot_free(self) -> None:
+        """Recompute the summaries of the node rows changed since the last read: O(devices of
+        those nodes), or one vector pass per resource when most nodes changed."""
+        a = self._arrays
+        stale, self._stale_rows = self._stale_rows, set()
+        if len(stale) > 64 and len(stale) * 16 > len(a.node_names):
+            for rid, old in self._slot_free.items():
+                new = slot_free_of(a, rid)
+                new.flags.writeable = False
+                self._slot_free[rid] = new
+            return
+        starts = a.node_start
+        for r in stale:
+            lo, hi = int(starts[r]), int(starts[r + 1])
+            free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * (a.used_replicas[lo:hi] < a.replicas[lo:hi]) - 1
+            best: dict[int, int] = {}
+            for rid, v in zip(a.resource_id[lo:hi].tolist(), free.tolist()):
+                if rid not in best or v > best[rid]:
+                    best[rid] = v
+            for rid, s in self._slot_free.items():
+                s.flags.writeable = True
+                s[r] = best.get(rid, -1)
+                s.flags.writeable = False
+
     # ----- totals ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
         """(allocated, capacity) bytes over every device, for the metrics gauges."""
         a = self.arrays
         return int(a.used.sum()), int(a.capacity.sum())
+
+
+def slot_free_of(a: DeviceArrays, resource_id: int) -> np.ndarray:
+    """`Ledger.slot_free` computed from scratch over every device (the reference it must equal)."""
+    out = np.full(len(a.node_names), -1, np.int64)
+    rows = np.flatnonzero(a.resource_id == resource_id)
+    if len(rows):
+        free = (a.capacity[rows] - a.used[rows] + 1) * (a.used_replicas[rows] < a.replicas[rows]) - 1
+        nodes = a.node_of[rows]
+        first = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]])  # rows of a node are contiguous
+        out[nodes[first]] = np.maximum.reduceat(free, first)
+    return out
 
 
 def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> list[Violation]:
@@ -353,6 +413,11 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
     for i in np.flatnonzero(used_replicas > a.replicas):
         d = a.devices[i]
         out.append(Violation(f"replicas oversubscribed: {int(used_replicas[i])} > {int(a.replicas[i])}", f"{d.node}/GPU {d.device_id}"))
+    for rid, name in {rid: name for name, rid in a.resources.items()}.items():
+        if rid in ledger._slot_free:  # noqa: SLF001 - the invariant checks derived state too
+            bad = np.flatnonzero(ledger.slot_free(rid) != slot_free_of(a, rid))
+            for r in bad.tolist():
+                out.append(Violation(f"stale summary of free {name}", a.node_names[r]))
     if live_pods is not None:
         alive = set(live_pods)
         for key in sorted(seen - alive):

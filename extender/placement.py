@@ -228,27 +228,35 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     if not demand.wants_gpu:
         out.feasible = list(names)
         return out
-    view = _resource_arrays(ledger, demand)
+    view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
+    largest = _one_largest(ledger, view, demand) if one else None
+    if view is not None and largest is None:
+        view = _resource_arrays(ledger, demand)  # the per-device path reads the used columns
     fit = _fit(ledger, demand, view, with_ok=not one)
     rows, unknown = _node_rows(ledger, names)
     for n in unknown:
         out.unresolvable[n] = "node unknown to vramsched"
     if one:
-        _filter_one(ledger, fit, demand, rows, out)
+        _filter_one(ledger, fit, demand, rows, out, largest)
     else:
         _filter_rows(ledger, fit, demand, rows, out)
     return out
 
 
-def _filter_one(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
+def _filter_one(
+    ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome, largest: np.ndarray | None = None,
+) -> None:
     """`_filter_rows` for the commonest pod, one device with declared bytes (no device-plugin
     bound): a node fits iff the most free VRAM on a big-enough device with a free replica covers
-    the pod. Same answers as counting fitting devices, in half the passes over the devices."""
+    the pod. Same answers as counting fitting devices, in half the passes over the devices.
+    `largest` (per node, from `_one_largest`) skips the pass over the devices altogether."""
     a = fit.a
     names = _node_names(a)
-    with_slot = _static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
-    largest = _segment_max((a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names))
+    with_slot = None
+    if largest is None:
+        with_slot = _static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
+        largest = _segment_max((a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names))
     good = largest[rows] >= demand.bytes_per_gpu
     feasible_rows = rows[good]
     out.feasible = names[feasible_rows].tolist()
@@ -260,12 +268,13 @@ def _filter_one(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out
         _explain(ledger, fit, demand, bad, out, np.zeros(len(a.node_names), np.int64), rows, (with_slot, largest))
 
 
-def _resource_arrays(ledger: Ledger, demand: Demand) -> DeviceArrays | None:
+def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True) -> DeviceArrays | None:
     """Only the devices of the demand's resource (all nodes kept, in order), or None for all.
 
     A pod asking for `nvidia.com/gpu` never looks at MIG slices: on a mixed fleet this makes
     every vector op of filter/prioritize several times shorter. The static columns are cut once
     per inventory; the two that change (used bytes and replicas) are gathered per call.
+    `used=False` skips that gather: the view's used columns are then stale and must not be read.
     Not used when the device plugin's node-level bound applies (it needs every row).
     """
     a = ledger.arrays
@@ -292,11 +301,48 @@ def _resource_arrays(ledger: Ledger, demand: Demand) -> DeviceArrays | None:
     idx, static = view
     if idx is None:
         return None
+    if not used:
+        return static
     current = static.derived.get("current")  # unchanged ledger since the last call: same view
     if current is None or current[0] != ledger.generation:
         current = static.derived["current"] = (
             ledger.generation, replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx]))
     return current[1]
+
+
+def _one_largest(ledger: Ledger, a: DeviceArrays, demand: Demand) -> np.ndarray | None:
+    """What `_filter_one` computes per device, from the ledger's per-node summary instead: per
+    node of the resource view `a`, the most free VRAM on a big-enough allowed device with a free
+    replica (-1 when none). Exact when every node's devices of the resource share one per-pod
+    cap and one product (then "big enough" and "allowed" are per node); None otherwise."""
+    uniform = a.derived.get("uniform")
+    if uniform is None:
+        n = len(a.node_names)
+        cap, prod = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        s = a.node_start[:-1]
+        ne = a.node_start[1:] > s
+        same = True
+        if ne.any():
+            for col, dst in ((a.per_pod_cap, cap), (a.product_id.astype(np.int64), prod)):
+                hi, lo = np.maximum.reduceat(col, s[ne]), np.minimum.reduceat(col, s[ne])
+                same = same and bool((hi == lo).all())
+                dst[ne] = hi
+        uniform = a.derived["uniform"] = (cap, prod) if same else False
+    if uniform is False or len(a.resource_id) == 0:
+        return None
+    cache = a.derived.setdefault("one_ok", {})
+    key = (demand.bytes_per_gpu, demand.allowed_products)
+    ok = cache.get(key)
+    if ok is None:
+        if len(cache) >= _STATIC_COUNTS_CACHED:
+            cache.clear()
+        cap, prod = uniform
+        ok = cap >= demand.bytes_per_gpu
+        if demand.allowed_products is not None:
+            allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
+            ok &= np.isin(prod, np.asarray(allowed, np.int64))
+        ok = cache[key] = ok
+    return np.where(ok, ledger.slot_free(int(a.resource_id[0])), -1)
 
 
 def _filter_rows(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:

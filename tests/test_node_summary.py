@@ -1,0 +1,249 @@
+"""The ledger's per-node summaries and filter's fast path that reads them.
+
+Randomized (seeded) clusters of every kind of GPU node, random reservation histories (reserve,
+release, record even when it overcommits, node relabelled) and random pods: filter must give
+exactly what the straightforward per-device computation gives, and the summaries must always
+equal a recomputation from scratch (`check_invariant` verifies that too).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from builders import H100_80, A100_80, cluster, gpu_node, mig_mixed_node, mig_single_node, pod
+
+from extender.demand import Demand, pod_demand
+from extender.inventory import node_inventory
+from extender.ledger import LedgerError, Reservation, check_invariant, slot_free_of
+from extender import placement
+from extender.placement import (
+    FilterOutcome,
+    _filter_one,
+    _filter_rows,
+    _fit,
+    _node_rows,
+    _resource_arrays,
+    choose_devices,
+    filter_nodes,
+)
+from extender.placement import _one_largest as one_largest
+
+GIB = 1 << 30
+RESOURCES = ["nvidia.com/gpu"] * 5 + ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"]
+
+
+def _random_node(rng: random.Random, name: str) -> dict:
+    product = rng.choice([A100_80, H100_80, "NVIDIA-L4"])
+    kind = rng.choice(["exclusive", "time-slicing", "mps", "mig-mixed", "mig-single", "cpu"])
+    if kind == "exclusive":
+        return gpu_node(name, count=rng.randint(1, 8), memory_mib=rng.choice([24576, 40960, 81920]), product=product)
+    if kind == "time-slicing":
+        return gpu_node(name, count=rng.randint(1, 8), replicas=rng.randint(2, 10), product=product)
+    if kind == "mps":
+        return gpu_node(name, count=rng.randint(1, 4), replicas=rng.randint(2, 4), strategy="mps", product=product)
+    if kind == "mig-mixed":
+        profiles = {"1g.10gb": (rng.randint(1, 7), 9984), "2g.20gb": (rng.randint(0, 2), 19968), "3g.40gb": (rng.randint(0, 2), 40192)}
+        return mig_mixed_node(name, {p: v for p, v in profiles.items() if v[0]}, gpus=rng.randint(1, 4), product=product)
+    if kind == "mig-single":
+        return mig_single_node(name, "1g.10gb", slices=rng.randint(1, 14), memory_mib=9984, product=product)
+    return {"kind": "Node", "metadata": {"name": name, "labels": {}}, "status": {"allocatable": {"cpu": "8", "memory": "32Gi"}}}
+
+
+def _random_pod(rng: random.Random, name: str) -> dict:
+    resource = rng.choice(RESOURCES)
+    gpus = 1 if "mig" in resource or rng.random() < 0.6 else rng.randint(2, 8)
+    memory = rng.choice([None, f"{rng.randint(1, 90)}Gi", f"{rng.randint(500, 90000)}Mi", "10Gi", "40Gi"])
+    annotations = {}
+    if rng.random() < 0.25:
+        annotations["vramsched.io/gpu-products"] = ",".join(rng.sample([A100_80, H100_80, "NVIDIA-L4", "NVIDIA-B200"], rng.randint(1, 2)))
+    return pod(name, memory, gpus=gpus, resource=resource, annotations=annotations)
+
+
+def _reference(ledger, demand: Demand, names: list[str]) -> FilterOutcome:
+    """filter as it was before the summaries: per device, over the current used columns.
+
+    (A one-device pod with declared bytes went through `_filter_one`, which words an
+    overcommitted GPU with a free replica as "all GPU replicas in use" where `_filter_rows`
+    says "largest free -2Gi": kept as it was, both are compared against their own path.)
+    """
+    out = FilterOutcome()
+    view = _resource_arrays(ledger, demand)
+    one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
+    fit = _fit(ledger, demand, view, with_ok=not one)
+    rows, unknown = _node_rows(ledger, names)
+    for n in unknown:
+        out.unresolvable[n] = "node unknown to vramsched"
+    if one:
+        _filter_one(ledger, fit, demand, rows, out, None)
+    else:
+        _filter_rows(ledger, fit, demand, rows, out)
+    return out
+
+
+def _feasible_by_hand(ledger, demand: Demand, names: list[str]) -> list[str]:
+    """The definition, device by device in plain Python."""
+    a = ledger.arrays
+    out = []
+    for name in names:
+        r = ledger.node_row(name)
+        if r is None:
+            continue
+        fitting = 0
+        for i in range(int(a.node_start[r]), int(a.node_start[r + 1])):
+            d = a.devices[i]
+            need = d.per_pod_cap_bytes if demand.bytes_per_gpu is None else demand.bytes_per_gpu
+            product_ok = demand.allowed_products is None or d.product.removesuffix("-SHARED") in demand.allowed_products \
+                or d.product in demand.allowed_products
+            if (d.resource == demand.resource and product_ok and d.per_pod_cap_bytes >= need
+                    and a.used_replicas[i] < a.replicas[i] and a.capacity[i] - a.used[i] >= need):
+                fitting += 1
+        if fitting >= demand.gpu_count:
+            out.append(name)
+    return out
+
+
+def _broken(ledger) -> list:
+    """check_invariant without what the history may legitimately leave: a pod `record`ed overcommitted,
+    a pod on a device that a relabel removed."""
+    return [v for v in check_invariant(ledger) if "oversubscribed" not in v.what and "missing device" not in v.what]
+
+
+def _random_step(rng: random.Random, c, names: list[str], step: int) -> None:
+    ledger = c.ledger
+    roll = rng.random()
+    held = [r.key for r in ledger.reservations()]
+    if roll < 0.5:
+        demand = pod_demand(_random_pod(rng, f"r{step}"))
+        node = rng.choice(names)
+        res = choose_devices(ledger, demand, node)
+        if isinstance(res, Reservation):
+            ledger.reserve(res)
+    elif roll < 0.7 and held:
+        ledger.release(rng.choice(held))
+    elif roll < 0.85:  # a pod that runs there already, even if it overcommits the device
+        node = rng.choice(names)
+        inv = ledger.node(node)
+        if inv is not None and inv.devices:
+            devs = rng.sample(inv.devices, rng.randint(1, min(2, len(inv.devices))))
+            demand = pod_demand(pod(f"rec{step}"))
+            ledger.record(Reservation(pod=demand.pod, node=node, device_ids=tuple(d.device_id for d in devs),
+                                      bytes_per_device=tuple(rng.randint(0, 90) * GIB for _ in devs)))
+    elif roll < 0.9:  # relabel a node: the arrays (and summaries) are rebuilt
+        c.ledger.upsert_node(node_inventory(_random_node(rng, rng.choice(names))))
+    else:
+        demand = pod_demand(_random_pod(rng, f"x{step}"))
+        node = rng.choice(names)
+        res = choose_devices(ledger, demand, node)
+        if isinstance(res, Reservation):
+            ledger.reserve(res)
+            with pytest.raises(LedgerError):
+                ledger.reserve(Reservation(pod=pod_demand(pod(f"y{step}")).pod, node=node, device_ids=res.device_ids * 2,
+                                           bytes_per_device=res.bytes_per_device * 2))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    used = []
+
+    def spy(*args):
+        largest = one_largest(*args)
+        used.append(largest is not None)
+        return largest
+
+    monkeypatch.setattr(placement, "_one_largest", spy)
+    rng = random.Random(seed)
+    n_nodes = rng.randint(3, 30)
+    names = [f"n{i}" for i in range(n_nodes)] + ["mig"]  # one MIG node at least: per-resource views exist
+    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    asked = names + ["ghost"]
+    for step in range(60):
+        _random_step(rng, c, names, step)
+        assert _broken(c.ledger) == [], step
+        for j in range(4):
+            demand = pod_demand(_random_pod(rng, f"q{step}-{j}"))
+            subset = asked if j % 2 else rng.sample(asked, rng.randint(0, len(asked)))
+            got = filter_nodes(c.ledger, demand, subset)
+            want = _reference(c.ledger, demand, subset)
+            assert got.feasible == want.feasible, (step, demand)
+            assert got.failed == want.failed, (step, demand)
+            assert got.unresolvable == want.unresolvable, (step, demand)
+            assert got.feasible == _feasible_by_hand(c.ledger, demand, subset)
+    assert any(used)  # the fast path was taken (and compared)
+
+
+def test_summary_follows_every_change_and_invariant_catches_a_stale_one() -> None:
+    rng = random.Random(42)
+    names = [f"n{i}" for i in range(12)]
+    c = cluster(*[gpu_node(n, count=4, replicas=rng.randint(1, 4)) for n in names],
+                mig_mixed_node("m", {"1g.10gb": (3, 9984), "3g.40gb": (1, 40192)}))
+    ledger = c.ledger
+    rids = list(ledger.arrays.resources.values())
+    for rid in rids:
+        ledger.slot_free(rid)  # built: from now on kept current by the changes
+    for step in range(80):
+        _random_step(rng, c, names + ["m"], step)
+        a = ledger.arrays
+        for rid in a.resources.values():
+            assert np.array_equal(ledger.slot_free(rid), slot_free_of(a, rid)), step
+    assert _broken(ledger) == []
+    rid = ledger.arrays.resources["nvidia.com/gpu"]
+    stale = ledger.slot_free(rid)
+    stale.flags.writeable = True
+    stale[0] += 1  # what a missed update would leave behind
+    assert [v.what for v in _broken(ledger)] == ["stale summary of free nvidia.com/gpu"]
+
+
+def test_a_full_gpu_reads_as_no_free_replica_and_an_overcommitted_one_as_negative() -> None:
+    c = cluster(gpu_node("a", count=2, replicas=2, memory_mib=10240))
+    ledger = c.ledger
+    rid = ledger.arrays.resources["nvidia.com/gpu"]
+    assert ledger.slot_free(rid).tolist() == [10 * GIB]
+    p1, p2, p3 = (pod_demand(pod(f"p{i}")).pod for i in range(3))
+    ledger.reserve(Reservation(pod=p1, node="a", device_ids=("0",), bytes_per_device=(4 * GIB,)))
+    ledger.reserve(Reservation(pod=p2, node="a", device_ids=("0",), bytes_per_device=(4 * GIB,)))
+    assert ledger.slot_free(rid).tolist() == [10 * GIB]  # GPU 0 has no replica left, GPU 1 is empty
+    ledger.record(Reservation(pod=p3, node="a", device_ids=("1",), bytes_per_device=(12 * GIB,)))
+    # GPU 1 has a replica left but is 2 GiB overcommitted (-2 GiB); GPU 0 has none (-1): the max is -1
+    assert ledger.slot_free(rid).tolist() == [-1]
+    ledger.release(p1.key)
+    assert ledger.slot_free(rid).tolist() == [6 * GIB]  # GPU 0 has a replica again, 6 GiB free
+    ledger.reserve(Reservation(pod=p1, node="a", device_ids=("0",), bytes_per_device=(4 * GIB,)))
+    demand = pod_demand(pod("q", "1Gi"))
+    out = filter_nodes(ledger, demand, ["a"])
+    assert out.feasible == [] and out.failed == _reference(ledger, demand, ["a"]).failed
+    ledger.release(p2.key)
+    assert ledger.slot_free(rid).tolist() == [6 * GIB]
+    assert filter_nodes(ledger, demand, ["a"]).feasible == ["a"]
+    assert [v.what for v in check_invariant(ledger)] == ["VRAM oversubscribed: 12884901888 > 10737418240"]
+
+
+def test_summary_after_most_nodes_changed_at_once() -> None:
+    """More than 64 nodes changed between two reads: recomputed in one pass, same result."""
+    names = [f"n{i}" for i in range(100)]
+    c = cluster(*[gpu_node(n, count=2, replicas=2, memory_mib=10240) for n in names])
+    ledger = c.ledger
+    rid = ledger.arrays.resources["nvidia.com/gpu"]
+    before = ledger.slot_free(rid).copy()
+    for i, n in enumerate(names[:90]):
+        ledger.record(Reservation(pod=pod_demand(pod(f"p{i}")).pod, node=n, device_ids=("0", "1"),
+                                  bytes_per_device=(i * GIB // 8, i * GIB // 4)))
+    after = ledger.slot_free(rid)
+    assert np.array_equal(after, slot_free_of(ledger.arrays, rid))
+    assert (after[90:] == before[90:]).all()
+    assert after[:90].tolist() == [10 * GIB - i * GIB // 8 for i in range(90)]  # GPU 0 has the most left
+    ledger.record(Reservation(pod=pod_demand(pod("q")).pod, node="n0", device_ids=("0",), bytes_per_device=(11 * GIB,)))
+    assert ledger.slot_free(rid)[0] == 10 * GIB  # GPU 1: 1 replica left, 10 GiB free; GPU 0: none left
+    assert _broken(ledger) == []
+
+
+def test_a_lone_overcommitted_gpu_with_a_free_replica_reads_negative() -> None:
+    c = cluster(gpu_node("b", count=1, replicas=2, memory_mib=10240), mig_mixed_node("m", {"1g.10gb": (1, 9984)}))
+    ledger = c.ledger
+    rid = ledger.arrays.resources["nvidia.com/gpu"]
+    ledger.slot_free(rid)
+    ledger.record(Reservation(pod=pod_demand(pod("p")).pod, node="b", device_ids=("0",), bytes_per_device=(12 * GIB,)))
+    assert ledger.slot_free(rid).tolist() == [-2 * GIB, -1]
+    demand = pod_demand(pod("q", "1Gi"))
+    assert filter_nodes(ledger, demand, ["b", "m"]).failed == _reference(ledger, demand, ["b", "m"]).failed
