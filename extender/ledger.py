@@ -20,7 +20,7 @@ import numpy as np
 from extender.demand import PodRef
 from extender.inventory import Device, NodeInventory
 
-__all__ = ["Reservation", "Ledger", "LedgerError", "DeviceArrays", "Violation", "check_invariant"]
+__all__ = ["Reservation", "Ledger", "LedgerError", "DeviceArrays", "NodeSummary", "Violation", "check_invariant"]
 
 
 class LedgerError(Exception):
@@ -116,10 +116,10 @@ class Ledger:
         #: refresh only what changed since it last looked instead of comparing every node.
         self.touched: list[str] = []
         self.touched_base = 0
-        #: per resource id, per node row: the largest free VRAM on a device of that resource with a
-        #: free replica (see `slot_free`); derived state, built on first use, kept current by
-        #: refreshing the node rows `_apply` marked stale, and verified by `check_invariant`.
-        self._slot_free: dict[int, np.ndarray] = {}
+        #: per resource id, per node row: free VRAM of its devices of that resource, largest first,
+        #: and how many have a free replica (see `NodeSummary`); derived state, built on first use,
+        #: kept current by refreshing the node rows `_apply` marked stale, verified by `check_invariant`.
+        self._summaries: dict[int, NodeSummary] = {}
         self._stale_rows: set[int] = set()
 
     # ----- inventory -------------------------------------------------------------------
@@ -295,7 +295,7 @@ class Ledger:
         self._arrays = a
         self._row = {(d.node, d.device_id): i for i, d in enumerate(devices)}
         self._node_row = {name: i for i, name in enumerate(names)}
-        self._slot_free = {}
+        self._summaries = {}
         self._stale_rows = set()
         self._dirty = False
         for res in self._reservations.values():
@@ -312,7 +312,7 @@ class Ledger:
             a.used[i] += sign * nbytes
             a.used_replicas[i] += sign
             a.node_used_replicas[a.node_of[i]] += sign
-            if self._slot_free:
+            if self._summaries:
                 self._stale_rows.add(int(a.node_of[i]))
 
     def _touch(self, node: str) -> None:
@@ -324,61 +324,107 @@ class Ledger:
             self.touched_base += 1 << 15
 
     # ----- per-node summaries ------------------------------------------------------------------
-    def slot_free(self, resource_id: int) -> np.ndarray:
-        """Per node row: the largest `capacity - used` over its devices of `resource_id` that have a
-        free replica, -1 where none has one (the max of `(free + 1) * has_slot - 1` over those
-        devices, -1 for a node without any). Lets filter answer a one-device pod per node
-        (5,000 rows) instead of per device (40,000). Read-only for callers."""
+    def summary(self, resource_id: int) -> "NodeSummary":
+        """Per node row, its devices of `resource_id` as filter sees them (see `NodeSummary`), so
+        filter works per node (5,000 rows) instead of per device (40,000). Read-only for callers."""
         a = self.arrays
         if self._stale_rows:
-            self._refresh_slot_free()
-        s = self._slot_free.get(resource_id)
+            self._refresh_summaries()
+        s = self._summaries.get(resource_id)
         if s is None:
-            s = self._slot_free[resource_id] = slot_free_of(a, resource_id)
-            s.flags.writeable = False
+            s = self._summaries[resource_id] = summary_of(a, resource_id)
         return s
 
-    def _refresh_slot_free(self) -> None:
+    def slot_free(self, resource_id: int) -> np.ndarray:
+        """Per node row: the largest free VRAM on a device of `resource_id` with a free replica,
+        -1 where none has one (the max of `(free + 1) * has_slot - 1` over those devices)."""
+        return self.summary(resource_id).largest
+
+    def _refresh_summaries(self) -> None:
         """Recompute the summaries of the node rows changed since the last read: O(devices of
-        those nodes), or one vector pass per resource when most nodes changed."""
+        those nodes), or one vector pass per resource when many nodes changed."""
         a = self._arrays
         stale, self._stale_rows = self._stale_rows, set()
         if len(stale) > 64 and len(stale) * 16 > len(a.node_names):
-            for rid, old in self._slot_free.items():
-                new = slot_free_of(a, rid)
-                new.flags.writeable = False
-                self._slot_free[rid] = new
+            for rid in list(self._summaries):
+                self._summaries[rid] = summary_of(a, rid)
             return
         starts = a.node_start
         for r in stale:
             lo, hi = int(starts[r]), int(starts[r + 1])
-            free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * (a.used_replicas[lo:hi] < a.replicas[lo:hi]) - 1
-            best: dict[int, int] = {}
-            for rid, v in zip(a.resource_id[lo:hi].tolist(), free.tolist()):
-                if rid not in best or v > best[rid]:
-                    best[rid] = v
-            for rid, s in self._slot_free.items():
-                s.flags.writeable = True
-                s[r] = best.get(rid, -1)
-                s.flags.writeable = False
+            has_slot = a.used_replicas[lo:hi] < a.replicas[lo:hi]
+            free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * has_slot - 1
+            rids = a.resource_id[lo:hi]
+            for rid, s in self._summaries.items():
+                mine = rids == rid
+                s._set(r, np.sort(free[mine])[::-1], int(np.count_nonzero(has_slot & mine)))
 
-    # ----- totals ---------------------------------------------------------------------------
+    # ----- totals ----    # ----- totals ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
         """(allocated, capacity) bytes over every device, for the metrics gauges."""
         a = self.arrays
         return int(a.used.sum()), int(a.capacity.sum())
 
 
-def slot_free_of(a: DeviceArrays, resource_id: int) -> np.ndarray:
-    """`Ledger.slot_free` computed from scratch over every device (the reference it must equal)."""
-    out = np.full(len(a.node_names), -1, np.int64)
+_PAD = np.int64(-(1 << 62))  # "no such device" in NodeSummary.top: below any real free VRAM
+
+
+@dataclass(slots=True)
+class NodeSummary:
+    """One resource's devices per node row, as filter needs them.
+
+    `top[r]`: `(free + 1) * has_slot - 1` of node r's devices of the resource (free VRAM where a
+    replica is free, -1 or below where not), largest first, padded with `_PAD`; so a node has k
+    devices with `need` bytes and a free replica iff `top[r, k - 1] >= need`. `slots[r]`: how
+    many of them have a free replica. `largest`: `top[:, 0]`, -1 for a node without any.
+    """
+
+    top: np.ndarray
+    slots: np.ndarray
+    largest: np.ndarray
+
+    def _set(self, r: int, values: np.ndarray, slots: int) -> None:
+        for arr in (self.top, self.slots, self.largest):
+            arr.flags.writeable = True
+        self.top[r] = _PAD
+        self.top[r, : len(values)] = values
+        self.slots[r] = slots
+        self.largest[r] = values[0] if len(values) else -1
+        for arr in (self.top, self.slots, self.largest):
+            arr.flags.writeable = False
+
+    def same_as(self, other: "NodeSummary") -> np.ndarray:
+        """Node rows where the two differ."""
+        return np.flatnonzero((self.top != other.top).any(axis=1) | (self.slots != other.slots) | (self.largest != other.largest))
+
+
+def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
+    """`Ledger.summary` computed from scratch over every device (the reference it must equal)."""
+    n = len(a.node_names)
     rows = np.flatnonzero(a.resource_id == resource_id)
+    nodes = a.node_of[rows].astype(np.int64)
+    width = int(np.bincount(nodes).max()) if len(rows) else 0
+    top = np.full((n, width), _PAD, np.int64)
+    slots = np.zeros(n, np.int64)
     if len(rows):
-        free = (a.capacity[rows] - a.used[rows] + 1) * (a.used_replicas[rows] < a.replicas[rows]) - 1
-        nodes = a.node_of[rows]
-        first = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]])  # rows of a node are contiguous
-        out[nodes[first]] = np.maximum.reduceat(free, first)
-    return out
+        has_slot = a.used_replicas[rows] < a.replicas[rows]
+        free = (a.capacity[rows] - a.used[rows] + 1) * has_slot - 1
+        order = np.lexsort((-free, nodes))  # by node, largest first
+        nodes, free = nodes[order], free[order]
+        first = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]])
+        rank = np.arange(len(nodes)) - np.repeat(first, np.diff(np.r_[first, len(nodes)]))
+        top[nodes, rank] = free
+        np.add.at(slots, a.node_of[rows], has_slot)
+    largest = top[:, 0].copy() if width else np.full(n, -1, np.int64)
+    largest[largest == _PAD] = -1
+    for arr in (top, slots, largest):
+        arr.flags.writeable = False
+    return NodeSummary(top, slots, largest)
+
+
+def slot_free_of(a: DeviceArrays, resource_id: int) -> np.ndarray:
+    """`Ledger.slot_free` computed from scratch over every device."""
+    return summary_of(a, resource_id).largest
 
 
 def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> list[Violation]:
@@ -414,9 +460,8 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
         d = a.devices[i]
         out.append(Violation(f"replicas oversubscribed: {int(used_replicas[i])} > {int(a.replicas[i])}", f"{d.node}/GPU {d.device_id}"))
     for rid, name in {rid: name for name, rid in a.resources.items()}.items():
-        if rid in ledger._slot_free:  # noqa: SLF001 - the invariant checks derived state too
-            bad = np.flatnonzero(ledger.slot_free(rid) != slot_free_of(a, rid))
-            for r in bad.tolist():
+        if rid in ledger._summaries:  # noqa: SLF001 - the invariant checks derived state too
+            for r in ledger.summary(rid).same_as(summary_of(a, rid)).tolist():
                 out.append(Violation(f"stale summary of free {name}", a.node_names[r]))
     if live_pods is not None:
         alive = set(live_pods)

@@ -17,7 +17,7 @@ import numpy as np
 from extender.demand import Demand
 from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, shared_fit
 from extender.inventory import MigSlice
-from extender.ledger import DeviceArrays, Ledger, Reservation
+from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation
 from extender.quantity import format_bytes
 
 __all__ = [
@@ -231,14 +231,17 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
     largest = _one_largest(ledger, view, demand) if one else None
-    if view is not None and largest is None:
+    by_node = _node_fit(ledger, view, demand) if view is not None and not one else None
+    if view is not None and largest is None and by_node is None:
         view = _resource_arrays(ledger, demand)  # the per-device path reads the used columns
-    fit = _fit(ledger, demand, view, with_ok=not one)
+    fit = _fit(ledger, demand, view, with_ok=not one and by_node is None)
     rows, unknown = _node_rows(ledger, names)
     for n in unknown:
         out.unresolvable[n] = "node unknown to vramsched"
     if one:
         _filter_one(ledger, fit, demand, rows, out, largest)
+    elif by_node is not None:
+        _filter_summary(ledger, fit, demand, rows, out, *by_node)
     else:
         _filter_rows(ledger, fit, demand, rows, out)
     return out
@@ -310,11 +313,10 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True) -> Devic
     return current[1]
 
 
-def _one_largest(ledger: Ledger, a: DeviceArrays, demand: Demand) -> np.ndarray | None:
-    """What `_filter_one` computes per device, from the ledger's per-node summary instead: per
-    node of the resource view `a`, the most free VRAM on a big-enough allowed device with a free
-    replica (-1 when none). Exact when every node's devices of the resource share one per-pod
-    cap and one product (then "big enough" and "allowed" are per node); None otherwise."""
+def _uniform(a: DeviceArrays) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per node of the resource view `a`: the per-pod cap and product id its devices all share
+    (-1 for a node without any), or None when some node mixes caps or products (then the
+    per-node summaries cannot stand for its devices). Labels only: cached with `a`."""
     uniform = a.derived.get("uniform")
     if uniform is None:
         n = len(a.node_names)
@@ -327,22 +329,79 @@ def _one_largest(ledger: Ledger, a: DeviceArrays, demand: Demand) -> np.ndarray 
                 hi, lo = np.maximum.reduceat(col, s[ne]), np.minimum.reduceat(col, s[ne])
                 same = same and bool((hi == lo).all())
                 dst[ne] = hi
-        uniform = a.derived["uniform"] = (cap, prod) if same else False
-    if uniform is False or len(a.resource_id) == 0:
+        uniform = a.derived["uniform"] = (cap, prod) if same and len(a.resource_id) else False
+    return uniform or None
+
+
+def _node_ok(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per node of `a`: its devices are big enough and of an allowed product (all or none of
+    them, see `_uniform`), and the bytes the pod needs on each. Labels only: cached per demand."""
+    uniform = _uniform(a)
+    if uniform is None:
         return None
-    cache = a.derived.setdefault("one_ok", {})
+    cache = a.derived.setdefault("node_ok", {})
     key = (demand.bytes_per_gpu, demand.allowed_products)
-    ok = cache.get(key)
-    if ok is None:
+    hit = cache.get(key)
+    if hit is None:
         if len(cache) >= _STATIC_COUNTS_CACHED:
             cache.clear()
         cap, prod = uniform
-        ok = cap >= demand.bytes_per_gpu
+        if demand.bytes_per_gpu is None:  # a whole device: its per-pod cap, which it always has
+            need, ok = cap, cap >= 0
+        else:
+            need = np.full(len(cap), demand.bytes_per_gpu, np.int64)
+            ok = cap >= demand.bytes_per_gpu
         if demand.allowed_products is not None:
             allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
             ok &= np.isin(prod, np.asarray(allowed, np.int64))
-        ok = cache[key] = ok
-    return np.where(ok, ledger.slot_free(int(a.resource_id[0])), -1)
+        hit = cache[key] = (ok, need)
+    return hit
+
+
+def _one_largest(ledger: Ledger, a: DeviceArrays, demand: Demand) -> np.ndarray | None:
+    """What `_filter_one` computes per device, from the ledger's per-node summary instead: per
+    node of the resource view `a`, the most free VRAM on a big-enough allowed device with a free
+    replica (-1 when none). None when the summary cannot stand for the devices (`_uniform`)."""
+    hit = _node_ok(a, demand)
+    if hit is None:
+        return None
+    return np.where(hit[0], ledger.slot_free(int(a.resource_id[0])), -1)
+
+
+def _node_fit(ledger: Ledger, a: DeviceArrays, demand: Demand) -> tuple | None:
+    """(node ok, bytes needed per node, the ledger's summary) for `_filter_summary`, or None."""
+    hit = _node_ok(a, demand)
+    if hit is None:
+        return None
+    return hit[0], hit[1], ledger.summary(int(a.resource_id[0]))
+
+
+def _filter_summary(
+    ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome,
+    ok: np.ndarray, need: np.ndarray, summary: NodeSummary,
+) -> None:
+    """`_filter_rows` from the ledger's per-node summary (any GPU count, declared or whole
+    devices): a node has k fitting devices iff its k-th largest free VRAM with a free replica
+    covers the pod. Same answers and reasons, one pass over the nodes instead of the devices."""
+    a = fit.a
+    names = _node_names(a)
+    k = demand.gpu_count
+    top = summary.top
+    if k <= top.shape[1]:
+        good = ok[rows] & (top[rows, k - 1] >= need[rows])
+    else:
+        good = np.zeros(len(rows), bool)
+    feasible_rows = rows[good]
+    out.feasible = names[feasible_rows].tolist()
+    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
+        _remember_rows(ledger, list(out.feasible), feasible_rows, [])  # prioritize will send this list
+    bad = rows[~good]
+    if len(bad):
+        n_ok = np.zeros(len(a.node_names), np.int64)
+        n_ok[bad] = ok[bad] * (top[bad] >= need[bad, None]).sum(axis=1)
+        n_slot = np.where(ok, summary.slots, 0)
+        largest = np.where(ok, summary.largest, -1)
+        _explain(ledger, fit, demand, bad, out, n_ok, rows, None, (n_slot, largest))
 
 
 def _filter_rows(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
@@ -369,6 +428,7 @@ _FIXED_CACHED = 256
 def _explain(
     ledger: Ledger, fit: _Fit, demand: Demand, bad: np.ndarray, out: FilterOutcome, n_ok: np.ndarray,
     asked: np.ndarray | None = None, one: tuple[np.ndarray, np.ndarray] | None = None,
+    summary: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """A reason for every node in `bad`, in vector form: nodes are sorted into categories
     (0 not a GPU node, 1 no such resource, 2 too few devices, 3 devices too small: unresolvable;
@@ -396,6 +456,8 @@ def _explain(
     if one is not None:  # from _filter_one (k == 1): a free replica on a big-enough device iff largest >= 0
         with_slot, largest = one
         n_slot = (largest >= 0).astype(np.int64)
+    elif summary is not None:  # from _filter_summary: per node, devices with a free replica and largest free
+        n_slot, largest = summary
     else:
         with_slot = big_enough & (a.used_replicas < a.replicas)
         n_slot = _per_node(a, with_slot)
@@ -435,7 +497,7 @@ def _explain(
     if not mem.any():
         return
     rows = bad[mem]
-    if one is None:
+    if one is None and summary is None:
         free = (a.capacity - a.used + 1) * with_slot - 1  # free VRAM where a slot is open, else -1
         largest = _segment_max(free, a.node_start, n_nodes)
     need = demand.bytes_per_gpu

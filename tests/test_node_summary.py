@@ -28,7 +28,6 @@ from extender.placement import (
     choose_devices,
     filter_nodes,
 )
-from extender.placement import _one_largest as one_largest
 
 GIB = 1 << 30
 RESOURCES = ["nvidia.com/gpu"] * 5 + ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"]
@@ -145,14 +144,18 @@ def _random_step(rng: random.Random, c, names: list[str], step: int) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    used = []
+    used: list[str] = []
 
-    def spy(*args):
-        largest = one_largest(*args)
-        used.append(largest is not None)
-        return largest
+    def spy(real):
+        def call(*args):
+            got = real(*args)
+            if got is not None:
+                used.append(real.__name__)
+            return got
+        return call
 
-    monkeypatch.setattr(placement, "_one_largest", spy)
+    monkeypatch.setattr(placement, "_one_largest", spy(placement._one_largest))
+    monkeypatch.setattr(placement, "_node_fit", spy(placement._node_fit))
     rng = random.Random(seed)
     n_nodes = rng.randint(3, 30)
     names = [f"n{i}" for i in range(n_nodes)] + ["mig"]  # one MIG node at least: per-resource views exist
@@ -170,7 +173,7 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
             assert got.failed == want.failed, (step, demand)
             assert got.unresolvable == want.unresolvable, (step, demand)
             assert got.feasible == _feasible_by_hand(c.ledger, demand, subset)
-    assert any(used)  # the fast path was taken (and compared)
+    assert {"_one_largest", "_node_fit"} <= set(used)  # both fast paths were taken (and compared)
 
 
 def test_summary_follows_every_change_and_invariant_catches_a_stale_one() -> None:
