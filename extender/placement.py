@@ -398,7 +398,8 @@ def _filter_summary(
     bad = rows[~good]
     if len(bad):
         n_ok = np.zeros(len(a.node_names), np.int64)
-        n_ok[bad] = ok[bad] * (top[bad] >= need[bad, None]).sum(axis=1)
+        open_ = bad[ok[bad]]  # the others fail on labels (categories 0..3), which never read n_ok
+        n_ok[open_] = (top[open_] >= need[open_, None]).sum(axis=1)
         n_slot = np.where(ok, summary.slots, 0)
         largest = np.where(ok, summary.largest, -1)
         _explain(ledger, fit, demand, bad, out, n_ok, rows, None, (n_slot, largest))
