@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8888
 
-.PHONY: run test e2e venv deps control-plane bench-mig loadtest soak clean
+.PHONY: run test e2e venv deps control-plane bench-mig bench-packing bench-planner loadtest soak clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,14 @@ soak: venv
 
 bench-mig: venv
 	$(PY) benchmarks/mig_geometry.py
+
+# Alibaba GPU-sharing trace replay, every policy (about 15 minutes on 2 cores); docs/packing.md.
+bench-packing: venv
+	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25
+
+# CP-SAT batch planner: 500 pending pods on 100..5,000 nodes x 8 GPUs.
+bench-planner: venv
+	$(PY) benchmarks/planner_scaling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
