@@ -353,11 +353,13 @@ class Ledger:
         for r in stale:
             lo, hi = int(starts[r]), int(starts[r + 1])
             has_slot = a.used_replicas[lo:hi] < a.replicas[lo:hi]
+            idle = a.used_replicas[lo:hi] == 0
             free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * has_slot - 1
             rids = a.resource_id[lo:hi]
             for rid, s in self._summaries.items():
                 mine = rids == rid
-                s._set(r, np.sort(free[mine])[::-1], int(np.count_nonzero(has_slot & mine)))
+                s._set(r, free[mine], int(np.count_nonzero(has_slot & mine)),
+                       free[mine & has_slot & ~idle], free[mine & has_slot & idle])
 
     # ----- totals ----    # ----- totals ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
@@ -377,25 +379,35 @@ class NodeSummary:
     replica is free, -1 or below where not), largest first, padded with `_PAD`; so a node has k
     devices with `need` bytes and a free replica iff `top[r, k - 1] >= need`. `slots[r]`: how
     many of them have a free replica. `largest`: `top[:, 0]`, -1 for a node without any.
+    `busy[r]` / `idle[r]`: free VRAM of those with a free replica and some / no pod, largest
+    first, padded with `_PAD` (best fit: the smallest one that covers the pod).
     """
 
     top: np.ndarray
     slots: np.ndarray
     largest: np.ndarray
+    busy: np.ndarray
+    idle: np.ndarray
 
-    def _set(self, r: int, values: np.ndarray, slots: int) -> None:
-        for arr in (self.top, self.slots, self.largest):
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.top, self.slots, self.largest, self.busy, self.idle)
+
+    def _set(self, r: int, values: np.ndarray, slots: int, busy: np.ndarray, idle: np.ndarray) -> None:
+        for arr in self._arrays():
             arr.flags.writeable = True
-        self.top[r] = _PAD
-        self.top[r, : len(values)] = values
+        for dst, v in ((self.top, values), (self.busy, busy), (self.idle, idle)):
+            dst[r] = _PAD
+            dst[r, : len(v)] = np.sort(v)[::-1]
         self.slots[r] = slots
-        self.largest[r] = values[0] if len(values) else -1
-        for arr in (self.top, self.slots, self.largest):
+        self.largest[r] = values.max() if len(values) else -1
+        for arr in self._arrays():
             arr.flags.writeable = False
 
     def same_as(self, other: "NodeSummary") -> np.ndarray:
         """Node rows where the two differ."""
-        return np.flatnonzero((self.top != other.top).any(axis=1) | (self.slots != other.slots) | (self.largest != other.largest))
+        return np.flatnonzero(
+            (self.top != other.top).any(axis=1) | (self.busy != other.busy).any(axis=1) | (self.idle != other.idle).any(axis=1)
+            | (self.slots != other.slots) | (self.largest != other.largest))
 
 
 def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
@@ -404,22 +416,31 @@ def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
     rows = np.flatnonzero(a.resource_id == resource_id)
     nodes = a.node_of[rows].astype(np.int64)
     width = int(np.bincount(nodes).max()) if len(rows) else 0
-    top = np.full((n, width), _PAD, np.int64)
     slots = np.zeros(n, np.int64)
-    if len(rows):
-        has_slot = a.used_replicas[rows] < a.replicas[rows]
-        free = (a.capacity[rows] - a.used[rows] + 1) * has_slot - 1
-        order = np.lexsort((-free, nodes))  # by node, largest first
-        nodes, free = nodes[order], free[order]
-        first = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]])
-        rank = np.arange(len(nodes)) - np.repeat(first, np.diff(np.r_[first, len(nodes)]))
-        top[nodes, rank] = free
-        np.add.at(slots, a.node_of[rows], has_slot)
+    has_slot = a.used_replicas[rows] < a.replicas[rows]
+    idle = a.used_replicas[rows] == 0
+    free = (a.capacity[rows] - a.used[rows] + 1) * has_slot - 1
+    np.add.at(slots, nodes, has_slot)
+    top, busy, idle = (_sorted_per_node(n, width, nodes[keep], free[keep])
+                       for keep in (np.ones(len(rows), bool), has_slot & ~idle, has_slot & idle))
     largest = top[:, 0].copy() if width else np.full(n, -1, np.int64)
     largest[largest == _PAD] = -1
-    for arr in (top, slots, largest):
+    out = NodeSummary(top, slots, largest, busy, idle)
+    for arr in out._arrays():
         arr.flags.writeable = False
-    return NodeSummary(top, slots, largest)
+    return out
+
+
+def _sorted_per_node(n: int, width: int, nodes: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """(n, width) array: row r holds the `values` of node r, largest first, padded with `_PAD`."""
+    out = np.full((n, width), _PAD, np.int64)
+    if len(nodes):
+        order = np.lexsort((-values, nodes))  # by node, largest first
+        nodes, values = nodes[order], values[order]
+        first = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]])
+        rank = np.arange(len(nodes)) - np.repeat(first, np.diff(np.r_[first, len(nodes)]))
+        out[nodes, rank] = values
+    return out
 
 
 def slot_free_of(a: DeviceArrays, resource_id: int) -> np.ndarray:

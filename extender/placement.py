@@ -652,6 +652,12 @@ def score_rows(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`score_nodes` as arrays (node names, rows of the known `names` in order, their scores),
     for an encoder that writes the answer without a Python object per node. Needs a GPU demand."""
+    view = _resource_arrays(ledger, demand, used=False)
+    if view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None:
+        rows, _ = _node_rows(ledger, names)
+        fast = _score_summary(ledger, demand, rows, view)
+        if fast is not None:
+            return _finish_scores(ledger, view, rows, *fast, planned)
     fit = _fit(ledger, demand, _resource_arrays(ledger, demand))
     a = fit.a
     n_nodes = len(a.node_names)
@@ -673,12 +679,76 @@ def score_rows(
             band = np.where(opened == 0, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
             placed = taken >= demand.gpu_count
             scores = np.where(placed, band, 0).astype(np.int64)
+    return _finish_scores(ledger, a, rows, scores, placed, planned)
+
+
+def _finish_scores(
+    ledger: Ledger, a: DeviceArrays, rows: np.ndarray, scores: np.ndarray, placed: np.ndarray, planned: str | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if planned is not None:
         scores = np.minimum(scores, MAX_SCORE - 1)
         r = ledger.node_row(planned)
         if r is not None and placed[r]:
             scores[r] = MAX_SCORE
     return _node_info(ledger, a)[0], rows, scores[rows]
+
+
+def _node_capacity(a: DeviceArrays) -> np.ndarray | None:
+    """Per node of `a`: the memory its devices all have, or None when a node mixes sizes."""
+    cap = a.derived.get("capacity")
+    if cap is None:
+        n = len(a.node_names)
+        cap = np.full(n, -1, np.int64)
+        s = a.node_start[:-1]
+        ne = a.node_start[1:] > s
+        if ne.any():
+            hi, lo = np.maximum.reduceat(a.capacity, s[ne]), np.minimum.reduceat(a.capacity, s[ne])
+            cap[ne] = hi
+            if (hi != lo).any():
+                cap = False
+        a.derived["capacity"] = cap
+    return None if cap is False else cap
+
+
+def _score_summary(
+    ledger: Ledger, demand: Demand, rows: np.ndarray, a: DeviceArrays,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`score_rows` for a one-device pod with declared bytes from the ledger's per-node summary:
+    best fit is the smallest free VRAM that covers the pod on a device already in use, else on an
+    empty one; with one size of device per node that is all the score depends on. (scores,
+    placed) per node of `a`, or None when the summary cannot stand for the devices."""
+    hit = _node_ok(a, demand)
+    capacity = _node_capacity(a)
+    if hit is None or capacity is None:
+        return None
+    n_nodes = len(a.node_names)
+    scores = np.zeros(n_nodes, np.int64)
+    placed = np.zeros(n_nodes, bool)
+    asked = np.zeros(n_nodes, bool)
+    asked[rows] = True
+    r = np.flatnonzero(asked & hit[0])  # each asked node once (a name sent twice is scored once)
+    if not len(r):
+        return scores, placed
+    need = demand.bytes_per_gpu
+    summary = ledger.summary(int(a.resource_id[0]))
+    at = np.arange(len(r))
+
+    def smallest_covering(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sub = values[r]
+        count = (sub >= need).sum(axis=1)  # rows are sorted largest first
+        return count > 0, sub[at, np.maximum(count - 1, 0)]
+
+    on_busy, busy_free = smallest_covering(summary.busy)
+    on_idle, idle_free = smallest_covering(summary.idle)
+    fits = on_busy | on_idle
+    r, opened = r[fits], ~on_busy[fits]
+    leftover = np.where(on_busy, busy_free, idle_free)[fits] - need
+    tight = 1.0 - np.clip(leftover, 0, None) / np.maximum(capacity[r], 1)
+    node_busy = ledger.arrays.node_used_replicas[r] > 0  # any pod, whatever resource it holds
+    band = np.where(~opened, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
+    scores[r] = band.astype(np.int64)
+    placed[r] = True
+    return scores, placed
 
 
 def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:

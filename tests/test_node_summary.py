@@ -27,6 +27,7 @@ from extender.placement import (
     _resource_arrays,
     choose_devices,
     filter_nodes,
+    score_rows,
 )
 
 GIB = 1 << 30
@@ -156,6 +157,8 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
 
     monkeypatch.setattr(placement, "_one_largest", spy(placement._one_largest))
     monkeypatch.setattr(placement, "_node_fit", spy(placement._node_fit))
+    monkeypatch.setattr(placement, "_score_summary", spy(placement._score_summary))
+    score_summary = placement._score_summary
     rng = random.Random(seed)
     n_nodes = rng.randint(3, 30)
     names = [f"n{i}" for i in range(n_nodes)] + ["mig"]  # one MIG node at least: per-resource views exist
@@ -173,7 +176,16 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
             assert got.failed == want.failed, (step, demand)
             assert got.unresolvable == want.unresolvable, (step, demand)
             assert got.feasible == _feasible_by_hand(c.ledger, demand, subset)
-    assert {"_one_largest", "_node_fit"} <= set(used)  # both fast paths were taken (and compared)
+            if demand.wants_gpu:
+                planned = rng.choice([None, *asked])
+                for candidates in (got.feasible, subset):
+                    fast = score_rows(c.ledger, demand, candidates, planned)
+                    monkeypatch.setattr(placement, "_score_summary", lambda *args: None)
+                    slow = score_rows(c.ledger, demand, candidates, planned)
+                    monkeypatch.setattr(placement, "_score_summary", score_summary)
+                    assert fast[0] is slow[0] and np.array_equal(fast[1], slow[1]), (step, demand)
+                    assert fast[2].tolist() == slow[2].tolist(), (step, demand, candidates)
+    assert {"_one_largest", "_node_fit", "_score_summary"} <= set(used)  # every fast path was taken (and compared)
 
 
 def test_summary_follows_every_change_and_invariant_catches_a_stale_one() -> None:
