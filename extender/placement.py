@@ -196,8 +196,10 @@ def warm(ledger: Ledger) -> None:
     rather than in the first filter calls kube-scheduler makes."""
     a = ledger.arrays
     _node_info(ledger, a)
-    for resource in list(a.resources):
-        _resource_arrays(ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource))  # type: ignore[arg-type]
+    for resource, rid in list(a.resources.items()):
+        view = _resource_arrays(ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource))  # type: ignore[arg-type]
+        if view is not None:
+            _uniform(view), _node_capacity(view), ledger.summary(rid)
 
 
 def _node_names(a: DeviceArrays) -> np.ndarray:
@@ -653,7 +655,7 @@ def score_rows(
     """`score_nodes` as arrays (node names, rows of the known `names` in order, their scores),
     for an encoder that writes the answer without a Python object per node. Needs a GPU demand."""
     view = _resource_arrays(ledger, demand, used=False)
-    if view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None:
+    if view is not None:
         rows, _ = _node_rows(ledger, names)
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
@@ -713,10 +715,11 @@ def _node_capacity(a: DeviceArrays) -> np.ndarray | None:
 def _score_summary(
     ledger: Ledger, demand: Demand, rows: np.ndarray, a: DeviceArrays,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """`score_rows` for a one-device pod with declared bytes from the ledger's per-node summary:
-    best fit is the smallest free VRAM that covers the pod on a device already in use, else on an
-    empty one; with one size of device per node that is all the score depends on. (scores,
-    placed) per node of `a`, or None when the summary cannot stand for the devices."""
+    """`score_rows` from the ledger's per-node summary: best fit takes the devices already in use
+    with the least free VRAM that covers the pod, then empty ones likewise; with one size of
+    device per node that is all the score depends on, and the fractions are summed in the same
+    order as the per-device path sums them. (scores, placed) per node of `a`, or None when the
+    summary cannot stand for the devices."""
     hit = _node_ok(a, demand)
     capacity = _node_capacity(a)
     if hit is None or capacity is None:
@@ -726,27 +729,32 @@ def _score_summary(
     placed = np.zeros(n_nodes, bool)
     asked = np.zeros(n_nodes, bool)
     asked[rows] = True
-    r = np.flatnonzero(asked & hit[0])  # each asked node once (a name sent twice is scored once)
+    r = np.flatnonzero(asked & hit[0])  # each asked node once, as the per-device path does
     if not len(r):
         return scores, placed
-    need = demand.bytes_per_gpu
+    k = demand.gpu_count
     summary = ledger.summary(int(a.resource_id[0]))
+    need = demand.bytes_per_gpu if demand.bytes_per_gpu is not None else hit[1][r]  # whole device: its cap
+    busy, idle = summary.busy[r], summary.idle[r]
+    covers = need if np.ndim(need) == 0 else need[:, None]
+    n_busy = (busy >= covers).sum(axis=1)  # rows are sorted largest first: the fitting ones lead
+    n_idle = (idle >= covers).sum(axis=1)
+    fits = n_busy + n_idle >= k  # the others are worked out too (clipped indices) and dropped below
     at = np.arange(len(r))
-
-    def smallest_covering(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        sub = values[r]
-        count = (sub >= need).sum(axis=1)  # rows are sorted largest first
-        return count > 0, sub[at, np.maximum(count - 1, 0)]
-
-    on_busy, busy_free = smallest_covering(summary.busy)
-    on_idle, idle_free = smallest_covering(summary.idle)
-    fits = on_busy | on_idle
-    r, opened = r[fits], ~on_busy[fits]
-    leftover = np.where(on_busy, busy_free, idle_free)[fits] - need
-    tight = 1.0 - np.clip(leftover, 0, None) / np.maximum(capacity[r], 1)
+    left = np.zeros(len(r))
+    opened = np.zeros(len(r))
+    cap = np.maximum(capacity[r], 1)
+    for j in range(k):  # the j-th device chosen: the busy ones smallest first, then the idle ones
+        on_busy = j < n_busy
+        free = np.where(on_busy, busy[at, np.clip(n_busy - 1 - j, 0, busy.shape[1] - 1)],
+                        idle[at, np.clip(n_idle - 1 - (j - n_busy), 0, idle.shape[1] - 1)])
+        left += np.clip(free - need, 0, None) / cap
+        opened += ~on_busy
+    tight = 1.0 - left / k
     node_busy = ledger.arrays.node_used_replicas[r] > 0  # any pod, whatever resource it holds
-    band = np.where(~opened, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
-    scores[r] = band.astype(np.int64)
+    band = np.where(opened == 0, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
+    r = r[fits]
+    scores[r] = band[fits].astype(np.int64)
     placed[r] = True
     return scores, placed
 

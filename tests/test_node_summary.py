@@ -143,7 +143,7 @@ def _random_step(rng: random.Random, c, names: list[str], step: int) -> None:
                                            bytes_per_device=res.bytes_per_device * 2))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     used: list[str] = []
 
