@@ -356,7 +356,10 @@ class Ledger:
             idle = a.used_replicas[lo:hi] == 0
             free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * has_slot - 1
             rids = a.resource_id[lo:hi]
-            for rid, s in self._summaries.items():
+            for rid in set(rids.tolist()):  # the node's other resources have no device here to change
+                s = self._summaries.get(rid)
+                if s is None:
+                    continue
                 mine = rids == rid
                 s._set(r, free[mine], int(np.count_nonzero(has_slot & mine)),
                        free[mine & has_slot & ~idle], free[mine & has_slot & idle])
