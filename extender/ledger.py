@@ -190,13 +190,7 @@ class Ledger:
         why = self.fits(res)
         if why is not None:
             raise LedgerError(why)
-        self._apply(res, +1)
-        self._reservations[res.key] = res
-        if res.assumed:
-            self._assumed[res.key] = None
-        self._by_node.setdefault(res.node, set()).add(res.key)
-        self._touch(res.node)
-        return res
+        return self._insert(res)
 
     def record(self, res: Reservation) -> Reservation:
         """Account for a pod that is already running there, even if that oversubscribes a device.
@@ -212,6 +206,10 @@ class Ledger:
                     self._assumed[res.key] = None
                 return existing
             self.release(res.key)
+        return self._insert(res)
+
+    def _insert(self, res: Reservation) -> Reservation:
+        """Count `res` on its devices and index it; callers checked (or chose to skip) the fit."""
         self._apply(res, +1)
         self._reservations[res.key] = res
         if res.assumed:
