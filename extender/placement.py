@@ -257,17 +257,12 @@ def _filter_one(
     the pod. Same answers as counting fitting devices, in half the passes over the devices.
     `largest` (per node, from `_one_largest`) skips the pass over the devices altogether."""
     a = fit.a
-    names = _node_names(a)
     with_slot = None
     if largest is None:
         with_slot = _static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
         largest = _segment_max((a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names))
     good = largest[rows] >= demand.bytes_per_gpu
-    feasible_rows = rows[good]
-    out.feasible = names[feasible_rows].tolist()
-    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
-        _remember_rows(ledger, list(out.feasible), feasible_rows, [])  # prioritize will send this list
-    bad = rows[~good]
+    bad = _split_feasible(ledger, a, rows, good, out)
     if len(bad):
         # a failing node has no fitting device: n_ok is 0 there; a free replica iff largest >= 0
         _explain(ledger, fit, demand, bad, out, np.zeros(len(a.node_names), np.int64), rows, (with_slot, largest))
@@ -386,18 +381,13 @@ def _filter_summary(
     devices): a node has k fitting devices iff its k-th largest free VRAM with a free replica
     covers the pod. Same answers and reasons, one pass over the nodes instead of the devices."""
     a = fit.a
-    names = _node_names(a)
     k = demand.gpu_count
     top = summary.top
     if k <= top.shape[1]:
         good = ok[rows] & (top[rows, k - 1] >= need[rows])
     else:
         good = np.zeros(len(rows), bool)
-    feasible_rows = rows[good]
-    out.feasible = names[feasible_rows].tolist()
-    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
-        _remember_rows(ledger, list(out.feasible), feasible_rows, [])  # prioritize will send this list
-    bad = rows[~good]
+    bad = _split_feasible(ledger, a, rows, good, out)
     if len(bad):
         n_ok = np.zeros(len(a.node_names), np.int64)
         open_ = bad[ok[bad]]  # the others fail on labels (categories 0..3), which never read n_ok
@@ -407,16 +397,21 @@ def _filter_summary(
         _explain(ledger, fit, demand, bad, out, n_ok, rows, None, (n_slot, largest))
 
 
+def _split_feasible(ledger: Ledger, a: DeviceArrays, rows: np.ndarray, good: np.ndarray, out: FilterOutcome) -> np.ndarray:
+    """Put the names of the `good` rows in `out.feasible` (remembered: prioritize will send this
+    list) and return the failing rows, which the caller explains."""
+    feasible_rows = rows[good]
+    out.feasible = _node_names(a)[feasible_rows].tolist()
+    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
+        _remember_rows(ledger, list(out.feasible), feasible_rows, [])
+    return rows[~good]
+
+
 def _filter_rows(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
     a = fit.a
-    names = _node_names(a)
     ok_count = _per_node(a, fit.ok)
     good = ok_count[rows] >= demand.gpu_count
-    feasible_rows = rows[good]
-    out.feasible = names[feasible_rows].tolist()
-    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
-        _remember_rows(ledger, list(out.feasible), feasible_rows, [])  # prioritize will send this list
-    bad = rows[~good]
+    bad = _split_feasible(ledger, a, rows, good, out)
     if len(bad):
         _explain(ledger, fit, demand, bad, out, ok_count, rows)
 
