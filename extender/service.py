@@ -14,7 +14,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
-from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
+from extender.demand import Demand, DemandError, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
 from extender.placement import choose_devices, filter_nodes, preempt_victims, score_rows
 from extender.wire import (

@@ -239,7 +239,6 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
     bound comes from the class relaxation of the whole batch on the whole cluster.
     """
     t0 = time.perf_counter()
-    a = cap.arrays
     # the relaxation is small: give it its own short budget even when the greedy plan used the rest
     # one relaxation bounds W * unplaced + opened: pods left out, and GPUs that must be opened
     W = len(cap.arrays.capacity) + 1
@@ -460,7 +459,6 @@ class _Builder:
         self.z: dict[tuple[int, int], cp_model.IntVar] = {}
         self.opened: list = []
         self.touched: list = []
-        stranded_terms: list = []
         self.u_vars: list = []
         prev_copy: dict[int, tuple] = {}
         self.node_pods: list = []
@@ -582,7 +580,7 @@ class _Builder:
 
     def _build_stranded(self) -> None:
         """Stage 2 terms: expected stranded VRAM after the plan on every node copy that may get pods."""
-        a, cap, m, unit, w = self.a, self.cap, self.m, self.unit, self.frag.w
+        cap, m, unit, w = self.cap, self.m, self.unit, self.frag.w
         stranded_terms: list = []
         for ci, n0, devinfo, cpu_terms, mem_terms in self.copy_info:
             free_after = []
@@ -869,7 +867,6 @@ class _Builder:
     def _read_back(self, values: dict[int, int]) -> dict[int, Choice]:
         a = self.a
         queue = {p: list(pc.members) for p, pc in enumerate(self.classes)}
-        used_nodes: dict[int, int] = defaultdict(int)
         choices: dict[int, Choice] = {}
         for ci, cp in enumerate(self.copies):
             n = cp.nodes[cp.index]

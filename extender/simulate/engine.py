@@ -98,7 +98,6 @@ def run_policy(
     where: dict[str, int] = {}
     demands_of: dict[str, Task] = {}
     departures = sorted((t.departure, t.key) for t in tasks if churn and t.departure is not None)
-    last_arrival = max((t.arrival for t in tasks), default=0.0)
     di = 0
     free_sum = 0
     for arrival, group in groupby(tasks, key=lambda t: t.arrival):
