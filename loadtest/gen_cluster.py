@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from extender.demand import ASSIGNMENT, GPU_INDEX, MODEL_MEMORY
-from extender.inventory import Gpu, MigSlice, Sharing, node_inventory
+from extender.inventory import node_inventory
 
 GIB = 1 << 30
 SCHEDULER_NAME = "vramsched"

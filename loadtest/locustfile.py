@@ -142,46 +142,37 @@ class SchedulerUser(FastHttpUser):
 
     def _filter(self, pod_json: bytes) -> list[str] | None:
         body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + NAMES_JSON + b"}"
-        t = time.perf_counter()
-        with self._post("filter", body) as r:
-            ms = (time.perf_counter() - t) * 1000
-            why = None
-            try:
-                if r.status_code != 200:
-                    why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
-                else:
-                    out = orjson.loads(r.content)
-                    why = check_filter(out, NAMES_SET, len(NAMES))
-            except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
-                why = f"malformed filter answer: {exc!r}"
-            if why:
-                r.failure(why)
-                RAW.count("failures")
-                return None
-            RAW.add("filter", ms)
-            return out["NodeNames"]
+
+        def answer(out):
+            why = check_filter(out, NAMES_SET, len(NAMES))
+            return why, None if why else out["NodeNames"]
+
+        return self._checked("filter", body, answer)
 
     def _prioritize(self, pod_json: bytes, feasible: list[str]) -> str | None:
         body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + orjson.dumps(feasible) + b"}"
+        return self._checked("prioritize", body, lambda out: check_prioritize(out, feasible, self.rng))
+
+    def _checked(self, verb: str, body: bytes, answer):
+        """POST, time it and read the answer with `answer(json) -> (why, value)`: a non-200, an
+        unreadable body or a `why` is a failure (counted, None returned), else `value`."""
         t = time.perf_counter()
-        with self._post("prioritize", body) as r:
+        with self._post(verb, body) as r:
             ms = (time.perf_counter() - t) * 1000
-            why = None
-            best = None
+            value = None
             try:
                 if r.status_code != 200:
                     why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
                 else:
-                    out = orjson.loads(r.content)
-                    why, best = check_prioritize(out, feasible, self.rng)
+                    why, value = answer(orjson.loads(r.content))
             except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
-                why = f"malformed prioritize answer: {exc!r}"
+                why = f"malformed {verb} answer: {exc!r}"
             if why:
                 r.failure(why)
                 RAW.count("failures")
                 return None
-            RAW.add("prioritize", ms)
-            return best
+            RAW.add(verb, ms)
+            return value
 
     def _bind(self, pod: dict, node: str) -> None:
         meta = pod["metadata"]

@@ -93,7 +93,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise SystemExit(f"server not ready after {timeout:.0f}s: {url}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = run_locust("vramsched", port, args, sidecar, out, server.pid)
         status = _proc_status(server.pid)
     finally:
-        _stop(server)
+        stop_process(server)
     floor = None
     if not args.no_floor:
         fport = _free_port()
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"floor ready; locust {args.duration} ...", flush=True)
             floor = run_locust("floor", fport, args, sidecar, out, fproc.pid)
         finally:
-            _stop(fproc)
+            stop_process(fproc)
 
     ratios = {}
     if floor:

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from loadtest.gen_cluster import nodes_file
-from loadtest.run import ROOT, _free_port, _proc_status, _seconds, _stop, _wait_ready, cluster_file, run_locust
+from loadtest.run import ROOT, _free_port, _proc_status, _seconds, _wait_ready, stop_process, cluster_file, run_locust
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         ledger = ledger_check(port)
         alive = server.poll() is None
     finally:
-        _stop(server)
+        stop_process(server)
 
     base, end = sampler.at(warmup_s), sampler.samples[-1][1]
     peak = max(rss for _, rss in sampler.samples)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from loadtest.checks import RACE_MARK, check_filter, check_prioritize
 from loadtest.floor import create_app as floor_app
 from loadtest.gen_cluster import generate, nodes_file, write_cluster
 from loadtest.pods import make_pod
+from loadtest.run import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SENT = frozenset({"a", "b", "c", "d"})
@@ -156,12 +156,7 @@ def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_pa
         held = sum(1 for node in state["nodes"] for gpu in node["gpus"] for p in gpu["pods"] if p.startswith("loadtest/"))
         assert held >= counts["bound"] > 0
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server)
 
 
 def test_race_mark_is_what_a_lost_bind_says():
