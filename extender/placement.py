@@ -87,15 +87,22 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
     return _Fit(a, matches, need, ok, shared)
 
 
+def _bounded_cache(a: DeviceArrays, name: str) -> dict:
+    """A per-demand-shape cache kept with the arrays (dropped with them on a rebuild), emptied on
+    the access after it reaches _STATIC_COUNTS_CACHED entries, so odd demands cannot grow it."""
+    cache = a.derived.setdefault(name, {})
+    if len(cache) >= _STATIC_COUNTS_CACHED:
+        cache.clear()
+    return cache
+
+
 def _static_fit(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(devices of the resource and products, bytes needed on each, those big enough for it):
     labels and demand only, so kept with `a` per demand shape. Callers never write them."""
-    cache = a.derived.setdefault("static_fit", {})
+    cache = _bounded_cache(a, "static_fit")
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
-        if len(cache) >= _STATIC_COUNTS_CACHED:
-            cache.clear()
         matches = a.resource_id == a.resources.get(demand.resource, -1)
         if demand.allowed_products is not None:
             allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
@@ -336,12 +343,10 @@ def _node_ok(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray] |
     uniform = _uniform(a)
     if uniform is None:
         return None
-    cache = a.derived.setdefault("node_ok", {})
+    cache = _bounded_cache(a, "node_ok")
     key = (demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
-        if len(cache) >= _STATIC_COUNTS_CACHED:
-            cache.clear()
         cap, prod = uniform
         if demand.bytes_per_gpu is None:  # a whole device: its per-pod cap, which it always has
             need, ok = cap, cap >= 0
@@ -518,12 +523,10 @@ def _static_counts(
     """Per node: devices of the resource (and product), and those big enough for the pod; plus
     the big-enough mask. They depend on labels and the demand only, so they are kept per demand,
     and counted on one node per kind (nodes of a kind have the same devices) instead of all."""
-    cache = a.derived.setdefault("static_counts", {})
+    cache = _bounded_cache(a, "static_counts")
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
-        if len(cache) >= _STATIC_COUNTS_CACHED:
-            cache.clear()
         reps = a.derived.get("kind_reps")
         if reps is None:
             reps = a.derived["kind_reps"] = np.unique(kind, return_index=True)[1] if len(kind) else np.zeros(0, np.int64)
