@@ -19,6 +19,7 @@ from pydantic_core import PydanticSerializationError
 
 from extender.demand import DemandError
 from extender.metrics import Metrics
+from extender.namelists import NameLists
 from extender.service import ExtenderService
 from extender.wire import (
     VERBS,
@@ -41,6 +42,7 @@ DEFAULT_MAX_BODY_BYTES = 128 * 1024 * 1024
 DEFAULT_MAX_CONCURRENCY = 256
 SERVICE_KEY = web.AppKey("service", ExtenderService)
 METRICS_KEY = web.AppKey("metrics", Metrics)
+NAMES_KEY = web.AppKey("names", NameLists)
 READY_KEY = web.AppKey("ready", object)
 
 _JSON = "application/json"
@@ -71,7 +73,10 @@ def _validation_message(model: type[BaseModel], exc: ValidationError) -> str:
 
 
 async def _decode(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.read()
+    return _validate(model, _parse(model, await request.read()))
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> dict[str, Any]:
     if not raw:
         raise web.HTTPBadRequest(text=f"empty body: expected {model.__name__} JSON")
     try:
@@ -80,10 +85,31 @@ async def _decode(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise web.HTTPBadRequest(text=f"body must be a JSON object ({model.__name__}), got {type(obj).__name__}")
+    return obj
+
+
+def _validate(model: type[BaseModel], obj: dict[str, Any]) -> BaseModel:
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
         raise web.HTTPBadRequest(text=_validation_message(model, exc)) from None
+
+
+async def _decode_args(request: web.Request, *, learn: bool) -> ExtenderArgs:
+    """ExtenderArgs, with a candidate list seen before taken from `NameLists` instead of decoded
+    and validated again; with `learn`, a new list is remembered (filter's all-nodes list)."""
+    raw = await request.read()
+    lists = request.app[NAMES_KEY]
+    hit = lists.split(raw)
+    if hit is not None:
+        head, names = hit
+        args = _validate(ExtenderArgs, head)
+        args.NodeNames = names
+        return args
+    args = _validate(ExtenderArgs, _parse(ExtenderArgs, raw))
+    if learn and args.NodeNames:
+        lists.remember(args.NodeNames, raw=raw)
+    return args
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -111,14 +137,18 @@ def _timed(verb: str, handler: Handler) -> Handler:
 
 
 async def _filter(request: web.Request) -> web.Response:
-    args = await _decode(request, ExtenderArgs)
+    args = await _decode_args(request, learn=True)
     result = request.app[SERVICE_KEY].filter(args)
     if not result.Error and result.Nodes is None:
-        # NodeNames form (nodeCacheCapable): plain lists and dicts of str, orjson is ~5x faster
-        return web.Response(body=orjson.dumps({
-            "Nodes": None, "NodeNames": result.NodeNames, "FailedNodes": result.FailedNodes,
-            "FailedAndUnresolvableNodes": result.FailedAndUnresolvableNodes, "Error": "",
-        }), content_type=_JSON)
+        # NodeNames form (nodeCacheCapable): plain lists and dicts of str, orjson is ~5x faster.
+        # The list is encoded apart and remembered: prioritize is about to send it back.
+        feasible = result.NodeNames
+        encoded = request.app[NAMES_KEY].remember(feasible) if feasible is not None else None
+        return web.Response(body=b"".join((
+            b'{"Nodes":null,"NodeNames":', encoded if encoded is not None else orjson.dumps(feasible),
+            b',"FailedNodes":', orjson.dumps(result.FailedNodes),
+            b',"FailedAndUnresolvableNodes":', orjson.dumps(result.FailedAndUnresolvableNodes), b',"Error":""}',
+        )), content_type=_JSON)
     if not result.Error:
         try:
             return _json(result)
@@ -129,7 +159,7 @@ async def _filter(request: web.Request) -> web.Response:
 
 
 async def _prioritize(request: web.Request) -> web.Response:
-    args = await _decode(request, ExtenderArgs)
+    args = await _decode_args(request, learn=False)
     hosts = request.app[SERVICE_KEY].prioritize(args)
     if isinstance(hosts, ScoredHosts):  # the hot path: encoded from arrays, no object per host
         return web.Response(body=hosts.to_json(), content_type=_JSON)
@@ -249,6 +279,7 @@ def create_app(
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _concurrency_limit(max_concurrency)])
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = Metrics(lambda: service.ledger)
+    app[NAMES_KEY] = NameLists()
     for collector in getattr(service, "metric_collectors", lambda: [])():  # live mode: bind event counters
         app[METRICS_KEY].registry.register(collector)
     app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))

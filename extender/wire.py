@@ -120,11 +120,12 @@ class ScoredHosts(Sequence[HostPriority]):
     def to_json(self) -> bytes:
         if not len(self._rows):
             return b"[]"
-        table = _fragments(self._names, np.unique(self._scores).tolist())
-        return ("[" + ",".join(table[self._scores, self._rows].tolist()) + "]").encode()
+        present = np.flatnonzero(np.bincount(self._scores, minlength=MAX_PRIORITY + 1)).tolist()
+        table = _fragments(self._names, present)
+        return b"[" + b",".join(table[self._scores, self._rows].tolist()) + b"]"
 
 
-# names array -> (weak ref to it, fragment table [score, node] of '{"Host":"n","Score":s}')
+# names array -> (weak ref to it, fragment table [score, node] of b'{"Host":"n","Score":s}')
 _FRAGMENTS: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
 
@@ -137,7 +138,7 @@ def _fragments(names: np.ndarray, scores: list[int]) -> np.ndarray:
     table = entry[1]
     for s in scores:
         if table[s, 0] is None:
-            table[s] = [f'{{"Host":{orjson.dumps(n).decode()},"Score":{s}}}' for n in names.tolist()]
+            table[s] = [b'{"Host":' + orjson.dumps(n) + b',"Score":%d}' % s for n in names.tolist()]
     return table
 
 

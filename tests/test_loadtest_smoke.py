@@ -29,7 +29,7 @@ SENT = frozenset({"a", "b", "c", "d"})
 
 
 def answer(**over):
-    out = {"Nodes": None, "NodeNames": ["a", "b"], "FailedNodes": {"c": "no GPU with 40Gi free: largest free 20Gi"},
+    out = {"Nodes": None, "NodeNames": ["a", "b"], "FailedNodes": {"c": "no GPU with 40Gi free"},
            "FailedAndUnresolvableNodes": {"d": "need 90Gi per GPU, GPUs have 80Gi"}, "Error": ""}
     out.update(over)
     return out

@@ -20,6 +20,7 @@ from extender.ledger import LedgerError, Reservation, check_invariant, slot_free
 from extender import placement
 from extender.placement import (
     FilterOutcome,
+    row_counts,
     _filter_one,
     _filter_rows,
     _fit,
@@ -66,7 +67,7 @@ def _reference(ledger, demand: Demand, names: list[str]) -> FilterOutcome:
 
     (A one-device pod with declared bytes went through `_filter_one`, which words an
     overcommitted GPU with a free replica as "all GPU replicas in use" where `_filter_rows`
-    says "largest free -2Gi": kept as it was, both are compared against their own path.)
+    says "no GPU with 16Gi free": kept as it was, both are compared against their own path.)
     """
     out = FilterOutcome()
     view = _resource_arrays(ledger, demand)
@@ -185,6 +186,13 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
                     monkeypatch.setattr(placement, "_score_summary", score_summary)
                     assert fast[0] is slow[0] and np.array_equal(fast[1], slow[1]), (step, demand)
                     assert fast[2].tolist() == slow[2].tolist(), (step, demand, candidates)
+                # bind's one-node choice equals that node's share of the choice over several nodes
+                fit = _fit(c.ledger, demand)
+                rows = np.arange(len(fit.a.node_names))
+                many = placement._choose(fit, demand.gpu_count, rows)
+                for r in rows.tolist():
+                    one = placement._choose(fit, demand.gpu_count, np.asarray([r]))
+                    assert sorted(one.tolist()) == sorted(i for i in many.tolist() if fit.a.node_of[i] == r), (step, r)
     assert {"_one_largest", "_node_fit", "_score_summary"} <= set(used)  # every fast path was taken (and compared)
 
 
@@ -262,3 +270,13 @@ def test_a_lone_overcommitted_gpu_with_a_free_replica_reads_negative() -> None:
     assert ledger.slot_free(rid).tolist() == [-2 * GIB, -1]
     demand = pod_demand(pod("q", "1Gi"))
     assert filter_nodes(ledger, demand, ["b", "m"]).failed == _reference(ledger, demand, ["b", "m"]).failed
+
+
+@pytest.mark.parametrize("width", [0, 1, 5, 8, 16, 56])
+def test_row_counts_equals_summing_each_row(width):
+    rng = np.random.default_rng(width)
+    mask = rng.random((300, width)) < 0.4
+    assert row_counts(mask).tolist() == mask.sum(axis=1).tolist()
+    assert row_counts(mask[::2]).tolist() == mask[::2].sum(axis=1).tolist()  # not contiguous
+    full = np.ones((3, width), bool)
+    assert row_counts(full).tolist() == [width] * 3

@@ -191,3 +191,13 @@ async def test_probe_app_serves_only_probes_and_metrics(aiohttp_client, state):
     assert 'vramsched_requests_total{code="200",verb="filter"} 1.0' in text  # the main app's registry
     assert (await probes.post("/filter", data=orjson.dumps(fixture("003-filter.json")))).status in (404, 405)
     assert (await probes.get("/state")).status == 404
+
+
+async def test_a_pod_sent_again_with_another_annotation_gets_its_new_demand(aiohttp_client):
+    """Demands are kept per pod JSON between filter, prioritize and bind: a changed pod is parsed anew."""
+    state = cluster(gpu_node("g1", count=1))
+    client = await aiohttp_client(create_app(service(state)))
+    small, big = pod("same", "16Gi"), pod("same", "100Gi")
+    for p, fits in ((small, True), (big, False), (small, True)):
+        out = await post(client, "filter", {"Pod": p, "Nodes": None, "NodeNames": ["g1"]})
+        assert (out["NodeNames"] == ["g1"]) is fits, out
