@@ -203,7 +203,8 @@ class ExtenderService:
         outcome = filter_nodes(self.ledger, demand, names)
         # kube-scheduler < 1.21 has no FailedAndUnresolvableNodes and would drop those reasons from
         # the pod's event; >= 1.21 lets the unresolvable entry win when a node is in both maps.
-        failed = {**outcome.failed, **outcome.unresolvable}
+        failed = outcome.failed  # this call's own dict: merged in place, one copy fewer
+        failed.update(outcome.unresolvable)
         if by_nodes:
             keep = set(outcome.feasible)
             items = [n for n in args.Nodes.items if _node_name(n) in keep]
