@@ -36,6 +36,11 @@ class ClusterState:
         self.headroom = headroom
         #: pods bound before we saw an assignment for them, placed by a conservative guess.
         self.guessed: set[str] = set()
+        #: CPU (millicores) and memory (bytes) each live bound pod requests, and their sums per node,
+        #: kept as pods come and go: the planner's snapshot reads the sums instead of parsing every pod.
+        self._usage: dict[str, tuple[str, int, int]] = {}
+        self.cpu_used: dict[str, int] = {}
+        self.memory_used: dict[str, int] = {}
 
     # ----- nodes ---------------------------------------------------------------------------
     def upsert_node(self, node: Mapping[str, Any]) -> None:
@@ -71,6 +76,7 @@ class ClusterState:
             return
         node = spec.get("nodeName")
         if not node:
+            self._drop_usage(key)
             # An assumed reservation from our own bind stays until the watch shows the binding.
             if spec.get("schedulerName") == self.scheduler_name:
                 self.pending.add(key)
@@ -85,7 +91,24 @@ class ClusterState:
     def _forget(self, key: str) -> None:
         self.pending.discard(key)
         self.guessed.discard(key)
+        self._drop_usage(key)
         self.ledger.release(key)
+
+    def _set_usage(self, key: str, node: str, cpu: int, memory: int) -> None:
+        self._drop_usage(key)
+        self._usage[key] = (node, cpu, memory)
+        self.cpu_used[node] = self.cpu_used.get(node, 0) + cpu
+        self.memory_used[node] = self.memory_used.get(node, 0) + memory
+
+    def _drop_usage(self, key: str) -> None:
+        old = self._usage.pop(key, None)
+        if old is None:
+            return
+        node, cpu, memory = old
+        cpu_left = self.cpu_used.pop(node, 0) - cpu
+        memory_left = self.memory_used.pop(node, 0) - memory
+        if cpu_left or memory_left:  # else dropped: a pod requesting neither leaves no entry behind
+            self.cpu_used[node], self.memory_used[node] = cpu_left, memory_left
 
     def _account_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str) -> None:
         """Count a bound pod against the devices it holds."""
@@ -96,7 +119,9 @@ class ClusterState:
             # The reason quotes the annotation; annotations are only ever logged at debug.
             log.warning("bound pod %s has an unreadable GPU demand; not counted (reason at debug level)", ref)
             log.debug("bound pod %s: %s", ref, exc)
+            self._drop_usage(ref.key)
             return
+        self._set_usage(ref.key, node, demand.cpu_milli, demand.memory_bytes)
         if not demand.wants_gpu:
             return
         try:
@@ -173,6 +198,8 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
       and every other live bound GPU pod on a node with devices is counted there (a guess).
     """
     out = check_invariant(cluster.ledger, cluster.live_pod_keys())
+    cpu: dict[str, int] = {}
+    memory: dict[str, int] = {}
     for key, pod in cluster.pods.items():
         if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
             continue
@@ -180,12 +207,17 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
         res = cluster.ledger.reservation(key)
         if not node:
             continue
-        if res is not None and res.node != node:
-            out.append(Violation(f"held on {res.node} but bound to {node}", key))
-            continue
         try:
             demand = pod_demand(pod, headroom=cluster.headroom)
         except DemandError:
+            demand = None
+        if demand is not None:
+            cpu[node] = cpu.get(node, 0) + demand.cpu_milli
+            memory[node] = memory.get(node, 0) + demand.memory_bytes
+        if res is not None and res.node != node:
+            out.append(Violation(f"held on {res.node} but bound to {node}", key))
+            continue
+        if demand is None:
             continue  # unreadable: logged when it was accounted, nothing to hold
         if not demand.wants_gpu:
             if res is not None:
@@ -203,6 +235,11 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             recorded = None
         if recorded is not None and recorded.node == node and not recorded.same_placement(res):
             out.append(Violation(f"ledger holds {res.device_ids} on {res.node}, assignment says {recorded.device_ids}", key))
+    for name in cpu.keys() | memory.keys() | cluster.cpu_used.keys() | cluster.memory_used.keys():
+        want = (cpu.get(name, 0), memory.get(name, 0))
+        got = (cluster.cpu_used.get(name, 0), cluster.memory_used.get(name, 0))
+        if want != got:
+            out.append(Violation(f"CPU/memory requested on the node is {want}, counted {got}", name))
     return out
 
 

@@ -12,7 +12,7 @@ contiguous) so that filter/prioritize over thousands of nodes are vector operati
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -121,6 +121,32 @@ class Ledger:
         #: kept current by refreshing the node rows `_apply` marked stale, verified by `check_invariant`.
         self._summaries: dict[int, NodeSummary] = {}
         self._stale_rows: set[int] = set()
+
+    def clone(self) -> "Ledger":
+        """A private copy for a reader on another thread (the background planner), in milliseconds
+        rather than the seconds a rebuild from every pod takes at 100,000 pods.
+
+        Shared, because this ledger never changes them in place: node inventories, the static
+        device columns and indexes (a rebuild makes new ones), and the reservations (whose
+        `assumed` flag alone is flipped in place on confirmation; the copy's reader must not rely
+        on it). Copied: the used columns, the reservation maps and the counters. Summaries are
+        rebuilt by the copy on first use.
+        """
+        a = self.arrays  # rebuilt first if the inventory changed
+        c = Ledger()
+        c._nodes = dict(self._nodes)
+        c._reservations = dict(self._reservations)
+        c._by_node = {node: set(keys) for node, keys in self._by_node.items()}
+        c._arrays = replace(a, used=a.used.copy(), used_replicas=a.used_replicas.copy(),
+                            node_used_replicas=a.node_used_replicas.copy(), derived={})
+        c._row, c._node_row = self._row, self._node_row
+        c._assumed = dict(self._assumed)
+        c._dirty = False
+        c.generation = self.generation
+        c.replica_policy = self.replica_policy
+        c.node_generation = dict(self.node_generation)
+        c.touched_base = self.touched_base + len(self.touched)
+        return c
 
     # ----- inventory -------------------------------------------------------------------
     def upsert_node(self, inventory: NodeInventory) -> None:

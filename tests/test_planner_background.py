@@ -136,3 +136,86 @@ def test_a_recreated_pod_does_not_inherit_the_old_plan():
     assert planner.planned_node("default/x") is not None
     c.upsert_pod(pod("x", "20Gi", uid="new"))
     assert planner.planned_node("default/x") is None
+
+
+def _with_requests(p: dict, cpu: str, memory: str) -> dict:
+    p["spec"]["containers"][0]["resources"]["requests"].update({"cpu": cpu, "memory": memory})
+    return p
+
+
+def _reference_usage(c) -> tuple[dict, dict]:
+    """CPU/memory per node as the snapshot used to compute it: every live bound pod parsed again."""
+    from extender.demand import DemandError, pod_demand
+
+    cpu: dict[str, int] = {}
+    mem: dict[str, int] = {}
+    for p in c.pods.values():
+        node = p["spec"].get("nodeName")
+        if not node or p["status"].get("phase") in ("Succeeded", "Failed"):
+            continue
+        try:
+            d = pod_demand(p)
+        except DemandError:
+            continue
+        cpu[node] = cpu.get(node, 0) + d.cpu_milli
+        mem[node] = mem.get(node, 0) + d.memory_bytes
+    return cpu, mem
+
+
+def test_cpu_and_memory_sums_follow_every_pod_event():
+    import random
+
+    from extender.cluster import check_cluster
+
+    rng = random.Random(5)
+    c = cluster(*(gpu_node(n, count=2, memory_mib=80 * 1024, replicas=4) for n in NODES))
+    for step in range(300):
+        name = f"p{rng.randrange(25)}"
+        roll = rng.random()
+        if roll < 0.15:
+            c.delete_pod(f"default/{name}")
+            continue
+        p = _with_requests(pod(name, rng.choice(["8Gi", None]), gpus=rng.choice([0, 1]), node=rng.choice([None, *NODES]),
+                               phase=rng.choice(["Pending", "Running", "Running", "Succeeded"]), uid=f"{name}-{rng.randrange(3)}"),
+                           f"{rng.randrange(1, 9)}", f"{rng.randrange(1, 9)}Gi")
+        if roll < 0.2:
+            p["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "lots"  # unreadable: counted nowhere
+        c.upsert_pod(p)
+        want_cpu, want_mem = _reference_usage(c)
+        assert ({k: v for k, v in c.cpu_used.items() if v}, {k: v for k, v in c.memory_used.items() if v}) == \
+            ({k: v for k, v in want_cpu.items() if v}, {k: v for k, v in want_mem.items() if v}), step
+        assert not [v for v in check_cluster(c) if "CPU/memory" in v.what], step
+    assert c.cpu_used  # the walk ended with pods running somewhere
+
+
+def test_check_cluster_notices_a_wrong_cpu_sum():
+    from extender.cluster import check_cluster
+
+    c = cluster(gpu_node("a"), _with_requests(pod("p", node="a", phase="Running"), "2", "1Gi"))
+    assert c.cpu_used == {"a": 2000} and check_cluster(c) == []
+    c.cpu_used["a"] = 1000
+    assert [v.what for v in check_cluster(c)] == ["CPU/memory requested on the node is (2000, 1073741824), counted (1000, 1073741824)"]
+
+
+def test_snapshot_is_a_private_copy_equal_to_the_cluster():
+    from extender.planner.background import snapshot
+    from extender.placement import choose_devices
+
+    running = [_with_requests(pod(f"r{i}", "20Gi", node=NODES[i % 3], phase="Running"), "4", "16Gi") for i in range(5)]
+    c, planner, svc = setup(*running, pod("waiting", "30Gi"))
+    cap, gens = snapshot(c)
+    a, b = c.ledger.arrays, cap.arrays
+    assert (a.used == b.used).all() and (a.used_replicas == b.used_replicas).all()
+    assert gens == c.ledger.node_generation
+    assert check_invariant(cap.ledger) == []
+    want_cpu, want_mem = _reference_usage(c)
+    for i, name in enumerate(b.node_names):
+        assert cap.cpu_free[i] == cap.cpu_total[i] - want_cpu.get(name, 0)
+        assert cap.mem_free[i] == cap.mem_total[i] - want_mem.get(name, 0)
+    # the copy and the cluster change independently
+    before = a.used.copy()
+    demand = svc._demand(c.pod("default/waiting"))
+    cap.ledger.reserve(choose_devices(cap.ledger, demand, "a"))
+    assert (c.ledger.arrays.used == before).all() and c.ledger.reservation("default/waiting") is None
+    c.ledger.release("default/r0")
+    assert cap.ledger.reservation("default/r0") is not None and check_invariant(cap.ledger) == []

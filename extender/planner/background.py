@@ -22,7 +22,7 @@ from typing import Any
 
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
-from extender.ledger import Ledger, Reservation
+from extender.ledger import Reservation
 from extender.planner.capacity import Capacity, FragIndex, Workload
 from extender.planner.model import Plan, solve_batch
 
@@ -55,29 +55,10 @@ class PlannerStats:
 
 def snapshot(cluster: ClusterState) -> tuple[Capacity, dict[str, int]]:
     """A private copy of the cluster's capacity (ledger, CPU, memory) the worker may read freely,
-    and the per-node generations it reflects."""
-    src = cluster.ledger
-    ledger = Ledger()
-    if hasattr(src, "replica_policy"):
-        ledger.replica_policy = src.replica_policy  # same books as the server's ledger
-    for inv in src.nodes():
-        ledger.upsert_node(inv)
-    for res in src.reservations():
-        ledger.record(Reservation(res.pod, res.node, res.device_ids, res.bytes_per_device, res.priority, res.assumed,
-                                  res.expires_at, res.declared))
-    used_cpu: dict[str, int] = {}
-    used_mem: dict[str, int] = {}
-    for key, pod in cluster.pods.items():
-        node = (pod.get("spec") or {}).get("nodeName")
-        if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            continue
-        try:
-            d = pod_demand(pod, headroom=cluster.headroom)
-        except DemandError:
-            continue
-        used_cpu[node] = used_cpu.get(node, 0) + d.cpu_milli
-        used_mem[node] = used_mem.get(node, 0) + d.memory_bytes
-    return Capacity.from_ledger(ledger, used_cpu, used_mem), dict(src.node_generation)
+    and the per-node generations it reflects. Milliseconds at 5,000 nodes and 100,000 pods: the
+    ledger is cloned (`Ledger.clone`) and CPU/memory come from the sums the cluster keeps."""
+    return Capacity.from_ledger(cluster.ledger.clone(), cluster.cpu_used, cluster.memory_used), \
+        dict(cluster.ledger.node_generation)
 
 
 class BackgroundPlanner:
