@@ -766,26 +766,14 @@ E2E_GPU_LABELS = {  # a time-sliced A100-80GB as GFD labels it (deploy/examples/
 }
 
 
-@pytest.fixture(scope="module")
-def control_plane_for_rbac(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-    from controlplane import ControlPlane, build_binaries
-
-    cp = ControlPlane(tmp_path_factory.mktemp("deploy-rbac"), bin_dir=build_binaries())
-    cp.start()
-    try:
-        yield cp
-    finally:
-        cp.stop()
-
-
 @pytest.fixture
-def rbac_cluster(control_plane_for_rbac: Any, tmp_path: Path) -> Iterator[Any]:
-    """The control plane with the extender's ServiceAccount and its base role; cleaned afterwards."""
+def rbac_cluster(control_plane: Any, tmp_path: Path) -> Iterator[Any]:
+    """The session's control plane (tests/conftest.py) with the extender's ServiceAccount and its
+    base role; cleaned afterwards."""
     import kubernetes.client
     import kubernetes.utils
 
-    cp = control_plane_for_rbac
+    cp = control_plane
     cp.sa_kubeconfig = cp.service_account_kubeconfig(*SA)
     rbac = load(DEPLOY / "rbac.yaml")
     with cp.api_client() as client:
