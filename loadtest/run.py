@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, help="locust worker processes (default 1)")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds at the start left out of the figures")
     p.add_argument("--no-floor", action="store_true", help="skip the floor run (no ratio)")
+    p.add_argument("--planner", action="store_true", help="serve with the background CP-SAT planner on")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
     args = p.parse_args(argv)
     args.duration_s = _seconds(args.duration)
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port), "--log-level", "warning",
+         *(["--planner"] if args.planner else [])],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "vramsched.server.log").open("wb"),
     )
     try:
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "pods_at_start": meta["pods"],
         "gpus_per_node": args.gpus,
         "users": args.users,
+        "planner": args.planner,
         "rate_per_user": args.rate,
         "locust_processes": args.processes,
         "duration_s": args.duration_s,

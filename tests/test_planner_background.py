@@ -219,3 +219,59 @@ def test_snapshot_is_a_private_copy_equal_to_the_cluster():
     assert (c.ledger.arrays.used == before).all() and c.ledger.reservation("default/waiting") is None
     c.ledger.release("default/r0")
     assert cap.ledger.reservation("default/r0") is not None and check_invariant(cap.ledger) == []
+
+
+def test_a_pod_placed_before_it_is_min_age_old_is_never_planned_and_a_waiting_one_is():
+    c, planner, svc = setup(pod("quick", "20Gi"), pod("waits", "20Gi"))
+    t0 = 1000.0
+    aged = planner._aged(t0)
+    assert aged == frozenset() and not planner._needs_plan(aged, t0)
+    asyncio.run(svc.bind(ExtenderBindingArgs(PodName="quick", PodNamespace="default", Node="a")))  # placed at once
+    aged = planner._aged(t0 + planner.min_age)
+    assert aged == {"default/waits"} and planner._needs_plan(aged, t0 + planner.min_age)
+    asyncio.run(planner.replan(aged))
+    assert planner.planned_node("default/waits") in NODES and planner.planned_node("default/quick") is None
+
+
+def test_after_a_plan_only_new_waiting_pods_replan_at_once_other_changes_wait_for_refresh():
+    import time
+
+    c, planner, svc = setup(pod("w1", "20Gi"))
+    planner._aged(time.monotonic() - planner.min_age)  # w1 has been waiting long enough
+    aged = planner._aged(time.monotonic())
+    asyncio.run(planner.replan(aged))
+    planned_at = planner._planned_from[2]
+    assert not planner._needs_plan(aged, planned_at)  # nothing changed
+    c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))  # the cluster changed
+    assert not planner._needs_plan(aged, planned_at + planner.refresh / 2)
+    assert planner._needs_plan(aged, planned_at + planner.refresh)
+    c.upsert_pod(pod("w2", "20Gi"))  # a new pod starts waiting
+    planner._aged(planned_at - planner.min_age)
+    aged = planner._aged(planned_at)
+    assert aged == {"default/w1", "default/w2"} and planner._needs_plan(aged, planned_at)
+    # a planned pod that leaves needs no new plan: the others' entries stay valid per node
+    asyncio.run(planner.replan(aged))
+    planned_at = planner._planned_from[2]
+    node = planner.planned_node("default/w1")
+    asyncio.run(svc.bind(ExtenderBindingArgs(PodName="w1", PodNamespace="default", Node=node)))
+    aged = planner._aged(planned_at)
+    assert aged == {"default/w2"} and not planner._needs_plan(aged, planned_at)
+    assert planner.planned_node("default/w2") in NODES
+
+
+def test_a_pod_that_fit_nowhere_is_left_out_of_plans_for_new_pods_until_the_refresh():
+    import time
+
+    c, planner, svc = setup(pod("huge", "200Gi"), pod("w1", "20Gi"))
+    start = time.monotonic()
+    planner._aged(start - planner.min_age)
+    asyncio.run(planner.step(start))
+    assert planner.stats.last_batch == 2 and planner._unplaced == {"default/huge"}
+    c.upsert_pod(pod("w2", "20Gi"))
+    planner._aged(start - planner.min_age)
+    asyncio.run(planner.step(start + 0.1))  # a new waiting pod: planned at once, without `huge`
+    assert planner.stats.plans == 2 and planner.stats.last_batch == 2
+    assert planner.planned_node("default/w2") in NODES and planner.planned_node("default/w1") in NODES
+    c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
+    asyncio.run(planner.step(planner._planned_from[2] + planner.refresh))  # the refresh: everyone
+    assert planner.stats.plans == 3 and planner.stats.last_batch == 3

@@ -73,6 +73,8 @@ class BackgroundPlanner:
         debounce: float = 0.05,
         max_batch: int = 500,
         poll: float = 1.0,
+        min_age: float = 0.5,
+        refresh: float = 2.0,
     ) -> None:
         self.cluster = cluster
         self.time_limit = time_limit
@@ -80,11 +82,23 @@ class BackgroundPlanner:
         self.debounce = debounce
         self.max_batch = max_batch
         self.poll = poll
+        #: a pod kube-scheduler places within this many seconds of the planner first seeing it
+        #: pending never waits for a plan: planning it would only cost CPU. A backlog (a burst, pods
+        #: that fit nowhere yet) is what the planner is for.
+        self.min_age = min_age
+        #: after a plan, changes elsewhere in the cluster replan at most this often (entries stay
+        #: valid per node meanwhile); new waiting pods replan at once.
+        self.refresh = refresh
         self.entries: dict[str, PlanEntry] = {}
         self.stats = PlannerStats()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._planned_from: tuple[int, frozenset[str]] | None = None
+        #: (ledger generation, pods planned, when) of the last plan
+        self._planned_from: tuple[int, frozenset[str], float] | None = None
+        #: when the planner first saw each pending pod
+        self._seen: dict[str, float] = {}
+        #: pods the last plan could not place
+        self._unplaced: frozenset[str] = frozenset()
 
     # ----- PlanSource ---------------------------------------------------------------------------
     def planned_node(self, pod_key: str) -> str | None:
@@ -125,9 +139,19 @@ class BackgroundPlanner:
         return None
 
     # ----- planning -------------------------------------------------------------------------------
-    def pending_demands(self) -> list[Demand]:
+    def _aged(self, now: float) -> frozenset[str]:
+        """Pending pods the planner has seen pending for at least `min_age` seconds."""
+        pending = self.cluster.pending
+        for key in [k for k in self._seen if k not in pending]:
+            del self._seen[key]
+        for key in pending:
+            self._seen.setdefault(key, now)
+        return frozenset(k for k in pending if now - self._seen[k] >= self.min_age)
+
+    def pending_demands(self, keys: frozenset[str] | None = None) -> list[Demand]:
+        """Demands of the pending pods (of `keys` only, when given), in a stable order."""
         out = []
-        for key in sorted(self.cluster.pending):
+        for key in sorted(self.cluster.pending if keys is None else keys):
             pod = self.cluster.pod(key)
             if pod is None:
                 continue
@@ -149,10 +173,15 @@ class BackgroundPlanner:
         self._install(demands, plan, gens, cap)
         return plan
 
-    async def replan(self) -> Plan | None:
-        demands = self.pending_demands()
+    async def replan(self, keys: frozenset[str] | None = None, covers: frozenset[str] | None = None) -> Plan | None:
+        """Plan the pending pods `keys` (all when None); `covers`: the waiting pods this plan answers
+        for (default `keys`), so that those left out on purpose do not ask for another plan."""
+        covers = keys if covers is None else covers
+        demands = self.pending_demands(keys)
         if not demands:
             self.entries.clear()
+            if covers is not None:
+                self._planned_from = (self.cluster.ledger.generation, covers, time.monotonic())
             return None
         cap, gens = snapshot(self.cluster)  # on the loop: a consistent copy
         started = time.perf_counter()
@@ -163,6 +192,9 @@ class BackgroundPlanner:
             log.exception("background plan failed")
             return None
         self._install(demands, plan, gens, cap)
+        self._unplaced = frozenset(d.pod.key for d in demands if d.pod.key not in self.entries)
+        if covers is not None:  # what was asked for, even beyond max_batch: not asked again until it grows
+            self._planned_from = (self._planned_from[0], covers, self._planned_from[2])
         self.stats.last_seconds = time.perf_counter() - started
         return plan
 
@@ -181,16 +213,20 @@ class BackgroundPlanner:
         self.stats.last_gap = plan.gap
         self.stats.last_batch = len(demands)
         self.stats.last_placed = plan.placed
-        self._planned_from = (self.cluster.ledger.generation, frozenset(d.pod.key for d in demands))
+        self._planned_from = (self.cluster.ledger.generation, frozenset(d.pod.key for d in demands), time.monotonic())
 
-    def _needs_plan(self) -> bool:
-        pending = frozenset(self.cluster.pending)
-        if not pending:
+    def _needs_plan(self, aged: frozenset[str], now: float) -> bool:
+        """A new plan when pods started waiting that the last one did not cover, or, at most every
+        `refresh` seconds, when the cluster changed since. Pods that left need none: the remaining
+        entries are checked per node when used."""
+        if not aged:
             return bool(self.entries)
         if self._planned_from is None:
             return True
-        gen, keys = self._planned_from
-        return keys != pending or gen != self.cluster.ledger.generation
+        gen, keys, at = self._planned_from
+        if not aged <= keys:
+            return True
+        return gen != self.cluster.ledger.generation and now - at >= self.refresh
 
     async def run(self) -> None:
         self._wake = asyncio.Event()
@@ -201,8 +237,17 @@ class BackgroundPlanner:
                 pass
             self._wake.clear()
             await asyncio.sleep(self.debounce)  # let a burst of pending pods arrive together
-            if self._needs_plan():
-                await self.replan()
+            await self.step(time.monotonic())
+
+    async def step(self, now: float) -> Plan | None:
+        """One turn of the loop: plan if `_needs_plan` says so."""
+        aged = self._aged(now)
+        if not self._needs_plan(aged, now):
+            return None
+        # Pods the last plan could not place fit nowhere until the cluster changes: new waiting
+        # pods are planned without them, the periodic refresh with them.
+        fresh = self._planned_from is not None and now - self._planned_from[2] < self.refresh
+        return await self.replan(aged - self._unplaced if fresh else aged, covers=aged)
 
     async def start(self) -> None:
         if self._task is None:
