@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import socket
 import threading
 import time
@@ -62,6 +63,7 @@ from extender.wire import (
 )
 
 __all__ = [
+    "needs_legacy_failed_nodes",
     "ApiError",
     "KubeApi",
     "ClientApi",
@@ -118,6 +120,8 @@ class KubeApi(Protocol):
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]: ...
 
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None: ...
+
+    def server_version(self) -> dict[str, Any]: ...
 
 
 _PATHS = {"nodes": "/api/v1/nodes", "pods": "/api/v1/pods"}
@@ -265,6 +269,10 @@ class ClientApi:
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return self._json("GET", f"/api/v1/namespaces/{namespace}/pods/{name}", timeout=self.write_timeout)
+
+    def server_version(self) -> dict[str, Any]:
+        """GET /version (readable by anyone: the system:public-info-viewer role)."""
+        return self._json("GET", "/version", timeout=self.write_timeout)
 
     def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
         self._json("POST", f"/api/v1/namespaces/{namespace}/pods/{name}/binding", body=dict(body), timeout=self.write_timeout)
@@ -933,8 +941,8 @@ class LiveService(ExtenderService):
             result.Nodes.items = [n for n in result.Nodes.items if _node_name(n) not in refused]
         else:
             result.NodeNames = [n for n in feasible if n not in refused]
-        # As the service does: < 1.21 only reads FailedNodes, >= 1.21 lets the unresolvable entry win.
-        result.FailedNodes = {**(result.FailedNodes or {}), **refused}
+        if self.legacy_failed_nodes:  # as the service does for kube-scheduler < 1.21
+            result.FailedNodes = {**(result.FailedNodes or {}), **refused}
         result.FailedAndUnresolvableNodes = {**(result.FailedAndUnresolvableNodes or {}), **refused}
 
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
@@ -966,3 +974,15 @@ class LiveService(ExtenderService):
             refused = self._unpinnable(args.Pod, list(result.NodeNameToMetaVictims))
             result.NodeNameToMetaVictims = {n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused}
         return result
+
+
+def needs_legacy_failed_nodes(version: Mapping[str, Any] | None) -> bool:
+    """Whether a control plane of this `/version` needs unresolvable nodes in FailedNodes too:
+    kube-scheduler < 1.21 reads no other map. kube-scheduler runs the control plane's version
+    (within one minor); an unreadable version keeps them (harmless, only larger answers)."""
+    try:
+        major = int(re.sub(r"\D.*", "", str((version or {}).get("major", ""))))
+        minor = int(re.sub(r"\D.*", "", str((version or {}).get("minor", ""))))
+    except ValueError:
+        return True
+    return (major, minor) < (1, 21)

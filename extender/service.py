@@ -109,12 +109,17 @@ class ExtenderService:
         planner: PlanSource | None = None,
         assume_ttl: float = 60.0,
         live: bool = False,
+        legacy_failed_nodes: bool = True,
     ) -> None:
         self.cluster = cluster
         self.binder = binder
         self.planner = planner
         self.assume_ttl = assume_ttl
         self.live = live
+        #: also list unresolvable nodes in FailedNodes: kube-scheduler < 1.21 has no
+        #: FailedAndUnresolvableNodes and would drop those reasons from the pod's event. Newer ones
+        #: read both maps (the unresolvable entry wins), so there it only doubles the answer.
+        self.legacy_failed_nodes = legacy_failed_nodes
         #: binds waiting on the binder, by pod key: (node, outcome). Another bind of the same pod
         #: meanwhile shares that outcome (same node) or is refused (another node), so a pod never
         #: has two Bindings racing, nor one call releasing what a concurrent one is confirming.
@@ -201,10 +206,9 @@ class ExtenderService:
         self._remember(args.Pod)
         self.ledger.expire()
         outcome = filter_nodes(self.ledger, demand, names)
-        # kube-scheduler < 1.21 has no FailedAndUnresolvableNodes and would drop those reasons from
-        # the pod's event; >= 1.21 lets the unresolvable entry win when a node is in both maps.
-        failed = outcome.failed  # this call's own dict: merged in place, one copy fewer
-        failed.update(outcome.unresolvable)
+        failed = outcome.failed
+        if self.legacy_failed_nodes:  # see __init__; this call's own dict: merged in place
+            failed.update(outcome.unresolvable)
         if by_nodes:
             keep = set(outcome.feasible)
             items = [n for n in args.Nodes.items if _node_name(n) in keep]

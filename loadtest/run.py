@@ -210,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     server = subprocess.Popen(
+        # --no-legacy-failed-nodes: the scenario is today's kube-scheduler (deploy/ runs 1.34), which
+        # reads FailedAndUnresolvableNodes; only < 1.21 needs those nodes in FailedNodes again.
         [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port), "--log-level", "warning",
-         *(["--planner"] if args.planner else [])],
+         "--no-legacy-failed-nodes", *(["--planner"] if args.planner else [])],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "vramsched.server.log").open("wb"),
     )
     try:

@@ -134,6 +134,10 @@ class FakeApi:
             raise ApiError(404, "NotFound", "")
         return copy.deepcopy(cm)
 
+    def server_version(self) -> dict[str, Any]:
+        self.calls.append(("server_version",))
+        return {"major": "1", "minor": "34"}
+
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
         self.calls.append(("create_event", namespace, copy.deepcopy(dict(body))))
         self._maybe_fail("create_event")

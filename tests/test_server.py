@@ -201,3 +201,44 @@ async def test_a_pod_sent_again_with_another_annotation_gets_its_new_demand(aioh
     for p, fits in ((small, True), (big, False), (small, True)):
         out = await post(client, "filter", {"Pod": p, "Nodes": None, "NodeNames": ["g1"]})
         assert (out["NodeNames"] == ["g1"]) is fits, out
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+async def test_unresolvable_nodes_are_in_failed_nodes_only_for_old_schedulers(aiohttp_client, legacy):
+    """kube-scheduler < 1.21 reads only FailedNodes; newer ones read both maps, so there the
+    unresolvable entries are not sent twice."""
+    state = cluster(gpu_node("big", count=1), gpu_node("small", count=1, memory_mib=24576))
+    svc = service(state)
+    svc.legacy_failed_nodes = legacy
+    client = await aiohttp_client(create_app(svc))
+    out = await post(client, "filter", {"Pod": pod("p", "40Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]})
+    assert out["NodeNames"] == ["big"]
+    assert set(out["FailedAndUnresolvableNodes"]) == {"small", "ghost"}
+    assert out["FailedNodes"] == (out["FailedAndUnresolvableNodes"] if legacy else {})
+
+
+def test_which_control_planes_need_unresolvable_nodes_in_failed_nodes():
+    from extender.kube import needs_legacy_failed_nodes
+
+    assert needs_legacy_failed_nodes({"major": "1", "minor": "20"})
+    assert not needs_legacy_failed_nodes({"major": "1", "minor": "21"})
+    assert not needs_legacy_failed_nodes({"major": "1", "minor": "34+"})  # as EKS/GKE report it
+    assert not needs_legacy_failed_nodes({"major": "2", "minor": "0"})
+    assert needs_legacy_failed_nodes({}) and needs_legacy_failed_nodes(None)
+    assert needs_legacy_failed_nodes({"major": "one", "minor": "x"})
+
+
+async def test_serve_reads_the_choice_from_the_api_server_and_keeps_it_when_unreadable():
+    from types import SimpleNamespace
+
+    from extender.commands.serve import _legacy_failed_nodes
+
+    def version(minor):
+        return lambda: {"major": "1", "minor": minor}
+
+    def broken():
+        raise OSError("connection refused")
+
+    assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=version("20")))) is True
+    assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=version("34")))) is False
+    assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=broken))) is True

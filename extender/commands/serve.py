@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep a CP-SAT batch plan for pending pods in a background thread; prioritize and bind "
                         "follow it while it is fresh, best fit answers otherwise (default off, docs/packing.md)")
     p.add_argument("--planner-time-limit", type=float, default=1.0, help="seconds per background plan (default 1)")
+    p.add_argument("--legacy-failed-nodes", action=argparse.BooleanOptionalAction, default=None,
+                   help="also list unresolvable nodes in FailedNodes, for kube-scheduler < 1.21 which reads no "
+                        "other map (default: on with --cluster; live, on only if the API server is older than 1.21)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -102,7 +105,8 @@ async def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"cannot load {args.cluster}: {exc}")
         # No device plugin behind a cluster file: exact per-GPU books unless a policy is asked for.
         cluster.ledger.replica_policy = args.replica_policy
-        service = ExtenderService(cluster, EmbeddedBinder(cluster), planner=_planner(args, cluster))
+        service = ExtenderService(cluster, EmbeddedBinder(cluster), planner=_planner(args, cluster),
+                                  legacy_failed_nodes=args.legacy_failed_nodes is not False)
         ready = None
         source = None
     else:
@@ -112,6 +116,8 @@ async def _serve(args: argparse.Namespace) -> int:
         service = LiveService(cluster, source, assume_ttl=args.assume_ttl, planner=_planner(args, cluster))
         ready = source.ready
         await source.start()
+        service.legacy_failed_nodes = (
+            args.legacy_failed_nodes if args.legacy_failed_nodes is not None else await _legacy_failed_nodes(source))
     if service.planner is not None:
         await service.planner.start()
     app = create_app(service, max_body_bytes=args.max_body_bytes, max_concurrency=args.max_concurrency, ready=ready)
@@ -142,6 +148,21 @@ async def _serve(args: argparse.Namespace) -> int:
         if probe_runner is not None:
             await probe_runner.cleanup()
         await runner.cleanup()
+
+
+async def _legacy_failed_nodes(source) -> bool:
+    """From the API server's version (kube-scheduler runs the control plane's); on when unreadable."""
+    from extender.kube import needs_legacy_failed_nodes
+
+    try:
+        version = await asyncio.to_thread(source.api.server_version)
+    except Exception as exc:  # noqa: BLE001 - any failure: keep the answer every version reads
+        log.warning("cannot read the API server version (%s); listing unresolvable nodes in FailedNodes too", exc)
+        return True
+    legacy = needs_legacy_failed_nodes(version)
+    log.info("control plane %s.%s: unresolvable nodes %s in FailedNodes", version.get("major"), version.get("minor"),
+             "also" if legacy else "not")
+    return legacy
 
 
 def _planner(args: argparse.Namespace, cluster: ClusterState):
