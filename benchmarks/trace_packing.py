@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import sys
 import time
 from pathlib import Path
@@ -29,18 +30,25 @@ TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "trace
 LISTS = ["default", "gpushare40", "gpuspec10"]
 
 
-def run(pod_list: str, factor: float, policies: list[str], time_limit: float, churn: bool) -> dict:
+def run(pod_list: str, factor: float, policies: list[str], time_limit: float, churn: bool, accept: str | None = None,
+        shuffle: int | None = None) -> dict:
     nodes, tasks, bound = read_inputs(TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{pod_list}.csv")
+    if shuffle is not None:
+        # another node order: every policy's lowest-index tie-break lands elsewhere (a robustness check)
+        random.Random(shuffle).shuffle(nodes)
     workload = Workload.from_demands(t.demand for t in tasks)
     gpus = sum(int(n["metadata"]["labels"]["nvidia.com/gpu.count"]) for n in nodes)
     if factor > 0:
         tasks = inflate(tasks, gpus, factor)
     out = {"podList": pod_list, "inflate": factor, "churn": churn, "tasks": len(tasks), "gpus": gpus, "policies": {}}
+    if shuffle is not None:
+        out["shuffleNodes"] = shuffle
     for p in policies:
-        r = run_policy(p, nodes, tasks, bound, churn=churn, workload=workload, time_limit=time_limit)
+        r = run_policy(p, nodes, tasks, bound, churn=churn, workload=workload, time_limit=time_limit, accept=accept)
         out["policies"][p] = r.to_json()
         print(f"  {pod_list} inflate={factor} churn={churn} {p}: placed {r.placed} alloc {r.allocatedMemoryBytes / 2**20 / 1000:.2f} GPUs "
-              f"free {r.gpusFree} over {r.overcommittedGpus} {r.seconds:.1f}s", flush=True)
+              f"free {r.gpusFree} over {r.overcommittedGpus} {r.seconds:.1f}s"
+              + (f" solver {r.solverRuns}/{r.solverBatches} improved {r.solverImproved}" if p == "planner" else ""), flush=True)
     pl = out["policies"].get("planner")
     if pl:
         out["planner margins"] = {
@@ -91,6 +99,9 @@ def main() -> int:
     ap.add_argument("--churn", action="store_true", help="also run every list without inflation with churn")
     ap.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
     ap.add_argument("--time-limit", type=float, default=1.0, help="planner: seconds per batch solve")
+    ap.add_argument("--accept", choices=["placed", "stranded", "all"], default=None,
+                    help="planner: goals on which a solver plan must beat FGD's sequential plan (default: extender.planner.model.ACCEPT)")
+    ap.add_argument("--shuffle-nodes", type=int, default=None, metavar="SEED", help="shuffle the node list with this seed")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_packing.json"))
     ap.add_argument("--markdown", action="store_true", help="print the tables of an existing --out file and exit")
     ap.add_argument("--plots", action="store_true", help="draw one PNG per run of an existing --out file and exit")
@@ -105,9 +116,9 @@ def main() -> int:
     runs = []
     for pod_list in args.lists:
         for f in args.inflate:
-            runs.append(run(pod_list, f, args.policies, args.time_limit, False))
+            runs.append(run(pod_list, f, args.policies, args.time_limit, False, args.accept, args.shuffle_nodes))
         if args.churn:
-            runs.append(run(pod_list, 0.0, args.policies, args.time_limit, True))
+            runs.append(run(pod_list, 0.0, args.policies, args.time_limit, True, args.accept, args.shuffle_nodes))
     body = {"command": " ".join(["benchmarks/trace_packing.py", *sys.argv[1:]]), "machine": platform.platform(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "wallSeconds": round(time.time() - started, 1),
             "runs": runs}

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from builders import gpu_node
 from extender.demand import Demand, PodRef
 from extender.ledger import Reservation, check_invariant
-from extender.planner import model
-from extender.planner.capacity import Capacity, FragIndex, Workload
+from extender.planner import greedy, model
+from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
 from extender.planner.greedy import greedy_batch, place_one
 from extender.planner.model import solve_batch
 from extender.quantity import GIB
@@ -101,7 +102,8 @@ def test_matches_brute_force_on_small_random_cases(seed):
     profile = [demand("t1", 40), demand("t2", 20), demand("t3", 40, gpus=2, cpu=2000), demand("t4", 70)]
     frag = FragIndex(cap, Workload.from_demands(profile))
     expected = brute_force(cap, demands, frag)
-    plan = solve_batch(cap, demands, frag, time_limit=10, num_workers=1)
+    # accept="all": the solver's plan is used whenever it is better on any goal, so it must be the optimum
+    plan = solve_batch(cap, demands, frag, time_limit=10, num_workers=1, accept="all")
     assert plan.status == "OPTIMAL" or plan.status == "GREEDY"
     assert plan.cost == expected
 
@@ -191,3 +193,61 @@ def test_capacity_is_left_unchanged_by_planning():
     solve_batch(cap, [demand("a", 40), demand("b", 50), demand("c", 30)], time_limit=1, num_workers=1)
     assert (cap.arrays.used == before[0]).all() and (cap.cpu_free == before[1]).all()
     assert len(list(cap.ledger.reservations())) == before[2]
+
+
+def test_a_batch_of_one_pod_gets_fgds_node():
+    # a tiny workload type: a 10 GiB pod strands nothing wherever it goes, so FGD's measure ties
+    # between the empty node n0 and the used GPU of n1; FGD breaks the tie by node index (n0),
+    # vramsched's own rule by fewest empty GPUs opened (n1). The planner follows FGD.
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4),
+                             gpu_node("n1", count=2, memory_mib=80 * 1024, replicas=4)])
+    frag = FragIndex(cap, Workload.from_demands([demand("tiny", 1)]))
+    first = demand("first", 40)
+    c = candidates(cap, first, dedupe=False)
+    j = int(np.flatnonzero(c.node == 1)[0])
+    place_one(cap, first, (c.reservation(cap.arrays, j, first), 1, False), frag)
+    pod = demand("p", 10)
+    assert greedy.fgd(cap, pod, frag)[1] == 0 and greedy.vramsched(cap, pod, frag)[1] == 1
+    plan = solve_batch(cap, [pod], frag, time_limit=1, num_workers=1)
+    assert plan.choices[0][1] == 0
+    assert plan.choices[0][0].device_ids == greedy.fgd(cap, pod, frag)[0].device_ids
+
+
+def stranded_case():
+    """One 80 GiB GPU holds 40 GiB; a batch of 20+20+10 GiB pods: FGD's sequential plan strands
+    more VRAM (for the 20 GiB, 40 GiB and 2-GPU types) than the solver's plan."""
+    _, cap = build_capacity([gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(3)])
+    first = demand("b0", 40)
+    place_one(cap, first, greedy.fgd(cap, first, FragIndex(cap, Workload.from_demands([demand("w", 20)]))))
+    frag = FragIndex(cap, Workload.from_demands([demand("t1", 20), demand("t2", 40), demand("t3", None, gpus=2)]))
+    return cap, frag, [demand("q0", 20), demand("q1", 20), demand("q2", 10)]
+
+
+def test_batch_keeps_fgds_sequential_plan_unless_the_solver_places_more():
+    cap, frag, demands = stranded_case()
+    sequential = greedy_batch(cap, demands, frag, order="arrival", rule="fgd")
+    # the solver finds a plan that strands less VRAM (it is used when asked to accept that goal) ...
+    eager = solve_batch(cap, demands, frag, time_limit=5, num_workers=1, accept="all")
+    assert eager.improved and eager.cost[0] == eager.greedy_cost[0] and eager.cost[1] < eager.greedy_cost[1]
+    # ... but by default a plan must place more pods than FGD's sequential plan; this one does not
+    plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
+    assert not plan.improved and plan.placed == 3
+    assert {i: (ch[0].device_ids, ch[1]) for i, ch in plan.choices.items()} == \
+        {i: (ch[0].device_ids, ch[1]) for i, ch in sequential.items()}
+    assert plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0  # every pod placed: stage 1 proven
+
+
+def test_batch_takes_the_solver_plan_when_it_places_more_than_fgd():
+    # the case of test_solver_beats_greedy_where_greedy_strands_memory, against FGD's sequential plan
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
+    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
+    frag = FragIndex(cap, Workload.from_demands(demands))
+    assert len(greedy_batch(cap, demands, frag, order="arrival", rule="fgd")) == 5
+    plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
+    assert plan.improved and plan.placed == 6 and plan.cost[0] < plan.greedy_cost[0]
+
+
+def test_unknown_accept_is_refused():
+    _, cap = build_capacity([gpu_node("n0", count=1)])
+    with pytest.raises(ValueError):
+        solve_batch(cap, [demand("a", 10), demand("b", 10)], accept="sometimes")

@@ -77,6 +77,20 @@ def test_pods_arriving_together_are_planned_as_one_batch(tmp_path):
     assert planner.allocatedMemoryBytes == 2000 * MIB
 
 
+def test_planner_follows_fgd_when_no_batch_plan_places_more(tmp_path):
+    # pods alone and in pairs on four nodes, everything fits: the planner's plan of each batch is
+    # FGD's sequential plan, so the replay ends in exactly FGD's state
+    rows = [task(f"p{i}", 1 if i % 5 else 2, (150 * i) % 900 + 50 if i % 5 else 0, i // 2 if i % 3 else i) for i in range(24)]
+    n, p = write(tmp_path, ["n0,64000,262144,4,T4", "n1,64000,262144,2,T4", "n2,32000,131072,4,P100", "n3,64000,262144,8,T4",
+                              "n4,64000,262144,4,P100"], rows)
+    nodes, tasks, bound = read_inputs(n, p)
+    planner = run_policy("planner", nodes, tasks, bound, time_limit=2, num_workers=1)
+    fgd = run_policy("fgd", nodes, tasks, bound)
+    assert planner.solverBatches > 0 and planner.solverImproved == 0 and planner.failed == 0
+    for key in ("placed", "allocatedMemoryBytes", "gpusFree", "fragmentationBytes", "gpusFreeMean", "gpusInUsePeak"):
+        assert getattr(planner, key) == getattr(fgd, key), key
+
+
 def test_churn_frees_capacity_for_later_pods(tmp_path):
     rows = [task("first", 1, 1000, 0, dele="10"), task("second", 1, 1000, 20)]
     n, p = write(tmp_path, ["n0,64000,262144,1,T4"], rows)

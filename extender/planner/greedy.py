@@ -1,5 +1,5 @@
-"""One-pod-at-a-time placement rules: vramsched's own (the planner's warm start and its exact
-answer for a single pod) and the published baselines the simulator compares it with.
+"""One-pod-at-a-time placement rules: the published baselines the simulator compares with (FGD's
+is also the planner's reference plan and its answer for a single pod) and vramsched's own.
 
 Every rule picks among `capacity.candidates` (real, fitting placements), so none can break the
 ledger's invariant except `spread`, which models the device plugin's time-slicing that does not
@@ -11,7 +11,8 @@ know memory and is therefore *recorded*, overcommit included, to show what it wo
   only `nvidia.com/gpu` replicas; the device plugin hands out replicas of the least shared GPUs.
 - fgd: fragmentation gradient descent: the placement that least increases expected stranded VRAM.
 - vramsched: least increase of stranded VRAM (FGD's measure), then fewest empty GPUs opened, then
-  lowest index: the planner's lexicographic goals restricted to one pod.
+  lowest index: the model's stage 2 goals restricted to one pod (the planner tries its largest-first
+  plan of a batch against FGD's).
 """
 
 from __future__ import annotations
@@ -117,16 +118,22 @@ def batch_order(demands: Sequence[Demand]) -> list[int]:
 
 
 def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | None = None, *, apply: bool = False,
-                 order: str = "size") -> dict[int, Choice]:
-    """vramsched's rule pod by pod, largest first (`order="size"`) or in queue order ("arrival":
-    priority, then as given).
+                 order: str = "size", rule: str = "vramsched") -> dict[int, Choice]:
+    """A one-pod `rule` (vramsched's by default) pod by pod, largest first (`order="size"`), in
+    queue order ("arrival": priority, then as given) or exactly as given ("given").
     Without `apply` the capacity is restored after."""
     placed: dict[int, Choice] = {}
     done: list[tuple[Demand, int]] = []
     try:
-        queue = sorted(range(len(demands)), key=lambda i: -demands[i].priority)  # stable: arrival within a priority
-        for i in (batch_order(demands) if order == "size" else queue):
-            ch = vramsched(cap, demands[i], frag)
+        if order == "size":
+            queue = batch_order(demands)
+        elif order == "given":
+            queue = list(range(len(demands)))
+        else:
+            queue = sorted(range(len(demands)), key=lambda i: -demands[i].priority)  # stable: arrival within a priority
+        pick = POLICIES[rule]
+        for i in queue:
+            ch = pick(cap, demands[i], frag)
             if ch is None:
                 continue
             try:

@@ -1,7 +1,8 @@
 """Replay tasks against a cluster with one policy and measure the result.
 
 Pods that arrive together (same arrival time) are pending together: the greedy policies place
-them one by one, the planner plans them as one batch, exactly as for a burst of pending pods.
+them one by one, the planner plans them as one batch, exactly as for a burst of pending pods (a pod
+alone gets the planner's plan of a batch of one: FGD's rule, `model.SEQUENTIAL_RULE`).
 Every vramsched policy places through `Ledger.reserve`, so an overcommit would raise; `spread`
 records what the device plugin would do, overcommit included, and the metrics count it.
 """
@@ -48,6 +49,7 @@ class PolicyResult:
     seconds: float = 0.0
     batches: int = 0
     solverBatches: int = 0
+    solverRuns: int = 0
     solverOptimal: int = 0
     solverImproved: int = 0
     invariantViolations: int = 0
@@ -89,6 +91,7 @@ def run_policy(
     workload: Workload | None = None,
     time_limit: float = 1.0,
     num_workers: int = 2,
+    accept: str | None = None,
 ) -> PolicyResult:
     cluster, cap = build_capacity(nodes, bound)
     workload = workload or Workload.from_demands(t.demand for t in tasks)
@@ -112,9 +115,9 @@ def run_policy(
                     frag.refresh([n])
         out.batches += 1
         if policy == "planner" and len(batch) > 1:
-            placed = _plan_batch(cap, frag, batch, out, time_limit, num_workers)
+            placed = _plan_batch(cap, frag, batch, out, time_limit, num_workers, accept)
         else:
-            rule = "vramsched" if policy == "planner" else policy
+            rule = _planner_rule() if policy == "planner" else policy
             placed = []
             for t in batch:
                 ch = choose(rule, cap, t.demand, frag)
@@ -145,12 +148,20 @@ def run_policy(
     return out
 
 
-def _plan_batch(cap: Capacity, frag: FragIndex | None, batch: list[Task], out: PolicyResult, time_limit: float, num_workers: int):
+def _planner_rule() -> str:
+    from extender.planner import model
+
+    return model.SEQUENTIAL_RULE  # a pod alone: the planner's plan of a batch of one
+
+
+def _plan_batch(cap: Capacity, frag: FragIndex | None, batch: list[Task], out: PolicyResult, time_limit: float, num_workers: int,
+                accept: str | None):
     from extender.planner.model import solve_batch
 
     demands = [t.demand for t in batch]
-    plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)
+    plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers, accept=accept)
     out.solverBatches += 1
+    out.solverRuns += plan.stats.get("nodeCopies", 0) > 0  # CP-SAT ran (skipped when it could not gain)
     out.solverOptimal += plan.status == "OPTIMAL"
     out.solverImproved += plan.improved
     placed = []
