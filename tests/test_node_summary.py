@@ -196,6 +196,26 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
     assert {"_one_largest", "_node_fit", "_score_summary"} <= set(used)  # every fast path was taken (and compared)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_binds_one_node_choice_in_python_equals_the_vector_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(100 + seed)
+    names = [f"n{i}" for i in range(12)] + ["mig"]
+    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    quick_fits = 0
+    for step in range(80):
+        _random_step(rng, c, names, step)
+        for j in range(4):
+            demand = pod_demand(_random_pod(rng, f"b{step}-{j}"))
+            node = rng.choice(names)
+            fast = choose_devices(c.ledger, demand, node)
+            with monkeypatch.context() as m:
+                m.setattr(placement, "_choose_on_node", lambda *args: None)
+                slow = choose_devices(c.ledger, demand, node)
+            assert fast == slow, (step, demand, node)
+            quick_fits += isinstance(fast, Reservation) and demand.wants_gpu
+    assert quick_fits > 20  # the Python path did answer, and agreed
+
+
 def test_summary_follows_every_change_and_invariant_catches_a_stale_one() -> None:
     rng = random.Random(42)
     names = [f"n{i}" for i in range(12)]
