@@ -464,9 +464,14 @@ def _explain(
     else:
         with_slot = big_enough & (a.used_replicas < a.replicas)
         n_slot = _per_node(a, with_slot)
-    cat = np.select(
-        [problem[bad], n_match[bad] == 0, n_match[bad] < k, n_big[bad] < k, n_slot[bad] < k], [0, 1, 2, 3, 4], 5
-    )
+    # np.select's first matching condition, as masked assignments from the last to the first (cheaper)
+    cat = np.full(len(bad), 5, np.int64)
+    cat[n_slot[bad] < k] = 4
+    cat[n_big[bad] < k] = 3
+    matching = n_match[bad]
+    cat[matching < k] = 2
+    cat[matching == 0] = 1
+    cat[problem[bad]] = 0
     fixed = cat < _UNRESOLVABLE_CATEGORIES
     if fixed.any():
         rows = bad[fixed]
