@@ -53,7 +53,7 @@ soak: venv
 bench-mig: venv
 	$(PY) benchmarks/mig_geometry.py
 
-# Alibaba GPU-sharing trace replay, every policy (about 15 minutes on 2 cores); docs/packing.md.
+# Alibaba GPU-sharing trace replay, every policy (about 2 minutes on 2 cores); docs/packing.md.
 bench-packing: venv
 	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25
 
