@@ -57,6 +57,8 @@ class PlanSource(Protocol):
 
     def notify_pending(self, pod_key: str) -> None: ...
 
+    def notify_unschedulable(self, pod_key: str) -> None: ...
+
 
 class EmbeddedBinder:
     """Binds by updating the in-memory cluster, as the API server would after a Binding."""
@@ -206,6 +208,8 @@ class ExtenderService:
         self._remember(args.Pod)
         self.ledger.expire()
         outcome = filter_nodes(self.ledger, demand, names)
+        if not outcome.feasible and names and self.planner is not None and demand.pod.key:
+            self.planner.notify_unschedulable(demand.pod.key)  # no plan can place it now either
         failed = outcome.failed
         if self.legacy_failed_nodes:  # see __init__; this call's own dict: merged in place
             failed.update(outcome.unresolvable)

@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, help="locust worker processes (default 1)")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds at the start left out of the figures")
     p.add_argument("--no-floor", action="store_true", help="skip the floor run (no ratio)")
-    p.add_argument("--planner", action="store_true", help="serve with the background CP-SAT planner on")
+    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve with the background CP-SAT planner (default on, as `vramsched serve`)")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
     args = p.parse_args(argv)
     args.duration_s = _seconds(args.duration)
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         # --no-legacy-failed-nodes: the scenario is today's kube-scheduler (deploy/ runs 1.34), which
         # reads FailedAndUnresolvableNodes; only < 1.21 needs those nodes in FailedNodes again.
         [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port), "--log-level", "warning",
-         "--no-legacy-failed-nodes", *(["--planner"] if args.planner else [])],
+         "--no-legacy-failed-nodes", "--planner" if args.planner else "--no-planner"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "vramsched.server.log").open("wb"),
     )
     try:

@@ -273,5 +273,35 @@ def test_a_pod_that_fit_nowhere_is_left_out_of_plans_for_new_pods_until_the_refr
     assert planner.stats.plans == 2 and planner.stats.last_batch == 2
     assert planner.planned_node("default/w2") in NODES and planner.planned_node("default/w1") in NODES
     c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
-    asyncio.run(planner.step(planner._planned_from[2] + planner.refresh))  # the refresh: everyone
-    assert planner.stats.plans == 3 and planner.stats.last_batch == 3
+    asyncio.run(planner.step(planner._planned_from[2] + planner.refresh))  # the refresh: still without it
+    assert planner.stats.plans == 3 and planner.stats.last_batch == 2
+    c.upsert_pod(pod("elsewhere-2", "10Gi", node="c", phase="Running"))
+    asyncio.run(planner.step(planner._planned_from[2] + planner.refresh_all))  # the full plan: everyone
+    assert planner.stats.plans == 4 and planner.stats.last_batch == 3
+    assert planner._unplaced == {"default/huge"}
+
+
+def test_a_pod_filter_found_no_node_for_is_not_planned_until_the_full_plan():
+    import time
+
+    c, planner, svc = setup(pod("w1", "20Gi"))
+    start = time.monotonic()
+    planner._aged(start - planner.min_age)
+    asyncio.run(planner.step(start))
+    assert planner.stats.plans == 1
+    stuck = pod("stuck", "200Gi")
+    out = svc.filter(ExtenderArgs(Pod=stuck, NodeNames=NODES))  # embedded mode learns it here
+    assert out.NodeNames == [] and "default/stuck" in planner._unplaced
+    planner._aged(start - planner.min_age)
+    assert not planner._needs_plan(planner._aged(start + 0.1), start + 0.1)  # waiting, but no plan for it
+    assert planner.stats.plans == 1
+
+def test_serve_plans_by_default_and_no_planner_turns_it_off():
+    from extender.cli import build_parser
+    from extender.commands.serve import _planner
+
+    c = cluster(gpu_node("a"))
+    on = build_parser().parse_args(["serve", "--cluster", "x.yaml"])
+    off = build_parser().parse_args(["serve", "--cluster", "x.yaml", "--no-planner"])
+    assert isinstance(_planner(on, c), BackgroundPlanner)
+    assert _planner(off, c) is None

@@ -45,9 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-host", default="0.0.0.0", help="listen address of --metrics-port (default all interfaces)")
     p.add_argument("--tls-cert", metavar="FILE")
     p.add_argument("--tls-key", metavar="FILE")
-    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=False,
-                   help="keep a CP-SAT batch plan for pending pods in a background thread; prioritize and bind "
-                        "follow it while it is fresh, best fit answers otherwise (default off, docs/packing.md)")
+    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep a CP-SAT batch plan for the pods that wait (pending 0.5 s and more) in a background "
+                        "thread; prioritize and bind follow it while it is fresh, best fit answers otherwise "
+                        "(default on; --no-planner: greedy only; docs/packing.md)")
     p.add_argument("--planner-time-limit", type=float, default=1.0, help="seconds per background plan (default 1)")
     p.add_argument("--legacy-failed-nodes", action=argparse.BooleanOptionalAction, default=None,
                    help="also list unresolvable nodes in FailedNodes, for kube-scheduler < 1.21 which reads no "

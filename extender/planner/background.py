@@ -75,6 +75,7 @@ class BackgroundPlanner:
         poll: float = 1.0,
         min_age: float = 0.5,
         refresh: float = 2.0,
+        refresh_all: float = 30.0,
     ) -> None:
         self.cluster = cluster
         self.time_limit = time_limit
@@ -89,6 +90,8 @@ class BackgroundPlanner:
         #: after a plan, changes elsewhere in the cluster replan at most this often (entries stay
         #: valid per node meanwhile); new waiting pods replan at once.
         self.refresh = refresh
+        #: how often pods that fit nowhere (last plan, or filter) are tried again in a full plan
+        self.refresh_all = refresh_all
         self.entries: dict[str, PlanEntry] = {}
         self.stats = PlannerStats()
         self._wake: asyncio.Event | None = None
@@ -116,6 +119,11 @@ class BackgroundPlanner:
     def notify_pending(self, pod_key: str) -> None:
         if self._wake is not None:
             self._wake.set()
+
+    def notify_unschedulable(self, pod_key: str) -> None:
+        """Filter found no node for this pod: leave it out of plans until the next full one."""
+        if pod_key not in self._unplaced:
+            self._unplaced = self._unplaced | {pod_key}
 
     def _valid(self, pod_key: str) -> PlanEntry | None:
         e = self.entries.get(pod_key)
@@ -192,7 +200,11 @@ class BackgroundPlanner:
             log.exception("background plan failed")
             return None
         self._install(demands, plan, gens, cap)
-        self._unplaced = frozenset(d.pod.key for d in demands if d.pod.key not in self.entries)
+        planned = {d.pod.key for d in demands}
+        pending = self.cluster.pending
+        # this plan's verdict for its pods; earlier ones kept for the pods it left out
+        self._unplaced = frozenset(k for k in self._unplaced if k not in planned and k in pending) | frozenset(
+            k for k in planned if k not in self.entries)
         if covers is not None:  # what was asked for, even beyond max_batch: not asked again until it grows
             self._planned_from = (self._planned_from[0], covers, self._planned_from[2])
         self.stats.last_seconds = time.perf_counter() - started
@@ -224,9 +236,13 @@ class BackgroundPlanner:
         if self._planned_from is None:
             return True
         gen, keys, at = self._planned_from
-        if not aged <= keys:
+        if not (aged - self._unplaced) <= keys:
             return True
-        return gen != self.cluster.ledger.generation and now - at >= self.refresh
+        if gen == self.cluster.ledger.generation:
+            return False
+        if now - at >= self.refresh_all:
+            return True
+        return now - at >= self.refresh and bool(aged - self._unplaced)
 
     async def run(self) -> None:
         self._wake = asyncio.Event()
@@ -244,10 +260,10 @@ class BackgroundPlanner:
         aged = self._aged(now)
         if not self._needs_plan(aged, now):
             return None
-        # Pods the last plan could not place fit nowhere until the cluster changes: new waiting
-        # pods are planned without them, the periodic refresh with them.
-        fresh = self._planned_from is not None and now - self._planned_from[2] < self.refresh
-        return await self.replan(aged - self._unplaced if fresh else aged, covers=aged)
+        # Pods the last plan (or filter) could not place fit nowhere until the cluster changes:
+        # plans leave them out, except a full one every `refresh_all` seconds.
+        full = self._planned_from is None or now - self._planned_from[2] >= self.refresh_all
+        return await self.replan(aged if full else aged - self._unplaced, covers=aged)
 
     async def start(self) -> None:
         if self._task is None:
