@@ -57,7 +57,7 @@ class PlanSource(Protocol):
 
     def notify_pending(self, pod_key: str) -> None: ...
 
-    def notify_unschedulable(self, pod_key: str) -> None: ...
+    def notify_filtered(self, pod_key: str, fits: bool) -> None: ...
 
 
 class EmbeddedBinder:
@@ -208,8 +208,8 @@ class ExtenderService:
         self._remember(args.Pod)
         self.ledger.expire()
         outcome = filter_nodes(self.ledger, demand, names)
-        if not outcome.feasible and names and self.planner is not None and demand.pod.key:
-            self.planner.notify_unschedulable(demand.pod.key)  # no plan can place it now either
+        if self.planner is not None and names:
+            self.planner.notify_filtered(demand.pod.key, bool(outcome.feasible))
         failed = outcome.failed
         if self.legacy_failed_nodes:  # see __init__; this call's own dict: merged in place
             failed.update(outcome.unresolvable)

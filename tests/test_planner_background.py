@@ -291,10 +291,22 @@ def test_a_pod_filter_found_no_node_for_is_not_planned_until_the_full_plan():
     assert planner.stats.plans == 1
     stuck = pod("stuck", "200Gi")
     out = svc.filter(ExtenderArgs(Pod=stuck, NodeNames=NODES))  # embedded mode learns it here
-    assert out.NodeNames == [] and "default/stuck" in planner._unplaced
+    assert out.NodeNames == [] and "default/stuck" in planner._unschedulable
     planner._aged(start - planner.min_age)
     assert not planner._needs_plan(planner._aged(start + 0.1), start + 0.1)  # waiting, but no plan for it
-    assert planner.stats.plans == 1
+    c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
+    later = start + planner.refresh_all
+    asyncio.run(planner.step(later))  # the full plan, still without it
+    assert planner.stats.plans == 2 and planner.stats.last_batch == 1
+    later = planner._planned_from[2]
+    # room appears (here: a bigger node) and kube-scheduler's retry finds it: planned again
+    c.upsert_node(gpu_node("roomy", count=4, memory_mib=256 * 1024))
+    assert svc.filter(ExtenderArgs(Pod=stuck, NodeNames=[*NODES, "roomy"])).NodeNames == ["roomy"]
+    assert "default/stuck" not in planner._unschedulable
+    assert planner._needs_plan(planner._aged(later), later)
+    asyncio.run(planner.step(later))
+    assert planner.planned_node("default/stuck") == "roomy"
+
 
 def test_serve_plans_by_default_and_no_planner_turns_it_off():
     from extender.cli import build_parser

@@ -74,7 +74,7 @@ class BackgroundPlanner:
         max_batch: int = 500,
         poll: float = 1.0,
         min_age: float = 0.5,
-        refresh: float = 2.0,
+        refresh: float = 10.0,
         refresh_all: float = 30.0,
     ) -> None:
         self.cluster = cluster
@@ -100,8 +100,10 @@ class BackgroundPlanner:
         self._planned_from: tuple[int, frozenset[str], float] | None = None
         #: when the planner first saw each pending pod
         self._seen: dict[str, float] = {}
-        #: pods the last plan could not place
+        #: pods the last plan could not place (retried in a full plan every `refresh_all`)
         self._unplaced: frozenset[str] = frozenset()
+        #: pods filter found no node for (left out until filter finds one: see notify_filtered)
+        self._unschedulable: set[str] = set()
 
     # ----- PlanSource ---------------------------------------------------------------------------
     def planned_node(self, pod_key: str) -> str | None:
@@ -120,10 +122,13 @@ class BackgroundPlanner:
         if self._wake is not None:
             self._wake.set()
 
-    def notify_unschedulable(self, pod_key: str) -> None:
-        """Filter found no node for this pod: leave it out of plans until the next full one."""
-        if pod_key not in self._unplaced:
-            self._unplaced = self._unplaced | {pod_key}
+    def notify_filtered(self, pod_key: str, fits: bool) -> None:
+        """What filter found for this pod among the candidate nodes: no plan can place a pod that
+        fits on none of them, until filter (kube-scheduler retries it) finds one where it does."""
+        if not fits:
+            self._unschedulable.add(pod_key)
+        else:
+            self._unschedulable.discard(pod_key)
 
     def _valid(self, pod_key: str) -> PlanEntry | None:
         e = self.entries.get(pod_key)
@@ -152,6 +157,7 @@ class BackgroundPlanner:
         pending = self.cluster.pending
         for key in [k for k in self._seen if k not in pending]:
             del self._seen[key]
+            self._unschedulable.discard(key)
         for key in pending:
             self._seen.setdefault(key, now)
         return frozenset(k for k in pending if now - self._seen[k] >= self.min_age)
@@ -236,13 +242,14 @@ class BackgroundPlanner:
         if self._planned_from is None:
             return True
         gen, keys, at = self._planned_from
-        if not (aged - self._unplaced) <= keys:
+        waiting = aged - self._unschedulable
+        if not (waiting - self._unplaced) <= keys:
             return True
         if gen == self.cluster.ledger.generation:
             return False
         if now - at >= self.refresh_all:
-            return True
-        return now - at >= self.refresh and bool(aged - self._unplaced)
+            return bool(waiting)
+        return now - at >= self.refresh and bool(waiting - self._unplaced)
 
     async def run(self) -> None:
         self._wake = asyncio.Event()
@@ -263,7 +270,8 @@ class BackgroundPlanner:
         # Pods the last plan (or filter) could not place fit nowhere until the cluster changes:
         # plans leave them out, except a full one every `refresh_all` seconds.
         full = self._planned_from is None or now - self._planned_from[2] >= self.refresh_all
-        return await self.replan(aged if full else aged - self._unplaced, covers=aged)
+        waiting = aged - self._unschedulable
+        return await self.replan(waiting if full else waiting - self._unplaced, covers=waiting)
 
     async def start(self) -> None:
         if self._task is None:
