@@ -66,7 +66,8 @@ def test_prioritize_rules_check_range_type_and_hosts_and_pick_a_best_host():
     assert check_prioritize([], ["a", "b"], rng)[0] is None  # no opinion is valid
     for out in ([{"Host": "a", "Score": 11}], [{"Host": "a", "Score": -1}], [{"Host": "a", "Score": "5"}],
                 [{"Host": "a", "Score": True}], [{"Host": "a", "Score": 2.5}], [{"Host": "zz", "Score": 1}],
-                [{"Host": "a"}], ["a"], {"Host": "a", "Score": 1}):
+                [{"Host": "a"}], ["a"], {"Host": "a", "Score": 1},
+                [{"Host": "a", "Score": 1}, {"Host": "b", "Score": 1}, {"Host": "zz", "Score": 1}]):
         why, best = check_prioritize(out, ["a", "b", "c"], rng)
         assert why is not None and best is None, out
 
