@@ -1,4 +1,4 @@
-from builders import A100_80, gpu_node, mig_mixed_node, mig_single_node
+from builders import gpu_node, mig_mixed_node, mig_single_node
 
 from extender.inventory import Gpu, MigSlice, Sharing, node_inventory
 from extender.quantity import MIB

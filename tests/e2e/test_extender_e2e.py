@@ -395,8 +395,7 @@ def test_watches_resume_after_apiserver_restart_and_release_finished_pods(stack:
     assert informers["pods"]["watchResumes"] + informers["pods"]["relistsGone"] >= 1
     assert informers["nodes"]["watchResumes"] + informers["nodes"]["relistsGone"] >= 1
     state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
-    held = {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
-    assert held == {r.key for r in state.ledger.reservations()} == {"default/w-3", "default/w-4"}
+    assert held() == {r.key for r in state.ledger.reservations()} == {"default/w-3", "default/w-4"}
 
 
 @pytest.mark.e2e
