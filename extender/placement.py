@@ -477,16 +477,16 @@ def _explain(
         rows = bad[fixed]
         cache = a.derived.setdefault("reasons", {})
         row_kinds = kind[rows]
-        reasons: dict[str, str] = {}
-        for kd in np.flatnonzero(np.bincount(row_kinds)).tolist():  # a handful of kinds
-            same = row_kinds == kd
+        present = np.flatnonzero(np.bincount(row_kinds)).tolist()  # a handful of kinds
+        by_kind = np.empty(present[-1] + 1, dtype=object)
+        for kd in present:
             msg = cache.get((kd, dkey))
             if msg is None:
-                i = int(np.argmax(same))
+                i = int(np.argmax(row_kinds == kd))
                 r = int(rows[i])
                 msg = cache[(kd, dkey)] = _fixed_reason(ledger, fit, demand, int(cat[fixed][i]), r, int(n_match[r]))
-            reasons.update(dict.fromkeys(names[rows[same]].tolist(), msg))
-        out.unresolvable.update(reasons)
+            by_kind[kd] = msg
+        out.unresolvable.update(zip(names[rows].tolist(), by_kind[row_kinds].tolist()))
     if asked is not None and known is None:
         if len(fixed_cache) >= _FIXED_CACHED:
             fixed_cache.clear()
