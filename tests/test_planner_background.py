@@ -246,16 +246,20 @@ def test_after_a_plan_only_new_waiting_pods_replan_at_once_other_changes_wait_fo
     assert not planner._needs_plan(aged, planned_at + planner.refresh / 2)
     assert planner._needs_plan(aged, planned_at + planner.refresh)
     c.upsert_pod(pod("w2", "20Gi"))  # a new pod starts waiting
-    planner._aged(planned_at - planner.min_age)
-    aged = planner._aged(planned_at)
-    assert aged == {"default/w1", "default/w2"} and planner._needs_plan(aged, planned_at)
+    soon = planned_at + planner.min_interval
+    planner._aged(soon - planner.min_age)
+    aged = planner._aged(soon)
+    assert aged == {"default/w1", "default/w2"}
+    assert not planner._needs_plan(aged, planned_at + planner.min_interval / 2)  # plans start at most this often
+    assert planner._needs_plan(aged, soon)
     # a planned pod that leaves needs no new plan: the others' entries stay valid per node
     asyncio.run(planner.replan(aged))
     planned_at = planner._planned_from[2]
     node = planner.planned_node("default/w1")
     asyncio.run(svc.bind(ExtenderBindingArgs(PodName="w1", PodNamespace="default", Node=node)))
-    aged = planner._aged(planned_at)
-    assert aged == {"default/w2"} and not planner._needs_plan(aged, planned_at)
+    after = planned_at + planner.min_interval + 0.1
+    aged = planner._aged(after)
+    assert aged == {"default/w2"} and not planner._needs_plan(aged, after)
     assert planner.planned_node("default/w2") in NODES
 
 
@@ -269,7 +273,7 @@ def test_a_pod_that_fit_nowhere_is_left_out_of_plans_for_new_pods_until_the_refr
     assert planner.stats.last_batch == 2 and planner._unplaced == {"default/huge"}
     c.upsert_pod(pod("w2", "20Gi"))
     planner._aged(start - planner.min_age)
-    asyncio.run(planner.step(start + 0.1))  # a new waiting pod: planned at once, without `huge`
+    asyncio.run(planner.step(planner._planned_from[2] + planner.min_interval))  # a new waiting pod, without `huge`
     assert planner.stats.plans == 2 and planner.stats.last_batch == 2
     assert planner.planned_node("default/w2") in NODES and planner.planned_node("default/w1") in NODES
     c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
@@ -293,7 +297,8 @@ def test_a_pod_filter_found_no_node_for_is_not_planned_until_the_full_plan():
     out = svc.filter(ExtenderArgs(Pod=stuck, NodeNames=NODES))  # embedded mode learns it here
     assert out.NodeNames == [] and "default/stuck" in planner._unschedulable
     planner._aged(start - planner.min_age)
-    assert not planner._needs_plan(planner._aged(start + 0.1), start + 0.1)  # waiting, but no plan for it
+    soon = planner._planned_from[2] + planner.min_interval
+    assert not planner._needs_plan(planner._aged(soon), soon)  # waiting, but no plan for it
     c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
     later = start + planner.refresh_all
     asyncio.run(planner.step(later))  # the full plan, still without it
@@ -303,6 +308,7 @@ def test_a_pod_filter_found_no_node_for_is_not_planned_until_the_full_plan():
     c.upsert_node(gpu_node("roomy", count=4, memory_mib=256 * 1024))
     assert svc.filter(ExtenderArgs(Pod=stuck, NodeNames=[*NODES, "roomy"])).NodeNames == ["roomy"]
     assert "default/stuck" not in planner._unschedulable
+    later += planner.min_interval
     assert planner._needs_plan(planner._aged(later), later)
     asyncio.run(planner.step(later))
     assert planner.planned_node("default/stuck") == "roomy"

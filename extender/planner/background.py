@@ -76,6 +76,7 @@ class BackgroundPlanner:
         min_age: float = 0.5,
         refresh: float = 10.0,
         refresh_all: float = 30.0,
+        min_interval: float = 1.0,
     ) -> None:
         self.cluster = cluster
         self.time_limit = time_limit
@@ -92,6 +93,9 @@ class BackgroundPlanner:
         self.refresh = refresh
         #: how often pods that fit nowhere (last plan, or filter) are tried again in a full plan
         self.refresh_all = refresh_all
+        #: plans start at most this often, whatever asks for one: pods that start waiting one by one
+        #: (say, each after losing a bind race) share a plan instead of paying a snapshot each
+        self.min_interval = min_interval
         self.entries: dict[str, PlanEntry] = {}
         self.stats = PlannerStats()
         self._wake: asyncio.Event | None = None
@@ -242,6 +246,8 @@ class BackgroundPlanner:
         if self._planned_from is None:
             return True
         gen, keys, at = self._planned_from
+        if now - at < self.min_interval:
+            return False
         waiting = aged - self._unschedulable
         if not (waiting - self._unplaced) <= keys:
             return True
