@@ -17,7 +17,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from extender.cluster import ClusterState
-from extender.demand import DemandError, pod_demand
 from extender.ledger import LedgerError, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload
 from extender.planner.greedy import choose, place_one
@@ -65,20 +64,11 @@ class PolicyResult:
 
 
 def build_capacity(nodes: Sequence[Mapping[str, Any]], bound: Sequence[Mapping[str, Any]] = ()) -> tuple[ClusterState, Capacity]:
-    """The cluster through the server's own loader; bound pods hold their GPUs, CPU and memory."""
+    """The cluster through the server's own loader; bound pods hold their GPUs, CPU and memory
+    (the CPU/memory sums the cluster keeps per node)."""
     cluster = ClusterState()
     cluster.load([*nodes, *bound])
-    used_cpu: dict[str, int] = {}
-    used_mem: dict[str, int] = {}
-    for pod in bound:
-        node = (pod.get("spec") or {}).get("nodeName")
-        try:
-            d = pod_demand(pod)
-        except DemandError:
-            continue
-        used_cpu[node] = used_cpu.get(node, 0) + d.cpu_milli
-        used_mem[node] = used_mem.get(node, 0) + d.memory_bytes
-    return cluster, Capacity.from_ledger(cluster.ledger, used_cpu, used_mem)
+    return cluster, Capacity.from_ledger(cluster.ledger, cluster.cpu_used, cluster.memory_used)
 
 
 def run_policy(
