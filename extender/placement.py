@@ -790,7 +790,7 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
     """Device rows chosen on each node in `rows`: k best-fit devices (partly used first,
     then least leftover, then lowest index). Nodes with fewer than k fitting devices get none."""
     a = fit.a
-    if len(rows) == 1:  # bind: one node's few devices, where numpy's per-call cost dominates
+    if len(rows) == 1:  # one node: its rows are a slice, no mask over every device
         lo, hi = int(a.node_start[rows[0]]), int(a.node_start[rows[0] + 1])
         cand = lo + np.flatnonzero(fit.ok[lo:hi])
     else:
@@ -807,12 +807,6 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
         # The plugin spreads these replicas: book each on a least-used GPU, as it will count it.
         empty = np.where(fit.shared.distributed[cand], a.used_replicas[cand], empty)
     leftover = a.capacity[cand] - a.used[cand] - fit.need[cand]
-    if len(rows) == 1:
-        if len(cand) < k:
-            return cand[:0]
-        e, left = empty.tolist(), leftover.tolist()
-        order = sorted(range(len(cand)), key=lambda i: (e[i], left[i], i))  # i: device order, as below
-        return cand[order[:k]]
     if k == 1:
         best = _first_best_per_node(a.node_of[cand], empty, leftover)
         if best is not None:
