@@ -89,7 +89,7 @@ class BackgroundPlanner:
         #: that fit nowhere yet) is what the planner is for.
         self.min_age = min_age
         #: after a plan, changes elsewhere in the cluster replan at most this often (entries stay
-        #: valid per node meanwhile); new waiting pods replan at once.
+        #: valid per node meanwhile); new waiting pods replan as soon as `min_interval` allows.
         self.refresh = refresh
         #: how often pods that fit nowhere (last plan, or filter) are tried again in a full plan
         self.refresh_all = refresh_all
@@ -209,18 +209,18 @@ class BackgroundPlanner:
             self.stats.errors += 1
             log.exception("background plan failed")
             return None
-        self._install(demands, plan, gens, cap)
+        # `covers`: what was asked for, even beyond max_batch: not asked again until it grows
+        self._install(demands, plan, gens, cap, covers)
         planned = {d.pod.key for d in demands}
         pending = self.cluster.pending
         # this plan's verdict for its pods; earlier ones kept for the pods it left out
         self._unplaced = frozenset(k for k in self._unplaced if k not in planned and k in pending) | frozenset(
             k for k in planned if k not in self.entries)
-        if covers is not None:  # what was asked for, even beyond max_batch: not asked again until it grows
-            self._planned_from = (self._planned_from[0], covers, self._planned_from[2])
         self.stats.last_seconds = time.perf_counter() - started
         return plan
 
-    def _install(self, demands: list[Demand], plan: Plan, gens: dict[str, int], cap: Capacity) -> None:
+    def _install(self, demands: list[Demand], plan: Plan, gens: dict[str, int], cap: Capacity,
+                 covers: frozenset[str] | None = None) -> None:
         a = cap.arrays
         entries: dict[str, PlanEntry] = {}
         for i, (res, node_row, _) in plan.choices.items():
@@ -235,7 +235,8 @@ class BackgroundPlanner:
         self.stats.last_gap = plan.gap
         self.stats.last_batch = len(demands)
         self.stats.last_placed = plan.placed
-        self._planned_from = (self.cluster.ledger.generation, frozenset(d.pod.key for d in demands), time.monotonic())
+        covers = frozenset(d.pod.key for d in demands) if covers is None else covers
+        self._planned_from = (self.cluster.ledger.generation, covers, time.monotonic())
 
     def _needs_plan(self, aged: frozenset[str], now: float) -> bool:
         """A new plan when pods started waiting that the last one did not cover, or, at most every
