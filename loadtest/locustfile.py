@@ -29,7 +29,7 @@ from pathlib import Path
 import orjson
 from locust import FastHttpUser, constant, constant_throughput, events, task
 
-from loadtest.checks import RACE_MARK, check_filter, check_prioritize
+from loadtest.checks import check_bind, check_filter, check_prioritize
 from loadtest.pods import make_pod
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -142,31 +142,23 @@ class SchedulerUser(FastHttpUser):
 
     def _filter(self, pod_json: bytes) -> list[str] | None:
         body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + NAMES_JSON + b"}"
-
-        def answer(out):
-            why = check_filter(out, NAMES_SET, len(NAMES))
-            return why, None if why else out["NodeNames"]
-
-        return self._checked("filter", body, answer)
+        return self._checked("filter", body, lambda raw: check_filter(raw, NAMES_SET, len(NAMES)))
 
     def _prioritize(self, pod_json: bytes, feasible: list[str]) -> str | None:
         body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + orjson.dumps(feasible) + b"}"
-        return self._checked("prioritize", body, lambda out: check_prioritize(out, feasible, self.rng))
+        return self._checked("prioritize", body, lambda raw: check_prioritize(raw, feasible, self.rng))
 
     def _checked(self, verb: str, body: bytes, answer):
-        """POST, time it and read the answer with `answer(json) -> (why, value)`: a non-200, an
-        unreadable body or a `why` is a failure (counted, None returned), else `value`."""
+        """POST, time it and read the answer with `answer(body bytes) -> (why, value)`: a non-200
+        or a `why` is a failure (counted, None returned), else `value`."""
         t = time.perf_counter()
         with self._post(verb, body) as r:
             ms = (time.perf_counter() - t) * 1000
             value = None
-            try:
-                if r.status_code != 200:
-                    why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
-                else:
-                    why, value = answer(orjson.loads(r.content))
-            except (orjson.JSONDecodeError, TypeError, AttributeError, KeyError) as exc:
-                why = f"malformed {verb} answer: {exc!r}"
+            if r.status_code != 200:
+                why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
+            else:
+                why, value = answer(r.content or b"")
             if why:
                 r.failure(why)
                 RAW.count("failures")
@@ -180,26 +172,18 @@ class SchedulerUser(FastHttpUser):
         t = time.perf_counter()
         with self._post("bind", body) as r:
             ms = (time.perf_counter() - t) * 1000
-            why = None
-            try:
-                if r.status_code != 200:
-                    why = f"HTTP {r.status_code}: {(r.text or '')[:200]}"
-                else:
-                    out = orjson.loads(r.content)
-                    if not isinstance(out, dict) or not isinstance(out.get("Error"), str):
-                        why = f"malformed bind answer: {r.text[:200]}"
-                    elif out["Error"] and RACE_MARK not in out["Error"]:
-                        why = f"bind refused: {out['Error'][:200]}"
-                    elif out["Error"]:
-                        RAW.count("races")
-                        events.request.fire(request_type="RACE", name="bind lost a race", response_time=ms,
-                                            response_length=0, exception=None, context={})
-                    else:
-                        RAW.count("bound")
-            except (orjson.JSONDecodeError, TypeError, AttributeError) as exc:
-                why = f"malformed bind answer: {exc!r}"
+            if r.status_code != 200:
+                why, race = f"HTTP {r.status_code}: {(r.text or '')[:200]}", False
+            else:
+                why, race = check_bind(r.content or b"")
             if why:
                 r.failure(why)
                 RAW.count("failures")
                 return
+            if race:
+                RAW.count("races")
+                events.request.fire(request_type="RACE", name="bind lost a race", response_time=ms,
+                                    response_length=0, exception=None, context={})
+            else:
+                RAW.count("bound")
             RAW.add("bind", ms)

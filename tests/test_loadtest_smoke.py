@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtest.checks import RACE_MARK, check_filter, check_prioritize
+from loadtest.checks import RACE_MARK, check_bind, check_filter, check_prioritize
 from loadtest.floor import create_app as floor_app
 from loadtest.gen_cluster import generate, nodes_file, write_cluster
 from loadtest.pods import make_pod
@@ -35,16 +35,22 @@ def answer(**over):
     return out
 
 
+def _filter(out, sent=SENT, n=4):
+    return check_filter(out if isinstance(out, bytes) else orjson.dumps(out), sent, n)
+
+
 def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
-    assert check_filter(answer(), SENT, 4) is None
+    assert _filter(answer()) == (None, ["a", "b"])
     # unresolvable nodes may also be listed in FailedNodes (kube-scheduler < 1.21 compatibility)
     both = {"c": "x", "d": "need 90Gi per GPU, GPUs have 80Gi"}
-    assert check_filter(answer(FailedNodes=both), SENT, 4) is None
+    assert _filter(answer(FailedNodes=both)) == (None, ["a", "b"])
     bad = {
         "keys": {k: v for k, v in answer().items() if k != "Error"},
+        "extra key": answer(Extra=1),
         "Error": answer(Error="pod default/p: annotation is invalid"),
         "not sent": answer(NodeNames=["a", "b", "zz"]),
         "twice": answer(NodeNames=["a", "b", "c"]),
+        "twice in NodeNames": answer(NodeNames=["a", "a", "b"], FailedNodes={}),
         "missing": answer(NodeNames=["a"]),
         "empty reason": answer(FailedNodes={"c": ""}),
         "reason type": answer(FailedNodes={"c": 3}),
@@ -52,36 +58,52 @@ def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
         "names type": answer(NodeNames="a,b"),
         "unhashable": answer(NodeNames=[["a"], "b"]),
         "not an object": ["a", "b"],
+        "not JSON": b'{"Nodes":null,',
+        "empty body": b"",
     }
     for why, out in bad.items():
-        assert check_filter(out, SENT, 4) is not None, why
+        reason, feasible = _filter(out)
+        assert reason is not None and feasible is None, why
+    assert "FailedNodes" in _filter(answer(FailedNodes={"c": ""}))[0]  # msgspec names where
 
 
 def test_prioritize_rules_check_range_type_and_hosts_and_pick_a_best_host():
     rng = random.Random(1)
-    ok = [{"Host": "a", "Score": 3}, {"Host": "b", "Score": 10}, {"Host": "c", "Score": 10}]
-    for _ in range(20):
+    ok = orjson.dumps([{"Host": "a", "Score": 3}, {"Host": "b", "Score": 10}, {"Host": "c", "Score": 10}])
+    seen = set()
+    for _ in range(40):
         why, best = check_prioritize(ok, ["a", "b", "c"], rng)
         assert why is None and best in ("b", "c")
-    assert check_prioritize([], ["a", "b"], rng)[0] is None  # no opinion is valid
+        seen.add(best)
+    assert seen == {"b", "c"}  # ties are broken at random
+    assert check_prioritize(b"[]", ["a", "b"], rng)[0] is None  # no opinion is valid
     for out in ([{"Host": "a", "Score": 11}], [{"Host": "a", "Score": -1}], [{"Host": "a", "Score": "5"}],
                 [{"Host": "a", "Score": True}], [{"Host": "a", "Score": 2.5}], [{"Host": "zz", "Score": 1}],
-                [{"Host": "a"}], ["a"], {"Host": "a", "Score": 1},
+                [{"Host": "a"}], ["a"], {"Host": "a", "Score": 1}, [{"Host": 1, "Score": 1}],
                 [{"Host": "a", "Score": 1}, {"Host": "b", "Score": 1}, {"Host": "zz", "Score": 1}]):
-        why, best = check_prioritize(out, ["a", "b", "c"], rng)
+        why, best = check_prioritize(orjson.dumps(out), ["a", "b", "c"], rng)
         assert why is not None and best is None, out
+    assert check_prioritize(b"[{", ["a"], rng)[1] is None
+
+
+def test_bind_rules_count_a_lost_race_apart_and_fail_any_other_error():
+    assert check_bind(b'{"Error":""}') == (None, False)
+    assert check_bind(orjson.dumps({"Error": f"pod x/y {RACE_MARK} n-1: no GPU"})) == (None, True)
+    for raw in (b'{"Error":"pod x/y is unknown to vramsched"}', b"{}", b'{"Error":3}', b"[]", b"oops"):
+        why, race = check_bind(raw)
+        assert why is not None and not race, raw
 
 
 async def test_floor_parses_the_same_requests_and_answers_validly(aiohttp_client):
     client = await aiohttp_client(floor_app())
     pod = make_pod(random.Random(3), "p-1")
     body = {"Pod": pod, "Nodes": None, "NodeNames": sorted(SENT)}
-    out = await (await client.post("/filter", data=orjson.dumps(body))).json()
-    assert check_filter(out, SENT, len(SENT)) is None and out["NodeNames"] == sorted(SENT)
-    scores = await (await client.post("/prioritize", data=orjson.dumps(body))).json()
+    out = await (await client.post("/filter", data=orjson.dumps(body))).read()
+    assert check_filter(out, SENT, len(SENT)) == (None, sorted(SENT))
+    scores = await (await client.post("/prioritize", data=orjson.dumps(body))).read()
     assert check_prioritize(scores, sorted(SENT), random.Random(1))[0] is None
     bind = {"PodName": "p-1", "PodNamespace": "loadtest", "PodUID": "u", "Node": "a"}
-    assert await (await client.post("/bind", data=orjson.dumps(bind))).json() == {"Error": ""}
+    assert check_bind(await (await client.post("/bind", data=orjson.dumps(bind))).read()) == (None, False)
 
 
 def test_generated_cluster_is_what_vramsched_reads_with_every_pod_placed_by_annotation(tmp_path):
