@@ -156,9 +156,10 @@ async def _filter(request: web.Request) -> web.Response:
 def encode_names_result(result: ExtenderFilterResult, lists: NameLists) -> bytes:
     """A filter answer in the NodeNames form (nodeCacheCapable): plain lists and dicts of str,
     which orjson writes ~5x faster than the model's serializer. The list is encoded apart and
-    remembered in `lists`: prioritize is about to send it back."""
+    remembered in `lists`: prioritize is about to send it back. Its names are a subset of the
+    request's NodeNames (validated: at most 253 characters each), so their lengths are not checked again."""
     feasible = result.NodeNames
-    encoded = lists.remember(feasible) if feasible is not None else None
+    encoded = lists.remember(feasible, short_names=True) if feasible is not None else None
     return b"".join((
         b'{"Nodes":null,"NodeNames":', encoded if encoded is not None else orjson.dumps(feasible),
         b',"FailedNodes":', orjson.dumps(result.FailedNodes),
