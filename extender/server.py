@@ -49,9 +49,12 @@ _JSON = "application/json"
 _GET_PATHS = ("/healthz", "/readyz", "/metrics", "/state", "/openapi.yaml")
 
 
+_DELETE_PATH = "/pods/{namespace}/{name}"
+
+
 def route_paths() -> set[str]:
     """Every path the server answers; the deploy tests check the scheduler config against it."""
-    return {f"/{v}" for v in VERBS} | set(_GET_PATHS)
+    return {f"/{v}" for v in VERBS} | set(_GET_PATHS) | {_DELETE_PATH}
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -191,6 +194,20 @@ async def _preempt(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text=str(exc)) from None
 
 
+_DELETE_STATUS = {"unknown": 404, "binding": 409, "live": 405}
+
+
+async def _delete_pod(request: web.Request) -> web.Response:
+    refused = request.app[SERVICE_KEY].delete_pod(request.match_info["namespace"], request.match_info["name"])
+    if refused is None:
+        return _json({"Error": ""})
+    kind, message = refused
+    response = _error(_DELETE_STATUS[kind], message)
+    if kind == "live":
+        response.headers["Allow"] = ""  # RFC 9110: an empty Allow says no method is allowed here
+    return response
+
+
 async def _unknown_verb(request: web.Request) -> web.Response:
     verb = request.match_info.get("verb", "")
     return _error(404, f"unknown verb {verb[:64]!r}: expected one of {', '.join(VERBS)}")
@@ -300,6 +317,7 @@ def create_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/state", _state)
     app.router.add_get("/openapi.yaml", _openapi)
+    app.router.add_delete(_DELETE_PATH, _delete_pod)
     # Any other verb gets a helpful 404; the GET paths are left out so that POST /healthz is a 405
     # whose Allow header lists only GET and HEAD.
     others = "|".join(re.escape(p.lstrip("/")) for p in _GET_PATHS)

@@ -323,6 +323,23 @@ class ExtenderService:
             candidate.expires_at = time.monotonic() + self.assume_ttl
         return self.ledger.reserve(candidate)
 
+    # ----- delete (embedded mode) ------------------------------------------------------------------
+    def delete_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """Embedded mode's `kubectl delete pod`: the pod leaves the cluster and what it held is
+        free again. A cluster file has no API server to delete through, yet the demo and the soak
+        need churn (without it every bind is for good and a cluster only fills up).
+        None when done, else (why: "live" | "unknown" | "binding", message)."""
+        key = f"{namespace}/{name}"
+        if self.live:
+            return "live", f"pods are deleted through the Kubernetes API (kubectl delete pod -n {namespace} {name}); vramsched follows the watch"
+        if self.cluster.pod(key) is None:
+            return "unknown", f"pod {key} is unknown to vramsched"
+        if key in self._in_flight:
+            return "binding", f"pod {key} is being bound; delete it once the bind has answered"
+        self.cluster.delete_pod(key)
+        self._learned.pop(key, None)
+        return None
+
     # ----- preempt ---------------------------------------------------------------------------------
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
         demand = self._demand(args.Pod)  # DemandError -> 400 in the adapter: preempt has no Error field

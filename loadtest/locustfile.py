@@ -17,6 +17,9 @@ Environment:
   LOADTEST_SEED        pod mix seed (default 7)
   LOADTEST_WARMUP      seconds at the start not counted in the latency file (default 2)
   LOADTEST_RAW         path prefix for exact per-request latencies (`<prefix>.<pid>.json`)
+  LOADTEST_CHURN       pods each user keeps bound (0 or unset: no deletions); beyond that the
+                       oldest one it bound is deleted (embedded mode's DELETE /pods/{ns}/{name}),
+                       after the cycle and outside its timing: pods leave as they arrive (the soak)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections import deque
 from pathlib import Path
 
 import orjson
@@ -46,6 +50,7 @@ NAMES = _load_names()
 NAMES_SET = frozenset(NAMES)
 NAMES_JSON = orjson.dumps(NAMES)
 RATE = float(os.environ.get("LOADTEST_RATE") or 0)
+CHURN = int(os.environ.get("LOADTEST_CHURN") or 0)
 WARMUP = float(os.environ.get("LOADTEST_WARMUP") or 2)
 _seeds = random.Random(int(os.environ.get("LOADTEST_SEED") or 7) + os.getpid())
 
@@ -56,8 +61,8 @@ class _Raw:
 
     def __init__(self) -> None:
         self.start = time.monotonic()
-        self.lat: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": [], "cycle": []}
-        self.counts = {"cycles": 0, "bound": 0, "races": 0, "unschedulable": 0, "failures": 0}
+        self.lat: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": [], "cycle": [], "delete": []}
+        self.counts = {"cycles": 0, "bound": 0, "races": 0, "unschedulable": 0, "failures": 0, "deleted": 0}
         self.first = self.last = None
         self.cycles_total = 0  # warm-up included, for CPU per cycle
 
@@ -109,6 +114,7 @@ class SchedulerUser(FastHttpUser):
         self.rng = random.Random(_seeds.getrandbits(64))
         self.tag = f"{os.getpid():x}-{self.rng.getrandbits(32):08x}"
         self.n = 0
+        self.bound: deque[str] = deque()  # names of the pods this user bound, oldest first (LOADTEST_CHURN)
 
     def _post(self, verb: str, body: bytes):
         return self.client.post(f"/{verb}", data=body, headers=_JSON_HEADERS, catch_response=True, name=verb)
@@ -129,8 +135,12 @@ class SchedulerUser(FastHttpUser):
         best = feasible[0] if len(feasible) == 1 else self._prioritize(pod_json, feasible)
         if best is None:
             return
-        self._bind(pod, best)
+        bound = self._bind(pod, best)
         self._cycle_done(started)
+        if CHURN and bound:
+            self.bound.append(pod["metadata"]["name"])
+            if len(self.bound) > CHURN:
+                self._delete(self.bound.popleft())
 
     def _cycle_done(self, started: float) -> None:
         ms = (time.perf_counter() - started) * 1000
@@ -166,7 +176,8 @@ class SchedulerUser(FastHttpUser):
             RAW.add(verb, ms)
             return value
 
-    def _bind(self, pod: dict, node: str) -> None:
+    def _bind(self, pod: dict, node: str) -> bool:
+        """POST bind; True when the pod is now bound."""
         meta = pod["metadata"]
         body = orjson.dumps({"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node})
         t = time.perf_counter()
@@ -179,7 +190,7 @@ class SchedulerUser(FastHttpUser):
             if why:
                 r.failure(why)
                 RAW.count("failures")
-                return
+                return False
             if race:
                 RAW.count("races")
                 events.request.fire(request_type="RACE", name="bind lost a race", response_time=ms,
@@ -187,3 +198,16 @@ class SchedulerUser(FastHttpUser):
             else:
                 RAW.count("bound")
             RAW.add("bind", ms)
+            return not race
+
+    def _delete(self, name: str) -> None:
+        """Delete a pod this user bound: 200 `{"Error": ""}` or it is a failure."""
+        t = time.perf_counter()
+        with self.client.delete(f"/pods/loadtest/{name}", catch_response=True, name="delete") as r:
+            ms = (time.perf_counter() - t) * 1000
+            if r.status_code != 200 or (r.content or b"") != b'{"Error":""}':
+                r.failure(f"delete of a bound pod: HTTP {r.status_code}: {(r.text or '')[:200]}")
+                RAW.count("failures")
+                return
+            RAW.count("deleted")
+            RAW.add("delete", ms)

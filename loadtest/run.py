@@ -119,7 +119,7 @@ def run_locust(name: str, port: int, args: argparse.Namespace, sidecar: Path, ou
     for old in out.glob(f"{name}.raw.*.json"):
         old.unlink()
     env = dict(os.environ, LOADTEST_NODES_FILE=str(sidecar), LOADTEST_RAW=str(raw), LOADTEST_RATE=str(args.rate),
-               LOADTEST_WARMUP=str(args.warmup), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               LOADTEST_WARMUP=str(args.warmup), LOADTEST_CHURN=str(getattr(args, "churn", 0)), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
            "-u", str(args.users), "-r", str(args.users), "-t", f"{int(args.duration_s)}s", "--stop-timeout", "5",
            "-H", f"http://127.0.0.1:{port}", "--csv", str(out / name), "--html", str(out / f"{name}.html"),

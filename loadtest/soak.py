@@ -1,22 +1,26 @@
 """`make soak`: a bounded soak of vramsched under the load-test scenario, on loopback only.
 
 1. generate (or reuse) a cluster file (loadtest.gen_cluster) and start `vramsched serve` on it;
+   read the GPU memory allocated at start (GET /state);
 2. probe: locust back to back for --probe, to measure the maximum cycle rate right now;
 3. soak: locust at half that rate (constant throughput per user) for --duration (10 min),
    sampling the server's RSS every few seconds;
-4. check the ledger at the end through GET /state (no GPU or slice over its memory or replicas)
-   and report: failures, RSS growth from the end of the warm-up to the end, the RSS timeline.
+4. check the ledger at the end through GET /state (no GPU or slice over its memory or replicas),
+   then delete every pod the load test bound and check that the GPU memory allocated is back to
+   what it was at start, to the byte (nothing lost, nothing double-counted);
+5. report: failures, RSS growth from the end of the warm-up to the end, the RSS timeline.
 
-Embedded mode never deletes a pod, so every bound pod stays in memory for good (~5 KiB each).
-To measure leaks rather than that legitimate growth, the default cluster is nearly full
-(--occupancy 0.9): the probe and the warm-up fill what is left, then the soak runs at a steady
-state (kube-scheduler retrying pods that fit nowhere, some binds in fragments that free up).
-The number of pods bound during the measured window is reported next to the growth.
+Churn: each locust user keeps at most --churn pods bound; beyond that it deletes the oldest one it
+bound (embedded mode's `DELETE /pods/{ns}/{name}`). Pods leave as they arrive, so the cluster stays
+at a steady occupancy, binds keep succeeding for the whole soak and every release path runs; RSS
+growth then measures leaks, not the state of pods that legitimately stay. `--churn 0` is the old
+soak (no deletions: the cluster fills up and later cycles are pods that fit nowhere).
 
     python -m loadtest.soak                      # 10 minutes, the figures for docs/reliability.md
     python -m loadtest.soak --duration 60s --warmup 20s --probe 15s   # a quick look
 
-Exit status 1 when there was any failure, RSS grew 5% or more, or the ledger broke the invariant.
+Exit status 1 when there was any failure, RSS grew 5% or more, the ledger broke the invariant, or
+the memory allocated did not come back to its value at start.
 """
 
 from __future__ import annotations
@@ -69,10 +73,30 @@ class RssSampler(threading.Thread):
         return self.samples[-1][1]
 
 
+def _state(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=120) as r:
+        return orjson.loads(r.read())
+
+
+def delete_loadtest_pods(port: int, prefix: str = "loadtest/lt-") -> int:
+    """Delete every pod the load test bound (those holding a GPU or slice in GET /state); how many."""
+    keys: set[str] = set()
+    for node in _state(port)["nodes"]:
+        for gpu in node["gpus"]:
+            for d in gpu.get("slices") or [gpu]:
+                keys.update(k for k in d["pods"] if k.startswith(prefix))
+    for key in sorted(keys):
+        namespace, name = key.split("/", 1)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/pods/{namespace}/{name}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if orjson.loads(r.read()) != {"Error": ""}:
+                raise SystemExit(f"DELETE {key} did not succeed")
+    return len(keys)
+
+
 def ledger_check(port: int) -> dict[str, Any]:
     """Invariant over GET /state: every GPU and MIG slice within its memory and replicas."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=120) as r:
-        state = orjson.loads(r.read())
+    state = _state(port)
     bad: list[str] = []
     devices = 0
     for node in state["nodes"]:
@@ -90,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--occupancy", type=float, default=0.9)
+    p.add_argument("--occupancy", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")
+    p.add_argument("--churn", type=int, default=250,
+                   help="pods each user keeps bound before it deletes its oldest (default 250; 0: no deletions)")
     p.add_argument("--probe", default="30s", help="back-to-back run that measures the maximum rate (default 30s)")
     p.add_argument("--duration", default="10m", help="soak length at half the maximum rate (default 10m)")
     p.add_argument("--warmup", default="2m", help="start of the soak left out of the RSS baseline (default 2m)")
@@ -116,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         startup = _wait_ready(f"http://127.0.0.1:{port}/readyz", server, timeout=300)
+        allocated_at_start = _state(port)["allocatedBytes"]
         print(f"vramsched ready in {startup:.1f}s: {len(meta['nodes'])} nodes, {meta['pods']} pods; "
               f"probing the maximum rate for {args.probe} ...", flush=True)
         run_args = argparse.Namespace(users=args.users, rate=0.0, duration_s=probe_s, warmup=min(5.0, probe_s / 3),
-                                      processes=1)
+                                      processes=1, churn=args.churn)
         probe = run_locust("soak-probe", port, run_args, sidecar, out, server.pid)
         max_rate = probe["cycles_per_s"]
         if max_rate <= 0:
@@ -130,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         sampler = RssSampler(server.pid, args.sample)
         sampler.start()
         run_args = argparse.Namespace(users=args.users, rate=rate / args.users, duration_s=soak_s, warmup=warmup_s,
-                                      processes=1)
+                                      processes=1, churn=args.churn)
         soak = run_locust("soak", port, run_args, sidecar, out, server.pid)
         sampler.stop()
         ledger = ledger_check(port)
+        ledger["deleted_at_end"] = delete_loadtest_pods(port)
+        ledger["allocated_bytes_at_start"] = allocated_at_start
+        ledger["allocated_bytes_after_deleting"] = _state(port)["allocatedBytes"]
+        ledger["returned_exactly"] = ledger["allocated_bytes_after_deleting"] == allocated_at_start
         alive = server.poll() is None
     finally:
         stop_process(server)
@@ -147,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "pods_at_start": meta["pods"],
         "occupancy": args.occupancy,
         "users": args.users,
+        "churn_per_user": args.churn,
         "max_cycles_per_s": max_rate,
         "soak_cycles_per_s": soak["cycles_per_s"],
         "target_cycles_per_s": round(rate, 1),
@@ -166,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         "server_alive_at_end": alive,
         "verbs": soak["verbs"],
         "cpus": os.cpu_count(),
+        "results": str(out / "soak.json"),
     }
-    ok = summary["failures"] == 0 and growth < RSS_GROWTH_LIMIT and not ledger["violations"] and alive
+    ok = (summary["failures"] == 0 and growth < RSS_GROWTH_LIMIT and not ledger["violations"] and alive
+          and ledger["returned_exactly"])
     summary["passed"] = ok
     (out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(render(summary))
@@ -180,17 +214,20 @@ def render(s: dict[str, Any]) -> str:
     c = s["counts_after_warmup"]
     return "\n".join([
         f"vramsched soak: {s['nodes']} nodes, {s['pods_at_start']} pods at start (occupancy {s['occupancy']}), "
-        f"{s['users']} users, loopback",
+        f"{s['users']} users, each keeping at most {s['churn_per_user']} pods bound, loopback",
         f"  maximum {s['max_cycles_per_s']:.1f} cycles/s; soak at {s['soak_cycles_per_s']:.1f} cycles/s "
         f"(target {s['target_cycles_per_s']:.1f}) for {s['duration_s']:.0f}s, {s['warmup_s']:.0f}s warm-up",
         f"  after warm-up: {c.get('cycles', 0)} cycles, {c.get('bound', 0)} bound, {c.get('unschedulable', 0)} unschedulable, "
-        f"{c.get('races', 0)} lost races; failures {s['failures']}",
+        f"{c.get('races', 0)} lost races, {c.get('deleted', 0)} deleted; failures {s['failures']}",
         f"  RSS after warm-up {r['after_warmup'] / mib:.1f} MiB, end {r['end'] / mib:.1f} MiB, peak {r['peak'] / mib:.1f} MiB: "
         f"growth {s['rss_growth'] * 100:+.2f}% (limit {s['rss_growth_limit'] * 100:.0f}%)"
         + (f", {s['rss_growth_per_bound_pod_bytes'] / 1024:.1f} KiB per pod bound meanwhile"
            if s["rss_growth_per_bound_pod_bytes"] is not None else ""),
-        f"  ledger at the end: {s['ledger']['devices']} devices, {len(s['ledger']['violations'])} over memory or replicas",
-        f"  {'PASSED' if s['passed'] else 'FAILED'}  (loadtest/results/soak.json)",
+        f"  ledger at the end: {s['ledger']['devices']} devices, {len(s['ledger']['violations'])} over memory or replicas; "
+        f"after deleting the {s['ledger']['deleted_at_end']} load-test pods still bound, GPU memory allocated "
+        f"{'back to its value at start, to the byte' if s['ledger']['returned_exactly'] else 'NOT back to its value at start'}"
+        f" ({s['ledger']['allocated_bytes_after_deleting']} vs {s['ledger']['allocated_bytes_at_start']} bytes)",
+        f"  {'PASSED' if s['passed'] else 'FAILED'}  ({s.get('results', 'loadtest/results/soak.json')})",
     ])
 
 

@@ -134,7 +134,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(180)
-def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_path):
+@pytest.mark.parametrize("churn", [0, 3])
+def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_path, churn):
+    """With `churn`, each user keeps at most that many pods bound and deletes the oldest (the soak)."""
+    from loadtest.soak import delete_loadtest_pods
     nodes, pods = generate(40, 8, 0.5, seed=2)
     cluster = tmp_path / "cluster.json"
     write_cluster(cluster, nodes, pods, {"seed": 2})
@@ -153,12 +156,15 @@ def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_pa
             except OSError:
                 assert time.monotonic() < deadline, "server not ready"
                 time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=10) as r:
+            allocated_at_start = orjson.loads(r.read())["allocatedBytes"]
         raw = tmp_path / "raw"
         run = subprocess.run(
             [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "--only-summary",
              "-u", "2", "-r", "2", "-t", "4s", "-H", f"http://127.0.0.1:{port}", "--csv", str(tmp_path / "smoke"),
              "--loglevel", "WARNING"],
-            cwd=ROOT, env=dict(env, LOADTEST_NODES_FILE=str(nodes_file(cluster)), LOADTEST_RAW=str(raw), LOADTEST_WARMUP="0"),
+            cwd=ROOT, env=dict(env, LOADTEST_NODES_FILE=str(nodes_file(cluster)), LOADTEST_RAW=str(raw), LOADTEST_WARMUP="0",
+                         LOADTEST_CHURN=str(churn)),
             capture_output=True, timeout=120,
         )
         assert run.returncode == 0, run.stdout.decode()[-2000:] + run.stderr.decode()[-2000:]
@@ -176,8 +182,19 @@ def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_pa
             for gpu in node["gpus"]:
                 for dev in gpu.get("slices") or [gpu]:
                     assert dev["usedBytes"] <= dev["memoryBytes"] and dev["usedReplicas"] <= dev["replicas"], (node["name"], dev)
-        held = sum(1 for node in state["nodes"] for gpu in node["gpus"] for p in gpu["pods"] if p.startswith("loadtest/"))
-        assert held >= counts["bound"] > 0
+        held = {p for node in state["nodes"] for gpu in node["gpus"] for d in gpu.get("slices") or [gpu]
+                for p in d["pods"] if p.startswith("loadtest/lt-")}
+        if churn:
+            assert counts["deleted"] > 0 and int(rows["delete"]["Request Count"]) > 0
+            assert len(held) <= 2 * (churn + 1)  # 2 users (one more each if stopped between bind and delete)
+            # every pod bound and not held was deleted (a user stopped mid-DELETE did not count its last one)
+            assert counts["bound"] - len(held) - 2 <= counts["deleted"] <= counts["bound"] - len(held)
+        else:
+            assert "delete" not in rows and len(held) == counts["bound"]
+        # deleting what the load test bound gives back exactly what it held
+        assert delete_loadtest_pods(port) == len(held)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=10) as r:
+            assert orjson.loads(r.read())["allocatedBytes"] == allocated_at_start
     finally:
         stop_process(server)
 

@@ -242,3 +242,59 @@ async def test_serve_reads_the_choice_from_the_api_server_and_keeps_it_when_unre
     assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=version("20")))) is True
     assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=version("34")))) is False
     assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=broken))) is True
+
+
+async def test_delete_frees_what_a_bound_pod_held_and_refuses_what_it_cannot_do(client, state):
+    await post(client, "filter", fixture("003-filter.json"))
+    assert await post(client, "bind", fixture("005-bind.json")) == {"Error": ""}
+    held = state.ledger.totals()[0]
+    assert held == 16 * 1024**3
+    resp = await client.delete("/pods/default/gpu-pod-2")
+    assert resp.status == 200 and orjson.loads(await resp.read()) == {"Error": ""}
+    assert state.pod("default/gpu-pod-2") is None and state.ledger.reservation("default/gpu-pod-2") is None
+    assert state.ledger.totals()[0] == 0
+    assert check_invariant(state.ledger, state.live_pod_keys()) == []
+    again = await client.delete("/pods/default/gpu-pod-2")  # gone: nothing changes
+    assert again.status == 404 and "unknown to vramsched" in orjson.loads(await again.read())["Error"]
+    # the freed GPU takes the pod again when kube-scheduler retries it
+    await post(client, "filter", fixture("003-filter.json"))
+    assert await post(client, "bind", fixture("005-bind.json")) == {"Error": ""}
+    assert state.ledger.totals()[0] == held
+    wrong_method = await client.post("/pods/default/gpu-pod-2")
+    assert wrong_method.status == 405 and "DELETE" in wrong_method.headers["Allow"]
+
+
+async def test_delete_is_refused_in_live_mode_and_during_a_bind(aiohttp_client, state):
+    import asyncio
+
+    from extender.service import ExtenderService
+
+    live = ExtenderService(state, None, live=True)  # type: ignore[arg-type]
+    c = await aiohttp_client(create_app(live))
+    state.upsert_pod(fixture("003-filter.json")["Pod"])  # live mode learns pods from the watch
+    resp = await c.delete("/pods/default/gpu-pod-2")
+    assert resp.status == 405 and resp.headers["Allow"] == ""
+    assert "kubectl delete pod -n default gpu-pod-2" in orjson.loads(await resp.read())["Error"]
+    assert state.pod("default/gpu-pod-2") is not None
+
+    class SlowBinder:
+        def __init__(self):
+            self.release = asyncio.Event()
+
+        async def bind(self, pod, node, reservation):
+            await self.release.wait()
+
+    binder = SlowBinder()
+    svc = ExtenderService(state, binder)  # type: ignore[arg-type]
+    c = await aiohttp_client(create_app(svc))
+    await post(c, "filter", fixture("003-filter.json"))
+    binding = asyncio.ensure_future(c.post("/bind", data=orjson.dumps(fixture("005-bind.json"))))
+    for _ in range(100):
+        if svc._in_flight:
+            break
+        await asyncio.sleep(0.01)
+    resp = await c.delete("/pods/default/gpu-pod-2")
+    assert resp.status == 409 and "being bound" in orjson.loads(await resp.read())["Error"]
+    binder.release.set()
+    assert orjson.loads(await (await binding).read()) == {"Error": ""}
+    assert state.ledger.reservation("default/gpu-pod-2") is not None
