@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         "counts_after_warmup": counts,
         "rss_bytes": {"after_warmup": base, "end": end, "peak": peak},
         "rss_growth": round(growth, 4),
+        # caches (demands, learned pending pods, reasons) fill during the first minutes; a leak keeps
+        # growing: the second half of the soak alone tells them apart
+        "rss_growth_second_half": round((end - sampler.at(soak_s / 2)) / sampler.at(soak_s / 2), 4),
         # every bound pod stays in memory for good in embedded mode (~5 KiB): what growth per bound pod
         # looks like tells legitimate state from a leak when the run binds a lot
         "rss_growth_per_bound_pod_bytes": round((end - base) / counts["bound"]) if counts.get("bound") else None,
@@ -220,7 +223,8 @@ def render(s: dict[str, Any]) -> str:
         f"  after warm-up: {c.get('cycles', 0)} cycles, {c.get('bound', 0)} bound, {c.get('unschedulable', 0)} unschedulable, "
         f"{c.get('races', 0)} lost races, {c.get('deleted', 0)} deleted; failures {s['failures']}",
         f"  RSS after warm-up {r['after_warmup'] / mib:.1f} MiB, end {r['end'] / mib:.1f} MiB, peak {r['peak'] / mib:.1f} MiB: "
-        f"growth {s['rss_growth'] * 100:+.2f}% (limit {s['rss_growth_limit'] * 100:.0f}%)"
+        f"growth {s['rss_growth'] * 100:+.2f}% (limit {s['rss_growth_limit'] * 100:.0f}%), "
+        f"{s['rss_growth_second_half'] * 100:+.2f}% over the second half"
         + (f", {s['rss_growth_per_bound_pod_bytes'] / 1024:.1f} KiB per pod bound meanwhile"
            if s["rss_growth_per_bound_pod_bytes"] is not None else ""),
         f"  ledger at the end: {s['ledger']['devices']} devices, {len(s['ledger']['violations'])} over memory or replicas; "
