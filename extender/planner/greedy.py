@@ -13,6 +13,14 @@ know memory and is therefore *recorded*, overcommit included, to show what it wo
 - vramsched: least increase of stranded VRAM (FGD's measure), then fewest empty GPUs opened, then
   lowest index: the model's stage 2 goals restricted to one pod (the planner tries its largest-first
   plan of a batch against FGD's).
+
+Why the planner's one-pod rule is FGD's and not a consolidating one (docs/packing.md, "The churn
+replay"): on the Alibaba trace, what leaves the most GPUs fully free while pods come and go (best-fit's
+tight fill of shared GPUs, and not crediting GPU memory that a node's lack of CPU strands) is what
+loses 95-462 GPUs of memory when the cluster fills, and what holds memory then (FGD's measure with its
+node-level term, from the first placements on) leaves 4-6 more GPUs in use than best-fit in the
+churn replay. No load threshold derived from the cluster separated the two without tuning it to
+the trace, so the planner follows FGD and the cost with churn is documented.
 """
 
 from __future__ import annotations

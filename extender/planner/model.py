@@ -70,7 +70,8 @@ ACCEPT_GOALS = {"placed": 1, "stranded": 2, "all": 4}
 #: allocation by noise ("stranded": -10 to +13 GPUs over node orders) or lost memory ("all": 2 to
 #: 51 GPUs in every run); so by default the solver's plan is used when it places more pods.
 ACCEPT = "placed"
-#: the one-pod rule of the reference plan (and of a batch of one pod): FGD.
+#: the one-pod rule of the reference plan (and of a batch of one pod): FGD. Consolidating rules
+#: (best-fit-like, load-adaptive) were measured against it: see `greedy`'s docstring and docs/packing.md.
 SEQUENTIAL_RULE = "fgd"
 #: further greedy plans (order, rule) tried against the reference before the solver.
 EXTRA_GREEDY: tuple[tuple[str, str], ...] = (("size", "vramsched"),)
