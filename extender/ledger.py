@@ -98,7 +98,10 @@ class Ledger:
     def __init__(self) -> None:
         self._nodes: dict[str, NodeInventory] = {}
         self._reservations: dict[str, Reservation] = {}
-        self._by_node: dict[str, set[str]] = {}
+        #: pod keys per node. Immutable sets, replaced on change rather than changed in place, so a
+        #: clone shares them: copying 100,000 keys in 5,000 sets took 10 ms of the planner's
+        #: snapshot on the event loop; replacing a node's set costs its few dozen keys per change.
+        self._by_node: dict[str, frozenset[str]] = {}
         self._arrays = DeviceArrays()
         self._row: dict[tuple[str, str], int] = {}
         self._node_row: dict[str, int] = {}
@@ -127,16 +130,16 @@ class Ledger:
         rather than the seconds a rebuild from every pod takes at 100,000 pods.
 
         Shared, because this ledger never changes them in place: node inventories, the static
-        device columns and indexes (a rebuild makes new ones), and the reservations (whose
-        `assumed` flag alone is flipped in place on confirmation; the copy's reader must not rely
-        on it). Copied: the used columns, the reservation maps and the counters. Summaries are
-        rebuilt by the copy on first use.
+        device columns and indexes (a rebuild makes new ones), the per-node key sets, and the
+        reservations (whose `assumed` flag alone is flipped in place on confirmation; the copy's
+        reader must not rely on it). Copied: the used columns, the reservation maps and the
+        counters. Summaries are rebuilt by the copy on first use.
         """
         a = self.arrays  # rebuilt first if the inventory changed
         c = Ledger()
         c._nodes = dict(self._nodes)
         c._reservations = dict(self._reservations)
-        c._by_node = {node: set(keys) for node, keys in self._by_node.items()}
+        c._by_node = dict(self._by_node)  # immutable sets: shared
         c._arrays = replace(a, used=a.used.copy(), used_replicas=a.used_replicas.copy(),
                             node_used_replicas=a.node_used_replicas.copy(), derived={})
         c._row, c._node_row = self._row, self._node_row
@@ -240,7 +243,7 @@ class Ledger:
         self._reservations[res.key] = res
         if res.assumed:
             self._assumed[res.key] = None
-        self._by_node.setdefault(res.node, set()).add(res.key)
+        self._by_node[res.node] = self._by_node.get(res.node, frozenset()) | {res.key}
         self._touch(res.node)
         return res
 
@@ -252,8 +255,10 @@ class Ledger:
         self._apply(res, -1)
         keys = self._by_node.get(res.node)
         if keys is not None:
-            keys.discard(pod_key)
-            if not keys:
+            keys = keys - {pod_key}
+            if keys:
+                self._by_node[res.node] = keys
+            else:
                 del self._by_node[res.node]
         self._touch(res.node)
         return res

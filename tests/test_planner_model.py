@@ -251,3 +251,42 @@ def test_unknown_accept_is_refused():
     _, cap = build_capacity([gpu_node("n0", count=1)])
     with pytest.raises(ValueError):
         solve_batch(cap, [demand("a", 10), demand("b", 10)], accept="sometimes")
+
+
+def _exact_state(cap: Capacity, n: int) -> tuple:
+    a = cap.arrays
+    lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+    cols = (a.resource_id, a.product_id, a.capacity, a.per_pod_cap, a.replicas, a.used, a.used_replicas)
+    return int(cap.cpu_free[n]), int(cap.mem_free[n]), tuple(sorted(zip(*(c[lo:hi].tolist() for c in cols))))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_node_signatures_group_exactly_the_interchangeable_nodes(seed):
+    """The first, vectorised pass gives one id per distinct state; after placements, a shared id
+    still always means the same state (changed nodes are keyed exactly)."""
+    rng = random.Random(300 + seed)
+    nodes = [gpu_node(f"n{i}", count=rng.choice([1, 2, 4]), memory_mib=rng.choice([24, 80]) * 1024,
+                      replicas=rng.choice([1, 4]), cpu=str(rng.choice([8, 16]))) for i in range(40)]
+    _, cap = build_capacity(nodes)
+    states = [_exact_state(cap, n) for n in range(len(nodes))]
+    sig = cap.signatures().tolist()
+    assert len(set(sig)) == len(set(states)) < len(nodes)  # identical nodes merged, distinct ones apart
+    assert all((sig[i] == sig[j]) == (states[i] == states[j]) for i in range(len(nodes)) for j in range(i))
+    for i in range(30):
+        d = demand(f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000]))
+        choice = greedy.best_fit(cap, d)
+        if choice is not None:
+            place_one(cap, d, choice)
+        sig = cap.signatures().tolist()
+        states = [_exact_state(cap, n) for n in range(len(nodes))]
+        assert all(states[i] == states[j] for i in range(len(nodes)) for j in range(i) if sig[i] == sig[j])
+
+
+def test_relaxation_bound_keeps_to_its_time_budget_and_only_reports():
+    """No bound within the budget, which covers building the model and not only solving it, is None."""
+    cap, frag, demands = stranded_case()
+    greedy_plan = greedy_batch(cap, demands, frag)
+    built = model._Builder(cap, demands, frag, greedy_plan, max_copies=None, build=False)
+    assert built.relaxation_bound(0.0, 1) is None
+    bound = built.relaxation_bound(5.0, 1)
+    assert bound == 0  # three nodes of two 80 GiB GPUs have room for all three pods

@@ -682,12 +682,20 @@ class _Builder:
     def relaxation_bound(self, time_limit: float, num_workers: int, W: int | None = None) -> float | None:
         """A proven lower bound on stage 1 for the *whole* cluster: every node class is merged into
         one bin with M times its free memory, replicas, CPU and memory (any real plan summed over the
-        nodes of a class is a solution of it, so its optimum can only be lower)."""
+        nodes of a class is a solution of it, so its optimum can only be lower).
+
+        None when there is no bound within `time_limit`, which also bounds building the model: on
+        a busy cluster nearly every node is a class of its own, and building a model of hundreds
+        of thousands of variables in Python took 9 s at 5,000 nodes (in the server's planner
+        thread, holding the GIL the event loop needs). The bound only reports; no plan depends on it."""
         a, cap = self.a, self.cap
+        deadline = time.perf_counter() + time_limit
         m = cp_model.CpModel()
         placed: list[list] = [[] for _ in self.classes]
         opened = []
         for c, (key, nodes) in enumerate(self.groups):
+            if time.perf_counter() > deadline:
+                return None
             M = len(nodes)
             n0 = nodes[0]
             devs = self.dev_order[n0]
@@ -746,7 +754,10 @@ class _Builder:
         unplaced = sum(pc.weight * (len(pc.members) - sum(placed[p])) for p, pc in enumerate(self.classes))
         # stage 1 is pods placed; with W, the bound is on W * unplaced + opened (fewest GPUs opened)
         m.Minimize(unplaced if W is None else W * unplaced + sum(opened))
-        s = _solver(num_workers, time_limit)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return None
+        s = _solver(num_workers, left)
         st = s.Solve(m)
         if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return float(s.BestObjectiveBound())
