@@ -274,7 +274,7 @@ def test_a_pod_that_fit_nowhere_is_left_out_of_plans_for_new_pods_until_the_refr
     c.upsert_pod(pod("w2", "20Gi"))
     planner._aged(start - planner.min_age)
     asyncio.run(planner.step(planner._planned_from[2] + planner.min_interval))  # a new waiting pod, without `huge`
-    assert planner.stats.plans == 2 and planner.stats.last_batch == 2
+    assert planner.stats.plans == 2 and planner.stats.last_batch == 1  # w2 alone, around w1's entry
     assert planner.planned_node("default/w2") in NODES and planner.planned_node("default/w1") in NODES
     c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
     asyncio.run(planner.step(planner._planned_from[2] + planner.refresh))  # the refresh: still without it
@@ -323,3 +323,29 @@ def test_serve_plans_by_default_and_no_planner_turns_it_off():
     off = build_parser().parse_args(["serve", "--cluster", "x.yaml", "--no-planner"])
     assert isinstance(_planner(on, c), BackgroundPlanner)
     assert _planner(off, c) is None
+
+
+def test_a_newly_waiting_pod_is_planned_around_the_entries_that_still_hold():
+    """Between full plans, a pod that starts waiting gets a plan of its own on a snapshot that holds
+    what the kept entries hold: the two plans never count the same room twice."""
+    import time
+
+    c = cluster(gpu_node("a", count=1, memory_mib=80 * 1024, replicas=4),
+                gpu_node("b", count=1, memory_mib=80 * 1024, replicas=4), pod("w1", "60Gi"))
+    planner = BackgroundPlanner(c, time_limit=2.0, num_workers=1)
+    start = time.monotonic()
+    planner._aged(start - planner.min_age)
+    asyncio.run(planner.step(start))
+    first = planner.entries["default/w1"]
+    c.upsert_pod(pod("w2", "60Gi"))
+    planner._aged(start - planner.min_age)
+    asyncio.run(planner.step(planner._planned_from[2] + planner.min_interval))
+    assert planner.stats.plans == 2 and planner.stats.last_batch == 1
+    assert planner.entries["default/w1"] is first  # kept as it was
+    assert {planner.planned_node("default/w1"), planner.planned_node("default/w2")} == {"a", "b"}
+    c.upsert_pod(pod("w3", "60Gi"))  # no room left beside what w1 and w2 are planned to take
+    planner._aged(start - planner.min_age)
+    asyncio.run(planner.step(planner._planned_from[2] + 2 * planner.min_interval))
+    assert planner.stats.plans == 3 and planner.stats.last_batch == 1
+    assert planner.planned_node("default/w3") is None and "default/w3" in planner._unplaced
+    assert planner.planned_node("default/w1") == first.node

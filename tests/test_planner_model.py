@@ -290,3 +290,21 @@ def test_relaxation_bound_keeps_to_its_time_budget_and_only_reports():
     assert built.relaxation_bound(0.0, 1) is None
     bound = built.relaxation_bound(5.0, 1)
     assert bound == 0  # three nodes of two 80 GiB GPUs have room for all three pods
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_collapsing_identical_nodes_changes_no_choice(seed):
+    """`Capacity.dedupe` off (the background planner's small plans) scores every candidate; the
+    rules then choose exactly what they choose among the collapsed ones."""
+    rng = random.Random(500 + seed)
+    nodes = [gpu_node(f"n{i}", count=rng.choice([2, 4]), memory_mib=80 * 1024, replicas=4, cpu="16") for i in range(12)]
+    demands = [demand(f"p{i}", rng.choice([None, 10, 20, 40]), gpus=rng.choice([1, 1, 2]), cpu=rng.choice([0, 2000]))
+               for i in range(20)]
+    plans = []
+    for dedupe in (True, False):
+        _, cap = build_capacity(nodes)
+        cap.dedupe = dedupe
+        frag = FragIndex(cap, Workload.from_demands(demands))
+        plans.append({i: (ch[0].device_ids if ch[0] else None, ch[1])
+                      for i, ch in greedy_batch(cap, demands, frag, order="arrival", rule="fgd").items()})
+    assert plans[0] == plans[1] and len(plans[0]) > 10

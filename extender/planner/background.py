@@ -22,11 +22,14 @@ from typing import Any
 
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
-from extender.ledger import Reservation
+from extender.ledger import LedgerError, Reservation
 from extender.planner.capacity import Capacity, FragIndex, Workload
 from extender.planner.model import Plan, solve_batch
 
 __all__ = ["BackgroundPlanner", "PlanEntry", "snapshot"]
+
+#: plans of fewer pods score every candidate instead of collapsing identical nodes first
+DEDUPE_FROM = 16
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ class PlanEntry:
     reservation: Reservation | None
     generation: int
     uid: str
+    #: what the pod needs (a later plan for newly waiting pods holds this entry's CPU and memory too)
+    demand: Demand | None = None
 
 
 @dataclass
@@ -100,8 +105,10 @@ class BackgroundPlanner:
         self.stats = PlannerStats()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        #: (ledger generation, pods planned, when) of the last plan
+        #: (ledger generation, pods the plans since answer for, when) of the last full plan
         self._planned_from: tuple[int, frozenset[str], float] | None = None
+        #: when the last plan, full or only for newly waiting pods, was installed
+        self._last_plan_at = float("-inf")
         #: when the planner first saw each pending pod
         self._seen: dict[str, float] = {}
         #: pods the last plan could not place (retried in a full plan every `refresh_all`)
@@ -191,26 +198,34 @@ class BackgroundPlanner:
         self._install(demands, plan, gens, cap)
         return plan
 
-    async def replan(self, keys: frozenset[str] | None = None, covers: frozenset[str] | None = None) -> Plan | None:
+    async def replan(self, keys: frozenset[str] | None = None, covers: frozenset[str] | None = None,
+                     keep: dict[str, PlanEntry] | None = None) -> Plan | None:
         """Plan the pending pods `keys` (all when None); `covers`: the waiting pods this plan answers
-        for (default `keys`), so that those left out on purpose do not ask for another plan."""
+        for (default `keys`), so that those left out on purpose do not ask for another plan.
+
+        `keep`: entries that still hold, kept as they are; `keys` are planned around them (the
+        snapshot holds their GPUs, CPU and memory). A pod that starts waiting then costs a plan of
+        that pod, not of the whole backlog again: in the load test, where pods that lose a bind
+        race wait for good, planning every waiting pod each time was what the planner cost."""
         covers = keys if covers is None else covers
         demands = self.pending_demands(keys)
         if not demands:
-            self.entries.clear()
+            if keep is None:
+                self.entries.clear()
             if covers is not None:
-                self._planned_from = (self.cluster.ledger.generation, covers, time.monotonic())
+                self._record(covers, full=keep is None)
             return None
         cap, gens = snapshot(self.cluster)  # on the loop: a consistent copy
+        hold = [(e.demand, e.reservation, e.node) for e in (keep or {}).values() if e.demand is not None]
         started = time.perf_counter()
         try:
-            plan = await asyncio.to_thread(_solve, cap, demands, self.time_limit, self.num_workers)
+            plan = await asyncio.to_thread(_solve, cap, demands, self.time_limit, self.num_workers, hold)
         except Exception:  # noqa: BLE001 - planning is an optimisation; the greedy path still answers
             self.stats.errors += 1
             log.exception("background plan failed")
             return None
         # `covers`: what was asked for, even beyond max_batch: not asked again until it grows
-        self._install(demands, plan, gens, cap, covers)
+        self._install(demands, plan, gens, cap, covers, keep)
         planned = {d.pod.key for d in demands}
         pending = self.cluster.pending
         # this plan's verdict for its pods; earlier ones kept for the pods it left out
@@ -220,15 +235,15 @@ class BackgroundPlanner:
         return plan
 
     def _install(self, demands: list[Demand], plan: Plan, gens: dict[str, int], cap: Capacity,
-                 covers: frozenset[str] | None = None) -> None:
+                 covers: frozenset[str] | None = None, keep: dict[str, PlanEntry] | None = None) -> None:
         a = cap.arrays
-        entries: dict[str, PlanEntry] = {}
+        entries: dict[str, PlanEntry] = dict(keep) if keep else {}
         for i, (res, node_row, _) in plan.choices.items():
             d = demands[i]
             pod = self.cluster.pod(d.pod.key)
             uid = str(((pod or {}).get("metadata") or {}).get("uid") or "")
             node = a.node_names[node_row]
-            entries[d.pod.key] = PlanEntry(node, res, gens.get(node, 0), uid)
+            entries[d.pod.key] = PlanEntry(node, res, gens.get(node, 0), uid, d)
         self.entries = entries
         self.stats.plans += 1
         self.stats.last_status = plan.status
@@ -236,7 +251,18 @@ class BackgroundPlanner:
         self.stats.last_batch = len(demands)
         self.stats.last_placed = plan.placed
         covers = frozenset(d.pod.key for d in demands) if covers is None else covers
-        self._planned_from = (self.cluster.ledger.generation, covers, time.monotonic())
+        self._record(covers, full=keep is None)
+
+    def _record(self, covers: frozenset[str], *, full: bool) -> None:
+        """A plan was made: what it answers for, and when. Only a full plan restarts the clocks of
+        `refresh` and `refresh_all` (and the generation they compare with)."""
+        now = time.monotonic()
+        self._last_plan_at = now
+        if full or self._planned_from is None:
+            self._planned_from = (self.cluster.ledger.generation, covers, now)
+        else:
+            gen, _, at = self._planned_from
+            self._planned_from = (gen, covers, at)
 
     def _needs_plan(self, aged: frozenset[str], now: float) -> bool:
         """A new plan when pods started waiting that the last one did not cover, or, at most every
@@ -247,7 +273,7 @@ class BackgroundPlanner:
         if self._planned_from is None:
             return True
         gen, keys, at = self._planned_from
-        if now - at < self.min_interval:
+        if now - self._last_plan_at < self.min_interval:
             return False
         waiting = aged - self._unschedulable
         if not (waiting - self._unplaced) <= keys:
@@ -278,7 +304,13 @@ class BackgroundPlanner:
         # plans leave them out, except a full one every `refresh_all` seconds.
         full = self._planned_from is None or now - self._planned_from[2] >= self.refresh_all
         waiting = aged - self._unschedulable
-        return await self.replan(waiting if full else waiting - self._unplaced, covers=waiting)
+        keys = waiting if full else waiting - self._unplaced
+        if full or now - self._planned_from[2] >= self.refresh:
+            return await self.replan(keys, covers=waiting)
+        # Only pods that started waiting since (or whose entry went stale) ask for this plan: it
+        # plans them around the entries that still hold.
+        keep = {k: e for k in keys if (e := self._valid(k)) is not None}
+        return await self.replan(keys - keep.keys(), covers=waiting, keep=keep)
 
     async def start(self) -> None:
         if self._task is None:
@@ -300,6 +332,17 @@ class BackgroundPlanner:
                 "hits": s.hits, "stale": s.stale, "errors": s.errors}
 
 
-def _solve(cap: Capacity, demands: list[Demand], time_limit: float, num_workers: int) -> Plan:
+def _solve(cap: Capacity, demands: list[Demand], time_limit: float, num_workers: int,
+           hold: list[tuple[Demand, Reservation | None, str]] = ()) -> Plan:
+    """Plan `demands` on `cap` (a private snapshot) after holding what kept entries hold there."""
+    for demand, res, node in hold:
+        row = cap.ledger.node_row(node)
+        if row is None:
+            continue
+        try:
+            cap.apply(demand, res, row)
+        except LedgerError:
+            continue  # no longer fits: that entry fails its own check when used
+    cap.dedupe = len(demands) >= DEDUPE_FROM  # see Capacity.dedupe
     frag = FragIndex(cap, Workload.from_demands(demands))
     return solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)
