@@ -62,10 +62,9 @@ def _mix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _device_hashes(a: DeviceArrays, lo: int = 0, hi: int | None = None) -> np.ndarray:
-    """(devices lo:hi, 2): two hashes of each device's `_SIG_COLUMNS` (weighted sums, mixed). A
-    handful of numpy calls whatever the number of devices."""
-    block = np.stack([getattr(a, c)[lo:hi] for c in _SIG_COLUMNS], axis=1).astype(np.int64).astype(np.uint64)
+def _device_hashes(a: DeviceArrays) -> np.ndarray:
+    """(devices, 2): two hashes of each device's `_SIG_COLUMNS` (weighted sums, mixed)."""
+    block = np.stack([getattr(a, c) for c in _SIG_COLUMNS], axis=1).astype(np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         return _mix64(block @ _SIG_WEIGHTS + _SIG_SEEDS)
 
@@ -92,7 +91,10 @@ class Capacity:
     mem_total: np.ndarray
     _sig: np.ndarray | None = None
     _sig_dirty: set[int] = field(default_factory=set)
+    #: exact keys of nodes changed since the first pass -> id (ids from `_sig_base` on, after the
+    #: first pass's hash classes, which are never looked up again)
     _sig_ids: dict[tuple, int] = field(default_factory=dict)
+    _sig_base: int = 0
     _sig_arrays: DeviceArrays | None = None
     #: whether `candidates` collapses identical nodes. Worth it when many pods are placed on one
     #: Capacity (the simulator, big batches: the signatures are then kept up to date per changed
@@ -143,17 +145,18 @@ class Capacity:
         one."""
         a = self.arrays
         if self._sig is None or self._sig_arrays is not a:
-            self._sig, self._sig_ids = self._all_signatures(a)
+            self._sig = self._all_signatures(a)
+            self._sig_base, self._sig_ids = int(self._sig.max(initial=-1)) + 1, {}
             self._sig_arrays, self._sig_dirty = a, set()
         for n in self._sig_dirty:  # a node changed since: its exact state as the key (~15 us in Python)
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
             devs = sorted(zip(*(getattr(a, c)[lo:hi].tolist() for c in _SIG_COLUMNS)))
             key = (int(self.cpu_free[n]), int(self.mem_free[n]), tuple(devs))
-            self._sig[n] = self._sig_ids.setdefault(key, len(self._sig_ids))
+            self._sig[n] = self._sig_ids.setdefault(key, self._sig_base + len(self._sig_ids))
         self._sig_dirty = set()
         return self._sig
 
-    def _all_signatures(self, a: DeviceArrays) -> tuple[np.ndarray, dict[tuple, int]]:
+    def _all_signatures(self, a: DeviceArrays) -> np.ndarray:
         """`signatures` for every node at once, vectorised: the background planner computes them
         for every fresh snapshot, on a thread that shares the GIL with the event loop, where a
         Python loop over 5,000 nodes (~60 ms) showed in the verbs' p99.
@@ -169,8 +172,8 @@ class Capacity:
         sums = np.zeros((n_nodes, 2), np.uint64)
         if nonempty.any():
             sums[nonempty] = np.add.reduceat(_device_hashes(a), starts[nonempty], axis=0, dtype=np.uint64)
-        unique, sig = np.unique(_node_keys(sums, self.cpu_free, self.mem_free), axis=0, return_inverse=True)
-        return sig.astype(np.int64).ravel(), {tuple(k): i for i, k in enumerate(unique.tolist())}
+        _, sig = np.unique(_node_keys(sums, self.cpu_free, self.mem_free), axis=0, return_inverse=True)
+        return sig.astype(np.int64).ravel()
 
     def fits_host(self, demand: Demand) -> np.ndarray:
         """Nodes with enough free CPU and memory for the pod (kube-scheduler's NodeResourcesFit)."""
@@ -375,7 +378,6 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
     host = cap.fits_host(demand)
     k = demand.gpu_count
     sig = cap.signatures() if dedupe and cap.dedupe else None
-    dedupe = sig is not None
     if k == 0:
         nodes = np.flatnonzero(host)
         if sig is not None and len(nodes):
@@ -389,7 +391,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
         ok &= (a.capacity - a.used >= need) & (a.per_pod_cap >= need)
     rows = np.flatnonzero(ok)
     if k == 1:
-        if dedupe and len(rows):
+        if sig is not None and len(rows):
             # one 64-bit mix of the device state and its node's signature (a collision would only
             # merge two candidates, never create a placement that does not fit)
             with np.errstate(over="ignore"):
