@@ -78,13 +78,18 @@ def _state(port: int) -> dict[str, Any]:
         return orjson.loads(r.read())
 
 
-def delete_loadtest_pods(port: int, prefix: str = "loadtest/lt-") -> int:
+LOADTEST_PODS = "loadtest/lt-"  # the keys of the pods the locustfile creates
+
+
+def held_pods(state: dict[str, Any], prefix: str = LOADTEST_PODS) -> set[str]:
+    """Keys starting with `prefix` of the pods holding a GPU or MIG slice in a GET /state answer."""
+    return {k for node in state["nodes"] for gpu in node["gpus"] for d in gpu.get("slices") or [gpu]
+            for k in d["pods"] if k.startswith(prefix)}
+
+
+def delete_loadtest_pods(port: int, prefix: str = LOADTEST_PODS) -> int:
     """Delete every pod the load test bound (those holding a GPU or slice in GET /state); how many."""
-    keys: set[str] = set()
-    for node in _state(port)["nodes"]:
-        for gpu in node["gpus"]:
-            for d in gpu.get("slices") or [gpu]:
-                keys.update(k for k in d["pods"] if k.startswith(prefix))
+    keys = held_pods(_state(port), prefix)
     for key in sorted(keys):
         namespace, name = key.split("/", 1)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/pods/{namespace}/{name}", method="DELETE")

@@ -137,7 +137,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("churn", [0, 1])
 def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_path, churn):
     """With `churn`, each user keeps at most that many pods bound and deletes the oldest (the soak)."""
-    from loadtest.soak import delete_loadtest_pods
+    from loadtest.soak import delete_loadtest_pods, held_pods
     nodes, pods = generate(40, 8, 0.5, seed=2)
     cluster = tmp_path / "cluster.json"
     write_cluster(cluster, nodes, pods, {"seed": 2})
@@ -182,8 +182,7 @@ def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_pa
             for gpu in node["gpus"]:
                 for dev in gpu.get("slices") or [gpu]:
                     assert dev["usedBytes"] <= dev["memoryBytes"] and dev["usedReplicas"] <= dev["replicas"], (node["name"], dev)
-        held = {p for node in state["nodes"] for gpu in node["gpus"] for d in gpu.get("slices") or [gpu]
-                for p in d["pods"] if p.startswith("loadtest/lt-")}
+        held = held_pods(state)
         if churn:
             assert counts["deleted"] > 0 and int(rows["delete"]["Request Count"]) > 0
             assert len(held) <= 2 * (churn + 1)  # 2 users (one more each if stopped between bind and delete)
