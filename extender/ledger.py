@@ -12,6 +12,7 @@ contiguous) so that filter/prioritize over thousands of nodes are vector operati
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
@@ -80,6 +81,25 @@ class DeviceArrays:
     def free(self) -> np.ndarray:
         return self.capacity - self.used
 
+    def per_node_sum(self, values: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+        """Sum of `values` (one row per device, any trailing shape) over each node's devices.
+
+        A node's rows are contiguous, so this is one `add.reduceat` pass: `bincount` on
+        `node_of` copies and is ~8x slower at 80,000 devices, `add.at` slower still."""
+        starts = self.node_start[:-1]
+        out_shape = (len(starts),) + values.shape[1:]
+        if len(values) == 0:
+            return np.zeros(out_shape, dtype)
+        nonempty = self.derived.get("nonempty")
+        if nonempty is None:
+            ne = starts < self.node_start[1:]
+            nonempty = self.derived["nonempty"] = True if ne.all() else ne
+        if nonempty is True:
+            return np.add.reduceat(values, starts, axis=0, dtype=dtype)
+        out = np.zeros(out_shape, dtype)
+        out[nonempty] = np.add.reduceat(values, starts[nonempty], axis=0, dtype=dtype)
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Violation:
@@ -124,8 +144,11 @@ class Ledger:
         #: kept current by refreshing the node rows `_apply` marked stale, verified by `check_invariant`.
         self._summaries: dict[int, NodeSummary] = {}
         self._stale_rows: set[int] = set()
+        #: bumped whenever a node's inventory object is replaced or removed (see `allocatable`)
+        self._inventory_version = 0
+        self._allocatable: tuple | None = None
 
-    def clone(self) -> "Ledger":
+    def clone(self, *, reservations: bool = True) -> "Ledger":
         """A private copy for a reader on another thread (the background planner), in milliseconds
         rather than the seconds a rebuild from every pod takes at 100,000 pods.
 
@@ -134,16 +157,24 @@ class Ledger:
         reservations (whose `assumed` flag alone is flipped in place on confirmation; the copy's
         reader must not rely on it). Copied: the used columns, the reservation maps and the
         counters. Summaries are rebuilt by the copy on first use.
+
+        `reservations=False` gives a *capacity* copy: the same used columns, but no record of
+        who holds them (no reservations, per-node keys or assumed set; `pods_on` and
+        `check_invariant` then see only what the copy itself reserves). The planner needs no
+        more: it reserves and releases its own trial placements on free capacity, and copying
+        100,000 reservations was 2 of the snapshot's 5 ms on the event loop.
         """
         a = self.arrays  # rebuilt first if the inventory changed
         c = Ledger()
         c._nodes = dict(self._nodes)
-        c._reservations = dict(self._reservations)
-        c._by_node = dict(self._by_node)  # immutable sets: shared
+        if reservations:
+            c._reservations = dict(self._reservations)
+            c._by_node = dict(self._by_node)  # immutable sets: shared
+            c._assumed = dict(self._assumed)
         c._arrays = replace(a, used=a.used.copy(), used_replicas=a.used_replicas.copy(),
                             node_used_replicas=a.node_used_replicas.copy(), derived={})
         c._row, c._node_row = self._row, self._node_row
-        c._assumed = dict(self._assumed)
+        c._allocatable, c._inventory_version = self._allocatable, self._inventory_version
         c._dirty = False
         c.generation = self.generation
         c.replica_policy = self.replica_policy
@@ -151,9 +182,24 @@ class Ledger:
         c.touched_base = self.touched_base + len(self.touched)
         return c
 
+    def allocatable(self) -> tuple[np.ndarray, np.ndarray]:
+        """Allocatable CPU millicores and memory bytes per node row (0 where a node does not state
+        them), read-only. Kept until a node is added, replaced or removed (and shared with clones):
+        the planner's snapshot read them from 5,000 inventories on the event loop each time."""
+        a = self.arrays
+        hit = self._allocatable
+        if hit is None or hit[0] is not a.node_names or hit[1] != self._inventory_version:
+            invs = list(map(self._nodes.__getitem__, a.node_names))
+            cpu = np.fromiter(map(attrgetter("cpu_milli"), invs), np.int64, len(invs))
+            mem = np.fromiter(map(attrgetter("memory_bytes"), invs), np.int64, len(invs))
+            cpu.flags.writeable = mem.flags.writeable = False
+            hit = self._allocatable = (a.node_names, self._inventory_version, cpu, mem)
+        return hit[2], hit[3]
+
     # ----- inventory -------------------------------------------------------------------
     def upsert_node(self, inventory: NodeInventory) -> None:
         old = self._nodes.get(inventory.name)
+        self._inventory_version += 1
         if old is not None and old.devices == inventory.devices and old.problem == inventory.problem:
             self._nodes[inventory.name] = inventory
             return
@@ -163,6 +209,7 @@ class Ledger:
 
     def remove_node(self, name: str) -> None:
         if self._nodes.pop(name, None) is not None:
+            self._inventory_version += 1
             self._touch(name)
             self._dirty = True
 

@@ -122,3 +122,41 @@ def test_bound_pod_without_assignment_is_counted_conservatively():
     # no annotation: it holds a whole GPU
     assert c.ledger.totals()[0] == 80 * GIB
     assert "default/legacy" in c.guessed
+
+
+def test_clone_copies_and_a_capacity_clone_keeps_only_the_used_columns():
+    led = _ledger(gpu_node("n", count=2, replicas=2), gpu_node("m", count=1))
+    led.reserve(res("a", "n", ["0"], [30]))
+    led.reserve(res("b", "m", ["0"], [80]))
+    full, capacity = led.clone(), led.clone(reservations=False)
+    assert check_invariant(full) == [] and full.reservation("ns/a") is not None
+    assert [r.key for r in full.pods_on("n")] == ["ns/a"]
+    for c in (full, capacity):
+        assert (c.arrays.used == led.arrays.used).all() and (c.arrays.used_replicas == led.arrays.used_replicas).all()
+    assert capacity.reservation("ns/a") is None and list(capacity.reservations()) == [] and capacity.pods_on("n") == []
+    # the capacity clone still refuses what does not fit, and reserves and releases its own pods
+    with pytest.raises(LedgerError, match="no free replica"):
+        capacity.reserve(res("c", "m", ["0"], [0]))
+    capacity.reserve(res("c", "n", ["0"], [50]))
+    assert capacity.arrays.used[led.row("n", "0")] == 80 * GIB and led.arrays.used[led.row("n", "0")] == 30 * GIB
+    capacity.release("ns/c")
+    assert (capacity.arrays.used == led.arrays.used).all()
+    # and the original changes without either copy seeing it
+    led.release("ns/b")
+    assert full.reservation("ns/b") is not None and capacity.arrays.used[led.row("m", "0")] == 80 * GIB
+
+
+def test_allocatable_follows_node_updates_that_keep_the_devices():
+    node = gpu_node("n", cpu="64", memory="512Gi")
+    led = _ledger(node, gpu_node("m", cpu="8", memory="64Gi"))
+    cpu, mem = led.allocatable()
+    assert cpu.tolist() == [64_000, 8_000] and mem.tolist() == [512 * GIB, 64 * GIB]
+    assert not cpu.flags.writeable
+    clone = led.clone(reservations=False)
+    assert clone.allocatable()[0] is cpu  # shared, not recomputed
+    smaller = gpu_node("n", cpu="32", memory="512Gi")  # same GPUs: the arrays are not rebuilt
+    led.upsert_node(node_inventory(smaller))
+    assert led.allocatable()[0].tolist() == [32_000, 8_000]
+    assert clone.allocatable()[0].tolist() == [64_000, 8_000]  # the copy keeps what it was taken with
+    led.remove_node("m")
+    assert led.allocatable()[0].tolist() == [32_000]

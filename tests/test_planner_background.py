@@ -206,19 +206,26 @@ def test_snapshot_is_a_private_copy_equal_to_the_cluster():
     cap, gens = snapshot(c)
     a, b = c.ledger.arrays, cap.arrays
     assert (a.used == b.used).all() and (a.used_replicas == b.used_replicas).all()
+    assert (a.node_used_replicas == b.node_used_replicas).all()
     assert gens == c.ledger.node_generation
-    assert check_invariant(cap.ledger) == []
+    # a capacity copy: the used columns without the record of who holds them
+    assert list(cap.ledger.reservations()) == [] and cap.ledger.pods_on(NODES[0]) == []
     want_cpu, want_mem = _reference_usage(c)
     for i, name in enumerate(b.node_names):
         assert cap.cpu_free[i] == cap.cpu_total[i] - want_cpu.get(name, 0)
         assert cap.mem_free[i] == cap.mem_total[i] - want_mem.get(name, 0)
     # the copy and the cluster change independently
     before = a.used.copy()
+    copy_before = b.used.copy()
     demand = svc._demand(c.pod("default/waiting"))
-    cap.ledger.reserve(choose_devices(cap.ledger, demand, "a"))
+    res = cap.ledger.reserve(choose_devices(cap.ledger, demand, "a"))
     assert (c.ledger.arrays.used == before).all() and c.ledger.reservation("default/waiting") is None
+    assert b.used.sum() == copy_before.sum() + sum(res.bytes_per_device)
     c.ledger.release("default/r0")
-    assert cap.ledger.reservation("default/r0") is not None and check_invariant(cap.ledger) == []
+    assert c.ledger.arrays.used.sum() < before.sum() and b.used.sum() == copy_before.sum() + sum(res.bytes_per_device)
+    # the copy releases what it reserved itself, back to the state it was taken in
+    cap.ledger.release("default/waiting")
+    assert (b.used == copy_before).all() and check_invariant(c.ledger) == []
 
 
 def test_a_pod_placed_before_it_is_min_age_old_is_never_planned_and_a_waiting_one_is():

@@ -61,8 +61,9 @@ class PlannerStats:
 def snapshot(cluster: ClusterState) -> tuple[Capacity, dict[str, int]]:
     """A private copy of the cluster's capacity (ledger, CPU, memory) the worker may read freely,
     and the per-node generations it reflects. Milliseconds at 5,000 nodes and 100,000 pods: the
-    ledger is cloned (`Ledger.clone`) and CPU/memory come from the sums the cluster keeps."""
-    return Capacity.from_ledger(cluster.ledger.clone(), cluster.cpu_used, cluster.memory_used), \
+    ledger's capacity is cloned (`Ledger.clone(reservations=False)`: plans reserve only their own
+    trial placements) and CPU/memory come from the sums the cluster keeps."""
+    return Capacity.from_ledger(cluster.ledger.clone(reservations=False), cluster.cpu_used, cluster.memory_used), \
         dict(cluster.ledger.node_generation)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import attrgetter
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -46,7 +45,6 @@ def device_matches(a: DeviceArrays, resource: str, allowed: frozenset[str] | Non
     return m
 
 
-_CPU, _MEMORY = attrgetter("cpu_milli"), attrgetter("memory_bytes")
 # A device's state as `Capacity.signatures` compares it, and the two independent 64-bit hashes of
 # it: per hash, odd weights for the columns and a seed.
 _SIG_COLUMNS = ("resource_id", "product_id", "capacity", "per_pod_cap", "replicas", "used", "used_replicas")
@@ -106,11 +104,9 @@ class Capacity:
     def from_ledger(cls, ledger: Ledger, used_cpu: dict[str, int] | None = None, used_mem: dict[str, int] | None = None) -> "Capacity":
         a = ledger.arrays
         names, n = a.node_names, len(a.node_names)
-        # C-level maps, no Python loop per node: the background planner's snapshot runs this on the
-        # event loop. Every node of the arrays is in the ledger (the arrays are built from it).
-        invs = list(map(ledger.node, names))
-        cpu = np.fromiter(map(_CPU, invs), np.int64, n)
-        mem = np.fromiter(map(_MEMORY, invs), np.int64, n)
+        # Cached allocatable columns and C-level maps, no Python loop per node: the background
+        # planner's snapshot runs this on the event loop.
+        cpu, mem = (x.copy() for x in ledger.allocatable())
         # A node that does not state CPU/memory is not limited by them here (kube-scheduler decides).
         cpu[cpu == 0] = 1 << 50
         mem[mem == 0] = 1 << 60
@@ -273,12 +269,10 @@ class FragIndex:
             rows = slice(None)
             free = (a.capacity - a.used).astype(np.float64)
             ok = self._ok(rows, a.capacity - a.used, a.replicas - a.used_replicas)
-            n_nodes = len(a.node_names)
-            self.A = np.zeros((n_nodes, len(self.w)))
-            np.add.at(self.A, a.node_of, np.where(ok, 0.0, np.maximum(free, 0)[:, None]))
-            self.okc = np.zeros((n_nodes, len(self.w)), np.int64)
-            np.add.at(self.okc, a.node_of, ok.astype(np.int64))
-            self.total = np.bincount(a.node_of, weights=np.maximum(free, 0), minlength=n_nodes)
+            fpos = np.maximum(free, 0)
+            self.A = a.per_node_sum(np.where(ok, 0.0, fpos[:, None]), np.float64)
+            self.okc = a.per_node_sum(ok, np.int64)
+            self.total = a.per_node_sum(fpos, np.float64)
             return
         for n in node_rows:
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
