@@ -73,6 +73,10 @@ class _Raw:
         if self.counting():
             self.lat[verb].append(ms)
 
+    def fail(self) -> None:
+        """A failure counts whenever it happens: the warm-up leaves out latencies, not errors."""
+        self.counts["failures"] += 1
+
     def count(self, what: str) -> None:
         if self.counting():
             now = time.monotonic()
@@ -121,6 +125,13 @@ class SchedulerUser(FastHttpUser):
 
     @task
     def cycle(self) -> None:
+        try:
+            self._cycle()
+        except Exception:
+            RAW.fail()  # a cycle that raised (locust logs it under exceptions) failed too
+            raise
+
+    def _cycle(self) -> None:
         self.n += 1
         pod = make_pod(self.rng, f"lt-{self.tag}-{self.n}")
         pod_json = orjson.dumps(pod)
@@ -171,7 +182,7 @@ class SchedulerUser(FastHttpUser):
                 why, value = answer(r.content or b"")
             if why:
                 r.failure(why)
-                RAW.count("failures")
+                RAW.fail()
                 return None
             RAW.add(verb, ms)
             return value
@@ -189,7 +200,7 @@ class SchedulerUser(FastHttpUser):
                 why, race = check_bind(r.content or b"")
             if why:
                 r.failure(why)
-                RAW.count("failures")
+                RAW.fail()
                 return False
             if race:
                 RAW.count("races")
@@ -207,7 +218,7 @@ class SchedulerUser(FastHttpUser):
             ms = (time.perf_counter() - t) * 1000
             if r.status_code != 200 or (r.content or b"") != b'{"Error":""}':
                 r.failure(f"delete of a bound pod: HTTP {r.status_code}: {(r.text or '')[:200]}")
-                RAW.count("failures")
+                RAW.fail()
                 return
             RAW.count("deleted")
             RAW.add("delete", ms)

@@ -219,3 +219,23 @@ def test_race_mark_is_what_a_lost_bind_says():
     results = [asyncio.run(svc.bind(ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="loadtest",
                                                          PodUID=p["metadata"]["uid"], Node=excl))) for p in pods]
     assert results[0].Error == "" and RACE_MARK in results[1].Error
+
+
+@pytest.mark.parametrize(("csv_failures", "raw_failures", "want"), [(0, 3, 3), (2, 0, 2), (1, 1, 1), (0, 0, 0)])
+def test_the_summary_counts_failures_the_csv_missed_and_the_other_way_round(tmp_path, csv_failures, raw_failures, want):
+    """Locust rewrites its stats CSV once a second and not at exit, so failures in the last second
+    are only in the locustfile's own counts; failures inside locust's client only in the CSV."""
+    import argparse
+
+    from loadtest.run import _merge_raw
+
+    with (tmp_path / "x_stats.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Type", "Name", "Request Count", "Failure Count"])
+        w.writerow(["POST", "filter", "10", str(csv_failures)])
+        w.writerow(["", "Aggregated", "10", str(csv_failures)])
+    counts = {"cycles": 10, "bound": 8, "races": 0, "unschedulable": 2, "failures": raw_failures, "deleted": 0}
+    lat = {"filter": [1.0] * 10, "prioritize": [1.0] * 8, "bind": [1.0] * 8, "cycle": [3.0] * 10, "delete": []}
+    (tmp_path / "x.raw.1.json").write_bytes(orjson.dumps({"latency_ms": lat, "counts": counts, "span_s": 2.0, "cycles_total": 12}))
+    out = _merge_raw(tmp_path, "x", argparse.Namespace())
+    assert out["failures"] == want and out["cycles_per_s"] == 5.0 and out["verbs"]["filter"]["count"] == 10
