@@ -72,13 +72,16 @@ def opened_by(cap: Capacity, plan) -> int:
 
 
 def test_solver_beats_greedy_where_greedy_strands_memory():
-    # two 100 GiB GPUs and exactly 190 GiB of pods: the greedy rule places 5 in either order (it
-    # strands memory), the optimum places all 6 (50+30+20 and 35+35+20).
+    # two 100 GiB GPUs and exactly 200 GiB of pods: every greedy plan the planner tries places 5
+    # (queue order, largest first, smallest first: each strands memory), the optimum places all 6
+    # (10+45+45 and 40+30+30).
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
-    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
+    demands = [demand(f"p{i}", g) for i, g in enumerate([10, 40, 45, 45, 30, 30])]
     frag = FragIndex(cap, Workload.from_demands(demands))
     assert len(greedy_batch(cap, demands, frag)) == 5
-    assert len(greedy_batch(cap, demands, frag, order="arrival")) == 5
+    assert len(greedy_batch(cap, demands, frag, order="arrival", rule=model.SEQUENTIAL_RULE)) == 5
+    for order, rule in model.EXTRA_GREEDY:
+        assert len(greedy_batch(cap, demands, frag, order=order, rule=rule)) == 5, (order, rule)
     plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
     assert plan.placed == 6
     assert plan.improved
@@ -170,7 +173,7 @@ def test_restricted_neighbourhood_is_valid_and_never_worse_than_greedy():
 
 def test_solver_failure_falls_back_to_greedy(monkeypatch):
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
-    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
+    demands = [demand(f"p{i}", g) for i, g in enumerate([10, 40, 45, 45, 30, 30])]
 
     def boom(self, *a, **k):
         raise RuntimeError("solver crashed")
@@ -240,11 +243,28 @@ def test_batch_keeps_fgds_sequential_plan_unless_the_solver_places_more():
 def test_batch_takes_the_solver_plan_when_it_places_more_than_fgd():
     # the case of test_solver_beats_greedy_where_greedy_strands_memory, against FGD's sequential plan
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
-    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
+    demands = [demand(f"p{i}", g) for i, g in enumerate([10, 40, 45, 45, 30, 30])]
     frag = FragIndex(cap, Workload.from_demands(demands))
     assert len(greedy_batch(cap, demands, frag, order="arrival", rule="fgd")) == 5
     plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
     assert plan.improved and plan.placed == 6 and plan.cost[0] < plan.greedy_cost[0]
+
+
+def test_a_greedy_plan_smallest_first_is_taken_when_it_places_more_than_the_reference():
+    # 50+35+35+30+20+20 on two 100 GiB GPUs: FGD in queue order strands memory and places 5;
+    # smallest first places all 6: that is the plan, and no solver runs (stage 1 is proven: nothing left out)
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
+    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 35, 35, 30, 20, 20])]
+    frag = FragIndex(cap, Workload.from_demands(demands))
+    assert len(greedy_batch(cap, demands, frag, order="arrival", rule="fgd")) == 5
+    smallest = greedy_batch(cap, demands, frag, order="small", rule="fgd")
+    assert len(smallest) == 6
+    plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
+    assert plan.placed == 6 and plan.greedy_cost[0] == 0 and not plan.improved and plan.status == "GREEDY"
+    assert {i: (ch[0].device_ids, ch[1]) for i, ch in plan.choices.items()} == \
+        {i: (ch[0].device_ids, ch[1]) for i, ch in smallest.items()}
+    assert plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0
+    assert [demands[i].bytes_per_gpu // GIB for i in greedy.batch_order(demands, smallest_first=True)] == [20, 20, 30, 35, 35, 50]
 
 
 def test_unknown_accept_is_refused():
