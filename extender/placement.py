@@ -25,6 +25,7 @@ __all__ = [
     "filter_nodes",
     "score_nodes",
     "choose_devices",
+    "plugin_allows",
     "preempt_victims",
     "MAX_SCORE",
     "device_need",
@@ -841,6 +842,21 @@ def _best_fit_order(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -
         return np.lexsort((np.arange(n), leftover, empty, node))
     key = (group.astype(np.int64) << (bits[1] + bits[2])) | (empty.astype(np.int64) << bits[2]) | leftover
     return np.argsort(key, kind="stable")
+
+
+def plugin_allows(ledger: Ledger, demand: Demand, res: Reservation) -> bool:
+    """Whether the device plugin's node-level bound (and its pin requirement) allows the devices
+    of `res`, chosen elsewhere: a background plan, made on per-device books alone. This is what
+    `choose_devices` checks beside `Ledger.fits` when a replica policy is set; with none (exact
+    per-device books: embedded cluster, simulator) it always allows. Costs what `choose_devices`
+    costs under a replica policy: one pass over the devices."""
+    if getattr(ledger, "replica_policy", None) is None or not demand.wants_gpu:
+        return True
+    shared = _fit(ledger, demand).shared
+    if shared is None:
+        return True
+    rows = [ledger.row(res.node, dev) for dev in res.device_ids]
+    return all(r is not None and bool(shared.allowed[r]) for r in rows)
 
 
 def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | str:

@@ -18,7 +18,7 @@ from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import Demand, DemandError, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
-from extender.placement import choose_devices, filter_nodes, preempt_victims, score_rows
+from extender.placement import choose_devices, filter_nodes, plugin_allows, preempt_victims, score_rows
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -310,9 +310,10 @@ class ExtenderService:
         return result
 
     def _reserve(self, demand: Demand, node: str) -> Reservation:
-        """Reserve the planned devices when they are still free, else best fit on that node."""
+        """Reserve the planned devices when they are still free and the device plugin's bound
+        allows them (plans are made on per-device books alone), else best fit on that node."""
         planned = self.planner.planned_reservation(demand.pod.key, node) if self.planner is not None else None
-        if planned is not None and self.ledger.fits(planned) is None:
+        if planned is not None and self.ledger.fits(planned) is None and plugin_allows(self.ledger, demand, planned):
             candidate: Reservation | str = planned
         else:
             candidate = choose_devices(self.ledger, demand, node)

@@ -22,7 +22,7 @@ from extender.deviceplugin import (
 )
 from extender.ledger import Reservation, check_invariant
 from extender.demand import PodRef
-from extender.placement import choose_devices, filter_nodes, preempt_victims
+from extender.placement import choose_devices, filter_nodes, preempt_victims, plugin_allows
 
 GIB = 1024**3
 D, P = ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED
@@ -176,3 +176,17 @@ def test_preemption_only_evicts_what_lets_the_pod_past_the_plugins_worst_case() 
     assert preempt_victims(c.ledger, preemptor, {"ts": ["a"]}) == {"ts": ["a"]}
     exact = ts_cluster(None, ("a", 0, 12), ("b", 1, 8), ("c", 0, 8))
     assert preempt_victims(exact.ledger, preemptor, {"ts": ["b"]}) == {"ts": ["b"]}  # exact books: it would fit
+
+
+def test_plugin_allows_checks_devices_chosen_elsewhere_against_the_node_level_bound() -> None:
+    """What bind asks of a background plan's GPUs (plans are made on per-GPU books alone)."""
+    def res(gpu: int, gib: int) -> Reservation:
+        return Reservation(PodRef("default", "d", "d"), "ts", (str(gpu),), (gib * GIB,))
+
+    c = ts_cluster("distributed", ("a", 0, 12), ("b", 0, 8), ("c", 1, 8))
+    d = pod_demand(pod("d", "12Gi"))
+    assert c.ledger.fits(res(1, 12)) is None  # the per-GPU books take it ...
+    assert not plugin_allows(c.ledger, d, res(1, 12))  # ... the plugin may stack 12 + 12 on one GPU
+    assert plugin_allows(c.ledger, pod_demand(pod("e", "2Gi")), res(1, 2))
+    # exact per-GPU books (no replica policy): nothing more to check
+    assert plugin_allows(ts_cluster(None, ("a", 0, 12), ("b", 0, 8), ("c", 1, 8)).ledger, d, res(1, 12))

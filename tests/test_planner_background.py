@@ -356,3 +356,24 @@ def test_a_newly_waiting_pod_is_planned_around_the_entries_that_still_hold():
     assert planner.stats.plans == 3 and planner.stats.last_batch == 1
     assert planner.planned_node("default/w3") is None and "default/w3" in planner._unplaced
     assert planner.planned_node("default/w1") == first.node
+
+
+def test_bind_rechecks_the_device_plugin_bound_before_taking_the_planned_gpus():
+    """Plans are made on exact per-GPU books. With a replica policy (the stock device plugin picks
+    the physical GPU of a time-sliced replica) a plan's GPUs that the per-GPU books still take may
+    break the plugin's node-level bound by the time of the bind: bind must not take them."""
+    c = cluster(gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), pod("new", "40Gi"))
+    c.ledger.replica_policy = "distributed"
+    c.ledger.reserve(Reservation(PodRef("default", "big", "big"), "a", ("0",), (50 * GIB,)))
+    planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
+    svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)
+    planner.plan_once()
+    planned = planner.entries["default/new"].reservation
+    assert planner.planned_node("default/new") == "a" and planned.device_ids == ("1",)
+    # a 10Gi pod lands on GPU 1 first: three pods on two GPUs, so the plugin may put two on one
+    # GPU, 50 + 40 Gi on 80 Gi; the per-GPU books alone would still take the plan
+    c.ledger.reserve(Reservation(PodRef("default", "small", "small"), "a", ("1",), (10 * GIB,)))
+    assert c.ledger.fits(planned) is None
+    result = asyncio.run(svc.bind(ExtenderBindingArgs(PodName="new", PodNamespace="default", Node="a")))
+    assert "does not fit on a" in result.Error and "may stack 90Gi on a 80Gi GPU" in result.Error
+    assert c.ledger.reservation("default/new") is None and check_invariant(c.ledger) == []
