@@ -12,8 +12,8 @@ contiguous) so that filter/prioritize over thousands of nodes are vector operati
 from __future__ import annotations
 
 import time
-from operator import attrgetter
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -159,8 +159,8 @@ class Ledger:
         counters. Summaries are rebuilt by the copy on first use.
 
         `reservations=False` gives a *capacity* copy: the same used columns, but no record of
-        who holds them (no reservations, per-node keys or assumed set; `pods_on` and
-        `check_invariant` then see only what the copy itself reserves). The planner needs no
+        who holds them (no reservations, per-node keys or assumed set: `pods_on` sees only what
+        the copy itself reserves, and `check_invariant` does not hold on it). The planner needs no
         more: it reserves and releases its own trial placements on free capacity, and copying
         100,000 reservations was 2 of the snapshot's 5 ms on the event loop.
         """
