@@ -1,7 +1,8 @@
 """The background planner: keeps a batch plan for the pods pending for vramsched.
 
 It implements `PlanSource` for `ExtenderService`: prioritize gives the planned node the top
-score and bind reserves the planned GPUs when they are still free. The solve runs in a worker
+score and bind reserves the planned GPUs when they are still free (and the device plugin's bound
+allows them: `placement.plugin_allows`). The solve runs in a worker
 thread on a *copy* of the ledger, with a time limit, so the event loop (and every filter,
 prioritize and bind) never waits for it; until a plan exists the greedy best-fit path answers.
 
