@@ -91,7 +91,9 @@ def run(n_nodes: int, n_pods: int, time_limit: float, workers: int, seed: int) -
     t_greedy = time.perf_counter() - t0
     # what a scheduler placing one pod at a time does: FGD's rule in queue order (the plan's reference)
     sequential = greedy_batch(cap, demands, frag, order="arrival", rule="fgd")
-    plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=workers)
+    # prove: a plan that places every pod without the solver also proves, within the same time
+    # limit, how many empty GPUs it must open (the plan's seconds include that proof)
+    plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=workers, prove=True)
     return {
         "nodes": n_nodes, "gpus": n_nodes * 8, "pods": n_pods, "timeLimit": time_limit, "workers": workers,
         "greedySeconds": round(t_greedy, 3), "planSeconds": round(plan.seconds, 3), "status": plan.status,

@@ -14,7 +14,7 @@ from extender.ledger import Reservation, check_invariant
 from extender.planner import greedy, model
 from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
 from extender.planner.greedy import greedy_batch, place_one
-from extender.planner.model import solve_batch
+from extender.planner.model import opened_lower_bound, solve_batch
 from extender.quantity import GIB
 from extender.simulate.engine import build_capacity
 
@@ -328,3 +328,19 @@ def test_collapsing_identical_nodes_changes_no_choice(seed):
         plans.append({i: (ch[0].device_ids if ch[0] else None, ch[1])
                       for i, ch in greedy_batch(cap, demands, frag, order="arrival", rule="fgd").items()})
     assert plans[0] == plans[1] and len(plans[0]) > 10
+
+
+def test_prove_bounds_the_empty_gpus_a_plan_placing_every_pod_must_open():
+    # two 50 GiB pods on two empty 80 GiB GPUs: whatever the plan, both GPUs are opened
+    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4)])
+    demands = [demand("a", 50), demand("b", 50)]
+    plan = solve_batch(cap, demands, time_limit=5, num_workers=1, prove=True)
+    assert plan.status == "GREEDY" and plan.placed == 2 and plan.cost[2] == 2
+    assert plan.stats["openedLowerBound"] == 2
+    # three 30 GiB pods: two share a GPU, so 2 must be opened, not 3 and not 1
+    plan = solve_batch(cap, [demand(f"p{i}", 30) for i in range(3)], time_limit=5, num_workers=1, prove=True)
+    assert plan.cost[2] == plan.stats["openedLowerBound"] == 2
+    # reports only: without `prove` (the background planner) no proof is spent
+    assert "openedLowerBound" not in solve_batch(cap, demands, time_limit=5, num_workers=1).stats
+    # a batch that cannot be placed whole has no such bound
+    assert opened_lower_bound(cap, [demand(f"q{i}", 50) for i in range(3)], FragIndex(cap, Workload.from_demands(demands))) is None

@@ -19,8 +19,8 @@ Goals, lexicographic, as two CP-SAT stages (stage 2 keeps stage 1's value):
 (The issue asked for "fewest empty GPUs" before "stranded VRAM"; measured on the Alibaba trace
 that order loses to FGD, see docs/packing.md, so stranded VRAM comes first.)
 The reference plan is FGD's rule pod by pod in queue order (what a sequential scheduler does; for
-one pod it is FGD's choice); a largest-first plan by vramsched's rule competes with it. The better
-one is the hint of stage 1 and the fallback. The solver's plan replaces it only when it is better on
+one pod it is FGD's choice); when it leaves pods out, a largest-first plan by vramsched's rule and a
+smallest-first plan by FGD's compete with it. The best is the hint of stage 1 and the fallback. The solver's plan replaces it only when it is better on
 the goals named by `accept` (default ACCEPT = "placed": more pods placed; then there is nothing to
 gain when the reference places every pod and the solver does not run), so the result is never worse
 than FGD's sequential plan on the goals that decide.
@@ -157,12 +157,16 @@ def solve_batch(
     num_workers: int = 2,
     workload: Workload | None = None,
     accept: str | None = None,
+    prove: bool = False,
 ) -> Plan:
     """Plan `demands` on `cap` (not modified). Falls back to the reference plan on any solver trouble.
 
     `accept` (default ACCEPT) says which of the plan's goals must be better than the reference's
     for the solver's plan to be used: "placed" (pods placed, priority-weighted), "stranded" (then
-    stranded VRAM) or "all" (then empty GPUs opened, then nodes touched)."""
+    stranded VRAM) or "all" (then empty GPUs opened, then nodes touched).
+    `prove`: when a greedy plan places every pod (no solver run), also prove within the time limit
+    how many empty GPUs such a plan must open (`stats["openedLowerBound"]`, `opened_lower_bound`).
+    For reports: the background planner does not spend the CPU."""
     start = time.perf_counter()
     accept = accept or ACCEPT
     if accept not in ACCEPT_GOALS:
@@ -178,10 +182,8 @@ def solve_batch(
         return plan  # one pod: the rule enumerates every placement: exact for its measure
     if accept == "placed" and len(greedy) == len(demands):
         # every pod placed: no plan can be better on the goal that decides, so no solver run
-        plan.stages = [StageResult("OPTIMAL", 0.0, 0.0, 0.0)]
         plan.greedy_cost = plan.cost = _evaluate(cap, demands, greedy, frag)
-        plan.seconds = time.perf_counter() - start
-        return plan
+        return _all_placed(plan, cap, demands, frag, start, time_limit, num_workers, prove)
     best = _evaluate(cap, demands, greedy, frag)
     for order, rule in EXTRA_GREEDY:
         # other greedy plans compete with the reference on the same goals (ties keep the reference)
@@ -191,10 +193,8 @@ def solve_batch(
             greedy, best = other, c
     plan.choices = greedy
     plan.greedy_cost = plan.cost = best
-    if accept == "placed" and best[0] == 0:
-        plan.stages = [StageResult("OPTIMAL", 0.0, 0.0, 0.0)]  # as above: a greedy plan placed every pod
-        plan.seconds = time.perf_counter() - start
-        return plan
+    if accept == "placed" and best[0] == 0:  # as above: a greedy plan placed every pod
+        return _all_placed(plan, cap, demands, frag, start, time_limit, num_workers, prove)
     try:
         built = _Builder(cap, demands, frag, greedy, max_copies=None, build=False)
         plan.stats = built.stats
@@ -230,6 +230,20 @@ def solve_batch(
         plan.improved = True
     else:
         plan.cost = solved.greedy_cost
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _all_placed(plan: Plan, cap: Capacity, demands: Sequence[Demand], frag: FragIndex, start: float,
+                time_limit: float, num_workers: int, prove: bool) -> Plan:
+    """A greedy plan that places every pod: stage 1 is proven (nothing left out), and with `prove`
+    the GPUs it opens are bounded by the class relaxation in the time left."""
+    plan.stages = [StageResult("OPTIMAL", 0.0, 0.0, 0.0)]
+    if prove:
+        left = max(0.05, time_limit - (time.perf_counter() - start))
+        bound = opened_lower_bound(cap, demands, frag, left, num_workers)
+        if bound is not None:
+            plan.stats["openedLowerBound"] = bound
     plan.seconds = time.perf_counter() - start
     return plan
 
@@ -334,9 +348,29 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
     # stage 2 (stranded VRAM, nodes touched) is only improved by the search here, never proven; what
     # is proven is how many empty GPUs any plan placing these pods must open
     out = _Solved(current, stages, "FEASIBLE", cost, greedy_cost, rounds, accepted)
-    if relax is not None and obj == 0 and relax < W:
-        out.opened_bound = int(math.ceil(relax))
+    if obj == 0:
+        out.opened_bound = _opened_bound(relax, W)
     return out
+
+
+def _opened_bound(relax: float | None, W: int) -> int | None:
+    """From a relaxation bound on `W * pods left out + empty GPUs opened` (W above any count of
+    GPUs): the fewest empty GPUs a plan placing every pod must open, or None when there is no bound
+    or the relaxation finds that no plan places every pod."""
+    return int(math.ceil(relax)) if relax is not None and relax < W else None
+
+
+def opened_lower_bound(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_limit: float = 5.0,
+                       num_workers: int = 2) -> int | None:
+    """The fewest empty GPUs any plan placing every pod of `demands` must open, proven by the class
+    relaxation of the whole cluster (`_Builder.relaxation_bound`), or None (no bound within
+    `time_limit`, or no plan places them all). For reports (`make bench-planner`): a batch that a
+    greedy plan places whole is planned without the solver, so no plan carries this proof."""
+    built = _Builder(cap, demands, frag, {}, max_copies=None, build=False)
+    if built.empty:
+        return None
+    W = len(cap.arrays.capacity) + 1
+    return _opened_bound(built.relaxation_bound(time_limit, num_workers, W), W)
 
 
 def _small(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: dict[int, Choice], built: "_Builder",
