@@ -1,12 +1,12 @@
 """Prometheus metrics. Per request: one histogram observation and one counter; the VRAM
-gauges are computed at scrape time from the ledger, so they cost nothing on the hot path."""
+gauges and the planner's counters are read at scrape time, so they cost nothing on the hot path."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extender.ledger import Ledger
@@ -28,10 +28,32 @@ class _LedgerCollector(Collector):
         yield GaugeMetricFamily("vramsched_vram_capacity_bytes", "VRAM of all GPUs vramsched manages", value=capacity)
 
 
+class _PlannerCollector(Collector):
+    """The background planner's counters, read at scrape time (nothing when it is off)."""
+
+    _COUNTERS = (("plans", "plans", "Background plans made"),
+                 ("hits", "bind_hits", "Binds handed a planned reservation"),
+                 ("refusedAtBind", "bind_refused", "Planned reservations bind did not take (no longer free, or the device plugin's bound)"),
+                 ("stale", "stale_entries", "Plan entries dropped because their node changed and they no longer fit"),
+                 ("errors", "errors", "Background plans that failed (the greedy path answered)"))
+
+    def __init__(self, state: Callable[[], dict[str, Any] | None]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._state()
+        if s is None:
+            return
+        for key, name, doc in self._COUNTERS:
+            yield CounterMetricFamily(f"vramsched_planner_{name}", doc, value=s[key])
+        yield GaugeMetricFamily("vramsched_planner_entries", "Pending pods with a planned node", value=s["entries"])
+        yield GaugeMetricFamily("vramsched_planner_last_plan_seconds", "Wall time of the last background plan", value=s["lastSeconds"])
+
+
 class Metrics:
     """A registry of its own per server, so tests can run many servers in one process."""
 
-    def __init__(self, ledger: Callable[[], Ledger]) -> None:
+    def __init__(self, ledger: Callable[[], Ledger], planner: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "vramsched_request_duration_seconds", "Extender request latency by verb", ["verb"],
@@ -40,6 +62,7 @@ class Metrics:
         self.requests = Counter("vramsched_requests", "Extender requests by verb and HTTP code", ["verb", "code"], registry=self.registry)
         self.errors = Counter("vramsched_errors", "Requests answered with an error (4xx/5xx or an Error field)", ["verb"], registry=self.registry)
         self.registry.register(_LedgerCollector(ledger))
+        self.registry.register(_PlannerCollector(planner))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

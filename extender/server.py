@@ -304,7 +304,7 @@ def create_app(
         raise ValueError("max_concurrency must be at least 1")
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _concurrency_limit(max_concurrency)])
     app[SERVICE_KEY] = service
-    app[METRICS_KEY] = Metrics(lambda: service.ledger)
+    app[METRICS_KEY] = Metrics(lambda: service.ledger, service.planner_state)
     app[NAMES_KEY] = NameLists()
     for collector in getattr(service, "metric_collectors", lambda: [])():  # live mode: bind event counters
         app[METRICS_KEY].registry.register(collector)

@@ -59,6 +59,8 @@ class PlanSource(Protocol):
 
     def notify_filtered(self, pod_key: str, fits: bool) -> None: ...
 
+    def state(self) -> dict[str, Any]: ...
+
 
 class EmbeddedBinder:
     """Binds by updating the in-memory cluster, as the API server would after a Binding."""
@@ -116,6 +118,9 @@ class ExtenderService:
         self.cluster = cluster
         self.binder = binder
         self.planner = planner
+        #: planned reservations bind was handed but did not take (no longer free, or refused by the
+        #: device plugin's bound): with the planner's own counts, how often plans are of use
+        self.plan_refused_at_bind = 0
         self.assume_ttl = assume_ttl
         self.live = live
         #: also list unresolvable nodes in FailedNodes: kube-scheduler < 1.21 has no
@@ -316,6 +321,8 @@ class ExtenderService:
         if planned is not None and self.ledger.fits(planned) is None and plugin_allows(self.ledger, demand, planned):
             candidate: Reservation | str = planned
         else:
+            if planned is not None:
+                self.plan_refused_at_bind += 1
             candidate = choose_devices(self.ledger, demand, node)
         if isinstance(candidate, str):
             raise LedgerError(candidate)
@@ -413,4 +420,12 @@ class ExtenderService:
             nodes.append(entry)
         allocated, capacity = ledger.totals()
         return {"nodes": nodes, "allocatedBytes": allocated, "capacityBytes": capacity,
-                "pending": sorted(self.cluster.pending)}
+                "pending": sorted(self.cluster.pending), "planner": self.planner_state()}
+
+    def planner_state(self) -> dict[str, Any] | None:
+        """The background planner's counters (None when it is off): plans made, entries held,
+        the last plan's status, gap, size and seconds, `hits` (binds handed a planned
+        reservation), `refusedAtBind` (of those, not taken), `stale` entries and `errors`."""
+        if self.planner is None:
+            return None
+        return {**self.planner.state(), "refusedAtBind": self.plan_refused_at_bind}

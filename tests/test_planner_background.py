@@ -377,3 +377,4 @@ def test_bind_rechecks_the_device_plugin_bound_before_taking_the_planned_gpus():
     result = asyncio.run(svc.bind(ExtenderBindingArgs(PodName="new", PodNamespace="default", Node="a")))
     assert "does not fit on a" in result.Error and "may stack 90Gi on a 80Gi GPU" in result.Error
     assert c.ledger.reservation("default/new") is None and check_invariant(c.ledger) == []
+    assert svc.planner_state()["hits"] == 1 and svc.planner_state()["refusedAtBind"] == 1

@@ -172,6 +172,32 @@ async def test_health_metrics_state(client, state):
     g0 = node_c["gpus"][0]
     assert {k: g0[k] for k in ("index", "memoryBytes", "usedBytes", "replicas", "pods")} == {
         "index": 0, "memoryBytes": 81920 * 1024**2, "usedBytes": 16 * 1024**3, "replicas": 4, "pods": ["default/gpu-pod-2"]}
+    # no background planner in this service: no counters for it anywhere
+    assert st["planner"] is None and "vramsched_planner_" not in metrics
+
+
+async def test_state_and_metrics_count_what_the_planner_did(aiohttp_client):
+    from extender.planner.background import BackgroundPlanner
+    from extender.service import EmbeddedBinder, ExtenderService
+
+    c = cluster(gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), pod("p", "40Gi"), pod("q", "20Gi"))
+    planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
+    svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)
+    client = await aiohttp_client(create_app(svc))
+    planner.plan_once()
+    planned = planner.entries["default/q"].reservation
+    await post(client, "bind", {"PodName": "p", "PodNamespace": "default", "Node": "a"})
+    # q's planned GPU is taken from under it before its bind: its entry is stale, bind takes best fit
+    c.ledger.reserve(planned.__class__(planned.pod.__class__("other", "x"), "a", planned.device_ids, (70 * 1024**3,)))
+    await post(client, "bind", {"PodName": "q", "PodNamespace": "default", "Node": "a"})
+    st = orjson.loads(await (await client.get("/state")).read())["planner"]
+    assert (st["plans"], st["hits"], st["stale"], st["refusedAtBind"], st["errors"]) == (1, 1, 1, 0, 0)
+    assert st["lastStatus"] == "GREEDY" and st["lastBatch"] == 2 and st["lastPlaced"] == 2
+    metrics = await (await client.get("/metrics")).text()
+    values = dict(line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_planner_"))
+    assert float(values["vramsched_planner_plans_total"]) == 1.0 and float(values["vramsched_planner_bind_hits_total"]) == 1.0
+    assert float(values["vramsched_planner_stale_entries_total"]) == 1.0 and float(values["vramsched_planner_bind_refused_total"]) == 0.0
+    assert c.ledger.reservation("default/q") is not None and check_invariant(c.ledger) == []
 
 
 def test_route_paths():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -329,7 +330,8 @@ class BackgroundPlanner:
 
     def state(self) -> dict[str, Any]:
         s = self.stats
-        return {"plans": s.plans, "entries": len(self.entries), "lastStatus": s.last_status, "lastGap": s.last_gap,
+        gap = s.last_gap if math.isfinite(s.last_gap) else None  # JSON has no infinity
+        return {"plans": s.plans, "entries": len(self.entries), "lastStatus": s.last_status, "lastGap": gap,
                 "lastBatch": s.last_batch, "lastPlaced": s.last_placed, "lastSeconds": round(s.last_seconds, 4),
                 "hits": s.hits, "stale": s.stale, "errors": s.errors}
 
