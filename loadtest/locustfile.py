@@ -9,7 +9,9 @@ A request fails when the answer is not what kube-scheduler could use: non-200, m
 JSON, a key missing or of the wrong type, a node that was not sent, a node reported twice or
 not at all, a score outside 0..10, a filter `Error` for a well-formed pod, or a bind `Error`
 other than losing a race. Losing a race (another user took the GPU between our filter and
-our bind) is a legitimate outcome: it is counted apart, as "bind lost a race".
+our bind) is a legitimate outcome: it is counted apart, as "bind lost a race", and the pod is
+scheduled again after kube-scheduler's backoff (1 s, doubling up to 10 s), as kube-scheduler
+requeues a pod whose binding failed; meanwhile it waits, so the background planner plans it.
 
 Environment:
   LOADTEST_NODES_FILE  the `<cluster>.nodes.json` sidecar of gen_cluster (node names)
@@ -24,6 +26,8 @@ Environment:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import random
 import time
@@ -53,6 +57,8 @@ RATE = float(os.environ.get("LOADTEST_RATE") or 0)
 CHURN = int(os.environ.get("LOADTEST_CHURN") or 0)
 WARMUP = float(os.environ.get("LOADTEST_WARMUP") or 2)
 _seeds = random.Random(int(os.environ.get("LOADTEST_SEED") or 7) + os.getpid())
+#: kube-scheduler's defaults (podInitialBackoffSeconds, podMaxBackoffSeconds) for a pod whose bind failed
+BACKOFF_INITIAL_S, BACKOFF_MAX_S = 1.0, 10.0
 
 
 class _Raw:
@@ -62,7 +68,7 @@ class _Raw:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.lat: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": [], "cycle": [], "delete": []}
-        self.counts = {"cycles": 0, "bound": 0, "races": 0, "unschedulable": 0, "failures": 0, "deleted": 0}
+        self.counts = {"cycles": 0, "bound": 0, "races": 0, "retries": 0, "unschedulable": 0, "failures": 0, "deleted": 0}
         self.first = self.last = None
         self.cycles_total = 0  # warm-up included, for CPU per cycle
 
@@ -119,6 +125,9 @@ class SchedulerUser(FastHttpUser):
         self.tag = f"{os.getpid():x}-{self.rng.getrandbits(32):08x}"
         self.n = 0
         self.bound: deque[str] = deque()  # names of the pods this user bound, oldest first (LOADTEST_CHURN)
+        #: pods that lost a bind race, by when they are due again: (due, tie, attempts, pod)
+        self.backoff: list[tuple[float, int, int, dict]] = []
+        self._seq = itertools.count()
 
     def _post(self, verb: str, body: bytes):
         return self.client.post(f"/{verb}", data=body, headers=_JSON_HEADERS, catch_response=True, name=verb)
@@ -132,8 +141,12 @@ class SchedulerUser(FastHttpUser):
             raise
 
     def _cycle(self) -> None:
-        self.n += 1
-        pod = make_pod(self.rng, f"lt-{self.tag}-{self.n}")
+        if self.backoff and self.backoff[0][0] <= time.monotonic():
+            _, _, attempts, pod = heapq.heappop(self.backoff)  # a pod whose bind lost a race, again
+            RAW.count("retries")
+        else:
+            self.n += 1
+            attempts, pod = 0, make_pod(self.rng, f"lt-{self.tag}-{self.n}")
         pod_json = orjson.dumps(pod)
         started = time.perf_counter()
         feasible = self._filter(pod_json)
@@ -146,8 +159,12 @@ class SchedulerUser(FastHttpUser):
         best = feasible[0] if len(feasible) == 1 else self._prioritize(pod_json, feasible)
         if best is None:
             return
-        bound = self._bind(pod, best)
+        outcome = self._bind(pod, best)
         self._cycle_done(started)
+        bound = outcome == "bound"
+        if outcome == "race":
+            delay = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** attempts)
+            heapq.heappush(self.backoff, (time.monotonic() + delay, next(self._seq), attempts + 1, pod))
         if CHURN and bound:
             self.bound.append(pod["metadata"]["name"])
             if len(self.bound) > CHURN:
@@ -187,8 +204,8 @@ class SchedulerUser(FastHttpUser):
             RAW.add(verb, ms)
             return value
 
-    def _bind(self, pod: dict, node: str) -> bool:
-        """POST bind; True when the pod is now bound."""
+    def _bind(self, pod: dict, node: str) -> str:
+        """POST bind: "bound", "race" (lost to another scheduling loop) or "failed"."""
         meta = pod["metadata"]
         body = orjson.dumps({"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node})
         t = time.perf_counter()
@@ -201,7 +218,7 @@ class SchedulerUser(FastHttpUser):
             if why:
                 r.failure(why)
                 RAW.fail()
-                return False
+                return "failed"
             if race:
                 RAW.count("races")
                 events.request.fire(request_type="RACE", name="bind lost a race", response_time=ms,
@@ -209,7 +226,7 @@ class SchedulerUser(FastHttpUser):
             else:
                 RAW.count("bound")
             RAW.add("bind", ms)
-            return not race
+            return "race" if race else "bound"
 
     def _delete(self, name: str) -> None:
         """Delete a pod this user bound: 200 `{"Error": ""}` or it is a failure."""

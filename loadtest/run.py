@@ -176,6 +176,21 @@ def _merge_raw(out: Path, name: str, args: argparse.Namespace) -> dict[str, Any]
             "counts": counts, "verbs": verbs, "measured_s": round(span, 1), "cycles_total": total_cycles}
 
 
+def _planner_counters(port: int) -> dict[str, float] | None:
+    """The server's `vramsched_planner_*` metrics (plans made, binds handed a plan, ...), or None."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vramsched_planner_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("vramsched_planner_")] = float(value)
+    return out or None
+
+
 def _csv_failures(path: Path) -> int:
     """Failure count of the Aggregated row of locust's stats CSV."""
     import csv
@@ -227,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vramsched ready in {startup:.2f}s (RSS {rss_ready / 2**20:.0f} MiB); locust {args.duration} ...", flush=True)
         ours = run_locust("vramsched", port, args, sidecar, out, server.pid)
         status = _proc_status(server.pid)
+        planner_counters = _planner_counters(port) if args.planner else None
     finally:
         stop_process(server)
     floor = None
@@ -266,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": args.duration_s,
         "measured_s": ours["measured_s"],
         "counts": ours["counts"],
+        # what the background planner did in the run (its /metrics counters at the end)
+        "planner_counters": planner_counters,
         "cycle_ms": {k: ours["verbs"]["cycle"][k] for k in ("p50_ms", "p95_ms", "p99_ms")},
         "floor": floor and {"cycles_per_s": floor["cycles_per_s"], "failures": floor["failures"],
                             "verbs": {v: {k: floor["verbs"][v][k] for k in ("p50_ms", "p95_ms", "p99_ms")}
@@ -290,7 +308,8 @@ def render(s: dict[str, Any]) -> str:
         f"  start-up {s['startup_s']:.2f}s ({s['startup_cpu_s']:.2f}s CPU)   server RSS peak {s['rss_bytes'] / 2**20:.0f} MiB   "
         f"load avg before/after {s['loadavg_before'][0]}/{s['loadavg_after'][0]} on {s['cpus']} CPUs",
         f"  cycles/s {s['cycles_per_s']:.1f}   failures {s['failures']}   bound {s['counts'].get('bound', 0)}   "
-        f"lost races {s['counts'].get('races', 0)}   unschedulable {s['counts'].get('unschedulable', 0)}",
+        f"lost races {s['counts'].get('races', 0)} (retried {s['counts'].get('retries', 0)})   "
+        f"unschedulable {s['counts'].get('unschedulable', 0)}",
         f"  {'verb':<11}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}" + (f"{'floor p99':>11}{'ratio':>7}" if s["floor"] else ""),
     ]
     for v in (*VERBS, "cycle"):
@@ -301,6 +320,11 @@ def render(s: dict[str, Any]) -> str:
         lines.append(line)
     if s["floor"]:
         lines.append(f"  floor: {s['floor']['cycles_per_s']:.1f} cycles/s; floor_ratio (cycle p99) {s['floor_ratio']:.2f}")
+    p = s.get("planner_counters")
+    if p:
+        lines.append(f"  planner: {p.get('plans_total', 0):.0f} plans, {p.get('bind_hits_total', 0):.0f} binds handed a "
+                     f"planned reservation ({p.get('bind_refused_total', 0):.0f} not taken), "
+                     f"{p.get('stale_entries_total', 0):.0f} stale entries, {p.get('errors_total', 0):.0f} errors")
     c = s["cpu_ms_per_cycle"]
     lines.append(f"  CPU ms per cycle: server {c['server']:.2f}, locust {c['locust']:.2f}"
                  + (f", floor server {c['floor_server']:.2f}" if c.get("floor_server") is not None else ""))

@@ -186,10 +186,12 @@ def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_pa
         if churn:
             assert counts["deleted"] > 0 and int(rows["delete"]["Request Count"]) > 0
             assert len(held) <= 2 * (churn + 1)  # 2 users (one more each if stopped between bind and delete)
-            # every pod bound and not held was deleted (a user stopped mid-DELETE did not count its last one)
-            assert counts["bound"] - len(held) - 2 <= counts["deleted"] <= counts["bound"] - len(held)
+            # every pod bound and not held was deleted. Locust stops each of the 2 users where it is:
+            # one stopped mid-DELETE did not count its last deletion, one stopped mid-bind holds a
+            # pod the server bound and it did not count
+            assert counts["bound"] - len(held) - 2 <= counts["deleted"] <= counts["bound"] - len(held) + 2
         else:
-            assert "delete" not in rows and len(held) == counts["bound"]
+            assert "delete" not in rows and counts["bound"] <= len(held) <= counts["bound"] + 2  # (mid-bind, as above)
         # deleting what the load test bound gives back exactly what it held
         assert delete_loadtest_pods(port) == len(held)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/state", timeout=10) as r:
