@@ -207,6 +207,7 @@ class _Group:
     capacity: int
     policy: ReplicaPolicy
     sizes: list[int] = field(default_factory=list)
+    index: int = 0  # its row in the view's per-group arrays
 
 
 @dataclass
@@ -220,6 +221,18 @@ class _View:
     pin_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     base_t: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     base_t1: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: per group (`_Group.index`): its first device row, GPUs, replicas, whether the plugin spreads
+    #: (distributed) or stacks, how many replica sizes it holds, those sizes largest first (padded
+    #: with -1) and their prefix sums (padded with the total); per device row, its group or -1.
+    #: `shared_fit` reads them to bound a multi-GPU pod on every group at once (`_group_worst`).
+    g_first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    g_gpus: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    g_replicas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    g_spread: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    g_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    g_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64))
+    g_prefix: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    row_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 _VIEWS: "weakref.WeakKeyDictionary[Ledger, _View]" = weakref.WeakKeyDictionary()
@@ -255,13 +268,26 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
                 continue
             v.subject[i] = True
             by_group.setdefault((d.node, d.resource), []).append(i)
+        every: list[_Group] = []
         for (node, _resource), rows in by_group.items():
             d0 = a.devices[rows[0]]
             # MIG replicas cannot be pinned by index: whatever the plugin's policy, assume the worst.
             gpolicy = ReplicaPolicy.PACKED if policy is ReplicaPolicy.PINNED else policy
-            v.groups.setdefault(node, []).append(
-                _Group(np.asarray(rows, np.int64), len(rows), int(d0.replicas), int(d0.memory_bytes), gpolicy)
-            )
+            g = _Group(np.asarray(rows, np.int64), len(rows), int(d0.replicas), int(d0.memory_bytes), gpolicy,
+                       index=len(every))
+            every.append(g)
+            v.groups.setdefault(node, []).append(g)
+        v.g_first = np.asarray([int(g.rows[0]) for g in every], np.int64)
+        v.g_gpus = np.asarray([g.gpus for g in every], np.int64)
+        v.g_replicas = np.asarray([g.replicas for g in every], np.int64)
+        v.g_spread = np.asarray([g.policy is ReplicaPolicy.DISTRIBUTED for g in every], bool)
+        v.g_count = np.zeros(len(every), np.int64)
+        width = max((g.gpus * g.replicas for g in every), default=1)
+        v.g_sizes = np.full((len(every), width), -1, np.int64)
+        v.g_prefix = np.zeros((len(every), width + 1), np.int64)
+        v.row_group = np.full(n, -1, np.int64)
+        for g in every:
+            v.row_group[g.rows] = g.index
         dirty: Iterable[str] = list(v.groups)
         _VIEWS[ledger] = v
     elif v.generation == ledger.generation:
@@ -299,30 +325,68 @@ def _refresh(ledger: "Ledger", v: _View, node: str) -> None:
         t = stack_depth(g.policy, u + 1, g.gpus, g.replicas)
         v.base_t[g.rows] = prefix[min(t, u)]
         v.base_t1[g.rows] = prefix[min(max(t - 1, 0), u)]
+        if u > v.g_sizes.shape[1]:  # more replicas recorded than the group has (the API is the truth)
+            grow = u - v.g_sizes.shape[1]
+            v.g_sizes = np.pad(v.g_sizes, ((0, 0), (0, grow)), constant_values=-1)
+            v.g_prefix = np.concatenate([v.g_prefix, np.repeat(v.g_prefix[:, -1:], grow, axis=1)], axis=1)
+        v.g_count[g.index] = u
+        v.g_sizes[g.index] = -1
+        v.g_sizes[g.index, :u] = g.sizes
+        v.g_prefix[g.index, : u + 1] = prefix
+        v.g_prefix[g.index, u + 1:] = prefix[-1]
 
 
-def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool) -> SharedFit | None:
+def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.ndarray:
+    """`worst_case_load` of the groups `g` at once, for `count` replicas of `size[i]` bytes on g[i].
+
+    The worst GPU holds the `depth` largest replicas of the group's sizes plus the new ones; with
+    `m` sizes above the new size, that is the `depth` largest if depth <= m, else the `m` largest,
+    as many new ones as fit in depth, and the largest of the rest after them."""
+    u = v.g_count[g]
+    total = u + count
+    depth = np.minimum(v.g_replicas[g], np.where(v.g_spread[g], -(-total // np.maximum(v.g_gpus[g], 1)), total))
+    m = (v.g_sizes[g] > size[:, None]).sum(axis=1)
+    p = v.g_prefix
+    within = p[g, np.minimum(depth, u)]
+    beyond = np.minimum(count, depth - m) * size + p[g, np.minimum(np.maximum(m, depth - count), u)]
+    return np.where(depth <= m, within, beyond)
+
+
+def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool,
+               rows: slice | None = None) -> SharedFit | None:
     """The node-level bound for every time-sliced device row, or None when the ledger's
-    per-device accounting is exact (no policy set: embedded cluster, simulator)."""
+    per-device accounting is exact (no policy set: embedded cluster, simulator).
+
+    `rows`: only these device rows (one node's, for bind: its cost then does not grow with the
+    cluster); `need` and the result are then indexed like the slice."""
     policy = getattr(ledger, "replica_policy", None)
     if policy is None:
         return None
     policy = ReplicaPolicy(policy)
     v = _view(ledger, policy)
-    if not v.subject.any() and not v.pin_rows.any():
+    sl = slice(None) if rows is None else rows
+    subject, pin_rows = v.subject[sl], v.pin_rows[sl]
+    if not subject.any() and not pin_rows.any():
         return None
-    cap = v.arrays.capacity
-    worst = np.maximum(v.base_t, need + v.base_t1)
-    if gpu_count > 1:
-        for groups in v.groups.values():
-            for g in groups:
-                size = int(need[g.rows[0]])
-                worst[g.rows] = worst_case_load(g.sizes, size, gpu_count, g.gpus, g.replicas, g.policy)
-    worst = np.where(v.subject, worst, 0)
-    allowed = ~v.subject | (worst <= cap)
-    needs_pin = v.pin_rows & (not pin_configmap)
+    cap = v.arrays.capacity[sl]
+    worst = np.maximum(v.base_t[sl], need + v.base_t1[sl])
+    if gpu_count > 1 and len(v.g_first):
+        row_group = v.row_group[sl]
+        grouped = row_group >= 0
+        if grouped.any():
+            if rows is None:
+                g, size = np.arange(len(v.g_first)), need[v.g_first]
+            else:
+                g = np.unique(row_group[grouped])
+                size = need[v.g_first[g] - (rows.start or 0)]
+            per_group = np.zeros(len(v.g_first), np.int64)
+            per_group[g] = _group_worst(v, g, size, gpu_count)
+            worst[grouped] = per_group[row_group[grouped]]
+    worst = np.where(subject, worst, 0)
+    allowed = ~subject | (worst <= cap)
+    needs_pin = pin_rows & (not pin_configmap)
     allowed &= ~needs_pin
-    distributed = v.subject & (policy is ReplicaPolicy.DISTRIBUTED)
+    distributed = subject & (policy is ReplicaPolicy.DISTRIBUTED)
     return SharedFit(allowed=allowed, worst=worst, needs_pin=needs_pin, distributed=distributed, policy=policy.value)
 
 

@@ -73,16 +73,20 @@ def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
     return np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
 
 
-def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with_ok: bool = True) -> _Fit:
+def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with_ok: bool = True,
+         node_rows: slice | None = None) -> _Fit:
     """The demand against every device, or against `local` (one node's rows, see `_node_arrays`,
     or one resource's, see `_resource_arrays`). `with_ok=False` leaves `ok` empty for callers
-    that do not read it (`_filter_one`)."""
+    that do not read it (`_filter_one`). `node_rows`: `local` is that node's device rows, and the
+    device plugin's bound applies to them (bind under a replica policy)."""
     a = ledger.arrays if local is None else local
     matches, need, big_enough = _static_fit(a, demand)
     if not with_ok:
         return _Fit(a, matches, need, np.zeros(0, bool), None)
     ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
-    shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap) if demand.wants_gpu and local is None else None
+    shared = None
+    if demand.wants_gpu and (local is None or node_rows is not None):
+        shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
     if shared is not None:
         ok &= shared.allowed
     return _Fit(a, matches, need, ok, shared)
@@ -492,10 +496,9 @@ def _explain(
     rows = bad[mem]
     need = demand.bytes_per_gpu
     if fit.shared is not None:
-        for r in rows.tolist():
-            if not _explain_shared(fit, demand, r, a.node_names[r], out):
-                out.failed[a.node_names[r]] = _mem_reason(need, int(n_ok[r]), k)
-        return
+        rows = _explain_shared(fit, demand, rows, names, out)  # what is left fails on memory
+        if not len(rows):
+            return
     out.failed.update(_worded(names[rows].tolist(), n_ok[rows], lambda c: _mem_reason(need, c, k)))
 
 
@@ -571,25 +574,43 @@ def _fixed_reason(ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: i
     return _too_small(ledger, name, demand, fit)
 
 
-def _explain_shared(fit: _Fit, demand: Demand, r: int, name: str, out: FilterOutcome) -> bool:
-    """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin), if any."""
+def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarray, out: FilterOutcome) -> np.ndarray:
+    """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin) for the failing
+    nodes `rows`, in vector form; returns the rows it gave none (they fail on memory).
+
+    A node whose matching devices the pod can only use with a pin it does not take is
+    unresolvable; a node where enough devices have the memory but the plugin's node-level bound
+    refuses some is named with the lowest worst case among those (the first such device)."""
     a, s = fit.a, fit.shared
-    lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
-    rows = np.arange(lo, hi)
-    match = fit.matches[rows]
-    if match.any() and int((match & ~s.needs_pin[rows]).sum()) < demand.gpu_count:
-        out.unresolvable[name] = PIN_MISSING
-        return True
-    local = match & (a.used_replicas[rows] < a.replicas[rows]) & (a.capacity[rows] - a.used[rows] >= fit.need[rows]) \
-        & (a.per_pod_cap[rows] >= fit.need[rows])
-    blocked = local & ~s.allowed[rows]
-    if int(local.sum()) < demand.gpu_count or not blocked.any():
-        return False
-    i = rows[blocked][np.argmin(s.worst[rows][blocked])]
-    out.failed[name] = (
-        f"device plugin ({s.policy}) may stack {format_bytes(int(s.worst[i]))} on a {format_bytes(int(a.capacity[i]))} GPU"
-    )
-    return True
+    k = demand.gpu_count
+    on = np.zeros(len(a.node_names), bool)
+    on[rows] = True
+    dev_on = on[a.node_of]  # only the failing nodes' devices count below
+    matches = fit.matches & dev_on
+    pin_missing = (_per_node(a, matches)[rows] > 0) & (_per_node(a, matches & ~s.needs_pin)[rows] < k)
+    local = matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= fit.need) & (a.per_pod_cap >= fit.need)
+    blocked = local & ~s.allowed
+    stacked = ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)
+    if pin_missing.any():
+        out.unresolvable.update(dict.fromkeys(names[rows[pin_missing]].tolist(), PIN_MISSING))
+    if stacked.any():
+        keep = np.zeros(len(a.node_names), bool)
+        keep[rows[stacked]] = True
+        dev = np.flatnonzero(blocked)
+        dev = dev[keep[a.node_of[dev]]]
+        dev = dev[np.lexsort((dev, s.worst[dev], a.node_of[dev]))]  # per node: lowest worst case, then row
+        first = dev[np.r_[True, a.node_of[dev][1:] != a.node_of[dev][:-1]]]
+        # each distinct (worst case, GPU size) worded once
+        worst, cap = s.worst[first], a.capacity[first]
+        order = np.lexsort((cap, worst))
+        new = np.r_[True, (worst[order][1:] != worst[order][:-1]) | (cap[order][1:] != cap[order][:-1])]
+        which = np.empty(len(first), np.int64)
+        which[order] = np.cumsum(new) - 1
+        words = np.array([_reason(("stack", s.policy, w, c), lambda w=w, c=c: (
+            f"device plugin ({s.policy}) may stack {format_bytes(w)} on a {format_bytes(c)} GPU"))
+            for w, c in zip(worst[order][new].tolist(), cap[order][new].tolist())], dtype=object)
+        out.failed.update(zip(names[a.node_of[first]].tolist(), words[which].tolist()))
+    return rows[~pin_missing & ~stacked]
 
 
 def _unit(demand: Demand) -> str:
@@ -848,34 +869,40 @@ def plugin_allows(ledger: Ledger, demand: Demand, res: Reservation) -> bool:
     """Whether the device plugin's node-level bound (and its pin requirement) allows the devices
     of `res`, chosen elsewhere: a background plan, made on per-device books alone. This is what
     `choose_devices` checks beside `Ledger.fits` when a replica policy is set; with none (exact
-    per-device books: embedded cluster, simulator) it always allows. Costs what `choose_devices`
-    costs under a replica policy: one pass over the devices."""
+    per-device books: embedded cluster, simulator) it always allows. Reads the node's rows only."""
     if getattr(ledger, "replica_policy", None) is None or not demand.wants_gpu:
         return True
-    shared = _fit(ledger, demand).shared
+    r = ledger.node_row(res.node)
+    if r is None:
+        return False
+    a = ledger.arrays
+    lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
+    shared = _fit(ledger, demand, _node_arrays(a, r), node_rows=slice(lo, hi)).shared
     if shared is None:
         return True
     rows = [ledger.row(res.node, dev) for dev in res.device_ids]
-    return all(r is not None and bool(shared.allowed[r]) for r in rows)
+    return all(i is not None and lo <= i < hi and bool(shared.allowed[i - lo]) for i in rows)
 
 
 def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | str:
     """The best-fit devices for the pod on `node` as a Reservation to apply, or why there are none.
 
-    Works on that node's rows only (unless the device plugin's node-level bound applies), so a
-    bind costs the same in a 10-node and a 10,000-node cluster.
+    Works on that node's rows only (the device plugin's node-level bound too), so a bind costs
+    the same in a 10-node and a 10,000-node cluster.
     """
     if ledger.node(node) is None:
         return f"node {node} unknown to vramsched"
     r = ledger.node_row(node)
+    a = ledger.arrays
     if getattr(ledger, "replica_policy", None) is None:
         if demand.wants_gpu:
             quick = _choose_on_node(ledger, demand, node, r)
             if quick is not None:
                 return quick
-        fit, rows = _fit(ledger, demand, _node_arrays(ledger.arrays, r)), np.zeros(1, np.int64)
-    else:
-        fit, rows = _fit(ledger, demand), np.asarray([r], np.int64)
+        fit = _fit(ledger, demand, _node_arrays(a, r))
+    else:  # the device plugin's bound, on this node's rows only
+        fit = _fit(ledger, demand, _node_arrays(a, r), node_rows=slice(int(a.node_start[r]), int(a.node_start[r + 1])))
+    rows = np.zeros(1, np.int64)
     outcome = FilterOutcome()
     if not demand.wants_gpu:
         outcome.feasible = [node]

@@ -7,6 +7,7 @@ every bind passed vramsched's node-level rule, for both policies.
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -190,3 +191,120 @@ def test_plugin_allows_checks_devices_chosen_elsewhere_against_the_node_level_bo
     assert plugin_allows(c.ledger, pod_demand(pod("e", "2Gi")), res(1, 2))
     # exact per-GPU books (no replica policy): nothing more to check
     assert plugin_allows(ts_cluster(None, ("a", 0, 12), ("b", 0, 8), ("c", 1, 8)).ledger, d, res(1, 12))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["distributed", "packed"]),
+    holds=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 30)), max_size=40),
+    gib=st.integers(1, 40),
+    count=st.integers(2, 3),
+)
+def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(policy, holds, gib, count) -> None:
+    """`shared_fit` bounds every group at once (`_group_worst`); it must equal `worst_case_load`
+    group by group, including groups holding more replicas than they have (recorded from the API:
+    up to 40 on a node of 12), and groups with no pod (ts-big)."""
+    from extender.deviceplugin import _view, shared_fit
+
+    c = cluster(*(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
+                gpu_node("ts-big", count=2, memory_mib=81920, replicas=8))
+    c.ledger.replica_policy = policy
+    for j, (node, gpu, size) in enumerate(holds):
+        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
+    a = c.ledger.arrays
+    need = np.full(len(a.capacity), gib * GIB, np.int64)
+    fit = shared_fit(c.ledger, need, count, pin_configmap=True)
+    v = _view(c.ledger, ReplicaPolicy(policy))
+    groups = [g for gs in v.groups.values() for g in gs]
+    assert groups and all(fit.worst[g.rows].tolist() == [worst_case_load(
+        g.sizes, gib * GIB, count, g.gpus, g.replicas, g.policy)] * len(g.rows) for g in groups)
+
+
+def _explain_one_node(fit, demand, r: int) -> str | None:
+    """The per-node rule `placement._explain_shared` applies in vector form (its code before it
+    was vectorised): the reason the device plugin is owed for node row `r`, or None (memory)."""
+    from extender.deviceplugin import PIN_MISSING
+    from extender.quantity import format_bytes
+
+    a, s = fit.a, fit.shared
+    lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
+    rows = np.arange(lo, hi)
+    match = fit.matches[rows]
+    if match.any() and int((match & ~s.needs_pin[rows]).sum()) < demand.gpu_count:
+        return PIN_MISSING
+    local = match & (a.used_replicas[rows] < a.replicas[rows]) & (a.capacity[rows] - a.used[rows] >= fit.need[rows]) \
+        & (a.per_pod_cap[rows] >= fit.need[rows])
+    blocked = local & ~s.allowed[rows]
+    if int(local.sum()) < demand.gpu_count or not blocked.any():
+        return None
+    i = rows[blocked][np.argmin(s.worst[rows][blocked])]
+    return f"device plugin ({s.policy}) may stack {format_bytes(int(s.worst[i]))} on a {format_bytes(int(a.capacity[i]))} GPU"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["distributed", "packed", "pinned"]),
+    holds=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 20)), max_size=30),
+    gib=st.integers(1, 24),
+    gpus=st.integers(1, 2),
+    pinned_pod=st.booleans(),
+)
+def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(policy, holds, gib, gpus, pinned_pod) -> None:
+    from extender.deviceplugin import PIN_MISSING
+    from extender.placement import _fit
+
+    c = cluster(*(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)), gpu_node("x", count=2))
+    c.ledger.replica_policy = policy
+    for j, (node, gpu, size) in enumerate(holds):
+        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
+    p = pod("new", f"{gib}Gi", gpus=gpus)
+    if pinned_pod:
+        p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-new"}}]
+    d = pod_demand(p)
+    out = filter_nodes(c.ledger, d, ["ts0", "ts1", "ts2", "ts3", "x"])
+    fit = _fit(c.ledger, d)
+    for name, reason in {**out.failed, **out.unresolvable}.items():
+        plugin = reason == PIN_MISSING or reason.startswith("device plugin")
+        memory = reason.endswith("free") and not reason.startswith("all GPU replicas")
+        if plugin or memory:
+            assert _explain_one_node(fit, d, c.ledger.node_row(name)) == (reason if plugin else None), (name, reason)
+
+
+def _choose_cluster_wide(ledger, demand, node: str):
+    """`choose_devices` as it was before it read only the node's rows under a replica policy:
+    the bound computed over every device of the cluster, then this node's rows picked."""
+    from extender import placement
+
+    r = ledger.node_row(node)
+    fit, rows = placement._fit(ledger, demand), np.asarray([r], np.int64)
+    outcome = placement.FilterOutcome()
+    placement._filter_rows(ledger, fit, demand, rows, outcome)
+    if not outcome.feasible:
+        return outcome.failed.get(node) or outcome.unresolvable.get(node) or "does not fit"
+    chosen = np.sort(placement._choose(fit, demand.gpu_count, rows))
+    return tuple(fit.a.devices[i].device_id for i in chosen.tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["distributed", "packed", "pinned"]),
+    holds=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 20)), max_size=30),
+    gib=st.integers(1, 24),
+    gpus=st.integers(1, 2),
+    pinned_pod=st.booleans(),
+)
+def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(policy, holds, gib, gpus, pinned_pod) -> None:
+    c = cluster(*(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)), gpu_node("x", count=2))
+    c.ledger.replica_policy = policy
+    for j, (node, gpu, size) in enumerate(holds):
+        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
+    p = pod("new", f"{gib}Gi", gpus=gpus)
+    if pinned_pod:
+        p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-new"}}]
+    d = pod_demand(p)
+    for node in ("ts0", "ts1", "ts2", "ts3", "x"):
+        got = choose_devices(c.ledger, d, node)
+        want = _choose_cluster_wide(c.ledger, d, node)
+        assert (got if isinstance(got, str) else got.device_ids) == want, node
+        if not isinstance(got, str):
+            assert plugin_allows(c.ledger, d, got)
