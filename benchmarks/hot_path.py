@@ -5,6 +5,7 @@ Figures are CPU time per call (time.process_time), so they hold better than wall
 on a shared machine; they are never asserted anywhere.
 
     .venv/bin/python -m benchmarks.hot_path --nodes 100 1000 5000 --cycles 300
+    .venv/bin/python -m benchmarks.hot_path --replica-policy distributed   # as live mode serves
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ def _pct(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
-def bench(nodes: int, cycles: int, occupancy: float, seed: int) -> dict:
+def bench(nodes: int, cycles: int, occupancy: float, seed: int, replica_policy: str | None = None) -> dict:
     node_objs, pods = generate(nodes, 8, occupancy, seed)
     gc.disable()
     cluster = ClusterState()
     cluster.load(node_objs + pods)
     gc.freeze()
     gc.enable()
+    # live mode always has one (the stock device plugin picks time-sliced GPUs): `distributed` by default
+    cluster.ledger.replica_policy = replica_policy
     # as the load test serves it: a current kube-scheduler reads FailedAndUnresolvableNodes
     svc = ExtenderService(cluster, EmbeddedBinder(cluster), legacy_failed_nodes=False)
     lists = NameLists()  # what the server keeps: the all-nodes list, filter's answers
@@ -101,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=300)
     p.add_argument("--occupancy", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--replica-policy", choices=("distributed", "packed", "pinned"), default=None,
+                   help="the device plugin's replica policy, as in live mode (default: none, exact per-GPU books)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     rows = []
     print(f"{'nodes':>6} {'pods':>7} {'devices':>8}  " + "  ".join(f"{v + ' p50/p99 ms':>24}" for v in VERBS))
     for n in args.nodes:
-        r = bench(n, args.cycles, args.occupancy, args.seed)
+        r = bench(n, args.cycles, args.occupancy, args.seed, args.replica_policy)
         rows.append(r)
         print(f"{r['nodes']:>6} {r['pods']:>7} {r['devices']:>8}  "
               + "  ".join(f"{r[v]['p50_ms']:>11.3f} / {r[v]['p99_ms']:>8.3f}" for v in VERBS), flush=True)

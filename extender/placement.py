@@ -85,8 +85,16 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
         return _Fit(a, matches, need, np.zeros(0, bool), None)
     ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
     shared = None
-    if demand.wants_gpu and (local is None or node_rows is not None):
+    if demand.wants_gpu and node_rows is not None:
         shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
+    elif demand.wants_gpu and local is None:
+        # the same pod's prioritize follows its filter, usually with nothing changed in between
+        key = (ledger.generation, getattr(ledger, "replica_policy", None), demand.bytes_per_gpu, demand.gpu_count,
+               demand.pin_configmap, id(need))
+        hit = a.derived.get("shared")
+        if hit is None or hit[0] != key or hit[2] is not need:
+            hit = a.derived["shared"] = (key, shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap), need)
+        shared = hit[1]
     if shared is not None:
         ok &= shared.allowed
     return _Fit(a, matches, need, ok, shared)
@@ -496,7 +504,7 @@ def _explain(
     rows = bad[mem]
     need = demand.bytes_per_gpu
     if fit.shared is not None:
-        rows = _explain_shared(fit, demand, rows, names, out)  # what is left fails on memory
+        rows = _explain_shared(fit, demand, rows, names, n_match, out)  # what is left fails on memory
         if not len(rows):
             return
     out.failed.update(_worded(names[rows].tolist(), n_ok[rows], lambda c: _mem_reason(need, c, k)))
@@ -574,7 +582,8 @@ def _fixed_reason(ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: i
     return _too_small(ledger, name, demand, fit)
 
 
-def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarray, out: FilterOutcome) -> np.ndarray:
+def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarray, n_match: np.ndarray,
+                    out: FilterOutcome) -> np.ndarray:
     """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin) for the failing
     nodes `rows`, in vector form; returns the rows it gave none (they fail on memory).
 
@@ -583,11 +592,8 @@ def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarr
     refuses some is named with the lowest worst case among those (the first such device)."""
     a, s = fit.a, fit.shared
     k = demand.gpu_count
-    on = np.zeros(len(a.node_names), bool)
-    on[rows] = True
-    dev_on = on[a.node_of]  # only the failing nodes' devices count below
-    matches = fit.matches & dev_on
-    pin_missing = (_per_node(a, matches)[rows] > 0) & (_per_node(a, matches & ~s.needs_pin)[rows] < k)
+    matches = fit.matches  # per-node counts over every node, read at `rows` (cheaper than masking the rest)
+    pin_missing = (n_match[rows] > 0) & (_per_node(a, matches & ~s.needs_pin)[rows] < k)
     local = matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= fit.need) & (a.per_pod_cap >= fit.need)
     blocked = local & ~s.allowed
     stacked = ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)

@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, help="locust worker processes (default 1)")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds at the start left out of the figures")
     p.add_argument("--no-floor", action="store_true", help="skip the floor run (no ratio)")
+    p.add_argument("--replica-policy", choices=("distributed", "packed", "pinned"), default=None,
+                   help="serve with the device plugin's replica policy, as live mode does (default: none)")
     p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                    help="serve with the background CP-SAT planner (default on, as `vramsched serve`)")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         # --no-legacy-failed-nodes: the scenario is today's kube-scheduler (deploy/ runs 1.34), which
         # reads FailedAndUnresolvableNodes; only < 1.21 needs those nodes in FailedNodes again.
         [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port), "--log-level", "warning",
-         "--no-legacy-failed-nodes", "--planner" if args.planner else "--no-planner"],
+         "--no-legacy-failed-nodes", "--planner" if args.planner else "--no-planner",
+         *(["--replica-policy", args.replica_policy] if args.replica_policy else [])],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "vramsched.server.log").open("wb"),
     )
     try:
@@ -277,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus_per_node": args.gpus,
         "users": args.users,
         "planner": args.planner,
+        "replica_policy": args.replica_policy,
         "rate_per_user": args.rate,
         "locust_processes": args.processes,
         "duration_s": args.duration_s,
