@@ -88,16 +88,21 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
     if demand.wants_gpu and node_rows is not None:
         shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
     elif demand.wants_gpu and local is None:
-        # the same pod's prioritize follows its filter, usually with nothing changed in between
-        key = (ledger.generation, getattr(ledger, "replica_policy", None), demand.bytes_per_gpu, demand.gpu_count,
-               demand.pin_configmap, id(need))
-        hit = a.derived.get("shared")
-        if hit is None or hit[0] != key or hit[2] is not need:
-            hit = a.derived["shared"] = (key, shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap), need)
-        shared = hit[1]
+        shared = _shared(ledger, demand, a, need)
     if shared is not None:
         ok &= shared.allowed
     return _Fit(a, matches, need, ok, shared)
+
+
+def _shared(ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray) -> SharedFit | None:
+    """`shared_fit` over every device, kept for the ledger state and demand shape: the same pod's
+    prioritize follows its filter, usually with nothing changed in between."""
+    key = (ledger.generation, getattr(ledger, "replica_policy", None), demand.bytes_per_gpu, demand.gpu_count,
+           demand.pin_configmap, id(need))
+    hit = a.derived.get("shared")
+    if hit is None or hit[0] != key or hit[2] is not need:
+        hit = a.derived["shared"] = (key, shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap), need)
+    return hit[1]
 
 
 def _bounded_cache(a: DeviceArrays, name: str) -> dict:
@@ -236,6 +241,8 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     if not demand.wants_gpu:
         out.feasible = list(names)
         return out
+    if getattr(ledger, "replica_policy", None) is not None and _filter_one_plugin(ledger, demand, names, out):
+        return out
     view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
     largest = _one_largest(ledger, view, demand) if one else None
@@ -253,6 +260,85 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     else:
         _filter_rows(ledger, fit, demand, rows, out)
     return out
+
+
+def _filter_one_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> bool:
+    """`_filter_one` under a replica policy (live mode): the commonest pod from the per-node
+    summary, and the device plugin's bound per node. The bound is the same for every device of
+    a resource on a node (one group: a node's devices of a resource share their sharing mode), so
+    a node fits iff its most free VRAM on a device with a free replica covers the pod and the
+    bound admits it there. False when that does not hold or the summary cannot stand for the
+    devices (then the per-device path answers); same answers and reasons as that path."""
+    if demand.gpu_count != 1 or demand.bytes_per_gpu is None:
+        return False
+    full = ledger.arrays
+    rid = full.resources.get(demand.resource)
+    static = _resource_arrays(ledger, demand, used=False, under_policy=True)
+    if static is None or rid is None:
+        return False
+    largest = _one_largest(ledger, static, demand)
+    if largest is None:
+        return False
+    s = _shared(ledger, demand, full, _static_fit(full, demand)[1])
+    idx = full.derived["by_resource"][rid][0]
+    if s is None:
+        allowed = np.ones(len(idx), bool)
+    else:
+        allowed = s.allowed[idx]
+    starts, n = static.node_start[:-1], len(static.node_names)
+    ne = starts < static.node_start[1:]
+    some = np.zeros(n, np.int64)
+    every = np.zeros(n, np.int64)
+    if len(idx):
+        some[ne] = np.maximum.reduceat(allowed, starts[ne]).astype(np.int64)
+        every[ne] = np.minimum.reduceat(allowed, starts[ne]).astype(np.int64)
+    if (some != every).any():
+        return False  # a node whose devices of the resource differ under the bound: per device
+    view = _resource_arrays(ledger, demand, under_policy=True)  # `_explain` reads the used columns
+    shared = None if s is None else SharedFit(allowed=allowed, worst=s.worst[idx], needs_pin=s.needs_pin[idx],
+                                              distributed=s.distributed[idx], policy=s.policy)
+    matches, need, _ = _static_fit(view, demand)
+    fit = _Fit(view, matches, need, np.zeros(0, bool), shared)
+    rows, unknown = _node_rows(ledger, names)
+    for name in unknown:
+        out.unresolvable[name] = "node unknown to vramsched"
+    room = largest[rows] >= demand.bytes_per_gpu  # by the per-device books
+    good = room & (every[rows] > 0)
+    _split_feasible(ledger, view, rows, good, out)
+    blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
+    if len(blocked):
+        _explain_blocked(view, fit.shared, blocked, _node_names(view), out)
+    short = rows[~room]
+    if len(short):
+        _explain(ledger, fit, demand, short, out, np.zeros(n, np.int64), rows, (None, largest))
+    return True
+
+
+def _explain_blocked(a: DeviceArrays, s: SharedFit, rows: np.ndarray, names: np.ndarray, out: FilterOutcome) -> None:
+    """What `_explain_shared` says of nodes with room on the books that the bound refuses, when
+    the bound is the same for all their devices (`_filter_one_plugin`): read at each node's first
+    device. A pod that cannot take a pin is refused for good; else the worst case is named."""
+    first = a.node_start[rows]
+    pin = s.needs_pin[first]
+    if pin.any():
+        out.unresolvable.update(dict.fromkeys(names[rows[pin]].tolist(), PIN_MISSING))
+    first, rows = first[~pin], rows[~pin]
+    if not len(rows):
+        return
+    out.failed.update(zip(names[rows].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first])))
+
+
+def _stack_reasons(policy: str, worst: np.ndarray, cap: np.ndarray) -> list[str]:
+    """The reason for each (worst case, GPU size) pair, the plugin may put that much on one GPU,
+    each distinct pair worded once."""
+    order = np.lexsort((cap, worst))
+    new = np.r_[True, (worst[order][1:] != worst[order][:-1]) | (cap[order][1:] != cap[order][:-1])]
+    which = np.empty(len(worst), np.int64)
+    which[order] = np.cumsum(new) - 1
+    words = np.array([_reason(("stack", policy, w, c), lambda w=w, c=c: (
+        f"device plugin ({policy}) may stack {format_bytes(w)} on a {format_bytes(c)} GPU"))
+        for w, c in zip(worst[order][new].tolist(), cap[order][new].tolist())], dtype=object)
+    return words[which].tolist()
 
 
 def _filter_one(
@@ -274,18 +360,19 @@ def _filter_one(
         _explain(ledger, fit, demand, bad, out, np.zeros(len(a.node_names), np.int64), rows, (with_slot, largest))
 
 
-def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True) -> DeviceArrays | None:
+def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_policy: bool = False) -> DeviceArrays | None:
     """Only the devices of the demand's resource (all nodes kept, in order), or None for all.
 
     A pod asking for `nvidia.com/gpu` never looks at MIG slices: on a mixed fleet this makes
     every vector op of filter/prioritize several times shorter. The static columns are cut once
     per inventory; the two that change (used bytes and replicas) are gathered per call.
     `used=False` skips that gather: the view's used columns are then stale and must not be read.
-    Not used when the device plugin's node-level bound applies (it needs every row).
+    Not used when the device plugin's node-level bound applies (it needs every row), unless the
+    caller applies that bound itself (`under_policy`: `_filter_one_plugin`).
     """
     a = ledger.arrays
     rid = a.resources.get(demand.resource)
-    if rid is None or getattr(ledger, "replica_policy", None) is not None:
+    if rid is None or (getattr(ledger, "replica_policy", None) is not None and not under_policy):
         return None
     views = a.derived.setdefault("by_resource", {})
     view = views.get(rid)
@@ -606,16 +693,7 @@ def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarr
         dev = dev[keep[a.node_of[dev]]]
         dev = dev[np.lexsort((dev, s.worst[dev], a.node_of[dev]))]  # per node: lowest worst case, then row
         first = dev[np.r_[True, a.node_of[dev][1:] != a.node_of[dev][:-1]]]
-        # each distinct (worst case, GPU size) worded once
-        worst, cap = s.worst[first], a.capacity[first]
-        order = np.lexsort((cap, worst))
-        new = np.r_[True, (worst[order][1:] != worst[order][:-1]) | (cap[order][1:] != cap[order][:-1])]
-        which = np.empty(len(first), np.int64)
-        which[order] = np.cumsum(new) - 1
-        words = np.array([_reason(("stack", s.policy, w, c), lambda w=w, c=c: (
-            f"device plugin ({s.policy}) may stack {format_bytes(w)} on a {format_bytes(c)} GPU"))
-            for w, c in zip(worst[order][new].tolist(), cap[order][new].tolist())], dtype=object)
-        out.failed.update(zip(names[a.node_of[first]].tolist(), words[which].tolist()))
+        out.failed.update(zip(names[a.node_of[first]].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first])))
     return rows[~pin_missing & ~stacked]
 
 

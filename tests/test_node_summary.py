@@ -300,3 +300,48 @@ def test_row_counts_equals_summing_each_row(width):
     assert row_counts(mask[::2]).tolist() == mask[::2].sum(axis=1).tolist()  # not contiguous
     full = np.ones((3, width), bool)
     assert row_counts(full).tolist() == [width] * 3
+
+
+def _reference_per_device(ledger, demand: Demand, names: list[str]) -> FilterOutcome:
+    """filter under a replica policy before `_filter_one_plugin`: every device, the bound in `_fit`."""
+    out = FilterOutcome()
+    fit = _fit(ledger, demand)
+    rows, unknown = _node_rows(ledger, names)
+    for n in unknown:
+        out.unresolvable[n] = "node unknown to vramsched"
+    _filter_rows(ledger, fit, demand, rows, out)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commonest pod under a device-plugin policy (live mode) is answered from the per-node
+    summary plus the bound per node: same feasible nodes and reasons as over every device, except
+    the wording `_filter_one` has always had for an overcommitted GPU with a free replica."""
+    taken: list[bool] = []
+    real = placement._filter_one_plugin
+    monkeypatch.setattr(placement, "_filter_one_plugin", lambda *args: taken.append(real(*args)) or taken[-1])
+    rng = random.Random(100 + seed)
+    names = [f"n{i}" for i in range(rng.randint(3, 25))] + ["mig"]
+    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    c.ledger.replica_policy = rng.choice(["distributed", "packed", "pinned"])
+    asked = names + ["ghost"]
+    for step in range(50):
+        _random_step(rng, c, names, step)
+        for j in range(4):
+            p = _random_pod(rng, f"q{step}-{j}")
+            if rng.random() < 0.5:
+                p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": f"vramsched-q{step}-{j}"}}]
+            demand = pod_demand(p)
+            if not demand.wants_gpu:
+                continue
+            subset = asked if j % 2 else rng.sample(asked, rng.randint(0, len(asked)))
+            got = filter_nodes(c.ledger, demand, subset)
+            want = _reference_per_device(c.ledger, demand, subset)
+            assert got.feasible == want.feasible, (step, demand)
+            assert got.unresolvable == want.unresolvable, (step, demand)
+            for name, reason in want.failed.items():
+                if got.failed[name] != reason:  # an overcommitted GPU: no room, worded as no free replica
+                    assert got.failed[name].startswith("all GPU replicas in use") and "free" in reason, (step, name)
+            assert got.failed.keys() == want.failed.keys()
+    assert any(taken) and not all(taken)  # the fast path answered, and gave way where it does not apply
