@@ -241,18 +241,18 @@ def _explain_one_node(fit, demand, r: int) -> str | None:
     return f"device plugin ({s.policy}) may stack {format_bytes(int(s.worst[i]))} on a {format_bytes(int(a.capacity[i]))} GPU"
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+#: a small time-sliced fleet under a replica policy, pods recorded on it (overcommit included), and a pod
+_POLICY_CASES = dict(
     policy=st.sampled_from(["distributed", "packed", "pinned"]),
     holds=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 20)), max_size=30),
     gib=st.integers(1, 24),
     gpus=st.integers(1, 2),
     pinned_pod=st.booleans(),
 )
-def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(policy, holds, gib, gpus, pinned_pod) -> None:
-    from extender.deviceplugin import PIN_MISSING
-    from extender.placement import _fit
+_POLICY_NODES = ("ts0", "ts1", "ts2", "ts3", "x")
 
+
+def _policy_case(policy: str, holds, gib: int, gpus: int, pinned_pod: bool):
     c = cluster(*(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)), gpu_node("x", count=2))
     c.ledger.replica_policy = policy
     for j, (node, gpu, size) in enumerate(holds):
@@ -260,8 +260,17 @@ def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(polic
     p = pod("new", f"{gib}Gi", gpus=gpus)
     if pinned_pod:
         p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-new"}}]
-    d = pod_demand(p)
-    out = filter_nodes(c.ledger, d, ["ts0", "ts1", "ts2", "ts3", "x"])
+    return c, pod_demand(p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**_POLICY_CASES)
+def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(policy, holds, gib, gpus, pinned_pod) -> None:
+    from extender.deviceplugin import PIN_MISSING
+    from extender.placement import _fit
+
+    c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
+    out = filter_nodes(c.ledger, d, list(_POLICY_NODES))
     fit = _fit(c.ledger, d)
     for name, reason in {**out.failed, **out.unresolvable}.items():
         plugin = reason == PIN_MISSING or reason.startswith("device plugin")
@@ -286,23 +295,10 @@ def _choose_cluster_wide(ledger, demand, node: str):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    policy=st.sampled_from(["distributed", "packed", "pinned"]),
-    holds=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 20)), max_size=30),
-    gib=st.integers(1, 24),
-    gpus=st.integers(1, 2),
-    pinned_pod=st.booleans(),
-)
+@given(**_POLICY_CASES)
 def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(policy, holds, gib, gpus, pinned_pod) -> None:
-    c = cluster(*(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)), gpu_node("x", count=2))
-    c.ledger.replica_policy = policy
-    for j, (node, gpu, size) in enumerate(holds):
-        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
-    p = pod("new", f"{gib}Gi", gpus=gpus)
-    if pinned_pod:
-        p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-new"}}]
-    d = pod_demand(p)
-    for node in ("ts0", "ts1", "ts2", "ts3", "x"):
+    c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
+    for node in _POLICY_NODES:
         got = choose_devices(c.ledger, d, node)
         want = _choose_cluster_wide(c.ledger, d, node)
         assert (got if isinstance(got, str) else got.device_ids) == want, node
