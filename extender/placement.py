@@ -243,7 +243,7 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     if not demand.wants_gpu:
         out.feasible = list(names)
         return out
-    if getattr(ledger, "replica_policy", None) is not None and _filter_one_plugin(ledger, demand, names, out):
+    if getattr(ledger, "replica_policy", None) is not None and _filter_plugin(ledger, demand, names, out):
         return out
     view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
@@ -264,29 +264,35 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
     return out
 
 
-def _filter_one_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> bool:
-    """`_filter_one` under a replica policy (live mode): the commonest pod from the per-node
-    summary, and the device plugin's bound per node. The bound is the same for every device of
-    a resource on a node (one group: a node's devices of a resource share their sharing mode), so
-    a node fits iff its most free VRAM on a device with a free replica covers the pod and the
-    bound admits it there. False when that does not hold or the summary cannot stand for the
-    devices (then the per-device path answers); same answers and reasons as that path."""
-    if demand.gpu_count != 1 or demand.bytes_per_gpu is None:
-        return False
+def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> bool:
+    """`_filter_one` / `_filter_summary` under a replica policy (live mode): the per-node summary,
+    and the device plugin's bound per node. The bound is the same for every device of a resource
+    on a node (one group: a node's devices of a resource share their sharing mode), so a node
+    fits iff it has room for the pod on the books and the bound admits it there. False when that
+    does not hold or the summary cannot stand for the devices (then the per-device path answers);
+    same answers and reasons as that path."""
     full = ledger.arrays
     rid = full.resources.get(demand.resource)
     static = _resource_arrays(ledger, demand, used=False, under_policy=True)
     if static is None or rid is None:
         return False
-    largest = _one_largest(ledger, static, demand)
-    if largest is None:
-        return False
+    k = demand.gpu_count
+    one = k == 1 and demand.bytes_per_gpu is not None
+    if one:
+        largest = _one_largest(ledger, static, demand)
+        if largest is None:
+            return False
+        room_at = largest >= demand.bytes_per_gpu
+    else:
+        hit = _node_fit(ledger, static, demand)
+        if hit is None:
+            return False
+        ok, need_at, summary = hit
+        top = summary.top
+        room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
     s = _shared(ledger, demand, full, _static_fit(full, demand)[1])
     idx = full.derived["by_resource"][rid][0]
-    if s is None:
-        allowed = np.ones(len(idx), bool)
-    else:
-        allowed = s.allowed[idx]
+    allowed = np.ones(len(idx), bool) if s is None else s.allowed[idx]
     starts, n = static.node_start[:-1], len(static.node_names)
     ne = starts < static.node_start[1:]
     some = np.zeros(n, np.int64)
@@ -304,21 +310,29 @@ def _filter_one_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out
     rows, unknown = _node_rows(ledger, names)
     for name in unknown:
         out.unresolvable[name] = "node unknown to vramsched"
-    room = largest[rows] >= demand.bytes_per_gpu  # by the per-device books
+    room = room_at[rows]  # by the per-device books
     good = room & (every[rows] > 0)
     _split_feasible(ledger, view, rows, good, out)
     blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
     if len(blocked):
         _explain_blocked(view, fit.shared, blocked, _node_names(view), out)
     short = rows[~room]
-    if len(short):
+    if not len(short):
+        return True
+    if one:
         _explain(ledger, fit, demand, short, out, np.zeros(n, np.int64), rows, (None, largest))
+    else:  # as `_filter_summary` explains
+        n_ok = np.zeros(n, np.int64)
+        open_ = short[ok[short]]
+        n_ok[open_] = row_counts(top[open_] >= need_at[open_, None]) * every[open_]  # devices the bound admits
+        _explain(ledger, fit, demand, short, out, n_ok, rows, None,
+                 (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)))
     return True
 
 
 def _explain_blocked(a: DeviceArrays, s: SharedFit, rows: np.ndarray, names: np.ndarray, out: FilterOutcome) -> None:
     """What `_explain_shared` says of nodes with room on the books that the bound refuses, when
-    the bound is the same for all their devices (`_filter_one_plugin`): read at each node's first
+    the bound is the same for all their devices (`_filter_plugin`): read at each node's first
     device. A pod that cannot take a pin is refused for good; else the worst case is named."""
     first = a.node_start[rows]
     pin = s.needs_pin[first]
@@ -370,7 +384,7 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_po
     per inventory; the two that change (used bytes and replicas) are gathered per call.
     `used=False` skips that gather: the view's used columns are then stale and must not be read.
     Not used when the device plugin's node-level bound applies (it needs every row), unless the
-    caller applies that bound itself (`under_policy`: `_filter_one_plugin`).
+    caller applies that bound itself (`under_policy`: `_filter_plugin`).
     """
     a = ledger.arrays
     rid = a.resources.get(demand.resource)
