@@ -100,7 +100,7 @@ def _shared(ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray) -
     """`shared_fit` over every device, kept for the ledger state and demand shape: the same pod's
     prioritize follows its filter, usually with nothing changed in between."""
     key = (ledger.generation, getattr(ledger, "replica_policy", None), demand.bytes_per_gpu, demand.gpu_count,
-           demand.pin_configmap, id(need))
+           demand.pin_configmap)
     hit = a.derived.get("shared")
     if hit is None or hit[0] != key or hit[2] is not need:
         hit = a.derived["shared"] = (key, shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap), need)
@@ -293,15 +293,11 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
     s = _shared(ledger, demand, full, _static_fit(full, demand)[1])
     idx = full.derived["by_resource"][rid][0]
     allowed = np.ones(len(idx), bool) if s is None else s.allowed[idx]
-    starts, n = static.node_start[:-1], len(static.node_names)
-    ne = starts < static.node_start[1:]
-    some = np.zeros(n, np.int64)
-    every = np.zeros(n, np.int64)
-    if len(idx):
-        some[ne] = np.maximum.reduceat(allowed, starts[ne]).astype(np.int64)
-        every[ne] = np.minimum.reduceat(allowed, starts[ne]).astype(np.int64)
-    if (some != every).any():
+    n = len(static.node_names)
+    admitted, devices = static.per_node_sum(allowed), np.diff(static.node_start)
+    if ((admitted > 0) & (admitted < devices)).any():
         return False  # a node whose devices of the resource differ under the bound: per device
+    every = (admitted == devices).astype(np.int64)  # 1 where the bound admits the node
     view = _resource_arrays(ledger, demand, under_policy=True)  # `_explain` reads the used columns
     shared = None if s is None else SharedFit(allowed=allowed, worst=s.worst[idx], needs_pin=s.needs_pin[idx],
                                               distributed=s.distributed[idx], policy=s.policy)
@@ -975,13 +971,20 @@ def plugin_allows(ledger: Ledger, demand: Demand, res: Reservation) -> bool:
     r = ledger.node_row(res.node)
     if r is None:
         return False
-    a = ledger.arrays
-    lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
-    shared = _fit(ledger, demand, _node_arrays(a, r), node_rows=slice(lo, hi)).shared
+    shared = _fit_on_node(ledger, demand, r).shared
     if shared is None:
         return True
+    lo, hi = int(ledger.arrays.node_start[r]), int(ledger.arrays.node_start[r + 1])
     rows = [ledger.row(res.node, dev) for dev in res.device_ids]
     return all(i is not None and lo <= i < hi and bool(shared.allowed[i - lo]) for i in rows)
+
+
+def _fit_on_node(ledger: Ledger, demand: Demand, r: int) -> _Fit:
+    """The demand against node row `r`'s devices only, with the device plugin's bound on them
+    when a replica policy is set: bind's cost does not grow with the cluster."""
+    a = ledger.arrays
+    rows = slice(int(a.node_start[r]), int(a.node_start[r + 1]))
+    return _fit(ledger, demand, _node_arrays(a, r), node_rows=rows if getattr(ledger, "replica_policy", None) else None)
 
 
 def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | str:
@@ -993,16 +996,11 @@ def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | s
     if ledger.node(node) is None:
         return f"node {node} unknown to vramsched"
     r = ledger.node_row(node)
-    a = ledger.arrays
-    if getattr(ledger, "replica_policy", None) is None:
-        if demand.wants_gpu:
-            quick = _choose_on_node(ledger, demand, node, r)
-            if quick is not None:
-                return quick
-        fit = _fit(ledger, demand, _node_arrays(a, r))
-    else:  # the device plugin's bound, on this node's rows only
-        fit = _fit(ledger, demand, _node_arrays(a, r), node_rows=slice(int(a.node_start[r]), int(a.node_start[r + 1])))
-    rows = np.zeros(1, np.int64)
+    if getattr(ledger, "replica_policy", None) is None and demand.wants_gpu:
+        quick = _choose_on_node(ledger, demand, node, r)
+        if quick is not None:
+            return quick
+    fit, rows = _fit_on_node(ledger, demand, r), np.zeros(1, np.int64)
     outcome = FilterOutcome()
     if not demand.wants_gpu:
         outcome.feasible = [node]
