@@ -21,6 +21,7 @@ import time
 import orjson
 
 from extender.cluster import ClusterState
+from extender.deviceplugin import ReplicaPolicy
 from extender.service import EmbeddedBinder, ExtenderService
 from extender.namelists import NameLists
 from extender.server import decode_args, encode_names_result
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=300)
     p.add_argument("--occupancy", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--replica-policy", choices=("distributed", "packed", "pinned"), default=None,
+    p.add_argument("--replica-policy", choices=[p.value for p in ReplicaPolicy], default=None,
                    help="the device plugin's replica policy, as in live mode (default: none, exact per-GPU books)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from extender.deviceplugin import ReplicaPolicy
 from loadtest.gen_cluster import generate, nodes_file, write_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=1, help="locust worker processes (default 1)")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds at the start left out of the figures")
     p.add_argument("--no-floor", action="store_true", help="skip the floor run (no ratio)")
-    p.add_argument("--replica-policy", choices=("distributed", "packed", "pinned"), default=None,
+    p.add_argument("--replica-policy", choices=[p.value for p in ReplicaPolicy], default=None,
                    help="serve with the device plugin's replica policy, as live mode does (default: none)")
     p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                    help="serve with the background CP-SAT planner (default on, as `vramsched serve`)")

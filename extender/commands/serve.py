@@ -12,6 +12,7 @@ import time
 from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
+from extender.deviceplugin import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.placement import warm
 from extender.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, create_app, create_probe_app
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--assume-ttl", type=float, default=60.0, help="seconds a bind's reservation is kept before the watch confirms it")
     p.add_argument("--pin-gpus", action="store_true", help="shorthand for --replica-policy pinned (live mode)")
     p.add_argument(
-        "--replica-policy", choices=("distributed", "packed", "pinned"), default=None,
+        "--replica-policy", choices=[p.value for p in ReplicaPolicy], default=None,
         help="who picks the physical GPU of a time-sliced replica: the device plugin with its "
              "distributed (default) or packed policy, or vramsched via the pinning ConfigMap (docs/live.md)",
     )
