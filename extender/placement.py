@@ -39,7 +39,11 @@ _BIG = np.int64(1) << np.int64(60)
 
 @dataclass(slots=True)
 class FilterOutcome:
-    """Nodes that fit, nodes that fail now (`failed`: preemption may help) and nodes that never can."""
+    """Nodes that fit, nodes that fail now (`failed`: preemption may help) and nodes that never can.
+
+    `feasible` is shared with the candidate-list cache (prioritize is about to send this very
+    list back, and is matched to it by identity): callers read it and never mutate it.
+    """
 
     feasible: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
@@ -151,7 +155,7 @@ def _node_rows(ledger: Ledger, names: Sequence[str]) -> tuple[np.ndarray, list[s
     recent = ledger.arrays.derived.setdefault("rows", [])
     n = len(names)
     for i, (known, rows, unknown) in enumerate(recent):
-        if len(known) == n and (n == 0 or known[0] == names[0]) and known == names:
+        if known is names or (len(known) == n and (n == 0 or known[0] == names[0]) and known == names):
             if i:
                 recent.insert(0, recent.pop(i))  # least recently used goes first
             return rows, unknown
@@ -506,7 +510,7 @@ def _split_feasible(ledger: Ledger, a: DeviceArrays, rows: np.ndarray, good: np.
     feasible_rows = rows[good]
     out.feasible = _node_names(a)[feasible_rows].tolist()
     if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
-        _remember_rows(ledger, list(out.feasible), feasible_rows, [])
+        _remember_rows(ledger, out.feasible, feasible_rows, [])  # shared, not copied: see FilterOutcome
     return rows[~good]
 
 
@@ -851,7 +855,8 @@ def _score_summary(
     with the least free VRAM that covers the pod, then empty ones likewise; with one size of
     device per node that is all the score depends on, and the fractions are summed in the same
     order as the per-device path sums them. (scores, placed) per node of `a`, or None when the
-    summary cannot stand for the devices."""
+    summary cannot stand for the devices. Only the asked rows' summaries are read, and each
+    chosen device is one flat gather (`take` and flat indices cost half of 2-D fancy indexing)."""
     hit = _node_ok(a, demand)
     capacity = _node_capacity(a)
     if hit is None or capacity is None:
@@ -866,26 +871,37 @@ def _score_summary(
         return scores, placed
     k = demand.gpu_count
     summary = ledger.summary(int(a.resource_id[0]))
-    need = demand.bytes_per_gpu if demand.bytes_per_gpu is not None else hit[1][r]  # whole device: its cap
-    busy, idle = summary.busy, summary.idle  # indexed by the rows `r`, never copied whole
-    covers = need if np.ndim(need) == 0 else hit[1][:, None]
-    n_busy = row_counts(busy >= covers)[r]  # rows are sorted largest first: the fitting ones lead
-    n_idle = row_counts(idle >= covers)[r]
+    whole = demand.bytes_per_gpu is None
+    need = hit[1][r] if whole else demand.bytes_per_gpu  # whole device: its cap
+    busy, idle = summary.busy.take(r, axis=0), summary.idle.take(r, axis=0)  # sorted largest first: the fitting ones lead
+    covers = need[:, None] if whole else need
+    n_busy = row_counts(busy >= covers)
+    n_idle = row_counts(idle >= covers)
     fits = n_busy + n_idle >= k  # the others are worked out too (clipped indices) and dropped below
-    left = np.zeros(len(r))
-    opened = np.zeros(len(r))
+    width = busy.shape[1]
+    base = np.arange(0, len(r) * width, width)
+    busy, idle = busy.ravel(), idle.ravel()
     cap = np.maximum(capacity[r], 1)
-    for j in range(k):  # the j-th device chosen: the busy ones smallest first, then the idle ones
-        on_busy = j < n_busy
-        free = np.where(on_busy, busy[r, np.clip(n_busy - 1 - j, 0, busy.shape[1] - 1)],
-                        idle[r, np.clip(n_idle - 1 - (j - n_busy), 0, idle.shape[1] - 1)])
-        left += np.clip(free - need, 0, None) / cap
-        opened += ~on_busy
+    if k == 1:  # most pods: one device, no running sums
+        on_busy = n_busy > 0
+        free = np.where(on_busy, busy[base + np.maximum(n_busy - 1, 0)], idle[base + np.maximum(n_idle - 1, 0)])
+        left = np.maximum(free - need, 0) / cap
+        all_busy = on_busy
+    else:
+        left = np.zeros(len(r))
+        opened = np.zeros(len(r))
+        for j in range(k):  # the j-th device chosen: the busy ones smallest first, then the idle ones
+            on_busy = j < n_busy
+            free = np.where(on_busy, busy[base + np.clip(n_busy - 1 - j, 0, width - 1)],
+                            idle[base + np.clip(n_idle - 1 - (j - n_busy), 0, width - 1)])
+            left += np.maximum(free - need, 0) / cap
+            opened += ~on_busy
+        all_busy = opened == 0
     tight = 1.0 - left / k
     node_busy = ledger.arrays.node_used_replicas[r] > 0  # any pod, whatever resource it holds
-    band = np.where(opened == 0, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
+    band = np.where(all_busy, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
     r = r[fits]
-    scores[r] = band[fits].astype(np.int64)
+    scores[r] = band[fits]
     placed[r] = True
     return scores, placed
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from loadtest.checks import RACE_MARK, check_bind, check_filter, check_prioritize
+from loadtest.checks import RACE_MARK, Checks, check_bind
 from loadtest.floor import create_app as floor_app
 from loadtest.gen_cluster import generate, nodes_file, write_cluster
 from loadtest.pods import make_pod
@@ -26,6 +26,8 @@ from loadtest.run import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SENT = frozenset({"a", "b", "c", "d"})
+CHECKS = Checks(sorted(SENT))
+check_prioritize = CHECKS.prioritize
 
 
 def answer(**over):
@@ -35,8 +37,8 @@ def answer(**over):
     return out
 
 
-def _filter(out, sent=SENT, n=4):
-    return check_filter(out if isinstance(out, bytes) else orjson.dumps(out), sent, n)
+def _filter(out):
+    return CHECKS.filter(out if isinstance(out, bytes) else orjson.dumps(out))
 
 
 def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
@@ -65,6 +67,18 @@ def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
         reason, feasible = _filter(out)
         assert reason is not None and feasible is None, why
     assert "FailedNodes" in _filter(answer(FailedNodes={"c": ""}))[0]  # msgspec names where
+    for out in (answer(NodeNames=["a", "b", "zz"]), answer(FailedNodes={"zz": "x"}), answer(FailedAndUnresolvableNodes={"d": "x", "zz": "x"})):
+        assert "not sent" in _filter(out)[0] and "zz" in _filter(out)[0]
+
+
+def test_checks_hand_back_the_sent_name_objects():
+    """Decoded names are the sent str objects (no fresh strings per answer), for any list size."""
+    sent = [f"node-{i:05d}" for i in range(5000)]
+    checks = Checks(sent)
+    why, feasible = checks.filter(orjson.dumps({"Nodes": None, "NodeNames": sent[:10], "FailedNodes": {},
+                                                "FailedAndUnresolvableNodes": dict.fromkeys(sent[10:], "r"), "Error": ""}))
+    assert why is None and feasible == sent[:10] and all(a is b for a, b in zip(feasible, sent))
+    assert Checks([]).filter(orjson.dumps(answer(NodeNames=[], FailedNodes={}, FailedAndUnresolvableNodes={})))[0] is None
 
 
 def test_prioritize_rules_check_range_type_and_hosts_and_pick_a_best_host():
@@ -80,9 +94,11 @@ def test_prioritize_rules_check_range_type_and_hosts_and_pick_a_best_host():
     for out in ([{"Host": "a", "Score": 11}], [{"Host": "a", "Score": -1}], [{"Host": "a", "Score": "5"}],
                 [{"Host": "a", "Score": True}], [{"Host": "a", "Score": 2.5}], [{"Host": "zz", "Score": 1}],
                 [{"Host": "a"}], ["a"], {"Host": "a", "Score": 1}, [{"Host": 1, "Score": 1}],
-                [{"Host": "a", "Score": 1}, {"Host": "b", "Score": 1}, {"Host": "zz", "Score": 1}]):
+                [{"Host": "a", "Score": 1}, {"Host": "b", "Score": 1}, {"Host": "zz", "Score": 1}],
+                [{"Host": "a", "Score": 1}, {"Host": "d", "Score": 1}]):  # "d" was sent to filter, not here
         why, best = check_prioritize(orjson.dumps(out), ["a", "b", "c"], rng)
         assert why is not None and best is None, out
+    assert "not sent" in check_prioritize(orjson.dumps([{"Host": "zz", "Score": 1}]), ["a"], rng)[0]
     assert check_prioritize(b"[{", ["a"], rng)[1] is None
 
 
@@ -99,7 +115,7 @@ async def test_floor_parses_the_same_requests_and_answers_validly(aiohttp_client
     pod = make_pod(random.Random(3), "p-1")
     body = {"Pod": pod, "Nodes": None, "NodeNames": sorted(SENT)}
     out = await (await client.post("/filter", data=orjson.dumps(body))).read()
-    assert check_filter(out, SENT, len(SENT)) == (None, sorted(SENT))
+    assert CHECKS.filter(out) == (None, sorted(SENT))
     scores = await (await client.post("/prioritize", data=orjson.dumps(body))).read()
     assert check_prioritize(scores, sorted(SENT), random.Random(1))[0] is None
     bind = {"PodName": "p-1", "PodNamespace": "loadtest", "PodUID": "u", "Node": "a"}
