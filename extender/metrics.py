@@ -63,6 +63,20 @@ class Metrics:
         self.errors = Counter("vramsched_errors", "Requests answered with an error (4xx/5xx or an Error field)", ["verb"], registry=self.registry)
         self.registry.register(_LedgerCollector(ledger))
         self.registry.register(_PlannerCollector(planner))
+        self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+
+    def request(self, verb: str, code: int, seconds: float) -> None:
+        """Count one answered request. The labelled children are looked up once per (verb, code):
+        `labels()` takes a lock and builds a key each time, a few microseconds per request."""
+        children = self._children.get((verb, code))
+        if children is None:
+            children = self._children[(verb, code)] = (
+                self.latency.labels(verb), self.requests.labels(verb, str(code)), self.errors.labels(verb) if code >= 400 else None)
+        latency, requests, errors = children
+        latency.observe(seconds)
+        requests.inc()
+        if errors is not None:
+            errors.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

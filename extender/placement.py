@@ -851,33 +851,63 @@ def _node_capacity(a: DeviceArrays) -> np.ndarray | None:
 def _score_summary(
     ledger: Ledger, demand: Demand, rows: np.ndarray, a: DeviceArrays,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """`score_rows` from the ledger's per-node summary: best fit takes the devices already in use
-    with the least free VRAM that covers the pod, then empty ones likewise; with one size of
-    device per node that is all the score depends on, and the fractions are summed in the same
-    order as the per-device path sums them. (scores, placed) per node of `a`, or None when the
-    summary cannot stand for the devices. Only the asked rows' summaries are read, and each
-    chosen device is one flat gather (`take` and flat indices cost half of 2-D fancy indexing)."""
+    """`score_rows` from the ledger's per-node summary: (scores, placed) per node of `a`, valid
+    for the asked `rows` (read-only), or None when the summary cannot stand for the devices.
+
+    Scores depend on the demand's shape and on what is in use on each node, so they are kept
+    per shape for every node and brought up to date from the ledger's log of touched nodes:
+    a shape asked again after a few dozen binds costs those nodes, not all 5,000.
+    """
     hit = _node_ok(a, demand)
     capacity = _node_capacity(a)
     if hit is None or capacity is None:
         return None
-    n_nodes = len(a.node_names)
-    scores = np.zeros(n_nodes, np.int64)
-    placed = np.zeros(n_nodes, bool)
-    asked = np.zeros(n_nodes, bool)
-    asked[rows] = True
-    r = np.flatnonzero(asked & hit[0])  # each asked node once, as the per-device path does
-    if not len(r):
-        return scores, placed
+    cache = a.derived.setdefault("scores", {})
+    key = (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
+    entry = cache.get(key)
+    now = ledger.touched_base + len(ledger.touched)
+    if entry is not None:
+        touched = ledger.touched[entry[0] - ledger.touched_base:] if entry[0] >= ledger.touched_base else None
+        if touched is None or len(touched) * 4 > len(a.node_names):
+            entry = None  # the log no longer reaches back that far, or most nodes changed: start over
+        elif touched:
+            scores, placed = entry[1], entry[2]
+            get = ledger._node_row.get  # noqa: SLF001 - rows of this very arrays (a rebuild drops the cache)
+            changed = np.fromiter((r for r in map(get, set(touched)) if r is not None), np.int64)
+            changed = changed[hit[0][changed]]  # the others never fit: their 0 stands
+            if len(changed):
+                scores[changed], placed[changed] = _summary_scores(ledger, demand, a, hit[1], capacity, changed)
+            entry[0] = now
+    if entry is None:
+        if len(cache) >= _STATIC_COUNTS_CACHED:
+            cache.clear()
+        scores = np.zeros(len(a.node_names), np.int8)
+        placed = np.zeros(len(a.node_names), bool)
+        r = np.flatnonzero(hit[0])
+        if len(r):
+            scores[r], placed[r] = _summary_scores(ledger, demand, a, hit[1], capacity, r)
+        entry = cache[key] = [now, scores, placed]
+    return entry[1], entry[2]
+
+
+def _summary_scores(
+    ledger: Ledger, demand: Demand, a: DeviceArrays, node_need: np.ndarray, capacity: np.ndarray, r: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(score, placed) of the nodes `r` (sorted, each once, all passing `_node_ok`), from the
+    summary: best fit takes the devices already in use with the least free VRAM that covers the
+    pod, then empty ones likewise; with one size of device per node that is all the score
+    depends on, and the fractions are summed in the same order as the per-device path sums
+    them. Each chosen device is one flat gather (`take` and flat indices cost half of 2-D
+    fancy indexing)."""
     k = demand.gpu_count
     summary = ledger.summary(int(a.resource_id[0]))
     whole = demand.bytes_per_gpu is None
-    need = hit[1][r] if whole else demand.bytes_per_gpu  # whole device: its cap
+    need = node_need[r] if whole else demand.bytes_per_gpu  # whole device: its cap
     busy, idle = summary.busy.take(r, axis=0), summary.idle.take(r, axis=0)  # sorted largest first: the fitting ones lead
     covers = need[:, None] if whole else need
     n_busy = row_counts(busy >= covers)
     n_idle = row_counts(idle >= covers)
-    fits = n_busy + n_idle >= k  # the others are worked out too (clipped indices) and dropped below
+    fits = n_busy + n_idle >= k  # the others are worked out too (clipped indices) and scored 0
     width = busy.shape[1]
     base = np.arange(0, len(r) * width, width)
     busy, idle = busy.ravel(), idle.ravel()
@@ -900,10 +930,7 @@ def _score_summary(
     tight = 1.0 - left / k
     node_busy = ledger.arrays.node_used_replicas[r] > 0  # any pod, whatever resource it holds
     band = np.where(all_busy, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
-    r = r[fits]
-    scores[r] = band[fits]
-    placed[r] = True
-    return scores, placed
+    return np.where(fits, band, 0), fits
 
 
 def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:

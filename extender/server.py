@@ -134,10 +134,7 @@ def _timed(verb: str, handler: Handler) -> Handler:
             code = exc.status
             raise
         finally:
-            metrics.latency.labels(verb).observe(time.perf_counter() - start)
-            metrics.requests.labels(verb, str(code)).inc()
-            if code >= 400:
-                metrics.errors.labels(verb).inc()
+            metrics.request(verb, code, time.perf_counter() - start)
 
     return wrapped
 

@@ -352,3 +352,39 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, mo
     # the fast path answered one-GPU and multi-GPU pods (test_deviceplugin covers the per-device
     # path it gives way to: a fleet of one resource has no per-resource view)
     assert {k > 1 for ok, k in taken if ok} == {False, True}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prioritize keeps each demand shape's scores for every node and brings them up to date
+    from the ledger's log of touched nodes: after any history (reserve, release, records that
+    overcommit, relabels, the log trimmed past a shape's last look) they equal the per-device
+    computation, for a handful of shapes asked again and again."""
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(rng.randint(3, 30))] + ["mig"]
+    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    shapes = [pod_demand(_random_pod(rng, f"shape{i}")) for i in range(6)]
+    shapes = [d for d in shapes if d.wants_gpu] or [pod_demand(pod("s", "10Gi"))]
+    score_summary, patched = placement._score_summary, []
+
+    def spy(ledger, demand, rows, a):
+        entry = a.derived.get("scores", {}).get((demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count))
+        got = score_summary(ledger, demand, rows, a)
+        if entry is not None and got is not None and got[0] is entry[1]:
+            patched.append(demand)  # an entry kept from an earlier call answered
+        return got
+
+    monkeypatch.setattr(placement, "_score_summary", spy)
+    for step in range(80):
+        for i in range(rng.randint(0, 4)):
+            _random_step(rng, c, names, step * 10 + i)
+        if rng.random() < 0.05:  # the log was trimmed past what the entries last saw: they start over
+            c.ledger.touched_base += len(c.ledger.touched) + 1
+            c.ledger.touched.clear()
+        for demand in rng.sample(shapes, len(shapes)):
+            fast = score_rows(c.ledger, demand, names, None)
+            monkeypatch.setattr(placement, "_score_summary", lambda *args: None)
+            slow = score_rows(c.ledger, demand, names, None)
+            monkeypatch.setattr(placement, "_score_summary", spy)
+            assert fast[2].tolist() == slow[2].tolist(), (step, demand)
+    assert patched  # kept entries were used (and compared), not only fresh ones

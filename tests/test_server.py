@@ -2,12 +2,16 @@
 
 import csv
 
+import numpy as np
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from builders import FIXTURES, cluster, fixture, fixture_nodes, gpu_node, pod, service
 
 from extender.ledger import check_invariant
 from extender.server import create_app, route_paths
+from extender.wire import MAX_PRIORITY, MIN_PRIORITY, ScoredHosts
 
 
 @pytest.fixture
@@ -324,3 +328,18 @@ async def test_delete_is_refused_in_live_mode_and_during_a_bind(aiohttp_client, 
     binder.release.set()
     assert orjson.loads(await (await binding).read()) == {"Error": ""}
     assert state.ledger.reservation("default/gpu-pod-2") is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=12, unique=True),
+    picks=st.lists(st.tuples(st.integers(0, 11), st.integers(MIN_PRIORITY, MAX_PRIORITY)), max_size=30),
+)
+def test_prioritize_encoding_is_the_json_of_its_hosts(names, picks):
+    """Fixed-width entries (padded with JSON whitespace) decode to exactly the hosts and scores,
+    whatever the names hold (quotes, backslashes, control characters, non-ASCII)."""
+    table = np.array(names, dtype=object)
+    rows = np.array([r % len(names) for r, _ in picks], np.int64)
+    scores = np.array([s for _, s in picks], np.int64)
+    hosts = ScoredHosts(table, rows, scores)
+    assert orjson.loads(hosts.to_json()) == [{"Host": names[r], "Score": int(s)} for r, s in zip(rows, scores)]
