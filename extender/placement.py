@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 from math import ceil, log2
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -43,11 +43,30 @@ class FilterOutcome:
 
     `feasible` is shared with the candidate-list cache (prioritize is about to send this very
     list back, and is matched to it by identity): callers read it and never mutate it.
+    `unresolvable` may be a `SharedReasons` (read-only) when it holds only label-only reasons.
     """
 
     feasible: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     unresolvable: dict[str, str] = field(default_factory=dict)
+
+
+class SharedReasons(dict[str, str]):
+    """Reasons that several answers share (filter's label-only reasons, kept per candidate list
+    and demand shape). Read-only: changing them would change every answer that holds them, so
+    the mutating methods raise. `encoded` is for an adapter to keep their wire form in, written
+    once instead of on every answer."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, *args: Any, **kw: str) -> None:
+        super().__init__(*args, **kw)
+        self.encoded: bytes | None = None
+
+    def _read_only(self, *args: Any, **kw: Any) -> NoReturn:
+        raise TypeError("SharedReasons are shared between answers: copy them to change them")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _read_only  # type: ignore[assignment]
 
 
 @dataclass(slots=True)
@@ -552,10 +571,12 @@ def _explain(
     fixed_cache = a.derived.setdefault("fixed", {})
     ckey = (id(asked), demand.resource, demand.allowed_products, k)  # categories 0..2 only
     known = fixed_cache.get(ckey) if asked is not None else None
+    base = None
     if known is not None and known[0] is asked:
-        out.unresolvable.update(known[2])
+        base = known[2]
         bad = bad[~known[1][bad]]
         if not len(bad):
+            _add_reasons(out, base)
             return
     n_match, n_big, big_enough = _static_counts(a, fit, demand, kind)
     if one is not None:  # from _filter_one (k == 1): a free replica on a big-enough device iff largest >= 0
@@ -575,6 +596,8 @@ def _explain(
     cat[matching == 0] = 1
     cat[problem[bad]] = 0
     fixed = cat < _UNRESOLVABLE_CATEGORIES
+    if base is not None:  # shared as it is when nothing is added to it below (`_explain_shared` may add)
+        _add_reasons(out, base, share=not fixed.any() and fit.shared is None)
     if fixed.any():
         rows = bad[fixed]
         cache = a.derived.setdefault("reasons", {})
@@ -595,7 +618,7 @@ def _explain(
         label_only = cat < 3  # not category 3: "too small" depends on the pod's bytes
         is_fixed = np.zeros(n_nodes, bool)
         is_fixed[bad[label_only]] = True
-        fixed_cache[ckey] = (asked, is_fixed, {n: out.unresolvable[n] for n in names[bad[label_only]].tolist()})
+        fixed_cache[ckey] = (asked, is_fixed, SharedReasons({n: out.unresolvable[n] for n in names[bad[label_only]].tolist()}))
     slot = cat == 4
     if slot.any():
         rows = bad[slot]
@@ -611,6 +634,15 @@ def _explain(
         if not len(rows):
             return
     out.failed.update(_worded(names[rows].tolist(), n_ok[rows], lambda c: _mem_reason(need, c, k)))
+
+
+def _add_reasons(out: FilterOutcome, base: SharedReasons, share: bool = True) -> None:
+    """Add the label-only reasons `base` to `out`: as the very object when `out` has no other
+    (no copy, and its wire form is written once), else copied in."""
+    if share and not out.unresolvable:
+        out.unresolvable = base
+    else:
+        out.unresolvable.update(base)
 
 
 def _worded(names: list[str], counts: np.ndarray, word: Callable[[int], str]) -> dict[str, str]:

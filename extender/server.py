@@ -20,6 +20,7 @@ from pydantic_core import PydanticSerializationError
 from extender.demand import DemandError
 from extender.metrics import Metrics
 from extender.namelists import NameLists
+from extender.placement import SharedReasons
 from extender.service import ExtenderService
 from extender.wire import (
     VERBS,
@@ -163,8 +164,17 @@ def encode_names_result(result: ExtenderFilterResult, lists: NameLists) -> bytes
     return b"".join((
         b'{"Nodes":null,"NodeNames":', encoded if encoded is not None else orjson.dumps(feasible),
         b',"FailedNodes":', orjson.dumps(result.FailedNodes),
-        b',"FailedAndUnresolvableNodes":', orjson.dumps(result.FailedAndUnresolvableNodes), b',"Error":""}',
+        b',"FailedAndUnresolvableNodes":', _encode_reasons(result.FailedAndUnresolvableNodes), b',"Error":""}',
     ))
+
+
+def _encode_reasons(reasons: dict[str, str]) -> bytes:
+    """Reasons shared between answers (read-only) are encoded once and kept with them."""
+    if isinstance(reasons, SharedReasons):
+        if reasons.encoded is None:
+            reasons.encoded = orjson.dumps(reasons)
+        return reasons.encoded
+    return orjson.dumps(reasons)
 
 
 async def _prioritize(request: web.Request) -> web.Response:

@@ -126,3 +126,37 @@ def test_preempt_keeps_fewest_lowest_priority_victims():
     # nothing a lower-priority set of victims could free: node dropped
     d2 = pod_demand(pod("huge", "79Gi", priority=50))
     assert preempt_victims(c.ledger, d2, {"n": list(victims.values())}) == {}
+
+
+def test_label_only_reasons_are_shared_read_only_and_encoded_once():
+    """Asked again with the same candidate list and demand shape, filter hands back the very
+    dict of label-only reasons (not a copy) when nothing else is unresolvable; it refuses to be
+    changed, and the server writes it as the JSON of its items, once."""
+    import orjson
+    import pytest
+
+    from extender.namelists import NameLists
+    from extender.placement import SharedReasons
+    from extender.server import encode_names_result
+    from extender.wire import ExtenderFilterResult
+
+    c = cluster(mig_mixed_node("mig", {"1g.10gb": (7, 9984)}), gpu_node("ok", count=2), gpu_node("small", count=1, memory_mib=24576))
+    names = ["mig", "ok", "small"]
+    small_pod, big_pod = pod_demand(pod("p", "10Gi")), pod_demand(pod("q", "40Gi"))
+    first, second, third = (filter_nodes(c.ledger, small_pod, names) for _ in range(3))
+    assert first.unresolvable == second.unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+    assert isinstance(second.unresolvable, SharedReasons) and second.unresolvable is third.unresolvable
+    with pytest.raises(TypeError):
+        second.unresolvable["x"] = "y"
+    with pytest.raises(TypeError):
+        second.unresolvable.update({"x": "y"})
+    assert second.unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+    for _ in range(2):
+        result = ExtenderFilterResult.model_construct(NodeNames=second.feasible, FailedNodes={}, FailedAndUnresolvableNodes=second.unresolvable)
+        assert orjson.loads(encode_names_result(result, NameLists()))["FailedAndUnresolvableNodes"] == dict(second.unresolvable)
+    # a pod too big for "small" adds a reason of its own: a plain dict holding both, the shared one untouched
+    for _ in range(2):
+        big = filter_nodes(c.ledger, big_pod, names)
+    assert type(big.unresolvable) is dict and big.unresolvable == {
+        "mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu", "small": "need 40Gi per GPU, GPUs have 24Gi"}
+    assert filter_nodes(c.ledger, small_pod, names).unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
