@@ -304,3 +304,27 @@ def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(policy, 
         assert (got if isinstance(got, str) else got.device_ids) == want, node
         if not isinstance(got, str):
             assert plugin_allows(c.ledger, d, got)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**_POLICY_CASES)
+def test_the_bound_over_the_cluster_is_each_nodes_bound(policy, holds, gib, gpus, pinned_pod) -> None:
+    """Over every row, `shared_fit` works out only the rows the bound or the pin rule applies to
+    and keeps its label-only masks with the view; node by node (bind's slices) it works them all
+    out: both give the same rows, asked once or again after more pods."""
+    from extender.deviceplugin import shared_fit
+
+    c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
+    for extra in range(2):
+        a = c.ledger.arrays
+        need = np.full(len(a.capacity), d.bytes_per_gpu, np.int64)
+        whole = shared_fit(c.ledger, need, d.gpu_count, d.pin_configmap)
+        for r in range(len(a.node_names)):
+            sl = slice(int(a.node_start[r]), int(a.node_start[r + 1]))
+            part = shared_fit(c.ledger, need[sl], d.gpu_count, d.pin_configmap, sl)
+            for field in ("allowed", "worst", "needs_pin", "distributed"):
+                want = np.zeros(sl.stop - sl.start, bool if field != "worst" else np.int64) if part is None else getattr(part, field)
+                if part is None and field == "allowed":
+                    want = np.ones(sl.stop - sl.start, bool)
+                assert getattr(whole, field)[sl].tolist() == want.tolist(), (a.node_names[r], field)
+        c.ledger.record(Reservation(PodRef("default", f"more{extra}", f"m{extra}"), "ts0", ("0",), (3 * GIB,)))
