@@ -265,6 +265,11 @@ class SharedFit:
     distributed: np.ndarray  # rows where the plugin spreads: bookkeeping should pick the least used
     policy: str = ""
 
+    def take(self, rows: np.ndarray) -> "SharedFit":
+        """The same bound at device rows `rows` only (indexed like `rows`)."""
+        return SharedFit(allowed=self.allowed[rows], worst=self.worst[rows], needs_pin=self.needs_pin[rows],
+                         distributed=self.distributed[rows], policy=self.policy)
+
 
 def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
     a = ledger.arrays

@@ -99,18 +99,22 @@ def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
 
 
 def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with_ok: bool = True,
-         node_rows: slice | None = None) -> _Fit:
+         node_rows: slice | np.ndarray | None = None) -> _Fit:
     """The demand against every device, or against `local` (one node's rows, see `_node_arrays`,
     or one resource's, see `_resource_arrays`). `with_ok=False` leaves `ok` empty for callers
-    that do not read it (`_filter_one`). `node_rows`: `local` is that node's device rows, and the
-    device plugin's bound applies to them (bind under a replica policy)."""
+    that do not read it (`_filter_one`). `node_rows`: `local` is these device rows (one node's
+    slice, or several nodes' rows, see `_nodes_arrays`), and the device plugin's bound applies
+    to them (bind, kept scores, under a replica policy)."""
     a = ledger.arrays if local is None else local
     matches, need, big_enough = _static_fit(a, demand)
     if not with_ok:
         return _Fit(a, matches, need, np.zeros(0, bool), None)
     ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
     shared = None
-    if demand.wants_gpu and node_rows is not None:
+    if demand.wants_gpu and isinstance(node_rows, np.ndarray):  # several nodes: the cluster's bound, at their rows
+        whole = _shared(ledger, demand, ledger.arrays, _static_fit(ledger.arrays, demand)[1])
+        shared = None if whole is None else whole.take(node_rows)
+    elif demand.wants_gpu and node_rows is not None:
         shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
     elif demand.wants_gpu and local is None:
         shared = _shared(ledger, demand, a, need)
@@ -260,6 +264,22 @@ def _node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
     )
 
 
+def _nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.ndarray]:
+    """The rows of the nodes `nodes` (sorted node rows) as arrays of their own (copies), and
+    those rows' positions in `a`: `_node_arrays` for several nodes at once."""
+    starts = a.node_start[nodes]
+    lengths = a.node_start[nodes + 1] - starts
+    ix = np.repeat(starts - np.cumsum(np.r_[0, lengths[:-1]]), lengths) + np.arange(int(lengths.sum()))
+    sub = DeviceArrays(
+        devices=[a.devices[i] for i in ix.tolist()], node_names=[a.node_names[r] for r in nodes.tolist()],
+        node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths), node_start=np.r_[0, np.cumsum(lengths)].astype(np.int64),
+        capacity=a.capacity[ix], per_pod_cap=a.per_pod_cap[ix], replicas=a.replicas[ix], used=a.used[ix],
+        used_replicas=a.used_replicas[ix], resource_id=a.resource_id[ix], product_id=a.product_id[ix],
+        gpu_index=a.gpu_index[ix], resources=a.resources, products=a.products,
+    )
+    return sub, ix
+
+
 def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> FilterOutcome:
     """Which of `names` can take the pod now, and a short reason for every one that cannot."""
     out = FilterOutcome()
@@ -315,15 +335,14 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
     s = _shared(ledger, demand, full, _static_fit(full, demand)[1])
     idx = full.derived["by_resource"][rid][0]
-    allowed = np.ones(len(idx), bool) if s is None else s.allowed[idx]
+    shared = None if s is None else s.take(idx)  # the resource's rows, as `static` has them
+    allowed = np.ones(len(idx), bool) if shared is None else shared.allowed
     n = len(static.node_names)
     admitted, devices = static.per_node_sum(allowed), np.diff(static.node_start)
     if ((admitted > 0) & (admitted < devices)).any():
         return False  # a node whose devices of the resource differ under the bound: per device
     every = (admitted == devices).astype(np.int64)  # 1 where the bound admits the node
     view = _resource_arrays(ledger, demand, under_policy=True)  # `_explain` reads the used columns
-    shared = None if s is None else SharedFit(allowed=allowed, worst=s.worst[idx], needs_pin=s.needs_pin[idx],
-                                              distributed=s.distributed[idx], policy=s.policy)
     matches, need, _ = _static_fit(view, demand)
     fit = _Fit(view, matches, need, np.zeros(0, bool), shared)
     rows, unknown = _node_rows(ledger, names)
@@ -828,14 +847,52 @@ def score_rows(
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
             return _finish_scores(ledger, view, rows, *fast, planned)
-    fit = _fit(ledger, demand, _resource_arrays(ledger, demand))
+    base = _resource_arrays(ledger, demand)  # this resource's devices, or every device (under a policy)
+    a = ledger.arrays if base is None else base
+    rows, _ = _node_rows(ledger, names)
+    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, base is None), planned)
+
+
+def _device_scores_kept(
+    ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_device_scores` of every node of `a`, kept per demand shape and brought up to date from
+    the ledger's log of touched nodes (as `_score_summary` keeps its own): a node's score reads
+    only its own devices and, under a replica policy, the bound on them, which changes only
+    when the node does. Read-only for callers. `full`: `a` is every device (the bound applies)."""
+    cache = _bounded_cache(a, "device_scores")
+    key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count, demand.pin_configmap,
+           getattr(ledger, "replica_policy", None))
+    entry = cache.get(key)
+    now = ledger.touched_base + len(ledger.touched)
+    node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
+    if entry is not None:
+        touched = ledger.touched[entry[0] - ledger.touched_base:] if entry[0] >= ledger.touched_base else None
+        if touched is None or len(touched) * 4 > len(a.node_names):
+            entry = None  # the log no longer reaches back that far, or most nodes changed: start over
+        elif touched:
+            get = ledger._node_row.get  # noqa: SLF001 - rows of these very arrays (a rebuild drops the cache)
+            nodes = np.fromiter(sorted({r for r in map(get, touched) if r is not None}), np.int64)
+            sub, ix = _nodes_arrays(a, nodes)
+            fit = _fit(ledger, demand, sub, node_rows=ix if full else None)
+            entry[1][nodes], entry[2][nodes] = _device_scores(fit, demand.gpu_count, np.arange(len(nodes)), node_busy[nodes])
+            entry[0] = now
+    if entry is None:
+        fit = _fit(ledger, demand, None if full else a)
+        entry = cache[key] = [now, *_device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)]
+    return entry[1], entry[2]
+
+
+def _device_scores(fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, placed) per node of `fit.a`, for the nodes `rows` (0 and False elsewhere), device
+    by device: the k best-fit devices (`_choose`) and how tightly they fit. `node_busy`: per
+    node of `fit.a`, whether any pod runs there."""
     a = fit.a
     n_nodes = len(a.node_names)
-    rows, _ = _node_rows(ledger, names)
     scores = np.zeros(n_nodes, np.int64)
     placed = np.zeros(n_nodes, bool)
     if len(rows):
-        chosen = _choose(fit, demand.gpu_count, rows)
+        chosen = _choose(fit, k, rows)
         if len(chosen):
             node = a.node_of[chosen]
             empty = (a.used_replicas[chosen] == 0).astype(np.int64)
@@ -844,12 +901,11 @@ def score_rows(
             opened = np.bincount(node, weights=empty, minlength=n_nodes)
             taken = np.bincount(node, minlength=n_nodes)
             mean_left = np.bincount(node, weights=frac, minlength=n_nodes) / np.maximum(taken, 1)
-            node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
             tight = 1.0 - mean_left
             band = np.where(opened == 0, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
-            placed = taken >= demand.gpu_count
+            placed = taken >= k
             scores = np.where(placed, band, 0).astype(np.int64)
-    return _finish_scores(ledger, a, rows, scores, placed, planned)
+    return scores, placed
 
 
 def _finish_scores(

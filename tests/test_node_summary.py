@@ -62,6 +62,16 @@ def _random_pod(rng: random.Random, name: str) -> dict:
     return pod(name, memory, gpus=gpus, resource=resource, annotations=annotations)
 
 
+def _scores_afresh(ledger, demand: Demand, names: list[str], planned: str | None):
+    """`score_rows` as it was before any scores were kept: device by device, the asked nodes only."""
+    base = _resource_arrays(ledger, demand)
+    a = ledger.arrays if base is None else base
+    fit = _fit(ledger, demand, base)
+    rows, _ = _node_rows(ledger, names)
+    scores, placed = placement._device_scores(fit, demand.gpu_count, rows, ledger.arrays.node_used_replicas > 0)
+    return placement._finish_scores(ledger, a, rows, scores, placed, planned)
+
+
 def _reference(ledger, demand: Demand, names: list[str]) -> FilterOutcome:
     """filter as it was before the summaries: per device, over the current used columns.
 
@@ -159,7 +169,6 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
     monkeypatch.setattr(placement, "_one_largest", spy(placement._one_largest))
     monkeypatch.setattr(placement, "_node_fit", spy(placement._node_fit))
     monkeypatch.setattr(placement, "_score_summary", spy(placement._score_summary))
-    score_summary = placement._score_summary
     rng = random.Random(seed)
     n_nodes = rng.randint(3, 30)
     names = [f"n{i}" for i in range(n_nodes)] + ["mig"]  # one MIG node at least: per-resource views exist
@@ -181,9 +190,7 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
                 planned = rng.choice([None, *asked])
                 for candidates in (got.feasible, subset):
                     fast = score_rows(c.ledger, demand, candidates, planned)
-                    monkeypatch.setattr(placement, "_score_summary", lambda *args: None)
-                    slow = score_rows(c.ledger, demand, candidates, planned)
-                    monkeypatch.setattr(placement, "_score_summary", score_summary)
+                    slow = _scores_afresh(c.ledger, demand, candidates, planned)
                     assert fast[0] is slow[0] and np.array_equal(fast[1], slow[1]), (step, demand)
                     assert fast[2].tolist() == slow[2].tolist(), (step, demand, candidates)
                 # bind's one-node choice equals that node's share of the choice over several nodes
@@ -363,6 +370,7 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypat
     rng = random.Random(seed)
     names = [f"n{i}" for i in range(rng.randint(3, 30))] + ["mig"]
     c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    c.ledger.replica_policy = [None, None, "distributed", "pinned", "packed"][seed % 5]  # device by device under a policy
     shapes = [pod_demand(_random_pod(rng, f"shape{i}")) for i in range(6)]
     shapes = [d for d in shapes if d.wants_gpu] or [pod_demand(pod("s", "10Gi"))]
     score_summary, patched = placement._score_summary, []
@@ -374,7 +382,16 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypat
             patched.append(demand)  # an entry kept from an earlier call answered
         return got
 
+    def spy_devices(ledger, demand, a, full):
+        before = dict(a.derived.get("device_scores", {}))
+        got = device_scores(ledger, demand, a, full)
+        if any(got[0] is e[1] for e in before.values()):
+            patched.append(demand)
+        return got
+
+    device_scores = placement._device_scores_kept
     monkeypatch.setattr(placement, "_score_summary", spy)
+    monkeypatch.setattr(placement, "_device_scores_kept", spy_devices)
     for step in range(80):
         for i in range(rng.randint(0, 4)):
             _random_step(rng, c, names, step * 10 + i)
@@ -383,8 +400,5 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypat
             c.ledger.touched.clear()
         for demand in rng.sample(shapes, len(shapes)):
             fast = score_rows(c.ledger, demand, names, None)
-            monkeypatch.setattr(placement, "_score_summary", lambda *args: None)
-            slow = score_rows(c.ledger, demand, names, None)
-            monkeypatch.setattr(placement, "_score_summary", spy)
-            assert fast[2].tolist() == slow[2].tolist(), (step, demand)
+            assert fast[2].tolist() == _scores_afresh(c.ledger, demand, names, None)[2].tolist(), (step, demand)
     assert patched  # kept entries were used (and compared), not only fresh ones
