@@ -376,12 +376,13 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
 
 
 def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool,
-               rows: slice | None = None) -> SharedFit | None:
+               rows: slice | np.ndarray | None = None) -> SharedFit | None:
     """The node-level bound for every time-sliced device row, or None when the ledger's
     per-device accounting is exact (no policy set: embedded cluster, simulator).
 
-    `rows`: only these device rows (one node's, for bind: its cost then does not grow with the
-    cluster); `need` and the result are then indexed like the slice."""
+    `rows`: only these device rows, every row of the nodes they touch (one node's slice, for
+    bind: its cost then does not grow with the cluster; or several nodes' sorted rows); `need`
+    and the result are then indexed like `rows`."""
     policy = getattr(ledger, "replica_policy", None)
     if policy is None:
         return None
@@ -400,7 +401,7 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
         subject, pin_rows = v.subject[rows], v.pin_rows[rows]
         if not subject.any() and not pin_rows.any():
             return None
-        worst, allowed = _bound(v, rows, need, gpu_count, None, rows.start or 0)
+        worst, allowed = _bound(v, rows, need, gpu_count, None, (rows.start or 0) if isinstance(rows, slice) else 0)
         needs_pin = pin_rows & (not pin_configmap)
         distributed = subject & (policy is ReplicaPolicy.DISTRIBUTED)
         refused = True
@@ -413,8 +414,8 @@ def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
            group_size: np.ndarray | None, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(worst case, allowed by the bound before the pin rule) of the device rows `sel`, with
     `need` indexed like `sel`: either every bounded row, with `group_size` the pod's bytes per
-    GPU on every group, or a slice (one node's rows, starting at `offset`), whose groups' sizes
-    are read from `need`."""
+    GPU on every group, or whole nodes' rows (a slice starting at `offset`, or sorted rows),
+    whose groups' sizes are read from `need` at each group's first row."""
     subject = v.subject[sel]
     cap = v.arrays.capacity[sel]
     worst = np.maximum(v.base_t[sel], need + v.base_t1[sel])
@@ -424,9 +425,10 @@ def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
         if grouped.any():
             if group_size is not None:
                 g, size = np.arange(len(v.g_first)), group_size
-            else:  # a slice (one node's rows): the groups in it
+            else:  # the groups in a slice, or in whole nodes' sorted rows
                 g = np.unique(row_group[grouped])
-                size = need[v.g_first[g] - offset]
+                first = v.g_first[g]
+                size = need[first - offset] if isinstance(sel, slice) else need[np.searchsorted(sel, first)]
             per_group = np.zeros(len(v.g_first), np.int64)
             per_group[g] = _group_worst(v, g, size, gpu_count)
             worst[grouped] = per_group[row_group[grouped]]

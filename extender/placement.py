@@ -111,10 +111,7 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
         return _Fit(a, matches, need, np.zeros(0, bool), None)
     ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
     shared = None
-    if demand.wants_gpu and isinstance(node_rows, np.ndarray):  # several nodes: the cluster's bound, at their rows
-        whole = _shared(ledger, demand, ledger.arrays, _static_fit(ledger.arrays, demand)[1])
-        shared = None if whole is None else whole.take(node_rows)
-    elif demand.wants_gpu and node_rows is not None:
+    if demand.wants_gpu and node_rows is not None:
         shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
     elif demand.wants_gpu and local is None:
         shared = _shared(ledger, demand, a, need)
@@ -271,7 +268,7 @@ def _nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.
     lengths = a.node_start[nodes + 1] - starts
     ix = np.repeat(starts - np.cumsum(np.r_[0, lengths[:-1]]), lengths) + np.arange(int(lengths.sum()))
     sub = DeviceArrays(
-        devices=[a.devices[i] for i in ix.tolist()], node_names=[a.node_names[r] for r in nodes.tolist()],
+        devices=list(map(a.devices.__getitem__, ix.tolist())), node_names=list(map(a.node_names.__getitem__, nodes.tolist())),
         node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths), node_start=np.r_[0, np.cumsum(lengths)].astype(np.int64),
         capacity=a.capacity[ix], per_pod_cap=a.per_pod_cap[ix], replicas=a.replicas[ix], used=a.used[ix],
         used_replicas=a.used_replicas[ix], resource_id=a.resource_id[ix], product_id=a.product_id[ix],

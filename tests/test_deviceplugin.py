@@ -310,8 +310,9 @@ def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(policy, 
 @given(**_POLICY_CASES)
 def test_the_bound_over_the_cluster_is_each_nodes_bound(policy, holds, gib, gpus, pinned_pod) -> None:
     """Over every row, `shared_fit` works out only the rows the bound or the pin rule applies to
-    and keeps its label-only masks with the view; node by node (bind's slices) it works them all
-    out: both give the same rows, asked once or again after more pods."""
+    and keeps its label-only masks with the view; node by node (bind's slices) or for several
+    nodes' rows (kept scores) it works them all out: all give the same rows, asked once or again
+    after more pods."""
     from extender.deviceplugin import shared_fit
 
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
@@ -327,4 +328,10 @@ def test_the_bound_over_the_cluster_is_each_nodes_bound(policy, holds, gib, gpus
                 if part is None and field == "allowed":
                     want = np.ones(sl.stop - sl.start, bool)
                 assert getattr(whole, field)[sl].tolist() == want.tolist(), (a.node_names[r], field)
+        for picked in ([0, 2], [1, 2, 3], [0, 4], list(range(len(a.node_names)))):  # several nodes' rows at once
+            rows = np.concatenate([np.arange(a.node_start[r], a.node_start[r + 1]) for r in picked])
+            part = shared_fit(c.ledger, need[rows], d.gpu_count, d.pin_configmap, rows)
+            if part is not None:
+                for field in ("allowed", "worst", "needs_pin", "distributed"):
+                    assert getattr(part, field).tolist() == getattr(whole, field)[rows].tolist(), (picked, field)
         c.ledger.record(Reservation(PodRef("default", f"more{extra}", f"m{extra}"), "ts0", ("0",), (3 * GIB,)))
