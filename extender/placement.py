@@ -131,11 +131,12 @@ def _shared(ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray) -
     return hit[1]
 
 
-def _bounded_cache(a: DeviceArrays, name: str) -> dict:
+def _bounded_cache(a: DeviceArrays, name: str, limit: int | None = None) -> dict:
     """A per-demand-shape cache kept with the arrays (dropped with them on a rebuild), emptied on
-    the access after it reaches _STATIC_COUNTS_CACHED entries, so odd demands cannot grow it."""
+    the access after it reaches `limit` (_STATIC_COUNTS_CACHED) entries, so odd demands cannot
+    grow it."""
     cache = a.derived.setdefault(name, {})
-    if len(cache) >= _STATIC_COUNTS_CACHED:
+    if len(cache) >= (limit or _STATIC_COUNTS_CACHED):
         cache.clear()
     return cache
 
@@ -674,6 +675,12 @@ def _worded(names: list[str], counts: np.ndarray, word: Callable[[int], str]) ->
 
 
 _STATIC_COUNTS_CACHED = 256
+#: demand shapes whose scores are kept (10 KB each at 5,000 nodes): the load test's pod mix has
+#: ~480, and emptying the cache every 256 new shapes threw away the frequent ones too
+_SCORES_CACHED = 1024
+#: a kept score table is patched when at most 1 node in this many changed since, else redone:
+#: gathering a node's rows costs ~3 us against ~1.5 ms for all 5,000 nodes (device by device)
+_PATCH_SHARE = 12
 
 
 def _static_counts(
@@ -857,26 +864,27 @@ def _device_scores_kept(
     the ledger's log of touched nodes (as `_score_summary` keeps its own): a node's score reads
     only its own devices and, under a replica policy, the bound on them, which changes only
     when the node does. Read-only for callers. `full`: `a` is every device (the bound applies)."""
-    cache = _bounded_cache(a, "device_scores")
+    cache = _bounded_cache(a, "device_scores", _SCORES_CACHED)
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count, demand.pin_configmap,
            getattr(ledger, "replica_policy", None))
     entry = cache.get(key)
     now = ledger.touched_base + len(ledger.touched)
     node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
     if entry is not None:
-        touched = ledger.touched[entry[0] - ledger.touched_base:] if entry[0] >= ledger.touched_base else None
-        if touched is None or len(touched) * 4 > len(a.node_names):
-            entry = None  # the log no longer reaches back that far, or most nodes changed: start over
+        touched = set(ledger.touched[entry[0] - ledger.touched_base:]) if entry[0] >= ledger.touched_base else None
+        if touched is None or len(touched) * _PATCH_SHARE > len(a.node_names):
+            entry = None  # the log no longer reaches back that far, or many nodes changed: start over
         elif touched:
             get = ledger._node_row.get  # noqa: SLF001 - rows of these very arrays (a rebuild drops the cache)
-            nodes = np.fromiter(sorted({r for r in map(get, touched) if r is not None}), np.int64)
+            nodes = np.fromiter(sorted(r for r in map(get, touched) if r is not None), np.int64)
             sub, ix = _nodes_arrays(a, nodes)
             fit = _fit(ledger, demand, sub, node_rows=ix if full else None)
             entry[1][nodes], entry[2][nodes] = _device_scores(fit, demand.gpu_count, np.arange(len(nodes)), node_busy[nodes])
             entry[0] = now
     if entry is None:
         fit = _fit(ledger, demand, None if full else a)
-        entry = cache[key] = [now, *_device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)]
+        scores, placed = _device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)
+        entry = cache[key] = [now, scores.astype(np.int8), placed]
     return entry[1], entry[2]
 
 
@@ -947,25 +955,23 @@ def _score_summary(
     capacity = _node_capacity(a)
     if hit is None or capacity is None:
         return None
-    cache = a.derived.setdefault("scores", {})
+    cache = _bounded_cache(a, "scores", _SCORES_CACHED)
     key = (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
     entry = cache.get(key)
     now = ledger.touched_base + len(ledger.touched)
     if entry is not None:
-        touched = ledger.touched[entry[0] - ledger.touched_base:] if entry[0] >= ledger.touched_base else None
+        touched = set(ledger.touched[entry[0] - ledger.touched_base:]) if entry[0] >= ledger.touched_base else None
         if touched is None or len(touched) * 4 > len(a.node_names):
             entry = None  # the log no longer reaches back that far, or most nodes changed: start over
         elif touched:
             scores, placed = entry[1], entry[2]
             get = ledger._node_row.get  # noqa: SLF001 - rows of this very arrays (a rebuild drops the cache)
-            changed = np.fromiter((r for r in map(get, set(touched)) if r is not None), np.int64)
+            changed = np.fromiter((r for r in map(get, touched) if r is not None), np.int64)
             changed = changed[hit[0][changed]]  # the others never fit: their 0 stands
             if len(changed):
                 scores[changed], placed[changed] = _summary_scores(ledger, demand, a, hit[1], capacity, changed)
             entry[0] = now
     if entry is None:
-        if len(cache) >= _STATIC_COUNTS_CACHED:
-            cache.clear()
         scores = np.zeros(len(a.node_names), np.int8)
         placed = np.zeros(len(a.node_names), bool)
         r = np.flatnonzero(hit[0])
