@@ -238,6 +238,8 @@ class _View:
     #: device rows the bound or the pin rule applies to (`subject | pin_rows`): a small share of
     #: a cluster's rows (15% in the load test's), the only ones `shared_fit` computes
     bounded: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: resource ids with at least one bounded row (`bounds_resource`)
+    bounded_resources: frozenset = frozenset()
 
     def static_masks(self, pin_configmap: bool) -> tuple[np.ndarray, np.ndarray, bool]:
         """(rows refused because they pin GPUs and the pod cannot take a pin, rows where the
@@ -311,6 +313,7 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
         for g in every:
             v.row_group[g.rows] = g.index
         v.bounded = np.flatnonzero(v.subject | v.pin_rows)
+        v.bounded_resources = frozenset(a.resource_id[v.bounded].tolist())
         dirty: Iterable[str] = list(v.groups)
         _VIEWS[ledger] = v
     elif v.generation == ledger.generation:
@@ -373,6 +376,13 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
     within = p[g, np.minimum(depth, u)]
     beyond = np.minimum(count, depth - m) * size + p[g, np.minimum(np.maximum(m, depth - count), u)]
     return np.where(depth <= m, within, beyond)
+
+
+def bounds_resource(ledger: "Ledger", resource_id: int) -> bool:
+    """Whether the bound or the pin rule applies to any device of the resource (a MIG profile
+    that no node time-slices has none): else `shared_fit` would allow every one of its rows."""
+    policy = getattr(ledger, "replica_policy", None)
+    return policy is not None and resource_id in _view(ledger, ReplicaPolicy(policy)).bounded_resources
 
 
 def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool,

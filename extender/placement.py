@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 import numpy as np
 
 from extender.demand import Demand
-from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, shared_fit
+from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, bounds_resource, shared_fit
 from extender.inventory import MigSlice
 from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation
 from extender.quantity import format_bytes
@@ -331,7 +331,8 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         ok, need_at, summary = hit
         top = summary.top
         room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
-    s = _shared(ledger, demand, full, _static_fit(full, demand)[1])
+    # no bounded row of this resource (a MIG profile no node time-slices): the books alone decide
+    s = _shared(ledger, demand, full, _static_fit(full, demand)[1]) if bounds_resource(ledger, rid) else None
     idx = full.derived["by_resource"][rid][0]
     shared = None if s is None else s.take(idx)  # the resource's rows, as `static` has them
     allowed = np.ones(len(idx), bool) if shared is None else shared.allowed

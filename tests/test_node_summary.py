@@ -402,3 +402,33 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypat
             fast = score_rows(c.ledger, demand, names, None)
             assert fast[2].tolist() == _scores_afresh(c.ledger, demand, names, None)[2].tolist(), (step, demand)
     assert patched  # kept entries were used (and compared), not only fresh ones
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_filter_under_a_replica_policy_equals_the_per_device_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Live mode's filter (`_filter_plugin`: per-node summaries, the bound per node, resources the
+    bound never applies to skipped) gives what the per-device path gives under the same policy,
+    on random clusters with MIG, MPS and time-sliced nodes, after random histories."""
+    rng = random.Random(100 + seed)
+    names = [f"n{i}" for i in range(rng.randint(3, 30))] + ["mig"]
+    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    c.ledger.replica_policy = ["distributed", "packed", "pinned"][seed % 3]
+    plugin, taken = placement._filter_plugin, []
+
+    def spy(*args):
+        got = plugin(*args)
+        taken.append(got)
+        return got
+
+    asked = names + ["ghost"]
+    for step in range(40):
+        _random_step(rng, c, names, step)
+        for j in range(4):
+            demand = pod_demand(_random_pod(rng, f"q{step}-{j}"))
+            monkeypatch.setattr(placement, "_filter_plugin", spy)
+            got = filter_nodes(c.ledger, demand, asked)
+            monkeypatch.setattr(placement, "_filter_plugin", lambda *args: False)
+            want = filter_nodes(c.ledger, demand, asked)
+            assert (got.feasible, dict(got.failed), dict(got.unresolvable)) == (
+                want.feasible, dict(want.failed), dict(want.unresolvable)), (step, demand)
+    assert any(taken)  # the live-mode path answered (and was compared)
