@@ -318,14 +318,13 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
         _VIEWS[ledger] = v
     elif v.generation == ledger.generation:
         return v
-    elif v.position < ledger.touched_base:
-        dirty = list(v.groups)  # fell behind the ledger's change log
     else:
-        dirty = {n for n in ledger.touched[v.position - ledger.touched_base:] if n in v.groups}
+        touched = ledger.touched_since(v.position)
+        dirty = list(v.groups) if touched is None else [n for n in touched if n in v.groups]  # None: fell behind the log
     for node in dirty:
         _refresh(ledger, v, node)
     v.generation = ledger.generation
-    v.position = ledger.touched_base + len(ledger.touched)
+    v.position = ledger.position
     return v
 
 

@@ -179,7 +179,7 @@ class Ledger:
         c.generation = self.generation
         c.replica_policy = self.replica_policy
         c.node_generation = dict(self.node_generation)
-        c.touched_base = self.touched_base + len(self.touched)
+        c.touched_base = self.position
         return c
 
     def allocatable(self) -> tuple[np.ndarray, np.ndarray]:
@@ -390,6 +390,19 @@ class Ledger:
             a.node_used_replicas[a.node_of[i]] += sign
             if self._summaries:
                 self._stale_rows.add(int(a.node_of[i]))
+
+    @property
+    def position(self) -> int:
+        """Where the log of touched nodes ends now: a cache keeps it and later asks
+        `touched_since` what changed, instead of comparing every node."""
+        return self.touched_base + len(self.touched)
+
+    def touched_since(self, position: int) -> set[str] | None:
+        """The nodes changed since `position` (an earlier `position`), or None when the log was
+        trimmed past it: the reader then starts over."""
+        if position < self.touched_base:
+            return None
+        return set(self.touched[position - self.touched_base:])
 
     def _touch(self, node: str) -> None:
         self.generation += 1

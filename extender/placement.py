@@ -679,9 +679,11 @@ _STATIC_COUNTS_CACHED = 256
 #: demand shapes whose scores are kept (10 KB each at 5,000 nodes): the load test's pod mix has
 #: ~480, and emptying the cache every 256 new shapes threw away the frequent ones too
 _SCORES_CACHED = 1024
-#: a kept score table is patched when at most 1 node in this many changed since, else redone:
-#: gathering a node's rows costs ~3 us against ~1.5 ms for all 5,000 nodes (device by device)
-_PATCH_SHARE = 12
+#: a kept score table is patched when at most 1 node in this many changed since, else redone.
+#: Device by device, gathering a node's rows costs ~3 us against ~1.5 ms for all 5,000 nodes;
+#: from the summaries, a patch is a vector pass over the changed rows and pays off for longer
+_PATCH_SHARE_DEVICES = 12
+_PATCH_SHARE_SUMMARY = 4
 
 
 def _static_counts(
@@ -861,30 +863,50 @@ def score_rows(
 def _device_scores_kept(
     ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`_device_scores` of every node of `a`, kept per demand shape and brought up to date from
-    the ledger's log of touched nodes (as `_score_summary` keeps its own): a node's score reads
-    only its own devices and, under a replica policy, the bound on them, which changes only
-    when the node does. Read-only for callers. `full`: `a` is every device (the bound applies)."""
-    cache = _bounded_cache(a, "device_scores", _SCORES_CACHED)
+    """`_device_scores` of every node of `a`, kept per demand shape (`_kept_scores`): a node's
+    score reads only its own devices and, under a replica policy, the bound on them, which
+    changes only when the node does. Read-only for callers. `full`: `a` is every device (the
+    bound applies)."""
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count, demand.pin_configmap,
            getattr(ledger, "replica_policy", None))
+
+    def every() -> tuple[np.ndarray, np.ndarray]:
+        node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
+        return _device_scores(_fit(ledger, demand, None if full else a), demand.gpu_count, np.arange(len(a.node_names)), node_busy)
+
+    def some(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        sub, ix = _nodes_arrays(a, nodes)
+        fit = _fit(ledger, demand, sub, node_rows=ix if full else None)
+        return nodes, *_device_scores(fit, demand.gpu_count, np.arange(len(nodes)), ledger.arrays.node_used_replicas[nodes] > 0)
+
+    return _kept_scores(ledger, a, "device_scores", key, _PATCH_SHARE_DEVICES, every, some)
+
+
+def _kept_scores(
+    ledger: Ledger, a: DeviceArrays, name: str, key: tuple, share: int,
+    every: Callable[[], tuple[np.ndarray, np.ndarray]],
+    some: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """A (scores, placed) table over every node of `a`, kept per demand shape (`key`, in the cache
+    `name`) and patched on the nodes the ledger's log says changed since it was last read:
+    `some(nodes)` gives (the rows among them whose entries may change, their scores, placed).
+    Redone with `every()` when the log no longer reaches back that far, or when more than 1
+    node in `share` changed (then one pass over all of them is cheaper)."""
+    cache = _bounded_cache(a, name, _SCORES_CACHED)
     entry = cache.get(key)
-    now = ledger.touched_base + len(ledger.touched)
-    node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
+    now = ledger.position
     if entry is not None:
-        touched = set(ledger.touched[entry[0] - ledger.touched_base:]) if entry[0] >= ledger.touched_base else None
-        if touched is None or len(touched) * _PATCH_SHARE > len(a.node_names):
-            entry = None  # the log no longer reaches back that far, or many nodes changed: start over
+        touched = ledger.touched_since(entry[0])
+        if touched is None or len(touched) * share > len(a.node_names):
+            entry = None
         elif touched:
             get = ledger._node_row.get  # noqa: SLF001 - rows of these very arrays (a rebuild drops the cache)
             nodes = np.fromiter(sorted(r for r in map(get, touched) if r is not None), np.int64)
-            sub, ix = _nodes_arrays(a, nodes)
-            fit = _fit(ledger, demand, sub, node_rows=ix if full else None)
-            entry[1][nodes], entry[2][nodes] = _device_scores(fit, demand.gpu_count, np.arange(len(nodes)), node_busy[nodes])
+            if len(nodes):
+                rows, entry[1][rows], entry[2][rows] = some(nodes)
             entry[0] = now
     if entry is None:
-        fit = _fit(ledger, demand, None if full else a)
-        scores, placed = _device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)
+        scores, placed = every()
         entry = cache[key] = [now, scores.astype(np.int8), placed]
     return entry[1], entry[2]
 
@@ -949,37 +971,28 @@ def _score_summary(
     for the asked `rows` (read-only), or None when the summary cannot stand for the devices.
 
     Scores depend on the demand's shape and on what is in use on each node, so they are kept
-    per shape for every node and brought up to date from the ledger's log of touched nodes:
-    a shape asked again after a few dozen binds costs those nodes, not all 5,000.
+    per shape for every node and patched where nodes changed (`_kept_scores`): a shape asked
+    again after a few dozen binds costs those nodes, not all 5,000.
     """
     hit = _node_ok(a, demand)
     capacity = _node_capacity(a)
     if hit is None or capacity is None:
         return None
-    cache = _bounded_cache(a, "scores", _SCORES_CACHED)
-    key = (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
-    entry = cache.get(key)
-    now = ledger.touched_base + len(ledger.touched)
-    if entry is not None:
-        touched = set(ledger.touched[entry[0] - ledger.touched_base:]) if entry[0] >= ledger.touched_base else None
-        if touched is None or len(touched) * 4 > len(a.node_names):
-            entry = None  # the log no longer reaches back that far, or most nodes changed: start over
-        elif touched:
-            scores, placed = entry[1], entry[2]
-            get = ledger._node_row.get  # noqa: SLF001 - rows of this very arrays (a rebuild drops the cache)
-            changed = np.fromiter((r for r in map(get, touched) if r is not None), np.int64)
-            changed = changed[hit[0][changed]]  # the others never fit: their 0 stands
-            if len(changed):
-                scores[changed], placed[changed] = _summary_scores(ledger, demand, a, hit[1], capacity, changed)
-            entry[0] = now
-    if entry is None:
-        scores = np.zeros(len(a.node_names), np.int8)
-        placed = np.zeros(len(a.node_names), bool)
-        r = np.flatnonzero(hit[0])
+    ok, node_need = hit
+
+    def every() -> tuple[np.ndarray, np.ndarray]:
+        scores, placed = np.zeros(len(ok), np.int8), np.zeros(len(ok), bool)
+        r = np.flatnonzero(ok)
         if len(r):
-            scores[r], placed[r] = _summary_scores(ledger, demand, a, hit[1], capacity, r)
-        entry = cache[key] = [now, scores, placed]
-    return entry[1], entry[2]
+            scores[r], placed[r] = _summary_scores(ledger, demand, a, node_need, capacity, r)
+        return scores, placed
+
+    def some(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        r = nodes[ok[nodes]]  # the others never fit: their 0 stands
+        return r, *_summary_scores(ledger, demand, a, node_need, capacity, r)
+
+    key = (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
+    return _kept_scores(ledger, a, "scores", key, _PATCH_SHARE_SUMMARY, every, some)
 
 
 def _summary_scores(
