@@ -103,7 +103,7 @@ def run(n_nodes: int, n_pods: int, time_limit: float, workers: int, seed: int) -
                     "seconds": round(s.seconds, 3)} for s in plan.stages],
         "gap": round(plan.gap, 5), **plan.stats,
         "goals": "cost = (priority-weighted pods left out, stranded VRAM increase KiB, empty GPUs opened, nodes touched)",
-    } | _opened_gap(plan)
+    } | _opened_gap(plan) | _stranded_gap(plan)
 
 
 def _opened_gap(plan) -> dict:
@@ -112,6 +112,17 @@ def _opened_gap(plan) -> dict:
         return {}
     opened = plan.cost[2]
     return {"openedGpus": opened, "openedGap": round((opened - lb) / opened, 5) if opened else 0.0}
+
+
+def _stranded_gap(plan) -> dict:
+    """Stranded VRAM: the plan's change (KiB, negative when the batch fills partly used GPUs) against
+    the arc-flow bound on any plan placing every pod; the gap relative to the plan's change."""
+    lb = plan.stats.get("strandedLowerBoundKiB")
+    if lb is None or len(plan.cost) < 2:
+        return {}
+    kib = plan.cost[1]
+    return {"strandedKiB": kib, "referenceStrandedKiB": plan.greedy_cost[1],
+            "strandedGap": round(abs(kib - lb) / abs(kib), 9) if kib else float(kib != lb)}
 
 
 def main() -> int:
