@@ -302,6 +302,42 @@ def test_node_signatures_group_exactly_the_interchangeable_nodes(seed):
         assert all(states[i] == states[j] for i in range(len(nodes)) for j in range(i) if sig[i] == sig[j])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_device_classes_share_an_id_only_for_interchangeable_devices(seed):
+    """`candidates` keeps one device per id: a shared id must mean the same device state on nodes
+    in the same state, at first and after any placements; identical devices of identical
+    untouched nodes share one (that is what collapses the candidates)."""
+    rng = random.Random(400 + seed)
+    nodes = [gpu_node(f"n{i}", count=rng.choice([1, 2, 4]), memory_mib=rng.choice([24, 80]) * 1024,
+                      replicas=rng.choice([1, 4]), cpu=str(rng.choice([8, 16]))) for i in range(40)]
+    _, cap = build_capacity(nodes)
+    a = cap.arrays
+    cols = (a.resource_id, a.product_id, a.capacity, a.per_pod_cap, a.replicas, a.used, a.used_replicas)
+
+    def state(g: int) -> tuple:
+        return _exact_state(cap, int(a.node_of[g])), tuple(int(c[g]) for c in cols)
+
+    ids = cap.device_classes().tolist()
+    states = [state(g) for g in range(len(ids))]
+    assert len(set(ids)) == len(set(states)) < len(ids)
+    for i in range(30):
+        d = demand(f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000]))
+        choice = greedy.best_fit(cap, d)
+        if choice is not None:
+            place_one(cap, d, choice)
+        ids = cap.device_classes().tolist()
+        assert max(ids) < cap._cls_next
+        states = [state(g) for g in range(len(ids))]
+        by_id: dict[int, tuple] = {}
+        for g, i in enumerate(ids):
+            assert by_id.setdefault(i, states[g]) == states[g]
+        # one fitting device per id is what candidates keeps, the lowest row of its id
+        c = candidates(cap, demand("probe", 8))
+        kept = c.devices[:, 0].tolist()
+        assert len({ids[g] for g in kept}) == len(kept) and kept == sorted(kept)
+        assert all(min(h for h in range(len(ids)) if ids[h] == ids[g]) == g for g in kept)
+
+
 def test_relaxation_bound_keeps_to_its_time_budget_and_only_reports():
     """No bound within the budget, which covers building the model and not only solving it, is None."""
     cap, frag, demands = stranded_case()
