@@ -280,23 +280,31 @@ def _exact_state(cap: Capacity, n: int) -> tuple:
     return int(cap.cpu_free[n]), int(cap.mem_free[n]), tuple(sorted(zip(*(c[lo:hi].tolist() for c in cols))))
 
 
+def _random_nodes(rng: random.Random) -> list[dict]:
+    return [gpu_node(f"n{i}", count=rng.choice([1, 2, 4]), memory_mib=rng.choice([24, 80]) * 1024,
+                     replicas=rng.choice([1, 4]), cpu=str(rng.choice([8, 16]))) for i in range(40)]
+
+
+def _place_random(cap: Capacity, rng: random.Random, i: int) -> None:
+    d = demand(f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000]))
+    choice = greedy.best_fit(cap, d)
+    if choice is not None:
+        place_one(cap, d, choice)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_node_signatures_group_exactly_the_interchangeable_nodes(seed):
     """The first, vectorised pass gives one id per distinct state; after placements, a shared id
     still always means the same state (changed nodes are keyed exactly)."""
     rng = random.Random(300 + seed)
-    nodes = [gpu_node(f"n{i}", count=rng.choice([1, 2, 4]), memory_mib=rng.choice([24, 80]) * 1024,
-                      replicas=rng.choice([1, 4]), cpu=str(rng.choice([8, 16]))) for i in range(40)]
+    nodes = _random_nodes(rng)
     _, cap = build_capacity(nodes)
     states = [_exact_state(cap, n) for n in range(len(nodes))]
     sig = cap.signatures().tolist()
     assert len(set(sig)) == len(set(states)) < len(nodes)  # identical nodes merged, distinct ones apart
     assert all((sig[i] == sig[j]) == (states[i] == states[j]) for i in range(len(nodes)) for j in range(i))
     for i in range(30):
-        d = demand(f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000]))
-        choice = greedy.best_fit(cap, d)
-        if choice is not None:
-            place_one(cap, d, choice)
+        _place_random(cap, rng, i)
         sig = cap.signatures().tolist()
         states = [_exact_state(cap, n) for n in range(len(nodes))]
         assert all(states[i] == states[j] for i in range(len(nodes)) for j in range(i) if sig[i] == sig[j])
@@ -308,8 +316,7 @@ def test_device_classes_share_an_id_only_for_interchangeable_devices(seed):
     in the same state, at first and after any placements; identical devices of identical
     untouched nodes share one (that is what collapses the candidates)."""
     rng = random.Random(400 + seed)
-    nodes = [gpu_node(f"n{i}", count=rng.choice([1, 2, 4]), memory_mib=rng.choice([24, 80]) * 1024,
-                      replicas=rng.choice([1, 4]), cpu=str(rng.choice([8, 16]))) for i in range(40)]
+    nodes = _random_nodes(rng)
     _, cap = build_capacity(nodes)
     a = cap.arrays
     cols = (a.resource_id, a.product_id, a.capacity, a.per_pod_cap, a.replicas, a.used, a.used_replicas)
@@ -321,10 +328,7 @@ def test_device_classes_share_an_id_only_for_interchangeable_devices(seed):
     states = [state(g) for g in range(len(ids))]
     assert len(set(ids)) == len(set(states)) < len(ids)
     for i in range(30):
-        d = demand(f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000]))
-        choice = greedy.best_fit(cap, d)
-        if choice is not None:
-            place_one(cap, d, choice)
+        _place_random(cap, rng, i)
         ids = cap.device_classes().tolist()
         assert max(ids) < cap._cls_next
         states = [state(g) for g in range(len(ids))]

@@ -67,6 +67,25 @@ def _device_hashes(a: DeviceArrays) -> np.ndarray:
         return _mix64(block @ _SIG_WEIGHTS + _SIG_SEEDS)
 
 
+def row_hashes(key: np.ndarray, seed: int = 11) -> np.ndarray:
+    """(rows, 2): two independent 64-bit hashes of each row of an integer matrix."""
+    weights = (np.random.default_rng(seed).integers(1, 1 << 62, (key.shape[1], 2)) * 2 + 1).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return _mix64(key.astype(np.uint64) @ weights + _SIG_SEEDS)
+
+
+def hash_groups(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows grouped by equal (rows, 2) hashes: (row indices ordered by group, ascending within
+    one; where each group starts in that order, and the end). A sort of the hashes instead of
+    `np.unique(axis=0)` on the rows themselves, which sorts them as records (0.1-0.15 s for the
+    40,000 devices of 5,000 nodes). Two different rows sharing both hashes, odds about 2^-128
+    per pair, would be grouped: as for `Capacity.signatures`."""
+    order = np.lexsort((h[:, 1], h[:, 0]))  # stable: ascending rows within a group
+    hs = h[order]
+    starts = np.flatnonzero(np.r_[True, (hs[1:] != hs[:-1]).any(axis=1)])
+    return order, np.r_[starts, len(order)]
+
+
 def _node_keys(device_sums: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray) -> np.ndarray:
     """(nodes, 2): each node's key from the wrapped sums of its device hashes and its free CPU and memory."""
     with np.errstate(over="ignore"):
@@ -171,14 +190,15 @@ class Capacity:
         `candidates` keeps the first device of each id among those that fit. Kept like the
         signatures: the first call numbers every row at once (one `np.unique`), a node changed
         since gets its rows numbered by their exact keys. As there, two identical devices may
-        carry different ids (a duplicate candidate), two different ones never share one."""
+        carry different ids (a duplicate candidate); two different ones share one only if both
+        64-bit hashes of their rows collide (`hash_groups`)."""
         sig = self.signatures()
         a = self.arrays
         if self._cls is None:
-            cols = np.column_stack([sig[a.node_of], *(getattr(a, c) for c in _SIG_COLUMNS)]).astype(np.int64)
-            _, inverse = np.unique(cols, axis=0, return_inverse=True)
-            self._cls = inverse.reshape(-1).astype(np.int64)
-            self._cls_next, self._cls_ids, self._cls_dirty = int(self._cls.max(initial=-1)) + 1, {}, set()
+            order, bounds = hash_groups(row_hashes(np.column_stack([sig[a.node_of], *(getattr(a, c) for c in _SIG_COLUMNS)])))
+            self._cls = np.empty(len(order), np.int64)
+            self._cls[order] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+            self._cls_next, self._cls_ids, self._cls_dirty = len(bounds) - 1, {}, set()
             return self._cls
         ids = self._cls_ids
         for n in self._cls_dirty:
