@@ -523,14 +523,29 @@ def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
     return out
 
 
+def run_starts(values: np.ndarray) -> np.ndarray:
+    """Mask of the entries of `values` that start a run of equal ones (the first always does).
+    `np.r_[True, ...]` costs ~18 us a call in Python-level index parsing; this, ~2 us."""
+    return np.concatenate((_TRUE, values[1:] != values[:-1]))
+
+
+def offsets(lengths: np.ndarray) -> np.ndarray:
+    """Where each of consecutive blocks of `lengths` starts, and the end: `[0, cumsum...]`."""
+    return np.concatenate((_ZERO, np.cumsum(lengths))).astype(np.int64)
+
+
+_TRUE = np.ones(1, bool)
+_ZERO = np.zeros(1, np.int64)
+
+
 def _sorted_per_node(n: int, width: int, nodes: np.ndarray, values: np.ndarray) -> np.ndarray:
     """(n, width) array: row r holds the `values` of node r, largest first, padded with `_PAD`."""
     out = np.full((n, width), _PAD, np.int64)
     if len(nodes):
         order = np.lexsort((-values, nodes))  # by node, largest first
         nodes, values = nodes[order], values[order]
-        first = np.flatnonzero(np.r_[True, nodes[1:] != nodes[:-1]])
-        rank = np.arange(len(nodes)) - np.repeat(first, np.diff(np.r_[first, len(nodes)]))
+        first = np.flatnonzero(run_starts(nodes))
+        rank = np.arange(len(nodes)) - np.repeat(first, np.diff(np.append(first, len(nodes))))
         out[nodes, rank] = values
     return out
 

@@ -17,7 +17,7 @@ import numpy as np
 from extender.demand import Demand
 from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, bounds_resource, shared_fit
 from extender.inventory import MigSlice
-from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation
+from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation, offsets, run_starts
 from extender.quantity import format_bytes
 
 __all__ = [
@@ -267,10 +267,11 @@ def _nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.
     those rows' positions in `a`: `_node_arrays` for several nodes at once."""
     starts = a.node_start[nodes]
     lengths = a.node_start[nodes + 1] - starts
-    ix = np.repeat(starts - np.cumsum(np.r_[0, lengths[:-1]]), lengths) + np.arange(int(lengths.sum()))
+    bounds = offsets(lengths)
+    ix = np.repeat(starts - bounds[:-1], lengths) + np.arange(int(bounds[-1]))
     sub = DeviceArrays(
         devices=list(map(a.devices.__getitem__, ix.tolist())), node_names=list(map(a.node_names.__getitem__, nodes.tolist())),
-        node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths), node_start=np.r_[0, np.cumsum(lengths)].astype(np.int64),
+        node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths), node_start=bounds,
         capacity=a.capacity[ix], per_pod_cap=a.per_pod_cap[ix], replicas=a.replicas[ix], used=a.used[ix],
         used_replicas=a.used_replicas[ix], resource_id=a.resource_id[ix], product_id=a.product_id[ix],
         gpu_index=a.gpu_index[ix], resources=a.resources, products=a.products,
@@ -294,8 +295,8 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
         view = _resource_arrays(ledger, demand)  # the per-device path reads the used columns
     fit = _fit(ledger, demand, view, with_ok=not one and by_node is None)
     rows, unknown = _node_rows(ledger, names)
-    for n in unknown:
-        out.unresolvable[n] = "node unknown to vramsched"
+    if unknown:
+        _mutable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
     if one:
         _filter_one(ledger, fit, demand, rows, out, largest)
     elif by_node is not None:
@@ -345,8 +346,8 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
     matches, need, _ = _static_fit(view, demand)
     fit = _Fit(view, matches, need, np.zeros(0, bool), shared)
     rows, unknown = _node_rows(ledger, names)
-    for name in unknown:
-        out.unresolvable[name] = "node unknown to vramsched"
+    if unknown:
+        _mutable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
     room = room_at[rows]  # by the per-device books
     good = room & (every[rows] > 0)
     _split_feasible(ledger, view, rows, good, out)
@@ -374,7 +375,7 @@ def _explain_blocked(a: DeviceArrays, s: SharedFit, rows: np.ndarray, names: np.
     first = a.node_start[rows]
     pin = s.needs_pin[first]
     if pin.any():
-        out.unresolvable.update(dict.fromkeys(names[rows[pin]].tolist(), PIN_MISSING))
+        _mutable(out).update(dict.fromkeys(names[rows[pin]].tolist(), PIN_MISSING))
     first, rows = first[~pin], rows[~pin]
     if not len(rows):
         return
@@ -385,7 +386,7 @@ def _stack_reasons(policy: str, worst: np.ndarray, cap: np.ndarray) -> list[str]
     """The reason for each (worst case, GPU size) pair, the plugin may put that much on one GPU,
     each distinct pair worded once."""
     order = np.lexsort((cap, worst))
-    new = np.r_[True, (worst[order][1:] != worst[order][:-1]) | (cap[order][1:] != cap[order][:-1])]
+    new = run_starts(worst[order]) | run_starts(cap[order])
     which = np.empty(len(worst), np.int64)
     which[order] = np.cumsum(new) - 1
     words = np.array([_reason(("stack", policy, w, c), lambda w=w, c=c: (
@@ -437,7 +438,7 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_po
             counts = np.bincount(a.node_of[idx], minlength=len(a.node_names))
             static = DeviceArrays(
                 devices=[a.devices[i] for i in idx.tolist()], node_names=a.node_names, node_of=a.node_of[idx],
-                node_start=np.r_[0, np.cumsum(counts)].astype(np.int64), capacity=a.capacity[idx],
+                node_start=offsets(counts), capacity=a.capacity[idx],
                 per_pod_cap=a.per_pod_cap[idx], replicas=a.replicas[idx], used=a.used[idx],
                 used_replicas=a.used_replicas[idx], resource_id=a.resource_id[idx], product_id=a.product_id[idx],
                 gpu_index=a.gpu_index[idx], resources=a.resources, products=a.products,
@@ -614,8 +615,8 @@ def _explain(
     cat[matching == 0] = 1
     cat[problem[bad]] = 0
     fixed = cat < _UNRESOLVABLE_CATEGORIES
-    if base is not None:  # shared as it is when nothing is added to it below (`_explain_shared` may add)
-        _add_reasons(out, base, share=not fixed.any() and fit.shared is None)
+    if base is not None:
+        _add_reasons(out, base)
     if fixed.any():
         rows = bad[fixed]
         cache = a.derived.setdefault("reasons", {})
@@ -629,7 +630,7 @@ def _explain(
                 r = int(rows[i])
                 msg = cache[(kd, dkey)] = _fixed_reason(ledger, fit, demand, int(cat[fixed][i]), r, int(n_match[r]))
             by_kind[kd] = msg
-        out.unresolvable.update(zip(names[rows].tolist(), by_kind[row_kinds].tolist()))
+        _mutable(out).update(zip(names[rows].tolist(), by_kind[row_kinds].tolist()))
     if asked is not None and known is None:
         if len(fixed_cache) >= _FIXED_CACHED:
             fixed_cache.clear()
@@ -654,13 +655,21 @@ def _explain(
     out.failed.update(_worded(names[rows].tolist(), n_ok[rows], lambda c: _mem_reason(need, c, k)))
 
 
-def _add_reasons(out: FilterOutcome, base: SharedReasons, share: bool = True) -> None:
+def _add_reasons(out: FilterOutcome, base: SharedReasons) -> None:
     """Add the label-only reasons `base` to `out`: as the very object when `out` has no other
-    (no copy, and its wire form is written once), else copied in."""
-    if share and not out.unresolvable:
+    (no copy, and its wire form is written once; `_mutable` copies it if more are added later),
+    else copied in."""
+    if not out.unresolvable:
         out.unresolvable = base
     else:
-        out.unresolvable.update(base)
+        _mutable(out).update(base)
+
+
+def _mutable(out: FilterOutcome) -> dict[str, str]:
+    """`out.unresolvable`, made a dict of its own first if it is shared (copy on write)."""
+    if type(out.unresolvable) is SharedReasons:
+        out.unresolvable = dict(out.unresolvable)
+    return out.unresolvable
 
 
 def _worded(names: list[str], counts: np.ndarray, word: Callable[[int], str]) -> dict[str, str]:
@@ -759,14 +768,14 @@ def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarr
     blocked = local & ~s.allowed
     stacked = ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)
     if pin_missing.any():
-        out.unresolvable.update(dict.fromkeys(names[rows[pin_missing]].tolist(), PIN_MISSING))
+        _mutable(out).update(dict.fromkeys(names[rows[pin_missing]].tolist(), PIN_MISSING))
     if stacked.any():
         keep = np.zeros(len(a.node_names), bool)
         keep[rows[stacked]] = True
         dev = np.flatnonzero(blocked)
         dev = dev[keep[a.node_of[dev]]]
         dev = dev[np.lexsort((dev, s.worst[dev], a.node_of[dev]))]  # per node: lowest worst case, then row
-        first = dev[np.r_[True, a.node_of[dev][1:] != a.node_of[dev][:-1]]]
+        first = dev[run_starts(a.node_of[dev])]
         out.failed.update(zip(names[a.node_of[first]].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first])))
     return rows[~pin_missing & ~stacked]
 
@@ -1065,7 +1074,7 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
             return cand[best]
     cand = cand[_best_fit_order(a.node_of[cand], empty, leftover)]
     node = a.node_of[cand]
-    first = np.r_[True, node[1:] != node[:-1]]
+    first = run_starts(node)
     group_start = np.maximum.accumulate(np.where(first, np.arange(len(cand)), 0))
     rank = np.arange(len(cand)) - group_start
     counts = np.bincount(node, minlength=len(a.node_names))
@@ -1083,11 +1092,10 @@ def _first_best_per_node(node: np.ndarray, empty: np.ndarray, leftover: np.ndarr
     if l_bits + max(1, ceil(log2(int(empty.max()) + 2))) > 62:
         return None
     key = (empty.astype(np.int64) << l_bits) | leftover
-    starts = np.flatnonzero(np.r_[True, node[1:] != node[:-1]])
+    starts = np.flatnonzero(run_starts(node))
     lowest = np.minimum.reduceat(key, starts)
-    hit = np.flatnonzero(key == np.repeat(lowest, np.diff(np.r_[starts, n])))
-    hit_node = node[hit]
-    return hit[np.r_[True, hit_node[1:] != hit_node[:-1]]]
+    hit = np.flatnonzero(key == np.repeat(lowest, np.diff(np.append(starts, n))))
+    return hit[run_starts(node[hit])]
 
 
 def _best_fit_order(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -> np.ndarray:
@@ -1099,7 +1107,7 @@ def _best_fit_order(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -
     n = len(node)
     if n == 0 or int(leftover.min()) < 0 or int(empty.min()) < 0:
         return np.lexsort((np.arange(n), leftover, empty, node))
-    first = np.r_[True, node[1:] != node[:-1]]
+    first = run_starts(node)
     group = np.cumsum(first) - 1
     e_max, l_max = int(empty.max()), int(leftover.max())
     bits = [max(1, ceil(log2(int(group[-1]) + 2))), max(1, ceil(log2(e_max + 2))), max(1, ceil(log2(l_max + 2)))]

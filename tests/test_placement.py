@@ -160,3 +160,28 @@ def test_label_only_reasons_are_shared_read_only_and_encoded_once():
     assert type(big.unresolvable) is dict and big.unresolvable == {
         "mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu", "small": "need 40Gi per GPU, GPUs have 24Gi"}
     assert filter_nodes(c.ledger, small_pod, names).unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+
+
+def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_added():
+    """Live mode (a replica policy) shares the label-only reasons too; a pod that then needs a
+    reason of its own (a time-sliced node it cannot be pinned on) gets a copy holding both,
+    and the shared dict stays as it was for every other answer."""
+    from extender.deviceplugin import PIN_MISSING
+    from extender.placement import SharedReasons
+
+    c = cluster(mig_mixed_node("mig", {"1g.10gb": (7, 9984)}), gpu_node("ts0", count=2, memory_mib=23034, replicas=4),
+                gpu_node("x", count=2))
+    c.ledger.replica_policy = "pinned"
+    names = ["mig", "ts0", "x"]
+    pinned = pod("p", "10Gi")
+    pinned["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-p"}}]
+    mig_only = {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+    first, second = (filter_nodes(c.ledger, pod_demand(pinned), names) for _ in range(2))
+    assert first.unresolvable == mig_only and sorted(second.feasible) == ["ts0", "x"]
+    assert isinstance(second.unresolvable, SharedReasons)
+    # the same shape without a pin: ts0 refuses it for good, on top of the shared reasons
+    plain = filter_nodes(c.ledger, pod_demand(pod("q", "10Gi")), names)
+    assert type(plain.unresolvable) is dict and plain.unresolvable == {**mig_only, "ts0": PIN_MISSING}
+    assert plain.feasible == ["x"]
+    again = filter_nodes(c.ledger, pod_demand(pinned), names)
+    assert again.unresolvable is second.unresolvable and again.unresolvable == mig_only

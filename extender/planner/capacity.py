@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from extender.demand import Demand
-from extender.ledger import DeviceArrays, Ledger, Reservation
+from extender.ledger import DeviceArrays, Ledger, Reservation, run_starts
 
 __all__ = ["Capacity", "Workload", "FragIndex", "Candidates", "device_matches", "candidates", "MAX_TYPES"]
 
@@ -82,8 +82,8 @@ def hash_groups(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     per pair, would be grouped: as for `Capacity.signatures`."""
     order = np.lexsort((h[:, 1], h[:, 0]))  # stable: ascending rows within a group
     hs = h[order]
-    starts = np.flatnonzero(np.r_[True, (hs[1:] != hs[:-1]).any(axis=1)])
-    return order, np.r_[starts, len(order)]
+    starts = np.flatnonzero(run_starts(hs[:, 0]) | run_starts(hs[:, 1]))
+    return order, np.append(starts, len(order))
 
 
 def _node_keys(device_sums: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray) -> np.ndarray:
@@ -465,7 +465,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
         key2 = inv
     srt = np.lexsort((key2, node))
     rows, node = rows[srt], node[srt]
-    first = np.r_[True, node[1:] != node[:-1]]
+    first = run_starts(node)
     start = np.maximum.accumulate(np.where(first, np.arange(len(rows)), 0))
     rank = np.arange(len(rows)) - start
     counts = np.bincount(node, minlength=len(a.node_names))
