@@ -21,6 +21,7 @@ annotations), so a restart, a second replica or a relist rebuilds it identically
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import re
@@ -588,6 +589,10 @@ class LiveSource:
                 c.delete_pod(key)
             for pod in payload:
                 self._upsert_pod(pod)
+            # A full list is the cluster's pods as millions of objects that live until their next
+            # update: leave them out of every later collection (as `serve --cluster` does after
+            # loading), or the collector rescans them all in the middle of requests.
+            gc.freeze()
             self._synced["pods"] = True
             log.info("pods synced", extra={"fields": {"pods": len(c.pods), "reservations": sum(1 for _ in c.ledger.reservations())}})
         elif op in ("ADDED", "MODIFIED"):

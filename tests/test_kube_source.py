@@ -167,6 +167,20 @@ def test_ready_only_after_nodes_and_pods_are_both_listed() -> None:
     assert holds(c) == {"default/p": ("n1", ("2",))}
 
 
+def test_a_full_pod_list_is_left_out_of_later_garbage_collections() -> None:
+    """At 100,000 pods a full collection scans ~1M objects (~360 ms, measured): the pods a list
+    delivered are frozen, as `serve --cluster` freezes what it loaded."""
+    import gc
+
+    src, c = source()
+    src.apply("nodes", "replace", [gpu_node("n1")])
+    pod = assigned("p", "n1", ["2"], 16 * GIB)
+    before = gc.get_freeze_count()
+    src.apply("pods", "replace", [pod])
+    assert gc.get_freeze_count() > before
+    assert not any(o is c.pods["default/p"] for o in gc.get_objects())  # in no generation a collection scans
+
+
 def test_a_restart_rebuilds_the_same_ledger_from_the_same_objects() -> None:
     objects = [gpu_node("n1", replicas=4), gpu_node("n2")]
     pods = [assigned("a", "n1", ["0"], 30 * GIB), assigned("b", "n1", ["0"], 20 * GIB), assigned("c", "n2", ["1"], 80 * GIB),
