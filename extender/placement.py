@@ -856,8 +856,12 @@ def score_rows(
     ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`score_nodes` as arrays (node names, rows of the known `names` in order, their scores),
-    for an encoder that writes the answer without a Python object per node. Needs a GPU demand."""
-    view = _resource_arrays(ledger, demand, used=False)
+    for an encoder that writes the answer without a Python object per node. Needs a GPU demand.
+    Under a replica policy the per-node summary still answers for a resource the device plugin's
+    bound never applies to (a MIG profile no node time-slices): its books are exact."""
+    rid = ledger.arrays.resources.get(demand.resource)
+    exact = getattr(ledger, "replica_policy", None) is None or (rid is not None and not bounds_resource(ledger, rid))
+    view = _resource_arrays(ledger, demand, used=False, under_policy=True) if exact else None
     if view is not None:
         rows, _ = _node_rows(ledger, names)
         fast = _score_summary(ledger, demand, rows, view)
