@@ -233,6 +233,9 @@ class _View:
     g_sizes: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64))
     g_prefix: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     row_group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: `g_sizes` flattened into one ascending array of keys (`_group_keys`): how many of a group's
+    #: sizes exceed a given size is then one binary search, not a pass over every group's row
+    g_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: (needs_pin, distributed) over every row, per pin_configmap flag: see `static_masks`
     masks: dict = field(default_factory=dict)
     #: device rows the bound or the pin rule applies to (`subject | pin_rows`): a small share of
@@ -309,6 +312,7 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
         width = max((g.gpus * g.replicas for g in every), default=1)
         v.g_sizes = np.full((len(every), width), -1, np.int64)
         v.g_prefix = np.zeros((len(every), width + 1), np.int64)
+        v.g_keys = _group_keys(v.g_sizes)
         v.row_group = np.full(n, -1, np.int64)
         for g in every:
             v.row_group[g.rows] = g.index
@@ -354,11 +358,28 @@ def _refresh(ledger: "Ledger", v: _View, node: str) -> None:
             grow = u - v.g_sizes.shape[1]
             v.g_sizes = np.pad(v.g_sizes, ((0, 0), (0, grow)), constant_values=-1)
             v.g_prefix = np.concatenate([v.g_prefix, np.repeat(v.g_prefix[:, -1:], grow, axis=1)], axis=1)
+            v.g_keys = _group_keys(v.g_sizes)
         v.g_count[g.index] = u
         v.g_sizes[g.index] = -1
         v.g_sizes[g.index, :u] = g.sizes
+        width = v.g_sizes.shape[1]
+        v.g_keys[g.index * width:(g.index + 1) * width] = _group_keys(v.g_sizes[g.index:g.index + 1], g.index)
         v.g_prefix[g.index, : u + 1] = prefix
         v.g_prefix[g.index, u + 1:] = prefix[-1]
+
+
+# `_group_keys`: key = group * _KEY_ROW + (_KEY_OFF - size), sizes clipped below _KEY_OFF (64 TiB
+# per replica: none is near), padding (-1) after every real size; exact below _KEY_GROUPS groups.
+_KEY_OFF = 1 << 46
+_KEY_ROW = 1 << 47
+_KEY_GROUPS = 1 << 15
+
+
+def _group_keys(sizes: np.ndarray, first: int = 0) -> np.ndarray:
+    """Rows `first`.. of `g_sizes` (largest first, -1 padded) as ascending int64 keys, row after
+    row: the sizes above s in row g are the keys below g * _KEY_ROW + _KEY_OFF - s."""
+    rows = np.arange(first, first + len(sizes), dtype=np.int64)[:, None]
+    return (rows * _KEY_ROW + (_KEY_OFF - np.minimum(sizes, _KEY_OFF - 1))).ravel()
 
 
 def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.ndarray:
@@ -370,7 +391,11 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
     u = v.g_count[g]
     total = u + count
     depth = np.minimum(v.g_replicas[g], np.where(v.g_spread[g], -(-total // np.maximum(v.g_gpus[g], 1)), total))
-    m = (v.g_sizes[g] > size[:, None]).sum(axis=1)
+    if len(v.g_sizes) < _KEY_GROUPS:
+        width = v.g_sizes.shape[1]
+        m = np.searchsorted(v.g_keys, g * _KEY_ROW + (_KEY_OFF - np.minimum(size, _KEY_OFF - 1))) - g * width
+    else:
+        m = (v.g_sizes[g] > size[:, None]).sum(axis=1)
     p = v.g_prefix
     within = p[g, np.minimum(depth, u)]
     beyond = np.minimum(count, depth - m) * size + p[g, np.minimum(np.maximum(m, depth - count), u)]

@@ -203,16 +203,19 @@ def test_plugin_allows_checks_devices_chosen_elsewhere_against_the_node_level_bo
 def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(policy, holds, gib, count) -> None:
     """`shared_fit` bounds every group at once (`_group_worst`); it must equal `worst_case_load`
     group by group, including groups holding more replicas than they have (recorded from the API:
-    up to 40 on a node of 12), and groups with no pod (ts-big)."""
+    up to 40 on a node of 12), and groups with no pod (ts-big). Half the pods arrive after the
+    view was first built, so its per-group keys are also kept up to date node by node."""
     from extender.deviceplugin import _view, shared_fit
 
     c = cluster(*(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
                 gpu_node("ts-big", count=2, memory_mib=81920, replicas=8))
     c.ledger.replica_policy = policy
-    for j, (node, gpu, size) in enumerate(holds):
-        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
     a = c.ledger.arrays
     need = np.full(len(a.capacity), gib * GIB, np.int64)
+    for j, (node, gpu, size) in enumerate(holds):
+        if j == len(holds) // 2:
+            shared_fit(c.ledger, need, count, pin_configmap=True)  # the view as it is now
+        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
     fit = shared_fit(c.ledger, need, count, pin_configmap=True)
     v = _view(c.ledger, ReplicaPolicy(policy))
     groups = [g for gs in v.groups.values() for g in gs]
