@@ -127,6 +127,9 @@ class SchedulerUser(FastHttpUser):
         # feed in Python): ~75 of them for a 300 KB filter answer. Its clients are made on first
         # use from these arguments (FastHttpUser has no setting for it).
         self.client.client.clientpool.client_args["block_size"] = READ_BLOCK
+        # kube-scheduler's Go HTTP client keeps no cookies (http.Client.Jar is nil), and vramsched
+        # sets none: no jar, so no per-request cookie header and no per-answer cookie scan.
+        self.client.client.cookiejar = None
 
     def on_start(self) -> None:
         self.rng = random.Random(_seeds.getrandbits(64))
