@@ -466,8 +466,12 @@ def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_li
         flow = _arcflow(cap, classes, frag, deadline)
         if flow.solve(deadline, num_workers) is not None:
             pools = [[singles[m] for m in reversed(pc.members)] for pc in classes]
+            touched = np.zeros(len(a.node_names), bool)  # the last goal: touch few nodes
+            touched[[ch[1] for ch in choices.values()]] = True
             for rows, walks in flow.paths():
-                free_rows = rows.tolist()
+                # GPUs of a class are interchangeable for the other goals: those on nodes already
+                # in the plan first, then node by node (rows are in node order)
+                free_rows = rows[np.argsort(~touched[a.node_of[rows]], kind="stable")].tolist()
                 for walk in sorted((w for w in walks if w), key=len, reverse=True):
                     cpu = sum(demands[pools[p][-1]].cpu_milli for p in walk)
                     mem = sum(demands[pools[p][-1]].memory_bytes for p in walk)
@@ -476,6 +480,7 @@ def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_li
                         continue  # no node of this class has the CPU or memory left: FGD places them
                     free_rows.remove(g)
                     n = int(a.node_of[g])
+                    touched[n] = True
                     for p in walk:
                         i = pools[p].pop()
                         need = classes[p].demand.bytes_per_gpu
