@@ -375,11 +375,14 @@ _KEY_ROW = 1 << 47
 _KEY_GROUPS = 1 << 15
 
 
+def _size_key(group: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """The key of `size` bytes in row `group` of `g_keys`: the sizes above it are the keys below."""
+    return group * _KEY_ROW + (_KEY_OFF - np.minimum(size, _KEY_OFF - 1))
+
+
 def _group_keys(sizes: np.ndarray, first: int = 0) -> np.ndarray:
-    """Rows `first`.. of `g_sizes` (largest first, -1 padded) as ascending int64 keys, row after
-    row: the sizes above s in row g are the keys below g * _KEY_ROW + _KEY_OFF - s."""
-    rows = np.arange(first, first + len(sizes), dtype=np.int64)[:, None]
-    return (rows * _KEY_ROW + (_KEY_OFF - np.minimum(sizes, _KEY_OFF - 1))).ravel()
+    """Rows `first`.. of `g_sizes` (largest first, -1 padded) as ascending int64 keys, row after row."""
+    return _size_key(np.arange(first, first + len(sizes), dtype=np.int64)[:, None], sizes).ravel()
 
 
 def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.ndarray:
@@ -393,7 +396,7 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
     depth = np.minimum(v.g_replicas[g], np.where(v.g_spread[g], -(-total // np.maximum(v.g_gpus[g], 1)), total))
     if len(v.g_sizes) < _KEY_GROUPS:
         width = v.g_sizes.shape[1]
-        m = np.searchsorted(v.g_keys, g * _KEY_ROW + (_KEY_OFF - np.minimum(size, _KEY_OFF - 1))) - g * width
+        m = np.searchsorted(v.g_keys, _size_key(g, size)) - g * width
     else:
         m = (v.g_sizes[g] > size[:, None]).sum(axis=1)
     p = v.g_prefix

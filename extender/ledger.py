@@ -529,6 +529,17 @@ def run_starts(values: np.ndarray) -> np.ndarray:
     return np.concatenate((_TRUE, values[1:] != values[:-1]))
 
 
+def run_ranks(values: np.ndarray) -> np.ndarray:
+    """Each entry's position in its run of equal `values` (0 where a run starts)."""
+    pos = np.arange(len(values))
+    return pos - np.maximum.accumulate(np.where(run_starts(values)[: len(values)], pos, 0))
+
+
+def first_k_per_node(node: np.ndarray, k: int, n_nodes: int) -> np.ndarray:
+    """Mask of the first `k` entries of each node's run (`node` grouped), on nodes with at least `k`."""
+    return (run_ranks(node) < k) & (np.bincount(node, minlength=n_nodes)[node] >= k)
+
+
 def offsets(lengths: np.ndarray) -> np.ndarray:
     """Where each of consecutive blocks of `lengths` starts, and the end: `[0, cumsum...]`."""
     return np.concatenate((_ZERO, np.cumsum(lengths))).astype(np.int64)
@@ -544,9 +555,7 @@ def _sorted_per_node(n: int, width: int, nodes: np.ndarray, values: np.ndarray) 
     if len(nodes):
         order = np.lexsort((-values, nodes))  # by node, largest first
         nodes, values = nodes[order], values[order]
-        first = np.flatnonzero(run_starts(nodes))
-        rank = np.arange(len(nodes)) - np.repeat(first, np.diff(np.append(first, len(nodes))))
-        out[nodes, rank] = values
+        out[nodes, run_ranks(nodes)] = values
     return out
 
 

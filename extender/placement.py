@@ -17,7 +17,7 @@ import numpy as np
 from extender.demand import Demand
 from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, bounds_resource, shared_fit
 from extender.inventory import MigSlice
-from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation, offsets, run_starts
+from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation, first_k_per_node, offsets, run_starts
 from extender.quantity import format_bytes
 
 __all__ = [
@@ -1077,13 +1077,7 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
         if best is not None:
             return cand[best]
     cand = cand[_best_fit_order(a.node_of[cand], empty, leftover)]
-    node = a.node_of[cand]
-    first = run_starts(node)
-    group_start = np.maximum.accumulate(np.where(first, np.arange(len(cand)), 0))
-    rank = np.arange(len(cand)) - group_start
-    counts = np.bincount(node, minlength=len(a.node_names))
-    keep = (rank < k) & (counts[node] >= k)
-    return cand[keep]
+    return cand[first_k_per_node(a.node_of[cand], k, len(a.node_names))]
 
 
 def _first_best_per_node(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -> np.ndarray | None:

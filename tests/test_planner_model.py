@@ -330,7 +330,7 @@ def test_device_classes_share_an_id_only_for_interchangeable_devices(seed):
     for i in range(30):
         _place_random(cap, rng, i)
         ids = cap.device_classes().tolist()
-        assert max(ids) < cap._cls_next
+        assert max(ids) < cap.device_class_count
         states = [state(g) for g in range(len(ids))]
         by_id: dict[int, tuple] = {}
         for g, i in enumerate(ids):

@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from extender.demand import Demand
-from extender.ledger import DeviceArrays, Ledger, Reservation, run_starts
+from extender.ledger import DeviceArrays, Ledger, Reservation, first_k_per_node, run_starts
 
 __all__ = ["Capacity", "Workload", "FragIndex", "Candidates", "device_matches", "candidates", "MAX_TYPES"]
 
@@ -86,6 +86,11 @@ def hash_groups(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.append(starts, len(order))
 
 
+def _device_states(a: DeviceArrays, lo: int, hi: int) -> Iterator[tuple[int, ...]]:
+    """Rows lo..hi as exact keys: their `_SIG_COLUMNS` values, one tuple per device."""
+    return zip(*(getattr(a, c)[lo:hi].tolist() for c in _SIG_COLUMNS))
+
+
 def _node_keys(device_sums: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray) -> np.ndarray:
     """(nodes, 2): each node's key from the wrapped sums of its device hashes and its free CPU and memory."""
     with np.errstate(over="ignore"):
@@ -113,11 +118,12 @@ class Capacity:
     _sig_ids: dict[tuple, int] = field(default_factory=dict)
     _sig_base: int = 0
     _sig_arrays: DeviceArrays | None = None
-    #: `device_classes`: per device row its id, nodes changed since, exact keys -> id, next id
+    #: `device_classes`: per device row its id, nodes changed since, and (as for signatures) the
+    #: exact keys of rows renumbered since the first pass -> id, from `_cls_base` on
     _cls: np.ndarray | None = None
     _cls_dirty: set[int] = field(default_factory=set)
     _cls_ids: dict[tuple, int] = field(default_factory=dict)
-    _cls_next: int = 0
+    _cls_base: int = 0
     #: whether `candidates` collapses identical nodes. Worth it when many pods are placed on one
     #: Capacity (the simulator, big batches: the signatures are then kept up to date per changed
     #: node); for a plan of a few pods on a fresh snapshot, the first full pass (~15 ms at 5,000
@@ -172,8 +178,7 @@ class Capacity:
         self._cls_dirty |= self._sig_dirty
         for n in self._sig_dirty:  # a node changed since: its exact state as the key (~15 us in Python)
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
-            devs = sorted(zip(*(getattr(a, c)[lo:hi].tolist() for c in _SIG_COLUMNS)))
-            key = (int(self.cpu_free[n]), int(self.mem_free[n]), tuple(devs))
+            key = (int(self.cpu_free[n]), int(self.mem_free[n]), tuple(sorted(_device_states(a, lo, hi))))
             self._sig[n] = self._sig_ids.setdefault(key, self._sig_base + len(self._sig_ids))
         self._sig_dirty = set()
         return self._sig
@@ -183,34 +188,33 @@ class Capacity:
         """An upper bound on `signatures()` ids (they are below it)."""
         return self._sig_base + len(self._sig_ids)
 
+    @property
+    def device_class_count(self) -> int:
+        """An upper bound on `device_classes()` ids (they are below it)."""
+        return self._cls_base + len(self._cls_ids)
+
     def device_classes(self) -> np.ndarray:
         """Per device row, an id shared by interchangeable devices: the same state
-        (`_SIG_COLUMNS`) on nodes with the same `signatures` id; below `_cls_next`.
+        (`_SIG_COLUMNS`) on nodes with the same `signatures` id.
 
         `candidates` keeps the first device of each id among those that fit. Kept like the
-        signatures: the first call numbers every row at once (one `np.unique`), a node changed
+        signatures: the first call numbers every row at once (`hash_groups`), a node changed
         since gets its rows numbered by their exact keys. As there, two identical devices may
         carry different ids (a duplicate candidate); two different ones share one only if both
-        64-bit hashes of their rows collide (`hash_groups`)."""
+        64-bit hashes of their rows collide."""
         sig = self.signatures()
         a = self.arrays
         if self._cls is None:
             order, bounds = hash_groups(row_hashes(np.column_stack([sig[a.node_of], *(getattr(a, c) for c in _SIG_COLUMNS)])))
             self._cls = np.empty(len(order), np.int64)
             self._cls[order] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
-            self._cls_next, self._cls_ids, self._cls_dirty = len(bounds) - 1, {}, set()
+            self._cls_base, self._cls_ids, self._cls_dirty = len(bounds) - 1, {}, set()
             return self._cls
         ids = self._cls_ids
         for n in self._cls_dirty:
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
             s = int(sig[n])
-            for g, dev in zip(range(lo, hi), zip(*(getattr(a, c)[lo:hi].tolist() for c in _SIG_COLUMNS))):
-                key = (s, dev)
-                i = ids.get(key)
-                if i is None:
-                    i = ids[key] = self._cls_next
-                    self._cls_next += 1
-                self._cls[g] = i
+            self._cls[lo:hi] = [ids.setdefault((s, dev), self._cls_base + len(ids)) for dev in _device_states(a, lo, hi)]
         self._cls_dirty = set()
         return self._cls
 
@@ -447,7 +451,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
     rows = np.flatnonzero(ok)
     if k == 1:
         if sig is not None and len(rows):
-            rows = rows[_firsts(cap.device_classes()[rows], cap._cls_next)]  # the lowest row of each class
+            rows = rows[_firsts(cap.device_classes()[rows], cap.device_class_count)]  # the lowest row of each class
         return Candidates(a.node_of[rows].astype(np.int64), rows[:, None], need[rows][:, None])
     if len(rows) == 0:
         return Candidates(np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.int64))
@@ -465,12 +469,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
         key2 = inv
     srt = np.lexsort((key2, node))
     rows, node = rows[srt], node[srt]
-    first = run_starts(node)
-    start = np.maximum.accumulate(np.where(first, np.arange(len(rows)), 0))
-    rank = np.arange(len(rows)) - start
-    counts = np.bincount(node, minlength=len(a.node_names))
-    keep = (rank < k) & (counts[node] >= k)
-    rows = rows[keep].reshape(-1, k)
+    rows = rows[first_k_per_node(node, k, len(a.node_names))].reshape(-1, k)
     if sig is not None and len(rows):
         rows = rows[_firsts(sig[a.node_of[rows[:, 0]]], cap.signature_count)]  # nodes ascending: the lowest of each
     return Candidates(a.node_of[rows[:, 0]].astype(np.int64), rows, need[rows])
