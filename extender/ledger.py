@@ -138,6 +138,9 @@ class Ledger:
         #: nodes in the order they changed, from absolute position `touched_base`: lets a cache
         #: refresh only what changed since it last looked instead of comparing every node.
         self.touched: list[str] = []
+        #: beside `touched`, each node's row in the arrays at the time (-1: none), so a reader of
+        #: these very arrays gets the rows without a lookup per name (`touched_rows_since`)
+        self._touched_rows = np.empty(1024, np.int32)  # the first len(touched) entries hold rows + 1 (0: none)
         self.touched_base = 0
         #: per resource id, per node row: free VRAM of its devices of that resource, largest first,
         #: and how many have a free replica (see `NodeSummary`); derived state, built on first use,
@@ -404,12 +407,28 @@ class Ledger:
             return None
         return set(self.touched[position - self.touched_base:])
 
+    def touched_rows_since(self, position: int) -> np.ndarray | None:
+        """`touched_since` as sorted node rows of the current arrays (nodes without a row left
+        out). Valid for a reader of `arrays`: a node added or removed rebuilds the arrays, and with
+        them every cache keyed on them."""
+        if position < self.touched_base:
+            return None
+        logged = self._touched_rows[position - self.touched_base:len(self.touched)]
+        if not len(logged):
+            return np.empty(0, np.int64)
+        return np.flatnonzero(np.bincount(logged)[1:])
+
     def _touch(self, node: str) -> None:
         self.generation += 1
         self.node_generation[node] = self.node_generation.get(node, 0) + 1
+        n = len(self.touched)
+        if n == len(self._touched_rows):
+            self._touched_rows = np.resize(self._touched_rows, 2 * n)
+        self._touched_rows[n] = self._node_row.get(node, -1) + 1
         self.touched.append(node)
-        if len(self.touched) > 1 << 16:  # readers that fell this far behind rescan everything
+        if n + 1 > 1 << 16:  # readers that fell this far behind rescan everything
             del self.touched[: 1 << 15]
+            self._touched_rows[: n + 1 - (1 << 15)] = self._touched_rows[1 << 15: n + 1].copy()
             self.touched_base += 1 << 15
 
     # ----- per-node summaries ------------------------------------------------------------------

@@ -160,3 +160,29 @@ def test_allocatable_follows_node_updates_that_keep_the_devices():
     assert clone.allocatable()[0].tolist() == [64_000, 8_000]  # the copy keeps what it was taken with
     led.remove_node("m")
     assert led.allocatable()[0].tolist() == [32_000]
+
+
+def test_touched_rows_name_the_rows_of_the_touched_nodes_across_the_log_trim():
+    """`touched_rows_since` (prioritize's kept scores read it) gives the rows of exactly the nodes
+    `touched_since` names, also right after the log was trimmed (its rows move with the names),
+    and None once the asked position was trimmed away."""
+    led = _ledger(*(gpu_node(f"n{i}", count=1, replicas=4) for i in range(6)))
+    led.arrays  # rows numbered
+    start, base, checked = led.position, led.touched_base, 0
+    for i in range(70_000):  # past the trim at 65,536 entries
+        node = f"n{(i * 7) % 5}"  # consecutive entries name different nodes
+        led.reserve(res(f"p{i}", node, ["0"], [1]))
+        led.release(f"ns/p{i}")
+        if led.touched_base != base or i >= 69_990:
+            base = led.touched_base
+            for back in (1, 2, 3, 5, 40_000):
+                names, rows = led.touched_since(led.position - back), led.touched_rows_since(led.position - back)
+                if names is None:  # trimmed away
+                    assert rows is None
+                    continue
+                assert rows.tolist() == sorted(led.node_row(n) for n in names)
+                checked += 1
+    assert checked > 20
+    assert led.touched_rows_since(start) is None
+    assert led.touched_rows_since(led.position).tolist() == []
+    assert "n5" not in led.touched_since(led.position - 40_000)

@@ -144,13 +144,13 @@ def test_label_only_reasons_are_shared_read_only_and_encoded_once():
     names = ["mig", "ok", "small"]
     small_pod, big_pod = pod_demand(pod("p", "10Gi")), pod_demand(pod("q", "40Gi"))
     first, second, third = (filter_nodes(c.ledger, small_pod, names) for _ in range(3))
-    assert first.unresolvable == second.unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+    assert first.unresolvable == second.unresolvable == {"mig": "node has no nvidia.com/gpu"}
     assert isinstance(second.unresolvable, SharedReasons) and second.unresolvable is third.unresolvable
     with pytest.raises(TypeError):
         second.unresolvable["x"] = "y"
     with pytest.raises(TypeError):
         second.unresolvable.update({"x": "y"})
-    assert second.unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+    assert second.unresolvable == {"mig": "node has no nvidia.com/gpu"}
     for _ in range(2):
         result = ExtenderFilterResult.model_construct(NodeNames=second.feasible, FailedNodes={}, FailedAndUnresolvableNodes=second.unresolvable)
         assert orjson.loads(encode_names_result(result, NameLists()))["FailedAndUnresolvableNodes"] == dict(second.unresolvable)
@@ -158,8 +158,8 @@ def test_label_only_reasons_are_shared_read_only_and_encoded_once():
     for _ in range(2):
         big = filter_nodes(c.ledger, big_pod, names)
     assert type(big.unresolvable) is dict and big.unresolvable == {
-        "mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu", "small": "need 40Gi per GPU, GPUs have 24Gi"}
-    assert filter_nodes(c.ledger, small_pod, names).unresolvable == {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+        "mig": "node has no nvidia.com/gpu", "small": "need 40Gi per GPU, GPUs have 24Gi"}
+    assert filter_nodes(c.ledger, small_pod, names).unresolvable == {"mig": "node has no nvidia.com/gpu"}
 
 
 def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_added():
@@ -175,7 +175,7 @@ def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_add
     names = ["mig", "ts0", "x"]
     pinned = pod("p", "10Gi")
     pinned["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-p"}}]
-    mig_only = {"mig": "node offers nvidia.com/mig-1g.10gb, not nvidia.com/gpu"}
+    mig_only = {"mig": "node has no nvidia.com/gpu"}
     first, second = (filter_nodes(c.ledger, pod_demand(pinned), names) for _ in range(2))
     assert first.unresolvable == mig_only and sorted(second.feasible) == ["ts0", "x"]
     assert isinstance(second.unresolvable, SharedReasons)
