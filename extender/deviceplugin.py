@@ -243,17 +243,33 @@ class _View:
     bounded: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: resource ids with at least one bounded row (`bounds_resource`)
     bounded_resources: frozenset = frozenset()
+    #: per resource id: its rows, and the positions among them of its bounded rows (`resource_rows`)
+    by_resource: dict = field(default_factory=dict)
 
-    def static_masks(self, pin_configmap: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    def resource_rows(self, resource: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the device rows of `resource`, the positions among them of those `bounded`): labels and
+        policy only, so kept with the view."""
+        hit = self.by_resource.get(resource)
+        if hit is None:
+            at = np.flatnonzero(self.arrays.resource_id == resource)
+            hit = self.by_resource[resource] = (at, np.flatnonzero(self.subject[at] | self.pin_rows[at]))
+        return hit
+
+    def static_masks(self, pin_configmap: bool, resource: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
         """(rows refused because they pin GPUs and the pod cannot take a pin, rows where the
         plugin spreads replicas, whether any row is refused): labels, policy and the pod's pin
-        ability only."""
-        hit = self.masks.get(pin_configmap)
+        ability only. With `resource`, at that resource's rows only (`resource_rows`)."""
+        hit = self.masks.get((pin_configmap, resource))
         if hit is None:
-            needs_pin = self.pin_rows & (not pin_configmap)
-            distributed = self.subject & (self.policy is ReplicaPolicy.DISTRIBUTED)
+            if resource is None:
+                needs_pin = self.pin_rows & (not pin_configmap)
+                distributed = self.subject & (self.policy is ReplicaPolicy.DISTRIBUTED)
+            else:
+                every_pin, every_distributed, _ = self.static_masks(pin_configmap)
+                at = self.resource_rows(resource)[0]
+                needs_pin, distributed = every_pin[at], every_distributed[at]
             needs_pin.flags.writeable = distributed.flags.writeable = False
-            hit = self.masks[pin_configmap] = (needs_pin, distributed, bool(needs_pin.any()))
+            hit = self.masks[(pin_configmap, resource)] = (needs_pin, distributed, bool(needs_pin.any()))
         return hit
 
 
@@ -269,11 +285,6 @@ class SharedFit:
     needs_pin: np.ndarray  # rows refused because the node pins GPUs and the pod cannot be pinned
     distributed: np.ndarray  # rows where the plugin spreads: bookkeeping should pick the least used
     policy: str = ""
-
-    def take(self, rows: np.ndarray) -> "SharedFit":
-        """The same bound at device rows `rows` only (indexed like `rows`)."""
-        return SharedFit(allowed=self.allowed[rows], worst=self.worst[rows], needs_pin=self.needs_pin[rows],
-                         distributed=self.distributed[rows], policy=self.policy)
 
 
 def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
@@ -413,13 +424,16 @@ def bounds_resource(ledger: "Ledger", resource_id: int) -> bool:
 
 
 def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool,
-               rows: slice | np.ndarray | None = None) -> SharedFit | None:
+               rows: slice | np.ndarray | None = None, resource: int | None = None) -> SharedFit | None:
     """The node-level bound for every time-sliced device row, or None when the ledger's
     per-device accounting is exact (no policy set: embedded cluster, simulator).
 
     `rows`: only these device rows, every row of the nodes they touch (one node's slice, for
-    bind: its cost then does not grow with the cluster; or several nodes' sorted rows); `need`
-    and the result are then indexed like `rows`."""
+    bind: its cost then does not grow with the cluster; or several nodes' sorted rows; or those
+    nodes' rows of one resource, a group never spanning two); `need` and the result are then
+    indexed like `rows`. `resource` (without `rows`): at that resource's rows only (`need`
+    still over every row), for filter and prioritize, which look at nothing else: the whole
+    cluster's columns and a gather from them cost a third of live filter."""
     policy = getattr(ledger, "replica_policy", None)
     if policy is None:
         return None
@@ -430,10 +444,15 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
             return None
         # every other row: no bound (worst 0), allowed; only the bounded rows are worked out, and
         # the masks that depend on labels and policy alone are kept with the view (read-only)
-        worst = np.zeros(len(v.subject), np.int64)
-        allowed = np.ones(len(v.subject), bool)
-        worst[v.bounded], allowed[v.bounded] = _bound(v, v.bounded, need[v.bounded], gpu_count, need[v.g_first])
-        needs_pin, distributed, refused = v.static_masks(pin_configmap)
+        if resource is None:
+            n, at, bounded = len(v.subject), v.bounded, v.bounded
+        else:
+            rows_of, at = v.resource_rows(resource)
+            n, bounded = len(rows_of), rows_of[at]
+        worst = np.zeros(n, np.int64)
+        allowed = np.ones(n, bool)
+        worst[at], allowed[at] = _bound(v, bounded, need[bounded], gpu_count, need[v.g_first])
+        needs_pin, distributed, refused = v.static_masks(pin_configmap, resource)
     else:
         subject, pin_rows = v.subject[rows], v.pin_rows[rows]
         if not subject.any() and not pin_rows.any():

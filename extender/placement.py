@@ -99,12 +99,13 @@ def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
 
 
 def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with_ok: bool = True,
-         node_rows: slice | np.ndarray | None = None) -> _Fit:
+         node_rows: slice | np.ndarray | None = None, bounded: bool = False) -> _Fit:
     """The demand against every device, or against `local` (one node's rows, see `_node_arrays`,
     or one resource's, see `_resource_arrays`). `with_ok=False` leaves `ok` empty for callers
     that do not read it (`_filter_one`). `node_rows`: `local` is these device rows (one node's
     slice, or several nodes' rows, see `_nodes_arrays`), and the device plugin's bound applies
-    to them (bind, kept scores, under a replica policy)."""
+    to them (bind, kept scores, under a replica policy). `bounded`: `local` is the resource's
+    view and the bound applies to it."""
     a = ledger.arrays if local is None else local
     matches, need, big_enough = _static_fit(a, demand)
     if not with_ok:
@@ -113,6 +114,8 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
     shared = None
     if demand.wants_gpu and node_rows is not None:
         shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
+    elif demand.wants_gpu and bounded:
+        shared = _shared_at_resource(ledger, demand)
     elif demand.wants_gpu and local is None:
         shared = _shared(ledger, demand, a, need)
     if shared is not None:
@@ -120,15 +123,27 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
     return _Fit(a, matches, need, ok, shared)
 
 
-def _shared(ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray) -> SharedFit | None:
-    """`shared_fit` over every device, kept for the ledger state and demand shape: the same pod's
-    prioritize follows its filter, usually with nothing changed in between."""
+def _shared(ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray, resource: int | None = None) -> SharedFit | None:
+    """`shared_fit` over every device of `a` (every device of the ledger), or at the rows of
+    `resource` only, kept for the ledger state and demand shape: the same pod's prioritize
+    follows its filter, usually with nothing changed in between."""
     key = (ledger.generation, getattr(ledger, "replica_policy", None), demand.bytes_per_gpu, demand.gpu_count,
-           demand.pin_configmap)
+           demand.pin_configmap, resource)
     hit = a.derived.get("shared")
     if hit is None or hit[0] != key or hit[2] is not need:
-        hit = a.derived["shared"] = (key, shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap), need)
+        fit = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, resource=resource)
+        hit = a.derived["shared"] = (key, fit, need)
     return hit[1]
+
+
+def _shared_at_resource(ledger: Ledger, demand: Demand) -> SharedFit | None:
+    """The bound at the rows of the demand's resource, as `_resource_arrays` has them (None when it
+    applies to none of them)."""
+    full = ledger.arrays
+    rid = full.resources.get(demand.resource)
+    if rid is None or not bounds_resource(ledger, rid):
+        return None
+    return _shared(ledger, demand, full, _static_fit(full, demand)[1], rid)
 
 
 def _bounded_cache(a: DeviceArrays, name: str, limit: int | None = None) -> dict:
@@ -333,15 +348,16 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         top = summary.top
         room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
     # no bounded row of this resource (a MIG profile no node time-slices): the books alone decide
-    s = _shared(ledger, demand, full, _static_fit(full, demand)[1]) if bounds_resource(ledger, rid) else None
-    idx = full.derived["by_resource"][rid][0]
-    shared = None if s is None else s.take(idx)  # the resource's rows, as `static` has them
-    allowed = np.ones(len(idx), bool) if shared is None else shared.allowed
+    # the bound at the resource's rows, as `static` has them (none: a MIG profile no node time-slices)
+    shared = _shared_at_resource(ledger, demand)
     n = len(static.node_names)
-    admitted, devices = static.per_node_sum(allowed), np.diff(static.node_start)
-    if ((admitted > 0) & (admitted < devices)).any():
-        return False  # a node whose devices of the resource differ under the bound: per device
-    every = (admitted == devices).astype(np.int64)  # 1 where the bound admits the node
+    if shared is None:
+        every = np.ones(n, np.int64)
+    else:  # per node, its devices the bound refuses
+        refused = np.bincount(static.node_of[np.flatnonzero(~shared.allowed)], minlength=n)
+        if ((refused > 0) & (refused < np.diff(static.node_start))).any():
+            return False  # a node whose devices of the resource differ under the bound: per device
+        every = (refused == 0).astype(np.int64)  # 1 where the bound admits the node
     view = _resource_arrays(ledger, demand, under_policy=True)  # `_explain` reads the used columns
     matches, need, _ = _static_fit(view, demand)
     fit = _Fit(view, matches, need, np.zeros(0, bool), shared)
@@ -868,29 +884,34 @@ def score_rows(
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
             return _finish_scores(ledger, view, rows, *fast, planned)
-    base = _resource_arrays(ledger, demand)  # this resource's devices, or every device (under a policy)
+    base = _resource_arrays(ledger, demand, under_policy=True)  # this resource's devices, or every device
     a = ledger.arrays if base is None else base
     rows, _ = _node_rows(ledger, names)
-    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, base is None), planned)
+    bound_at = None  # under a policy, the view's rows among every device's (the bound applies to them)
+    if base is not None and getattr(ledger, "replica_policy", None) is not None:
+        bound_at = ledger.arrays.derived["by_resource"][ledger.arrays.resources[demand.resource]][0]
+    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, base is None, bound_at), planned)
 
 
 def _device_scores_kept(
-    ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool,
+    ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool, bound_at: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_device_scores` of every node of `a`, kept per demand shape (`_kept_scores`): a node's
     score reads only its own devices and, under a replica policy, the bound on them, which
     changes only when the node does. Read-only for callers. `full`: `a` is every device (the
-    bound applies)."""
+    bound applies). `bound_at`: `a` is a resource's view, these rows of every device, and the
+    bound applies to them."""
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count, demand.pin_configmap,
            getattr(ledger, "replica_policy", None))
 
     def every() -> tuple[np.ndarray, np.ndarray]:
         node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
-        return _device_scores(_fit(ledger, demand, None if full else a), demand.gpu_count, np.arange(len(a.node_names)), node_busy)
+        fit = _fit(ledger, demand, None if full else a, bounded=bound_at is not None)
+        return _device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)
 
     def some(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         sub, ix = _nodes_arrays(a, nodes)
-        fit = _fit(ledger, demand, sub, node_rows=ix if full else None)
+        fit = _fit(ledger, demand, sub, node_rows=ix if full else None if bound_at is None else bound_at[ix])
         return nodes, *_device_scores(fit, demand.gpu_count, np.arange(len(nodes)), ledger.arrays.node_used_replicas[nodes] > 0)
 
     return _kept_scores(ledger, a, "device_scores", key, _PATCH_SHARE_DEVICES, every, some)
