@@ -358,7 +358,7 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         if ((refused > 0) & (refused < np.diff(static.node_start))).any():
             return False  # a node whose devices of the resource differ under the bound: per device
         every = (refused == 0).astype(np.int64)  # 1 where the bound admits the node
-    view = _resource_arrays(ledger, demand, under_policy=True)  # `_explain` reads the used columns
+    view = static  # nothing below reads the used columns (`books_short`)
     matches, need, _ = _static_fit(view, demand)
     fit = _Fit(view, matches, need, np.zeros(0, bool), shared)
     rows, unknown = _node_rows(ledger, names)
@@ -374,13 +374,13 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
     if not len(short):
         return True
     if one:
-        _explain(ledger, fit, demand, short, out, np.zeros(n, np.int64), rows, (None, largest))
+        _explain(ledger, fit, demand, short, out, np.zeros(n, np.int64), rows, (None, largest), books_short=True)
     else:  # as `_filter_summary` explains
         n_ok = np.zeros(n, np.int64)
         open_ = short[ok[short]]
         n_ok[open_] = row_counts(top[open_] >= need_at[open_, None]) * every[open_]  # devices the bound admits
         _explain(ledger, fit, demand, short, out, n_ok, rows, None,
-                 (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)))
+                 (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)), books_short=True)
     return True
 
 
@@ -437,8 +437,9 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_po
     every vector op of filter/prioritize several times shorter. The static columns are cut once
     per inventory; the two that change (used bytes and replicas) are gathered per call.
     `used=False` skips that gather: the view's used columns are then stale and must not be read.
-    Not used when the device plugin's node-level bound applies (it needs every row), unless the
-    caller applies that bound itself (`under_policy`: `_filter_plugin`).
+    Not used when the device plugin's node-level bound applies, unless the caller applies that
+    bound at the view's rows itself (`under_policy`: `_filter_plugin`, and prioritize through
+    `_shared_at_resource`).
     """
     a = ledger.arrays
     rid = a.resources.get(demand.resource)
@@ -587,11 +588,13 @@ _FIXED_CACHED = 256
 def _explain(
     ledger: Ledger, fit: _Fit, demand: Demand, bad: np.ndarray, out: FilterOutcome, n_ok: np.ndarray,
     asked: np.ndarray | None = None, one: tuple[np.ndarray, np.ndarray] | None = None,
-    summary: tuple[np.ndarray, np.ndarray] | None = None,
+    summary: tuple[np.ndarray, np.ndarray] | None = None, books_short: bool = False,
 ) -> None:
     """A reason for every node in `bad`, in vector form: nodes are sorted into categories
     (0 not a GPU node, 1 no such resource, 2 too few devices, 3 devices too small: unresolvable;
     4 no free replica, 5 not enough free VRAM: failed), then each distinct reason is worded once.
+    `books_short`: no node in `bad` has room for the pod on the books (`_filter_plugin`), so the
+    device plugin's bound refuses none of them (see `_explain_shared`).
 
     Categories 0..2 depend on labels and the demand's resource, products and GPU count only:
     for a candidate list seen before (`asked`, the rows of the request, from the _node_rows
@@ -665,7 +668,7 @@ def _explain(
     rows = bad[mem]
     need = demand.bytes_per_gpu
     if fit.shared is not None:
-        rows = _explain_shared(fit, demand, rows, names, n_match, out)  # what is left fails on memory
+        rows = _explain_shared(fit, demand, rows, names, n_match, out, books_short)  # what is left fails on memory
         if not len(rows):
             return
     out.failed.update(_worded(names[rows].tolist(), n_ok[rows], lambda c: _mem_reason(need, c, k)))
@@ -769,20 +772,24 @@ def _fixed_reason(ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: i
 
 
 def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarray, n_match: np.ndarray,
-                    out: FilterOutcome) -> np.ndarray:
+                    out: FilterOutcome, books_short: bool = False) -> np.ndarray:
     """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin) for the failing
     nodes `rows`, in vector form; returns the rows it gave none (they fail on memory).
 
     A node whose matching devices the pod can only use with a pin it does not take is
     unresolvable; a node where enough devices have the memory but the plugin's node-level bound
-    refuses some is named with the lowest worst case among those (the first such device)."""
+    refuses some is named with the lowest worst case among those (the first such device).
+    `books_short`: none of `rows` has enough such devices, so only the first case can hold, and
+    it depends on labels alone: the used columns are not read (they may be stale in `fit.a`)."""
     a, s = fit.a, fit.shared
     k = demand.gpu_count
-    matches = fit.matches  # per-node counts over every node, read at `rows` (cheaper than masking the rest)
-    pin_missing = (n_match[rows] > 0) & (_per_node(a, matches & ~s.needs_pin)[rows] < k)
-    local = matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= fit.need) & (a.per_pod_cap >= fit.need)
-    blocked = local & ~s.allowed
-    stacked = ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)
+    pin_missing = (n_match[rows] > 0) & (_pinnable(fit, demand)[rows] < k)
+    if books_short:
+        stacked = np.zeros(len(rows), bool)
+    else:
+        local = fit.matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= fit.need) & (a.per_pod_cap >= fit.need)
+        blocked = local & ~s.allowed
+        stacked = ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)
     if pin_missing.any():
         _mutable(out).update(dict.fromkeys(names[rows[pin_missing]].tolist(), PIN_MISSING))
     if stacked.any():
@@ -794,6 +801,19 @@ def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarr
         first = dev[run_starts(a.node_of[dev])]
         out.failed.update(zip(names[a.node_of[first]].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first])))
     return rows[~pin_missing & ~stacked]
+
+
+def _pinnable(fit: _Fit, demand: Demand) -> np.ndarray:
+    """Per node of `fit.a`, its devices of the demand's resource and products that do not need a
+    pin the pod cannot take: labels, policy and the pod's pin ability only, so kept with the
+    arrays per demand shape (per node counts over every node, read at the asked rows: cheaper
+    than masking the rest)."""
+    cache = _bounded_cache(fit.a, "pinnable")
+    key = (demand.resource, demand.allowed_products, demand.pin_configmap, fit.shared.policy)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = _per_node(fit.a, fit.matches & ~fit.shared.needs_pin)
+    return hit
 
 
 def _unit(demand: Demand) -> str:
@@ -884,34 +904,40 @@ def score_rows(
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
             return _finish_scores(ledger, view, rows, *fast, planned)
-    base = _resource_arrays(ledger, demand, under_policy=True)  # this resource's devices, or every device
-    a = ledger.arrays if base is None else base
+    static = _resource_arrays(ledger, demand, used=False, under_policy=True)  # this resource's devices, or every device
     rows, _ = _node_rows(ledger, names)
-    bound_at = None  # under a policy, the view's rows among every device's (the bound applies to them)
-    if base is not None and getattr(ledger, "replica_policy", None) is not None:
-        bound_at = ledger.arrays.derived["by_resource"][ledger.arrays.resources[demand.resource]][0]
-    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, base is None, bound_at), planned)
+    if static is None:
+        a, at = ledger.arrays, None
+    else:  # the view's rows among every device's
+        a, at = static, ledger.arrays.derived["by_resource"][ledger.arrays.resources[demand.resource]][0]
+    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned)
 
 
 def _device_scores_kept(
-    ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool, bound_at: np.ndarray | None = None,
+    ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool, at: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_device_scores` of every node of `a`, kept per demand shape (`_kept_scores`): a node's
     score reads only its own devices and, under a replica policy, the bound on them, which
     changes only when the node does. Read-only for callers. `full`: `a` is every device (the
-    bound applies). `bound_at`: `a` is a resource's view, these rows of every device, and the
-    bound applies to them."""
+    bound applies). `at`: `a` is the demand's resource view (`used=False`), these rows of every
+    device; its used columns are read from the ledger (for a patch, at the changed nodes' rows
+    only), and under a policy the bound applies to them."""
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count, demand.pin_configmap,
            getattr(ledger, "replica_policy", None))
+    bounded = at is not None and getattr(ledger, "replica_policy", None) is not None
 
     def every() -> tuple[np.ndarray, np.ndarray]:
         node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
-        fit = _fit(ledger, demand, None if full else a, bounded=bound_at is not None)
+        current = None if full else a if at is None else _resource_arrays(ledger, demand, under_policy=True)
+        fit = _fit(ledger, demand, current, bounded=bounded)
         return _device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)
 
     def some(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         sub, ix = _nodes_arrays(a, nodes)
-        fit = _fit(ledger, demand, sub, node_rows=ix if full else None if bound_at is None else bound_at[ix])
+        if at is not None:
+            ix = at[ix]
+            sub.used, sub.used_replicas = ledger.arrays.used[ix], ledger.arrays.used_replicas[ix]
+        fit = _fit(ledger, demand, sub, node_rows=ix if full or bounded else None)
         return nodes, *_device_scores(fit, demand.gpu_count, np.arange(len(nodes)), ledger.arrays.node_used_replicas[nodes] > 0)
 
     return _kept_scores(ledger, a, "device_scores", key, _PATCH_SHARE_DEVICES, every, some)

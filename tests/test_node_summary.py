@@ -382,9 +382,9 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypat
             patched.append(demand)  # an entry kept from an earlier call answered
         return got
 
-    def spy_devices(ledger, demand, a, full, bound_at=None):
+    def spy_devices(ledger, demand, a, full, at=None):
         before = dict(a.derived.get("device_scores", {}))
-        got = device_scores(ledger, demand, a, full, bound_at)
+        got = device_scores(ledger, demand, a, full, at)
         if any(got[0] is e[1] for e in before.values()):
             patched.append(demand)
         return got
