@@ -482,7 +482,9 @@ def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
             if group_size is not None:
                 g, size = np.arange(len(v.g_first)), group_size
             else:  # the groups in a slice, or in whole nodes' sorted rows
-                g = np.unique(row_group[grouped])
+                present = np.zeros(len(v.g_first), bool)
+                present[row_group[grouped]] = True
+                g = np.flatnonzero(present)  # np.unique, without its sort
                 first = v.g_first[g]
                 size = need[first - offset] if isinstance(sel, slice) else need[np.searchsorted(sel, first)]
             per_group = np.zeros(len(v.g_first), np.int64)

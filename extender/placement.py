@@ -277,15 +277,34 @@ def _node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
     )
 
 
+class _Picked(Sequence):
+    """`items` at `rows`, looked up when read: the kept scores' patches (`_nodes_arrays`) build
+    arrays over thousands of device rows and read none of their `Device` objects."""
+
+    __slots__ = ("items", "rows")
+
+    def __init__(self, items: Sequence, rows: np.ndarray) -> None:
+        self.items, self.rows = items, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self.items[r] for r in self.rows[i].tolist()]
+        return self.items[int(self.rows[i])]
+
+
 def _nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.ndarray]:
-    """The rows of the nodes `nodes` (sorted node rows) as arrays of their own (copies), and
-    those rows' positions in `a`: `_node_arrays` for several nodes at once."""
+    """The rows of the nodes `nodes` (sorted node rows) as arrays of their own (copies; the
+    devices looked up when read), and those rows' positions in `a`: `_node_arrays` for several
+    nodes at once."""
     starts = a.node_start[nodes]
     lengths = a.node_start[nodes + 1] - starts
     bounds = offsets(lengths)
     ix = np.repeat(starts - bounds[:-1], lengths) + np.arange(int(bounds[-1]))
     sub = DeviceArrays(
-        devices=list(map(a.devices.__getitem__, ix.tolist())), node_names=list(map(a.node_names.__getitem__, nodes.tolist())),
+        devices=_Picked(a.devices, ix), node_names=_Picked(a.node_names, nodes),  # type: ignore[arg-type]
         node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths), node_start=bounds,
         capacity=a.capacity[ix], per_pod_cap=a.per_pod_cap[ix], replicas=a.replicas[ix], used=a.used[ix],
         used_replicas=a.used_replicas[ix], resource_id=a.resource_id[ix], product_id=a.product_id[ix],
@@ -708,9 +727,11 @@ _STATIC_COUNTS_CACHED = 256
 #: ~480, and emptying the cache every 256 new shapes threw away the frequent ones too
 _SCORES_CACHED = 1024
 #: a kept score table is patched when at most 1 node in this many changed since, else redone.
-#: Device by device, gathering a node's rows costs ~3 us against ~1.5 ms for all 5,000 nodes;
-#: from the summaries, a patch is a vector pass over the changed rows and pays off for longer
-_PATCH_SHARE_DEVICES = 12
+#: Device by device under a replica policy (5,000 nodes, the resource's rows only, devices
+#: not looked up): a patch costs ~0.13 ms + ~0.35 us per node, a redo 0.55-1.0 ms (measured
+#: 30 Nov; it was ~3 us per node against ~1.5 ms, and 12); from the summaries, a patch is a
+#: vector pass over the changed rows and pays off as long
+_PATCH_SHARE_DEVICES = 4
 _PATCH_SHARE_SUMMARY = 4
 
 
