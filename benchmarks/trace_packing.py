@@ -54,7 +54,8 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
         out["planner margins"] = {
             p: {"allocatedGpus": round((pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"]) / (1000 * 2**20), 2),
                 "allocatedPct": round(100 * (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"]) / max(1, r["allocatedMemoryBytes"]), 3),
-                "gpusFree": pl["gpusFree"] - r["gpusFree"], "placed": pl["placed"] - r["placed"]}
+                "gpusFree": pl["gpusFree"] - r["gpusFree"], "gpusFreeUsable": round(pl["gpusFreeUsable"] - r["gpusFreeUsable"], 2),
+                "placed": pl["placed"] - r["placed"]}
             for p, r in out["policies"].items() if p != "planner"}
     return out
 
@@ -64,15 +65,17 @@ def markdown(body: dict) -> str:
     for run in body["runs"]:
         title = f"{run['podList']}, inflate {run['inflate'] or 'none'}" + (", churn" if run["churn"] else "")
         lines += [f"**{title}** ({run['tasks']} tasks, {run['gpus']} GPUs)", "",
-                  "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | frag. rate | overcommitted GPUs | seconds |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | usable free | frag. rate | overcommitted GPUs | seconds |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, r in run["policies"].items():
             lines.append(f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / (1000 * 2**20):.2f} | {r['gpusInUse']} | "
-                         f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r['fragmentationRate']:.3f} | {r['overcommittedGpus']} | {r['seconds']:.1f} |")
+                         f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r.get('gpusFreeUsable', float('nan')):.2f} | {r['fragmentationRate']:.3f} | "
+                         f"{r['overcommittedGpus']} | {r['seconds']:.1f} |")
         m = run.get("planner margins")
         if m:
             lines += ["", "planner minus baseline: " + "; ".join(
-                f"{p}: {v['allocatedGpus']:+.2f} GPUs of memory ({v['allocatedPct']:+.3f}%), {v['gpusFree']:+d} free GPUs, {v['placed']:+d} pods"
+                f"{p}: {v['allocatedGpus']:+.2f} GPUs of memory ({v['allocatedPct']:+.3f}%), {v['gpusFree']:+d} free GPUs "
+                f"({v.get('gpusFreeUsable', float('nan')):+.2f} usable), {v['placed']:+d} pods"
                 for p, v in m.items())]
         lines.append("")
     return "\n".join(lines)

@@ -167,3 +167,20 @@ def test_every_policy_on_a_slice_of_the_real_trace(policy):
     assert r.placed + r.failed == 150
     if policy != "spread":
         assert r.overcommittedGpus == 0 and r.invariantViolations == 0
+
+
+def test_usable_free_gpus_leaves_out_a_free_gpu_whose_node_has_no_cpu_left(tmp_path):
+    """"GPUs fully free" counts n0's second GPU; no GPU pod of the workload could start there (its
+    node's CPU is gone), so the usable count, weighted by the workload's GPU pod types, does not.
+    A CPU-only type does not dilute it."""
+    from extender.planner.capacity import Workload
+
+    n, p = write(tmp_path, ["n0,4000,262144,2,T4", "n1,64000,262144,2,T4"],
+                 [task("hog", 1, 100, 0, cpu=3500), task("small", 1, 200, 1), task("cpu", 0, 0, 2, cpu=100)])
+    nodes, tasks, bound = read_inputs(n, p)
+    workload = Workload.from_demands(t.demand for t in tasks)
+    r = run_policy("first-fit", nodes, tasks[:1], bound, workload=workload)  # the hog alone, on n0
+    assert r.gpusFree == 3
+    assert r.gpusFreeUsable == pytest.approx(2.0)
+    r = run_policy("first-fit", nodes, tasks[:2], bound, workload=workload)  # and "small" next to it? no CPU: on n1
+    assert r.gpusFree == 2 and r.gpusFreeUsable == pytest.approx(1.0)

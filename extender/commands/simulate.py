@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
 def _table(results, n_tasks: int, gpus: int) -> None:
     from extender.quantity import format_bytes
 
-    head = ["policy", "placed", "failed", "GPU mem allocated", "GPUs in use", "GPUs free", "frag", "overcommitted", "seconds"]
+    head = ["policy", "placed", "failed", "GPU mem allocated", "GPUs in use", "GPUs free", "usable", "frag", "overcommitted", "seconds"]
     rows = [[r.policy, str(r.placed), str(r.failed), format_bytes(r.allocatedMemoryBytes), str(r.gpusInUse), str(r.gpusFree),
-             f"{r.fragmentationRate:.3f}", str(r.overcommittedGpus), f"{r.seconds:.1f}"] for r in results]
+             f"{r.gpusFreeUsable:.1f}", f"{r.fragmentationRate:.3f}", str(r.overcommittedGpus), f"{r.seconds:.1f}"] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print(f"{n_tasks} pods, {gpus} GPUs")
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))

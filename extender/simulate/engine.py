@@ -53,6 +53,9 @@ class PolicyResult:
     solverImproved: int = 0
     invariantViolations: int = 0
     gpusFreeMean: float = 0.0
+    #: fully free GPUs weighted by the share of the workload's GPU pods that could start on each
+    #: now (`usable_free_gpus`), at the end of the replay
+    gpusFreeUsable: float = 0.0
     gpusInUsePeak: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -178,5 +181,22 @@ def _measure(out: PolicyResult, cap: Capacity, workload: Workload, placed) -> No
     out.gpusFree = int((a.used_replicas == 0).sum())
     f = FragIndex(cap, workload)
     out.fragmentationBytes = float(f.node_frag().sum())
+    out.gpusFreeUsable = usable_free_gpus(f)
     free = float(np.maximum(a.capacity - used, 0).sum())
     out.fragmentationRate = out.fragmentationBytes / free if free else 0.0
+
+
+def usable_free_gpus(f: FragIndex) -> float:
+    """Fully free GPUs, each counted by the share of the workload's GPU pods (FGD's task types,
+    by weight) that could start on it now: its model and size fit the type, and its node has the
+    CPU, memory and GPUs the type asks for. "GPUs fully free" counts a GPU on a node whose CPU is
+    gone as free; a pod arriving next could not use it, and FGD's measure counts it as stranded.
+    This is the same count, in FGD's terms: what a free GPU is worth to the next pods."""
+    a, w = f.a, f.w
+    rows = np.flatnonzero(a.used_replicas == 0)
+    weight = np.where(f.gpuless, 0.0, w.weight)
+    if not len(rows) or weight.sum() == 0:
+        return 0.0
+    ok = f._ok(rows, (a.capacity - a.used)[rows], (a.replicas - a.used_replicas)[rows])  # noqa: SLF001 - the same test FGD applies
+    run = f.runnable(f.cap.cpu_free, f.cap.mem_free, f.okc)[a.node_of[rows]]
+    return float(((ok & run) @ (weight / weight.sum())).sum())
