@@ -245,6 +245,8 @@ class _View:
     bounded_resources: frozenset = frozenset()
     #: per resource id: its rows, and the positions among them of its bounded rows (`resource_rows`)
     by_resource: dict = field(default_factory=dict)
+    #: per resource id: its groups and where their rows are (`resource_groups`)
+    groups_by_resource: dict = field(default_factory=dict)
 
     def resource_rows(self, resource: int) -> tuple[np.ndarray, np.ndarray]:
         """(the device rows of `resource`, the positions among them of those `bounded`): labels and
@@ -254,6 +256,21 @@ class _View:
             at = np.flatnonzero(self.arrays.resource_id == resource)
             hit = self.by_resource[resource] = (at, np.flatnonzero(self.subject[at] | self.pin_rows[at]))
         return hit
+
+    def resource_groups(self, resource: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(the groups of `resource`, the positions of their rows among the resource's rows, each
+        such row's index into those groups), or None when some group's devices differ in memory
+        or per-pod cap: then the bound is not one value per group. Labels and policy only."""
+        if resource not in self.groups_by_resource:
+            rows_of, _ = self.resource_rows(resource)
+            pos = np.flatnonzero(self.subject[rows_of])
+            row_group = self.row_group[rows_of[pos]]
+            groups, local = np.unique(row_group, return_inverse=True)
+            a, first = self.arrays, self.g_first[groups]
+            same = ((a.capacity[rows_of[pos]] == a.capacity[first][local]).all()
+                    and (a.per_pod_cap[rows_of[pos]] == a.per_pod_cap[first][local]).all())
+            self.groups_by_resource[resource] = (groups, pos, local) if same else None
+        return self.groups_by_resource[resource]
 
     def static_masks(self, pin_configmap: bool, resource: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
         """(rows refused because they pin GPUs and the pod cannot take a pin, rows where the
@@ -444,6 +461,7 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
             return None
         # every other row: no bound (worst 0), allowed; only the bounded rows are worked out, and
         # the masks that depend on labels and policy alone are kept with the view (read-only)
+        grouped = None if resource is None else v.resource_groups(resource)
         if resource is None:
             n, at, bounded = len(v.subject), v.bounded, v.bounded
         else:
@@ -451,7 +469,13 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
             n, bounded = len(rows_of), rows_of[at]
         worst = np.zeros(n, np.int64)
         allowed = np.ones(n, bool)
-        worst[at], allowed[at] = _bound(v, bounded, need[bounded], gpu_count, need[v.g_first])
+        if grouped is not None:  # one value per group, spread to its rows (8 rows a group in the load test)
+            groups, pos, local = grouped
+            if len(groups):
+                group_worst, group_allowed = _bound_per_group(v, groups, need, gpu_count)
+                worst[pos], allowed[pos] = group_worst[local], group_allowed[local]
+        else:
+            worst[at], allowed[at] = _bound(v, bounded, need[bounded], gpu_count, need[v.g_first])
         needs_pin, distributed, refused = v.static_masks(pin_configmap, resource)
     else:
         subject, pin_rows = v.subject[rows], v.pin_rows[rows]
@@ -492,6 +516,18 @@ def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
             worst[grouped] = per_group[row_group[grouped]]
     worst = np.where(subject, worst, 0)
     return worst, ~subject | (worst <= cap)
+
+
+def _bound_per_group(v: _View, groups: np.ndarray, need: np.ndarray, gpu_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_bound` of the groups `groups` (each one value for all its rows: a group's devices share
+    their memory and per-pod cap, see `resource_groups`), read at each group's first row; `need`
+    over every row."""
+    first = v.g_first[groups]
+    if gpu_count > 1:
+        worst = _group_worst(v, groups, need[first], gpu_count)
+    else:
+        worst = np.maximum(v.base_t[first], need[first] + v.base_t1[first])
+    return worst, worst <= v.arrays.capacity[first]
 
 
 def allowed_without(
