@@ -253,7 +253,7 @@ class _View:
         policy only, so kept with the view."""
         hit = self.by_resource.get(resource)
         if hit is None:
-            at = np.flatnonzero(self.arrays.resource_id == resource)
+            at = self.arrays.rows_of(resource)
             hit = self.by_resource[resource] = (at, np.flatnonzero(self.subject[at] | self.pin_rows[at]))
         return hit
 
@@ -461,20 +461,17 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
             return None
         # every other row: no bound (worst 0), allowed; only the bounded rows are worked out, and
         # the masks that depend on labels and policy alone are kept with the view (read-only)
+        rows_of, at = (None, v.bounded) if resource is None else v.resource_rows(resource)
         grouped = None if resource is None else v.resource_groups(resource)
-        if resource is None:
-            n, at, bounded = len(v.subject), v.bounded, v.bounded
-        else:
-            rows_of, at = v.resource_rows(resource)
-            n, bounded = len(rows_of), rows_of[at]
-        worst = np.zeros(n, np.int64)
-        allowed = np.ones(n, bool)
+        worst = np.zeros(len(v.subject) if rows_of is None else len(rows_of), np.int64)
+        allowed = np.ones(len(worst), bool)
         if grouped is not None:  # one value per group, spread to its rows (8 rows a group in the load test)
             groups, pos, local = grouped
             if len(groups):
                 group_worst, group_allowed = _bound_per_group(v, groups, need, gpu_count)
                 worst[pos], allowed[pos] = group_worst[local], group_allowed[local]
         else:
+            bounded = at if rows_of is None else rows_of[at]
             worst[at], allowed[at] = _bound(v, bounded, need[bounded], gpu_count, need[v.g_first])
         needs_pin, distributed, refused = v.static_masks(pin_configmap, resource)
     else:

@@ -81,6 +81,16 @@ class DeviceArrays:
     def free(self) -> np.ndarray:
         return self.capacity - self.used
 
+    def rows_of(self, resource_id: int) -> np.ndarray:
+        """The rows of the devices of one resource, ascending: labels only, so kept in `derived`
+        (read-only), where filter's view of the resource and the device plugin's bound both find it."""
+        by_id = self.derived.setdefault("rows_of", {})
+        rows = by_id.get(resource_id)
+        if rows is None:
+            rows = by_id[resource_id] = np.flatnonzero(self.resource_id == resource_id)
+            rows.flags.writeable = False
+        return rows
+
     def per_node_sum(self, values: np.ndarray, dtype: type = np.int64) -> np.ndarray:
         """Sum of `values` (one row per device, any trailing shape) over each node's devices.
 
@@ -138,9 +148,10 @@ class Ledger:
         #: nodes in the order they changed, from absolute position `touched_base`: lets a cache
         #: refresh only what changed since it last looked instead of comparing every node.
         self.touched: list[str] = []
-        #: beside `touched`, each node's row in the arrays at the time (-1: none), so a reader of
-        #: these very arrays gets the rows without a lookup per name (`touched_rows_since`)
-        self._touched_rows = np.empty(1024, np.int32)  # the first len(touched) entries hold rows + 1 (0: none)
+        #: beside `touched`, each node's row in the arrays at the time, plus 1 (0: no row), so a
+        #: reader of these very arrays gets the rows without a lookup per name (`touched_rows_since`);
+        #: the first len(touched) entries are in use
+        self._touched_rows = np.empty(1024, np.int32)
         self.touched_base = 0
         #: per resource id, per node row: free VRAM of its devices of that resource, largest first,
         #: and how many have a free replica (see `NodeSummary`); derived state, built on first use,

@@ -366,8 +366,8 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         ok, need_at, summary = hit
         top = summary.top
         room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
-    # no bounded row of this resource (a MIG profile no node time-slices): the books alone decide
-    # the bound at the resource's rows, as `static` has them (none: a MIG profile no node time-slices)
+    # the bound at the resource's rows, as `static` has them (none: a MIG profile no node
+    # time-slices, whose books alone decide)
     shared = _shared_at_resource(ledger, demand)
     n = len(static.node_names)
     if shared is None:
@@ -377,18 +377,18 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         if ((refused > 0) & (refused < np.diff(static.node_start))).any():
             return False  # a node whose devices of the resource differ under the bound: per device
         every = (refused == 0).astype(np.int64)  # 1 where the bound admits the node
-    view = static  # nothing below reads the used columns (`books_short`)
-    matches, need, _ = _static_fit(view, demand)
-    fit = _Fit(view, matches, need, np.zeros(0, bool), shared)
+    # `static`'s used columns are stale: nothing below reads them (`books_short`)
+    matches, need, _ = _static_fit(static, demand)
+    fit = _Fit(static, matches, need, np.zeros(0, bool), shared)
     rows, unknown = _node_rows(ledger, names)
     if unknown:
         _mutable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
     room = room_at[rows]  # by the per-device books
     good = room & (every[rows] > 0)
-    _split_feasible(ledger, view, rows, good, out)
+    _split_feasible(ledger, static, rows, good, out)
     blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
     if len(blocked):
-        _explain_blocked(view, fit.shared, blocked, _node_names(view), out)
+        _explain_blocked(static, fit.shared, blocked, _node_names(static), out)
     short = rows[~room]
     if not len(short):
         return True
@@ -467,7 +467,7 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_po
     views = a.derived.setdefault("by_resource", {})
     view = views.get(rid)
     if view is None:
-        idx = np.flatnonzero(a.resource_id == rid)
+        idx = a.rows_of(rid)
         if len(idx) == len(a.devices):
             view = views[rid] = (None, None)
         else:
@@ -727,12 +727,11 @@ _STATIC_COUNTS_CACHED = 256
 #: ~480, and emptying the cache every 256 new shapes threw away the frequent ones too
 _SCORES_CACHED = 1024
 #: a kept score table is patched when at most 1 node in this many changed since, else redone.
-#: Device by device under a replica policy (5,000 nodes, the resource's rows only, devices
-#: not looked up): a patch costs ~0.13 ms + ~0.35 us per node, a redo 0.55-1.0 ms (measured
-#: 30 Nov; it was ~3 us per node against ~1.5 ms, and 12); from the summaries, a patch is a
-#: vector pass over the changed rows and pays off as long
-_PATCH_SHARE_DEVICES = 4
-_PATCH_SHARE_SUMMARY = 4
+#: From the summaries a patch is a vector pass over the changed rows; device by device under a
+#: replica policy (5,000 nodes, the resource's rows only, devices not looked up) it costs
+#: ~0.13 ms + ~0.35 us per node against 0.55-1.0 ms for a redo (measured 30 Nov; it was ~3 us
+#: per node against ~1.5 ms, and 1 in 12, before)
+_PATCH_SHARE = 4
 
 
 def _static_counts(
@@ -930,7 +929,7 @@ def score_rows(
     if static is None:
         a, at = ledger.arrays, None
     else:  # the view's rows among every device's
-        a, at = static, ledger.arrays.derived["by_resource"][ledger.arrays.resources[demand.resource]][0]
+        a, at = static, ledger.arrays.rows_of(rid)
     return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned)
 
 
@@ -961,11 +960,11 @@ def _device_scores_kept(
         fit = _fit(ledger, demand, sub, node_rows=ix if full or bounded else None)
         return nodes, *_device_scores(fit, demand.gpu_count, np.arange(len(nodes)), ledger.arrays.node_used_replicas[nodes] > 0)
 
-    return _kept_scores(ledger, a, "device_scores", key, _PATCH_SHARE_DEVICES, every, some)
+    return _kept_scores(ledger, a, "device_scores", key, every, some)
 
 
 def _kept_scores(
-    ledger: Ledger, a: DeviceArrays, name: str, key: tuple, share: int,
+    ledger: Ledger, a: DeviceArrays, name: str, key: tuple,
     every: Callable[[], tuple[np.ndarray, np.ndarray]],
     some: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -973,13 +972,13 @@ def _kept_scores(
     `name`) and patched on the nodes the ledger's log says changed since it was last read:
     `some(nodes)` gives (the rows among them whose entries may change, their scores, placed).
     Redone with `every()` when the log no longer reaches back that far, or when more than 1
-    node in `share` changed (then one pass over all of them is cheaper)."""
+    node in `_PATCH_SHARE` changed (then one pass over all of them is cheaper)."""
     cache = _bounded_cache(a, name, _SCORES_CACHED)
     entry = cache.get(key)
     now = ledger.position
     if entry is not None:
         nodes = ledger.touched_rows_since(entry[0])  # rows of these very arrays (a rebuild drops the cache)
-        if nodes is None or len(nodes) * share > len(a.node_names):
+        if nodes is None or len(nodes) * _PATCH_SHARE > len(a.node_names):
             entry = None
         else:
             if len(nodes):
@@ -1072,7 +1071,7 @@ def _score_summary(
         return r, *_summary_scores(ledger, demand, a, node_need, capacity, r)
 
     key = (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
-    return _kept_scores(ledger, a, "scores", key, _PATCH_SHARE_SUMMARY, every, some)
+    return _kept_scores(ledger, a, "scores", key, every, some)
 
 
 def _summary_scores(
