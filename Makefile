@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8888
+# more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
+ARGS ?=
 
 .PHONY: run test e2e venv deps control-plane bench-mig bench-packing bench-planner loadtest soak clean
 
@@ -24,7 +26,7 @@ deps:
 	@command -v openssl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null)
 
 run: venv
-	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT)
+	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT) $(ARGS)
 
 # kube-apiserver + kube-scheduler 1.20.2 built from Debian's source package, etcd from Debian;
 # cached in ~/.cache/vramsched (a warm run is a no-op). See docs/control-plane.md.

@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import orjson
 
@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from extender.assignment import encode_assignment
 from extender.bind_event import bind_event, bind_message
 from extender.cluster import ClusterState
-from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, DemandError, pod_ref, reads_pin_annotation
+from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, Demand, DemandError, pod_ref, reads_pin_annotation
 from extender.deviceplugin import (
     ReplicaPolicy,
     annotation_pin_refusal,
@@ -50,9 +50,9 @@ from extender.deviceplugin import (
     references_pin_configmap,
 )
 from extender.ledger import Reservation
+from extender.placement import FilterOutcome, filter_nodes
 from extender.quantity import format_bytes
 from extender.service import BindError, ExtenderService
-from extender.service import _node_name  # noqa: PLC2701 - the same reading of a sent Node as the service's
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -914,41 +914,37 @@ class LiveService(ExtenderService):
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         if not self.source.synced:
             return ExtenderFilterResult(Error=NOT_SYNCED)
-        result = super().filter(args)
-        if not result.Error and reads_pin_annotation(args.Pod):
-            self._keep_pinnable(args, result)
-        return result
+        return super().filter(args)
 
-    def _unpinnable(self, pod: Mapping[str, Any], names: list[str]) -> dict[str, str]:
+    def _filter_outcome(self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]) -> FilterOutcome:
+        """Also refuse, as unresolvable (no eviction makes a node pinnable), the nodes where a pod
+        reading NVIDIA_VISIBLE_DEVICES from the gpu-index annotation would get no GPU."""
+        out = super()._filter_outcome(pod, demand, names)
+        if not reads_pin_annotation(pod):
+            return out
+        refused = self._unpinnable(demand, out.feasible)
+        if not refused:
+            return out
+        keep = [n for n in out.feasible if n not in refused]
+        if not keep and not out.explain_all:  # none passes now: every refused node needs its reason
+            out = filter_nodes(self.ledger, demand, names, explain_all=True)
+        out.feasible = keep  # a new list: the one handed out is shared (FilterOutcome)
+        if keep and not out.explain_all:
+            return out
+        out.unresolvable = {**out.unresolvable, **refused}
+        return out
+
+    def _unpinnable(self, demand: Demand, names: list[str]) -> dict[str, str]:
         """Nodes where a pod reading NVIDIA_VISIBLE_DEVICES from the gpu-index annotation would get
         no index, hence no GPU (extender.deviceplugin.annotation_pin_refusal), with the reason."""
-        try:
-            resource = self._demand(pod).resource
-        except DemandError:
-            return {}
         ledger, policy = self.ledger, self.ledger.replica_policy
         out: dict[str, str] = {}
         for name in names:
             inv = ledger.node(name)
-            why = annotation_pin_refusal(inv.devices if inv is not None else (), resource, policy)
+            why = annotation_pin_refusal(inv.devices if inv is not None else (), demand.resource, policy)
             if why is not None:
                 out[name] = why
         return out
-
-    def _keep_pinnable(self, args: ExtenderArgs, result: ExtenderFilterResult) -> None:
-        """Move the nodes that cannot pin this pod from the feasible list to the unresolvable ones
-        (no eviction can make a node pinnable)."""
-        feasible = [_node_name(n) for n in result.Nodes.items] if result.Nodes is not None else list(result.NodeNames or [])
-        refused = self._unpinnable(args.Pod, feasible)
-        if not refused:
-            return
-        if result.Nodes is not None:
-            result.Nodes.items = [n for n in result.Nodes.items if _node_name(n) not in refused]
-        else:
-            result.NodeNames = [n for n in feasible if n not in refused]
-        if self.legacy_failed_nodes:  # as the service does for kube-scheduler < 1.21
-            result.FailedNodes = {**(result.FailedNodes or {}), **refused}
-        result.FailedAndUnresolvableNodes = {**(result.FailedAndUnresolvableNodes or {}), **refused}
 
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
         if not self.source.synced:
@@ -976,7 +972,11 @@ class LiveService(ExtenderService):
         result = super().preempt(args)
         if reads_pin_annotation(args.Pod) and result.NodeNameToMetaVictims:
             # Evicting anyone on a node that cannot pin the pod would free nothing it can use.
-            refused = self._unpinnable(args.Pod, list(result.NodeNameToMetaVictims))
+            try:
+                demand = self._demand(args.Pod)
+            except DemandError:
+                return result
+            refused = self._unpinnable(demand, list(result.NodeNameToMetaVictims))
             result.NodeNameToMetaVictims = {n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused}
         return result
 

@@ -49,6 +49,9 @@ class FilterOutcome:
     feasible: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     unresolvable: dict[str, str] = field(default_factory=dict)
+    #: asked of `filter_nodes`: False leaves the refused nodes unexplained whenever some node
+    #: passes (and skips working their reasons out), True explains every refused node
+    explain_all: bool = True
 
 
 class SharedReasons(dict[str, str]):
@@ -313,14 +316,26 @@ def _nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.
     return sub, ix
 
 
-def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> FilterOutcome:
-    """Which of `names` can take the pod now, and a short reason for every one that cannot."""
-    out = FilterOutcome()
+def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], explain_all: bool = True) -> FilterOutcome:
+    """Which of `names` can take the pod now, and a short reason for every one that cannot.
+
+    `explain_all=False`: reasons only when no node passes. kube-scheduler reads an extender's
+    reasons only then (for the pod's FitError event and for preemption); when some node passes
+    it drops them unread, so working them out, sending and decoding them is wasted on the
+    scheduling path. The answer is then all-or-nothing: every refused node explained, or none."""
+    out = FilterOutcome(explain_all=explain_all)
     if not demand.wants_gpu:
         out.feasible = list(names)
         return out
+    _filter_into(ledger, demand, names, out)
+    if not explain_all and out.feasible and (out.failed or out.unresolvable):
+        out.failed, out.unresolvable = {}, {}  # e.g. unknown nodes, named before the split
+    return out
+
+
+def _filter_into(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> None:
     if getattr(ledger, "replica_policy", None) is not None and _filter_plugin(ledger, demand, names, out):
-        return out
+        return
     view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
     largest = _one_largest(ledger, view, demand) if one else None
@@ -337,7 +352,6 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str]) -> Filter
         _filter_summary(ledger, fit, demand, rows, out, *by_node)
     else:
         _filter_rows(ledger, fit, demand, rows, out)
-    return out
 
 
 def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> bool:
@@ -385,7 +399,8 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         _mutable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
     room = room_at[rows]  # by the per-device books
     good = room & (every[rows] > 0)
-    _split_feasible(ledger, static, rows, good, out)
+    if not len(_split_feasible(ledger, static, rows, good, out)):
+        return True  # nothing to explain (or, `explain_all` off, no reason asked for)
     blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
     if len(blocked):
         _explain_blocked(static, fit.shared, blocked, _node_names(static), out)
@@ -580,11 +595,14 @@ def _filter_summary(
 
 def _split_feasible(ledger: Ledger, a: DeviceArrays, rows: np.ndarray, good: np.ndarray, out: FilterOutcome) -> np.ndarray:
     """Put the names of the `good` rows in `out.feasible` (remembered: prioritize will send this
-    list) and return the failing rows, which the caller explains."""
+    list) and return the failing rows, which the caller explains: none when some node passes and
+    `out.explain_all` is off."""
     feasible_rows = rows[good]
     out.feasible = _node_names(a)[feasible_rows].tolist()
     if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
         _remember_rows(ledger, out.feasible, feasible_rows, [])  # shared, not copied: see FilterOutcome
+    if out.feasible and not out.explain_all:
+        return rows[:0]
     return rows[~good]
 
 

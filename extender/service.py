@@ -18,7 +18,7 @@ from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import Demand, DemandError, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
-from extender.placement import choose_devices, filter_nodes, plugin_allows, preempt_victims, score_rows
+from extender.placement import FilterOutcome, choose_devices, filter_nodes, plugin_allows, preempt_victims, score_rows
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -114,6 +114,7 @@ class ExtenderService:
         assume_ttl: float = 60.0,
         live: bool = False,
         legacy_failed_nodes: bool = True,
+        explain_all: bool = False,
     ) -> None:
         self.cluster = cluster
         self.binder = binder
@@ -127,6 +128,11 @@ class ExtenderService:
         #: FailedAndUnresolvableNodes and would drop those reasons from the pod's event. Newer ones
         #: read both maps (the unresolvable entry wins), so there it only doubles the answer.
         self.legacy_failed_nodes = legacy_failed_nodes
+        #: give a reason for every refused node even when some node passes. Off by default:
+        #: kube-scheduler reads an extender's reasons only when no node is left (the pod's
+        #: FitError event, preemption), and drops them unread otherwise. On for a scheduler with
+        #: another filtering extender after this one, which could empty the list itself.
+        self.explain_all = explain_all
         #: binds waiting on the binder, by pod key: (node, outcome). Another bind of the same pod
         #: meanwhile shares that outcome (same node) or is refused (another node), so a pod never
         #: has two Bindings racing, nor one call releasing what a concurrent one is confirming.
@@ -212,7 +218,7 @@ class ExtenderService:
             names = args.NodeNames or []
         self._remember(args.Pod)
         self.ledger.expire()
-        outcome = filter_nodes(self.ledger, demand, names)
+        outcome = self._filter_outcome(args.Pod, demand, names)
         if self.planner is not None and names:
             self.planner.notify_filtered(demand.pod.key, bool(outcome.feasible))
         failed = outcome.failed
@@ -230,6 +236,10 @@ class ExtenderService:
         return ExtenderFilterResult.model_construct(
             NodeNames=outcome.feasible, FailedNodes=failed, FailedAndUnresolvableNodes=outcome.unresolvable
         )
+
+    def _filter_outcome(self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]) -> FilterOutcome:
+        """The core's answer; a subclass may refuse more nodes (see LiveService)."""
+        return filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
 
     # ----- prioritize --------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> Sequence[HostPriority]:

@@ -73,7 +73,9 @@ class Checks:
         explained = failed.keys() | unresolvable.keys() if failed else unresolvable.keys()
         if len(passed) != len(feasible) or not explained.isdisjoint(passed):
             return "filter answer lists a node twice", None
-        if len(feasible) + len(explained) != self.n_sent:
+        # Reasons are all or nothing, and nothing only when some node passes: kube-scheduler
+        # reads them only when none does (vramsched's default; `--explain-all` sends them always).
+        if (explained or not feasible) and len(feasible) + len(explained) != self.n_sent:
             return f"filter answer accounts for {len(feasible) + len(explained)} of {self.n_sent} nodes", None
         return None, feasible
 

@@ -6,8 +6,9 @@ the survivors (skipped when only one survives, as kube-scheduler does), POST /bi
 best-scored node (ties broken at random, standing in for the in-tree scores).
 
 A request fails when the answer is not what kube-scheduler could use: non-200, malformed
-JSON, a key missing or of the wrong type, a node that was not sent, a node reported twice or
-not at all, a score outside 0..10, a filter `Error` for a well-formed pod, or a bind `Error`
+JSON, a key missing or of the wrong type, a node that was not sent, a node reported twice, a
+refused node left unexplained (reasons are all or nothing, and nothing only when some node
+passes: kube-scheduler reads them only when none does), a score outside 0..10, a filter `Error` for a well-formed pod, or a bind `Error`
 other than losing a race. Losing a race (another user took the GPU between our filter and
 our bind) is a legitimate outcome: it is counted apart, as "bind lost a race", and the pod is
 scheduled again after kube-scheduler's backoff (1 s, doubling up to 10 s), as kube-scheduler

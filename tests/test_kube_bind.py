@@ -213,8 +213,26 @@ async def test_pinned_policy_refuses_time_sliced_nodes_to_pods_that_cannot_be_pi
                            replica_policy="pinned")
     result = service.filter(filter_args(plain, ["ts", "whole"]))
     assert result.NodeNames == ["whole"]  # an exclusive GPU's identity does not matter
+    assert result.FailedNodes == result.FailedAndUnresolvableNodes == {}  # a node passes: no reasons by default
+    service.explain_all = True
+    result = service.filter(filter_args(plain, ["ts", "whole"]))
+    assert result.NodeNames == ["whole"]
     assert result.FailedAndUnresolvableNodes == {"ts": PIN_MISSING}
     assert "envFrom ConfigMap vramsched-<pod-name>" in PIN_MISSING and "vramsched.io/gpu-index" in PIN_MISSING
+
+
+async def test_when_the_pin_rule_leaves_no_node_every_refused_node_is_explained() -> None:
+    """The core found a node (so, by default, worked out no reasons), the downward-API pin rule
+    then took it: no node is left, so kube-scheduler reads the reasons, and each refused node
+    needs one."""
+    p = downward_pod("web-1", "12Gi")
+    nodes = [gpu_node("whole", count=1), gpu_node("small", count=2, memory_mib=8192, replicas=4)]
+    service, api, c = live(nodes, [p], replica_policy="pinned")
+    result = service.filter(filter_args(p, ["whole", "small"]))
+    assert result.NodeNames == []
+    assert "cannot be pinned" in result.FailedAndUnresolvableNodes["whole"]
+    assert "need 12Gi per GPU" in result.FailedAndUnresolvableNodes["small"]
+    assert result.FailedNodes == result.FailedAndUnresolvableNodes  # kube-scheduler < 1.21 reads this one
 
 
 async def test_a_pod_the_watch_has_not_delivered_yet_is_read_from_the_api() -> None:
@@ -264,6 +282,10 @@ async def test_a_downward_api_pod_is_kept_where_no_index_would_be_written() -> N
     p = downward_pod("web-1", "12Gi")
     nodes = [gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1)]
     service, api, c = live(nodes, [p], replica_policy="pinned")
+    result = service.filter(filter_args(p, ["ts", "whole"]))
+    assert result.NodeNames == ["ts"]
+    assert result.FailedNodes == result.FailedAndUnresolvableNodes == {}
+    service.explain_all = True
     result = service.filter(filter_args(p, ["ts", "whole"]))
     assert result.NodeNames == ["ts"]
     assert "cannot be pinned" in result.FailedAndUnresolvableNodes["whole"]

@@ -46,6 +46,9 @@ def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
     # unresolvable nodes may also be listed in FailedNodes (kube-scheduler < 1.21 compatibility)
     both = {"c": "x", "d": "need 90Gi per GPU, GPUs have 80Gi"}
     assert _filter(answer(FailedNodes=both)) == (None, ["a", "b"])
+    # vramsched's default: no reasons while some node passes (kube-scheduler reads none then)
+    assert _filter(answer(FailedNodes={}, FailedAndUnresolvableNodes={})) == (None, ["a", "b"])
+    assert _filter(answer(NodeNames=[], FailedNodes={"a": "x", "b": "x", "c": "x"})) == (None, [])
     bad = {
         "keys": {k: v for k, v in answer().items() if k != "Error"},
         "extra key": answer(Extra=1),
@@ -54,6 +57,9 @@ def test_filter_rules_accept_a_usable_answer_and_name_every_unusable_one():
         "twice": answer(NodeNames=["a", "b", "c"]),
         "twice in NodeNames": answer(NodeNames=["a", "a", "b"], FailedNodes={}),
         "missing": answer(NodeNames=["a"]),
+        "some explained, not all": answer(FailedAndUnresolvableNodes={}),
+        "none passes, none explained": answer(NodeNames=[], FailedNodes={}, FailedAndUnresolvableNodes={}),
+        "none passes, one unexplained": answer(NodeNames=[], FailedNodes={"a": "x", "b": "x"}),
         "empty reason": answer(FailedNodes={"c": ""}),
         "reason type": answer(FailedNodes={"c": 3}),
         "Nodes": answer(Nodes={"items": []}),

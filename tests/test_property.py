@@ -33,10 +33,19 @@ class Scheduling(RuleBasedStateMachine):
     def schedule(self, memory, gpus, resource, prio, pick, wrong):
         self.n += 1
         p = pod(f"p{self.n}", memory, gpus=1 if "mig" in resource else gpus, resource=resource, priority=prio)
+        self.svc.explain_all = True
+        full = self.svc.filter(ExtenderArgs(Pod=p, NodeNames=NODES))
+        self.svc.explain_all = False  # the default: reasons only when no node passes
         out = self.svc.filter(ExtenderArgs(Pod=p, NodeNames=NODES))
         if out.Error:
+            assert full.Error == out.Error
             return
-        assert set(out.NodeNames) | set(out.FailedNodes) | set(out.FailedAndUnresolvableNodes) == set(NODES)
+        assert set(full.NodeNames) | set(full.FailedNodes) | set(full.FailedAndUnresolvableNodes) == set(NODES)
+        assert out.NodeNames == full.NodeNames
+        if out.NodeNames:
+            assert out.FailedNodes == out.FailedAndUnresolvableNodes == {}
+        else:
+            assert (out.FailedNodes, out.FailedAndUnresolvableNodes) == (full.FailedNodes, full.FailedAndUnresolvableNodes)
         scores = self.svc.prioritize(ExtenderArgs(Pod=p, NodeNames=out.NodeNames))
         assert all(0 <= h.Score <= 10 for h in scores)
         if wrong:  # a bind kube-scheduler would not send: to a node that did not pass filter

@@ -241,10 +241,40 @@ async def test_unresolvable_nodes_are_in_failed_nodes_only_for_old_schedulers(ai
     svc = service(state)
     svc.legacy_failed_nodes = legacy
     client = await aiohttp_client(create_app(svc))
-    out = await post(client, "filter", {"Pod": pod("p", "40Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]})
+    out = await post(client, "filter", {"Pod": pod("p", "90Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]})
+    assert out["NodeNames"] == []
+    assert set(out["FailedAndUnresolvableNodes"]) == {"big", "small", "ghost"}
+    assert out["FailedNodes"] == (out["FailedAndUnresolvableNodes"] if legacy else {})
+    svc.explain_all = True  # reasons also when some node passes: the same rule
+    out = await post(client, "filter", {"Pod": pod("q", "40Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]})
     assert out["NodeNames"] == ["big"]
     assert set(out["FailedAndUnresolvableNodes"]) == {"small", "ghost"}
     assert out["FailedNodes"] == (out["FailedAndUnresolvableNodes"] if legacy else {})
+
+
+async def test_refused_nodes_are_explained_when_none_passes_or_when_asked(aiohttp_client):
+    """kube-scheduler reads filter's reasons only when no node is left (FitError event,
+    preemption): by default they are sent then, for every refused node, and not otherwise."""
+    state = cluster(gpu_node("big", count=1, replicas=4), gpu_node("small", count=1, memory_mib=24576))
+    state.upsert_pod(pod("busy", "70Gi", node="big"))
+    svc = service(state)
+    svc.legacy_failed_nodes = False  # today's kube-scheduler: each refused node in one map
+    client = await aiohttp_client(create_app(svc))
+    names = ["big", "small", "ghost"]
+    out = await post(client, "filter", {"Pod": pod("p", "8Gi"), "Nodes": None, "NodeNames": names})
+    assert out["NodeNames"] == ["big", "small"]
+    assert out["FailedNodes"] == out["FailedAndUnresolvableNodes"] == {}  # ghost dropped, unexplained
+    out = await post(client, "filter", {"Pod": pod("q", "20Gi"), "Nodes": None, "NodeNames": names})
+    assert out["NodeNames"] == ["small"]
+    assert out["FailedNodes"] == out["FailedAndUnresolvableNodes"] == {}
+    out = await post(client, "filter", {"Pod": pod("r", "30Gi"), "Nodes": None, "NodeNames": names})
+    assert out["NodeNames"] == []  # big is full for now (preemption may help), small too small
+    assert set(out["FailedNodes"]) == {"big"} and set(out["FailedAndUnresolvableNodes"]) == {"small", "ghost"}
+    assert out["FailedAndUnresolvableNodes"]["ghost"] == "node unknown to vramsched"
+    svc.explain_all = True
+    out = await post(client, "filter", {"Pod": pod("s", "20Gi"), "Nodes": None, "NodeNames": names})
+    assert out["NodeNames"] == ["small"]
+    assert set(out["FailedNodes"]) == {"big"} and set(out["FailedAndUnresolvableNodes"]) == {"ghost"}
 
 
 def test_which_control_planes_need_unresolvable_nodes_in_failed_nodes():

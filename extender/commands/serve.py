@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--legacy-failed-nodes", action=argparse.BooleanOptionalAction, default=None,
                    help="also list unresolvable nodes in FailedNodes, for kube-scheduler < 1.21 which reads no "
                         "other map (default: on with --cluster; live, on only if the API server is older than 1.21)")
+    p.add_argument("--explain-all", action=argparse.BooleanOptionalAction, default=False,
+                   help="give filter's reason for every refused node even when some node passes (default off: "
+                        "kube-scheduler reads the reasons only when no node is left, and then every refused node "
+                        "has one). Turn on when another filtering extender runs after vramsched")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -108,14 +112,16 @@ async def _serve(args: argparse.Namespace) -> int:
         # No device plugin behind a cluster file: exact per-GPU books unless a policy is asked for.
         cluster.ledger.replica_policy = args.replica_policy
         service = ExtenderService(cluster, EmbeddedBinder(cluster), planner=_planner(args, cluster),
-                                  legacy_failed_nodes=args.legacy_failed_nodes is not False)
+                                  legacy_failed_nodes=args.legacy_failed_nodes is not False,
+                                  explain_all=args.explain_all)
         ready = None
         source = None
     else:
         from extender.kube import LiveService, LiveSource  # only live mode needs the Kubernetes client
 
         source = LiveSource(cluster, kubeconfig=args.kubeconfig, pin_gpus=args.pin_gpus, replica_policy=args.replica_policy)
-        service = LiveService(cluster, source, assume_ttl=args.assume_ttl, planner=_planner(args, cluster))
+        service = LiveService(cluster, source, assume_ttl=args.assume_ttl, planner=_planner(args, cluster),
+                              explain_all=args.explain_all)
         ready = source.ready
         await source.start()
         service.legacy_failed_nodes = (
