@@ -1022,7 +1022,7 @@ def _device_scores(fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray) -
             node = a.node_of[chosen]
             empty = (a.used_replicas[chosen] == 0).astype(np.int64)
             leftover = a.capacity[chosen] - a.used[chosen] - fit.need[chosen]
-            frac = np.clip(leftover, 0, None) / np.maximum(a.capacity[chosen], 1)
+            frac = np.maximum(leftover, 0) / np.maximum(a.capacity[chosen], 1)
             opened = np.bincount(node, weights=empty, minlength=n_nodes)
             taken = np.bincount(node, minlength=n_nodes)
             mean_left = np.bincount(node, weights=frac, minlength=n_nodes) / np.maximum(taken, 1)
@@ -1122,10 +1122,11 @@ def _summary_scores(
     else:
         left = np.zeros(len(r))
         opened = np.zeros(len(r))
+        top = width - 1  # np.clip costs several times two ufuncs on small int arrays (its checks)
         for j in range(k):  # the j-th device chosen: the busy ones smallest first, then the idle ones
             on_busy = j < n_busy
-            free = np.where(on_busy, busy[base + np.clip(n_busy - 1 - j, 0, width - 1)],
-                            idle[base + np.clip(n_idle - 1 - (j - n_busy), 0, width - 1)])
+            free = np.where(on_busy, busy[base + np.minimum(np.maximum(n_busy - 1 - j, 0), top)],
+                            idle[base + np.minimum(np.maximum(n_idle - 1 - (j - n_busy), 0), top)])
             left += np.maximum(free - need, 0) / cap
             opened += ~on_busy
         all_busy = opened == 0
