@@ -146,7 +146,18 @@ def _shared_at_resource(ledger: Ledger, demand: Demand) -> SharedFit | None:
     rid = full.resources.get(demand.resource)
     if rid is None or not bounds_resource(ledger, rid):
         return None
-    return _shared(ledger, demand, full, _static_fit(full, demand)[1], rid)
+    return _shared(ledger, demand, full, _need(full, demand), rid)
+
+
+def _need(a: DeviceArrays, demand: Demand) -> np.ndarray:
+    """`device_need` kept per demand shape (the same object for the same shape, as `_shared`'s
+    cache compares it by identity), without `_static_fit`'s two other columns: over every device
+    of the cluster, on a shape asked for the first time, they cost more than the bound itself."""
+    cache = _bounded_cache(a, "need")
+    hit = cache.get(demand.bytes_per_gpu)
+    if hit is None:
+        hit = cache[demand.bytes_per_gpu] = device_need(a, demand)
+    return hit
 
 
 def _bounded_cache(a: DeviceArrays, name: str, limit: int | None = None) -> dict:
