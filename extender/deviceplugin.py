@@ -272,6 +272,19 @@ class _View:
             self.groups_by_resource[resource] = (groups, pos, local) if same else None
         return self.groups_by_resource[resource]
 
+    def group_layout(self, resource: int, pin_configmap: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(per group of `resource`: its node, its rows; per node: its rows of `resource` the pin
+        rule refuses) for `refused_per_node`. Labels, policy and the pod's pin ability only."""
+        key = ("layout", resource, pin_configmap)
+        hit = self.masks.get(key)
+        if hit is None:
+            groups = self.resource_groups(resource)[0]
+            a = self.arrays
+            needs_pin = self.static_masks(pin_configmap, resource)[0]
+            pinned = np.bincount(a.node_of[self.resource_rows(resource)[0][needs_pin]], minlength=len(a.node_names))
+            hit = self.masks[key] = (a.node_of[self.g_first[groups]], self.g_gpus[groups], pinned)
+        return hit
+
     def static_masks(self, pin_configmap: bool, resource: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
         """(rows refused because they pin GPUs and the pod cannot take a pin, rows where the
         plugin spreads replicas, whether any row is refused): labels, policy and the pod's pin
@@ -485,6 +498,34 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
     if refused:
         allowed &= ~needs_pin
     return SharedFit(allowed=allowed, worst=worst, needs_pin=needs_pin, distributed=distributed, policy=policy.value)
+
+
+def refused_per_node(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool, resource: int) -> np.ndarray | None:
+    """Per node: how many of its device rows of `resource` the bound or the pin rule refuses, the
+    counts `shared_fit(..., resource=resource)` gives row by row, worked out on one value per
+    group (`_bound_per_group`; a group is one node's devices of one resource) instead of spread
+    to the rows and counted back: filter needs no more when some node passes. The pin rule's rows
+    (GPUs under the pinned policy) are never in a group, so the two counts add up. None without
+    a policy, or when the bound is not one value per group (`resource_groups`). `need` over
+    every row, as `shared_fit` takes it."""
+    policy = getattr(ledger, "replica_policy", None)
+    if policy is None:
+        return None
+    v = _view(ledger, ReplicaPolicy(policy))
+    grouped = v.resource_groups(resource)
+    if grouped is None:
+        return None
+    groups = grouped[0]
+    group_node, group_rows, pinned = v.group_layout(resource, pin_configmap)
+    if not len(groups):
+        return pinned
+    _, group_allowed = _bound_per_group(v, groups, need, gpu_count)
+    bad = np.flatnonzero(~group_allowed)
+    if not len(bad):
+        return pinned
+    refused = pinned.copy()
+    np.add.at(refused, group_node[bad], group_rows[bad])
+    return refused
 
 
 def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 import numpy as np
 
 from extender.demand import Demand
-from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, bounds_resource, shared_fit
+from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, bounds_resource, refused_per_node, shared_fit
 from extender.inventory import MigSlice
 from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation, first_k_per_node, offsets, run_starts
 from extender.quantity import format_bytes
@@ -391,20 +391,21 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
         ok, need_at, summary = hit
         top = summary.top
         room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
-    # the bound at the resource's rows, as `static` has them (none: a MIG profile no node
-    # time-slices, whose books alone decide)
-    shared = _shared_at_resource(ledger, demand)
+    # Per node, its devices of the resource the bound refuses (none applies: a MIG profile no
+    # node time-slices, whose books alone decide), worked out once per group; the rows' values
+    # (`_shared_at_resource`) only when there are reasons to give.
     n = len(static.node_names)
-    if shared is None:
-        every = np.ones(n, np.int64)
-    else:  # per node, its devices the bound refuses
-        refused = np.bincount(static.node_of[np.flatnonzero(~shared.allowed)], minlength=n)
+    shared = None
+    if bounds_resource(ledger, rid):
+        refused = refused_per_node(ledger, _need(full, demand), k, demand.pin_configmap, rid)
+        if refused is None:  # the bound is not one value per group: from the rows
+            shared = _shared_at_resource(ledger, demand)
+            refused = np.bincount(static.node_of[np.flatnonzero(~shared.allowed)], minlength=n)
         if ((refused > 0) & (refused < np.diff(static.node_start))).any():
             return False  # a node whose devices of the resource differ under the bound: per device
         every = (refused == 0).astype(np.int64)  # 1 where the bound admits the node
-    # `static`'s used columns are stale: nothing below reads them (`books_short`)
-    matches, need, _ = _static_fit(static, demand)
-    fit = _Fit(static, matches, need, np.zeros(0, bool), shared)
+    else:
+        every = np.ones(n, np.int64)
     rows, unknown = _node_rows(ledger, names)
     if unknown:
         _mutable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
@@ -412,6 +413,11 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
     good = room & (every[rows] > 0)
     if not len(_split_feasible(ledger, static, rows, good, out)):
         return True  # nothing to explain (or, `explain_all` off, no reason asked for)
+    if shared is None:
+        shared = _shared_at_resource(ledger, demand)
+    # `static`'s used columns are stale: nothing below reads them (`books_short`)
+    matches, need, _ = _static_fit(static, demand)
+    fit = _Fit(static, matches, need, np.zeros(0, bool), shared)
     blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
     if len(blocked):
         _explain_blocked(static, fit.shared, blocked, _node_names(static), out)
