@@ -282,6 +282,7 @@ class _View:
             a = self.arrays
             needs_pin = self.static_masks(pin_configmap, resource)[0]
             pinned = np.bincount(a.node_of[self.resource_rows(resource)[0][needs_pin]], minlength=len(a.node_names))
+            pinned.flags.writeable = False  # handed out as is when no group refuses
             hit = self.masks[key] = (a.node_of[self.g_first[groups]], self.g_gpus[groups], pinned)
         return hit
 
