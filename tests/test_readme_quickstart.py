@@ -42,7 +42,7 @@ def quick_start() -> tuple[dict, list[tuple[str, bytes, object]]]:
 
 async def test_the_quick_start_answers_are_what_the_readme_shows(aiohttp_client):
     pod, calls = quick_start()
-    assert pod["metadata"]["name"] == "qwen-7b" and [c[0] for c in calls] == ["filter", "prioritize", "bind"]
+    assert pod["metadata"]["name"] == "qwen-7b" and [c[0] for c in calls] == ["filter", "filter", "prioritize", "bind"]
     cluster = ClusterState()
     cluster.load(read_cluster_file(ROOT / "config" / "demo-cluster.yaml"))
     client = await aiohttp_client(create_app(ExtenderService(cluster, EmbeddedBinder(cluster))))  # as `make run`
