@@ -236,8 +236,12 @@ class _View:
     #: `g_sizes` flattened into one ascending array of keys (`_group_keys`): how many of a group's
     #: sizes exceed a given size is then one binary search, not a pass over every group's row
     g_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    #: (needs_pin, distributed) over every row, per pin_configmap flag: see `static_masks`
+    #: (needs_pin, distributed, any refused) per (pin_configmap flag, resource id or None for
+    #: every row): see `static_masks`
     masks: dict = field(default_factory=dict)
+    #: per (resource id, pin_configmap flag): its groups' nodes and rows, its pin-refused rows
+    #: per node (`group_layout`)
+    layouts: dict = field(default_factory=dict)
     #: device rows the bound or the pin rule applies to (`subject | pin_rows`): a small share of
     #: a cluster's rows (15% in the load test's), the only ones `shared_fit` computes
     bounded: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -275,15 +279,15 @@ class _View:
     def group_layout(self, resource: int, pin_configmap: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(per group of `resource`: its node, its rows; per node: its rows of `resource` the pin
         rule refuses) for `refused_per_node`. Labels, policy and the pod's pin ability only."""
-        key = ("layout", resource, pin_configmap)
-        hit = self.masks.get(key)
+        key = (resource, pin_configmap)
+        hit = self.layouts.get(key)
         if hit is None:
             groups = self.resource_groups(resource)[0]
             a = self.arrays
             needs_pin = self.static_masks(pin_configmap, resource)[0]
             pinned = np.bincount(a.node_of[self.resource_rows(resource)[0][needs_pin]], minlength=len(a.node_names))
             pinned.flags.writeable = False  # handed out as is when no group refuses
-            hit = self.masks[key] = (a.node_of[self.g_first[groups]], self.g_gpus[groups], pinned)
+            hit = self.layouts[key] = (a.node_of[self.g_first[groups]], self.g_gpus[groups], pinned)
         return hit
 
     def static_masks(self, pin_configmap: bool, resource: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:

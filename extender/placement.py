@@ -151,8 +151,9 @@ def _shared_at_resource(ledger: Ledger, demand: Demand) -> SharedFit | None:
 
 def _need(a: DeviceArrays, demand: Demand) -> np.ndarray:
     """`device_need` kept per demand shape (the same object for the same shape, as `_shared`'s
-    cache compares it by identity), without `_static_fit`'s two other columns: over every device
-    of the cluster, on a shape asked for the first time, they cost more than the bound itself."""
+    cache compares it by identity): `_static_fit` takes it from here, and the bound reads it
+    without `_static_fit`'s two other columns, which over every device of the cluster, on a shape
+    asked for the first time, cost more than the bound itself."""
     cache = _bounded_cache(a, "need")
     hit = cache.get(demand.bytes_per_gpu)
     if hit is None:
@@ -181,7 +182,7 @@ def _static_fit(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray
         if demand.allowed_products is not None:
             allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
             matches &= np.isin(a.product_id, np.asarray(allowed, np.int32))
-        need = device_need(a, demand)
+        need = _need(a, demand)
         hit = cache[key] = (matches, need, matches & (a.per_pod_cap >= need))
     return hit
 

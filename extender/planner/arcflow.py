@@ -197,6 +197,6 @@ def _states(ps: list[int], size: dict[int, int], levels: int, rep0: int, limit: 
 def _fragment(frag: FragIndex, g: int, run: np.ndarray, free: np.ndarray, rep_left: np.ndarray) -> np.ndarray:
     """Device g's expected stranded bytes for each (free, replicas left) pair, judged on the device
     alone for the types its node can run now (see the module docstring)."""
-    ok = frag._ok(np.full(len(free), g), free, rep_left)  # noqa: SLF001 - FragIndex's own per-device test
+    ok = frag.usable(np.full(len(free), g), free, rep_left)
     stranded = np.where(run, ~ok, True)
     return np.maximum(free, 0).astype(np.float64) * (stranded @ frag.w.weight)

@@ -325,7 +325,10 @@ class FragIndex:
         self.total = np.zeros(n_nodes, np.float64)
         self.refresh()
 
-    def _ok(self, rows: np.ndarray | slice, free: np.ndarray, rep_left: np.ndarray) -> np.ndarray:
+    def usable(self, rows: np.ndarray | slice, free: np.ndarray, rep_left: np.ndarray) -> np.ndarray:
+        """(devices, types): which workload types could use each device of `rows` with `free` bytes
+        and `rep_left` replicas left (GPU-less types always): FGD's per-device test, which the
+        arc-flow plan and the simulator's usable free GPUs apply too."""
         ok = self.match[rows] & self.need_ok[rows] & (rep_left[:, None] > 0) & (free[:, None] >= self.need[rows])
         return ok | self.gpuless
 
@@ -334,7 +337,7 @@ class FragIndex:
         if node_rows is None:
             rows = slice(None)
             free = (a.capacity - a.used).astype(np.float64)
-            ok = self._ok(rows, a.capacity - a.used, a.replicas - a.used_replicas)
+            ok = self.usable(rows, a.capacity - a.used, a.replicas - a.used_replicas)
             fpos = np.maximum(free, 0)
             self.A = a.per_node_sum(np.where(ok, 0.0, fpos[:, None]), np.float64)
             self.okc = a.per_node_sum(ok, np.int64)
@@ -343,7 +346,7 @@ class FragIndex:
         for n in node_rows:
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
             free = a.capacity[lo:hi] - a.used[lo:hi]
-            ok = self._ok(slice(lo, hi), free, a.replicas[lo:hi] - a.used_replicas[lo:hi])
+            ok = self.usable(slice(lo, hi), free, a.replicas[lo:hi] - a.used_replicas[lo:hi])
             fpos = np.maximum(free, 0).astype(np.float64)
             self.A[n] = (np.where(ok, 0.0, fpos[:, None])).sum(axis=0)
             self.okc[n] = ok.sum(axis=0)
@@ -371,10 +374,10 @@ class FragIndex:
             g = cand.devices[:, j]
             free = a.capacity[g] - a.used[g]
             rep = a.replicas[g] - a.used_replicas[g]
-            ok = self._ok(g, free, rep)
+            ok = self.usable(g, free, rep)
             nb = cand.need[:, j]
             free2 = free - nb
-            ok2 = self._ok(g, free2, rep - 1)
+            ok2 = self.usable(g, free2, rep - 1)
             f1 = np.maximum(free, 0).astype(np.float64)[:, None]
             f2 = np.maximum(free2, 0).astype(np.float64)[:, None]
             A += np.where(ok2, 0.0, f2) - np.where(ok, 0.0, f1)

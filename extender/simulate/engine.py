@@ -197,6 +197,6 @@ def usable_free_gpus(f: FragIndex) -> float:
     weight = np.where(f.gpuless, 0.0, w.weight)
     if not len(rows) or weight.sum() == 0:
         return 0.0
-    ok = f._ok(rows, (a.capacity - a.used)[rows], (a.replicas - a.used_replicas)[rows])  # noqa: SLF001 - the same test FGD applies
+    ok = f.usable(rows, (a.capacity - a.used)[rows], (a.replicas - a.used_replicas)[rows])
     run = f.runnable(f.cap.cpu_free, f.cap.mem_free, f.okc)[a.node_of[rows]]
     return float(((ok & run) @ (weight / weight.sum())).sum())
