@@ -937,7 +937,8 @@ def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: s
 
     Bands, so that no empty GPU is opened while a partly used one fits anywhere:
     9..5 the pod lands on partly used GPUs (tighter fit scores higher), 4..2 it opens an empty
-    GPU on a node already in use, 1..0 it opens an empty node. The planner's node gets 10.
+    GPU on a node already in use, 1..0 it opens an empty node. One node gets 10, the one vramsched
+    would choose: the planner's node, else the best band's first node (`_finish_scores`).
     """
     if not demand.wants_gpu:
         return [(n, 0) for n in names]
@@ -946,10 +947,12 @@ def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: s
 
 
 def score_rows(
-    ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None
+    ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None, single_top: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`score_nodes` as arrays (node names, rows of the known `names` in order, their scores),
     for an encoder that writes the answer without a Python object per node. Needs a GPU demand.
+    `single_top=False` leaves the best band as it is when there is no plan (the answer before
+    one node was made to stand out: benchmarks/kube_scoring.py compares the two).
     Under a replica policy the per-node summary still answers for a resource the device plugin's
     bound never applies to (a MIG profile no node time-slices): its books are exact."""
     rid = ledger.arrays.resources.get(demand.resource)
@@ -959,14 +962,14 @@ def score_rows(
         rows, _ = _node_rows(ledger, names)
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
-            return _finish_scores(ledger, view, rows, *fast, planned)
+            return _finish_scores(ledger, view, rows, *fast, planned, single_top)
     static = _resource_arrays(ledger, demand, used=False, under_policy=True)  # this resource's devices, or every device
     rows, _ = _node_rows(ledger, names)
     if static is None:
         a, at = ledger.arrays, None
     else:  # the view's rows among every device's
         a, at = static, ledger.arrays.rows_of(rid)
-    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned)
+    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned, single_top)
 
 
 def _device_scores_kept(
@@ -1053,13 +1056,34 @@ def _device_scores(fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray) -
 
 def _finish_scores(
     ledger: Ledger, a: DeviceArrays, rows: np.ndarray, scores: np.ndarray, placed: np.ndarray, planned: str | None,
+    single_top: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if planned is not None:
-        scores = np.minimum(scores, MAX_SCORE - 1)
-        r = ledger.node_row(planned)
-        if r is not None and placed[r]:
-            scores[r] = MAX_SCORE
-    return _node_info(ledger, a)[0], rows, scores[rows]
+    """Bands capped at 9 and one node at 10: the planner's node when the pod still fits there and it
+    is among `rows`, else the first node (in the ledger's order) of the best band among `rows`.
+
+    Why one node: kube-scheduler picks at random among the nodes with the top total score, so a
+    band shared by many nodes would spread pods over them; on the Alibaba trace filled to 1.3x
+    that random pick allocated 5,032-5,211 GPUs of memory against 5,670-5,786 for this one
+    choice (benchmarks/kube_scoring.py, docs/packing.md). `scores` is a kept table (read-only):
+    the answer is a new array."""
+    out = np.minimum(scores[rows], MAX_SCORE - 1)
+    r = ledger.node_row(planned) if planned is not None else None
+    top = rows == r if r is not None and placed[r] else None
+    if (top is None or not top.any()) and single_top:  # no plan, or its node no longer fits or was not asked about
+        r = _first_best(rows, scores, placed)
+        top = rows == r if r is not None else None
+    if top is not None:
+        out[top] = MAX_SCORE
+    return _node_info(ledger, a)[0], rows, out
+
+
+def _first_best(rows: np.ndarray, scores: np.ndarray, placed: np.ndarray) -> int | None:
+    """The lowest row among `rows` where the pod fits with the highest score, or None."""
+    fits = rows[placed[rows]]
+    if not len(fits):
+        return None
+    s = scores[fits]
+    return int(fits[s == s.max()].min())
 
 
 def _node_capacity(a: DeviceArrays) -> np.ndarray | None:

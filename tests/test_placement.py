@@ -62,6 +62,27 @@ def test_planned_node_gets_top_score_only():
     assert scores == {"a": scores["a"], "b": 10} and scores["a"] < 10
 
 
+def test_without_a_plan_the_first_node_of_the_best_band_alone_gets_top_score():
+    # kube-scheduler picks at random among equal top totals: one node must stand out.
+    c = cluster(*(gpu_node(n, count=1, replicas=4) for n in ("a", "b", "c", "d")))
+    place(c, pod("x", "60Gi"), "b")
+    place(c, pod("y", "60Gi"), "d")
+    d = pod_demand(pod("p", "16Gi"))
+    # asked in another order than the ledger's: b and d tie in the best band, b comes first
+    scores = dict(score_nodes(c.ledger, d, ["d", "c", "b", "a"]))
+    assert scores["b"] == 10 and scores["d"] == 9 and scores["a"] == scores["c"] < 9
+    # the tie is broken among the asked nodes only, and duplicates of the chosen one all score 10
+    assert dict(score_nodes(c.ledger, d, ["d", "a"])) == {"d": 10, "a": scores["a"]}
+    assert [s for n, s in score_nodes(c.ledger, d, ["b", "d", "b"])] == [10, 9, 10]
+    # a plan whose node was not asked about, or where the pod no longer fits, gives way to that choice
+    assert dict(score_nodes(c.ledger, d, ["c", "d"], planned="b")) == {"c": scores["c"], "d": 10}
+    place(c, pod("z", "20Gi"), "a")
+    place(c, pod("w", "80Gi"), "c")
+    assert dict(score_nodes(c.ledger, d, ["c", "d", "b"], planned="c")) == {"c": 0, "d": 9, "b": 10}
+    # nowhere to go: nobody gets 10
+    assert dict(score_nodes(c.ledger, pod_demand(pod("big", "70Gi")), ["b", "c"])) == {"b": 0, "c": 0}
+
+
 def test_no_annotation_needs_an_empty_gpu():
     c = cluster(gpu_node("n", count=2, replicas=4))
     place(c, pod("a", "1Gi"), "n")

@@ -184,3 +184,47 @@ def test_usable_free_gpus_leaves_out_a_free_gpu_whose_node_has_no_cpu_left(tmp_p
     assert r.gpusFreeUsable == pytest.approx(2.0)
     r = run_policy("first-fit", nodes, tasks[:2], bound, workload=workload)  # and "small" next to it? no CPU: on n1
     assert r.gpusFree == 2 and r.gpusFreeUsable == pytest.approx(1.0)
+
+
+async def test_hot_path_policy_places_each_pod_where_the_server_binds_it():
+    """`hot-path` claims to be what `vramsched serve` does to a pod placed at once: replay the same
+    pods through the service's filter, prioritize (kube-scheduler takes the top score) and bind."""
+    from builders import cluster, service
+    from extender.demand import pod_demand
+    from extender.planner.greedy import choose, place_one
+    from extender.simulate.engine import build_capacity
+    from extender.wire import ExtenderArgs, ExtenderBindingArgs
+
+    nodes = [gpu_node(f"n{i}", count=2, replicas=4) for i in range(4)] + [gpu_node("big", count=4, replicas=2)]
+    sizes = [30, 60, 10, 40, 20, 70, 16, 50, 8, 30, 75, 12, 45, 5, 64, 33]
+    pods = [pod(f"p{i}", f"{s}Gi", gpus=2 if i % 7 == 3 else 1) for i, s in enumerate(sizes * 2)]
+    names = [n["metadata"]["name"] for n in nodes]
+
+    state = cluster(*nodes)
+    s = service(state)
+    served: dict[str, tuple[str, tuple[str, ...]] | None] = {}
+    for p in pods:
+        feasible = s.filter(ExtenderArgs(Pod=p, NodeNames=names)).NodeNames or []
+        if not feasible:
+            served[p["metadata"]["name"]] = None
+            continue
+        scores = {h.Host: h.Score for h in s.prioritize(ExtenderArgs(Pod=p, NodeNames=feasible))}
+        best = max(scores.values())
+        (node,) = [n for n in feasible if scores[n] == best]  # one top score: no random pick to make
+        assert (await s.bind(ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", Node=node))).Error == ""
+        res = state.ledger.reservation(f"default/{p['metadata']['name']}")
+        served[p["metadata"]["name"]] = (node, res.device_ids)
+
+    _, cap = build_capacity(nodes)
+    simulated: dict[str, tuple[str, tuple[str, ...]] | None] = {}
+    for p in pods:
+        d = pod_demand(p)
+        ch = choose("hot-path", cap, d)
+        if ch is None:
+            simulated[p["metadata"]["name"]] = None
+            continue
+        place_one(cap, d, ch)
+        simulated[p["metadata"]["name"]] = (ch[0].node, ch[0].device_ids)
+    assert simulated == served
+    assert sum(v is None for v in served.values()) >= 1  # the cluster fills: refusals are compared too
+    assert {served[f"p{i}"][0] for i in range(3)} == {"n0"}  # and it packs: 30 + 60 + 10Gi on the first node

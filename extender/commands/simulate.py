@@ -9,7 +9,7 @@ import orjson
 
 __all__ = ["register", "run"]
 
-POLICY_CHOICES = ("planner", "best-fit", "first-fit", "spread", "fgd", "all")
+POLICY_CHOICES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd", "all")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", required=True, metavar="FILE", help="cluster YAML/JSON (List of Nodes, bound Pods) or a trace node CSV")
     p.add_argument("--pods", required=True, metavar="FILE", help="pods to replay: YAML/JSON List of Pods or a trace pod CSV")
     p.add_argument("--policy", action="append", choices=POLICY_CHOICES,
-                   help="policy to run (repeatable; default all): planner, best-fit, first-fit, spread, fgd")
+                   help="policy to run (repeatable; default all): planner, hot-path (what the server does to a pod "
+                        "placed at once), best-fit, first-fit, spread, fgd")
     p.add_argument("--churn", action="store_true", help="pods leave at their deletion time")
     p.add_argument("--inflate", type=float, default=0.0, metavar="F",
                    help="FGD protocol: repeat the pods until arrived GPU demand is F x the cluster's GPU capacity")

@@ -24,9 +24,9 @@ from extender.simulate.trace import Task
 
 __all__ = ["PolicyResult", "run_policy", "build_capacity", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
 
-ALL_POLICIES = ("planner", "best-fit", "first-fit", "spread", "fgd")
+ALL_POLICIES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies that must never overcommit (they are vramsched's own).
-VRAMSCHED_POLICIES = ("planner", "vramsched")
+VRAMSCHED_POLICIES = ("planner", "hot-path", "vramsched")
 
 
 @dataclass
@@ -88,7 +88,7 @@ def run_policy(
 ) -> PolicyResult:
     cluster, cap = build_capacity(nodes, bound)
     workload = workload or Workload.from_demands(t.demand for t in tasks)
-    frag = None if policy in ("first-fit", "best-fit", "spread") else FragIndex(cap, workload)
+    frag = None if policy in ("first-fit", "best-fit", "spread", "hot-path") else FragIndex(cap, workload)
     out = PolicyResult(policy)
     start = time.perf_counter()
     where: dict[str, int] = {}

@@ -285,6 +285,34 @@ def test_binds_to_right_nodes_with_annotations_and_explains_refusals(stack: tupl
 
 
 @pytest.mark.e2e
+def test_kube_scheduler_binds_where_vramsched_chooses_among_equal_nodes(stack: tuple[ControlPlane, Extender]) -> None:
+    """Two idle identical GPU nodes are in the same band for vramsched, so prioritize gives one of
+    them 10 (the first in its order) and the other its band, 0. A CPU-heavy pod on the chosen one
+    makes kube-scheduler's own CPU/memory scorers prefer the other node (~85 points); our 10 steps
+    (500 points) decide. With equal scores, those scorers (or kube-scheduler's random pick among
+    equal totals) would spread pods over idle nodes."""
+    cp, ext = stack
+    for name in ("tie-0", "tie-1"):
+        add_node(cp, name, "NVIDIA-A100-SXM4-80GB", count=1, memory_mib=81920)
+    api = core(cp)
+    cp.wait_for(lambda: {"tie-0", "tie-1"} <= {n["name"] for n in (ext.get("/state") or {}).get("nodes", [])},
+                timeout=30, message="both nodes in the extender's ledger")
+    probe = gpu_pod("tie-pod", "16Gi")
+    probe["metadata"].update(namespace=NS, uid="probe")
+    scores = {h["Host"]: h["Score"] for h in ext.post("/prioritize", {"Pod": probe, "NodeNames": ["tie-0", "tie-1"]})}
+    (chosen,) = [n for n, s in scores.items() if s == 10]
+    (other,) = [n for n, s in scores.items() if s != 10]
+    assert scores[other] == 0  # an idle node, and a loose fit: the lowest band
+    hog = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cpu-hog"},
+           "spec": {"nodeName": chosen, "containers": [{"name": "main", "image": "busybox",
+                                                        "resources": {"requests": {"cpu": "48", "memory": "256Gi"}}}]}}
+    api.create_namespaced_pod(NS, hog)
+    api.create_namespaced_pod(NS, gpu_pod("tie-pod", "16Gi"))
+    assert wait_bound(cp, api, ["tie-pod"])["tie-pod"] == chosen
+    assert json.loads(annotations(api, "tie-pod")["vramsched.io/assignment"])["node"] == chosen
+
+
+@pytest.mark.e2e
 def test_time_sliced_gpus_are_booked_for_the_device_plugins_worst_case(stack: tuple[ControlPlane, Extender]) -> None:
     """Default policy `distributed`: the plugin, not vramsched, picks the GPU of each replica.
 

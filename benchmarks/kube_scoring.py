@@ -1,0 +1,89 @@
+"""How kube-scheduler's own scoring changes what vramsched's prioritize achieves.
+
+The simulator's `hot-path` policy is the server with the shipped profile: the extender's scores
+decide and exactly one node scores 10. This script replays the Alibaba trace (filled to F times
+its GPUs, FGD's protocol) with that policy and with two ways a cluster could differ:
+- `default-scorers`: kube-scheduler's default NodeResourcesFit score (LeastAllocated on CPU and
+  memory, 0..100, weight 1) added to the extender's score x weight 5 x 10, as kube-scheduler
+  sums them; what the profile ran before it turned that scorer off (BalancedAllocation, also
+  off now, is left out here);
+- `random-top`: the extender's bands without the single 10 (the best band shared by many
+  nodes), kube-scheduler choosing at random among the top total (seeded).
+GPU-less pods go to the first node with room in every variant.
+
+    .venv/bin/python benchmarks/kube_scoring.py [--lists default gpushare40 gpuspec10] [--inflate 1.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from extender import placement  # noqa: E402
+from extender.demand import Demand  # noqa: E402
+from extender.planner import greedy  # noqa: E402
+from extender.planner.capacity import Capacity, FragIndex  # noqa: E402
+from extender.simulate.engine import run_policy  # noqa: E402
+from extender.simulate.trace import inflate, read_inputs  # noqa: E402
+from trace_packing import TRACES  # noqa: E402
+
+WEIGHT, STEP = 5, 10  # the shipped extender weight; MaxNodeScore / MaxExtenderPriority
+
+
+def _variant(mode: str, seed: int = 7):
+    """A one-pod rule: filter, prioritize on the survivors, then kube-scheduler's pick by `mode`."""
+    rng = np.random.default_rng(seed)
+
+    def pick(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> greedy.Choice | None:
+        rows = np.flatnonzero(cap.fits_host(demand))
+        if not len(rows) or not demand.wants_gpu:
+            return greedy.hot_path(cap, demand, frag)
+        names = cap.arrays.node_names
+        feasible = placement.filter_nodes(cap.ledger, demand, [names[r] for r in rows.tolist()], explain_all=False).feasible
+        if not feasible:
+            return None
+        _, at, scores = placement.score_rows(cap.ledger, demand, feasible, single_top=mode != "random-top")
+        if mode == "random-top":
+            total = scores.astype(np.int64) * 1000 + rng.integers(0, 1000, len(at))
+        else:  # LeastAllocated as NodeResourcesFit scores it by default: free share after the pod, CPU and memory
+            cpu = (cap.cpu_free[at] - demand.cpu_milli) / np.maximum(cap.cpu_total[at], 1)
+            mem = (cap.mem_free[at] - demand.memory_bytes) / np.maximum(cap.mem_total[at], 1)
+            total = scores.astype(np.int64) * WEIGHT * STEP + np.floor(50 * (cpu + mem))
+        best = int(at[int(np.argmax(total))])
+        res = placement.choose_devices(cap.ledger, demand, names[best])
+        return None if isinstance(res, str) else (res, best, False)
+
+    return pick
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lists", nargs="*", default=["default", "gpushare40", "gpuspec10"])
+    ap.add_argument("--inflate", type=float, default=1.3)
+    args = ap.parse_args()
+    greedy.POLICIES["default-scorers"] = _variant("default-scorers")
+    greedy.POLICIES["random-top"] = _variant("random-top")
+    print("| pod list | hot-path (shipped profile) | default-scorers | random-top |")
+    print("|---|---:|---:|---:|")
+    for name in args.lists:
+        nodes, tasks, bound = read_inputs(TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{name}.csv")
+        gpus = sum(int(n["metadata"]["labels"]["nvidia.com/gpu.count"]) for n in nodes)
+        tasks = inflate(tasks, gpus, args.inflate)
+        row = []
+        for policy in ("hot-path", "default-scorers", "random-top"):
+            r = run_policy(policy, nodes, tasks, bound)
+            assert r.overcommittedGpus == 0 and r.invariantViolations == 0
+            row.append(f"{r.allocatedMemoryBytes / (1000 * 2**20):.2f}")
+        print(f"| {name} | " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
