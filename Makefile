@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test e2e venv deps control-plane bench-mig bench-packing bench-planner loadtest soak clean
+.PHONY: run test e2e venv deps control-plane bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,10 @@ bench-mig: venv
 # Alibaba GPU-sharing trace replay, every policy (about 2 minutes on 2 cores); docs/packing.md.
 bench-packing: venv
 	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25
+
+# The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
+bench-kube-scoring: venv
+	$(PY) benchmarks/kube_scoring.py
 
 # CP-SAT batch planner: 500 pending pods on 100..5,000 nodes x 8 GPUs.
 bench-planner: venv

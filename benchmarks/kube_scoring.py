@@ -1,14 +1,14 @@
 """How kube-scheduler's own scoring changes what vramsched's prioritize achieves.
 
-The simulator's `hot-path` policy is the server with the shipped profile: the extender's scores
-decide and exactly one node scores 10. This script replays the Alibaba trace (filled to F times
-its GPUs, FGD's protocol) with that policy and with two ways a cluster could differ:
+The simulator's `hot-path` policy is the server's answer alone deciding: exactly one node scores
+10. This script replays the Alibaba trace (filled to F times its GPUs, FGD's protocol) with that
+policy and two variants:
 - `default-scorers`: kube-scheduler's default NodeResourcesFit score (LeastAllocated on CPU and
-  memory, 0..100, weight 1) added to the extender's score x weight 5 x 10, as kube-scheduler
-  sums them; what the profile ran before it turned that scorer off (BalancedAllocation, also
-  off now, is left out here);
-- `random-top`: the extender's bands without the single 10 (the best band shared by many
-  nodes), kube-scheduler choosing at random among the top total (seeded).
+  memory, 0..100, weight 1), which the shipped profile keeps, added to the extender's score x
+  weight 5 x 10 as kube-scheduler sums them (BalancedAllocation, ImageLocality and the
+  user-intent scorers are left out);
+- `random-top`: the extender's bands as they were before one node was made to stand out (the
+  best band shared by many nodes), kube-scheduler choosing at random among the top total (seeded).
 GPU-less pods go to the first node with room in every variant.
 
     .venv/bin/python benchmarks/kube_scoring.py [--lists default gpushare40 gpuspec10] [--inflate 1.3]
@@ -70,7 +70,7 @@ def main() -> int:
     args = ap.parse_args()
     greedy.POLICIES["default-scorers"] = _variant("default-scorers")
     greedy.POLICIES["random-top"] = _variant("random-top")
-    print("| pod list | hot-path (shipped profile) | default-scorers | random-top |")
+    print("| pod list | hot-path | default-scorers | random-top |")
     print("|---|---:|---:|---:|")
     for name in args.lists:
         nodes, tasks, bound = read_inputs(TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{name}.csv")
