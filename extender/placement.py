@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 from math import ceil, log2
-from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
@@ -948,11 +948,14 @@ def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: s
 
 def score_rows(
     ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None, single_top: bool = True,
+    avoid: Collection[str] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`score_nodes` as arrays (node names, rows of the known `names` in order, their scores),
     for an encoder that writes the answer without a Python object per node. Needs a GPU demand.
     `single_top=False` leaves the best band as it is when there is no plan (the answer before
-    one node was made to stand out: benchmarks/kube_scoring.py compares the two).
+    one node was made to stand out: benchmarks/kube_scoring.py compares the two). `avoid`: nodes
+    just chosen for other pods whose bind has not come yet; the single top is another node of the
+    best band when there is one.
     Under a replica policy the per-node summary still answers for a resource the device plugin's
     bound never applies to (a MIG profile no node time-slices): its books are exact."""
     rid = ledger.arrays.resources.get(demand.resource)
@@ -962,14 +965,15 @@ def score_rows(
         rows, _ = _node_rows(ledger, names)
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
-            return _finish_scores(ledger, view, rows, *fast, planned, single_top)
+            return _finish_scores(ledger, view, rows, *fast, planned, single_top, avoid)
     static = _resource_arrays(ledger, demand, used=False, under_policy=True)  # this resource's devices, or every device
     rows, _ = _node_rows(ledger, names)
     if static is None:
         a, at = ledger.arrays, None
     else:  # the view's rows among every device's
         a, at = static, ledger.arrays.rows_of(rid)
-    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned, single_top)
+    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned, single_top,
+                          avoid)
 
 
 def _device_scores_kept(
@@ -1056,7 +1060,7 @@ def _device_scores(fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray) -
 
 def _finish_scores(
     ledger: Ledger, a: DeviceArrays, rows: np.ndarray, scores: np.ndarray, placed: np.ndarray, planned: str | None,
-    single_top: bool = True,
+    single_top: bool = True, avoid: Collection[str] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bands capped at 9 and one node at 10: the planner's node when the pod still fits there and it
     is among `rows`, else the first node (in the ledger's order) of the best band among `rows`.
@@ -1070,20 +1074,27 @@ def _finish_scores(
     r = ledger.node_row(planned) if planned is not None else None
     top = rows == r if r is not None and placed[r] else None
     if (top is None or not top.any()) and single_top:  # no plan, or its node no longer fits or was not asked about
-        r = _first_best(rows, scores, placed)
+        skip = [r for r in map(ledger.node_row, avoid) if r is not None] if avoid else ()
+        r = _first_best(rows, scores, placed, skip)
         top = rows == r if r is not None else None
     if top is not None:
         out[top] = MAX_SCORE
     return _node_info(ledger, a)[0], rows, out
 
 
-def _first_best(rows: np.ndarray, scores: np.ndarray, placed: np.ndarray) -> int | None:
-    """The lowest row among `rows` where the pod fits with the highest score, or None."""
+def _first_best(rows: np.ndarray, scores: np.ndarray, placed: np.ndarray, skip: Sequence[int] = ()) -> int | None:
+    """The lowest row among `rows` where the pod fits with the highest score, or None; a row of
+    `skip` only when every row of that score is in it."""
     fits = rows[placed[rows]]
     if not len(fits):
         return None
     s = scores[fits]
-    return int(fits[s == s.max()].min())
+    best = fits[s == s.max()]
+    if len(skip):
+        free = best[~np.isin(best, skip)]
+        if len(free):
+            best = free
+    return int(best.min())
 
 
 def _node_capacity(a: DeviceArrays) -> np.ndarray | None:

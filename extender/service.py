@@ -12,13 +12,22 @@ import logging
 import time
 from typing import Any, Mapping, Protocol, Sequence
 
+import numpy as np
 import orjson
 
 from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import Demand, DemandError, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
-from extender.placement import FilterOutcome, choose_devices, filter_nodes, plugin_allows, preempt_victims, score_rows
+from extender.placement import (
+    MAX_SCORE,
+    FilterOutcome,
+    choose_devices,
+    filter_nodes,
+    plugin_allows,
+    preempt_victims,
+    score_rows,
+)
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -100,6 +109,9 @@ MAX_LEARNED_PENDING = 4096
 #: pods whose parsed demand is kept (kube-scheduler sends each pod to filter, prioritize and bind
 #: in a row; a few thousand cover any burst), emptied when full so odd pods cannot grow it
 DEMANDS_CACHED = 4096
+#: seconds a node given 10 stays avoided for other pods while the pod it was chosen for is not
+#: bound: a bind normally follows within milliseconds (live mode: one API round trip)
+CHOSEN_TTL = 2.0
 
 
 class ExtenderService:
@@ -133,6 +145,11 @@ class ExtenderService:
         #: FitError event, preemption), and drops them unread otherwise. On for a scheduler with
         #: another filtering extender after this one, which could empty the list itself.
         self.explain_all = explain_all
+        #: prioritize's node at 10 per pod not yet bound: (node, when). kube-scheduler may run the
+        #: next pods' filter and prioritize before this pod's bind reaches us; they are pointed at
+        #: another node of the same best band, so concurrent cycles do not all bind to one node
+        #: and lose the race (see `_recent_choices`).
+        self._chosen: dict[str, tuple[str, float]] = {}
         #: binds waiting on the binder, by pod key: (node, outcome). Another bind of the same pod
         #: meanwhile shares that outcome (same node) or is refused (another node), so a pod never
         #: has two Bindings racing, nor one call releasing what a concurrent one is confirming.
@@ -253,12 +270,28 @@ class ExtenderService:
             self.cluster.upsert_node(node)
         if not demand.wants_gpu:
             return [HostPriority(Host=n, Score=0) for n in names]
-        planned = self.planner.planned_node(demand.pod.key) if self.planner is not None else None
-        return ScoredHosts(*score_rows(self.ledger, demand, names, planned))
+        key = demand.pod.key
+        planned = self.planner.planned_node(key) if self.planner is not None else None
+        now = time.monotonic()
+        node_names, rows, scores = score_rows(self.ledger, demand, names, planned, avoid=self._recent_choices(key, now))
+        top = np.flatnonzero(scores == MAX_SCORE)
+        if len(top):
+            self._chosen[key] = (str(node_names[rows[top[0]]]), now)
+        return ScoredHosts(node_names, rows, scores)
+
+    def _recent_choices(self, key: str, now: float) -> set[str]:
+        """Nodes given 10 in the last CHOSEN_TTL seconds to other pods whose bind has not come yet
+        (older entries are dropped: a pod kube-scheduler did not bind, or bound elsewhere)."""
+        chosen = self._chosen
+        stale = [k for k, (_, t) in chosen.items() if now - t > CHOSEN_TTL]
+        for k in stale:
+            del chosen[k]
+        return {node for k, (node, _) in chosen.items() if k != key}
 
     # ----- bind ----------------------------------------------------------------------------------
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
         key = f"{args.PodNamespace}/{args.PodName}"
+        self._chosen.pop(key, None)
         pod = self.cluster.pod(key)
         if pod is None:
             return ExtenderBindingResult(Error=f"pod {key} is unknown to vramsched")

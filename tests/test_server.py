@@ -373,3 +373,33 @@ def test_prioritize_encoding_is_the_json_of_its_hosts(names, picks):
     scores = np.array([s for _, s in picks], np.int64)
     hosts = ScoredHosts(table, rows, scores)
     assert orjson.loads(hosts.to_json()) == [{"Host": names[r], "Score": int(s)} for r, s in zip(rows, scores)]
+
+
+async def test_concurrent_cycles_are_pointed_at_different_nodes_of_the_best_band(monkeypatch):
+    """kube-scheduler may prioritize the next pod before the previous one's bind reaches us: the
+    node just given 10 is avoided for other pods until that bind comes (or CHOSEN_TTL passes)."""
+    import extender.service as service_module
+    from extender.wire import ExtenderArgs, ExtenderBindingArgs
+
+    c = cluster(*(gpu_node(n, count=1, replicas=8) for n in ("a", "b", "c")), pod("x", "40Gi", node="a"),
+                pod("y", "40Gi", node="b"), pod("big", "70Gi", node="c"))
+    s = service(c)
+    names = ["a", "b", "c"]
+
+    def top(name: str) -> str:
+        p = pod(name, "16Gi")
+        s.filter(ExtenderArgs(Pod=p, NodeNames=names))
+        (best,) = [h.Host for h in s.prioritize(ExtenderArgs(Pod=p, NodeNames=names)) if h.Score == 10]
+        return best
+
+    assert top("p1") == "a"
+    assert top("p2") == "b"  # a and b tie in the best band; a is p1's until p1 binds
+    assert top("p1") == "a"  # asked again: its own choice does not count against it
+    assert top("p3") == "a"  # every node of the best band is taken: the first one, as without others
+    assert (await s.bind(ExtenderBindingArgs(PodName="p1", PodNamespace="default", Node="a"))).Error == ""
+    assert s._chosen.keys() == {"default/p2", "default/p3"}  # a bind ends its pod's choice
+    # a alone is in the best band now (its GPU is fuller): taken by p3, still the top
+    assert top("p4") == "a"
+    monkeypatch.setattr(service_module, "CHOSEN_TTL", -1.0)
+    assert top("p5") == "a"  # choices older than the TTL are forgotten
+    assert s._chosen.keys() == {"default/p5"}
