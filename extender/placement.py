@@ -1070,31 +1070,33 @@ def _finish_scores(
     that random pick allocated 5,032-5,211 GPUs of memory against 5,670-5,786 for this one
     choice (benchmarks/kube_scoring.py, docs/packing.md). `scores` is a kept table (read-only):
     the answer is a new array."""
-    out = np.minimum(scores[rows], MAX_SCORE - 1)
+    out = scores[rows]  # a copy (rows is an index array); bands are 0..9
     r = ledger.node_row(planned) if planned is not None else None
     top = rows == r if r is not None and placed[r] else None
     if (top is None or not top.any()) and single_top:  # no plan, or its node no longer fits or was not asked about
         skip = [r for r in map(ledger.node_row, avoid) if r is not None] if avoid else ()
-        r = _first_best(rows, scores, placed, skip)
-        top = rows == r if r is not None else None
+        top = _first_best(rows, out, placed[rows], skip)
     if top is not None:
         out[top] = MAX_SCORE
     return _node_info(ledger, a)[0], rows, out
 
 
-def _first_best(rows: np.ndarray, scores: np.ndarray, placed: np.ndarray, skip: Sequence[int] = ()) -> int | None:
-    """The lowest row among `rows` where the pod fits with the highest score, or None; a row of
-    `skip` only when every row of that score is in it."""
-    fits = rows[placed[rows]]
-    if not len(fits):
+def _first_best(rows: np.ndarray, scores: np.ndarray, fits: np.ndarray, skip: Sequence[int] = ()) -> np.ndarray | None:
+    """Where in `rows` (a mask: a node asked twice is there twice) the lowest row that takes the
+    pod (`fits`) with the highest of `scores` is, or None; a row of `skip` only when every row
+    with that score is in it. `scores` and `fits` are per entry of `rows`."""
+    if not len(rows):
         return None
-    s = scores[fits]
-    best = fits[s == s.max()]
+    masked = np.where(fits, scores, -1)
+    top = masked.max()
+    if top < 0:
+        return None
+    best = masked == top
     if len(skip):
-        free = best[~np.isin(best, skip)]
-        if len(free):
+        free = best & ~np.isin(rows, skip)
+        if free.any():
             best = free
-    return int(best.min())
+    return rows == rows[best].min()
 
 
 def _node_capacity(a: DeviceArrays) -> np.ndarray | None:

@@ -48,6 +48,9 @@ class Scheduling(RuleBasedStateMachine):
             assert (out.FailedNodes, out.FailedAndUnresolvableNodes) == (full.FailedNodes, full.FailedAndUnresolvableNodes)
         scores = self.svc.prioritize(ExtenderArgs(Pod=p, NodeNames=out.NodeNames))
         assert all(0 <= h.Score <= 10 for h in scores)
+        if out.NodeNames and p["spec"]["containers"][0]["resources"]["limits"]:
+            # one node stands out (filter passed it, so the pod fits there): kube-scheduler has no tie to break
+            assert len({h.Host for h in scores if h.Score == 10}) == 1, scores
         if wrong:  # a bind kube-scheduler would not send: to a node that did not pass filter
             target = NODES[pick % len(NODES)]
         elif out.NodeNames:
