@@ -275,17 +275,20 @@ class ExtenderService:
         now = time.monotonic()
         node_names, rows, scores = score_rows(self.ledger, demand, names, planned, avoid=self._recent_choices(key, now))
         top = np.flatnonzero(scores == MAX_SCORE)
+        self._chosen.pop(key, None)  # re-inserted last: the dict stays in time order
         if len(top):
             self._chosen[key] = (str(node_names[rows[top[0]]]), now)
         return ScoredHosts(node_names, rows, scores)
 
     def _recent_choices(self, key: str, now: float) -> set[str]:
-        """Nodes given 10 in the last CHOSEN_TTL seconds to other pods whose bind has not come yet
-        (older entries are dropped: a pod kube-scheduler did not bind, or bound elsewhere)."""
+        """Nodes given 10 in the last CHOSEN_TTL seconds to other pods whose bind has not come yet.
+        Older entries (a pod kube-scheduler did not bind after all) are dropped from the front."""
         chosen = self._chosen
-        stale = [k for k, (_, t) in chosen.items() if now - t > CHOSEN_TTL]
-        for k in stale:
-            del chosen[k]
+        while chosen:
+            first, (_, when) = next(iter(chosen.items()))
+            if now - when <= CHOSEN_TTL:
+                break
+            del chosen[first]
         return {node for k, (node, _) in chosen.items() if k != key}
 
     # ----- bind ----------------------------------------------------------------------------------
