@@ -31,8 +31,7 @@ from extender.demand import Demand  # noqa: E402
 from extender.planner import greedy  # noqa: E402
 from extender.planner.capacity import Capacity, FragIndex  # noqa: E402
 from extender.simulate.engine import run_policy  # noqa: E402
-from extender.simulate.trace import inflate, read_inputs  # noqa: E402
-from trace_packing import TRACES  # noqa: E402
+from trace_packing import load  # noqa: E402
 
 WEIGHT, STEP = 5, 10  # the shipped extender weight; MaxNodeScore / MaxExtenderPriority
 
@@ -52,10 +51,8 @@ def _variant(mode: str, seed: int = 7):
         _, at, scores = placement.score_rows(cap.ledger, demand, feasible, single_top=mode != "random-top")
         if mode == "random-top":
             total = scores.astype(np.int64) * 1000 + rng.integers(0, 1000, len(at))
-        else:  # LeastAllocated as NodeResourcesFit scores it by default: free share after the pod, CPU and memory
-            cpu = (cap.cpu_free[at] - demand.cpu_milli) / np.maximum(cap.cpu_total[at], 1)
-            mem = (cap.mem_free[at] - demand.memory_bytes) / np.maximum(cap.mem_total[at], 1)
-            total = scores.astype(np.int64) * WEIGHT * STEP + np.floor(50 * (cpu + mem))
+        else:
+            total = scores.astype(np.int64) * WEIGHT * STEP + greedy.least_allocated(cap, demand, at)
         best = int(at[int(np.argmax(total))])
         res = placement.choose_devices(cap.ledger, demand, names[best])
         return None if isinstance(res, str) else (res, best, False)
@@ -73,12 +70,10 @@ def main() -> int:
     print("| pod list | hot-path | default-scorers | random-top |")
     print("|---|---:|---:|---:|")
     for name in args.lists:
-        nodes, tasks, bound = read_inputs(TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{name}.csv")
-        gpus = sum(int(n["metadata"]["labels"]["nvidia.com/gpu.count"]) for n in nodes)
-        tasks = inflate(tasks, gpus, args.inflate)
+        nodes, tasks, bound, _, workload = load(name, args.inflate)
         row = []
         for policy in ("hot-path", "default-scorers", "random-top"):
-            r = run_policy(policy, nodes, tasks, bound)
+            r = run_policy(policy, nodes, tasks, bound, workload=workload)
             assert r.overcommittedGpus == 0 and r.invariantViolations == 0
             row.append(f"{r.allocatedMemoryBytes / (1000 * 2**20):.2f}")
         print(f"| {name} | " + " | ".join(row) + " |", flush=True)

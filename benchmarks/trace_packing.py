@@ -30,8 +30,8 @@ TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "trace
 LISTS = ["default", "gpushare40", "gpuspec10"]
 
 
-def run(pod_list: str, factor: float, policies: list[str], time_limit: float, churn: bool, accept: str | None = None,
-        shuffle: int | None = None) -> dict:
+def load(pod_list: str, factor: float, shuffle: int | None = None):
+    """(nodes, tasks, bound pods, GPU count, workload of the list before inflation) of a replay."""
     nodes, tasks, bound = read_inputs(TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{pod_list}.csv")
     if shuffle is not None:
         # another node order: every policy's lowest-index tie-break lands elsewhere (a robustness check)
@@ -40,6 +40,12 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
     gpus = sum(int(n["metadata"]["labels"]["nvidia.com/gpu.count"]) for n in nodes)
     if factor > 0:
         tasks = inflate(tasks, gpus, factor)
+    return nodes, tasks, bound, gpus, workload
+
+
+def run(pod_list: str, factor: float, policies: list[str], time_limit: float, churn: bool, accept: str | None = None,
+        shuffle: int | None = None) -> dict:
+    nodes, tasks, bound, gpus, workload = load(pod_list, factor, shuffle)
     out = {"podList": pod_list, "inflate": factor, "churn": churn, "tasks": len(tasks), "gpus": gpus, "policies": {}}
     if shuffle is not None:
         out["shuffleNodes"] = shuffle

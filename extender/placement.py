@@ -1074,7 +1074,7 @@ def _finish_scores(
     r = ledger.node_row(planned) if planned is not None else None
     top = rows == r if r is not None and placed[r] else None
     if (top is None or not top.any()) and single_top:  # no plan, or its node no longer fits or was not asked about
-        skip = [r for r in map(ledger.node_row, avoid) if r is not None] if avoid else ()
+        skip = [i for i in map(ledger.node_row, avoid) if i is not None] if avoid else ()
         top = _first_best(rows, out, placed[rows], skip)
     if top is not None:
         out[top] = MAX_SCORE

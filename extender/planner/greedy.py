@@ -64,6 +64,14 @@ def best_fit(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Ch
     return _pick(c, [c.leftover(a), c.node, c.devices[:, 0]], demand, cap)
 
 
+def least_allocated(cap: Capacity, demand: Demand, nodes: np.ndarray) -> np.ndarray:
+    """kube-scheduler's default NodeResourcesFit score (LeastAllocated, integer 0..100) of `nodes`
+    for the pod: the share of CPU and of memory left free after it, averaged."""
+    cpu = (cap.cpu_free[nodes] - demand.cpu_milli) / np.maximum(cap.cpu_total[nodes], 1)
+    mem = (cap.mem_free[nodes] - demand.memory_bytes) / np.maximum(cap.mem_total[nodes], 1)
+    return np.floor(50 * (cpu + mem))
+
+
 def spread(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
     """LeastAllocated node by CPU/memory, then the least shared GPU replicas (memory ignored)."""
     a = cap.arrays
@@ -71,9 +79,7 @@ def spread(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choi
     if len(c) == 0:
         return None
     n = c.node
-    cpu_score = (cap.cpu_free[n] - demand.cpu_milli) / np.maximum(cap.cpu_total[n], 1)
-    mem_score = (cap.mem_free[n] - demand.memory_bytes) / np.maximum(cap.mem_total[n], 1)
-    score = np.floor(50 * (cpu_score + mem_score))  # kube-scheduler's integer 0..100 score
+    score = least_allocated(cap, demand, n)
     if demand.gpu_count == 1:
         # one candidate per device: within the best node, the GPU with the fewest pods.
         reps = a.used_replicas[c.devices[:, 0]]
@@ -113,7 +119,7 @@ def hot_path(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Ch
     if not demand.wants_gpu:
         return (None, int(rows[0]), False) if demand.gpu_count == 0 else None
     names = cap.arrays.node_names
-    node_names, asked, scores = score_rows(cap.ledger, demand, [names[r] for r in rows.tolist()])
+    _, asked, scores = score_rows(cap.ledger, demand, [names[r] for r in rows.tolist()])
     top = asked[scores == MAX_SCORE]
     if not len(top):
         return None
