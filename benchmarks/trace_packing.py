@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from extender.planner.capacity import Workload  # noqa: E402
-from extender.simulate.engine import ALL_POLICIES, run_policy  # noqa: E402
+from extender.simulate.engine import ALL_POLICIES, run_policy, while_all_fit  # noqa: E402
 from extender.simulate.trace import inflate, read_inputs  # noqa: E402
 
 TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "traces"))
@@ -49,12 +49,19 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
     out = {"podList": pod_list, "inflate": factor, "churn": churn, "tasks": len(tasks), "gpus": gpus, "policies": {}}
     if shuffle is not None:
         out["shuffleNodes"] = shuffle
+    results = []
     for p in policies:
         r = run_policy(p, nodes, tasks, bound, churn=churn, workload=workload, time_limit=time_limit, accept=accept)
+        results.append(r)
         out["policies"][p] = r.to_json()
         print(f"  {pod_list} inflate={factor} churn={churn} {p}: placed {r.placed} alloc {r.allocatedMemoryBytes / 2**20 / 1000:.2f} GPUs "
               f"free {r.gpusFree} over {r.overcommittedGpus} {r.seconds:.1f}s"
               + (f" solver {r.solverRuns}/{r.solverBatches} improved {r.solverImproved}" if p == "planner" else ""), flush=True)
+    all_fit = while_all_fit(results)
+    if all_fit:
+        # the curve only where pods stay (with churn, at most 1.1% of the GPUs are ever in use)
+        fair = [r for r in results if r.policy in all_fit["gpusFree"]]
+        out["whileAllFit"] = all_fit if churn else {**all_fit, "curve": free_curve(fair, all_fit["batches"])}
     pl = out["policies"].get("planner")
     if pl:
         out["planner margins"] = {
@@ -63,7 +70,20 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
                 "gpusFree": pl["gpusFree"] - r["gpusFree"], "gpusFreeUsable": round(pl["gpusFreeUsable"] - r["gpusFreeUsable"], 2),
                 "placed": pl["placed"] - r["placed"]}
             for p, r in out["policies"].items() if p != "planner"}
+        if all_fit:
+            free = all_fit["gpusFree"]
+            for p, m in out["planner margins"].items():
+                if p in free:  # not spread: it overcommits
+                    m["gpusFreeWhileAllFit"] = free["planner"] - free[p]
     return out
+
+
+def free_curve(results, batches: int, points: int = 40) -> dict:
+    """GPUs fully free per policy at `points` evenly spaced batches up to `batches` (the last one
+    every policy placed in full): the curve `--plots` draws, small enough for the results file."""
+    at = sorted({round(i * (batches - 1) / (points - 1)) for i in range(points)})
+    return {"arrivals": [results[0].freeSeries[i][0] for i in at],
+            "gpusFree": {r.policy: [r.freeSeries[i][1] for i in at] for r in results}}
 
 
 def markdown(body: dict) -> str:
@@ -77,6 +97,10 @@ def markdown(body: dict) -> str:
             lines.append(f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / (1000 * 2**20):.2f} | {r['gpusInUse']} | "
                          f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r.get('gpusFreeUsable', float('nan')):.2f} | {r['fragmentationRate']:.3f} | "
                          f"{r['overcommittedGpus']} | {r['seconds']:.1f} |")
+        fit = run.get("whileAllFit")
+        if fit:
+            lines += ["", f"while every pod fit (the first {fit['arrivals']} pods, {fit['batches']} batches), GPUs fully free: "
+                      + ", ".join(f"{p} {v}" for p, v in fit["gpusFree"].items())]
         m = run.get("planner margins")
         if m:
             lines += ["", "planner minus baseline: " + "; ".join(
@@ -91,10 +115,15 @@ def plots(body: dict, where: Path) -> None:
     from dataclasses import fields
 
     from extender.simulate.engine import PolicyResult
-    from extender.simulate.plot import plot_results
+    from extender.simulate.plot import plot_free_curve, plot_results
 
     known = {f.name for f in fields(PolicyResult)}
     for run in body["runs"]:
+        fit = run.get("whileAllFit")
+        if fit and not run["churn"] and "best-fit" in fit["gpusFree"]:
+            plot_free_curve(fit["curve"], where / f"trace_{run['podList']}_inflate{run['inflate'] or 0}_allfit.png",
+                            title=f"Alibaba trace {run['podList']}, inflate {run['inflate'] or 'none'}: GPUs fully free "
+                                  f"while every pod fits, minus best-fit's")
         results = [PolicyResult(policy=name, **{k: v for k, v in r.items() if k in known}) for name, r in run["policies"].items()]
         name = f"trace_{run['podList']}_inflate{run['inflate'] or 0}{'_churn' if run['churn'] else ''}.png"
         plot_results(results, where / name, title=f"Alibaba trace {run['podList']}, inflate {run['inflate'] or 'none'}"

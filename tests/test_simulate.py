@@ -13,7 +13,7 @@ from extender.ledger import Reservation
 from extender.assignment import encode_assignment
 from extender.demand import PodRef
 from extender.quantity import GIB, MIB
-from extender.simulate.engine import ALL_POLICIES, run_policy
+from extender.simulate.engine import ALL_POLICIES, PolicyResult, run_policy, while_all_fit
 from extender.simulate.trace import inflate, read_inputs, read_trace_nodes, read_trace_pods
 
 NODE_HEAD = "sn,cpu_milli,memory_mib,gpu,model\n"
@@ -106,6 +106,37 @@ def test_cpu_bounds_placement_like_kube_scheduler(tmp_path):
         assert run_policy(policy, nodes, tasks, bound).placed == 1
 
 
+def test_the_regime_where_every_pod_fits_ends_at_the_first_pod_that_could_have_fit(tmp_path):
+    # two 1000-MiB GPUs; x asks for a P100 the cluster lacks (it fits nowhere, for any policy), c
+    # finds no room left: the regime ends before c, and d placed afterwards does not reopen it
+    n, p = write(tmp_path, ["n0,64000,262144,2,T4"],
+                 [task("a", 1, 300, 0), task("x", 1, 100, 1, spec="P100"), task("b", 1, 800, 2), task("c", 1, 800, 3),
+                  task("d", 1, 100, 4)])
+    nodes, tasks, bound = read_inputs(n, p)
+    r = run_policy("best-fit", nodes, tasks, bound)
+    assert (r.placed, r.failed) == (3, 2)
+    assert (r.allFitBatches, r.allFitArrivals) == (3, 3)
+    assert r.freeSeries == [(1, 1), (2, 1), (3, 0), (4, 0), (5, 0)]  # (pods arrived, GPUs fully free) per batch
+    assert "freeSeries" not in r.to_json() and r.to_json()["allFitArrivals"] == 3
+
+
+def test_while_all_fit_compares_policies_where_none_has_failed_yet():
+    early = PolicyResult("best-fit", allFitBatches=2, freeSeries=[(1, 5), (3, 4), (4, 4)])
+    late = PolicyResult("planner", allFitBatches=3, freeSeries=[(1, 5), (3, 3), (4, 2)])
+    assert while_all_fit([late, early]) == {"batches": 2, "arrivals": 3, "gpusFree": {"planner": 3, "best-fit": 4}}
+    assert while_all_fit([late, PolicyResult("first-fit", allFitBatches=0, freeSeries=[(1, 5)])]) is None
+    over = PolicyResult("spread", allFitBatches=1, freeSeries=[(1, 6), (3, 6)], overcommittedGpus=2)
+    assert while_all_fit([late, over]) == {"batches": 3, "arrivals": 4, "gpusFree": {"planner": 2}}
+
+
+def test_free_curve_plot(tmp_path):
+    from extender.simulate.plot import plot_free_curve
+
+    png = tmp_path / "curve.png"
+    plot_free_curve({"arrivals": [1, 5, 9], "gpusFree": {"planner": [7, 5, 4], "best-fit": [8, 5, 2], "fgd": [7, 5, 4]}}, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
 def test_simulate_json_output(tmp_path, capsys):
     n, p = write(tmp_path, ["n0,64000,262144,2,T4", "n1,64000,262144,2,P100"],
                  [task(f"p{i}", 1, 200 * (i % 5 + 1), i // 2) for i in range(12)])
@@ -118,6 +149,10 @@ def test_simulate_json_output(tmp_path, capsys):
             assert isinstance(r[key], typ), (name, key)
         assert r["gpusInUse"] + r["gpusFree"] == 4
     assert out["policies"]["planner"]["overcommittedGpus"] == 0
+    fit = out["whileAllFit"]  # 12 pods of 6 GPUs of demand at 1.2 x 4 GPUs: some policy fails some
+    fair = {p: r for p, r in out["policies"].items() if not r["overcommittedGpus"]}
+    assert 0 < fit["arrivals"] < out["input"]["tasks"] and set(fit["gpusFree"]) == set(fair) and "planner" in fair
+    assert fit["arrivals"] == min(r["allFitArrivals"] for r in fair.values())
 
 
 def test_simulate_reads_cluster_yaml_and_plots(tmp_path, capsys):

@@ -44,7 +44,7 @@ def _policies(chosen: list[str] | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from extender.planner.capacity import Workload
-    from extender.simulate.engine import build_capacity, run_policy
+    from extender.simulate.engine import build_capacity, run_policy, while_all_fit
     from extender.simulate.trace import DEFAULT_REPLICAS, TRACE_GPU_MIB, inflate, read_inputs
     from extender.quantity import MIB
     from extender.source_file import ClusterFileError
@@ -72,12 +72,17 @@ def run(args: argparse.Namespace) -> int:
         results.append(r)
         if not args.json:
             print(f"  {policy}: done in {r.seconds:.1f}s", file=sys.stderr)
+    all_fit = while_all_fit(results)
     if args.json:
         body = {"policies": {r.policy: r.to_json() for r in results},
-                "input": {"nodes": len(nodes), "gpus": gpu_count, "tasks": len(tasks), "inflate": args.inflate, "churn": args.churn}}
+                "input": {"nodes": len(nodes), "gpus": gpu_count, "tasks": len(tasks), "inflate": args.inflate, "churn": args.churn},
+                "whileAllFit": all_fit}
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         _table(results, len(tasks), gpu_count)
+        if all_fit:
+            print(f"while every pod fit (first {all_fit['arrivals']} pods), GPUs fully free: "
+                  + ", ".join(f"{p} {v}" for p, v in all_fit["gpusFree"].items()))
     if args.plot:
         from extender.simulate.plot import plot_results
 

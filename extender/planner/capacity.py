@@ -24,7 +24,7 @@ import numpy as np
 from extender.demand import Demand
 from extender.ledger import DeviceArrays, Ledger, Reservation, first_k_per_node, run_starts
 
-__all__ = ["Capacity", "Workload", "FragIndex", "Candidates", "device_matches", "candidates", "MAX_TYPES"]
+__all__ = ["Capacity", "Workload", "demand_kind", "FragIndex", "Candidates", "device_matches", "candidates", "MAX_TYPES"]
 
 #: the workload profile keeps the most frequent demand types (their weights renormalised).
 MAX_TYPES = 48
@@ -260,6 +260,13 @@ class Capacity:
         self._sig_dirty.add(node_row)
 
 
+def demand_kind(d: Demand) -> tuple:
+    """What makes two pods the same demand type: GPUs, bytes per GPU (-1: whole devices), CPU,
+    memory, resource and allowed products."""
+    return (d.gpu_count, -1 if d.bytes_per_gpu is None else d.bytes_per_gpu, d.cpu_milli, d.memory_bytes, d.resource,
+            d.allowed_products)
+
+
 @dataclass
 class Workload:
     """Demand types and their shares: what the cluster's free capacity should stay useful for."""
@@ -275,11 +282,7 @@ class Workload:
     @classmethod
     def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> "Workload":
         """The most common demand types, weighted by how many pods have them (FGD's choice)."""
-        counts: Counter = Counter(
-            (d.gpu_count, -1 if d.bytes_per_gpu is None else d.bytes_per_gpu, d.cpu_milli, d.memory_bytes, d.resource,
-             d.allowed_products)
-            for d in demands
-        )
+        counts: Counter = Counter(demand_kind(d) for d in demands)
         top = counts.most_common(max_types)
         if not top:
             top = [((1, -1, 0, 0, "nvidia.com/gpu", None), 1)]

@@ -18,11 +18,11 @@ import numpy as np
 
 from extender.cluster import ClusterState
 from extender.ledger import LedgerError, check_invariant
-from extender.planner.capacity import Capacity, FragIndex, Workload
-from extender.planner.greedy import choose, place_one
+from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
+from extender.planner.greedy import choose, first_fit, place_one
 from extender.simulate.trace import Task
 
-__all__ = ["PolicyResult", "run_policy", "build_capacity", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
+__all__ = ["PolicyResult", "run_policy", "build_capacity", "fit_nowhere", "while_all_fit", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
 
 ALL_POLICIES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies that must never overcommit (they are vramsched's own).
@@ -57,11 +57,19 @@ class PolicyResult:
     #: now (`usable_free_gpus`), at the end of the replay
     gpusFreeUsable: float = 0.0
     gpusInUsePeak: int = 0
+    #: batches placed in full before the first one in which a pod that fits the starting cluster
+    #: found no place (all of them if none), and the pods that arrived in those batches: how far
+    #: the replay stays in the regime where every pod fits
+    allFitBatches: int = 0
+    allFitArrivals: int = 0
+    #: (pods arrived, GPUs fully free) after each batch; not in the JSON (one pair per batch)
+    freeSeries: list[tuple[int, int]] = field(default_factory=list, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("policy")
+        d.pop("freeSeries")
         d.update(d.pop("extra"))
         return d
 
@@ -94,8 +102,10 @@ def run_policy(
     where: dict[str, int] = {}
     demands_of: dict[str, Task] = {}
     departures = sorted((t.departure, t.key) for t in tasks if churn and t.departure is not None)
+    nowhere = fit_nowhere(cap, tasks)
     di = 0
     free_sum = 0
+    all_fit = True
     for arrival, group in groupby(tasks, key=lambda t: t.arrival):
         batch = list(group)
         while di < len(departures) and departures[di][0] <= arrival:
@@ -133,12 +143,42 @@ def run_policy(
             if t.key not in ok:
                 out.failed += 1
                 out.failedGpuPods += t.demand.gpu_count > 0
+                all_fit = all_fit and demand_kind(t.demand) in nowhere
+        arrived = (out.freeSeries[-1][0] if out.freeSeries else 0) + len(batch)
+        out.freeSeries.append((arrived, len(cap.arrays.used_replicas) - in_use))
+        if all_fit:
+            out.allFitBatches, out.allFitArrivals = out.batches, arrived
     out.seconds = time.perf_counter() - start
     out.gpusFreeMean = free_sum / max(1, out.batches)
     _measure(out, cap, workload, [demands_of[k].demand for k in where])
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
     return out
+
+
+def fit_nowhere(cap: Capacity, tasks: Sequence[Task]) -> set[tuple]:
+    """Demand kinds that fit no node of the starting cluster: every policy fails them, wherever
+    the others went, so they do not end the regime in which every pod fits."""
+    fits: dict[tuple, bool] = {}
+    for t in tasks:
+        k = demand_kind(t.demand)
+        if k not in fits:
+            fits[k] = first_fit(cap, t.demand) is not None
+    return {k for k, ok in fits.items() if not ok}
+
+
+def while_all_fit(results: Sequence[PolicyResult]) -> dict[str, Any] | None:
+    """GPUs fully free per policy after the last batch that every policy placed in full (pods that
+    fit nowhere aside): the comparison where every pod can fit, which a replay's end is not once
+    one policy has started failing pods (the others then leave GPUs free by placing fewer pods).
+    A policy that overcommitted VRAM (`spread`) is left out: its free GPUs and its failures come
+    from pods stacked beyond a GPU's memory."""
+    fair = [r for r in results if not r.overcommittedGpus]
+    k = min((r.allFitBatches for r in fair), default=0)
+    if k == 0:
+        return None
+    return {"batches": k, "arrivals": fair[0].freeSeries[k - 1][0],
+            "gpusFree": {r.policy: r.freeSeries[k - 1][1] for r in fair}}
 
 
 def _planner_rule() -> str:
