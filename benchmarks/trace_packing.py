@@ -91,12 +91,12 @@ def markdown(body: dict) -> str:
     for run in body["runs"]:
         title = f"{run['podList']}, inflate {run['inflate'] or 'none'}" + (", churn" if run["churn"] else "")
         lines += [f"**{title}** ({run['tasks']} tasks, {run['gpus']} GPUs)", "",
-                  "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | usable free | frag. rate | overcommitted GPUs | seconds |",
+                  "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | usable free | frag. rate | overcommitted GPUs (peak) | seconds |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, r in run["policies"].items():
             lines.append(f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / (1000 * 2**20):.2f} | {r['gpusInUse']} | "
                          f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r.get('gpusFreeUsable', float('nan')):.2f} | {r['fragmentationRate']:.3f} | "
-                         f"{r['overcommittedGpus']} | {r['seconds']:.1f} |")
+                         f"{_overcommit(r)} | {r['seconds']:.1f} |")
         fit = run.get("whileAllFit")
         if fit:
             lines += ["", f"while every pod fit (the first {fit['arrivals']} pods, {fit['batches']} batches), GPUs fully free: "
@@ -109,6 +109,12 @@ def markdown(body: dict) -> str:
                 for p, v in m.items())]
         lines.append("")
     return "\n".join(lines)
+
+
+def _overcommit(r: dict) -> str:
+    """GPUs overcommitted at the end, and the peak over the replay where churn made them differ."""
+    end, peak = r["overcommittedGpus"], r.get("overcommittedGpusPeak", r["overcommittedGpus"])
+    return f"{end}" if peak == end else f"{end} (peak {peak})"
 
 
 def plots(body: dict, where: Path) -> None:

@@ -59,10 +59,19 @@ def test_spread_overcommits_vram_and_vramsched_policies_never_do(tmp_path):
     n, p = write(tmp_path, ["n0,64000,262144,1,T4"], [task("x", 1, 600, 0), task("y", 1, 600, 1)])
     nodes, tasks, bound = read_inputs(n, p)
     spread = run_policy("spread", nodes, tasks, bound)
-    assert spread.placed == 2 and spread.overcommittedGpus == 1
+    assert spread.placed == 2 and spread.overcommittedGpus == 1 and spread.overcommittedGpusPeak == 1
     for policy in ("planner", "best-fit", "first-fit", "fgd"):
         r = run_policy(policy, nodes, tasks, bound)
         assert (r.placed, r.failed, r.overcommittedGpus, r.invariantViolations) == (1, 1, 0, 0)
+
+
+def test_an_overcommit_that_churn_ends_before_the_replay_does_still_counts(tmp_path):
+    n, p = write(tmp_path, ["n0,64000,262144,1,T4"], [task("x", 1, 600, 0, dele="5"), task("y", 1, 600, 1, dele="5"),
+                                                      task("z", 1, 100, 9)])
+    nodes, tasks, bound = read_inputs(n, p)
+    spread = run_policy("spread", nodes, tasks, bound, churn=True)
+    assert (spread.placed, spread.overcommittedGpus, spread.overcommittedGpusPeak) == (3, 0, 1)
+    assert run_policy("planner", nodes, tasks, bound, churn=True).overcommittedGpusPeak == 0
 
 
 def test_pods_arriving_together_are_planned_as_one_batch(tmp_path):
@@ -125,7 +134,7 @@ def test_while_all_fit_compares_policies_where_none_has_failed_yet():
     late = PolicyResult("planner", allFitBatches=3, freeSeries=[(1, 5), (3, 3), (4, 2)])
     assert while_all_fit([late, early]) == {"batches": 2, "arrivals": 3, "gpusFree": {"planner": 3, "best-fit": 4}}
     assert while_all_fit([late, PolicyResult("first-fit", allFitBatches=0, freeSeries=[(1, 5)])]) is None
-    over = PolicyResult("spread", allFitBatches=1, freeSeries=[(1, 6), (3, 6)], overcommittedGpus=2)
+    over = PolicyResult("spread", allFitBatches=1, freeSeries=[(1, 6), (3, 6)], overcommittedGpusPeak=2)
     assert while_all_fit([late, over]) == {"batches": 3, "arrivals": 4, "gpusFree": {"planner": 2}}
 
 
@@ -150,7 +159,7 @@ def test_simulate_json_output(tmp_path, capsys):
         assert r["gpusInUse"] + r["gpusFree"] == 4
     assert out["policies"]["planner"]["overcommittedGpus"] == 0
     fit = out["whileAllFit"]  # 12 pods of 6 GPUs of demand at 1.2 x 4 GPUs: some policy fails some
-    fair = {p: r for p, r in out["policies"].items() if not r["overcommittedGpus"]}
+    fair = {p: r for p, r in out["policies"].items() if not r["overcommittedGpusPeak"]}
     assert 0 < fit["arrivals"] < out["input"]["tasks"] and set(fit["gpusFree"]) == set(fair) and "planner" in fair
     assert fit["arrivals"] == min(r["allFitArrivals"] for r in fair.values())
 
@@ -198,10 +207,11 @@ def test_every_policy_on_a_slice_of_the_real_trace(policy):
     trace = Path(__file__).parent / "fixtures" / "traces"
     nodes, tasks, bound = read_inputs(trace / "openb_node_list_gpu_node.csv", trace / "openb_pod_list_gpushare40.csv")
     assert (len(nodes), len(tasks)) == (40, 150)
-    r = run_policy(policy, nodes, tasks, bound)
-    assert r.placed + r.failed == 150
-    if policy != "spread":
-        assert r.overcommittedGpus == 0 and r.invariantViolations == 0
+    for churn in (False, True):
+        r = run_policy(policy, nodes, tasks, bound, churn=churn)
+        assert r.placed + r.failed == 150
+        if policy != "spread":
+            assert r.overcommittedGpusPeak == 0 and r.invariantViolations == 0
 
 
 def test_usable_free_gpus_leaves_out_a_free_gpu_whose_node_has_no_cpu_left(tmp_path):

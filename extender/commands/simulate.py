@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
         plot_results(results, args.plot, title=f"{len(nodes)} nodes, {gpu_count} GPUs, {len(tasks)} pods"
                      + (f", inflate {args.inflate}" if args.inflate else ""))
-    bad = [r.policy for r in results if r.policy == "planner" and (r.overcommittedGpus or r.invariantViolations)]
+    bad = [r.policy for r in results if r.policy == "planner" and (r.overcommittedGpusPeak or r.invariantViolations)]
     if bad:
         print(f"vramsched simulate: INVARIANT BROKEN by {', '.join(bad)}", file=sys.stderr)
         return 1
@@ -100,7 +100,8 @@ def _table(results, n_tasks: int, gpus: int) -> None:
 
     head = ["policy", "placed", "failed", "GPU mem allocated", "GPUs in use", "GPUs free", "usable", "frag", "overcommitted", "seconds"]
     rows = [[r.policy, str(r.placed), str(r.failed), format_bytes(r.allocatedMemoryBytes), str(r.gpusInUse), str(r.gpusFree),
-             f"{r.gpusFreeUsable:.1f}", f"{r.fragmentationRate:.3f}", str(r.overcommittedGpus), f"{r.seconds:.1f}"] for r in results]
+             f"{r.gpusFreeUsable:.1f}", f"{r.fragmentationRate:.3f}", f"{r.overcommittedGpus} (peak {r.overcommittedGpusPeak})" if r.overcommittedGpusPeak != r.overcommittedGpus
+             else str(r.overcommittedGpus), f"{r.seconds:.1f}"] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print(f"{n_tasks} pods, {gpus} GPUs")
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))

@@ -41,6 +41,9 @@ class PolicyResult:
     gpusFree: int = 0
     gpusTotal: int = 0
     overcommittedGpus: int = 0
+    #: the most GPUs overcommitted at once after any batch (with churn, pods that overcommitted
+    #: a GPU may have left by the end)
+    overcommittedGpusPeak: int = 0
     overcommittedBytes: int = 0
     fragmentationBytes: float = 0.0
     fragmentationRate: float = 0.0
@@ -134,8 +137,10 @@ def run_policy(
         for t, n in placed:
             where[t.key] = n
             demands_of[t.key] = t
-        in_use = int((cap.arrays.used_replicas > 0).sum())
-        free_sum += len(cap.arrays.used_replicas) - in_use
+        a = cap.arrays
+        in_use = int((a.used_replicas > 0).sum())
+        out.overcommittedGpusPeak = max(out.overcommittedGpusPeak, int(_overcommitted(a).sum()))
+        free_sum += len(a.used_replicas) - in_use
         out.gpusInUsePeak = max(out.gpusInUsePeak, in_use)
         out.placed += len(placed)
         ok = {t.key for t, _ in placed}
@@ -145,7 +150,7 @@ def run_policy(
                 out.failedGpuPods += t.demand.gpu_count > 0
                 all_fit = all_fit and demand_kind(t.demand) in nowhere
         arrived = (out.freeSeries[-1][0] if out.freeSeries else 0) + len(batch)
-        out.freeSeries.append((arrived, len(cap.arrays.used_replicas) - in_use))
+        out.freeSeries.append((arrived, len(a.used_replicas) - in_use))
         if all_fit:
             out.allFitBatches, out.allFitArrivals = out.batches, arrived
     out.seconds = time.perf_counter() - start
@@ -171,9 +176,9 @@ def while_all_fit(results: Sequence[PolicyResult]) -> dict[str, Any] | None:
     """GPUs fully free per policy after the last batch that every policy placed in full (pods that
     fit nowhere aside): the comparison where every pod can fit, which a replay's end is not once
     one policy has started failing pods (the others then leave GPUs free by placing fewer pods).
-    A policy that overcommitted VRAM (`spread`) is left out: its free GPUs and its failures come
-    from pods stacked beyond a GPU's memory."""
-    fair = [r for r in results if not r.overcommittedGpus]
+    A policy that overcommitted VRAM at any point (`spread`) is left out: its free GPUs and its
+    failures come from pods stacked beyond a GPU's memory."""
+    fair = [r for r in results if not r.overcommittedGpusPeak]
     k = min((r.allFitBatches for r in fair), default=0)
     if k == 0:
         return None
@@ -213,7 +218,7 @@ def _measure(out: PolicyResult, cap: Capacity, workload: Workload, placed) -> No
     out.capacityMemoryBytes = int(a.capacity.sum())
     out.allocatedMemoryBytes = int(np.minimum(used, a.capacity).sum())
     out.requestedMemoryBytes = int(used.sum())
-    over = (used > a.capacity) | (a.used_replicas > a.replicas)
+    over = _overcommitted(a)
     out.overcommittedGpus = int(over.sum())
     out.overcommittedBytes = int(np.maximum(used - a.capacity, 0).sum())
     out.gpusTotal = len(a.capacity)
@@ -224,6 +229,11 @@ def _measure(out: PolicyResult, cap: Capacity, workload: Workload, placed) -> No
     out.gpusFreeUsable = usable_free_gpus(f)
     free = float(np.maximum(a.capacity - used, 0).sum())
     out.fragmentationRate = out.fragmentationBytes / free if free else 0.0
+
+
+def _overcommitted(a) -> np.ndarray:
+    """GPUs holding more memory or more pods than they have (only `spread` can get there)."""
+    return (a.used > a.capacity) | (a.used_replicas > a.replicas)
 
 
 def usable_free_gpus(f: FragIndex) -> float:
