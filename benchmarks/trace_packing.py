@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from extender.planner.capacity import Workload  # noqa: E402
-from extender.simulate.engine import ALL_POLICIES, run_policy, while_all_fit  # noqa: E402
+from extender.simulate.engine import ALL_POLICIES, all_fit_line, overcommit_text, run_policy, while_all_fit  # noqa: E402
 from extender.simulate.trace import inflate, read_inputs  # noqa: E402
 
 TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "traces"))
@@ -60,8 +60,7 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
     all_fit = while_all_fit(results)
     if all_fit:
         # the curve only where pods stay (with churn, at most 1.1% of the GPUs are ever in use)
-        fair = [r for r in results if r.policy in all_fit["gpusFree"]]
-        out["whileAllFit"] = all_fit if churn else {**all_fit, "curve": free_curve(fair, all_fit["batches"])}
+        out["whileAllFit"] = all_fit if churn else {**all_fit, "curve": free_curve(results, all_fit)}
     pl = out["policies"].get("planner")
     if pl:
         out["planner margins"] = {
@@ -78,12 +77,15 @@ def run(pod_list: str, factor: float, policies: list[str], time_limit: float, ch
     return out
 
 
-def free_curve(results, batches: int, points: int = 40) -> dict:
-    """GPUs fully free per policy at `points` evenly spaced batches up to `batches` (the last one
-    every policy placed in full): the curve `--plots` draws, small enough for the results file."""
+def free_curve(results, all_fit: dict, points: int = 40) -> dict:
+    """GPUs fully free per policy `while_all_fit` compares, at `points` evenly spaced batches up to
+    the last one every such policy placed in full: the curve `--plots` draws, small enough for
+    the results file."""
+    fair = [r for r in results if r.policy in all_fit["gpusFree"]]
+    batches = all_fit["batches"]
     at = sorted({round(i * (batches - 1) / (points - 1)) for i in range(points)})
-    return {"arrivals": [results[0].freeSeries[i][0] for i in at],
-            "gpusFree": {r.policy: [r.freeSeries[i][1] for i in at] for r in results}}
+    return {"arrivals": [fair[0].freeSeries[i][0] for i in at],
+            "gpusFree": {r.policy: [r.freeSeries[i][1] for i in at] for r in fair}}
 
 
 def markdown(body: dict) -> str:
@@ -96,11 +98,11 @@ def markdown(body: dict) -> str:
         for name, r in run["policies"].items():
             lines.append(f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / (1000 * 2**20):.2f} | {r['gpusInUse']} | "
                          f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r.get('gpusFreeUsable', float('nan')):.2f} | {r['fragmentationRate']:.3f} | "
-                         f"{_overcommit(r)} | {r['seconds']:.1f} |")
+                         f"{overcommit_text(r['overcommittedGpus'], r.get('overcommittedGpusPeak', r['overcommittedGpus']))} | "
+                         f"{r['seconds']:.1f} |")
         fit = run.get("whileAllFit")
         if fit:
-            lines += ["", f"while every pod fit (the first {fit['arrivals']} pods, {fit['batches']} batches), GPUs fully free: "
-                      + ", ".join(f"{p} {v}" for p, v in fit["gpusFree"].items())]
+            lines += ["", all_fit_line(fit)]
         m = run.get("planner margins")
         if m:
             lines += ["", "planner minus baseline: " + "; ".join(
@@ -109,12 +111,6 @@ def markdown(body: dict) -> str:
                 for p, v in m.items())]
         lines.append("")
     return "\n".join(lines)
-
-
-def _overcommit(r: dict) -> str:
-    """GPUs overcommitted at the end, and the peak over the replay where churn made them differ."""
-    end, peak = r["overcommittedGpus"], r.get("overcommittedGpusPeak", r["overcommittedGpus"])
-    return f"{end}" if peak == end else f"{end} (peak {peak})"
 
 
 def plots(body: dict, where: Path) -> None:

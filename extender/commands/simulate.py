@@ -44,7 +44,7 @@ def _policies(chosen: list[str] | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from extender.planner.capacity import Workload
-    from extender.simulate.engine import build_capacity, run_policy, while_all_fit
+    from extender.simulate.engine import all_fit_line, build_capacity, run_policy, while_all_fit
     from extender.simulate.trace import DEFAULT_REPLICAS, TRACE_GPU_MIB, inflate, read_inputs
     from extender.quantity import MIB
     from extender.source_file import ClusterFileError
@@ -81,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _table(results, len(tasks), gpu_count)
         if all_fit:
-            print(f"while every pod fit (first {all_fit['arrivals']} pods), GPUs fully free: "
-                  + ", ".join(f"{p} {v}" for p, v in all_fit["gpusFree"].items()))
+            print(all_fit_line(all_fit))
     if args.plot:
         from extender.simulate.plot import plot_results
 
@@ -97,11 +96,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _table(results, n_tasks: int, gpus: int) -> None:
     from extender.quantity import format_bytes
+    from extender.simulate.engine import overcommit_text
 
     head = ["policy", "placed", "failed", "GPU mem allocated", "GPUs in use", "GPUs free", "usable", "frag", "overcommitted", "seconds"]
     rows = [[r.policy, str(r.placed), str(r.failed), format_bytes(r.allocatedMemoryBytes), str(r.gpusInUse), str(r.gpusFree),
-             f"{r.gpusFreeUsable:.1f}", f"{r.fragmentationRate:.3f}", f"{r.overcommittedGpus} (peak {r.overcommittedGpusPeak})" if r.overcommittedGpusPeak != r.overcommittedGpus
-             else str(r.overcommittedGpus), f"{r.seconds:.1f}"] for r in results]
+             f"{r.gpusFreeUsable:.1f}", f"{r.fragmentationRate:.3f}", overcommit_text(r.overcommittedGpus, r.overcommittedGpusPeak),
+             f"{r.seconds:.1f}"] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print(f"{n_tasks} pods, {gpus} GPUs")
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))

@@ -22,7 +22,7 @@ from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.simulate.trace import Task
 
-__all__ = ["PolicyResult", "run_policy", "build_capacity", "fit_nowhere", "while_all_fit", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
+__all__ = ["PolicyResult", "run_policy", "build_capacity", "fit_nowhere", "while_all_fit", "all_fit_line", "overcommit_text", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
 
 ALL_POLICIES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies that must never overcommit (they are vramsched's own).
@@ -184,6 +184,17 @@ def while_all_fit(results: Sequence[PolicyResult]) -> dict[str, Any] | None:
         return None
     return {"batches": k, "arrivals": fair[0].freeSeries[k - 1][0],
             "gpusFree": {r.policy: r.freeSeries[k - 1][1] for r in fair}}
+
+
+def all_fit_line(fit: Mapping[str, Any]) -> str:
+    """`while_all_fit`'s answer in one line, as the simulator and the trace benchmark print it."""
+    return (f"while every pod fit (the first {fit['arrivals']} pods, {fit['batches']} batches), GPUs fully free: "
+            + ", ".join(f"{p} {v}" for p, v in fit["gpusFree"].items()))
+
+
+def overcommit_text(end: int, peak: int) -> str:
+    """GPUs overcommitted at the end of a replay, with the peak where churn made them differ."""
+    return f"{end}" if peak == end else f"{end} (peak {peak})"
 
 
 def _planner_rule() -> str:
