@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test e2e venv deps control-plane bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
+.PHONY: run test lint e2e venv deps control-plane bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ run: venv
 # cached in ~/.cache/vramsched (a warm run is a no-op). See docs/control-plane.md.
 control-plane:
 	scripts/control-plane/build.sh
+
+# Lint: ruff (rules and format), configured in pyproject.toml.
+LINT_PATHS := extender tests benchmarks loadtest
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 test: venv deps control-plane
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -22,9 +22,9 @@ import orjson
 
 from extender.cluster import ClusterState
 from extender.deviceplugin import ReplicaPolicy
-from extender.service import EmbeddedBinder, ExtenderService
 from extender.namelists import NameLists
 from extender.server import decode_args, encode_names_result
+from extender.service import EmbeddedBinder, ExtenderService
 from extender.wire import ExtenderBindingArgs, ScoredHosts
 from loadtest.gen_cluster import generate
 from loadtest.pods import make_pod
@@ -37,7 +37,9 @@ def _pct(v: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
-def bench(nodes: int, cycles: int, occupancy: float, seed: int, replica_policy: str | None = None) -> dict:
+def bench(
+    nodes: int, cycles: int, occupancy: float, seed: int, replica_policy: str | None = None
+) -> dict:
     node_objs, pods = generate(nodes, 8, occupancy, seed)
     gc.disable()
     cluster = ClusterState()
@@ -69,18 +71,37 @@ def bench(nodes: int, cycles: int, occupancy: float, seed: int, replica_policy: 
             return
         best = feasible[0]
         if len(feasible) > 1:
-            body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + orjson.dumps(feasible) + b"}"
+            body = (
+                b'{"Pod":'
+                + pod_json
+                + b',"Nodes":null,"NodeNames":'
+                + orjson.dumps(feasible)
+                + b"}"
+            )
             t = clock()
             hosts = svc.prioritize(decode_args(body, lists, learn=False))
-            out = hosts.to_json() if isinstance(hosts, ScoredHosts) else orjson.dumps([h.model_dump() for h in hosts])
+            out = (
+                hosts.to_json()
+                if isinstance(hosts, ScoredHosts)
+                else orjson.dumps([h.model_dump() for h in hosts])
+            )
             if record:
                 cpu["prioritize"].append(clock() - t)
             scores = orjson.loads(out)
             best = max(scores, key=lambda h: h["Score"])["Host"]
         meta = pod["metadata"]
-        body = orjson.dumps({"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": best})
+        body = orjson.dumps(
+            {
+                "PodName": meta["name"],
+                "PodNamespace": meta["namespace"],
+                "PodUID": meta["uid"],
+                "Node": best,
+            }
+        )
         t = clock()
-        result = loop.run_until_complete(svc.bind(ExtenderBindingArgs.model_validate(orjson.loads(body))))
+        result = loop.run_until_complete(
+            svc.bind(ExtenderBindingArgs.model_validate(orjson.loads(body)))
+        )
         result.__pydantic_serializer__.to_json(result)
         if record:
             cpu["bind"].append(clock() - t)
@@ -94,8 +115,14 @@ def bench(nodes: int, cycles: int, occupancy: float, seed: int, replica_policy: 
         "nodes": nodes,
         "pods": len(pods),
         "devices": len(cluster.ledger.arrays.devices),
-        **{v: {"calls": len(cpu[v]), "p50_ms": round(_pct(cpu[v], 0.5) * 1e3, 3), "p99_ms": round(_pct(cpu[v], 0.99) * 1e3, 3)}
-           for v in VERBS},
+        **{
+            v: {
+                "calls": len(cpu[v]),
+                "p50_ms": round(_pct(cpu[v], 0.5) * 1e3, 3),
+                "p99_ms": round(_pct(cpu[v], 0.99) * 1e3, 3),
+            }
+            for v in VERBS
+        },
     }
 
 
@@ -105,20 +132,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=300)
     p.add_argument("--occupancy", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--replica-policy", choices=[p.value for p in ReplicaPolicy], default=None,
-                   help="the device plugin's replica policy, as in live mode (default: none, exact per-GPU books)")
+    p.add_argument(
+        "--replica-policy",
+        choices=[p.value for p in ReplicaPolicy],
+        default=None,
+        help="the device plugin's replica policy, as in live mode (default: none, exact per-GPU books)",
+    )
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     rows = []
-    print(f"{'nodes':>6} {'pods':>7} {'devices':>8}  " + "  ".join(f"{v + ' p50/p99 ms':>24}" for v in VERBS))
+    print(
+        f"{'nodes':>6} {'pods':>7} {'devices':>8}  "
+        + "  ".join(f"{v + ' p50/p99 ms':>24}" for v in VERBS)
+    )
     for n in args.nodes:
         r = bench(n, args.cycles, args.occupancy, args.seed, args.replica_policy)
         rows.append(r)
-        print(f"{r['nodes']:>6} {r['pods']:>7} {r['devices']:>8}  "
-              + "  ".join(f"{r[v]['p50_ms']:>11.3f} / {r[v]['p99_ms']:>8.3f}" for v in VERBS), flush=True)
+        print(
+            f"{r['nodes']:>6} {r['pods']:>7} {r['devices']:>8}  "
+            + "  ".join(f"{r[v]['p50_ms']:>11.3f} / {r[v]['p99_ms']:>8.3f}" for v in VERBS),
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu_ms_per_call": rows, "loadavg": __import__("os").getloadavg()}, f, indent=2)
+            json.dump(
+                {"cpu_ms_per_call": rows, "loadavg": __import__("os").getloadavg()}, f, indent=2
+            )
     return 0
 
 

@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from trace_packing import load  # noqa: E402
+
 from extender import placement  # noqa: E402
 from extender.demand import Demand  # noqa: E402
 from extender.planner import greedy  # noqa: E402
 from extender.planner.capacity import Capacity, FragIndex  # noqa: E402
 from extender.simulate.engine import run_policy  # noqa: E402
-from trace_packing import load  # noqa: E402
 
 WEIGHT, STEP = 5, 10  # the shipped extender weight; MaxNodeScore / MaxExtenderPriority
 
@@ -45,14 +46,20 @@ def _variant(mode: str, seed: int = 7):
         if not len(rows) or not demand.wants_gpu:
             return greedy.hot_path(cap, demand, frag)
         names = cap.arrays.node_names
-        feasible = placement.filter_nodes(cap.ledger, demand, [names[r] for r in rows.tolist()], explain_all=False).feasible
+        feasible = placement.filter_nodes(
+            cap.ledger, demand, [names[r] for r in rows.tolist()], explain_all=False
+        ).feasible
         if not feasible:
             return None
-        _, at, scores = placement.score_rows(cap.ledger, demand, feasible, single_top=mode != "random-top")
+        _, at, scores = placement.score_rows(
+            cap.ledger, demand, feasible, single_top=mode != "random-top"
+        )
         if mode == "random-top":
             total = scores.astype(np.int64) * 1000 + rng.integers(0, 1000, len(at))
         else:
-            total = scores.astype(np.int64) * WEIGHT * STEP + greedy.least_allocated(cap, demand, at)
+            total = scores.astype(np.int64) * WEIGHT * STEP + greedy.least_allocated(
+                cap, demand, at
+            )
         best = int(at[int(np.argmax(total))])
         res = placement.choose_devices(cap.ledger, demand, names[best])
         return None if isinstance(res, str) else (res, best, False)
@@ -61,7 +68,9 @@ def _variant(mode: str, seed: int = 7):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--lists", nargs="*", default=["default", "gpushare40", "gpuspec10"])
     ap.add_argument("--inflate", type=float, default=1.3)
     args = ap.parse_args()

@@ -94,10 +94,12 @@ def build_cluster(seed: int, n_pending: int) -> list[dict]:
                 "nvidia.com/mig.config.state": "success",
             }
             for p, k in geo:
-                key = "nvidia.com/" + mig.resource_name(p)[len("nvidia.com/"):]
+                key = "nvidia.com/" + mig.resource_name(p)[len("nvidia.com/") :]
                 labels[key + ".count"] = str(k * GPUS_PER_NODE)
                 labels[key + ".memory"] = str(model.profile(p).memory_bytes // MIB)
-            objs.append({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}})
+            objs.append(
+                {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+            )
             ordinal = Counter()
             for g in range(GPUS_PER_NODE):
                 if rng.random() >= BUSY_GPU_SHARE:
@@ -108,7 +110,11 @@ def build_cluster(seed: int, n_pending: int) -> list[dict]:
                     fitting = [b for b in running_sizes if b <= model.profile(p).memory_bytes]
                     b = rng.choice(fitting) if fitting else model.profile(p).memory_bytes // 2
                     pod = f"run-{name}-{g}-{ordinal[p]}"
-                    assignment = {"node": name, "devices": [f"{g}:{p}:{ordinal[p]}"], "bytesPerDevice": b}
+                    assignment = {
+                        "node": name,
+                        "devices": [f"{g}:{p}:{ordinal[p]}"],
+                        "bytesPerDevice": b,
+                    }
                     ordinal[p] += 1
                     objs.append(
                         {
@@ -122,7 +128,10 @@ def build_cluster(seed: int, n_pending: int) -> list[dict]:
                                     "vramsched.io/assignment": json.dumps(assignment),
                                 },
                             },
-                            "spec": {"nodeName": name, "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+                            "spec": {
+                                "nodeName": name,
+                                "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}],
+                            },
                             "status": {"phase": "Running"},
                         }
                     )
@@ -139,7 +148,10 @@ def build_cluster(seed: int, n_pending: int) -> list[dict]:
                     "labels": {"model": llm[0].replace(" ", "-").replace(".", "-").lower()},
                     "annotations": {"vramsched.io/model-memory": f"{-(-b // MIB)}Mi"},
                 },
-                "spec": {"schedulerName": "vramsched", "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+                "spec": {
+                    "schedulerName": "vramsched",
+                    "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}],
+                },
                 "status": {"phase": "Pending"},
             }
         )
@@ -172,14 +184,26 @@ def _summary(plan, cpu_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--time-limit", type=float, default=30.0, help="planner time limit per solve (s)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--time-limit", type=float, default=30.0, help="planner time limit per solve (s)"
+    )
     ap.add_argument("--uniform-time-limit", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--pending", type=int, nargs="*", default=[1500, 3000, 4500], help="pending pod counts")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "mig_geometry.json")
-    ap.add_argument("--write-cluster", type=Path, help="also keep the generated cluster YAML (largest scenario)")
+    ap.add_argument(
+        "--pending", type=int, nargs="*", default=[1500, 3000, 4500], help="pending pod counts"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "mig_geometry.json",
+    )
+    ap.add_argument(
+        "--write-cluster", type=Path, help="also keep the generated cluster YAML (largest scenario)"
+    )
     args = ap.parse_args(argv)
 
     scenarios = []
@@ -187,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         objs = build_cluster(args.seed, n_pending)
         with tempfile.TemporaryDirectory() as td:
             path = Path(td) / "cluster.yaml"
-            path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}, sort_keys=False))
+            path.write_text(
+                yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}, sort_keys=False)
+            )
             if args.write_cluster and n_pending == max(args.pending):
                 args.write_cluster.write_text(path.read_text())
             t = time.perf_counter()
@@ -195,11 +221,22 @@ def main(argv: list[str] | None = None) -> int:
             read_s = time.perf_counter() - t
         busy = sum(1 for g in snap.gpus if g.is_occupied)
         demand = Counter(p.model_memory_bytes for p in snap.pending)
-        plan, cpu = _timed(plan_mig_geometry, snap.gpus, snap.pending, time_limit_s=args.time_limit, num_workers=args.workers)
+        plan, cpu = _timed(
+            plan_mig_geometry,
+            snap.gpus,
+            snap.pending,
+            time_limit_s=args.time_limit,
+            num_workers=args.workers,
+        )
         uni = {
             fam: _summary(
                 *_timed(
-                    evaluate_uniform, snap.gpus, snap.pending, fam, time_limit_s=args.uniform_time_limit, num_workers=args.workers
+                    evaluate_uniform,
+                    snap.gpus,
+                    snap.pending,
+                    fam,
+                    time_limit_s=args.uniform_time_limit,
+                    num_workers=args.workers,
                 )
             )
             for fam in mig.UNIFORM_FAMILIES
@@ -226,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "benchmark": "mig_geometry",
-        "command": "python benchmarks/mig_geometry.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/mig_geometry.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "cluster": {
             "nodes": sum(n for _, n in NODE_MODELS),
             "gpus_per_node": GPUS_PER_NODE,
@@ -240,10 +278,21 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_memory_utilization": UTIL,
             "overhead_gib": OVERHEAD_GIB,
             "kv_tokens": KV_TOKENS,
-            "llms": {n: {"weights_gib": w, "slice_gib": round(llm_bytes(w, kv) / GIB, 2), "share": s} for n, w, kv, s in LLMS},
+            "llms": {
+                n: {"weights_gib": w, "slice_gib": round(llm_bytes(w, kv) / GIB, 2), "share": s}
+                for n, w, kv, s in LLMS
+            },
         },
-        "solver": {"time_limit_s": args.time_limit, "uniform_time_limit_s": args.uniform_time_limit, "workers": args.workers},
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "solver": {
+            "time_limit_s": args.time_limit,
+            "uniform_time_limit_s": args.uniform_time_limit,
+            "workers": args.workers,
+        },
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "scenarios": scenarios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,7 +313,9 @@ def markdown(result: dict) -> str:
             "| solve s (wall) | CPU s | status |"
         )
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-        rows = [("**planner**", sc["planner"])] + [(f"uniform `{f}`", s) for f, s in sc["uniform"].items()]
+        rows = [("**planner**", sc["planner"])] + [
+            (f"uniform `{f}`", s) for f, s in sc["uniform"].items()
+        ]
         for name, s in rows:
             lines.append(
                 f"| {name} | {s['pods_placed']} | {s['new_gpus_used']} | {s['reconfigured_gpus']} | "

@@ -48,11 +48,21 @@ def cluster(n_nodes: int, seed: int):
     nodes, bound = [], []
     for i in range(n_nodes):
         name = f"node-{i:05d}"
-        labels = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-SHARED", "nvidia.com/gpu.count": "8",
-                  "nvidia.com/gpu.memory": str(GPU_GIB * 1024), "nvidia.com/gpu.replicas": "8",
-                  "nvidia.com/gpu.sharing-strategy": "time-slicing"}
+        labels = {
+            "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-SHARED",
+            "nvidia.com/gpu.count": "8",
+            "nvidia.com/gpu.memory": str(GPU_GIB * 1024),
+            "nvidia.com/gpu.replicas": "8",
+            "nvidia.com/gpu.sharing-strategy": "time-slicing",
+        }
         alloc = {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "64"}
-        nodes.append({"kind": "Node", "metadata": {"name": name, "labels": labels}, "status": {"allocatable": alloc}})
+        nodes.append(
+            {
+                "kind": "Node",
+                "metadata": {"name": name, "labels": labels},
+                "status": {"allocatable": alloc},
+            }
+        )
         if rng.random() < 0.2:
             continue
         shape = rng.choice(SHAPES)
@@ -61,11 +71,32 @@ def cluster(n_nodes: int, seed: int):
                 continue
             pod = PodRef("bench", f"run-{i}-{g}")
             res = Reservation(pod, name, (str(g),), (gib * GIB,))
-            bound.append({"kind": "Pod", "metadata": {"name": pod.name, "namespace": "bench", "annotations": {
-                "vramsched.io/model-memory": f"{gib}Gi", **encode_assignment(res)}},
-                "spec": {"nodeName": name, "containers": [{"name": "c", "resources": {
-                    "requests": {"cpu": "2", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": "1"}}}]},
-                "status": {"phase": "Running"}})
+            bound.append(
+                {
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": pod.name,
+                        "namespace": "bench",
+                        "annotations": {
+                            "vramsched.io/model-memory": f"{gib}Gi",
+                            **encode_assignment(res),
+                        },
+                    },
+                    "spec": {
+                        "nodeName": name,
+                        "containers": [
+                            {
+                                "name": "c",
+                                "resources": {
+                                    "requests": {"cpu": "2", "memory": "16Gi"},
+                                    "limits": {"nvidia.com/gpu": "1"},
+                                },
+                            }
+                        ],
+                    },
+                    "status": {"phase": "Running"},
+                }
+            )
     return nodes, bound
 
 
@@ -75,8 +106,16 @@ def batch(n_pods: int, seed: int) -> list[Demand]:
     out = []
     for i in range(n_pods):
         k, gib = rng.choice(kinds)
-        out.append(Demand(PodRef("bench", f"pending-{i}"), k, gib * GIB, cpu_milli=2000 * k, memory_bytes=16 * GIB * k,
-                          model_memory=gib * GIB * k))
+        out.append(
+            Demand(
+                PodRef("bench", f"pending-{i}"),
+                k,
+                gib * GIB,
+                cpu_milli=2000 * k,
+                memory_bytes=16 * GIB * k,
+                model_memory=gib * GIB * k,
+            )
+        )
     return out
 
 
@@ -94,16 +133,39 @@ def run(n_nodes: int, n_pods: int, time_limit: float, workers: int, seed: int) -
     # prove: a plan that places every pod without the solver also proves, within the same time
     # limit, how many empty GPUs it must open (the plan's seconds include that proof)
     plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=workers, prove=True)
-    return {
-        "nodes": n_nodes, "gpus": n_nodes * 8, "pods": n_pods, "timeLimit": time_limit, "workers": workers,
-        "greedySeconds": round(t_greedy, 3), "planSeconds": round(plan.seconds, 3), "status": plan.status,
-        "improved": plan.improved, "greedyPlaced": len(greedy), "sequentialPlaced": len(sequential), "placed": plan.placed,
-        "greedyCost": list(plan.greedy_cost), "cost": list(plan.cost),
-        "stages": [{"status": s.status, "objective": s.objective, "bound": s.bound, "gap": round(s.gap, 5),
-                    "seconds": round(s.seconds, 3)} for s in plan.stages],
-        "gap": round(plan.gap, 5), **plan.stats,
-        "goals": "cost = (priority-weighted pods left out, stranded VRAM increase KiB, empty GPUs opened, nodes touched)",
-    } | _opened_gap(plan) | _stranded_gap(plan)
+    return (
+        {
+            "nodes": n_nodes,
+            "gpus": n_nodes * 8,
+            "pods": n_pods,
+            "timeLimit": time_limit,
+            "workers": workers,
+            "greedySeconds": round(t_greedy, 3),
+            "planSeconds": round(plan.seconds, 3),
+            "status": plan.status,
+            "improved": plan.improved,
+            "greedyPlaced": len(greedy),
+            "sequentialPlaced": len(sequential),
+            "placed": plan.placed,
+            "greedyCost": list(plan.greedy_cost),
+            "cost": list(plan.cost),
+            "stages": [
+                {
+                    "status": s.status,
+                    "objective": s.objective,
+                    "bound": s.bound,
+                    "gap": round(s.gap, 5),
+                    "seconds": round(s.seconds, 3),
+                }
+                for s in plan.stages
+            ],
+            "gap": round(plan.gap, 5),
+            **plan.stats,
+            "goals": "cost = (priority-weighted pods left out, stranded VRAM increase KiB, empty GPUs opened, nodes touched)",
+        }
+        | _opened_gap(plan)
+        | _stranded_gap(plan)
+    )
 
 
 def _opened_gap(plan) -> dict:
@@ -121,12 +183,17 @@ def _stranded_gap(plan) -> dict:
     if lb is None or len(plan.cost) < 2:
         return {}
     kib = plan.cost[1]
-    return {"strandedKiB": kib, "referenceStrandedKiB": plan.greedy_cost[1],
-            "strandedGap": round(abs(kib - lb) / abs(kib), 9) if kib else float(kib != lb)}
+    return {
+        "strandedKiB": kib,
+        "referenceStrandedKiB": plan.greedy_cost[1],
+        "strandedGap": round(abs(kib - lb) / abs(kib), 9) if kib else float(kib != lb),
+    }
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--nodes", type=int, nargs="*", default=[100, 500, 1000, 2000, 5000])
     ap.add_argument("--pods", type=int, default=500)
     ap.add_argument("--time-limit", type=float, default=1.0)
@@ -139,8 +206,12 @@ def main() -> int:
         r = run(n, args.pods, args.time_limit, args.workers, args.seed)
         rows.append(r)
         print(json.dumps(r), flush=True)
-    out = {"command": " ".join(["benchmarks/planner_scaling.py", *sys.argv[1:]]), "machine": platform.platform(),
-           "python": platform.python_version(), "results": rows}
+    out = {
+        "command": " ".join(["benchmarks/planner_scaling.py", *sys.argv[1:]]),
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "results": rows,
+    }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

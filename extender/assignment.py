@@ -6,7 +6,8 @@ are read back from the pods, so nothing is lost and nothing is counted twice.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
@@ -22,12 +23,18 @@ class AssignmentError(ValueError):
 
 def encode_assignment(res: Reservation) -> dict[str, str]:
     """Annotations recording `res`: JSON for tools, plain GPU indices for people and envFrom."""
-    body = {"node": res.node, "devices": list(res.device_ids), "bytesPerDevice": list(res.bytes_per_device)}
+    body = {
+        "node": res.node,
+        "devices": list(res.device_ids),
+        "bytesPerDevice": list(res.bytes_per_device),
+    }
     indices = sorted({int(d.split(":", 1)[0]) for d in res.device_ids})
     return {ASSIGNMENT: orjson.dumps(body).decode(), GPU_INDEX: ",".join(map(str, indices))}
 
 
-def decode_assignment(pod_ref: PodRef, annotations: Mapping[str, Any], priority: int = 0) -> Reservation | None:
+def decode_assignment(
+    pod_ref: PodRef, annotations: Mapping[str, Any], priority: int = 0
+) -> Reservation | None:
     raw = annotations.get(ASSIGNMENT)
     if raw is None:
         return None
@@ -40,7 +47,11 @@ def decode_assignment(pod_ref: PodRef, annotations: Mapping[str, Any], priority:
             sizes = [sizes] * len(devices)
         sizes = tuple(int(s) for s in sizes)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise AssignmentError(f"pod {pod_ref}: annotation {ASSIGNMENT} is unreadable ({exc})") from None
+        raise AssignmentError(
+            f"pod {pod_ref}: annotation {ASSIGNMENT} is unreadable ({exc})"
+        ) from None
     if not isinstance(node, str) or len(sizes) != len(devices) or any(s < 0 for s in sizes):
         raise AssignmentError(f"pod {pod_ref}: annotation {ASSIGNMENT} is inconsistent")
-    return Reservation(pod=pod_ref, node=node, device_ids=devices, bytes_per_device=sizes, priority=priority)
+    return Reservation(
+        pod=pod_ref, node=node, device_ids=devices, bytes_per_device=sizes, priority=priority
+    )

@@ -9,7 +9,7 @@ ledger *counts* the pod on, not as the GPU the container gets.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from extender.demand import PodRef
@@ -69,11 +69,17 @@ def bind_message(ledger: Ledger, res: Reservation, pinned: bool) -> str:
         return f"reserved {amount} on {what} of {res.node} ({detail})"[:MAX_MESSAGE]
     assert isinstance(first, Gpu)
     plural = "GPUs" if n > 1 else "GPU"
-    kind = {Sharing.TIME_SLICING: "time-slicing", Sharing.MPS: "MPS", Sharing.EXCLUSIVE: "exclusive"}[first.sharing]
+    kind = {
+        Sharing.TIME_SLICING: "time-slicing",
+        Sharing.MPS: "MPS",
+        Sharing.EXCLUSIVE: "exclusive",
+    }[first.sharing]
     shared = first.replicas > 1
     if pinned:
         detail = f"{kind}, {_replicas(use)}, pinned" if shared else f"{kind}, pinned"
-        return f"reserved {amount} on {plural} {_indices(held)} of {res.node} ({detail})"[:MAX_MESSAGE]
+        return f"reserved {amount} on {plural} {_indices(held)} of {res.node} ({detail})"[
+            :MAX_MESSAGE
+        ]
     parts = [kind]
     if shared:
         parts.append(_replicas(use, "clients" if first.sharing is Sharing.MPS else "replicas"))
@@ -87,7 +93,7 @@ def _replicas(use: list[str], word: str = "replicas") -> str:
 
 
 def _timestamp(now: float) -> str:
-    return datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def bind_event(pod: PodRef, message: str, now: float, instance: str = "") -> dict[str, Any]:
@@ -98,8 +104,16 @@ def bind_event(pod: PodRef, message: str, now: float, instance: str = "") -> dic
     The name follows client-go's recorder (`<pod>.<nanoseconds in hex>`).
     """
     ts = _timestamp(now)
-    meta: dict[str, Any] = {"name": f"{pod.name[:_NAME_ROOM]}.{int(now * 1e9):x}", "namespace": pod.namespace}
-    involved: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace, "name": pod.name}
+    meta: dict[str, Any] = {
+        "name": f"{pod.name[:_NAME_ROOM]}.{int(now * 1e9):x}",
+        "namespace": pod.namespace,
+    }
+    involved: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": pod.namespace,
+        "name": pod.name,
+    }
     if pod.uid:
         involved["uid"] = pod.uid
     body: dict[str, Any] = {

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import extender
 import extender.commands
@@ -16,7 +16,9 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vramsched", description="VRAM-aware GPU scheduler extender for Kubernetes")
+    parser = argparse.ArgumentParser(
+        prog="vramsched", description="VRAM-aware GPU scheduler extender for Kubernetes"
+    )
     parser.add_argument("--version", action="version", version=f"vramsched {extender.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(extender.commands.__path__), key=lambda m: m.name):

@@ -9,7 +9,8 @@ replaying the same objects always rebuilds the same ledger.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from extender.assignment import AssignmentError, decode_assignment
 from extender.demand import ASSIGNMENT, DemandError, PodRef, pod_demand, pod_ref
@@ -117,7 +118,10 @@ class ClusterState:
             demand = pod_demand(pod, headroom=self.headroom)
         except DemandError as exc:
             # The reason quotes the annotation; annotations are only ever logged at debug.
-            log.warning("bound pod %s has an unreadable GPU demand; not counted (reason at debug level)", ref)
+            log.warning(
+                "bound pod %s has an unreadable GPU demand; not counted (reason at debug level)",
+                ref,
+            )
             log.debug("bound pod %s: %s", ref, exc)
             self._drop_usage(ref.key)
             return
@@ -127,8 +131,11 @@ class ClusterState:
         try:
             res = decode_assignment(ref, meta.get("annotations") or {}, demand.priority)
         except AssignmentError as exc:
-            log.warning("bound pod %s has an unreadable %s annotation; counted by a guess (reason at debug level)",
-                        ref, ASSIGNMENT)
+            log.warning(
+                "bound pod %s has an unreadable %s annotation; counted by a guess (reason at debug level)",
+                ref,
+                ASSIGNMENT,
+            )
             log.debug("%s", exc)
             res = None
         if res is not None and res.node == node:
@@ -156,7 +163,9 @@ class ClusterState:
         if r is None:
             return None
         lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
-        rows = [i for i in range(lo, hi) if a.devices[i].resource == demand.resource] or list(range(lo, hi))
+        rows = [i for i in range(lo, hi) if a.devices[i].resource == demand.resource] or list(
+            range(lo, hi)
+        )
         if not rows:
             return None
         rows.sort(key=lambda i: (int(a.used[i]), i))
@@ -186,7 +195,11 @@ class ClusterState:
         return self.pods.get(key)
 
     def live_pod_keys(self) -> set[str]:
-        return {k for k, p in self.pods.items() if (p.get("status") or {}).get("phase") not in TERMINAL_PHASES}
+        return {
+            k
+            for k, p in self.pods.items()
+            if (p.get("status") or {}).get("phase") not in TERMINAL_PHASES
+        }
 
 
 def check_cluster(cluster: ClusterState) -> list[Violation]:
@@ -230,16 +243,25 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             out.append(Violation(f"bound to {node} but missing from the ledger", key))
             continue
         try:
-            recorded = decode_assignment(pod_ref(pod), (pod.get("metadata") or {}).get("annotations") or {})
+            recorded = decode_assignment(
+                pod_ref(pod), (pod.get("metadata") or {}).get("annotations") or {}
+            )
         except AssignmentError:
             recorded = None
         if recorded is not None and recorded.node == node and not recorded.same_placement(res):
-            out.append(Violation(f"ledger holds {res.device_ids} on {res.node}, assignment says {recorded.device_ids}", key))
+            out.append(
+                Violation(
+                    f"ledger holds {res.device_ids} on {res.node}, assignment says {recorded.device_ids}",
+                    key,
+                )
+            )
     for name in cpu.keys() | memory.keys() | cluster.cpu_used.keys() | cluster.memory_used.keys():
         want = (cpu.get(name, 0), memory.get(name, 0))
         got = (cluster.cpu_used.get(name, 0), cluster.memory_used.get(name, 0))
         if want != got:
-            out.append(Violation(f"CPU/memory requested on the node is {want}, counted {got}", name))
+            out.append(
+                Violation(f"CPU/memory requested on the node is {want}, counted {got}", name)
+            )
     return out
 
 

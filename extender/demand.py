@@ -93,7 +93,7 @@ class Demand:
     @property
     def mig_profile(self) -> str | None:
         if self.resource.startswith(MIG_RESOURCE_PREFIX):
-            return self.resource[len(MIG_RESOURCE_PREFIX):]
+            return self.resource[len(MIG_RESOURCE_PREFIX) :]
         return None
 
     @property
@@ -145,7 +145,9 @@ def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in _container_requests(c).items():
             q = parse_quantity(v)
             prev = total.get(k)
-            total[k] = q if prev is None else q + prev  # no Fraction + 0 for the usual single container
+            total[k] = (
+                q if prev is None else q + prev
+            )  # no Fraction + 0 for the usual single container
     for c in inits:
         for k, v in _container_requests(c).items():
             q = parse_quantity(v)
@@ -177,7 +179,10 @@ def _requests_gpu(container: Mapping[str, Any]) -> bool:
         return False
     for group in ("limits", "requests"):
         values = resources.get(group)
-        if isinstance(values, Mapping) and any(isinstance(k, str) and is_gpu_resource(k) and str(v) not in ("0", "") for k, v in values.items()):
+        if isinstance(values, Mapping) and any(
+            isinstance(k, str) and is_gpu_resource(k) and str(v) not in ("0", "")
+            for k, v in values.items()
+        ):
             return True
     return False
 
@@ -194,7 +199,9 @@ def reads_pin_annotation(pod: Mapping[str, Any]) -> bool:
     if not isinstance(spec, Mapping):
         return False
     gpu_containers = [
-        c for group in ("containers", "initContainers") for c in (spec.get(group) or [])
+        c
+        for group in ("containers", "initContainers")
+        for c in (spec.get(group) or [])
         if isinstance(c, Mapping) and _requests_gpu(c)
     ]
     return bool(gpu_containers) and all(_env_from_pin_annotation(c) for c in gpu_containers)
@@ -215,17 +222,25 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         requests = _effective_requests(spec)
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid resource quantity: {exc}") from None
-    gpu_resources = {k: v for k, v in requests.items() if isinstance(k, str) and is_gpu_resource(k) and v != 0}
+    gpu_resources = {
+        k: v for k, v in requests.items() if isinstance(k, str) and is_gpu_resource(k) and v != 0
+    }
     if len(gpu_resources) > 1:
-        raise DemandError(f"pod {ref}: requests several GPU resources ({', '.join(sorted(gpu_resources))}); use one")
+        raise DemandError(
+            f"pod {ref}: requests several GPU resources ({', '.join(sorted(gpu_resources))}); use one"
+        )
     resource, count = GPU_RESOURCE, 0
     if gpu_resources:
         resource, value = next(iter(gpu_resources.items()))
         if value.denominator != 1 or value < 0:
-            raise DemandError(f"pod {ref}: {resource} request {float(value):g} is not a whole number of GPUs")
+            raise DemandError(
+                f"pod {ref}: {resource} request {float(value):g} is not a whole number of GPUs"
+            )
         count = int(value)
         if count > MAX_GPUS_PER_POD:
-            raise DemandError(f"pod {ref}: {resource} request {count} is more than {MAX_GPUS_PER_POD} GPUs")
+            raise DemandError(
+                f"pod {ref}: {resource} request {count} is more than {MAX_GPUS_PER_POD} GPUs"
+            )
     annotations = meta.get("annotations") or {}
     if not isinstance(annotations, Mapping):
         raise DemandError(f"pod {ref}: metadata.annotations is not an object")
@@ -235,9 +250,13 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         try:
             model_memory = parse_bytes(raw, maximum=MAX_MODEL_MEMORY)
         except QuantityError as exc:
-            raise DemandError(f"pod {ref}: annotation {MODEL_MEMORY}={str(raw)[:40]!r} is invalid: {exc}") from None
+            raise DemandError(
+                f"pod {ref}: annotation {MODEL_MEMORY}={str(raw)[:40]!r} is invalid: {exc}"
+            ) from None
         if count == 0:
-            raise DemandError(f"pod {ref}: annotation {MODEL_MEMORY} is set but the pod requests no {GPU_RESOURCE}")
+            raise DemandError(
+                f"pod {ref}: annotation {MODEL_MEMORY} is set but the pod requests no {GPU_RESOURCE}"
+            )
     per_gpu: int | None = None
     if model_memory is not None and count:
         total = model_memory + int(model_memory * headroom)
@@ -256,4 +275,16 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
     from_annotation = reads_pin_annotation(pod) if count else False
     pinned = from_annotation or (references_pin_configmap(pod) if count else False)
-    return Demand(ref, count, per_gpu, resource, priority, cpu, memory, allowed, model_memory, pinned, from_annotation)
+    return Demand(
+        ref,
+        count,
+        per_gpu,
+        resource,
+        priority,
+        cpu,
+        memory,
+        allowed,
+        model_memory,
+        pinned,
+        from_annotation,
+    )

@@ -32,7 +32,11 @@ lower both sides.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping, Sequence  # not the typing aliases: isinstance() per pod
+from collections.abc import (
+    Iterable,
+    Mapping,
+    Sequence,
+)  # not the typing aliases: isinstance() per pod
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -112,7 +116,9 @@ def references_pin_configmap(pod: Mapping[str, Any]) -> bool:
     return False
 
 
-def annotation_pin_refusal(devices: Iterable[Any], resource: str, policy: "ReplicaPolicy | str | None") -> str | None:
+def annotation_pin_refusal(
+    devices: Iterable[Any], resource: str, policy: ReplicaPolicy | str | None
+) -> str | None:
     """Why a node cannot take a pod that reads its GPUs from the gpu-index annotation, or None.
 
     Such a container sees exactly the GPUs named there, and none when the annotation is absent
@@ -128,7 +134,9 @@ def annotation_pin_refusal(devices: Iterable[Any], resource: str, policy: "Repli
     return None
 
 
-def pin_environment(reservation: "Reservation", pinned: bool, time_sliced: bool = True) -> dict[str, str]:
+def pin_environment(
+    reservation: Reservation, pinned: bool, time_sliced: bool = True
+) -> dict[str, str]:
     """The ConfigMap data for a pod: `NVIDIA_VISIBLE_DEVICES` only when the pin is real.
 
     Real = pinned mode, whole GPUs (MIG devices are addressed by UUID, not index), time-sliced
@@ -173,7 +181,11 @@ def worst_case_load(
     """
     sizes = sorted((int(s) for s in existing), reverse=True)
     depth = stack_depth(policy, len(sizes) + count, gpus, replicas)
-    prefix = np.concatenate(([0], np.cumsum(np.asarray(sizes, np.int64)))) if sizes else np.zeros(1, np.int64)
+    prefix = (
+        np.concatenate(([0], np.cumsum(np.asarray(sizes, np.int64))))
+        if sizes
+        else np.zeros(1, np.int64)
+    )
     best = 0
     for j in range(0, min(count, depth) + 1):
         rest = min(depth - j, len(sizes))
@@ -181,7 +193,9 @@ def worst_case_load(
     return best
 
 
-def plugin_candidates(allocated: Sequence[int], replicas: Sequence[int], policy: ReplicaPolicy) -> list[int]:
+def plugin_candidates(
+    allocated: Sequence[int], replicas: Sequence[int], policy: ReplicaPolicy
+) -> list[int]:
     """GPUs the plugin may give the next single replica to (all tied ones: the tie is not ours).
 
     `allocated[i]` replicas of GPU i are in use out of `replicas[i]`.
@@ -258,7 +272,10 @@ class _View:
         hit = self.by_resource.get(resource)
         if hit is None:
             at = self.arrays.rows_of(resource)
-            hit = self.by_resource[resource] = (at, np.flatnonzero(self.subject[at] | self.pin_rows[at]))
+            hit = self.by_resource[resource] = (
+                at,
+                np.flatnonzero(self.subject[at] | self.pin_rows[at]),
+            )
         return hit
 
     def resource_groups(self, resource: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -271,12 +288,15 @@ class _View:
             row_group = self.row_group[rows_of[pos]]
             groups, local = np.unique(row_group, return_inverse=True)
             a, first = self.arrays, self.g_first[groups]
-            same = ((a.capacity[rows_of[pos]] == a.capacity[first][local]).all()
-                    and (a.per_pod_cap[rows_of[pos]] == a.per_pod_cap[first][local]).all())
+            same = (a.capacity[rows_of[pos]] == a.capacity[first][local]).all() and (
+                a.per_pod_cap[rows_of[pos]] == a.per_pod_cap[first][local]
+            ).all()
             self.groups_by_resource[resource] = (groups, pos, local) if same else None
         return self.groups_by_resource[resource]
 
-    def group_layout(self, resource: int, pin_configmap: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def group_layout(
+        self, resource: int, pin_configmap: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(per group of `resource`: its node, its rows; per node: its rows of `resource` the pin
         rule refuses) for `refused_per_node`. Labels, policy and the pod's pin ability only."""
         key = (resource, pin_configmap)
@@ -285,12 +305,16 @@ class _View:
             groups = self.resource_groups(resource)[0]
             a = self.arrays
             needs_pin = self.static_masks(pin_configmap, resource)[0]
-            pinned = np.bincount(a.node_of[self.resource_rows(resource)[0][needs_pin]], minlength=len(a.node_names))
+            pinned = np.bincount(
+                a.node_of[self.resource_rows(resource)[0][needs_pin]], minlength=len(a.node_names)
+            )
             pinned.flags.writeable = False  # handed out as is when no group refuses
             hit = self.layouts[key] = (a.node_of[self.g_first[groups]], self.g_gpus[groups], pinned)
         return hit
 
-    def static_masks(self, pin_configmap: bool, resource: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+    def static_masks(
+        self, pin_configmap: bool, resource: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
         """(rows refused because they pin GPUs and the pod cannot take a pin, rows where the
         plugin spreads replicas, whether any row is refused): labels, policy and the pod's pin
         ability only. With `resource`, at that resource's rows only (`resource_rows`)."""
@@ -304,11 +328,15 @@ class _View:
                 at = self.resource_rows(resource)[0]
                 needs_pin, distributed = every_pin[at], every_distributed[at]
             needs_pin.flags.writeable = distributed.flags.writeable = False
-            hit = self.masks[(pin_configmap, resource)] = (needs_pin, distributed, bool(needs_pin.any()))
+            hit = self.masks[(pin_configmap, resource)] = (
+                needs_pin,
+                distributed,
+                bool(needs_pin.any()),
+            )
         return hit
 
 
-_VIEWS: "weakref.WeakKeyDictionary[Ledger, _View]" = weakref.WeakKeyDictionary()
+_VIEWS: weakref.WeakKeyDictionary[Ledger, _View] = weakref.WeakKeyDictionary()
 
 
 @dataclass(slots=True)
@@ -322,7 +350,7 @@ class SharedFit:
     policy: str = ""
 
 
-def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
+def _view(ledger: Ledger, policy: ReplicaPolicy) -> _View:
     a = ledger.arrays
     v = _VIEWS.get(ledger)
     if v is None or v.arrays is not a or v.policy is not policy:
@@ -346,8 +374,14 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
             d0 = a.devices[rows[0]]
             # MIG replicas cannot be pinned by index: whatever the plugin's policy, assume the worst.
             gpolicy = ReplicaPolicy.PACKED if policy is ReplicaPolicy.PINNED else policy
-            g = _Group(np.asarray(rows, np.int64), len(rows), int(d0.replicas), int(d0.memory_bytes), gpolicy,
-                       index=len(every))
+            g = _Group(
+                np.asarray(rows, np.int64),
+                len(rows),
+                int(d0.replicas),
+                int(d0.memory_bytes),
+                gpolicy,
+                index=len(every),
+            )
             every.append(g)
             v.groups.setdefault(node, []).append(g)
         v.g_first = np.asarray([int(g.rows[0]) for g in every], np.int64)
@@ -370,7 +404,9 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
         return v
     else:
         touched = ledger.touched_since(v.position)
-        dirty = list(v.groups) if touched is None else [n for n in touched if n in v.groups]  # None: fell behind the log
+        dirty = (
+            list(v.groups) if touched is None else [n for n in touched if n in v.groups]
+        )  # None: fell behind the log
     for node in dirty:
         _refresh(ledger, v, node)
     v.generation = ledger.generation
@@ -378,7 +414,7 @@ def _view(ledger: "Ledger", policy: ReplicaPolicy) -> _View:
     return v
 
 
-def _refresh(ledger: "Ledger", v: _View, node: str) -> None:
+def _refresh(ledger: Ledger, v: _View, node: str) -> None:
     groups = v.groups.get(node, [])
     if not groups:
         return
@@ -395,23 +431,33 @@ def _refresh(ledger: "Ledger", v: _View, node: str) -> None:
                 g.sizes.append(int(nbytes))
     for g in groups:
         g.sizes.sort(reverse=True)
-        prefix = np.concatenate(([0], np.cumsum(np.asarray(g.sizes, np.int64)))) if g.sizes else np.zeros(1, np.int64)
+        prefix = (
+            np.concatenate(([0], np.cumsum(np.asarray(g.sizes, np.int64))))
+            if g.sizes
+            else np.zeros(1, np.int64)
+        )
         u = len(g.sizes)
         t = stack_depth(g.policy, u + 1, g.gpus, g.replicas)
         v.base_t[g.rows] = prefix[min(t, u)]
         v.base_t1[g.rows] = prefix[min(max(t - 1, 0), u)]
-        if u > v.g_sizes.shape[1]:  # more replicas recorded than the group has (the API is the truth)
+        if (
+            u > v.g_sizes.shape[1]
+        ):  # more replicas recorded than the group has (the API is the truth)
             grow = u - v.g_sizes.shape[1]
             v.g_sizes = np.pad(v.g_sizes, ((0, 0), (0, grow)), constant_values=-1)
-            v.g_prefix = np.concatenate([v.g_prefix, np.repeat(v.g_prefix[:, -1:], grow, axis=1)], axis=1)
+            v.g_prefix = np.concatenate(
+                [v.g_prefix, np.repeat(v.g_prefix[:, -1:], grow, axis=1)], axis=1
+            )
             v.g_keys = _group_keys(v.g_sizes)
         v.g_count[g.index] = u
         v.g_sizes[g.index] = -1
         v.g_sizes[g.index, :u] = g.sizes
         width = v.g_sizes.shape[1]
-        v.g_keys[g.index * width:(g.index + 1) * width] = _group_keys(v.g_sizes[g.index:g.index + 1], g.index)
+        v.g_keys[g.index * width : (g.index + 1) * width] = _group_keys(
+            v.g_sizes[g.index : g.index + 1], g.index
+        )
         v.g_prefix[g.index, : u + 1] = prefix
-        v.g_prefix[g.index, u + 1:] = prefix[-1]
+        v.g_prefix[g.index, u + 1 :] = prefix[-1]
 
 
 # `_group_keys`: key = group * _KEY_ROW + (_KEY_OFF - size), sizes clipped below _KEY_OFF (64 TiB
@@ -439,7 +485,9 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
     as many new ones as fit in depth, and the largest of the rest after them."""
     u = v.g_count[g]
     total = u + count
-    depth = np.minimum(v.g_replicas[g], np.where(v.g_spread[g], -(-total // np.maximum(v.g_gpus[g], 1)), total))
+    depth = np.minimum(
+        v.g_replicas[g], np.where(v.g_spread[g], -(-total // np.maximum(v.g_gpus[g], 1)), total)
+    )
     if len(v.g_sizes) < _KEY_GROUPS:
         width = v.g_sizes.shape[1]
         m = np.searchsorted(v.g_keys, _size_key(g, size)) - g * width
@@ -451,15 +499,23 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
     return np.where(depth <= m, within, beyond)
 
 
-def bounds_resource(ledger: "Ledger", resource_id: int) -> bool:
+def bounds_resource(ledger: Ledger, resource_id: int) -> bool:
     """Whether the bound or the pin rule applies to any device of the resource (a MIG profile
     that no node time-slices has none): else `shared_fit` would allow every one of its rows."""
     policy = getattr(ledger, "replica_policy", None)
-    return policy is not None and resource_id in _view(ledger, ReplicaPolicy(policy)).bounded_resources
+    return (
+        policy is not None and resource_id in _view(ledger, ReplicaPolicy(policy)).bounded_resources
+    )
 
 
-def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool,
-               rows: slice | np.ndarray | None = None, resource: int | None = None) -> SharedFit | None:
+def shared_fit(
+    ledger: Ledger,
+    need: np.ndarray,
+    gpu_count: int,
+    pin_configmap: bool,
+    rows: slice | np.ndarray | None = None,
+    resource: int | None = None,
+) -> SharedFit | None:
     """The node-level bound for every time-sliced device row, or None when the ledger's
     per-device accounting is exact (no policy set: embedded cluster, simulator).
 
@@ -483,7 +539,9 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
         grouped = None if resource is None else v.resource_groups(resource)
         worst = np.zeros(len(v.subject) if rows_of is None else len(rows_of), np.int64)
         allowed = np.ones(len(worst), bool)
-        if grouped is not None:  # one value per group, spread to its rows (8 rows a group in the load test)
+        if (
+            grouped is not None
+        ):  # one value per group, spread to its rows (8 rows a group in the load test)
             groups, pos, local = grouped
             if len(groups):
                 group_worst, group_allowed = _bound_per_group(v, groups, need, gpu_count)
@@ -496,16 +554,26 @@ def shared_fit(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap
         subject, pin_rows = v.subject[rows], v.pin_rows[rows]
         if not subject.any() and not pin_rows.any():
             return None
-        worst, allowed = _bound(v, rows, need, gpu_count, None, (rows.start or 0) if isinstance(rows, slice) else 0)
+        worst, allowed = _bound(
+            v, rows, need, gpu_count, None, (rows.start or 0) if isinstance(rows, slice) else 0
+        )
         needs_pin = pin_rows & (not pin_configmap)
         distributed = subject & (policy is ReplicaPolicy.DISTRIBUTED)
         refused = True
     if refused:
         allowed &= ~needs_pin
-    return SharedFit(allowed=allowed, worst=worst, needs_pin=needs_pin, distributed=distributed, policy=policy.value)
+    return SharedFit(
+        allowed=allowed,
+        worst=worst,
+        needs_pin=needs_pin,
+        distributed=distributed,
+        policy=policy.value,
+    )
 
 
-def refused_per_node(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_configmap: bool, resource: int) -> np.ndarray | None:
+def refused_per_node(
+    ledger: Ledger, need: np.ndarray, gpu_count: int, pin_configmap: bool, resource: int
+) -> np.ndarray | None:
     """Per node: how many of its device rows of `resource` the bound or the pin rule refuses, the
     counts `shared_fit(..., resource=resource)` gives row by row, worked out on one value per
     group (`_bound_per_group`; a group is one node's devices of one resource) instead of spread
@@ -533,8 +601,14 @@ def refused_per_node(ledger: "Ledger", need: np.ndarray, gpu_count: int, pin_con
     return refused
 
 
-def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
-           group_size: np.ndarray | None, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _bound(
+    v: _View,
+    sel: slice | np.ndarray,
+    need: np.ndarray,
+    gpu_count: int,
+    group_size: np.ndarray | None,
+    offset: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """(worst case, allowed by the bound before the pin rule) of the device rows `sel`, with
     `need` indexed like `sel`: either every bounded row, with `group_size` the pod's bytes per
     GPU on every group, or whole nodes' rows (a slice starting at `offset`, or sorted rows),
@@ -553,7 +627,11 @@ def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
                 present[row_group[grouped]] = True
                 g = np.flatnonzero(present)  # np.unique, without its sort
                 first = v.g_first[g]
-                size = need[first - offset] if isinstance(sel, slice) else need[np.searchsorted(sel, first)]
+                size = (
+                    need[first - offset]
+                    if isinstance(sel, slice)
+                    else need[np.searchsorted(sel, first)]
+                )
             per_group = np.zeros(len(v.g_first), np.int64)
             per_group[g] = _group_worst(v, g, size, gpu_count)
             worst[grouped] = per_group[row_group[grouped]]
@@ -561,7 +639,9 @@ def _bound(v: _View, sel: slice | np.ndarray, need: np.ndarray, gpu_count: int,
     return worst, ~subject | (worst <= cap)
 
 
-def _bound_per_group(v: _View, groups: np.ndarray, need: np.ndarray, gpu_count: int) -> tuple[np.ndarray, np.ndarray]:
+def _bound_per_group(
+    v: _View, groups: np.ndarray, need: np.ndarray, gpu_count: int
+) -> tuple[np.ndarray, np.ndarray]:
     """`_bound` of the groups `groups` (each one value for all its rows: a group's devices share
     their memory and per-pod cap, see `resource_groups`), read at each group's first row; `need`
     over every row."""
@@ -574,7 +654,12 @@ def _bound_per_group(v: _View, groups: np.ndarray, need: np.ndarray, gpu_count: 
 
 
 def allowed_without(
-    ledger: "Ledger", lo: int, hi: int, victims: Sequence["Reservation"], need: np.ndarray, gpu_count: int
+    ledger: Ledger,
+    lo: int,
+    hi: int,
+    victims: Sequence[Reservation],
+    need: np.ndarray,
+    gpu_count: int,
 ) -> np.ndarray:
     """Rows lo..hi (one node) where the node-level bound admits the pod once `victims` are gone:
     preemption must not evict pods whose departure would still leave the pod refused."""
@@ -596,7 +681,9 @@ def allowed_without(
             for nbytes in gone.get(r, []):
                 if nbytes in sizes:
                     sizes.remove(nbytes)
-        worst = worst_case_load(sizes, int(need[g.rows[0]]), gpu_count, g.gpus, g.replicas, g.policy)
+        worst = worst_case_load(
+            sizes, int(need[g.rows[0]]), gpu_count, g.gpus, g.replicas, g.policy
+        )
         if worst > g.capacity:
             out[g.rows - lo] = False
     return out

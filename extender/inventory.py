@@ -8,9 +8,10 @@ sees devices; this module is the one place that knows how GFD spells them.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Mapping
+from typing import Any
 
 from extender.quantity import MIB, QuantityError, parse_bytes, parse_milli, parse_quantity
 
@@ -40,7 +41,9 @@ MAX_REPLICAS = 1024
 
 def is_gpu_resource(name: str) -> bool:
     """Whether a resource name is one of the GPU resources the NVIDIA device plugin advertises."""
-    return name == GPU_RESOURCE or name == SHARED_GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX)
+    return (
+        name == GPU_RESOURCE or name == SHARED_GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX)
+    )
 
 
 class Sharing(StrEnum):
@@ -131,7 +134,9 @@ class NodeInventory:
         return len({d.gpu_index for d in self.devices})
 
 
-def _int_label(labels: Mapping[str, str], key: str, *, minimum: int = 0, maximum: int = 1 << 20) -> int:
+def _int_label(
+    labels: Mapping[str, str], key: str, *, minimum: int = 0, maximum: int = 1 << 20
+) -> int:
     raw = labels.get(key)
     if raw is None:
         raise _Missing(f"missing label {key}")
@@ -186,8 +191,13 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
         mem = parse_bytes(alloc["memory"], allow_zero=True) if "memory" in alloc else 0
     except QuantityError:
         cpu, mem = 0, 0
-    base = dict(name=name, cpu_milli=cpu, memory_bytes=mem, labels=labels,
-                resource_version=str(meta.get("resourceVersion") or ""))
+    base = dict(
+        name=name,
+        cpu_milli=cpu,
+        memory_bytes=mem,
+        labels=labels,
+        resource_version=str(meta.get("resourceVersion") or ""),
+    )
     strategy = str(labels.get(LABEL + "mig.strategy", "none") or "none")
     product = str(labels.get(LABEL + "gpu.product", ""))
     try:
@@ -204,7 +214,9 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
     except _Missing as exc:
         return NodeInventory(product=product, mig_strategy=strategy, problem=str(exc), **base)
     if not devices:
-        return NodeInventory(product=product, mig_strategy=strategy, problem="node advertises no GPUs", **base)
+        return NodeInventory(
+            product=product, mig_strategy=strategy, problem="node advertises no GPUs", **base
+        )
     return NodeInventory(devices=tuple(devices), product=product, mig_strategy=strategy, **base)
 
 
@@ -217,7 +229,9 @@ def _sharing(labels: Mapping[str, str], product: str, replicas: int) -> Sharing:
     return Sharing.TIME_SLICING
 
 
-def _whole_gpus(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
+def _whole_gpus(
+    name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str
+) -> list[Device]:
     count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
     memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
     replicas = _replicas(labels, LABEL + "gpu.replicas")
@@ -245,10 +259,14 @@ def _mig_gpu_slots(product: str, profile: str) -> int:
     return max(1, 7 // max(1, g))
 
 
-def _single_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
+def _single_mig(
+    name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str
+) -> list[Device]:
     m = _MIG_SINGLE_PRODUCT.search(product)
     if m is None:
-        raise _Missing(f"label {LABEL}gpu.product={product!r} has no -MIG-<profile> suffix for mig.strategy=single")
+        raise _Missing(
+            f"label {LABEL}gpu.product={product!r} has no -MIG-<profile> suffix for mig.strategy=single"
+        )
     profile = m.group(1)
     count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
     memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
@@ -261,12 +279,23 @@ def _single_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], 
     per_gpu = _mig_gpu_slots(product, profile)
     parent = product[: m.start()]
     return [
-        MigSlice(name, i // per_gpu, profile, i % per_gpu, parent, memory_mib * MIB, replicas, GPU_RESOURCE)
+        MigSlice(
+            name,
+            i // per_gpu,
+            profile,
+            i % per_gpu,
+            parent,
+            memory_mib * MIB,
+            replicas,
+            GPU_RESOURCE,
+        )
         for i in range(count)
     ]
 
 
-def _mixed_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str) -> list[Device]:
+def _mixed_mig(
+    name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str
+) -> list[Device]:
     devices: list[Device] = []
     profiles: list[tuple[str, int, int, int]] = []
     for key in sorted(labels):
@@ -287,18 +316,28 @@ def _mixed_mig(name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], p
         profiles.append((profile, count, memory_mib, replicas))
     if not profiles:
         # A mixed node may still have MIG-disabled GPUs advertised as nvidia.com/gpu.
-        if product and LABEL + "gpu.count" in labels and labels.get(LABEL + "gpu.replicas", "1") != "0":
+        if (
+            product
+            and LABEL + "gpu.count" in labels
+            and labels.get(LABEL + "gpu.replicas", "1") != "0"
+        ):
             return _whole_gpus(name, labels, alloc, product)
         raise _Missing(f"missing labels {LABEL}mig-<profile>.count for mig.strategy=mixed")
     layout = _layout_slices(product, labels, profiles)
     for profile, count, memory_mib, replicas in profiles:
         resource = f"{MIG_RESOURCE_PREFIX}{profile.replace('+', '.')}"
         for slot, gpu_index in enumerate(layout.get(profile, [])[:count]):
-            devices.append(MigSlice(name, gpu_index, profile, slot, product, memory_mib * MIB, replicas, resource))
+            devices.append(
+                MigSlice(
+                    name, gpu_index, profile, slot, product, memory_mib * MIB, replicas, resource
+                )
+            )
     return devices
 
 
-def _layout_slices(product: str, labels: Mapping[str, str], profiles: list[tuple[str, int, int, int]]) -> dict[str, list[int]]:
+def _layout_slices(
+    product: str, labels: Mapping[str, str], profiles: list[tuple[str, int, int, int]]
+) -> dict[str, list[int]]:
     """GPU index of each slice. Labels give per-node counts only, so infer a valid per-GPU layout
     when the model is known, else spread slices over GPUs in order (indices are then nominal)."""
     counts = {p: c for p, c, _, _ in profiles}

@@ -28,19 +28,27 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import orjson
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extender.assignment import encode_assignment
 from extender.bind_event import bind_event, bind_message
 from extender.cluster import ClusterState
-from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, Demand, DemandError, pod_ref, reads_pin_annotation
+from extender.demand import (
+    ASSIGNMENT,
+    GPU_INDEX,
+    PIN_ENV,
+    Demand,
+    DemandError,
+    pod_ref,
+    reads_pin_annotation,
+)
 from extender.deviceplugin import (
     ReplicaPolicy,
     annotation_pin_refusal,
@@ -106,7 +114,9 @@ class KubeApi(Protocol):
 
     def list(self, kind: str) -> tuple[list[dict[str, Any]], str]: ...
 
-    def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]: ...
+    def watch(
+        self, kind: str, resource_version: str, timeout_s: int
+    ) -> Iterator[dict[str, Any]]: ...
 
     def abort_watches(self) -> None: ...
 
@@ -137,7 +147,11 @@ class ClientApi:
     """
 
     def __init__(
-        self, kubeconfig: str | None = None, *, request_timeout: float = 10.0, write_timeout: tuple[float, float] = (2.0, 2.5)
+        self,
+        kubeconfig: str | None = None,
+        *,
+        request_timeout: float = 10.0,
+        write_timeout: tuple[float, float] = (2.0, 2.5),
     ) -> None:
         import kubernetes.client
         import kubernetes.config
@@ -173,8 +187,12 @@ class ClientApi:
         params = [(k, v) for k, v in (query or {}).items() if v is not None]
         try:
             req = self.client.param_serialize(
-                method=method, resource_path=path, query_params=params, header_params=headers,
-                body=body, auth_settings=["BearerToken"],
+                method=method,
+                resource_path=path,
+                query_params=params,
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
             )
             resp = self.client.call_api(*req, _request_timeout=timeout or self.request_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -182,7 +200,11 @@ class ClientApi:
         except Exception as exc:  # kubernetes.client.ApiException and friends
             status = getattr(exc, "status", None)
             if status:
-                raise ApiError(int(status), str(getattr(exc, "reason", "")), str(getattr(exc, "body", ""))[:300]) from None
+                raise ApiError(
+                    int(status),
+                    str(getattr(exc, "reason", "")),
+                    str(getattr(exc, "body", ""))[:300],
+                ) from None
             raise
         return resp.response
 
@@ -193,7 +215,11 @@ class ClientApi:
             body = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError:
             body = {}
-        return ApiError(int(resp.status), str(body.get("reason") or resp.reason or ""), str(body.get("message") or "")[:300])
+        return ApiError(
+            int(resp.status),
+            str(body.get("reason") or resp.reason or ""),
+            str(body.get("message") or "")[:300],
+        )
 
     def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         import urllib3
@@ -213,7 +239,9 @@ class ClientApi:
         items: list[dict[str, Any]] = []
         cont: str | None = None
         while True:
-            page = self._json("GET", _PATHS[kind], query={"limit": LIST_PAGE, "continue": cont}, timeout=60)
+            page = self._json(
+                "GET", _PATHS[kind], query={"limit": LIST_PAGE, "continue": cont}, timeout=60
+            )
             items.extend(page.get("items") or [])
             meta = page.get("metadata") or {}
             cont = meta.get("continue") or None
@@ -223,9 +251,14 @@ class ClientApi:
     def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         """Opens the watch now (so the caller knows the API answered), then streams its events."""
         resp = self._request(
-            "GET", _PATHS[kind],
-            query={"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
-                   "timeoutSeconds": timeout_s},
+            "GET",
+            _PATHS[kind],
+            query={
+                "watch": "true",
+                "resourceVersion": resource_version,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": timeout_s,
+            },
             timeout=(10, timeout_s + 30),
         )
         if not 200 <= resp.status < 300:
@@ -265,28 +298,50 @@ class ClientApi:
 
     # ----- binder ----------------------------------------------------------------------------------
     def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        return self._json("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", body=dict(patch),
-                          content_type="application/merge-patch+json", timeout=self.write_timeout)
+        return self._json(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            body=dict(patch),
+            content_type="application/merge-patch+json",
+            timeout=self.write_timeout,
+        )
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return self._json("GET", f"/api/v1/namespaces/{namespace}/pods/{name}", timeout=self.write_timeout)
+        return self._json(
+            "GET", f"/api/v1/namespaces/{namespace}/pods/{name}", timeout=self.write_timeout
+        )
 
     def server_version(self) -> dict[str, Any]:
         """GET /version (readable by anyone: the system:public-info-viewer role)."""
         return self._json("GET", "/version", timeout=self.write_timeout)
 
     def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
-        self._json("POST", f"/api/v1/namespaces/{namespace}/pods/{name}/binding", body=dict(body), timeout=self.write_timeout)
+        self._json(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/pods/{name}/binding",
+            body=dict(body),
+            timeout=self.write_timeout,
+        )
 
     def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return self._json("POST", f"/api/v1/namespaces/{namespace}/configmaps", body=dict(body), timeout=self.write_timeout)
+        return self._json(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/configmaps",
+            body=dict(body),
+            timeout=self.write_timeout,
+        )
 
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]:
         return self._json("GET", f"/api/v1/namespaces/{namespace}/configmaps/{name}")
 
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
         # core/v1, not events.k8s.io: the same call works from 1.20 to today.
-        self._json("POST", f"/api/v1/namespaces/{namespace}/events", body=dict(body), timeout=self.write_timeout)
+        self._json(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/events",
+            body=dict(body),
+            timeout=self.write_timeout,
+        )
 
 
 # ===== informers ===================================================================================
@@ -310,10 +365,18 @@ class InformerStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "synced": self.synced, "resourceVersion": self.resource_version, "lists": self.lists,
-            "relistsGone": self.relists_gone, "watchResumes": self.watch_resumes, "errors": self.errors,
-            "lastError": self.last_error, "events": self.events, "connected": self.connected,
-            "downForS": round(time.monotonic() - self.down_since, 1) if self.down_since is not None else 0.0,
+            "synced": self.synced,
+            "resourceVersion": self.resource_version,
+            "lists": self.lists,
+            "relistsGone": self.relists_gone,
+            "watchResumes": self.watch_resumes,
+            "errors": self.errors,
+            "lastError": self.last_error,
+            "events": self.events,
+            "connected": self.connected,
+            "downForS": round(time.monotonic() - self.down_since, 1)
+            if self.down_since is not None
+            else 0.0,
         }
 
     def up(self) -> None:
@@ -393,7 +456,10 @@ class Informer:
             except ApiError as exc:
                 if exc.status == 410:
                     self.stats.relists_gone += 1
-                    log.info("watch expired, relisting", extra={"fields": {"kind": self.kind, "resourceVersion": rv}})
+                    log.info(
+                        "watch expired, relisting",
+                        extra={"fields": {"kind": self.kind, "resourceVersion": rv}},
+                    )
                     self.stats.resource_version = ""
                     continue
                 self._failed(exc)
@@ -410,7 +476,13 @@ class Informer:
         delay = self._delay * random.uniform(0.8, 1.2)
         log.warning(
             "informer error, retrying",
-            extra={"fields": {"kind": self.kind, "error": self.stats.last_error, "retryInS": round(delay, 2)}},
+            extra={
+                "fields": {
+                    "kind": self.kind,
+                    "error": self.stats.last_error,
+                    "retryInS": round(delay, 2),
+                }
+            },
         )
         self._stop.wait(delay)
 
@@ -442,7 +514,9 @@ class Informer:
             obj = event.get("object") or {}
             if kind == "ERROR":
                 code = int(obj.get("code") or 0)
-                raise ApiError(code or 500, str(obj.get("reason") or ""), str(obj.get("message") or ""))
+                raise ApiError(
+                    code or 500, str(obj.get("reason") or ""), str(obj.get("message") or "")
+                )
             new_rv = str((obj.get("metadata") or {}).get("resourceVersion") or "")
             if kind != "BOOKMARK":
                 self.stats.events += 1
@@ -477,16 +551,30 @@ class LiveSource:
         backoff_max: float = 30.0,
     ) -> None:
         self.cluster = cluster
-        policy = ReplicaPolicy(replica_policy) if replica_policy else (ReplicaPolicy.PINNED if pin_gpus else ReplicaPolicy.DISTRIBUTED)
+        policy = (
+            ReplicaPolicy(replica_policy)
+            if replica_policy
+            else (ReplicaPolicy.PINNED if pin_gpus else ReplicaPolicy.DISTRIBUTED)
+        )
         cluster.ledger.replica_policy = policy
         self.policy = policy
         self.api: KubeApi = api if api is not None else ClientApi(kubeconfig)
         self.binder = KubeBinder(self.api, pinned=policy is ReplicaPolicy.PINNED, cluster=cluster)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nodes_applied = threading.Event()
-        self.nodes = Informer("nodes", self.api, self._deliver("nodes"), backoff_initial=backoff_initial, backoff_max=backoff_max)
+        self.nodes = Informer(
+            "nodes",
+            self.api,
+            self._deliver("nodes"),
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+        )
         self.pods = Informer(
-            "pods", self.api, self._deliver("pods"), backoff_initial=backoff_initial, backoff_max=backoff_max,
+            "pods",
+            self.api,
+            self._deliver("pods"),
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
             may_start=self._nodes_applied,
         )
         self._synced = {"nodes": False, "pods": False}
@@ -518,7 +606,9 @@ class LiveSource:
         down = [s.down_since for s in stats if s.down_since is not None]
         return self.synced, {
             "source": "kubernetes",
-            "apiServer": "connected" if all(s.connected for s in stats) else ("unreachable" if down else "connecting"),
+            "apiServer": "connected"
+            if all(s.connected for s in stats)
+            else ("unreachable" if down else "connecting"),
             "staleForS": round(time.monotonic() - min(down), 1) if down else 0.0,
             "replicaPolicy": self.policy.value,
             "nodes": len(self.cluster.nodes),
@@ -594,14 +684,26 @@ class LiveSource:
             # loading), or the collector rescans them all in the middle of requests.
             gc.freeze()
             self._synced["pods"] = True
-            log.info("pods synced", extra={"fields": {"pods": len(c.pods), "reservations": sum(1 for _ in c.ledger.reservations())}})
+            log.info(
+                "pods synced",
+                extra={
+                    "fields": {
+                        "pods": len(c.pods),
+                        "reservations": sum(1 for _ in c.ledger.reservations()),
+                    }
+                },
+            )
         elif op in ("ADDED", "MODIFIED"):
             self._upsert_pod(payload)
         elif op == "DELETED":
             key = _key(payload)
             known = c.pods.get(key) if key else None
             uid = (payload.get("metadata") or {}).get("uid")
-            if known is not None and uid and (known.get("metadata") or {}).get("uid") not in (None, "", uid):
+            if (
+                known is not None
+                and uid
+                and (known.get("metadata") or {}).get("uid") not in (None, "", uid)
+            ):
                 return  # the deletion of an older pod with the same name
             if key:
                 c.delete_pod(key)
@@ -650,14 +752,18 @@ class EventRecorder:
         if self._queue is None:
             self._queue = asyncio.Queue(self.capacity)
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="vramsched-events")
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="vramsched-events"
+            )
         try:
             self._queue.put_nowait((namespace, body))
         except asyncio.QueueFull:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 100 == 0:
-                log.warning("event queue full, event dropped",
-                            extra={"fields": {"dropped": self.dropped, "capacity": self.capacity}})
+                log.warning(
+                    "event queue full, event dropped",
+                    extra={"fields": {"dropped": self.dropped, "capacity": self.capacity}},
+                )
 
     async def _run(self) -> None:
         assert self._queue is not None
@@ -669,9 +775,15 @@ class EventRecorder:
                 self.sent += 1
             except Exception as exc:  # noqa: BLE001 - an event is never worth more than a log line
                 self.failed += 1
-                log.warning("cannot create event",
-                            extra={"fields": {"pod": f"{namespace}/{(body.get('involvedObject') or {}).get('name')}",
-                                              "error": str(exc)[:300]}})
+                log.warning(
+                    "cannot create event",
+                    extra={
+                        "fields": {
+                            "pod": f"{namespace}/{(body.get('involvedObject') or {}).get('name')}",
+                            "error": str(exc)[:300],
+                        }
+                    },
+                )
             finally:
                 self._queue.task_done()
 
@@ -688,7 +800,12 @@ class EventRecorder:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, int]:
-        return {"sent": self.sent, "failed": self.failed, "dropped": self.dropped, "queued": self.queued}
+        return {
+            "sent": self.sent,
+            "failed": self.failed,
+            "dropped": self.dropped,
+            "queued": self.queued,
+        }
 
 
 class _EventCollector(Collector):
@@ -699,11 +816,15 @@ class _EventCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         r = self._recorder
-        counter = CounterMetricFamily("vramsched_bind_events", "VramschedAssigned events by outcome", labels=["outcome"])
+        counter = CounterMetricFamily(
+            "vramsched_bind_events", "VramschedAssigned events by outcome", labels=["outcome"]
+        )
         for outcome, value in (("sent", r.sent), ("failed", r.failed), ("dropped", r.dropped)):
             counter.add_metric([outcome], value)
         yield counter
-        yield GaugeMetricFamily("vramsched_bind_events_queued", "Events waiting to be posted", value=r.queued)
+        yield GaugeMetricFamily(
+            "vramsched_bind_events_queued", "Events waiting to be posted", value=r.queued
+        )
 
 
 class BindUncertain(BindError):
@@ -724,8 +845,13 @@ class KubeBinder:
     """
 
     def __init__(
-        self, api: KubeApi, *, pinned: bool = False, workers: int = 8,
-        cluster: ClusterState | None = None, events: EventRecorder | None = None,
+        self,
+        api: KubeApi,
+        *,
+        pinned: bool = False,
+        workers: int = 8,
+        cluster: ClusterState | None = None,
+        events: EventRecorder | None = None,
     ) -> None:
         self.api = api
         self.cluster = cluster
@@ -743,7 +869,9 @@ class KubeBinder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn, *args)
 
-    def annotations(self, pod: Mapping[str, Any], reservation: Reservation) -> dict[str, str | None]:
+    def annotations(
+        self, pod: Mapping[str, Any], reservation: Reservation
+    ) -> dict[str, str | None]:
         """The assignment always; `gpu-index` only when the GPU choice is really enforced (pinned).
 
         Without pinning the device plugin, not vramsched, picks the physical GPU: the devices in
@@ -766,16 +894,29 @@ class KubeBinder:
         ids = set(reservation.device_ids)
         return any(is_time_sliced(d) for d in inv.devices if d.device_id in ids)
 
-    async def bind(self, pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None:
+    async def bind(
+        self, pod: Mapping[str, Any], node: str, reservation: Reservation | None
+    ) -> None:
         ref = pod_ref(pod)
         started = time.monotonic()
-        if reservation is not None and reads_pin_annotation(pod) and not self._pins(pod, reservation):
+        if (
+            reservation is not None
+            and reads_pin_annotation(pod)
+            and not self._pins(pod, reservation)
+        ):
             # Its containers would start with NVIDIA_VISIBLE_DEVICES="" (no GPU at all). Filter
             # keeps such pods off unpinnable nodes; this guards any other way in. Nothing written.
-            raise BindError(f"pod {ref.key} reads {PIN_ENV} from annotation {GPU_INDEX}, "
-                            f"but its GPUs on {node} cannot be pinned; it would start without a GPU")
+            raise BindError(
+                f"pod {ref.key} reads {PIN_ENV} from annotation {GPU_INDEX}, "
+                f"but its GPUs on {node} cannot be pinned; it would start without a GPU"
+            )
         if reservation is not None:
-            patch = {"metadata": {"uid": ref.uid or None, "annotations": self.annotations(pod, reservation)}}
+            patch = {
+                "metadata": {
+                    "uid": ref.uid or None,
+                    "annotations": self.annotations(pod, reservation),
+                }
+            }
             if not ref.uid:
                 del patch["metadata"]["uid"]
             try:
@@ -787,7 +928,11 @@ class KubeBinder:
         binding = {
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": {"name": ref.name, "namespace": ref.namespace, **({"uid": ref.uid} if ref.uid else {})},
+            "metadata": {
+                "name": ref.name,
+                "namespace": ref.namespace,
+                **({"uid": ref.uid} if ref.uid else {}),
+            },
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         try:
@@ -796,8 +941,13 @@ class KubeBinder:
             if exc.status == 409:
                 await self._already_bound(ref, node, exc)
             elif exc.transient:
-                log.warning("bind outcome unknown", extra={"fields": {"pod": ref.key, "node": node, "error": str(exc)}})
-                raise BindUncertain(f"Binding to {node} may not have landed ({exc.status or exc.reason}); will retry") from None
+                log.warning(
+                    "bind outcome unknown",
+                    extra={"fields": {"pod": ref.key, "node": node, "error": str(exc)}},
+                )
+                raise BindUncertain(
+                    f"Binding to {node} may not have landed ({exc.status or exc.reason}); will retry"
+                ) from None
             else:
                 if reservation is not None:
                     await self._unannotate(ref)
@@ -811,16 +961,24 @@ class KubeBinder:
             self._record_event(pod, reservation)
         log.info(
             "bound",
-            extra={"fields": {"pod": ref.key, "node": node, "devices": list(reservation.device_ids) if reservation else [],
-                              "bytes": reservation.total_bytes if reservation else 0,
-                              "ms": round((time.monotonic() - started) * 1000, 1)}},
+            extra={
+                "fields": {
+                    "pod": ref.key,
+                    "node": node,
+                    "devices": list(reservation.device_ids) if reservation else [],
+                    "bytes": reservation.total_bytes if reservation else 0,
+                    "ms": round((time.monotonic() - started) * 1000, 1),
+                }
+            },
         )
 
     def _record_event(self, pod: Mapping[str, Any], reservation: Reservation) -> None:
         """One `VramschedAssigned` Event per bind, queued: never delays or fails the bind."""
         try:
             if self.cluster is not None:
-                message = bind_message(self.cluster.ledger, reservation, self._pins(pod, reservation))
+                message = bind_message(
+                    self.cluster.ledger, reservation, self._pins(pod, reservation)
+                )
             else:
                 message = f"reserved {format_bytes(reservation.total_bytes)} on {reservation.node}"
             ref = pod_ref(pod)
@@ -833,7 +991,9 @@ class KubeBinder:
         try:
             current = await self.call(self.api.read_pod, ref.namespace, ref.name)
         except ApiError as read_exc:
-            raise BindUncertain(f"Binding conflict and pod unreadable ({read_exc.status})") from None
+            raise BindUncertain(
+                f"Binding conflict and pod unreadable ({read_exc.status})"
+            ) from None
         meta = current.get("metadata") or {}
         if ref.uid and meta.get("uid") and meta.get("uid") != ref.uid:
             raise BindError(f"pod {ref.key} was re-created (UID {meta.get('uid')})")
@@ -842,7 +1002,9 @@ class KubeBinder:
             return  # a retried bind whose first Binding landed: success
         if bound:
             raise BindError(f"pod {ref.key} is already bound to {bound}")
-        raise BindUncertain(f"Binding conflict ({exc.message or exc.reason}) but pod is not bound yet")
+        raise BindUncertain(
+            f"Binding conflict ({exc.message or exc.reason}) but pod is not bound yet"
+        )
 
     async def _configmap(self, pod: Mapping[str, Any], reservation: Reservation) -> None:
         ref = pod_ref(pod)
@@ -856,7 +1018,9 @@ class KubeBinder:
                 "namespace": ref.namespace,
                 "labels": {"app.kubernetes.io/managed-by": "vramsched"},
                 # No blockOwnerDeletion: that would need update on pods/finalizers.
-                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": ref.name, "uid": ref.uid}],
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": ref.name, "uid": ref.uid}
+                ],
             },
             "data": data,
         }
@@ -870,17 +1034,27 @@ class KubeBinder:
             existing = await self.call(self.api.read_configmap, ref.namespace, name)
         except ApiError as exc:
             raise _definite(exc, f"ConfigMap {name} exists but is unreadable") from None
-        owners = [o.get("uid") for o in (existing.get("metadata") or {}).get("ownerReferences") or []]
+        owners = [
+            o.get("uid") for o in (existing.get("metadata") or {}).get("ownerReferences") or []
+        ]
         if ref.uid not in owners:
-            raise BindError(f"ConfigMap {name} exists and belongs to another pod (garbage collection pending?)")
+            raise BindError(
+                f"ConfigMap {name} exists and belongs to another pod (garbage collection pending?)"
+            )
         if (existing.get("data") or {}) != data:
-            raise BindError(f"ConfigMap {name} pins other GPUs ({(existing.get('data') or {}).get('NVIDIA_VISIBLE_DEVICES')})")
+            raise BindError(
+                f"ConfigMap {name} pins other GPUs ({(existing.get('data') or {}).get('NVIDIA_VISIBLE_DEVICES')})"
+            )
 
     async def _unannotate(self, ref: Any) -> None:
         """Best effort after a definite failure: a pending pod should not carry a stale assignment."""
         try:
-            await self.call(self.api.patch_pod, ref.namespace, ref.name,
-                             {"metadata": {"annotations": {ASSIGNMENT: None, GPU_INDEX: None}}})
+            await self.call(
+                self.api.patch_pod,
+                ref.namespace,
+                ref.name,
+                {"metadata": {"annotations": {ASSIGNMENT: None, GPU_INDEX: None}}},
+            )
         except ApiError:
             pass
 
@@ -916,7 +1090,9 @@ class LiveService(ExtenderService):
             return ExtenderFilterResult(Error=NOT_SYNCED)
         return super().filter(args)
 
-    def _filter_outcome(self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]) -> FilterOutcome:
+    def _filter_outcome(
+        self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]
+    ) -> FilterOutcome:
         """Also refuse, as unresolvable (no eviction makes a node pinnable), the nodes where a pod
         reading NVIDIA_VISIBLE_DEVICES from the gpu-index annotation would get no GPU."""
         out = super()._filter_outcome(pod, demand, names)
@@ -941,14 +1117,19 @@ class LiveService(ExtenderService):
         out: dict[str, str] = {}
         for name in names:
             inv = ledger.node(name)
-            why = annotation_pin_refusal(inv.devices if inv is not None else (), demand.resource, policy)
+            why = annotation_pin_refusal(
+                inv.devices if inv is not None else (), demand.resource, policy
+            )
             if why is not None:
                 out[name] = why
         return out
 
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
         if not self.source.synced:
-            names = args.NodeNames or [str((n.get("metadata") or {}).get("name", "")) for n in (args.Nodes.items if args.Nodes else [])]
+            names = args.NodeNames or [
+                str((n.get("metadata") or {}).get("name", ""))
+                for n in (args.Nodes.items if args.Nodes else [])
+            ]
             return [HostPriority(Host=n, Score=0) for n in names]
         return super().prioritize(args)
 
@@ -959,9 +1140,13 @@ class LiveService(ExtenderService):
         if self.cluster.pod(key) is None:
             # kube-scheduler can be faster than our pod watch: read the pod rather than fail the bind.
             try:
-                pod = await self.source.binder.call(self.source.api.read_pod, args.PodNamespace, args.PodName)
+                pod = await self.source.binder.call(
+                    self.source.api.read_pod, args.PodNamespace, args.PodName
+                )
             except ApiError as exc:
-                return ExtenderBindingResult(Error=f"pod {key} is unknown to vramsched and unreadable ({exc.status} {exc.reason})")
+                return ExtenderBindingResult(
+                    Error=f"pod {key} is unknown to vramsched and unreadable ({exc.status} {exc.reason})"
+                )
             if self.cluster.pod(key) is None:
                 self.cluster.upsert_pod(_slim(pod))
         return await super().bind(args)
@@ -977,7 +1162,9 @@ class LiveService(ExtenderService):
             except DemandError:
                 return result
             refused = self._unpinnable(demand, list(result.NodeNameToMetaVictims))
-            result.NodeNameToMetaVictims = {n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused}
+            result.NodeNameToMetaVictims = {
+                n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused
+            }
         return result
 
 

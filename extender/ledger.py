@@ -12,16 +12,24 @@ contiguous) so that filter/prioritize over thousands of nodes are vector operati
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
-from typing import Iterable, Iterator
 
 import numpy as np
 
 from extender.demand import PodRef
 from extender.inventory import Device, NodeInventory
 
-__all__ = ["Reservation", "Ledger", "LedgerError", "DeviceArrays", "NodeSummary", "Violation", "check_invariant"]
+__all__ = [
+    "Reservation",
+    "Ledger",
+    "LedgerError",
+    "DeviceArrays",
+    "NodeSummary",
+    "Violation",
+    "check_invariant",
+]
 
 
 class LedgerError(Exception):
@@ -49,8 +57,12 @@ class Reservation:
     def total_bytes(self) -> int:
         return sum(self.bytes_per_device)
 
-    def same_placement(self, other: "Reservation") -> bool:
-        return (self.node, self.device_ids, self.bytes_per_device) == (other.node, other.device_ids, other.bytes_per_device)
+    def same_placement(self, other: Reservation) -> bool:
+        return (self.node, self.device_ids, self.bytes_per_device) == (
+            other.node,
+            other.device_ids,
+            other.bytes_per_device,
+        )
 
 
 @dataclass(slots=True)
@@ -162,7 +174,7 @@ class Ledger:
         self._inventory_version = 0
         self._allocatable: tuple | None = None
 
-    def clone(self, *, reservations: bool = True) -> "Ledger":
+    def clone(self, *, reservations: bool = True) -> Ledger:
         """A private copy for a reader on another thread (the background planner), in milliseconds
         rather than the seconds a rebuild from every pod takes at 100,000 pods.
 
@@ -185,8 +197,13 @@ class Ledger:
             c._reservations = dict(self._reservations)
             c._by_node = dict(self._by_node)  # immutable sets: shared
             c._assumed = dict(self._assumed)
-        c._arrays = replace(a, used=a.used.copy(), used_replicas=a.used_replicas.copy(),
-                            node_used_replicas=a.node_used_replicas.copy(), derived={})
+        c._arrays = replace(
+            a,
+            used=a.used.copy(),
+            used_replicas=a.used_replicas.copy(),
+            node_used_replicas=a.node_used_replicas.copy(),
+            derived={},
+        )
         c._row, c._node_row = self._row, self._node_row
         c._allocatable, c._inventory_version = self._allocatable, self._inventory_version
         c._dirty = False
@@ -214,7 +231,11 @@ class Ledger:
     def upsert_node(self, inventory: NodeInventory) -> None:
         old = self._nodes.get(inventory.name)
         self._inventory_version += 1
-        if old is not None and old.devices == inventory.devices and old.problem == inventory.problem:
+        if (
+            old is not None
+            and old.devices == inventory.devices
+            and old.problem == inventory.problem
+        ):
             self._nodes[inventory.name] = inventory
             return
         self._nodes[inventory.name] = inventory
@@ -346,11 +367,11 @@ class Ledger:
         return self._arrays
 
     def row(self, node: str, device_id: str) -> int | None:
-        self.arrays
+        _ = self.arrays  # numbers the rows if a change left them stale
         return self._row.get((node, device_id))
 
     def node_row(self, node: str) -> int | None:
-        self.arrays
+        _ = self.arrays  # numbers the rows if a change left them stale
         return self._node_row.get(node)
 
     def _rebuild(self) -> None:
@@ -375,8 +396,16 @@ class Ledger:
             replicas=np.fromiter((d.replicas for d in devices), np.int32, len(devices)),
             used=np.zeros(len(devices), np.int64),
             used_replicas=np.zeros(len(devices), np.int32),
-            resource_id=np.fromiter((resources.setdefault(d.resource, len(resources)) for d in devices), np.int32, len(devices)),
-            product_id=np.fromiter((products.setdefault(d.product, len(products)) for d in devices), np.int32, len(devices)),
+            resource_id=np.fromiter(
+                (resources.setdefault(d.resource, len(resources)) for d in devices),
+                np.int32,
+                len(devices),
+            ),
+            product_id=np.fromiter(
+                (products.setdefault(d.product, len(products)) for d in devices),
+                np.int32,
+                len(devices),
+            ),
             gpu_index=np.fromiter((d.gpu_index for d in devices), np.int32, len(devices)),
             resources=resources,
             products=products,
@@ -416,7 +445,7 @@ class Ledger:
         trimmed past it: the reader then starts over."""
         if position < self.touched_base:
             return None
-        return set(self.touched[position - self.touched_base:])
+        return set(self.touched[position - self.touched_base :])
 
     def touched_rows_since(self, position: int) -> np.ndarray | None:
         """`touched_since` as sorted node rows of the current arrays (nodes without a row left
@@ -424,7 +453,7 @@ class Ledger:
         them every cache keyed on them."""
         if position < self.touched_base:
             return None
-        logged = self._touched_rows[position - self.touched_base:len(self.touched)]
+        logged = self._touched_rows[position - self.touched_base : len(self.touched)]
         if not len(logged):
             return np.empty(0, np.int64)
         return np.flatnonzero(np.bincount(logged)[1:])
@@ -439,11 +468,11 @@ class Ledger:
         self.touched.append(node)
         if n + 1 > 1 << 16:  # readers that fell this far behind rescan everything
             del self.touched[: 1 << 15]
-            self._touched_rows[: n + 1 - (1 << 15)] = self._touched_rows[1 << 15: n + 1].copy()
+            self._touched_rows[: n + 1 - (1 << 15)] = self._touched_rows[1 << 15 : n + 1].copy()
             self.touched_base += 1 << 15
 
     # ----- per-node summaries ------------------------------------------------------------------
-    def summary(self, resource_id: int) -> "NodeSummary":
+    def summary(self, resource_id: int) -> NodeSummary:
         """Per node row, its devices of `resource_id` as filter sees them (see `NodeSummary`), so
         filter works per node (5,000 rows) instead of per device (40,000). Read-only for callers."""
         a = self.arrays
@@ -475,13 +504,20 @@ class Ledger:
             idle = a.used_replicas[lo:hi] == 0
             free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * has_slot - 1
             rids = a.resource_id[lo:hi]
-            for rid in set(rids.tolist()):  # the node's other resources have no device here to change
+            for rid in set(
+                rids.tolist()
+            ):  # the node's other resources have no device here to change
                 s = self._summaries.get(rid)
                 if s is None:
                     continue
                 mine = rids == rid
-                s._set(r, free[mine], int(np.count_nonzero(has_slot & mine)),
-                       free[mine & has_slot & ~idle], free[mine & has_slot & idle])
+                s._set(
+                    r,
+                    free[mine],
+                    int(np.count_nonzero(has_slot & mine)),
+                    free[mine & has_slot & ~idle],
+                    free[mine & has_slot & idle],
+                )
 
     # ----- totals ----    # ----- totals ---------------------------------------------------------------------------
     def totals(self) -> tuple[int, int]:
@@ -514,7 +550,9 @@ class NodeSummary:
     def _arrays(self) -> tuple[np.ndarray, ...]:
         return (self.top, self.slots, self.largest, self.busy, self.idle)
 
-    def _set(self, r: int, values: np.ndarray, slots: int, busy: np.ndarray, idle: np.ndarray) -> None:
+    def _set(
+        self, r: int, values: np.ndarray, slots: int, busy: np.ndarray, idle: np.ndarray
+    ) -> None:
         for arr in self._arrays():
             arr.flags.writeable = True
         for dst, v in ((self.top, values), (self.busy, busy), (self.idle, idle)):
@@ -525,11 +563,15 @@ class NodeSummary:
         for arr in self._arrays():
             arr.flags.writeable = False
 
-    def same_as(self, other: "NodeSummary") -> np.ndarray:
+    def same_as(self, other: NodeSummary) -> np.ndarray:
         """Node rows where the two differ."""
         return np.flatnonzero(
-            (self.top != other.top).any(axis=1) | (self.busy != other.busy).any(axis=1) | (self.idle != other.idle).any(axis=1)
-            | (self.slots != other.slots) | (self.largest != other.largest))
+            (self.top != other.top).any(axis=1)
+            | (self.busy != other.busy).any(axis=1)
+            | (self.idle != other.idle).any(axis=1)
+            | (self.slots != other.slots)
+            | (self.largest != other.largest)
+        )
 
 
 def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
@@ -543,8 +585,10 @@ def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
     idle = a.used_replicas[rows] == 0
     free = (a.capacity[rows] - a.used[rows] + 1) * has_slot - 1
     np.add.at(slots, nodes, has_slot)
-    top, busy, idle = (_sorted_per_node(n, width, nodes[keep], free[keep])
-                       for keep in (np.ones(len(rows), bool), has_slot & ~idle, has_slot & idle))
+    top, busy, idle = (
+        _sorted_per_node(n, width, nodes[keep], free[keep])
+        for keep in (np.ones(len(rows), bool), has_slot & ~idle, has_slot & idle)
+    )
     largest = top[:, 0].copy() if width else np.full(n, -1, np.int64)
     largest[largest == _PAD] = -1
     out = NodeSummary(top, slots, largest, busy, idle)
@@ -613,19 +657,33 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
         for dev_id, nbytes in zip(res.device_ids, res.bytes_per_device):
             i = ledger.row(res.node, dev_id)
             if i is None:
-                out.append(Violation(f"reservation on missing device {dev_id}", f"{res.node}/{res.key}"))
+                out.append(
+                    Violation(f"reservation on missing device {dev_id}", f"{res.node}/{res.key}")
+                )
                 continue
             used[i] += nbytes
             used_replicas[i] += 1
     for i in np.flatnonzero((used != a.used) | (used_replicas != a.used_replicas)):
         d = a.devices[i]
-        out.append(Violation("derived totals disagree with reservations", f"{d.node}/GPU {d.device_id}"))
+        out.append(
+            Violation("derived totals disagree with reservations", f"{d.node}/GPU {d.device_id}")
+        )
     for i in np.flatnonzero(used > a.capacity):
         d = a.devices[i]
-        out.append(Violation(f"VRAM oversubscribed: {int(used[i])} > {int(a.capacity[i])}", f"{d.node}/GPU {d.device_id}"))
+        out.append(
+            Violation(
+                f"VRAM oversubscribed: {int(used[i])} > {int(a.capacity[i])}",
+                f"{d.node}/GPU {d.device_id}",
+            )
+        )
     for i in np.flatnonzero(used_replicas > a.replicas):
         d = a.devices[i]
-        out.append(Violation(f"replicas oversubscribed: {int(used_replicas[i])} > {int(a.replicas[i])}", f"{d.node}/GPU {d.device_id}"))
+        out.append(
+            Violation(
+                f"replicas oversubscribed: {int(used_replicas[i])} > {int(a.replicas[i])}",
+                f"{d.node}/GPU {d.device_id}",
+            )
+        )
     for rid, name in {rid: name for name, rid in a.resources.items()}.items():
         if rid in ledger._summaries:  # noqa: SLF001 - the invariant checks derived state too
             for r in ledger.summary(rid).same_as(summary_of(a, rid)).tolist():

@@ -51,10 +51,14 @@ def parse_profile_name(name: str) -> ProfileName:
     """Parse ``<g>g.<mem>gb[+attr]``; raise ValueError on anything else."""
     m = _PROFILE_RE.match(name.strip())
     if not m:
-        raise ValueError(f"not a MIG profile name: {name!r} (expected like '1g.10gb' or '1g.10gb+me')")
+        raise ValueError(
+            f"not a MIG profile name: {name!r} (expected like '1g.10gb' or '1g.10gb+me')"
+        )
     g = int(m["g"])
     if not 1 <= g <= COMPUTE_SLICES:
-        raise ValueError(f"MIG profile {name!r}: compute slices must be 1..{COMPUTE_SLICES}, got {g}")
+        raise ValueError(
+            f"MIG profile {name!r}: compute slices must be 1..{COMPUTE_SLICES}, got {g}"
+        )
     return ProfileName(g, int(m["gb"]), m["attr"])
 
 
@@ -68,7 +72,7 @@ def profile_from_resource(resource: str) -> str | None:
     """Inverse of ``resource_name``: ``nvidia.com/mig-1g.10gb.me`` -> ``1g.10gb+me``; None if not MIG."""
     if not resource.startswith(_RESOURCE_PREFIX):
         return None
-    rest = resource[len(_RESOURCE_PREFIX):]
+    rest = resource[len(_RESOURCE_PREFIX) :]
     m = re.match(r"^(\d+g\.\d+gb)(?:\.([a-z]+))?$", rest)
     if not m:
         return None
@@ -104,7 +108,9 @@ class MigModel:
     profiles: tuple[MigProfile, ...]
     balanced: Geometry
     notes: str = ""
-    _by_name: dict[str, MigProfile] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _by_name: dict[str, MigProfile] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self._by_name.update({p.name: p for p in self.profiles})
@@ -270,7 +276,9 @@ def placement_is_valid(model: MigModel, placement: Iterable[tuple[str, int]]) ->
         return False
 
 
-def _all_tilings(model: MigModel, names: tuple[str, ...], pinned: tuple[tuple[str, int], ...]) -> set[Geometry]:
+def _all_tilings(
+    model: MigModel, names: tuple[str, ...], pinned: tuple[tuple[str, int], ...]
+) -> set[Geometry]:
     """Every multiset reachable by adding non-overlapping instances of ``names`` around ``pinned``."""
     profs = [model.profile(n) for n in names]
     used = [False] * MEMORY_SLOTS
@@ -315,7 +323,9 @@ def _enumerate_cached(
     include_media_extensions: bool,
     maximal_only: bool,
 ) -> tuple[Geometry, ...]:
-    names = tuple(p.name for p in model.profiles if include_media_extensions or not p.media_extensions)
+    names = tuple(
+        p.name for p in model.profiles if include_media_extensions or not p.media_extensions
+    )
     valid = _all_tilings(model, names, pinned)
     if maximal_only:
         valid = {
@@ -341,7 +351,9 @@ def enumerate_geometries(
     """
     pins = tuple(sorted(pinned, key=lambda x: (x[1], x[0])))
     if pins and place(model, {}, pinned=pins) is None:
-        raise ValueError(f"{model.name}: pinned instances {pins} overlap or break the placement rules")
+        raise ValueError(
+            f"{model.name}: pinned instances {pins} overlap or break the placement rules"
+        )
     return list(_enumerate_cached(model, pins, include_media_extensions, maximal_only))
 
 
@@ -353,7 +365,11 @@ def enumerate_geometries_containing(
     names = tuple(p.name for p in model.profiles if me or not p.media_extensions)
     valid = {g for g in _enumerate_cached(model, (), True, False) if all(n in names for n, _ in g)}
     inside = {g for g in valid if geometry_is_subset(required, g)}
-    maximal = {g for g in inside if not any(geometry(Counter(dict(g)) + Counter({n: 1})) in inside for n in names)}
+    maximal = {
+        g
+        for g in inside
+        if not any(geometry(Counter(dict(g)) + Counter({n: 1})) in inside for n in names)
+    }
     return sorted(maximal, key=lambda g: (-geometry_size(g), g))
 
 
@@ -403,7 +419,11 @@ def _build(
         profiles.append(MigProfile(pname, g, slots, starts, int(gib * GIB), max_count, measured))
     # all-balanced as in mig-parted config-default.yaml: 2 x 1g + 1 x 2g + 1 x 3g
     balanced = geometry(
-        {f"1g.{nominal_gb['1g']}gb": 2, f"2g.{nominal_gb['2g']}gb": 1, f"3g.{nominal_gb['3g']}gb": 1}
+        {
+            f"1g.{nominal_gb['1g']}gb": 2,
+            f"2g.{nominal_gb['2g']}gb": 1,
+            f"3g.{nominal_gb['3g']}gb": 1,
+        }
     )
     return MigModel(name, tuple(profiles), balanced, notes)
 
@@ -447,7 +467,9 @@ B200 = _build(
     "no measured figures: conservative estimate",
 )
 
-MODELS: dict[str, MigModel] = {m.name: m for m in (A100_40GB, A100_80GB, H100_80GB, H100_94GB, H200_141GB, B200)}
+MODELS: dict[str, MigModel] = {
+    m.name: m for m in (A100_40GB, A100_80GB, H100_80GB, H100_94GB, H200_141GB, B200)
+}
 
 
 def model_for_product(product: str) -> MigModel | None:
@@ -468,7 +490,9 @@ def model_for_product(product: str) -> MigModel | None:
     if "H100" in tokens or "H800" in tokens:
         if "NVL" in tokens or "94GB" in p:
             return H100_94GB
-        if "H100" in tokens and ("80GB" in p or "PCIE" in tokens or "SXM5" in p or "HBM3" in tokens):
+        if "H100" in tokens and (
+            "80GB" in p or "PCIE" in tokens or "SXM5" in p or "HBM3" in tokens
+        ):
             return H100_80GB
         return None
     if "H200" in tokens:
@@ -507,7 +531,15 @@ def _max_uniform(model: MigModel, p: MigProfile) -> int:
 
 
 # Model-independent shape families, so one "uniform geometry" can be applied to a mixed cluster.
-UNIFORM_FAMILIES: tuple[str, ...] = ("all-1g", "all-1g.2x", "all-2g", "all-3g", "all-4g", "all-7g", "all-balanced")
+UNIFORM_FAMILIES: tuple[str, ...] = (
+    "all-1g",
+    "all-1g.2x",
+    "all-2g",
+    "all-3g",
+    "all-4g",
+    "all-7g",
+    "all-balanced",
+)
 _FAMILY_SHAPE = {"all-1g": 0, "all-1g.2x": 2, "all-2g": 3, "all-3g": 4, "all-4g": 5, "all-7g": 6}
 
 
@@ -518,7 +550,9 @@ def uniform_geometry(model: MigModel, family: str) -> Geometry:
     try:
         idx = _FAMILY_SHAPE[family]
     except KeyError:
-        raise ValueError(f"unknown uniform geometry {family!r}; known: {', '.join(UNIFORM_FAMILIES)}") from None
+        raise ValueError(
+            f"unknown uniform geometry {family!r}; known: {', '.join(UNIFORM_FAMILIES)}"
+        ) from None
     p = model.profiles[idx]
     return geometry({p.name: _max_uniform(model, p)})
 
@@ -532,7 +566,7 @@ def geometry_for_config_name(model: MigModel, name: str) -> Geometry | None:
     if name == "all-disabled":
         return None
     if name.startswith("vramsched-") and not name.startswith("vramsched-mixed-"):
-        from_desc = parse_geometry_descriptor(model, name[len("vramsched-"):])
+        from_desc = parse_geometry_descriptor(model, name[len("vramsched-") :])
         return from_desc
     return None
 
@@ -589,7 +623,9 @@ def infer_gpu_layouts(
             raise LayoutInferenceError(f"{model.name} has no MIG profile {n!r}")
     if gpu_count == 0:
         if counts:
-            raise LayoutInferenceError(f"{sum(counts.values())} MIG slices labelled but gpu.count is 0")
+            raise LayoutInferenceError(
+                f"{sum(counts.values())} MIG slices labelled but gpu.count is 0"
+            )
         return []
     req = {i: geometry(r) for i, r in (required or {}).items()}
     for i in req:
@@ -597,14 +633,12 @@ def infer_gpu_layouts(
             raise LayoutInferenceError(f"required GPU index {i} outside 0..{gpu_count - 1}")
     names = tuple(sorted(counts))
     target = tuple(counts[n] for n in names)
-    cands = [
-        g
-        for g in _enumerate_cached(model, (), True, False)
-        if all(n in counts for n, _ in g)
-    ]
+    cands = [g for g in _enumerate_cached(model, (), True, False) if all(n in counts for n, _ in g)]
     vec = {g: tuple(dict(g).get(n, 0) for n in names) for g in cands}
     # Even split first (identical GPUs), then bigger geometries.
-    even = tuple(t // gpu_count for t in target) if all(t % gpu_count == 0 for t in target) else None
+    even = (
+        tuple(t // gpu_count for t in target) if all(t % gpu_count == 0 for t in target) else None
+    )
     cands.sort(key=lambda g: (vec[g] != even, -geometry_size(g), g))
     failed: set[tuple[int, tuple[int, ...]]] = set()
     chosen: list[Geometry] = []
@@ -636,6 +670,10 @@ def infer_gpu_layouts(
         want = format_geometry(geometry(counts))
         raise LayoutInferenceError(
             f"cannot split {want} over {gpu_count} {model.name} GPU(s) as valid MIG geometries"
-            + (f" with required slices {dict((i, format_geometry(g)) for i, g in req.items())}" if req else "")
+            + (
+                f" with required slices {dict((i, format_geometry(g)) for i, g in req.items())}"
+                if req
+                else ""
+            )
         )
     return [[n for n, k in g for _ in range(k)] for g in chosen]

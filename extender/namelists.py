@@ -60,8 +60,13 @@ class NameLists:
                 return head, names
         return None
 
-    def remember(self, names: list[str], encoded: bytes | None = None, raw: bytes | None = None,
-                 short_names: bool = False) -> bytes | None:
+    def remember(
+        self,
+        names: list[str],
+        encoded: bytes | None = None,
+        raw: bytes | None = None,
+        short_names: bool = False,
+    ) -> bytes | None:
         """Keep `names` (its encoding `encoded`, computed when not given) for later `split`s; with
         `raw`, only when that body ends with exactly this encoding (else a later body never would).
         `short_names`: the caller knows every name is at most `max_name` long (a filter answer is a
@@ -83,5 +88,5 @@ class NameLists:
         if not short_names and max(map(len, names)) > self.max_name:
             return encoded
         self._entries.insert(0, (tail, names))
-        del self._entries[self.size:]
+        del self._entries[self.size :]
         return encoded

@@ -7,17 +7,33 @@ Python only loops over the nodes it must explain.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 from math import ceil, log2
-from typing import Any, Callable, Collection, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
 from extender.demand import Demand
-from extender.deviceplugin import PIN_MISSING, SharedFit, allowed_without, bounds_resource, refused_per_node, shared_fit
+from extender.deviceplugin import (
+    PIN_MISSING,
+    SharedFit,
+    allowed_without,
+    bounds_resource,
+    refused_per_node,
+    shared_fit,
+)
 from extender.inventory import MigSlice
-from extender.ledger import DeviceArrays, Ledger, NodeSummary, Reservation, first_k_per_node, offsets, run_starts
+from extender.ledger import (
+    DeviceArrays,
+    Ledger,
+    NodeSummary,
+    Reservation,
+    first_k_per_node,
+    offsets,
+    run_starts,
+)
 from extender.quantity import format_bytes
 
 __all__ = [
@@ -101,8 +117,14 @@ def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
     return np.broadcast_to(np.int64(demand.bytes_per_gpu), (len(a.capacity),))
 
 
-def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with_ok: bool = True,
-         node_rows: slice | np.ndarray | None = None, bounded: bool = False) -> _Fit:
+def _fit(
+    ledger: Ledger,
+    demand: Demand,
+    local: DeviceArrays | None = None,
+    with_ok: bool = True,
+    node_rows: slice | np.ndarray | None = None,
+    bounded: bool = False,
+) -> _Fit:
     """The demand against every device, or against `local` (one node's rows, see `_node_arrays`,
     or one resource's, see `_resource_arrays`). `with_ok=False` leaves `ok` empty for callers
     that do not read it (`_filter_one`). `node_rows`: `local` is these device rows (one node's
@@ -126,12 +148,20 @@ def _fit(ledger: Ledger, demand: Demand, local: DeviceArrays | None = None, with
     return _Fit(a, matches, need, ok, shared)
 
 
-def _shared(ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray, resource: int | None = None) -> SharedFit | None:
+def _shared(
+    ledger: Ledger, demand: Demand, a: DeviceArrays, need: np.ndarray, resource: int | None = None
+) -> SharedFit | None:
     """`shared_fit` over every device of `a` (every device of the ledger), or at the rows of
     `resource` only, kept for the ledger state and demand shape: the same pod's prioritize
     follows its filter, usually with nothing changed in between."""
-    key = (ledger.generation, getattr(ledger, "replica_policy", None), demand.bytes_per_gpu, demand.gpu_count,
-           demand.pin_configmap, resource)
+    key = (
+        ledger.generation,
+        getattr(ledger, "replica_policy", None),
+        demand.bytes_per_gpu,
+        demand.gpu_count,
+        demand.pin_configmap,
+        resource,
+    )
     hit = a.derived.get("shared")
     if hit is None or hit[0] != key or hit[2] is not need:
         fit = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, resource=resource)
@@ -180,7 +210,11 @@ def _static_fit(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray
     if hit is None:
         matches = a.resource_id == a.resources.get(demand.resource, -1)
         if demand.allowed_products is not None:
-            allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
+            allowed = [
+                pid
+                for name, pid in a.products.items()
+                if _product_allowed(name, demand.allowed_products)
+            ]
             matches &= np.isin(a.product_id, np.asarray(allowed, np.int32))
         need = _need(a, demand)
         hit = cache[key] = (matches, need, matches & (a.per_pod_cap >= need))
@@ -206,7 +240,9 @@ def _node_rows(ledger: Ledger, names: Sequence[str]) -> tuple[np.ndarray, list[s
     recent = ledger.arrays.derived.setdefault("rows", [])
     n = len(names)
     for i, (known, rows, unknown) in enumerate(recent):
-        if known is names or (len(known) == n and (n == 0 or known[0] == names[0]) and known == names):
+        if known is names or (
+            len(known) == n and (n == 0 or known[0] == names[0]) and known == names
+        ):
             if i:
                 recent.insert(0, recent.pop(i))  # least recently used goes first
             return rows, unknown
@@ -246,9 +282,23 @@ def _node_info(ledger: Ledger, a: DeviceArrays) -> tuple[np.ndarray, np.ndarray,
                 sig: tuple = (name,)
             else:
                 problem[r] = bool(inv.problem)
-                sig = (inv.problem, inv.product, tuple(
-                    (type(d).__name__, d.resource, d.product, d.memory_bytes, d.per_pod_cap_bytes, d.replicas,
-                     d.sharing, d.profile) for d in inv.devices))
+                sig = (
+                    inv.problem,
+                    inv.product,
+                    tuple(
+                        (
+                            type(d).__name__,
+                            d.resource,
+                            d.product,
+                            d.memory_bytes,
+                            d.per_pod_cap_bytes,
+                            d.replicas,
+                            d.sharing,
+                            d.profile,
+                        )
+                        for d in inv.devices
+                    ),
+                )
             kind[r] = kinds.setdefault(sig, len(kinds))
         info = a.derived["nodes"] = (_node_names(a), kind, problem)
     return info
@@ -265,7 +315,9 @@ def warm(ledger: Ledger) -> None:
     a = ledger.arrays
     _node_info(ledger, a)
     for resource, rid in list(a.resources.items()):
-        view = _resource_arrays(ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource))  # type: ignore[arg-type]
+        view = _resource_arrays(
+            ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource)
+        )  # type: ignore[arg-type]
         if view is not None:
             _uniform(view), _node_capacity(view), ledger.summary(rid)
 
@@ -276,7 +328,9 @@ def _node_names(a: DeviceArrays) -> np.ndarray:
     names = a.derived.get("names")
     if names is None:
         info = a.derived.get("nodes")
-        names = a.derived["names"] = info[0] if info is not None else np.array(a.node_names, dtype=object)
+        names = a.derived["names"] = (
+            info[0] if info is not None else np.array(a.node_names, dtype=object)
+        )
     return names
 
 
@@ -284,11 +338,20 @@ def _node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
     """The rows of node `r` as arrays of their own (views), so one node costs the same in any cluster."""
     lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
     return DeviceArrays(
-        devices=a.devices[lo:hi], node_names=[a.node_names[r]], node_of=np.zeros(hi - lo, np.int32),
-        node_start=np.asarray([0, hi - lo], np.int64), capacity=a.capacity[lo:hi], per_pod_cap=a.per_pod_cap[lo:hi],
-        replicas=a.replicas[lo:hi], used=a.used[lo:hi], used_replicas=a.used_replicas[lo:hi],
-        resource_id=a.resource_id[lo:hi], product_id=a.product_id[lo:hi], gpu_index=a.gpu_index[lo:hi],
-        resources=a.resources, products=a.products,
+        devices=a.devices[lo:hi],
+        node_names=[a.node_names[r]],
+        node_of=np.zeros(hi - lo, np.int32),
+        node_start=np.asarray([0, hi - lo], np.int64),
+        capacity=a.capacity[lo:hi],
+        per_pod_cap=a.per_pod_cap[lo:hi],
+        replicas=a.replicas[lo:hi],
+        used=a.used[lo:hi],
+        used_replicas=a.used_replicas[lo:hi],
+        resource_id=a.resource_id[lo:hi],
+        product_id=a.product_id[lo:hi],
+        gpu_index=a.gpu_index[lo:hi],
+        resources=a.resources,
+        products=a.products,
     )
 
 
@@ -319,16 +382,27 @@ def _nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.
     bounds = offsets(lengths)
     ix = np.repeat(starts - bounds[:-1], lengths) + np.arange(int(bounds[-1]))
     sub = DeviceArrays(
-        devices=_Picked(a.devices, ix), node_names=_Picked(a.node_names, nodes),  # type: ignore[arg-type]
-        node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths), node_start=bounds,
-        capacity=a.capacity[ix], per_pod_cap=a.per_pod_cap[ix], replicas=a.replicas[ix], used=a.used[ix],
-        used_replicas=a.used_replicas[ix], resource_id=a.resource_id[ix], product_id=a.product_id[ix],
-        gpu_index=a.gpu_index[ix], resources=a.resources, products=a.products,
+        devices=_Picked(a.devices, ix),
+        node_names=_Picked(a.node_names, nodes),  # type: ignore[arg-type]
+        node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths),
+        node_start=bounds,
+        capacity=a.capacity[ix],
+        per_pod_cap=a.per_pod_cap[ix],
+        replicas=a.replicas[ix],
+        used=a.used[ix],
+        used_replicas=a.used_replicas[ix],
+        resource_id=a.resource_id[ix],
+        product_id=a.product_id[ix],
+        gpu_index=a.gpu_index[ix],
+        resources=a.resources,
+        products=a.products,
     )
     return sub, ix
 
 
-def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], explain_all: bool = True) -> FilterOutcome:
+def filter_nodes(
+    ledger: Ledger, demand: Demand, names: Sequence[str], explain_all: bool = True
+) -> FilterOutcome:
     """Which of `names` can take the pod now, and a short reason for every one that cannot.
 
     `explain_all=False`: reasons only when no node passes. kube-scheduler reads an extender's
@@ -346,7 +420,9 @@ def filter_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], explain_a
 
 
 def _filter_into(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> None:
-    if getattr(ledger, "replica_policy", None) is not None and _filter_plugin(ledger, demand, names, out):
+    if getattr(ledger, "replica_policy", None) is not None and _filter_plugin(
+        ledger, demand, names, out
+    ):
         return
     view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
@@ -366,7 +442,9 @@ def _filter_into(ledger: Ledger, demand: Demand, names: Sequence[str], out: Filt
         _filter_rows(ledger, fit, demand, rows, out)
 
 
-def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> bool:
+def _filter_plugin(
+    ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome
+) -> bool:
     """`_filter_one` / `_filter_summary` under a replica policy (live mode): the per-node summary,
     and the device plugin's bound per node. The bound is the same for every device of a resource
     on a node (one group: a node's devices of a resource share their sharing mode), so a node
@@ -426,17 +504,41 @@ def _filter_plugin(ledger: Ledger, demand: Demand, names: Sequence[str], out: Fi
     if not len(short):
         return True
     if one:
-        _explain(ledger, fit, demand, short, out, np.zeros(n, np.int64), rows, (None, largest), books_short=True)
+        _explain(
+            ledger,
+            fit,
+            demand,
+            short,
+            out,
+            np.zeros(n, np.int64),
+            rows,
+            (None, largest),
+            books_short=True,
+        )
     else:  # as `_filter_summary` explains
         n_ok = np.zeros(n, np.int64)
         open_ = short[ok[short]]
-        n_ok[open_] = row_counts(top[open_] >= need_at[open_, None]) * every[open_]  # devices the bound admits
-        _explain(ledger, fit, demand, short, out, n_ok, rows, None,
-                 (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)), books_short=True)
+        n_ok[open_] = (
+            row_counts(top[open_] >= need_at[open_, None]) * every[open_]
+        )  # devices the bound admits
+        _explain(
+            ledger,
+            fit,
+            demand,
+            short,
+            out,
+            n_ok,
+            rows,
+            None,
+            (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)),
+            books_short=True,
+        )
     return True
 
 
-def _explain_blocked(a: DeviceArrays, s: SharedFit, rows: np.ndarray, names: np.ndarray, out: FilterOutcome) -> None:
+def _explain_blocked(
+    a: DeviceArrays, s: SharedFit, rows: np.ndarray, names: np.ndarray, out: FilterOutcome
+) -> None:
     """What `_explain_shared` says of nodes with room on the books that the bound refuses, when
     the bound is the same for all their devices (`_filter_plugin`): read at each node's first
     device. A pod that cannot take a pin is refused for good; else the worst case is named."""
@@ -447,7 +549,9 @@ def _explain_blocked(a: DeviceArrays, s: SharedFit, rows: np.ndarray, names: np.
     first, rows = first[~pin], rows[~pin]
     if not len(rows):
         return
-    out.failed.update(zip(names[rows].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first])))
+    out.failed.update(
+        zip(names[rows].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first]))
+    )
 
 
 def _stack_reasons(policy: str, worst: np.ndarray, cap: np.ndarray) -> list[str]:
@@ -457,14 +561,28 @@ def _stack_reasons(policy: str, worst: np.ndarray, cap: np.ndarray) -> list[str]
     new = run_starts(worst[order]) | run_starts(cap[order])
     which = np.empty(len(worst), np.int64)
     which[order] = np.cumsum(new) - 1
-    words = np.array([_reason(("stack", policy, w, c), lambda w=w, c=c: (
-        f"device plugin ({policy}) may stack {format_bytes(w)} on a {format_bytes(c)} GPU"))
-        for w, c in zip(worst[order][new].tolist(), cap[order][new].tolist())], dtype=object)
+    words = np.array(
+        [
+            _reason(
+                ("stack", policy, w, c),
+                lambda w=w, c=c: (
+                    f"device plugin ({policy}) may stack {format_bytes(w)} on a {format_bytes(c)} GPU"
+                ),
+            )
+            for w, c in zip(worst[order][new].tolist(), cap[order][new].tolist())
+        ],
+        dtype=object,
+    )
     return words[which].tolist()
 
 
 def _filter_one(
-    ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome, largest: np.ndarray | None = None,
+    ledger: Ledger,
+    fit: _Fit,
+    demand: Demand,
+    rows: np.ndarray,
+    out: FilterOutcome,
+    largest: np.ndarray | None = None,
 ) -> None:
     """`_filter_rows` for the commonest pod, one device with declared bytes (no device-plugin
     bound): a node fits iff the most free VRAM on a big-enough device with a free replica covers
@@ -474,15 +592,28 @@ def _filter_one(
     with_slot = None
     if largest is None:
         with_slot = _static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
-        largest = _segment_max((a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names))
+        largest = _segment_max(
+            (a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names)
+        )
     good = largest[rows] >= demand.bytes_per_gpu
     bad = _split_feasible(ledger, a, rows, good, out)
     if len(bad):
         # a failing node has no fitting device: n_ok is 0 there; a free replica iff largest >= 0
-        _explain(ledger, fit, demand, bad, out, np.zeros(len(a.node_names), np.int64), rows, (with_slot, largest))
+        _explain(
+            ledger,
+            fit,
+            demand,
+            bad,
+            out,
+            np.zeros(len(a.node_names), np.int64),
+            rows,
+            (with_slot, largest),
+        )
 
 
-def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_policy: bool = False) -> DeviceArrays | None:
+def _resource_arrays(
+    ledger: Ledger, demand: Demand, used: bool = True, under_policy: bool = False
+) -> DeviceArrays | None:
     """Only the devices of the demand's resource (all nodes kept, in order), or None for all.
 
     A pod asking for `nvidia.com/gpu` never looks at MIG slices: on a mixed fleet this makes
@@ -506,11 +637,20 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_po
         else:
             counts = np.bincount(a.node_of[idx], minlength=len(a.node_names))
             static = DeviceArrays(
-                devices=[a.devices[i] for i in idx.tolist()], node_names=a.node_names, node_of=a.node_of[idx],
-                node_start=offsets(counts), capacity=a.capacity[idx],
-                per_pod_cap=a.per_pod_cap[idx], replicas=a.replicas[idx], used=a.used[idx],
-                used_replicas=a.used_replicas[idx], resource_id=a.resource_id[idx], product_id=a.product_id[idx],
-                gpu_index=a.gpu_index[idx], resources=a.resources, products=a.products,
+                devices=[a.devices[i] for i in idx.tolist()],
+                node_names=a.node_names,
+                node_of=a.node_of[idx],
+                node_start=offsets(counts),
+                capacity=a.capacity[idx],
+                per_pod_cap=a.per_pod_cap[idx],
+                replicas=a.replicas[idx],
+                used=a.used[idx],
+                used_replicas=a.used_replicas[idx],
+                resource_id=a.resource_id[idx],
+                product_id=a.product_id[idx],
+                gpu_index=a.gpu_index[idx],
+                resources=a.resources,
+                products=a.products,
             )
             static.derived["nodes"] = _node_info(ledger, a)
             view = views[rid] = (idx, static)
@@ -522,7 +662,9 @@ def _resource_arrays(ledger: Ledger, demand: Demand, used: bool = True, under_po
     current = static.derived.get("current")  # unchanged ledger since the last call: same view
     if current is None or current[0] != ledger.generation:
         current = static.derived["current"] = (
-            ledger.generation, replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx]))
+            ledger.generation,
+            replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx]),
+        )
     return current[1]
 
 
@@ -563,7 +705,11 @@ def _node_ok(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray] |
             need = np.full(len(cap), demand.bytes_per_gpu, np.int64)
             ok = cap >= demand.bytes_per_gpu
         if demand.allowed_products is not None:
-            allowed = [pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)]
+            allowed = [
+                pid
+                for name, pid in a.products.items()
+                if _product_allowed(name, demand.allowed_products)
+            ]
             ok &= np.isin(prod, np.asarray(allowed, np.int64))
         hit = cache[key] = (ok, need)
     return hit
@@ -588,8 +734,14 @@ def _node_fit(ledger: Ledger, a: DeviceArrays, demand: Demand) -> tuple | None:
 
 
 def _filter_summary(
-    ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome,
-    ok: np.ndarray, need: np.ndarray, summary: NodeSummary,
+    ledger: Ledger,
+    fit: _Fit,
+    demand: Demand,
+    rows: np.ndarray,
+    out: FilterOutcome,
+    ok: np.ndarray,
+    need: np.ndarray,
+    summary: NodeSummary,
 ) -> None:
     """`_filter_rows` from the ledger's per-node summary (any GPU count, declared or whole
     devices): a node has k fitting devices iff its k-th largest free VRAM with a free replica
@@ -611,20 +763,26 @@ def _filter_summary(
         _explain(ledger, fit, demand, bad, out, n_ok, rows, None, (n_slot, largest))
 
 
-def _split_feasible(ledger: Ledger, a: DeviceArrays, rows: np.ndarray, good: np.ndarray, out: FilterOutcome) -> np.ndarray:
+def _split_feasible(
+    ledger: Ledger, a: DeviceArrays, rows: np.ndarray, good: np.ndarray, out: FilterOutcome
+) -> np.ndarray:
     """Put the names of the `good` rows in `out.feasible` (remembered: prioritize will send this
     list) and return the failing rows, which the caller explains: none when some node passes and
     `out.explain_all` is off."""
     feasible_rows = rows[good]
     out.feasible = _node_names(a)[feasible_rows].tolist()
     if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
-        _remember_rows(ledger, out.feasible, feasible_rows, [])  # shared, not copied: see FilterOutcome
+        _remember_rows(
+            ledger, out.feasible, feasible_rows, []
+        )  # shared, not copied: see FilterOutcome
     if out.feasible and not out.explain_all:
         return rows[:0]
     return rows[~good]
 
 
-def _filter_rows(ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome) -> None:
+def _filter_rows(
+    ledger: Ledger, fit: _Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome
+) -> None:
     a = fit.a
     ok_count = _per_node(a, fit.ok)
     good = ok_count[rows] >= demand.gpu_count
@@ -641,9 +799,16 @@ _FIXED_CACHED = 256
 
 
 def _explain(
-    ledger: Ledger, fit: _Fit, demand: Demand, bad: np.ndarray, out: FilterOutcome, n_ok: np.ndarray,
-    asked: np.ndarray | None = None, one: tuple[np.ndarray, np.ndarray] | None = None,
-    summary: tuple[np.ndarray, np.ndarray] | None = None, books_short: bool = False,
+    ledger: Ledger,
+    fit: _Fit,
+    demand: Demand,
+    bad: np.ndarray,
+    out: FilterOutcome,
+    n_ok: np.ndarray,
+    asked: np.ndarray | None = None,
+    one: tuple[np.ndarray, np.ndarray] | None = None,
+    summary: tuple[np.ndarray, np.ndarray] | None = None,
+    books_short: bool = False,
 ) -> None:
     """A reason for every node in `bad`, in vector form: nodes are sorted into categories
     (0 not a GPU node, 1 no such resource, 2 too few devices, 3 devices too small: unresolvable;
@@ -672,10 +837,14 @@ def _explain(
             _add_reasons(out, base)
             return
     n_match, n_big, big_enough = _static_counts(a, fit, demand, kind)
-    if one is not None:  # from _filter_one (k == 1): a free replica on a big-enough device iff largest >= 0
+    if (
+        one is not None
+    ):  # from _filter_one (k == 1): a free replica on a big-enough device iff largest >= 0
         with_slot, largest = one
         n_slot = (largest >= 0).astype(np.int64)
-    elif summary is not None:  # from _filter_summary: per node, devices with a free replica and largest free
+    elif (
+        summary is not None
+    ):  # from _filter_summary: per node, devices with a free replica and largest free
         n_slot, largest = summary
     else:
         with_slot = big_enough & (a.used_replicas < a.replicas)
@@ -702,7 +871,9 @@ def _explain(
             if msg is None:
                 i = int(np.argmax(row_kinds == kd))
                 r = int(rows[i])
-                msg = cache[(kd, dkey)] = _fixed_reason(ledger, fit, demand, int(cat[fixed][i]), r, int(n_match[r]))
+                msg = cache[(kd, dkey)] = _fixed_reason(
+                    ledger, fit, demand, int(cat[fixed][i]), r, int(n_match[r])
+                )
             by_kind[kd] = msg
         _mutable(out).update(zip(names[rows].tolist(), by_kind[row_kinds].tolist()))
     if asked is not None and known is None:
@@ -711,19 +882,33 @@ def _explain(
         label_only = cat < 3  # not category 3: "too small" depends on the pod's bytes
         is_fixed = np.zeros(n_nodes, bool)
         is_fixed[bad[label_only]] = True
-        fixed_cache[ckey] = (asked, is_fixed, SharedReasons({n: out.unresolvable[n] for n in names[bad[label_only]].tolist()}))
+        fixed_cache[ckey] = (
+            asked,
+            is_fixed,
+            SharedReasons({n: out.unresolvable[n] for n in names[bad[label_only]].tolist()}),
+        )
     slot = cat == 4
     if slot.any():
         rows = bad[slot]
-        out.failed.update(_worded(names[rows].tolist(), n_slot[rows], lambda c: _reason(
-            ("slot", c, k), lambda: f"all GPU replicas in use: {c} of {k} needed GPUs have a free replica")))
+        out.failed.update(
+            _worded(
+                names[rows].tolist(),
+                n_slot[rows],
+                lambda c: _reason(
+                    ("slot", c, k),
+                    lambda: f"all GPU replicas in use: {c} of {k} needed GPUs have a free replica",
+                ),
+            )
+        )
     mem = cat == 5
     if not mem.any():
         return
     rows = bad[mem]
     need = demand.bytes_per_gpu
     if fit.shared is not None:
-        rows = _explain_shared(fit, demand, rows, names, n_match, out, books_short)  # what is left fails on memory
+        rows = _explain_shared(
+            fit, demand, rows, names, n_match, out, books_short
+        )  # what is left fails on memory
         if not len(rows):
             return
     out.failed.update(_worded(names[rows].tolist(), n_ok[rows], lambda c: _mem_reason(need, c, k)))
@@ -782,7 +967,9 @@ def _static_counts(
     if hit is None:
         reps = a.derived.get("kind_reps")
         if reps is None:
-            reps = a.derived["kind_reps"] = np.unique(kind, return_index=True)[1] if len(kind) else np.zeros(0, np.int64)
+            reps = a.derived["kind_reps"] = (
+                np.unique(kind, return_index=True)[1] if len(kind) else np.zeros(0, np.int64)
+            )
         bounds = list(zip(a.node_start[reps].tolist(), a.node_start[reps + 1].tolist()))
         big_enough = _static_fit(a, demand)[2]
         per_kind = np.zeros((2, int(kind.max()) + 1 if len(kind) else 0), np.int64)
@@ -806,6 +993,7 @@ def _mem_reason(need: int | None, n_ok: int, k: int) -> str:
     """No per-node figure in the wording: kube-scheduler's event counts nodes per distinct reason
     ("0/5000 nodes are available: 1200 no GPU with 20Gi free, ..."), and a figure per node would
     split that into hundreds of one-node entries. /state shows each GPU's free VRAM."""
+
     def word() -> str:
         want = "a whole free GPU" if need is None else f"{format_bytes(need)} free"
         if k == 1:
@@ -815,7 +1003,9 @@ def _mem_reason(need: int | None, n_ok: int, k: int) -> str:
     return _reason(("mem", need, n_ok, k), word)
 
 
-def _fixed_reason(ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: int, n_match: int) -> str:
+def _fixed_reason(
+    ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: int, n_match: int
+) -> str:
     name = fit.a.node_names[r]
     if category == 0:
         inv = ledger.node(name)
@@ -827,8 +1017,15 @@ def _fixed_reason(ledger: Ledger, fit: _Fit, demand: Demand, category: int, r: i
     return _too_small(ledger, name, demand, fit)
 
 
-def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarray, n_match: np.ndarray,
-                    out: FilterOutcome, books_short: bool = False) -> np.ndarray:
+def _explain_shared(
+    fit: _Fit,
+    demand: Demand,
+    rows: np.ndarray,
+    names: np.ndarray,
+    n_match: np.ndarray,
+    out: FilterOutcome,
+    books_short: bool = False,
+) -> np.ndarray:
     """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin) for the failing
     nodes `rows`, in vector form; returns the rows it gave none (they fail on memory).
 
@@ -843,9 +1040,16 @@ def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarr
     if books_short:
         stacked = np.zeros(len(rows), bool)
     else:
-        local = fit.matches & (a.used_replicas < a.replicas) & (a.capacity - a.used >= fit.need) & (a.per_pod_cap >= fit.need)
+        local = (
+            fit.matches
+            & (a.used_replicas < a.replicas)
+            & (a.capacity - a.used >= fit.need)
+            & (a.per_pod_cap >= fit.need)
+        )
         blocked = local & ~s.allowed
-        stacked = ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)
+        stacked = (
+            ~pin_missing & (_per_node(a, local)[rows] >= k) & (_per_node(a, blocked)[rows] > 0)
+        )
     if pin_missing.any():
         _mutable(out).update(dict.fromkeys(names[rows[pin_missing]].tolist(), PIN_MISSING))
     if stacked.any():
@@ -853,9 +1057,16 @@ def _explain_shared(fit: _Fit, demand: Demand, rows: np.ndarray, names: np.ndarr
         keep[rows[stacked]] = True
         dev = np.flatnonzero(blocked)
         dev = dev[keep[a.node_of[dev]]]
-        dev = dev[np.lexsort((dev, s.worst[dev], a.node_of[dev]))]  # per node: lowest worst case, then row
+        dev = dev[
+            np.lexsort((dev, s.worst[dev], a.node_of[dev]))
+        ]  # per node: lowest worst case, then row
         first = dev[run_starts(a.node_of[dev])]
-        out.failed.update(zip(names[a.node_of[first]].tolist(), _stack_reasons(s.policy, s.worst[first], a.capacity[first])))
+        out.failed.update(
+            zip(
+                names[a.node_of[first]].tolist(),
+                _stack_reasons(s.policy, s.worst[first], a.capacity[first]),
+            )
+        )
     return rows[~pin_missing & ~stacked]
 
 
@@ -911,7 +1122,11 @@ def _no_resource(ledger: Ledger, name: str, demand: Demand) -> str:
     a list of the node's own resources split that count into one group per kind of node (it
     was also two thirds of the bytes of a 5,000-node filter answer)."""
     inv = ledger.node(name)
-    if demand.allowed_products is not None and inv is not None and any(d.resource == demand.resource for d in inv.devices):
+    if (
+        demand.allowed_products is not None
+        and inv is not None
+        and any(d.resource == demand.resource for d in inv.devices)
+    ):
         return f"GPU product {inv.product} not in the pod's allowed products"
     return f"node has no {demand.resource}"
 
@@ -923,16 +1138,26 @@ def _too_small(ledger: Ledger, name: str, demand: Demand, fit: _Fit) -> str:
     cap = max((d.per_pod_cap_bytes for d in devices), default=0)
     if demand.mig_profile is not None and inv is not None:
         fitting = sorted(
-            {(d.memory_bytes, d.profile) for d in inv.devices if isinstance(d, MigSlice) and d.memory_bytes >= need}
+            {
+                (d.memory_bytes, d.profile)
+                for d in inv.devices
+                if isinstance(d, MigSlice) and d.memory_bytes >= need
+            }
         )
-        hint = f"; smallest profile on node that fits: {fitting[0][1]}" if fitting else "; no profile on this node fits"
+        hint = (
+            f"; smallest profile on node that fits: {fitting[0][1]}"
+            if fitting
+            else "; no profile on this node fits"
+        )
         return f"model needs {format_bytes(need)} but {demand.mig_profile} has {format_bytes(cap)}{hint}"
     if devices and devices[0].sharing.value == "mps":
         return f"need {format_bytes(need)} per GPU, MPS caps each replica at {format_bytes(cap)}"
     return f"need {format_bytes(need)} per GPU, GPUs have {format_bytes(cap)}"
 
 
-def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None) -> list[tuple[str, int]]:
+def score_nodes(
+    ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None
+) -> list[tuple[str, int]]:
     """Best-fit scores 0..10 for `names`; a node that cannot take the pod scores 0.
 
     Bands, so that no empty GPU is opened while a partly used one fits anywhere:
@@ -947,7 +1172,11 @@ def score_nodes(ledger: Ledger, demand: Demand, names: Sequence[str], planned: s
 
 
 def score_rows(
-    ledger: Ledger, demand: Demand, names: Sequence[str], planned: str | None = None, single_top: bool = True,
+    ledger: Ledger,
+    demand: Demand,
+    names: Sequence[str],
+    planned: str | None = None,
+    single_top: bool = True,
     avoid: Collection[str] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`score_nodes` as arrays (node names, rows of the known `names` in order, their scores),
@@ -959,25 +1188,40 @@ def score_rows(
     Under a replica policy the per-node summary still answers for a resource the device plugin's
     bound never applies to (a MIG profile no node time-slices): its books are exact."""
     rid = ledger.arrays.resources.get(demand.resource)
-    exact = getattr(ledger, "replica_policy", None) is None or (rid is not None and not bounds_resource(ledger, rid))
+    exact = getattr(ledger, "replica_policy", None) is None or (
+        rid is not None and not bounds_resource(ledger, rid)
+    )
     view = _resource_arrays(ledger, demand, used=False, under_policy=True) if exact else None
     if view is not None:
         rows, _ = _node_rows(ledger, names)
         fast = _score_summary(ledger, demand, rows, view)
         if fast is not None:
             return _finish_scores(ledger, view, rows, *fast, planned, single_top, avoid)
-    static = _resource_arrays(ledger, demand, used=False, under_policy=True)  # this resource's devices, or every device
+    static = _resource_arrays(
+        ledger, demand, used=False, under_policy=True
+    )  # this resource's devices, or every device
     rows, _ = _node_rows(ledger, names)
     if static is None:
         a, at = ledger.arrays, None
     else:  # the view's rows among every device's
         a, at = static, ledger.arrays.rows_of(rid)
-    return _finish_scores(ledger, a, rows, *_device_scores_kept(ledger, demand, a, static is None, at), planned, single_top,
-                          avoid)
+    return _finish_scores(
+        ledger,
+        a,
+        rows,
+        *_device_scores_kept(ledger, demand, a, static is None, at),
+        planned,
+        single_top,
+        avoid,
+    )
 
 
 def _device_scores_kept(
-    ledger: Ledger, demand: Demand, a: DeviceArrays, full: bool, at: np.ndarray | None = None,
+    ledger: Ledger,
+    demand: Demand,
+    a: DeviceArrays,
+    full: bool,
+    at: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_device_scores` of every node of `a`, kept per demand shape (`_kept_scores`): a node's
     score reads only its own devices and, under a replica policy, the bound on them, which
@@ -985,13 +1229,25 @@ def _device_scores_kept(
     bound applies). `at`: `a` is the demand's resource view (`used=False`), these rows of every
     device; its used columns are read from the ledger (for a patch, at the changed nodes' rows
     only), and under a policy the bound applies to them."""
-    key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count, demand.pin_configmap,
-           getattr(ledger, "replica_policy", None))
+    key = (
+        demand.resource,
+        demand.bytes_per_gpu,
+        demand.allowed_products,
+        demand.gpu_count,
+        demand.pin_configmap,
+        getattr(ledger, "replica_policy", None),
+    )
     bounded = at is not None and getattr(ledger, "replica_policy", None) is not None
 
     def every() -> tuple[np.ndarray, np.ndarray]:
         node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
-        current = None if full else a if at is None else _resource_arrays(ledger, demand, under_policy=True)
+        current = (
+            None
+            if full
+            else a
+            if at is None
+            else _resource_arrays(ledger, demand, under_policy=True)
+        )
         fit = _fit(ledger, demand, current, bounded=bounded)
         return _device_scores(fit, demand.gpu_count, np.arange(len(a.node_names)), node_busy)
 
@@ -1001,13 +1257,21 @@ def _device_scores_kept(
             ix = at[ix]
             sub.used, sub.used_replicas = ledger.arrays.used[ix], ledger.arrays.used_replicas[ix]
         fit = _fit(ledger, demand, sub, node_rows=ix if full or bounded else None)
-        return nodes, *_device_scores(fit, demand.gpu_count, np.arange(len(nodes)), ledger.arrays.node_used_replicas[nodes] > 0)
+        return nodes, *_device_scores(
+            fit,
+            demand.gpu_count,
+            np.arange(len(nodes)),
+            ledger.arrays.node_used_replicas[nodes] > 0,
+        )
 
     return _kept_scores(ledger, a, "device_scores", key, every, some)
 
 
 def _kept_scores(
-    ledger: Ledger, a: DeviceArrays, name: str, key: tuple,
+    ledger: Ledger,
+    a: DeviceArrays,
+    name: str,
+    key: tuple,
     every: Callable[[], tuple[np.ndarray, np.ndarray]],
     some: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -1020,7 +1284,9 @@ def _kept_scores(
     entry = cache.get(key)
     now = ledger.position
     if entry is not None:
-        nodes = ledger.touched_rows_since(entry[0])  # rows of these very arrays (a rebuild drops the cache)
+        nodes = ledger.touched_rows_since(
+            entry[0]
+        )  # rows of these very arrays (a rebuild drops the cache)
         if nodes is None or len(nodes) * _PATCH_SHARE > len(a.node_names):
             entry = None
         else:
@@ -1033,7 +1299,9 @@ def _kept_scores(
     return entry[1], entry[2]
 
 
-def _device_scores(fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _device_scores(
+    fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(scores, placed) per node of `fit.a`, for the nodes `rows` (0 and False elsewhere), device
     by device: the k best-fit devices (`_choose`) and how tightly they fit. `node_busy`: per
     node of `fit.a`, whether any pod runs there."""
@@ -1052,15 +1320,25 @@ def _device_scores(fit: _Fit, k: int, rows: np.ndarray, node_busy: np.ndarray) -
             taken = np.bincount(node, minlength=n_nodes)
             mean_left = np.bincount(node, weights=frac, minlength=n_nodes) / np.maximum(taken, 1)
             tight = 1.0 - mean_left
-            band = np.where(opened == 0, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
+            band = np.where(
+                opened == 0,
+                5 + np.rint(4 * tight),
+                np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)),
+            )
             placed = taken >= k
             scores = np.where(placed, band, 0).astype(np.int64)
     return scores, placed
 
 
 def _finish_scores(
-    ledger: Ledger, a: DeviceArrays, rows: np.ndarray, scores: np.ndarray, placed: np.ndarray, planned: str | None,
-    single_top: bool = True, avoid: Collection[str] = (),
+    ledger: Ledger,
+    a: DeviceArrays,
+    rows: np.ndarray,
+    scores: np.ndarray,
+    placed: np.ndarray,
+    planned: str | None,
+    single_top: bool = True,
+    avoid: Collection[str] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bands capped at 9 and one node at 10: the planner's node when the pod still fits there and it
     is among `rows`, else the first node (in the ledger's order) of the best band among `rows`.
@@ -1073,7 +1351,9 @@ def _finish_scores(
     out = scores[rows]  # a copy (rows is an index array); bands are 0..9
     r = ledger.node_row(planned) if planned is not None else None
     top = rows == r if r is not None and placed[r] else None
-    if (top is None or not top.any()) and single_top:  # no plan, or its node no longer fits or was not asked about
+    if (
+        top is None or not top.any()
+    ) and single_top:  # no plan, or its node no longer fits or was not asked about
         skip = [i for i in map(ledger.node_row, avoid) if i is not None] if avoid else ()
         top = _first_best(rows, out, placed[rows], skip)
     if top is not None:
@@ -1081,7 +1361,9 @@ def _finish_scores(
     return _node_info(ledger, a)[0], rows, out
 
 
-def _first_best(rows: np.ndarray, scores: np.ndarray, fits: np.ndarray, skip: Sequence[int] = ()) -> np.ndarray | None:
+def _first_best(
+    rows: np.ndarray, scores: np.ndarray, fits: np.ndarray, skip: Sequence[int] = ()
+) -> np.ndarray | None:
     """Where in `rows` (a mask: a node asked twice is there twice) the lowest row that takes the
     pod (`fits`) with the highest of `scores` is, or None; a row of `skip` only when every row
     with that score is in it. `scores` and `fits` are per entry of `rows`."""
@@ -1117,7 +1399,10 @@ def _node_capacity(a: DeviceArrays) -> np.ndarray | None:
 
 
 def _score_summary(
-    ledger: Ledger, demand: Demand, rows: np.ndarray, a: DeviceArrays,
+    ledger: Ledger,
+    demand: Demand,
+    rows: np.ndarray,
+    a: DeviceArrays,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """`score_rows` from the ledger's per-node summary: (scores, placed) per node of `a`, valid
     for the asked `rows` (read-only), or None when the summary cannot stand for the devices.
@@ -1148,7 +1433,12 @@ def _score_summary(
 
 
 def _summary_scores(
-    ledger: Ledger, demand: Demand, a: DeviceArrays, node_need: np.ndarray, capacity: np.ndarray, r: np.ndarray,
+    ledger: Ledger,
+    demand: Demand,
+    a: DeviceArrays,
+    node_need: np.ndarray,
+    capacity: np.ndarray,
+    r: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(score, placed) of the nodes `r` (sorted, each once, all passing `_node_ok`), from the
     summary: best fit takes the devices already in use with the least free VRAM that covers the
@@ -1160,7 +1450,10 @@ def _summary_scores(
     summary = ledger.summary(int(a.resource_id[0]))
     whole = demand.bytes_per_gpu is None
     need = node_need[r] if whole else demand.bytes_per_gpu  # whole device: its cap
-    busy, idle = summary.busy.take(r, axis=0), summary.idle.take(r, axis=0)  # sorted largest first: the fitting ones lead
+    busy, idle = (
+        summary.busy.take(r, axis=0),
+        summary.idle.take(r, axis=0),
+    )  # sorted largest first: the fitting ones lead
     covers = need[:, None] if whole else need
     n_busy = row_counts(busy >= covers)
     n_idle = row_counts(idle >= covers)
@@ -1171,23 +1464,34 @@ def _summary_scores(
     cap = np.maximum(capacity[r], 1)
     if k == 1:  # most pods: one device, no running sums
         on_busy = n_busy > 0
-        free = np.where(on_busy, busy[base + np.maximum(n_busy - 1, 0)], idle[base + np.maximum(n_idle - 1, 0)])
+        free = np.where(
+            on_busy, busy[base + np.maximum(n_busy - 1, 0)], idle[base + np.maximum(n_idle - 1, 0)]
+        )
         left = np.maximum(free - need, 0) / cap
         all_busy = on_busy
     else:
         left = np.zeros(len(r))
         opened = np.zeros(len(r))
         top = width - 1  # np.clip costs several times two ufuncs on small int arrays (its checks)
-        for j in range(k):  # the j-th device chosen: the busy ones smallest first, then the idle ones
+        for j in range(
+            k
+        ):  # the j-th device chosen: the busy ones smallest first, then the idle ones
             on_busy = j < n_busy
-            free = np.where(on_busy, busy[base + np.minimum(np.maximum(n_busy - 1 - j, 0), top)],
-                            idle[base + np.minimum(np.maximum(n_idle - 1 - (j - n_busy), 0), top)])
+            free = np.where(
+                on_busy,
+                busy[base + np.minimum(np.maximum(n_busy - 1 - j, 0), top)],
+                idle[base + np.minimum(np.maximum(n_idle - 1 - (j - n_busy), 0), top)],
+            )
             left += np.maximum(free - need, 0) / cap
             opened += ~on_busy
         all_busy = opened == 0
     tight = 1.0 - left / k
     node_busy = ledger.arrays.node_used_replicas[r] > 0  # any pod, whatever resource it holds
-    band = np.where(all_busy, 5 + np.rint(4 * tight), np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)))
+    band = np.where(
+        all_busy,
+        5 + np.rint(4 * tight),
+        np.where(node_busy, 2 + np.rint(2 * tight), np.rint(tight)),
+    )
     return np.where(fits, band, 0), fits
 
 
@@ -1220,7 +1524,9 @@ def _choose(fit: _Fit, k: int, rows: np.ndarray) -> np.ndarray:
     return cand[first_k_per_node(a.node_of[cand], k, len(a.node_names))]
 
 
-def _first_best_per_node(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -> np.ndarray | None:
+def _first_best_per_node(
+    node: np.ndarray, empty: np.ndarray, leftover: np.ndarray
+) -> np.ndarray | None:
     """For one device per node: the position of the first smallest (empty, leftover) in each
     node's run of candidates, without sorting (None when the packed key would not fit)."""
     n = len(node)
@@ -1248,10 +1554,18 @@ def _best_fit_order(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -
     first = run_starts(node)
     group = np.cumsum(first) - 1
     e_max, l_max = int(empty.max()), int(leftover.max())
-    bits = [max(1, ceil(log2(int(group[-1]) + 2))), max(1, ceil(log2(e_max + 2))), max(1, ceil(log2(l_max + 2)))]
+    bits = [
+        max(1, ceil(log2(int(group[-1]) + 2))),
+        max(1, ceil(log2(e_max + 2))),
+        max(1, ceil(log2(l_max + 2))),
+    ]
     if sum(bits) > 62:
         return np.lexsort((np.arange(n), leftover, empty, node))
-    key = (group.astype(np.int64) << (bits[1] + bits[2])) | (empty.astype(np.int64) << bits[2]) | leftover
+    key = (
+        (group.astype(np.int64) << (bits[1] + bits[2]))
+        | (empty.astype(np.int64) << bits[2])
+        | leftover
+    )
     return np.argsort(key, kind="stable")
 
 
@@ -1278,7 +1592,12 @@ def _fit_on_node(ledger: Ledger, demand: Demand, r: int) -> _Fit:
     when a replica policy is set: bind's cost does not grow with the cluster."""
     a = ledger.arrays
     rows = slice(int(a.node_start[r]), int(a.node_start[r + 1]))
-    return _fit(ledger, demand, _node_arrays(a, r), node_rows=rows if getattr(ledger, "replica_policy", None) else None)
+    return _fit(
+        ledger,
+        demand,
+        _node_arrays(a, r),
+        node_rows=rows if getattr(ledger, "replica_policy", None) else None,
+    )
 
 
 def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | str:
@@ -1325,13 +1644,24 @@ def _choose_on_node(ledger: Ledger, demand: Demand, node: str, r: int) -> Reserv
     rid = a.resources.get(demand.resource, -1)
     allowed = None
     if demand.allowed_products is not None:
-        allowed = {pid for name, pid in a.products.items() if _product_allowed(name, demand.allowed_products)}
+        allowed = {
+            pid
+            for name, pid in a.products.items()
+            if _product_allowed(name, demand.allowed_products)
+        }
     declared = demand.bytes_per_gpu
     cand = []
-    for j, (res, prod, cap, per_pod, used, reps, used_reps) in enumerate(zip(
-            a.resource_id[lo:hi].tolist(), a.product_id[lo:hi].tolist(), a.capacity[lo:hi].tolist(),
-            a.per_pod_cap[lo:hi].tolist(), a.used[lo:hi].tolist(), a.replicas[lo:hi].tolist(),
-            a.used_replicas[lo:hi].tolist())):
+    for j, (res, prod, cap, per_pod, used, reps, used_reps) in enumerate(
+        zip(
+            a.resource_id[lo:hi].tolist(),
+            a.product_id[lo:hi].tolist(),
+            a.capacity[lo:hi].tolist(),
+            a.per_pod_cap[lo:hi].tolist(),
+            a.used[lo:hi].tolist(),
+            a.replicas[lo:hi].tolist(),
+            a.used_replicas[lo:hi].tolist(),
+        )
+    ):
         need = per_pod if declared is None else declared
         if res != rid or (allowed is not None and prod not in allowed):
             continue
@@ -1374,7 +1704,10 @@ def preempt_victims(
             continue
         lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
         held = {res.pod.uid: res for res in ledger.pods_on(node) if res.pod.uid}
-        ours = sorted((held[u] for u in uids if u in held), key=lambda res: (res.priority, -res.total_bytes, res.key))
+        ours = sorted(
+            (held[u] for u in uids if u in held),
+            key=lambda res: (res.priority, -res.total_bytes, res.key),
+        )
         others = [u for u in uids if u not in held]
         if any(res.priority >= demand.priority for res in ours):
             ours = [res for res in ours if res.priority < demand.priority]
@@ -1399,7 +1732,9 @@ def _fewest_victims(a, fit, lo, hi, k, ours, ledger) -> list[Reservation] | None
             if _fits_without(a, fit, lo, hi, k, combo, ledger):
                 winners.append(combo)
         if winners:
-            return list(min(winners, key=lambda c: (max(r.priority for r in c), sum(r.priority for r in c))))
+            return list(
+                min(winners, key=lambda c: (max(r.priority for r in c), sum(r.priority for r in c)))
+            )
         if tried > _MAX_COMBINATIONS:
             for extra in range(size, len(ours) + 1):
                 if _fits_without(a, fit, lo, hi, k, ours[:extra], ledger):
@@ -1418,8 +1753,17 @@ def _fits_without(a, fit, lo, hi, k, victims, ledger=None) -> bool:
                 used[i - lo] -= nbytes
                 used_rep[i - lo] -= 1
     need = fit.need[lo:hi]
-    ok = fit.matches[lo:hi] & (used_rep < a.replicas[lo:hi]) & (a.capacity[lo:hi] - used >= need) & (a.per_pod_cap[lo:hi] >= need)
+    ok = (
+        fit.matches[lo:hi]
+        & (used_rep < a.replicas[lo:hi])
+        & (a.capacity[lo:hi] - used >= need)
+        & (a.per_pod_cap[lo:hi] >= need)
+    )
     if fit.shared is not None:  # the device plugin's node-level bound, with the victims gone
-        ok &= fit.shared.allowed[lo:hi] if not victims else ~fit.shared.needs_pin[lo:hi] & allowed_without(
-            ledger, lo, hi, victims, fit.need, k)
+        ok &= (
+            fit.shared.allowed[lo:hi]
+            if not victims
+            else ~fit.shared.needs_pin[lo:hi]
+            & allowed_without(ledger, lo, hi, victims, fit.need, k)
+        )
     return int(ok.sum()) >= k

@@ -10,7 +10,15 @@ import re
 from fractions import Fraction
 from functools import lru_cache
 
-__all__ = ["QuantityError", "parse_quantity", "parse_bytes", "parse_milli", "format_bytes", "MIB", "GIB"]
+__all__ = [
+    "QuantityError",
+    "parse_quantity",
+    "parse_bytes",
+    "parse_milli",
+    "format_bytes",
+    "MIB",
+    "GIB",
+]
 
 KIB = 1024
 MIB = 1024**2

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -32,7 +33,17 @@ from extender.wire import (
     ScoredHosts,
 )
 
-__all__ = ["create_app", "create_probe_app", "route_paths", "decode_args", "encode_names_result", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CONCURRENCY", "SERVICE_KEY", "METRICS_KEY"]
+__all__ = [
+    "create_app",
+    "create_probe_app",
+    "route_paths",
+    "decode_args",
+    "encode_names_result",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONCURRENCY",
+    "SERVICE_KEY",
+    "METRICS_KEY",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +70,11 @@ def route_paths() -> set[str]:
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
-    data = body.__pydantic_serializer__.to_json(body) if isinstance(body, BaseModel) else orjson.dumps(body)
+    data = (
+        body.__pydantic_serializer__.to_json(body)
+        if isinstance(body, BaseModel)
+        else orjson.dumps(body)
+    )
     return web.Response(body=data, status=status, content_type=_JSON)
 
 
@@ -88,7 +103,9 @@ def _parse(model: type[BaseModel], raw: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise web.HTTPBadRequest(text=f"body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise web.HTTPBadRequest(text=f"body must be a JSON object ({model.__name__}), got {type(obj).__name__}")
+        raise web.HTTPBadRequest(
+            text=f"body must be a JSON object ({model.__name__}), got {type(obj).__name__}"
+        )
     return obj
 
 
@@ -144,12 +161,18 @@ async def _filter(request: web.Request) -> web.Response:
     args = await _decode_args(request, learn=True)
     result = request.app[SERVICE_KEY].filter(args)
     if not result.Error and result.Nodes is None:
-        return web.Response(body=encode_names_result(result, request.app[NAMES_KEY]), content_type=_JSON)
+        return web.Response(
+            body=encode_names_result(result, request.app[NAMES_KEY]), content_type=_JSON
+        )
     if not result.Error:
         try:
             return _json(result)
-        except PydanticSerializationError:  # full Nodes are echoed back; JSON encoders stop at ~250 levels
-            result = ExtenderFilterResult(Error="a Node in the request is nested too deeply to send back")
+        except (
+            PydanticSerializationError
+        ):  # full Nodes are echoed back; JSON encoders stop at ~250 levels
+            result = ExtenderFilterResult(
+                Error="a Node in the request is nested too deeply to send back"
+            )
     request.app[METRICS_KEY].errors.labels("filter").inc()
     return _json(result)
 
@@ -161,11 +184,17 @@ def encode_names_result(result: ExtenderFilterResult, lists: NameLists) -> bytes
     request's NodeNames (validated: at most 253 characters each), so their lengths are not checked again."""
     feasible = result.NodeNames
     encoded = lists.remember(feasible, short_names=True) if feasible is not None else None
-    return b"".join((
-        b'{"Nodes":null,"NodeNames":', encoded if encoded is not None else orjson.dumps(feasible),
-        b',"FailedNodes":', orjson.dumps(result.FailedNodes),
-        b',"FailedAndUnresolvableNodes":', _encode_reasons(result.FailedAndUnresolvableNodes), b',"Error":""}',
-    ))
+    return b"".join(
+        (
+            b'{"Nodes":null,"NodeNames":',
+            encoded if encoded is not None else orjson.dumps(feasible),
+            b',"FailedNodes":',
+            orjson.dumps(result.FailedNodes),
+            b',"FailedAndUnresolvableNodes":',
+            _encode_reasons(result.FailedAndUnresolvableNodes),
+            b',"Error":""}',
+        )
+    )
 
 
 def _encode_reasons(reasons: dict[str, str]) -> bytes:
@@ -205,7 +234,9 @@ _DELETE_STATUS = {"unknown": 404, "binding": 409, "live": 405}
 
 
 async def _delete_pod(request: web.Request) -> web.Response:
-    refused = request.app[SERVICE_KEY].delete_pod(request.match_info["namespace"], request.match_info["name"])
+    refused = request.app[SERVICE_KEY].delete_pod(
+        request.match_info["namespace"], request.match_info["name"]
+    )
     if refused is None:
         return _json({"Error": ""})
     kind, message = refused
@@ -230,7 +261,9 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS_KEY].render(), content_type="text/plain", charset="utf-8")
+    return web.Response(
+        body=request.app[METRICS_KEY].render(), content_type="text/plain", charset="utf-8"
+    )
 
 
 async def _state(request: web.Request) -> web.Response:
@@ -240,7 +273,10 @@ async def _state(request: web.Request) -> web.Response:
 async def _openapi(request: web.Request) -> web.Response:
     from importlib.resources import files
 
-    return web.Response(body=files("extender").joinpath("openapi.yaml").read_bytes(), content_type="application/yaml")
+    return web.Response(
+        body=files("extender").joinpath("openapi.yaml").read_bytes(),
+        content_type="application/yaml",
+    )
 
 
 @web.middleware
@@ -275,7 +311,9 @@ def _concurrency_limit(limit: int) -> Callable[..., Awaitable[web.StreamResponse
         if request.path in _UNLIMITED_PATHS:
             return await handler(request)
         if in_flight >= limit:
-            response = _error(503, f"vramsched is busy: more than {limit} requests in flight; retry")
+            response = _error(
+                503, f"vramsched is busy: more than {limit} requests in flight; retry"
+            )
             response.headers["Retry-After"] = "1"
             return response
         in_flight += 1
@@ -309,11 +347,15 @@ def create_app(
 ) -> web.Application:
     if max_concurrency < 1:
         raise ValueError("max_concurrency must be at least 1")
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors, _concurrency_limit(max_concurrency)])
+    app = web.Application(
+        client_max_size=max_body_bytes, middlewares=[_errors, _concurrency_limit(max_concurrency)]
+    )
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = Metrics(lambda: service.ledger, service.planner_state)
     app[NAMES_KEY] = NameLists()
-    for collector in getattr(service, "metric_collectors", lambda: [])():  # live mode: bind event counters
+    for collector in getattr(
+        service, "metric_collectors", lambda: []
+    )():  # live mode: bind event counters
         app[METRICS_KEY].registry.register(collector)
     app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))
     handlers = {"filter": _filter, "prioritize": _prioritize, "bind": _bind, "preempt": _preempt}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -36,10 +37,10 @@ from extender.wire import (
     ExtenderPreemptionArgs,
     ExtenderPreemptionResult,
     HostPriority,
-    ScoredHosts,
     MetaPod,
     MetaVictims,
     NodeList,
+    ScoredHosts,
 )
 
 __all__ = ["Binder", "BindError", "EmbeddedBinder", "PlanSource", "ExtenderService"]
@@ -54,7 +55,9 @@ class BindError(Exception):
 class Binder(Protocol):
     """Makes a placement real: in-memory for the embedded cluster, API calls for a live one."""
 
-    async def bind(self, pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None: ...
+    async def bind(
+        self, pod: Mapping[str, Any], node: str, reservation: Reservation | None
+    ) -> None: ...
 
 
 class PlanSource(Protocol):
@@ -77,7 +80,9 @@ class EmbeddedBinder:
     def __init__(self, cluster: ClusterState) -> None:
         self.cluster = cluster
 
-    async def bind(self, pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None:
+    async def bind(
+        self, pod: Mapping[str, Any], node: str, reservation: Reservation | None
+    ) -> None:
         meta = dict(pod.get("metadata") or {})
         annotations = dict(meta.get("annotations") or {})
         if reservation is not None:
@@ -225,7 +230,9 @@ class ExtenderService:
         try:
             demand = self._demand(args.Pod)
         except DemandError as exc:
-            return ExtenderFilterResult(Error=str(exc))  # before any change: an Error changes nothing
+            return ExtenderFilterResult(
+                Error=str(exc)
+            )  # before any change: an Error changes nothing
         by_nodes = args.Nodes is not None
         if by_nodes:
             for node in args.Nodes.items:
@@ -251,10 +258,14 @@ class ExtenderService:
             )
         # Built from the core's own lists of str: validating thousands of names again costs a lot.
         return ExtenderFilterResult.model_construct(
-            NodeNames=outcome.feasible, FailedNodes=failed, FailedAndUnresolvableNodes=outcome.unresolvable
+            NodeNames=outcome.feasible,
+            FailedNodes=failed,
+            FailedAndUnresolvableNodes=outcome.unresolvable,
         )
 
-    def _filter_outcome(self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]) -> FilterOutcome:
+    def _filter_outcome(
+        self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]
+    ) -> FilterOutcome:
         """The core's answer; a subclass may refuse more nodes (see LiveService)."""
         return filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
 
@@ -273,7 +284,9 @@ class ExtenderService:
         key = demand.pod.key
         planned = self.planner.planned_node(key) if self.planner is not None else None
         now = time.monotonic()
-        node_names, rows, scores = score_rows(self.ledger, demand, names, planned, avoid=self._recent_choices(key, now))
+        node_names, rows, scores = score_rows(
+            self.ledger, demand, names, planned, avoid=self._recent_choices(key, now)
+        )
         top = np.flatnonzero(scores == MAX_SCORE)
         self._chosen.pop(key, None)  # re-inserted last: the dict stays in time order
         if len(top):
@@ -299,11 +312,17 @@ class ExtenderService:
         if pod is None:
             return ExtenderBindingResult(Error=f"pod {key} is unknown to vramsched")
         scheduler = (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
-        if scheduler != self.cluster.scheduler_name:  # kube-scheduler only sends its own pods; anyone else is refused
-            return ExtenderBindingResult(Error=f"pod {key} belongs to scheduler {scheduler!r}, not {self.cluster.scheduler_name!r}")
+        if (
+            scheduler != self.cluster.scheduler_name
+        ):  # kube-scheduler only sends its own pods; anyone else is refused
+            return ExtenderBindingResult(
+                Error=f"pod {key} belongs to scheduler {scheduler!r}, not {self.cluster.scheduler_name!r}"
+            )
         ref = pod_ref(pod)
         if args.PodUID and ref.uid and args.PodUID != ref.uid:
-            return ExtenderBindingResult(Error=f"pod {key} has UID {ref.uid}, not {args.PodUID} (re-created?)")
+            return ExtenderBindingResult(
+                Error=f"pod {key} has UID {ref.uid}, not {args.PodUID} (re-created?)"
+            )
         if self.ledger.node(args.Node) is None:
             return ExtenderBindingResult(Error=f"node {args.Node} is unknown to vramsched")
         flight = self._in_flight.get(key)
@@ -311,7 +330,9 @@ class ExtenderService:
             node, uid, outcome = flight
             if node == args.Node and uid == ref.uid:
                 return await asyncio.shield(outcome)  # kube-scheduler's retry of a slow bind
-            return ExtenderBindingResult(Error=f"pod {key} (UID {uid or '?'}) is being bound to {node}")
+            return ExtenderBindingResult(
+                Error=f"pod {key} (UID {uid or '?'}) is being bound to {node}"
+            )
         bound_to = (pod.get("spec") or {}).get("nodeName")
         if bound_to:
             if bound_to == args.Node:
@@ -322,7 +343,9 @@ class ExtenderService:
         except DemandError as exc:
             return ExtenderBindingResult(Error=str(exc))
         reservation: Reservation | None = None
-        created = False  # a hold this call took; one reused from an earlier bind outlives our failure
+        created = (
+            False  # a hold this call took; one reused from an earlier bind outlives our failure
+        )
         if demand.wants_gpu:
             self.ledger.expire()
             held = self.ledger.reservation(key)
@@ -334,12 +357,15 @@ class ExtenderService:
                         # An earlier bind whose outcome is unknown (a timeout) may have landed there:
                         # freeing its devices now could double-book them when its watch event arrives.
                         return ExtenderBindingResult(
-                            Error=f"pod {key} may already be bound to {held.node} (unconfirmed); retry later")
+                            Error=f"pod {key} may already be bound to {held.node} (unconfirmed); retry later"
+                        )
                     self.ledger.release(key)
                 try:
                     reservation = self._reserve(demand, args.Node)
                 except LedgerError as exc:
-                    return ExtenderBindingResult(Error=f"pod {key} does not fit on {args.Node}: {exc}")
+                    return ExtenderBindingResult(
+                        Error=f"pod {key} does not fit on {args.Node}: {exc}"
+                    )
                 created = True
         outcome: asyncio.Future[ExtenderBindingResult] = asyncio.get_running_loop().create_future()
         self._in_flight[key] = (args.Node, ref.uid, outcome)
@@ -363,8 +389,16 @@ class ExtenderService:
     def _reserve(self, demand: Demand, node: str) -> Reservation:
         """Reserve the planned devices when they are still free and the device plugin's bound
         allows them (plans are made on per-device books alone), else best fit on that node."""
-        planned = self.planner.planned_reservation(demand.pod.key, node) if self.planner is not None else None
-        if planned is not None and self.ledger.fits(planned) is None and plugin_allows(self.ledger, demand, planned):
+        planned = (
+            self.planner.planned_reservation(demand.pod.key, node)
+            if self.planner is not None
+            else None
+        )
+        if (
+            planned is not None
+            and self.ledger.fits(planned) is None
+            and plugin_allows(self.ledger, demand, planned)
+        ):
             candidate: Reservation | str = planned
         else:
             if planned is not None:
@@ -385,7 +419,10 @@ class ExtenderService:
         None when done, else (why: "live" | "unknown" | "binding", message)."""
         key = f"{namespace}/{name}"
         if self.live:
-            return "live", f"pods are deleted through the Kubernetes API (kubectl delete pod -n {namespace} {name}); vramsched follows the watch"
+            return (
+                "live",
+                f"pods are deleted through the Kubernetes API (kubectl delete pod -n {namespace} {name}); vramsched follows the watch",
+            )
         if self.cluster.pod(key) is None:
             return "unknown", f"pod {key} is unknown to vramsched"
         if key in self._in_flight:
@@ -396,7 +433,9 @@ class ExtenderService:
 
     # ----- preempt ---------------------------------------------------------------------------------
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
-        demand = self._demand(args.Pod)  # DemandError -> 400 in the adapter: preempt has no Error field
+        demand = self._demand(
+            args.Pod
+        )  # DemandError -> 400 in the adapter: preempt has no Error field
         candidates: dict[str, list[str]] = {}
         pdb: dict[str, int] = {}
         if args.NodeNameToMetaVictims is not None:
@@ -410,7 +449,9 @@ class ExtenderService:
         chosen = preempt_victims(self.ledger, demand, candidates)
         return ExtenderPreemptionResult(
             NodeNameToMetaVictims={
-                node: MetaVictims(Pods=[MetaPod(UID=u) for u in uids], NumPDBViolations=pdb.get(node, 0))
+                node: MetaVictims(
+                    Pods=[MetaPod(UID=u) for u in uids], NumPDBViolations=pdb.get(node, 0)
+                )
                 for node, uids in chosen.items()
                 if uids
             }
@@ -448,25 +489,48 @@ class ExtenderService:
                 else:
                     g = gpus.setdefault(
                         d.gpu_index,
-                        {"index": d.gpu_index, "product": d.product, "memoryBytes": 0, "usedBytes": 0,
-                         "replicas": 0, "usedReplicas": 0, "sharing": "mig", "resource": None, "pods": [], "slices": []},
+                        {
+                            "index": d.gpu_index,
+                            "product": d.product,
+                            "memoryBytes": 0,
+                            "usedBytes": 0,
+                            "replicas": 0,
+                            "usedReplicas": 0,
+                            "sharing": "mig",
+                            "resource": None,
+                            "pods": [],
+                            "slices": [],
+                        },
                     )
                     g["memoryBytes"] += d.memory_bytes
                     g["usedBytes"] += used
                     g["replicas"] += d.replicas
                     g["usedReplicas"] += used_rep
                     g["pods"] = sorted(set(g["pods"]) | set(pods))
-                    g["slices"].append({
-                        "profile": d.profile, "slot": d.slot, "resource": d.resource, "memoryBytes": d.memory_bytes,
-                        "usedBytes": used, "replicas": d.replicas, "usedReplicas": used_rep, "pods": pods,
-                    })
+                    g["slices"].append(
+                        {
+                            "profile": d.profile,
+                            "slot": d.slot,
+                            "resource": d.resource,
+                            "memoryBytes": d.memory_bytes,
+                            "usedBytes": used,
+                            "replicas": d.replicas,
+                            "usedReplicas": used_rep,
+                            "pods": pods,
+                        }
+                    )
             entry: dict[str, Any] = {"name": inv.name, "gpus": [gpus[k] for k in sorted(gpus)]}
             if inv.problem:
                 entry["problem"] = inv.problem
             nodes.append(entry)
         allocated, capacity = ledger.totals()
-        return {"nodes": nodes, "allocatedBytes": allocated, "capacityBytes": capacity,
-                "pending": sorted(self.cluster.pending), "planner": self.planner_state()}
+        return {
+            "nodes": nodes,
+            "allocatedBytes": allocated,
+            "capacityBytes": capacity,
+            "pending": sorted(self.cluster.pending),
+            "planner": self.planner_state(),
+        }
 
     def planner_state(self) -> dict[str, Any] | None:
         """The background planner's counters (None when it is off): plans made, entries held,

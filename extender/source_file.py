@@ -7,8 +7,9 @@ loads in seconds; YAML uses the C loader when PyYAML has it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import orjson
 import yaml

@@ -131,7 +131,9 @@ class ScoredHosts(Sequence[HostPriority]):
 # characters (" 7" or "10"). JSON allows whitespace between tokens, so every entry can have the
 # same width: the answer is then one gather of rows and one column write, with no Python object
 # per host (a join of 5,000 separate fragments costs several times more, mostly in cache misses).
-_SCORE_DIGITS = np.frombuffer(b"".join(b"%2d" % s for s in range(MAX_PRIORITY + 1)), np.uint8).reshape(-1, 2)
+_SCORE_DIGITS = np.frombuffer(
+    b"".join(b"%2d" % s for s in range(MAX_PRIORITY + 1)), np.uint8
+).reshape(-1, 2)
 # names array -> (weak ref to it, entry table)
 _ENTRIES: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
@@ -144,7 +146,11 @@ def _entry_table(names: np.ndarray) -> np.ndarray:
         heads = [b'{"Host":' + orjson.dumps(n) + b"," for n in names.tolist()]
         width = max(map(len, heads), default=0)
         rows = b"".join(h.ljust(width) + b'"Score":00},' for h in heads)
-        table = np.frombuffer(rows, np.uint8).reshape(len(heads), -1) if heads else np.empty((0, 0), np.uint8)
+        table = (
+            np.frombuffer(rows, np.uint8).reshape(len(heads), -1)
+            if heads
+            else np.empty((0, 0), np.uint8)
+        )
         entry = _ENTRIES[id(names)] = (weakref.ref(names), table)
     return entry[1]
 

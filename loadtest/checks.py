@@ -46,14 +46,24 @@ class Checks:
         node = Literal[tuple(sent)] if sent else str  # type: ignore[valid-type]
 
         # defstruct, not a class body: the field types name this call's `node` (annotations are strings here)
-        filter_answer = msgspec.defstruct(  # ExtenderFilterResult with nodeCacheCapable: these keys, Nodes null
-            "FilterAnswer",
-            [("Nodes", None), ("NodeNames", list[node]), ("FailedNodes", dict[node, Reason]),
-             ("FailedAndUnresolvableNodes", dict[node, Reason]), ("Error", str)],
-            forbid_unknown_fields=True, gc=False,
+        filter_answer = (
+            msgspec.defstruct(  # ExtenderFilterResult with nodeCacheCapable: these keys, Nodes null
+                "FilterAnswer",
+                [
+                    ("Nodes", None),
+                    ("NodeNames", list[node]),
+                    ("FailedNodes", dict[node, Reason]),
+                    ("FailedAndUnresolvableNodes", dict[node, Reason]),
+                    ("Error", str),
+                ],
+                forbid_unknown_fields=True,
+                gc=False,
+            )
         )
         # HostPriority: kube-scheduler reads an int64 Score; vramsched promises 0..10
-        host = msgspec.defstruct("Host", [("Host", node), ("Score", Annotated[int, msgspec.Meta(ge=0, le=10)])], gc=False)
+        host = msgspec.defstruct(
+            "Host", [("Host", node), ("Score", Annotated[int, msgspec.Meta(ge=0, le=10)])], gc=False
+        )
         self._filter = msgspec.json.Decoder(filter_answer)
         self._hosts = msgspec.json.Decoder(list[host])
 
@@ -76,11 +86,18 @@ class Checks:
         # Reasons are all or nothing, and nothing only when some node passes: kube-scheduler
         # reads them only when none does (vramsched's default; `--explain-all` sends them always).
         if (explained or not feasible) and len(feasible) + len(explained) != self.n_sent:
-            return f"filter answer accounts for {len(feasible) + len(explained)} of {self.n_sent} nodes", None
+            return (
+                f"filter answer accounts for {len(feasible) + len(explained)} of {self.n_sent} nodes",
+                None,
+            )
         return None, feasible
 
     def prioritize(
-        self, raw: bytes, feasible: list[str], rng: random.Random, feasible_set: frozenset[str] | set[str] | None = None
+        self,
+        raw: bytes,
+        feasible: list[str],
+        rng: random.Random,
+        feasible_set: frozenset[str] | set[str] | None = None,
     ) -> tuple[str | None, str | None]:
         """(why the answer is unusable or None, the best host). `feasible_set`: `set(feasible)` if at hand."""
         try:
@@ -94,11 +111,15 @@ class Checks:
         hosts = list(map(_HOST, out))
         # the same list in the same order (what vramsched answers) is trivially within what was
         # sent: one pass of identity comparisons (decoded names are the sent objects)
-        if hosts != feasible and not set(hosts) <= (set(feasible) if feasible_set is None else feasible_set):
+        if hosts != feasible and not set(hosts) <= (
+            set(feasible) if feasible_set is None else feasible_set
+        ):
             return "prioritize scored a node that was not sent", None
         scores = list(map(_SCORE, out))
         top = max(scores)
-        start = rng.randrange(len(scores))  # a random one among the best (in-tree scores would decide)
+        start = rng.randrange(
+            len(scores)
+        )  # a random one among the best (in-tree scores would decide)
         try:
             i = scores.index(top, start)
         except ValueError:

@@ -21,10 +21,18 @@ _JSON = "application/json"
 
 async def _filter(request: web.Request) -> web.Response:
     args = orjson.loads(await request.read())
-    return web.Response(body=orjson.dumps({
-        "Nodes": None, "NodeNames": args.get("NodeNames") or [], "FailedNodes": {},
-        "FailedAndUnresolvableNodes": {}, "Error": "",
-    }), content_type=_JSON)
+    return web.Response(
+        body=orjson.dumps(
+            {
+                "Nodes": None,
+                "NodeNames": args.get("NodeNames") or [],
+                "FailedNodes": {},
+                "FailedAndUnresolvableNodes": {},
+                "Error": "",
+            }
+        ),
+        content_type=_JSON,
+    )
 
 
 async def _prioritize(request: web.Request) -> web.Response:
@@ -62,7 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         loop = None
     else:
         loop = uvloop.new_event_loop()
-    web.run_app(create_app(), host=args.host, port=args.port, access_log=None, print=None, backlog=1024, loop=loop)
+    web.run_app(
+        create_app(),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        backlog=1024,
+        loop=loop,
+    )
     return 0
 
 

@@ -52,25 +52,76 @@ class NodeType:
 NODE_TYPES: tuple[NodeType, ...] = (
     NodeType("h100-x", "NVIDIA-H100-80GB-HBM3", 81559, 0.22, instance_type="p5.48xlarge"),
     NodeType("h200-x", "NVIDIA-H200", 143771, 0.12, instance_type="p5e.48xlarge"),
-    NodeType("a100-ts", "NVIDIA-A100-SXM4-80GB-SHARED", 81920, 0.20, replicas=10, sharing="time-slicing",
-             instance_type="p4de.24xlarge"),
-    NodeType("h200-ts", "NVIDIA-H200-SHARED", 143771, 0.10, replicas=8, sharing="time-slicing",
-             instance_type="p5e.48xlarge"),
-    NodeType("h100-mps", "NVIDIA-H100-80GB-HBM3-SHARED", 81559, 0.14, replicas=4, sharing="mps",
-             instance_type="p5.48xlarge"),
-    NodeType("a100-mig", "NVIDIA-A100-SXM4-80GB", 81920, 0.11, sharing="mig", instance_type="p4de.24xlarge",
-             mig_per_gpu=(("1g.10gb", 2), ("2g.20gb", 1), ("3g.40gb", 1)),
-             mig_memory_mib=(("1g.10gb", 9728), ("2g.20gb", 19968), ("3g.40gb", 40192))),
-    NodeType("h100-mig", "NVIDIA-H100-80GB-HBM3", 81559, 0.11, sharing="mig", instance_type="p5.48xlarge",
-             mig_per_gpu=(("1g.10gb", 7),), mig_memory_mib=(("1g.10gb", 9984),)),
+    NodeType(
+        "a100-ts",
+        "NVIDIA-A100-SXM4-80GB-SHARED",
+        81920,
+        0.20,
+        replicas=10,
+        sharing="time-slicing",
+        instance_type="p4de.24xlarge",
+    ),
+    NodeType(
+        "h200-ts",
+        "NVIDIA-H200-SHARED",
+        143771,
+        0.10,
+        replicas=8,
+        sharing="time-slicing",
+        instance_type="p5e.48xlarge",
+    ),
+    NodeType(
+        "h100-mps",
+        "NVIDIA-H100-80GB-HBM3-SHARED",
+        81559,
+        0.14,
+        replicas=4,
+        sharing="mps",
+        instance_type="p5.48xlarge",
+    ),
+    NodeType(
+        "a100-mig",
+        "NVIDIA-A100-SXM4-80GB",
+        81920,
+        0.11,
+        sharing="mig",
+        instance_type="p4de.24xlarge",
+        mig_per_gpu=(("1g.10gb", 2), ("2g.20gb", 1), ("3g.40gb", 1)),
+        mig_memory_mib=(("1g.10gb", 9728), ("2g.20gb", 19968), ("3g.40gb", 40192)),
+    ),
+    NodeType(
+        "h100-mig",
+        "NVIDIA-H100-80GB-HBM3",
+        81559,
+        0.11,
+        sharing="mig",
+        instance_type="p5.48xlarge",
+        mig_per_gpu=(("1g.10gb", 7),),
+        mig_memory_mib=(("1g.10gb", 9984),),
+    ),
 )
 ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d")
 NAMESPACES = tuple(f"team-{i:02d}" for i in range(24))
 # Pods already running: (name stem, model memory GiB per GPU choices). Small ones share GPUs.
-SMALL_MODELS = (("bge-m3", 3), ("llama3-8b-awq", 6), ("qwen25-7b", 16), ("mistral-7b", 15), ("phi3-mini", 8),
-                ("gemma2-9b", 19), ("llama3-8b", 17), ("qwen25-14b-awq", 10), ("whisper-large", 4))
-BIG_MODELS = (("llama3-70b", 36), ("qwen25-72b", 40), ("mixtral-8x22b", 70), ("llama31-405b-fp8", 58),
-              ("deepseek-coder-33b", 66), ("llama3-70b-awq", 42))
+SMALL_MODELS = (
+    ("bge-m3", 3),
+    ("llama3-8b-awq", 6),
+    ("qwen25-7b", 16),
+    ("mistral-7b", 15),
+    ("phi3-mini", 8),
+    ("gemma2-9b", 19),
+    ("llama3-8b", 17),
+    ("qwen25-14b-awq", 10),
+    ("whisper-large", 4),
+)
+BIG_MODELS = (
+    ("llama3-70b", 36),
+    ("qwen25-72b", 40),
+    ("mixtral-8x22b", 70),
+    ("llama31-405b-fp8", 58),
+    ("deepseek-coder-33b", 66),
+    ("llama3-70b-awq", 42),
+)
 
 
 def node_type_names() -> list[str]:
@@ -89,7 +140,12 @@ def _node(t: NodeType, name: str, gpus: int, zone: str) -> dict[str, Any]:
         "nvidia.com/gpu.memory": str(t.memory_mib),
         "nvidia.com/cuda.driver.major": "550",
     }
-    alloc: dict[str, str] = {"cpu": "188", "memory": "1900Gi", "pods": "250", "ephemeral-storage": "3Ti"}
+    alloc: dict[str, str] = {
+        "cpu": "188",
+        "memory": "1900Gi",
+        "pods": "250",
+        "ephemeral-storage": "3Ti",
+    }
     if t.sharing == "mig":
         labels["nvidia.com/mig.capable"] = "true"
         labels["nvidia.com/mig.strategy"] = "mixed"
@@ -120,14 +176,20 @@ class _PodFactory:
         self.rng = rng
         self.count = 0
 
-    def make(self, stem: str, node: str, devices: list[Any], per_device: int, model_memory: int | None) -> dict[str, Any]:
+    def make(
+        self, stem: str, node: str, devices: list[Any], per_device: int, model_memory: int | None
+    ) -> dict[str, Any]:
         self.count += 1
         rng = self.rng
         ns = NAMESPACES[self.count % len(NAMESPACES)]
         resource = devices[0].resource
         annotations = {
             ASSIGNMENT: orjson.dumps(
-                {"node": node, "devices": [d.device_id for d in devices], "bytesPerDevice": [per_device] * len(devices)}
+                {
+                    "node": node,
+                    "devices": [d.device_id for d in devices],
+                    "bytesPerDevice": [per_device] * len(devices),
+                }
             ).decode(),
             GPU_INDEX: ",".join(str(i) for i in sorted({d.gpu_index for d in devices})),
         }
@@ -147,20 +209,24 @@ class _PodFactory:
                 "schedulerName": SCHEDULER_NAME,
                 "nodeName": node,
                 "priority": rng.choice((0, 0, 0, 100, 1000)),
-                "containers": [{
-                    "name": "server",
-                    "image": "vllm/vllm-openai:v0.6.4",
-                    "resources": {
-                        "requests": {"cpu": "4", "memory": "32Gi"},
-                        "limits": {resource: str(len(devices))},
-                    },
-                }],
+                "containers": [
+                    {
+                        "name": "server",
+                        "image": "vllm/vllm-openai:v0.6.4",
+                        "resources": {
+                            "requests": {"cpu": "4", "memory": "32Gi"},
+                            "limits": {resource: str(len(devices))},
+                        },
+                    }
+                ],
             },
             "status": {"phase": "Running"},
         }
 
 
-def _fill_node(t: NodeType, name: str, devices: list[Any], occupancy: float, pods: _PodFactory) -> list[dict]:
+def _fill_node(
+    t: NodeType, name: str, devices: list[Any], occupancy: float, pods: _PodFactory
+) -> list[dict]:
     """Pods already running on one node, about `occupancy` of its slots and VRAM taken."""
     rng = pods.rng
     out: list[dict] = []
@@ -169,7 +235,11 @@ def _fill_node(t: NodeType, name: str, devices: list[Any], occupancy: float, pod
             if rng.random() < occupancy:
                 if rng.random() < 0.7:  # declared model memory below the slice size
                     gib = max(1, rng.randint(d.memory_bytes // GIB // 3, d.memory_bytes // GIB))
-                    out.append(pods.make(f"mig-{rng.choice(SMALL_MODELS)[0]}", name, [d], gib * GIB, gib * GIB))
+                    out.append(
+                        pods.make(
+                            f"mig-{rng.choice(SMALL_MODELS)[0]}", name, [d], gib * GIB, gib * GIB
+                        )
+                    )
                 else:  # no annotation: the whole slice
                     out.append(pods.make("mig-notebook", name, [d], d.memory_bytes, None))
         return out
@@ -204,7 +274,9 @@ def _fill_node(t: NodeType, name: str, devices: list[Any], occupancy: float, pod
     return out
 
 
-def generate(nodes: int, gpus: int = 8, occupancy: float = 0.6, seed: int = 1) -> tuple[list[dict], list[dict]]:
+def generate(
+    nodes: int, gpus: int = 8, occupancy: float = 0.6, seed: int = 1
+) -> tuple[list[dict], list[dict]]:
     """(node objects, pod objects) of a deterministic cluster of `nodes` nodes."""
     if nodes < 1 or gpus < 1:
         raise ValueError("need at least one node with one GPU")
@@ -238,11 +310,17 @@ def generate(nodes: int, gpus: int = 8, occupancy: float = 0.6, seed: int = 1) -
 def write_cluster(path: Path, nodes: list[dict], pods: list[dict], meta: dict[str, Any]) -> Path:
     """Write the List and its `.nodes.json` sidecar; returns the sidecar path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"apiVersion": "v1", "kind": "List", "metadata": {"annotations": {"loadtest/params": orjson.dumps(meta).decode()}},
-           "items": nodes + pods}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "List",
+        "metadata": {"annotations": {"loadtest/params": orjson.dumps(meta).decode()}},
+        "items": nodes + pods,
+    }
     path.write_bytes(orjson.dumps(doc))
     sidecar = nodes_file(path)
-    sidecar.write_bytes(orjson.dumps({**meta, "pods": len(pods), "nodes": [n["metadata"]["name"] for n in nodes]}))
+    sidecar.write_bytes(
+        orjson.dumps({**meta, "pods": len(pods), "nodes": [n["metadata"]["name"] for n in nodes]})
+    )
     return sidecar
 
 
@@ -254,16 +332,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=5000)
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--occupancy", type=float, default=0.6, help="fraction of GPU slots and VRAM already taken (default 0.6: 100,000 pods at 5,000 nodes)")
+    p.add_argument(
+        "--occupancy",
+        type=float,
+        default=0.6,
+        help="fraction of GPU slots and VRAM already taken (default 0.6: 100,000 pods at 5,000 nodes)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, required=True, help="cluster file to write (JSON)")
     args = p.parse_args(argv)
     started = time.monotonic()
     nodes, pods = generate(args.nodes, args.gpus, args.occupancy, args.seed)
-    meta = {"nodes_requested": args.nodes, "gpus": args.gpus, "occupancy": args.occupancy, "seed": args.seed}
+    meta = {
+        "nodes_requested": args.nodes,
+        "gpus": args.gpus,
+        "occupancy": args.occupancy,
+        "seed": args.seed,
+    }
     write_cluster(args.out, nodes, pods, meta)
-    print(f"wrote {args.out}: {len(nodes)} nodes x {args.gpus} GPUs, {len(pods)} running pods "
-          f"({time.monotonic() - started:.1f}s)", file=sys.stderr)
+    print(
+        f"wrote {args.out}: {len(nodes)} nodes x {args.gpus} GPUs, {len(pods)} running pods "
+        f"({time.monotonic() - started:.1f}s)",
+        file=sys.stderr,
+    )
     return 0
 
 

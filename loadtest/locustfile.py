@@ -47,7 +47,9 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 def _load_names() -> list[str]:
     path = os.environ.get("LOADTEST_NODES_FILE")
     if not path:
-        raise SystemExit("set LOADTEST_NODES_FILE to the .nodes.json sidecar written by loadtest.gen_cluster")
+        raise SystemExit(
+            "set LOADTEST_NODES_FILE to the .nodes.json sidecar written by loadtest.gen_cluster"
+        )
     return list(orjson.loads(Path(path).read_bytes())["nodes"])
 
 
@@ -69,8 +71,22 @@ class _Raw:
 
     def __init__(self) -> None:
         self.start = time.monotonic()
-        self.lat: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": [], "cycle": [], "delete": []}
-        self.counts = {"cycles": 0, "bound": 0, "races": 0, "retries": 0, "unschedulable": 0, "failures": 0, "deleted": 0}
+        self.lat: dict[str, list[float]] = {
+            "filter": [],
+            "prioritize": [],
+            "bind": [],
+            "cycle": [],
+            "delete": [],
+        }
+        self.counts = {
+            "cycles": 0,
+            "bound": 0,
+            "races": 0,
+            "retries": 0,
+            "unschedulable": 0,
+            "failures": 0,
+            "deleted": 0,
+        }
         self.first = self.last = None
         self.cycles_total = 0  # warm-up included, for CPU per cycle
 
@@ -95,7 +111,14 @@ class _Raw:
     def dump(self, prefix: str) -> None:
         span = (self.last - self.first) if self.first and self.last else 0.0
         Path(f"{prefix}.{os.getpid()}.json").write_bytes(
-            orjson.dumps({"latency_ms": self.lat, "counts": self.counts, "span_s": span, "cycles_total": self.cycles_total})
+            orjson.dumps(
+                {
+                    "latency_ms": self.lat,
+                    "counts": self.counts,
+                    "span_s": span,
+                    "cycles_total": self.cycles_total,
+                }
+            )
         )
 
 
@@ -136,13 +159,17 @@ class SchedulerUser(FastHttpUser):
         self.rng = random.Random(_seeds.getrandbits(64))
         self.tag = f"{os.getpid():x}-{self.rng.getrandbits(32):08x}"
         self.n = 0
-        self.bound: deque[str] = deque()  # names of the pods this user bound, oldest first (LOADTEST_CHURN)
+        self.bound: deque[str] = (
+            deque()
+        )  # names of the pods this user bound, oldest first (LOADTEST_CHURN)
         #: pods that lost a bind race, by when they are due again: (due, tie, attempts, pod)
         self.backoff: list[tuple[float, int, int, dict]] = []
         self._seq = itertools.count()
 
     def _post(self, verb: str, body: bytes):
-        return self.client.post(f"/{verb}", data=body, headers=_JSON_HEADERS, catch_response=True, name=verb)
+        return self.client.post(
+            f"/{verb}", data=body, headers=_JSON_HEADERS, catch_response=True, name=verb
+        )
 
     @task
     def cycle(self) -> None:
@@ -175,8 +202,10 @@ class SchedulerUser(FastHttpUser):
         self._cycle_done(started)
         bound = outcome == "bound"
         if outcome == "race":
-            delay = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** attempts)
-            heapq.heappush(self.backoff, (time.monotonic() + delay, next(self._seq), attempts + 1, pod))
+            delay = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2**attempts)
+            heapq.heappush(
+                self.backoff, (time.monotonic() + delay, next(self._seq), attempts + 1, pod)
+            )
         if CHURN and bound:
             self.bound.append(pod["metadata"]["name"])
             if len(self.bound) > CHURN:
@@ -187,8 +216,14 @@ class SchedulerUser(FastHttpUser):
         RAW.cycles_total += 1
         RAW.count("cycles")
         RAW.add("cycle", ms)
-        events.request.fire(request_type="CYCLE", name="cycle", response_time=ms, response_length=0,
-                            exception=None, context={})
+        events.request.fire(
+            request_type="CYCLE",
+            name="cycle",
+            response_time=ms,
+            response_length=0,
+            exception=None,
+            context={},
+        )
 
     def _filter(self, pod_json: bytes) -> list[str] | None:
         body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + NAMES_JSON + b"}"
@@ -196,7 +231,9 @@ class SchedulerUser(FastHttpUser):
 
     def _prioritize(self, pod_json: bytes, feasible: list[str]) -> str | None:
         body = b'{"Pod":' + pod_json + b',"Nodes":null,"NodeNames":' + orjson.dumps(feasible) + b"}"
-        return self._checked("prioritize", body, lambda raw: CHECKS.prioritize(raw, feasible, self.rng))
+        return self._checked(
+            "prioritize", body, lambda raw: CHECKS.prioritize(raw, feasible, self.rng)
+        )
 
     def _checked(self, verb: str, body: bytes, answer):
         """POST, time it and read the answer with `answer(body bytes) -> (why, value)`: a non-200
@@ -219,7 +256,14 @@ class SchedulerUser(FastHttpUser):
     def _bind(self, pod: dict, node: str) -> str:
         """POST bind: "bound", "race" (lost to another scheduling loop) or "failed"."""
         meta = pod["metadata"]
-        body = orjson.dumps({"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node})
+        body = orjson.dumps(
+            {
+                "PodName": meta["name"],
+                "PodNamespace": meta["namespace"],
+                "PodUID": meta["uid"],
+                "Node": node,
+            }
+        )
         t = time.perf_counter()
         with self._post("bind", body) as r:
             ms = (time.perf_counter() - t) * 1000
@@ -233,8 +277,14 @@ class SchedulerUser(FastHttpUser):
                 return "failed"
             if race:
                 RAW.count("races")
-                events.request.fire(request_type="RACE", name="bind lost a race", response_time=ms,
-                                    response_length=0, exception=None, context={})
+                events.request.fire(
+                    request_type="RACE",
+                    name="bind lost a race",
+                    response_time=ms,
+                    response_length=0,
+                    exception=None,
+                    context={},
+                )
             else:
                 RAW.count("bound")
             RAW.add("bind", ms)

@@ -35,7 +35,9 @@ POD_KINDS: tuple[PodKind, ...] = (
     PodKind("llm-70b-int4", 0.08, gib=(40, 80)),
     PodKind("llm-70b-tp", 0.10, gpus=(2, 4), gib=(40, 80)),
     PodKind("finetune", 0.05, gpus=(4, 8), gib=(32, 80)),
-    PodKind("llm-hopper", 0.06, gpus=(1, 2), gib=(20, 80), products="NVIDIA-H100-80GB-HBM3,NVIDIA-H200"),
+    PodKind(
+        "llm-hopper", 0.06, gpus=(1, 2), gib=(20, 80), products="NVIDIA-H100-80GB-HBM3,NVIDIA-H200"
+    ),
     PodKind("mig-small", 0.10, resource="nvidia.com/mig-1g.10gb", gib=(2, 9)),
     PodKind("mig-notebook", 0.03, resource="nvidia.com/mig-1g.10gb", gib=None),
     PodKind("mig-medium", 0.03, resource="nvidia.com/mig-3g.40gb", gib=(16, 38)),
@@ -50,7 +52,9 @@ def pod_kind(rng: random.Random) -> PodKind:
     return rng.choices(POD_KINDS, weights=[k.weight for k in POD_KINDS])[0]
 
 
-def make_pod(rng: random.Random, name: str, namespace: str = "loadtest", uid: str | None = None) -> dict[str, Any]:
+def make_pod(
+    rng: random.Random, name: str, namespace: str = "loadtest", uid: str | None = None
+) -> dict[str, Any]:
     """A pending pod (no nodeName) of a random kind, as kube-scheduler sends it to the extender."""
     kind = pod_kind(rng)
     count = rng.choice(kind.gpus)
@@ -70,14 +74,16 @@ def make_pod(rng: random.Random, name: str, namespace: str = "loadtest", uid: st
         "spec": {
             "schedulerName": SCHEDULER_NAME,
             "priority": 0,
-            "containers": [{
-                "name": "server",
-                "image": "vllm/vllm-openai:v0.6.4",
-                "resources": {
-                    "requests": {"cpu": "4", "memory": "32Gi", kind.resource: str(count)},
-                    "limits": {kind.resource: str(count)},
-                },
-            }],
+            "containers": [
+                {
+                    "name": "server",
+                    "image": "vllm/vllm-openai:v0.6.4",
+                    "resources": {
+                        "requests": {"cpu": "4", "memory": "32Gi", kind.resource: str(count)},
+                        "limits": {kind.resource: str(count)},
+                    },
+                }
+            ],
         },
         "status": {"phase": "Pending"},
     }

@@ -110,21 +110,61 @@ def cluster_file(out: Path, nodes: int, gpus: int, occupancy: float, seed: int) 
     if not path.exists() or not nodes_file(path).exists():
         t = time.monotonic()
         node_objs, pods = generate(nodes, gpus, occupancy, seed)
-        write_cluster(path, node_objs, pods, {"nodes_requested": nodes, "gpus": gpus, "occupancy": occupancy, "seed": seed})
-        print(f"generated {path.name}: {len(node_objs)} nodes, {len(pods)} running pods ({time.monotonic() - t:.1f}s)", flush=True)
+        write_cluster(
+            path,
+            node_objs,
+            pods,
+            {"nodes_requested": nodes, "gpus": gpus, "occupancy": occupancy, "seed": seed},
+        )
+        print(
+            f"generated {path.name}: {len(node_objs)} nodes, {len(pods)} running pods ({time.monotonic() - t:.1f}s)",
+            flush=True,
+        )
     return path
 
 
-def run_locust(name: str, port: int, args: argparse.Namespace, sidecar: Path, out: Path, server_pid: int) -> dict[str, Any]:
+def run_locust(
+    name: str, port: int, args: argparse.Namespace, sidecar: Path, out: Path, server_pid: int
+) -> dict[str, Any]:
     raw = out / f"{name}.raw"
     for old in out.glob(f"{name}.raw.*.json"):
         old.unlink()
-    env = dict(os.environ, LOADTEST_NODES_FILE=str(sidecar), LOADTEST_RAW=str(raw), LOADTEST_RATE=str(args.rate),
-               LOADTEST_WARMUP=str(args.warmup), LOADTEST_CHURN=str(getattr(args, "churn", 0)), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-           "-u", str(args.users), "-r", str(args.users), "-t", f"{int(args.duration_s)}s", "--stop-timeout", "5",
-           "-H", f"http://127.0.0.1:{port}", "--csv", str(out / name), "--html", str(out / f"{name}.html"),
-           "--exit-code-on-error", "0", "--loglevel", "WARNING"]
+    env = dict(
+        os.environ,
+        LOADTEST_NODES_FILE=str(sidecar),
+        LOADTEST_RAW=str(raw),
+        LOADTEST_RATE=str(args.rate),
+        LOADTEST_WARMUP=str(args.warmup),
+        LOADTEST_CHURN=str(getattr(args, "churn", 0)),
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--only-summary",
+        "-u",
+        str(args.users),
+        "-r",
+        str(args.users),
+        "-t",
+        f"{int(args.duration_s)}s",
+        "--stop-timeout",
+        "5",
+        "-H",
+        f"http://127.0.0.1:{port}",
+        "--csv",
+        str(out / name),
+        "--html",
+        str(out / f"{name}.html"),
+        "--exit-code-on-error",
+        "0",
+        "--loglevel",
+        "WARNING",
+    ]
     if args.processes > 1:
         cmd += ["--processes", str(args.processes)]
     log = (out / f"{name}.locust.log").open("wb")
@@ -138,8 +178,12 @@ def run_locust(name: str, port: int, args: argparse.Namespace, sidecar: Path, ou
     cycles = result["counts"].get("cycles", 0)
     # CPU per cycle holds on a busy machine where wall-clock latency does not (whole run, warm-up included)
     result["cpu_s"] = {"server": round(server_cpu, 2), "locust": round(locust_cpu, 2)}
-    result["server_cpu_ms_per_cycle"] = round(server_cpu * 1000 / result["cycles_total"], 3) if cycles else 0.0
-    result["locust_cpu_ms_per_cycle"] = round(locust_cpu * 1000 / result["cycles_total"], 3) if cycles else 0.0
+    result["server_cpu_ms_per_cycle"] = (
+        round(server_cpu * 1000 / result["cycles_total"], 3) if cycles else 0.0
+    )
+    result["locust_cpu_ms_per_cycle"] = (
+        round(locust_cpu * 1000 / result["cycles_total"], 3) if cycles else 0.0
+    )
     return result
 
 
@@ -165,16 +209,26 @@ def _merge_raw(out: Path, name: str, args: argparse.Namespace) -> dict[str, Any]
         total_cycles += d.get("cycles_total", 0)
     span = max(spans) if spans else 0.0
     verbs = {
-        v: {"count": len(lat[v]), "p50_ms": round(_pct(lat[v], 0.50), 3), "p95_ms": round(_pct(lat[v], 0.95), 3),
-            "p99_ms": round(_pct(lat[v], 0.99), 3)}
+        v: {
+            "count": len(lat[v]),
+            "p50_ms": round(_pct(lat[v], 0.50), 3),
+            "p95_ms": round(_pct(lat[v], 0.95), 3),
+            "p99_ms": round(_pct(lat[v], 0.99), 3),
+        }
         for v in (*VERBS, "cycle")
     }
     # The locustfile counts every failure itself; locust's CSV also has failures raised inside its
     # client, but it is rewritten once a second and not at exit (locust 2.47), so it misses the last
     # second of the run. Each undercounts in its own way: the larger is the count.
     failures = max(_csv_failures(out / f"{name}_stats.csv"), counts.get("failures", 0))
-    return {"cycles_per_s": round(counts.get("cycles", 0) / span, 1) if span else 0.0, "failures": failures,
-            "counts": counts, "verbs": verbs, "measured_s": round(span, 1), "cycles_total": total_cycles}
+    return {
+        "cycles_per_s": round(counts.get("cycles", 0) / span, 1) if span else 0.0,
+        "failures": failures,
+        "counts": counts,
+        "verbs": verbs,
+        "measured_s": round(span, 1),
+        "cycles_total": total_cycles,
+    }
 
 
 def _planner_counters(port: int) -> dict[str, float] | None:
@@ -211,14 +265,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--duration", default="60s", help="locust run time per target (default 60s)")
     p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")
-    p.add_argument("--rate", type=float, default=0.0, help="cycles/s per user; 0 = back to back (default)")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="cycles/s per user; 0 = back to back (default)"
+    )
     p.add_argument("--processes", type=int, default=1, help="locust worker processes (default 1)")
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds at the start left out of the figures")
+    p.add_argument(
+        "--warmup", type=float, default=3.0, help="seconds at the start left out of the figures"
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the floor run (no ratio)")
-    p.add_argument("--replica-policy", choices=[p.value for p in ReplicaPolicy], default=None,
-                   help="serve with the device plugin's replica policy, as live mode does (default: none)")
-    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve with the background CP-SAT planner (default on, as `vramsched serve`)")
+    p.add_argument(
+        "--replica-policy",
+        choices=[p.value for p in ReplicaPolicy],
+        default=None,
+        help="serve with the device plugin's replica policy, as live mode does (default: none)",
+    )
+    p.add_argument(
+        "--planner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve with the background CP-SAT planner (default on, as `vramsched serve`)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
     args = p.parse_args(argv)
     args.duration_s = _seconds(args.duration)
@@ -234,16 +300,35 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen(
         # --no-legacy-failed-nodes: the scenario is today's kube-scheduler (deploy/ runs 1.34), which
         # reads FailedAndUnresolvableNodes; only < 1.21 needs those nodes in FailedNodes again.
-        [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--port", str(port), "--log-level", "warning",
-         "--no-legacy-failed-nodes", "--planner" if args.planner else "--no-planner",
-         *(["--replica-policy", args.replica_policy] if args.replica_policy else [])],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "vramsched.server.log").open("wb"),
+        [
+            sys.executable,
+            "-m",
+            "extender",
+            "serve",
+            "--cluster",
+            str(cluster),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-legacy-failed-nodes",
+            "--planner" if args.planner else "--no-planner",
+            *(["--replica-policy", args.replica_policy] if args.replica_policy else []),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=(out / "vramsched.server.log").open("wb"),
     )
     try:
         startup = _wait_ready(f"http://127.0.0.1:{port}/readyz", server, timeout=120)
-        startup_cpu = _cpu_seconds(server.pid)  # holds on a busy machine, where the wall clock does not
+        startup_cpu = _cpu_seconds(
+            server.pid
+        )  # holds on a busy machine, where the wall clock does not
         rss_ready = _proc_status(server.pid).get("VmRSS", 0)
-        print(f"vramsched ready in {startup:.2f}s (RSS {rss_ready / 2**20:.0f} MiB); locust {args.duration} ...", flush=True)
+        print(
+            f"vramsched ready in {startup:.2f}s (RSS {rss_ready / 2**20:.0f} MiB); locust {args.duration} ...",
+            flush=True,
+        )
         ours = run_locust("vramsched", port, args, sidecar, out, server.pid)
         status = _proc_status(server.pid)
         planner_counters = _planner_counters(port) if args.planner else None
@@ -252,8 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     floor = None
     if not args.no_floor:
         fport = _free_port()
-        fproc = subprocess.Popen([sys.executable, "-m", "loadtest.floor", "--port", str(fport)], cwd=ROOT,
-                                 stdout=subprocess.DEVNULL, stderr=(out / "floor.server.log").open("wb"))
+        fproc = subprocess.Popen(
+            [sys.executable, "-m", "loadtest.floor", "--port", str(fport)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=(out / "floor.server.log").open("wb"),
+        )
         try:
             _wait_ready(f"http://127.0.0.1:{fport}/readyz", fproc, timeout=30)
             print(f"floor ready; locust {args.duration} ...", flush=True)
@@ -274,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         "rss_bytes": status.get("VmHWM", status.get("VmRSS", 0)),
         # p99 of a whole cycle (filter + prioritize + bind) over the floor's, same scenario and load
         "floor_ratio": ratios.get("cycle", 0.0),
-        "verbs": {v: {k: ours["verbs"][v][k] for k in ("p50_ms", "p95_ms", "p99_ms")} for v in VERBS},
+        "verbs": {
+            v: {k: ours["verbs"][v][k] for k in ("p50_ms", "p95_ms", "p99_ms")} for v in VERBS
+        },
         "startup_s": round(startup, 2),
         "startup_cpu_s": round(startup_cpu, 2),
         "pods_at_start": meta["pods"],
@@ -290,12 +381,21 @@ def main(argv: list[str] | None = None) -> int:
         # what the background planner did in the run (its /metrics counters at the end)
         "planner_counters": planner_counters,
         "cycle_ms": {k: ours["verbs"]["cycle"][k] for k in ("p50_ms", "p95_ms", "p99_ms")},
-        "floor": floor and {"cycles_per_s": floor["cycles_per_s"], "failures": floor["failures"],
-                            "verbs": {v: {k: floor["verbs"][v][k] for k in ("p50_ms", "p95_ms", "p99_ms")}
-                                      for v in (*VERBS, "cycle")}},
+        "floor": floor
+        and {
+            "cycles_per_s": floor["cycles_per_s"],
+            "failures": floor["failures"],
+            "verbs": {
+                v: {k: floor["verbs"][v][k] for k in ("p50_ms", "p95_ms", "p99_ms")}
+                for v in (*VERBS, "cycle")
+            },
+        },
         "floor_ratio_p99": ratios,
-        "cpu_ms_per_cycle": {"server": ours["server_cpu_ms_per_cycle"], "locust": ours["locust_cpu_ms_per_cycle"],
-                             "floor_server": floor["server_cpu_ms_per_cycle"] if floor else None},
+        "cpu_ms_per_cycle": {
+            "server": ours["server_cpu_ms_per_cycle"],
+            "locust": ours["locust_cpu_ms_per_cycle"],
+            "floor_server": floor["server_cpu_ms_per_cycle"] if floor else None,
+        },
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
@@ -315,24 +415,33 @@ def render(s: dict[str, Any]) -> str:
         f"  cycles/s {s['cycles_per_s']:.1f}   failures {s['failures']}   bound {s['counts'].get('bound', 0)}   "
         f"lost races {s['counts'].get('races', 0)} (retried {s['counts'].get('retries', 0)})   "
         f"unschedulable {s['counts'].get('unschedulable', 0)}",
-        f"  {'verb':<11}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}" + (f"{'floor p99':>11}{'ratio':>7}" if s["floor"] else ""),
+        f"  {'verb':<11}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"
+        + (f"{'floor p99':>11}{'ratio':>7}" if s["floor"] else ""),
     ]
     for v in (*VERBS, "cycle"):
         row = s["verbs"].get(v) or s["cycle_ms"]
         line = f"  {v:<11}{row['p50_ms']:>9.2f}{row['p95_ms']:>9.2f}{row['p99_ms']:>9.2f}"
         if s["floor"]:
-            line += f"{s['floor']['verbs'][v]['p99_ms']:>11.2f}{s['floor_ratio_p99'].get(v, 0):>7.2f}"
+            line += (
+                f"{s['floor']['verbs'][v]['p99_ms']:>11.2f}{s['floor_ratio_p99'].get(v, 0):>7.2f}"
+            )
         lines.append(line)
     if s["floor"]:
-        lines.append(f"  floor: {s['floor']['cycles_per_s']:.1f} cycles/s; floor_ratio (cycle p99) {s['floor_ratio']:.2f}")
+        lines.append(
+            f"  floor: {s['floor']['cycles_per_s']:.1f} cycles/s; floor_ratio (cycle p99) {s['floor_ratio']:.2f}"
+        )
     p = s.get("planner_counters")
     if p:
-        lines.append(f"  planner: {p.get('plans_total', 0):.0f} plans, {p.get('bind_hits_total', 0):.0f} binds handed a "
-                     f"planned reservation ({p.get('bind_refused_total', 0):.0f} not taken), "
-                     f"{p.get('stale_entries_total', 0):.0f} stale entries, {p.get('errors_total', 0):.0f} errors")
+        lines.append(
+            f"  planner: {p.get('plans_total', 0):.0f} plans, {p.get('bind_hits_total', 0):.0f} binds handed a "
+            f"planned reservation ({p.get('bind_refused_total', 0):.0f} not taken), "
+            f"{p.get('stale_entries_total', 0):.0f} stale entries, {p.get('errors_total', 0):.0f} errors"
+        )
     c = s["cpu_ms_per_cycle"]
-    lines.append(f"  CPU ms per cycle: server {c['server']:.2f}, locust {c['locust']:.2f}"
-                 + (f", floor server {c['floor_server']:.2f}" if c.get("floor_server") is not None else ""))
+    lines.append(
+        f"  CPU ms per cycle: server {c['server']:.2f}, locust {c['locust']:.2f}"
+        + (f", floor server {c['floor_server']:.2f}" if c.get("floor_server") is not None else "")
+    )
     lines.append(f"  results: {s['results']} (summary.json, *_stats.csv, *.html)")
     return "\n".join(lines)
 

@@ -39,7 +39,16 @@ from typing import Any
 import orjson
 
 from loadtest.gen_cluster import nodes_file
-from loadtest.run import ROOT, _free_port, _proc_status, _seconds, _wait_ready, stop_process, cluster_file, run_locust
+from loadtest.run import (
+    ROOT,
+    _free_port,
+    _proc_status,
+    _seconds,
+    _wait_ready,
+    cluster_file,
+    run_locust,
+    stop_process,
+)
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -83,8 +92,14 @@ LOADTEST_PODS = "loadtest/lt-"  # the keys of the pods the locustfile creates
 
 def held_pods(state: dict[str, Any], prefix: str = LOADTEST_PODS) -> set[str]:
     """Keys starting with `prefix` of the pods holding a GPU or MIG slice in a GET /state answer."""
-    return {k for node in state["nodes"] for gpu in node["gpus"] for d in gpu.get("slices") or [gpu]
-            for k in d["pods"] if k.startswith(prefix)}
+    return {
+        k
+        for node in state["nodes"]
+        for gpu in node["gpus"]
+        for d in gpu.get("slices") or [gpu]
+        for k in d["pods"]
+        if k.startswith(prefix)
+    }
 
 
 def delete_loadtest_pods(port: int, prefix: str = LOADTEST_PODS) -> int:
@@ -92,7 +107,9 @@ def delete_loadtest_pods(port: int, prefix: str = LOADTEST_PODS) -> int:
     keys = held_pods(_state(port), prefix)
     for key in sorted(keys):
         namespace, name = key.split("/", 1)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/pods/{namespace}/{name}", method="DELETE")
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/pods/{namespace}/{name}", method="DELETE"
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             if orjson.loads(r.read()) != {"Error": ""}:
                 raise SystemExit(f"DELETE {key} did not succeed")
@@ -110,9 +127,16 @@ def ledger_check(port: int) -> dict[str, Any]:
             for d in parts:
                 devices += 1
                 if d["usedBytes"] > d["memoryBytes"] or d["usedReplicas"] > d["replicas"]:
-                    bad.append(f"{node['name']}/GPU {gpu['index']}{'/' + d['profile'] if 'profile' in d else ''}")
-    return {"devices": devices, "violations": bad, "allocated_bytes": state["allocatedBytes"],
-            "capacity_bytes": state["capacityBytes"], "pending": len(state["pending"])}
+                    bad.append(
+                        f"{node['name']}/GPU {gpu['index']}{'/' + d['profile'] if 'profile' in d else ''}"
+                    )
+    return {
+        "devices": devices,
+        "violations": bad,
+        "allocated_bytes": state["allocatedBytes"],
+        "capacity_bytes": state["capacityBytes"],
+        "pending": len(state["pending"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,11 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--occupancy", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")
-    p.add_argument("--churn", type=int, default=250,
-                   help="pods each user keeps bound before it deletes its oldest (default 250; 0: no deletions)")
-    p.add_argument("--probe", default="30s", help="back-to-back run that measures the maximum rate (default 30s)")
-    p.add_argument("--duration", default="10m", help="soak length at half the maximum rate (default 10m)")
-    p.add_argument("--warmup", default="2m", help="start of the soak left out of the RSS baseline (default 2m)")
+    p.add_argument(
+        "--churn",
+        type=int,
+        default=250,
+        help="pods each user keeps bound before it deletes its oldest (default 250; 0: no deletions)",
+    )
+    p.add_argument(
+        "--probe",
+        default="30s",
+        help="back-to-back run that measures the maximum rate (default 30s)",
+    )
+    p.add_argument(
+        "--duration", default="10m", help="soak length at half the maximum rate (default 10m)"
+    )
+    p.add_argument(
+        "--warmup", default="2m", help="start of the soak left out of the RSS baseline (default 2m)"
+    )
     p.add_argument("--sample", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
     args = p.parse_args(argv)
@@ -141,28 +177,60 @@ def main(argv: list[str] | None = None) -> int:
     meta = orjson.loads(sidecar.read_bytes())
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "extender", "serve", "--cluster", str(cluster), "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(out / "soak.server.log").open("wb"),
+        [
+            sys.executable,
+            "-m",
+            "extender",
+            "serve",
+            "--cluster",
+            str(cluster),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=(out / "soak.server.log").open("wb"),
     )
     try:
         startup = _wait_ready(f"http://127.0.0.1:{port}/readyz", server, timeout=300)
         allocated_at_start = _state(port)["allocatedBytes"]
-        print(f"vramsched ready in {startup:.1f}s: {len(meta['nodes'])} nodes, {meta['pods']} pods; "
-              f"probing the maximum rate for {args.probe} ...", flush=True)
-        run_args = argparse.Namespace(users=args.users, rate=0.0, duration_s=probe_s, warmup=min(5.0, probe_s / 3),
-                                      processes=1, churn=args.churn)
+        print(
+            f"vramsched ready in {startup:.1f}s: {len(meta['nodes'])} nodes, {meta['pods']} pods; "
+            f"probing the maximum rate for {args.probe} ...",
+            flush=True,
+        )
+        run_args = argparse.Namespace(
+            users=args.users,
+            rate=0.0,
+            duration_s=probe_s,
+            warmup=min(5.0, probe_s / 3),
+            processes=1,
+            churn=args.churn,
+        )
         probe = run_locust("soak-probe", port, run_args, sidecar, out, server.pid)
         max_rate = probe["cycles_per_s"]
         if max_rate <= 0:
             raise SystemExit("the probe measured no cycles")
         rate = max_rate / 2
-        print(f"maximum {max_rate:.1f} cycles/s ({probe['failures']} failures); soaking at {rate:.1f} cycles/s "
-              f"for {args.duration} ...", flush=True)
+        print(
+            f"maximum {max_rate:.1f} cycles/s ({probe['failures']} failures); soaking at {rate:.1f} cycles/s "
+            f"for {args.duration} ...",
+            flush=True,
+        )
         sampler = RssSampler(server.pid, args.sample)
         sampler.start()
-        run_args = argparse.Namespace(users=args.users, rate=rate / args.users, duration_s=soak_s, warmup=warmup_s,
-                                      processes=1, churn=args.churn)
+        run_args = argparse.Namespace(
+            users=args.users,
+            rate=rate / args.users,
+            duration_s=soak_s,
+            warmup=warmup_s,
+            processes=1,
+            churn=args.churn,
+        )
         soak = run_locust("soak", port, run_args, sidecar, out, server.pid)
         sampler.stop()
         ledger = ledger_check(port)
@@ -199,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         "rss_growth_second_half": round((end - sampler.at(soak_s / 2)) / sampler.at(soak_s / 2), 4),
         # every bound pod stays in memory for good in embedded mode (~5 KiB): what growth per bound pod
         # looks like tells legitimate state from a leak when the run binds a lot
-        "rss_growth_per_bound_pod_bytes": round((end - base) / counts["bound"]) if counts.get("bound") else None,
+        "rss_growth_per_bound_pod_bytes": round((end - base) / counts["bound"])
+        if counts.get("bound")
+        else None,
         "rss_growth_limit": RSS_GROWTH_LIMIT,
         "rss_timeline": sampler.samples,
         "ledger": ledger,
@@ -208,8 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "results": str(out / "soak.json"),
     }
-    ok = (summary["failures"] == 0 and growth < RSS_GROWTH_LIMIT and not ledger["violations"] and alive
-          and ledger["returned_exactly"])
+    ok = (
+        summary["failures"] == 0
+        and growth < RSS_GROWTH_LIMIT
+        and not ledger["violations"]
+        and alive
+        and ledger["returned_exactly"]
+    )
     summary["passed"] = ok
     (out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(render(summary))
@@ -220,24 +295,29 @@ def render(s: dict[str, Any]) -> str:
     mib = 2**20
     r = s["rss_bytes"]
     c = s["counts_after_warmup"]
-    return "\n".join([
-        f"vramsched soak: {s['nodes']} nodes, {s['pods_at_start']} pods at start (occupancy {s['occupancy']}), "
-        f"{s['users']} users, each keeping at most {s['churn_per_user']} pods bound, loopback",
-        f"  maximum {s['max_cycles_per_s']:.1f} cycles/s; soak at {s['soak_cycles_per_s']:.1f} cycles/s "
-        f"(target {s['target_cycles_per_s']:.1f}) for {s['duration_s']:.0f}s, {s['warmup_s']:.0f}s warm-up",
-        f"  after warm-up: {c.get('cycles', 0)} cycles, {c.get('bound', 0)} bound, {c.get('unschedulable', 0)} unschedulable, "
-        f"{c.get('races', 0)} lost races, {c.get('deleted', 0)} deleted; failures {s['failures']}",
-        f"  RSS after warm-up {r['after_warmup'] / mib:.1f} MiB, end {r['end'] / mib:.1f} MiB, peak {r['peak'] / mib:.1f} MiB: "
-        f"growth {s['rss_growth'] * 100:+.2f}% (limit {s['rss_growth_limit'] * 100:.0f}%), "
-        f"{s['rss_growth_second_half'] * 100:+.2f}% over the second half"
-        + (f", {s['rss_growth_per_bound_pod_bytes'] / 1024:.1f} KiB per pod bound meanwhile"
-           if s["rss_growth_per_bound_pod_bytes"] is not None else ""),
-        f"  ledger at the end: {s['ledger']['devices']} devices, {len(s['ledger']['violations'])} over memory or replicas; "
-        f"after deleting the {s['ledger']['deleted_at_end']} load-test pods still bound, GPU memory allocated "
-        f"{'back to its value at start, to the byte' if s['ledger']['returned_exactly'] else 'NOT back to its value at start'}"
-        f" ({s['ledger']['allocated_bytes_after_deleting']} vs {s['ledger']['allocated_bytes_at_start']} bytes)",
-        f"  {'PASSED' if s['passed'] else 'FAILED'}  ({s.get('results', 'loadtest/results/soak.json')})",
-    ])
+    return "\n".join(
+        [
+            f"vramsched soak: {s['nodes']} nodes, {s['pods_at_start']} pods at start (occupancy {s['occupancy']}), "
+            f"{s['users']} users, each keeping at most {s['churn_per_user']} pods bound, loopback",
+            f"  maximum {s['max_cycles_per_s']:.1f} cycles/s; soak at {s['soak_cycles_per_s']:.1f} cycles/s "
+            f"(target {s['target_cycles_per_s']:.1f}) for {s['duration_s']:.0f}s, {s['warmup_s']:.0f}s warm-up",
+            f"  after warm-up: {c.get('cycles', 0)} cycles, {c.get('bound', 0)} bound, {c.get('unschedulable', 0)} unschedulable, "
+            f"{c.get('races', 0)} lost races, {c.get('deleted', 0)} deleted; failures {s['failures']}",
+            f"  RSS after warm-up {r['after_warmup'] / mib:.1f} MiB, end {r['end'] / mib:.1f} MiB, peak {r['peak'] / mib:.1f} MiB: "
+            f"growth {s['rss_growth'] * 100:+.2f}% (limit {s['rss_growth_limit'] * 100:.0f}%), "
+            f"{s['rss_growth_second_half'] * 100:+.2f}% over the second half"
+            + (
+                f", {s['rss_growth_per_bound_pod_bytes'] / 1024:.1f} KiB per pod bound meanwhile"
+                if s["rss_growth_per_bound_pod_bytes"] is not None
+                else ""
+            ),
+            f"  ledger at the end: {s['ledger']['devices']} devices, {len(s['ledger']['violations'])} over memory or replicas; "
+            f"after deleting the {s['ledger']['deleted_at_end']} load-test pods still bound, GPU memory allocated "
+            f"{'back to its value at start, to the byte' if s['ledger']['returned_exactly'] else 'NOT back to its value at start'}"
+            f" ({s['ledger']['allocated_bytes_after_deleting']} vs {s['ledger']['allocated_bytes_at_start']} bytes)",
+            f"  {'PASSED' if s['passed'] else 'FAILED'}  ({s.get('results', 'loadtest/results/soak.json')})",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -45,11 +45,22 @@ def gpu_node(
         "nvidia.com/gpu.sharing-strategy": strategy,
         **(extra_labels or {}),
     }
-    alloc = {"cpu": cpu, "memory": memory, "pods": "110", resource: str(allocatable if allocatable is not None else count * replicas)}
-    return {"kind": "Node", "metadata": {"name": name, "labels": labels}, "status": {"allocatable": alloc, "capacity": dict(alloc)}}
+    alloc = {
+        "cpu": cpu,
+        "memory": memory,
+        "pods": "110",
+        resource: str(allocatable if allocatable is not None else count * replicas),
+    }
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": alloc, "capacity": dict(alloc)},
+    }
 
 
-def mig_mixed_node(name: str, profiles: dict[str, tuple[int, int]], *, gpus: int = 1, product: str = A100_80) -> dict[str, Any]:
+def mig_mixed_node(
+    name: str, profiles: dict[str, tuple[int, int]], *, gpus: int = 1, product: str = A100_80
+) -> dict[str, Any]:
     """A mixed-strategy MIG node: `profiles` maps profile -> (count on node, memory MiB)."""
     labels = {
         "nvidia.com/gpu.present": "true",
@@ -66,10 +77,16 @@ def mig_mixed_node(name: str, profiles: dict[str, tuple[int, int]], *, gpus: int
         labels[f"nvidia.com/mig-{profile}.memory"] = str(mib)
         labels[f"nvidia.com/mig-{profile}.replicas"] = "1"
         alloc[f"nvidia.com/mig-{profile}"] = str(count)
-    return {"kind": "Node", "metadata": {"name": name, "labels": labels}, "status": {"allocatable": alloc}}
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": alloc},
+    }
 
 
-def mig_single_node(name: str, profile: str, *, slices: int, memory_mib: int, product: str = A100_80) -> dict[str, Any]:
+def mig_single_node(
+    name: str, profile: str, *, slices: int, memory_mib: int, product: str = A100_80
+) -> dict[str, Any]:
     labels = {
         "nvidia.com/gpu.product": f"{product}-MIG-{profile}",
         "nvidia.com/gpu.count": str(slices),
@@ -77,8 +94,11 @@ def mig_single_node(name: str, profile: str, *, slices: int, memory_mib: int, pr
         "nvidia.com/gpu.replicas": "1",
         "nvidia.com/mig.strategy": "single",
     }
-    return {"kind": "Node", "metadata": {"name": name, "labels": labels},
-            "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": str(slices)}}}
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": str(slices)}},
+    }
 
 
 def pod(
@@ -101,13 +121,24 @@ def pod(
     spec: dict[str, Any] = {
         "schedulerName": scheduler,
         "priority": priority,
-        "containers": [{"name": "main", "image": "vllm", "resources": {"limits": {resource: str(gpus)}, "requests": {resource: str(gpus)}}}],
+        "containers": [
+            {
+                "name": "main",
+                "image": "vllm",
+                "resources": {"limits": {resource: str(gpus)}, "requests": {resource: str(gpus)}},
+            }
+        ],
     }
     if node:
         spec["nodeName"] = node
     return {
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{next(_uid)}", "annotations": ann},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"uid-{next(_uid)}",
+            "annotations": ann,
+        },
         "spec": spec,
         "status": {"phase": phase},
     }

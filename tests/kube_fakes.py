@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from extender.kube import ApiError
 
@@ -115,7 +116,11 @@ class FakeApi:
             if uid and uid != pod["metadata"].get("uid"):
                 raise ApiError(409, "Conflict", "Precondition failed: UID")
             if pod["spec"].get("nodeName"):
-                raise ApiError(409, "Conflict", f"pod {name} is already assigned to node {pod['spec']['nodeName']}")
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f"pod {name} is already assigned to node {pod['spec']['nodeName']}",
+                )
             pod["spec"]["nodeName"] = body["target"]["name"]
 
     def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,8 +147,12 @@ class FakeApi:
         self.calls.append(("create_event", namespace, copy.deepcopy(dict(body))))
         self._maybe_fail("create_event")
         if (body.get("involvedObject") or {}).get("namespace") != namespace:
-            raise ApiError(422, "Invalid", "involvedObject.namespace: does not match event.namespace")
+            raise ApiError(
+                422, "Invalid", "involvedObject.namespace: does not match event.namespace"
+            )
         self.events.append(copy.deepcopy(dict(body)))
 
     def writes(self) -> list[str]:
-        return [c[0] for c in self.calls if c[0] in ("patch_pod", "create_binding", "create_configmap")]
+        return [
+            c[0] for c in self.calls if c[0] in ("patch_pod", "create_binding", "create_configmap")
+        ]

@@ -36,7 +36,9 @@ def test_requests_default_from_limits_and_init_containers():
     p = pod("p", "8Gi")
     p["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "2"}}
     assert pod_demand(p).gpu_count == 2
-    p["spec"]["initContainers"] = [{"name": "i", "resources": {"requests": {"nvidia.com/gpu": "3"}}}]
+    p["spec"]["initContainers"] = [
+        {"name": "i", "resources": {"requests": {"nvidia.com/gpu": "3"}}}
+    ]
     assert pod_demand(p).gpu_count == 3
 
 
@@ -51,7 +53,14 @@ def test_absurd_gpu_count_and_fractional():
 
 
 def test_mig_resource_and_products():
-    d = pod_demand(pod("p", "5Gi", resource="nvidia.com/mig-1g.10gb", annotations={"vramsched.io/gpu-products": "A, B"}))
+    d = pod_demand(
+        pod(
+            "p",
+            "5Gi",
+            resource="nvidia.com/mig-1g.10gb",
+            annotations={"vramsched.io/gpu-products": "A, B"},
+        )
+    )
     assert d.mig_profile == "1g.10gb" and d.allowed_products == frozenset({"A", "B"})
 
 
@@ -62,15 +71,18 @@ def test_annotation_without_gpu_request_is_an_error():
         pod_demand(p)
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda p: p.pop("metadata"),
-    lambda p: p["metadata"].pop("name"),
-    lambda p: p.update(spec=None),
-    lambda p: p["spec"].update(containers="x"),
-    lambda p: p["spec"].update(priority="high"),
-    lambda p: p["metadata"].update(annotations=["x"]),
-    lambda p: p["spec"]["containers"][0]["resources"].update(limits={"cpu": "lots"}),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda p: p.pop("metadata"),
+        lambda p: p["metadata"].pop("name"),
+        lambda p: p.update(spec=None),
+        lambda p: p["spec"].update(containers="x"),
+        lambda p: p["spec"].update(priority="high"),
+        lambda p: p["metadata"].update(annotations=["x"]),
+        lambda p: p["spec"]["containers"][0]["resources"].update(limits={"cpu": "lots"}),
+    ],
+)
 def test_malformed_pods_raise_demand_error(mutate):
     p = pod("p", "8Gi")
     mutate(p)

@@ -17,9 +17,10 @@ import sys
 import tomllib
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -28,10 +29,10 @@ from kubernetes.client import ApiClient
 
 from extender import mig
 from extender.cli import build_parser
+from extender.cluster import ClusterState
 from extender.demand import MODEL_MEMORY, pod_demand
 from extender.inventory import GPU_RESOURCE, SHARED_GPU_RESOURCE, is_gpu_resource, node_inventory
 from extender.quantity import MIB, parse_bytes
-from extender.cluster import ClusterState
 from extender.server import create_app, create_probe_app, route_paths
 from extender.service import EmbeddedBinder, ExtenderService
 
@@ -81,7 +82,9 @@ def base_objects() -> list[dict[str, Any]]:
 
 
 def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    found = [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -101,7 +104,14 @@ def deployment() -> dict[str, Any]:
 
 
 def container(dep: dict[str, Any], name: str) -> dict[str, Any]:
-    return one([{"kind": "c", "metadata": {"name": c["name"]}, **c} for c in dep["spec"]["template"]["spec"]["containers"]], "c", name)
+    return one(
+        [
+            {"kind": "c", "metadata": {"name": c["name"]}, **c}
+            for c in dep["spec"]["template"]["spec"]["containers"]
+        ],
+        "c",
+        name,
+    )
 
 
 def serve_args(argv: list[str]) -> Any:
@@ -124,8 +134,16 @@ def dropped_fields(original: Any, kept: Any, path: str = "") -> list[str]:
     if isinstance(original, list):
         if not isinstance(kept, list) or len(kept) != len(original):
             return [path]
-        return [p for i, (a, b) in enumerate(zip(original, kept)) for p in dropped_fields(a, b, f"{path}[{i}]")]
-    return [] if str(original).lower() == str(kept).lower() else [f"{path} ({original!r} became {kept!r})"]
+        return [
+            p
+            for i, (a, b) in enumerate(zip(original, kept))
+            for p in dropped_fields(a, b, f"{path}[{i}]")
+        ]
+    return (
+        []
+        if str(original).lower() == str(kept).lower()
+        else [f"{path} ({original!r} became {kept!r})"]
+    )
 
 
 def check_object(doc: dict[str, Any]) -> None:
@@ -134,7 +152,9 @@ def check_object(doc: dict[str, Any]) -> None:
     assert key in MODEL_OF, f"no model for {key}: add it to MODEL_OF or fix apiVersion/kind"
     model = _API._ApiClient__deserialize(doc, MODEL_OF[key])  # type: ignore[attr-defined]
     lost = dropped_fields(doc, _API.sanitize_for_serialization(model))
-    assert not lost, f"{key[1]} {doc['metadata'].get('name')}: fields unknown to {MODEL_OF[key]}: {lost}"
+    assert not lost, (
+        f"{key[1]} {doc['metadata'].get('name')}: fields unknown to {MODEL_OF[key]}: {lost}"
+    )
 
 
 def go_duration_seconds(text: str) -> float:
@@ -157,7 +177,9 @@ def kubectl() -> str:
 
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:
-    proc = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"kubectl kustomize {directory} failed:\n{proc.stderr}"
     return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
 
@@ -185,7 +207,12 @@ def requested_resources(spec: dict[str, Any]) -> set[str]:
 
 
 def example_workloads() -> list[tuple[Path, dict[str, Any]]]:
-    return [(p, d) for p in sorted(EXAMPLES.glob("*.yaml")) for d in load(p) if d["kind"] in ("Pod", "Deployment")]
+    return [
+        (p, d)
+        for p in sorted(EXAMPLES.glob("*.yaml"))
+        for d in load(p)
+        if d["kind"] in ("Pod", "Deployment")
+    ]
 
 
 def flag_value(args: list[str], flag: str) -> str:
@@ -199,23 +226,64 @@ def flag_value(args: list[str], flag: str) -> str:
 # Field names per level (staging/src/k8s.io/kube-scheduler/config/v1/types.go and
 # component-base leader election), see /work/shared/reference/scheduler-config.md.
 _SCHEMA: dict[str, set[str]] = {
-    "": {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection", "percentageOfNodesToScore",
-         "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders", "delayCacheUntilActive"},
-    "leaderElection": {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock",
-                       "resourceName", "resourceNamespace"},
+    "": {
+        "apiVersion",
+        "kind",
+        "parallelism",
+        "leaderElection",
+        "clientConnection",
+        "percentageOfNodesToScore",
+        "podInitialBackoffSeconds",
+        "podMaxBackoffSeconds",
+        "profiles",
+        "extenders",
+        "delayCacheUntilActive",
+    },
+    "leaderElection": {
+        "leaderElect",
+        "leaseDuration",
+        "renewDeadline",
+        "retryPeriod",
+        "resourceLock",
+        "resourceName",
+        "resourceNamespace",
+    },
     "profiles": {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"},
-    "extenders": {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS",
-                  "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"},
+    "extenders": {
+        "urlPrefix",
+        "filterVerb",
+        "preemptVerb",
+        "prioritizeVerb",
+        "weight",
+        "bindVerb",
+        "enableHTTPS",
+        "tlsConfig",
+        "httpTimeout",
+        "nodeCacheCapable",
+        "managedResources",
+        "ignorable",
+    },
     "managedResources": {"name", "ignoredByScheduler"},
 }
 # Default score-plugin weights of kube-scheduler v1 (pkg/scheduler/apis/config/v1/default_plugins.go).
-_USER_INTENT_SCORERS = {"TaintToleration": 3, "NodeAffinity": 2, "PodTopologySpread": 2, "InterPodAffinity": 2}
-_VRAM_BLIND_SCORERS = {"NodeResourcesFit": 1, "NodeResourcesBalancedAllocation": 1, "ImageLocality": 1}
+_USER_INTENT_SCORERS = {
+    "TaintToleration": 3,
+    "NodeAffinity": 2,
+    "PodTopologySpread": 2,
+    "InterPodAffinity": 2,
+}
+_VRAM_BLIND_SCORERS = {
+    "NodeResourcesFit": 1,
+    "NodeResourcesBalancedAllocation": 1,
+    "ImageLocality": 1,
+}
 _MAX_NODE_SCORE, _MAX_EXTENDER_PRIORITY = 100, 10
 # Upstream SLO for one mutating API call (p99); bind makes up to 3 with --pin-gpus.
 _API_WRITE_SLO_S, _BIND_WRITES_WITH_PINNING = 1.0, 3
 # A Kubernetes qualified name with a prefix, and not in the kubernetes.io namespace: an extended resource.
-_EXTENDED_RESOURCE = re.compile(r"^(?!(?:[^/]*\.)?kubernetes\.io/)[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_EXTENDED_RESOURCE = re.compile(
+    r"^(?!(?:[^/]*\.)?kubernetes\.io/)[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 
 
 def test_deploy_copy_of_scheduler_config_is_identical() -> None:
@@ -226,16 +294,23 @@ def test_deploy_copy_of_scheduler_config_is_identical() -> None:
 
 def test_scheduler_config_uses_only_known_fields() -> None:
     cfg = scheduler_config()
-    assert (cfg["apiVersion"], cfg["kind"]) == ("kubescheduler.config.k8s.io/v1", "KubeSchedulerConfiguration")
+    assert (cfg["apiVersion"], cfg["kind"]) == (
+        "kubescheduler.config.k8s.io/v1",
+        "KubeSchedulerConfiguration",
+    )
     unknown = set(cfg) - _SCHEMA[""]
-    unknown |= {f"leaderElection.{k}" for k in set(cfg["leaderElection"]) - _SCHEMA["leaderElection"]}
+    unknown |= {
+        f"leaderElection.{k}" for k in set(cfg["leaderElection"]) - _SCHEMA["leaderElection"]
+    }
     for p in cfg["profiles"]:
         unknown |= {f"profiles[].{k}" for k in set(p) - _SCHEMA["profiles"]}
     for e in cfg["extenders"]:
         unknown |= {f"extenders[].{k}" for k in set(e) - _SCHEMA["extenders"]}
         for m in e.get("managedResources", []):
             unknown |= {f"managedResources[].{k}" for k in set(m) - _SCHEMA["managedResources"]}
-    assert not unknown, f"kube-scheduler rejects unknown fields (strict decoding): {sorted(unknown)}"
+    assert not unknown, (
+        f"kube-scheduler rejects unknown fields (strict decoding): {sorted(unknown)}"
+    )
 
 
 def test_scheduler_config_passes_kube_scheduler_validation_rules() -> None:
@@ -246,13 +321,19 @@ def test_scheduler_config_passes_kube_scheduler_validation_rules() -> None:
     assert all(names) and len(set(names)) == len(names)
     for p in cfg["profiles"]:
         assert 0 <= p.get("percentageOfNodesToScore", 0) <= 100
-    assert sum(1 for e in cfg["extenders"] if e.get("bindVerb")) <= 1, "only one extender can implement bind"
+    assert sum(1 for e in cfg["extenders"] if e.get("bindVerb")) <= 1, (
+        "only one extender can implement bind"
+    )
     seen: set[str] = set()
     for e in cfg["extenders"]:
         if e.get("prioritizeVerb"):
-            assert isinstance(e.get("weight"), int) and e["weight"] > 0, "prioritizeVerb needs a positive weight"
+            assert isinstance(e.get("weight"), int) and e["weight"] > 0, (
+                "prioritizeVerb needs a positive weight"
+            )
         for m in e.get("managedResources", []):
-            assert _EXTENDED_RESOURCE.match(m["name"]), f"not an extended resource name: {m['name']}"
+            assert _EXTENDED_RESOURCE.match(m["name"]), (
+                f"not an extended resource name: {m['name']}"
+            )
             assert m["name"] not in seen, f"duplicate managed resource {m['name']}"
             seen.add(m["name"])
             assert isinstance(m.get("ignoredByScheduler", False), bool)
@@ -262,7 +343,9 @@ def test_scheduler_config_passes_kube_scheduler_validation_rules() -> None:
 def test_leader_election_uses_its_own_lease_in_our_namespace() -> None:
     le = scheduler_config()["leaderElection"]
     assert le["resourceName"] == "vramsched"
-    assert le["resourceName"] != "kube-scheduler", "would compete with the default scheduler for its lease"
+    assert le["resourceName"] != "kube-scheduler", (
+        "would compete with the default scheduler for its lease"
+    )
     namespace = one(base_objects(), "Namespace")["metadata"]["name"]
     assert le["resourceNamespace"] == namespace
 
@@ -282,7 +365,9 @@ def test_every_configured_verb_is_a_route_of_the_extender() -> None:
     assert all(verbs.values()), f"a verb is not configured: {verbs}"
     for key, verb in verbs.items():
         # kube-scheduler POSTs to strings.TrimRight(urlPrefix, "/") + "/" + verb
-        assert f"{prefix}/{verb}" in routes, f"{key}={verb!r} -> {prefix}/{verb} is not served (routes: {sorted(routes)})"
+        assert f"{prefix}/{verb}" in routes, (
+            f"{key}={verb!r} -> {prefix}/{verb} is not served (routes: {sorted(routes)})"
+        )
 
 
 def test_url_prefix_points_at_the_sidecar_as_started() -> None:
@@ -290,7 +375,9 @@ def test_url_prefix_points_at_the_sidecar_as_started() -> None:
     url = urlparse(ext["urlPrefix"])
     args = serve_args(container(deployment(), "extender")["args"])
     assert url.scheme == "http" and ext.get("enableHTTPS", False) is False and args.tls_cert is None
-    assert url.hostname == args.host == "127.0.0.1", "extender must listen on loopback only, where the scheduler calls it"
+    assert url.hostname == args.host == "127.0.0.1", (
+        "extender must listen on loopback only, where the scheduler calls it"
+    )
     assert url.port == args.port
 
 
@@ -303,7 +390,9 @@ def test_extender_serves_the_profile_scheduler_name() -> None:
 def test_extender_settings_keep_the_vram_ledger_authoritative() -> None:
     ext = the_extender()
     assert ext["nodeCacheCapable"] is True
-    assert ext["ignorable"] is False, "an ignorable extender lets GPU pods through without a reservation"
+    assert ext["ignorable"] is False, (
+        "an ignorable extender lets GPU pods through without a reservation"
+    )
     assert all(m.get("ignoredByScheduler") is False for m in ext["managedResources"])
 
 
@@ -312,8 +401,12 @@ def test_managed_resources_cover_every_resource_the_extender_places() -> None:
     known = {GPU_RESOURCE, SHARED_GPU_RESOURCE} | {
         mig.resource_name(p.name) for model in mig.MODELS.values() for p in model.profiles
     }
-    assert not known - managed, f"pods requesting these would bypass the extender: {sorted(known - managed)}"
-    assert all(is_gpu_resource(n) for n in managed), "a managed resource the extender does not understand"
+    assert not known - managed, (
+        f"pods requesting these would bypass the extender: {sorted(known - managed)}"
+    )
+    assert all(is_gpu_resource(n) for n in managed), (
+        "a managed resource the extender does not understand"
+    )
 
 
 def test_weight_lets_vram_fit_outweigh_vram_blind_scorers_but_not_user_intent() -> None:
@@ -344,19 +437,36 @@ def test_manifest_parses_as_its_kubernetes_type(path: Path) -> None:
 def test_kustomize_renders_the_base(rendered: list[dict[str, Any]]) -> None:
     for doc in rendered:
         check_object(doc)
-    expected = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in base_objects()}
-    got = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in rendered if o["kind"] != "ConfigMap"}
+    expected = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in base_objects()
+    }
+    got = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+        for o in rendered
+        if o["kind"] != "ConfigMap"
+    }
     assert got == expected
     cm = one(rendered, "ConfigMap")
     assert cm["metadata"]["namespace"] == "vramsched"
-    assert re.fullmatch(r"vramsched-scheduler-config-[a-z0-9]{10}", cm["metadata"]["name"]), "hash suffix rolls the pods"
+    assert re.fullmatch(r"vramsched-scheduler-config-[a-z0-9]{10}", cm["metadata"]["name"]), (
+        "hash suffix rolls the pods"
+    )
     assert cm["data"][CONFIG_KEY] == CONFIG.read_text()
     dep = one(rendered, "Deployment", "vramsched")
     pod = dep["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert volume["configMap"]["name"] == cm["metadata"]["name"]
-    mount = one([{"kind": "m", "metadata": {"name": m["name"]}, **m} for m in container(dep, "kube-scheduler")["volumeMounts"]], "m", volume["name"])
-    assert f"--config={mount['mountPath']}/{CONFIG_KEY}" in container(dep, "kube-scheduler")["command"]
+    mount = one(
+        [
+            {"kind": "m", "metadata": {"name": m["name"]}, **m}
+            for m in container(dep, "kube-scheduler")["volumeMounts"]
+        ],
+        "m",
+        volume["name"],
+    )
+    assert (
+        f"--config={mount['mountPath']}/{CONFIG_KEY}" in container(dep, "kube-scheduler")["command"]
+    )
 
 
 def test_kustomize_renders_the_pinning_rbac() -> None:
@@ -404,7 +514,9 @@ def test_container_is_locked_down(name: str) -> None:
     assert {"cpu", "memory"} <= set(c["resources"]["requests"])
     assert "memory" in c["resources"]["limits"]
     image = c["image"]
-    assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), f"unpinned image {image}"
+    assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), (
+        f"unpinned image {image}"
+    )
 
 
 def test_namespace_enforces_restricted_pod_security() -> None:
@@ -450,7 +562,11 @@ def test_metrics_service_selects_the_pods_and_named_ports() -> None:
     svc = one(base_objects(), "Service", "vramsched-metrics")
     assert "ServiceMonitor" not in {o["kind"] for o in base_objects()}
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    ports = {p["name"]: p["containerPort"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    ports = {
+        p["name"]: p["containerPort"]
+        for c in dep["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
     for port in svc["spec"]["ports"]:
         assert port["targetPort"] in ports, port
         assert port["port"] == ports[port["targetPort"]]
@@ -459,7 +575,11 @@ def test_metrics_service_selects_the_pods_and_named_ports() -> None:
     extender = container(dep, "extender")
     args = serve_args(extender["args"])
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/scheme"] == "http"
-    assert int(ann["prometheus.io/port"]) == container_ports(extender)["http-metrics"] == args.metrics_port
+    assert (
+        int(ann["prometheus.io/port"])
+        == container_ports(extender)["http-metrics"]
+        == args.metrics_port
+    )
     assert ("GET", ann["prometheus.io/path"]) in probe_app_paths()
     # ... and kube-scheduler's secure port stays scrapeable as the second port (HTTPS + token).
     assert {p["targetPort"] for p in svc["spec"]["ports"]} == {"http-metrics", "https"}
@@ -512,7 +632,9 @@ def test_kube_scheduler_probes_use_its_secure_port() -> None:
 SA = ("vramsched", "vramsched")  # namespace, name
 
 
-def rules_of(objs: list[dict[str, Any]], kind: str, name: str) -> set[tuple[str, str, str, str | None]]:
+def rules_of(
+    objs: list[dict[str, Any]], kind: str, name: str
+) -> set[tuple[str, str, str, str | None]]:
     """(apiGroup, resource, verb, resourceName) for every combination a role grants."""
     out: set[tuple[str, str, str, str | None]] = set()
     for r in one(objs, kind, name)["rules"]:
@@ -527,9 +649,14 @@ def rules_of(objs: list[dict[str, Any]], kind: str, name: str) -> set[tuple[str,
 
 def test_extender_role_grants_exactly_what_the_extender_uses() -> None:
     assert rules_of(base_objects(), "ClusterRole", "vramsched-extender") == {
-        ("", "pods", "get", None), ("", "pods", "list", None), ("", "pods", "watch", None), ("", "pods", "patch", None),
+        ("", "pods", "get", None),
+        ("", "pods", "list", None),
+        ("", "pods", "watch", None),
+        ("", "pods", "patch", None),
         ("", "pods/binding", "create", None),
-        ("", "nodes", "get", None), ("", "nodes", "list", None), ("", "nodes", "watch", None),
+        ("", "nodes", "get", None),
+        ("", "nodes", "list", None),
+        ("", "nodes", "watch", None),
         ("", "events", "create", None),
     }
 
@@ -537,9 +664,12 @@ def test_extender_role_grants_exactly_what_the_extender_uses() -> None:
 def test_pinning_role_only_creates_and_reads_back_configmaps() -> None:
     # get: only after a 409 on create (a retried bind), to check the existing ConfigMap is this pod's.
     assert rules_of(load(PIN / "rbac.yaml"), "ClusterRole", "vramsched-extender-pinning") == {
-        ("", "configmaps", "create", None), ("", "configmaps", "get", None)
+        ("", "configmaps", "create", None),
+        ("", "configmaps", "get", None),
     }
-    assert not any(o["kind"] == "ClusterRole" and "configmaps" in str(o["rules"]) for o in base_objects())
+    assert not any(
+        o["kind"] == "ClusterRole" and "configmaps" in str(o["rules"]) for o in base_objects()
+    )
 
 
 def test_leader_election_role_is_limited_to_our_lease() -> None:
@@ -576,14 +706,18 @@ def test_every_binding_is_for_the_pods_service_account_only() -> None:
     assert deployment()["spec"]["template"]["spec"]["serviceAccountName"] == SA[1]
     for o in objs:
         if o["kind"] in ("ClusterRoleBinding", "RoleBinding"):
-            assert [(s["kind"], s["namespace"], s["name"]) for s in o["subjects"]] == [("ServiceAccount", *SA)], o["metadata"]["name"]
+            assert [(s["kind"], s["namespace"], s["name"]) for s in o["subjects"]] == [
+                ("ServiceAccount", *SA)
+            ], o["metadata"]["name"]
 
 
 def test_no_role_uses_wildcards_or_touches_secrets() -> None:
     for o in base_objects() + load(PIN / "rbac.yaml"):
         if o["kind"] in ("ClusterRole", "Role"):
             for r in o["rules"]:
-                assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], o["metadata"]["name"]
+                assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], o["metadata"][
+                    "name"
+                ]
                 assert "secrets" not in r["resources"]
 
 
@@ -625,7 +759,9 @@ def test_vllm_memory_fraction_matches_the_reservation() -> None:
             reserved = parse_bytes(meta["annotations"][MODEL_MEMORY])
             budget = fraction * _device_memory_bytes(spec)
             # vLLM must stay inside its reservation, without wasting more than 10% of it.
-            assert Fraction(9, 10) * reserved <= budget <= reserved, f"{path.name}: {float(budget) / 2**30:.2f} GiB"
+            assert Fraction(9, 10) * reserved <= budget <= reserved, (
+                f"{path.name}: {float(budget) / 2**30:.2f} GiB"
+            )
             checked += 1
     assert checked >= 3
 
@@ -663,7 +799,11 @@ def test_mig_example_layouts_are_valid_and_match_the_example_node() -> None:
         for profile, count in entry["mig-devices"].items():
             totals[mig.resource_name(profile)] += count * len(entry["devices"])
         gpus += len(entry["devices"])
-    alloc = {k: int(v) for k, v in node["status"]["allocatable"].items() if k.startswith("nvidia.com/mig-")}
+    alloc = {
+        k: int(v)
+        for k, v in node["status"]["allocatable"].items()
+        if k.startswith("nvidia.com/mig-")
+    }
     assert alloc == dict(totals)
     assert int(labels["nvidia.com/gpu.count"]) == gpus
     inv = node_inventory(node)
@@ -683,13 +823,17 @@ def test_pinned_example_reads_the_configmap_named_after_the_pod() -> None:
 
 def test_pinned_deployment_example_reads_the_gpu_index_annotation() -> None:
     dep = load(EXAMPLES / "pinned-deployment.yaml")[0]
-    assert dep["kind"] == "Deployment", "the downward-API form is the one that works without per-pod names"
-    (meta, spec), = pod_specs(dep)
+    assert dep["kind"] == "Deployment", (
+        "the downward-API form is the one that works without per-pod names"
+    )
+    ((meta, spec),) = pod_specs(dep)
     pod = {"metadata": {"name": "any-random-name", "namespace": "default", **meta}, "spec": spec}
     demand = pod_demand(pod)
     assert demand.pin_annotation and demand.pin_configmap  # pinned pod, no ConfigMap needed
     assert not any("envFrom" in c for c in spec["containers"])
-    assert "vramsched.io/gpu-index" not in meta.get("annotations", {}), "vramsched writes it at bind time"
+    assert "vramsched.io/gpu-index" not in meta.get("annotations", {}), (
+        "vramsched writes it at bind time"
+    )
     # Pinning happens only on time-sliced GPUs: the example must select them.
     assert spec["nodeSelector"]["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
 
@@ -701,7 +845,11 @@ def test_pinned_deployment_example_reads_the_gpu_index_annotation() -> None:
 def dockerfile() -> list[str]:
     """Instructions, continuation lines joined, comments dropped."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_dockerfile_base_is_a_pinned_slim_python() -> None:
@@ -733,13 +881,19 @@ def test_dockerfile_entrypoint_is_what_the_deployment_runs() -> None:
 def test_docker_build_context_has_what_pip_install_needs() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     needed = {"pyproject.toml", project["project"]["readme"]}
-    needed |= {inc.rstrip("*") for inc in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    needed |= {
+        inc.rstrip("*") for inc in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
     copied: set[str] = set()
     for line in dockerfile():
         if line.startswith("COPY") and "--from=" not in line:
             copied |= {s.rstrip("/").removeprefix("./") for s in line.split()[1:-1]}
     assert needed <= copied, f"not copied into the build stage: {needed - copied}"
-    ignored = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    ignored = [
+        p.strip()
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
     assert not needed & set(ignored), f".dockerignore drops {needed & set(ignored)}"
     assert {".git", ".venv"} <= set(ignored)
 
@@ -777,7 +931,10 @@ def rbac_cluster(control_plane: Any, tmp_path: Path) -> Iterator[Any]:
     cp.sa_kubeconfig = cp.service_account_kubeconfig(*SA)
     rbac = load(DEPLOY / "rbac.yaml")
     with cp.api_client() as client:
-        for doc in (one(rbac, "ClusterRole", "vramsched-extender"), one(rbac, "ClusterRoleBinding", "vramsched-extender")):
+        for doc in (
+            one(rbac, "ClusterRole", "vramsched-extender"),
+            one(rbac, "ClusterRoleBinding", "vramsched-extender"),
+        ):
             _create_or_keep(lambda d=doc: kubernetes.utils.create_from_dict(client, d))
     cp.extender = None
     cp.extender_log = tmp_path / "extender.log"
@@ -795,8 +952,11 @@ def rbac_cluster(control_plane: Any, tmp_path: Path) -> Iterator[Any]:
         for name in ("vramsched-extender-pinning",):
             for delete in (rbac_api.delete_cluster_role_binding, rbac_api.delete_cluster_role):
                 _create_or_keep(lambda: delete(name), ok=(404,))
-        cp.wait_for(lambda: not core.list_namespaced_pod("default").items and not core.list_node().items,
-                    timeout=30, message="pods and nodes deleted")
+        cp.wait_for(
+            lambda: not core.list_namespaced_pod("default").items and not core.list_node().items,
+            timeout=30,
+            message="pods and nodes deleted",
+        )
 
 
 def _create_or_keep(call: Any, ok: tuple[int, ...] = (409,)) -> None:
@@ -823,8 +983,11 @@ def _start_extender(cp: Any, args: list[str]) -> str:
     argv = list(args)
     argv[argv.index("--port") + 1] = str(port)
     argv[argv.index("--metrics-port") + 1] = str(probe_port)
-    cp.extender = Component("vramsched", [sys.executable, "-m", "extender", "serve", *argv,
-                                          "--kubeconfig", str(cp.sa_kubeconfig)], cp.extender_log)
+    cp.extender = Component(
+        "vramsched",
+        [sys.executable, "-m", "extender", "serve", *argv, "--kubeconfig", str(cp.sa_kubeconfig)],
+        cp.extender_log,
+    )
     cp.extender.start()
     url = f"http://127.0.0.1:{port}"
     readiness = container(deployment(), "extender")["readinessProbe"]["httpGet"]["path"]
@@ -835,7 +998,12 @@ def _start_extender(cp: Any, args: list[str]) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{probe_port}{readiness}", timeout=2) as resp:
             return resp.status == 200
 
-    cp.wait_for(ready, timeout=60, ignore=(OSError,), message="extender ready (synced as the ServiceAccount)")
+    cp.wait_for(
+        ready,
+        timeout=60,
+        ignore=(OSError,),
+        message="extender ready (synced as the ServiceAccount)",
+    )
     return url
 
 
@@ -844,8 +1012,12 @@ def _example_pod(path: Path, name: str) -> dict[str, Any]:
     if doc["kind"] == "Pod":
         return doc
     meta = doc["spec"]["template"]["metadata"]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default", **meta},
-            "spec": doc["spec"]["template"]["spec"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", **meta},
+        "spec": doc["spec"]["template"]["spec"],
+    }
 
 
 def _bound_node(core: Any, name: str) -> str | None:
@@ -864,8 +1036,11 @@ def test_extender_binds_with_nothing_but_its_deploy_role(rbac_cluster: Any) -> N
     with cp.api_client() as client:
         core = kubernetes.client.CoreV1Api(client)
         core.create_namespaced_pod("default", pod)
-        node = cp.wait_for(lambda: _bound_node(core, "vllm-0"), timeout=60,
-                           message=f"vllm-0 bound\n{cp.extender.describe()}")
+        node = cp.wait_for(
+            lambda: _bound_node(core, "vllm-0"),
+            timeout=60,
+            message=f"vllm-0 bound\n{cp.extender.describe()}",
+        )
         annotations = core.read_namespaced_pod("vllm-0", "default").metadata.annotations
     assert node == "a100-ts-0"
     assignment = yaml.safe_load(annotations["vramsched.io/assignment"])
@@ -890,19 +1065,34 @@ def test_pinning_hand_off_needs_exactly_the_pin_gpus_role(rbac_cluster: Any) -> 
         core.create_namespaced_pod("default", pod)
 
         def refused() -> bool:
-            events = core.list_namespaced_event("default", field_selector=f"involvedObject.name={name}").items
-            return any("forbidden" in (e.message or "").lower() and "configmap" in (e.message or "").lower() for e in events)
+            events = core.list_namespaced_event(
+                "default", field_selector=f"involvedObject.name={name}"
+            ).items
+            return any(
+                "forbidden" in (e.message or "").lower()
+                and "configmap" in (e.message or "").lower()
+                for e in events
+            )
 
-        cp.wait_for(refused, timeout=60, message=f"bind refused for lack of configmaps rights\n{cp.extender.describe()}")
+        cp.wait_for(
+            refused,
+            timeout=60,
+            message=f"bind refused for lack of configmaps rights\n{cp.extender.describe()}",
+        )
         assert _bound_node(core, name) is None
         for doc in load(PIN / "rbac.yaml"):
             _create_or_keep(lambda d=doc: kubernetes.utils.create_from_dict(client, d))
         # A node change sends the unschedulable pod back to the scheduling queue at once.
         core.patch_node("a100-ts-1", {"metadata": {"labels": {"e2e/rbac-granted": "true"}}})
-        node = cp.wait_for(lambda: _bound_node(core, name), timeout=90,
-                           message=f"{name} bound once the pin-gpus role exists\n{cp.extender.describe()}")
+        node = cp.wait_for(
+            lambda: _bound_node(core, name),
+            timeout=90,
+            message=f"{name} bound once the pin-gpus role exists\n{cp.extender.describe()}",
+        )
         cm = core.read_namespaced_config_map(f"vramsched-{name}", "default")
         live = core.read_namespaced_pod(name, "default")
     assert node == "a100-ts-1"
     assert cm.data["NVIDIA_VISIBLE_DEVICES"] == live.metadata.annotations["vramsched.io/gpu-index"]
-    assert [(o.kind, o.name, o.uid) for o in cm.metadata.owner_references] == [("Pod", name, live.metadata.uid)]
+    assert [(o.kind, o.name, o.uid) for o in cm.metadata.owner_references] == [
+        ("Pod", name, live.metadata.uid)
+    ]

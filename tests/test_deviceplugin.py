@@ -8,11 +8,11 @@ every bind passed vramsched's node-level rule, for both policies.
 from __future__ import annotations
 
 import numpy as np
+from builders import cluster, gpu_node, pod
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import cluster, gpu_node, pod
-from extender.demand import pod_demand
+from extender.demand import PodRef, pod_demand
 from extender.deviceplugin import (
     ReplicaPolicy,
     pin_environment,
@@ -22,8 +22,7 @@ from extender.deviceplugin import (
     worst_case_load,
 )
 from extender.ledger import Reservation, check_invariant
-from extender.demand import PodRef
-from extender.placement import choose_devices, filter_nodes, preempt_victims, plugin_allows
+from extender.placement import choose_devices, filter_nodes, plugin_allows, preempt_victims
 
 GIB = 1024**3
 D, P = ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED
@@ -50,7 +49,9 @@ def test_worst_case_of_the_e2e_example() -> None:
     assert worst_case_load([12, 8, 8], 2, 1, gpus=2, replicas=4, policy=P) == 30
     # A 2-replica pod of 5 each makes 4 replicas on 2 GPUs, depth 2: the 12 and the 8 may meet.
     assert worst_case_load([12, 8], 5, 2, gpus=2, replicas=4, policy=D) == 20
-    assert worst_case_load([12, 8], 15, 2, gpus=2, replicas=4, policy=D) == 30  # or its own two replicas
+    assert (
+        worst_case_load([12, 8], 15, 2, gpus=2, replicas=4, policy=D) == 30
+    )  # or its own two replicas
 
 
 def test_per_gpu_books_alone_are_not_sound_under_the_plugin() -> None:
@@ -68,14 +69,22 @@ def test_per_gpu_books_alone_are_not_sound_under_the_plugin() -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["bind", "bind", "admit", "admit", "depart"]), st.integers(1, 100), st.integers(0, 50)),
+    st.tuples(
+        st.sampled_from(["bind", "bind", "admit", "admit", "depart"]),
+        st.integers(1, 100),
+        st.integers(0, 50),
+    ),
     max_size=30,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(gpus=st.integers(1, 3), replicas=st.integers(2, 4), policy=st.sampled_from([D, P]), script=ops)
-def test_no_gpu_overflows_whatever_the_plugin_and_kubelet_do(gpus: int, replicas: int, policy: ReplicaPolicy, script: list) -> None:
+@given(
+    gpus=st.integers(1, 3), replicas=st.integers(2, 4), policy=st.sampled_from([D, P]), script=ops
+)
+def test_no_gpu_overflows_whatever_the_plugin_and_kubelet_do(
+    gpus: int, replicas: int, policy: ReplicaPolicy, script: list
+) -> None:
     """Binds go through vramsched's rule; kubelet admits bound pods in any order; the plugin
     breaks ties any way; pods leave. No GPU ever holds more than its memory."""
     memory = 100
@@ -85,7 +94,10 @@ def test_no_gpu_overflows_whatever_the_plugin_and_kubelet_do(gpus: int, replicas
     next_id = 0
     for kind, size, choice in script:
         if kind == "bind":
-            if len(bound) < gpus * replicas and worst_case_load(list(bound.values()), size, 1, gpus, replicas, policy) <= memory:
+            if (
+                len(bound) < gpus * replicas
+                and worst_case_load(list(bound.values()), size, 1, gpus, replicas, policy) <= memory
+            ):
                 bound[next_id] = size
                 waiting.append(next_id)
                 next_id += 1
@@ -113,14 +125,18 @@ def ts_cluster(policy: str | None, *holds: tuple[str, int, int]):
     c = cluster(gpu_node("ts", count=2, memory_mib=23034, replicas=4))
     c.ledger.replica_policy = policy
     for name, gpu, gib in holds:
-        c.ledger.reserve(Reservation(PodRef("default", name, name), "ts", (str(gpu),), (gib * GIB,)))
+        c.ledger.reserve(
+            Reservation(PodRef("default", name, name), "ts", (str(gpu),), (gib * GIB,))
+        )
     return c
 
 
 def test_distributed_refuses_what_the_plugin_could_stack_and_says_so() -> None:
     c = ts_cluster("distributed", ("a", 0, 12), ("b", 0, 8), ("c", 1, 8))
     out = filter_nodes(c.ledger, pod_demand(pod("d", "12Gi")), ["ts"])
-    assert out.feasible == [] and out.failed == {"ts": "device plugin (distributed) may stack 24Gi on a 22.49Gi GPU"}
+    assert out.feasible == [] and out.failed == {
+        "ts": "device plugin (distributed) may stack 24Gi on a 22.49Gi GPU"
+    }
     assert filter_nodes(c.ledger, pod_demand(pod("e", "2Gi")), ["ts"]).feasible == ["ts"]
     # Exact per-GPU books (no device plugin: embedded cluster, simulator) would take it.
     exact = ts_cluster(None, ("a", 0, 12), ("b", 0, 8), ("c", 1, 8))
@@ -144,7 +160,10 @@ def test_distributed_books_each_replica_on_a_least_used_gpu() -> None:
 def test_mps_and_exclusive_gpus_keep_per_gpu_books() -> None:
     """MPS caps each client at memory/replicas and an exclusive GPU holds one pod: the plugin's
     choice cannot overcommit them, so no node-level rule applies."""
-    c = cluster(gpu_node("mps", count=2, memory_mib=81920, replicas=4, strategy="mps"), gpu_node("x", count=2))
+    c = cluster(
+        gpu_node("mps", count=2, memory_mib=81920, replicas=4, strategy="mps"),
+        gpu_node("x", count=2),
+    )
     c.ledger.replica_policy = "distributed"
     for i in range(6):
         d = pod_demand(pod(f"m{i}", "20Gi"))
@@ -161,7 +180,10 @@ def test_pinning_environment_and_reference() -> None:
     p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-web-0"}}]
     assert references_pin_configmap(p) and pod_demand(p).pin_configmap
     res = Reservation(PodRef("default", "web-0"), "n", ("3", "1"), (GIB, GIB))
-    assert pin_environment(res, pinned=True) == {"NVIDIA_VISIBLE_DEVICES": "1,3", "VRAMSCHED_PINNED": "true"}
+    assert pin_environment(res, pinned=True) == {
+        "NVIDIA_VISIBLE_DEVICES": "1,3",
+        "VRAMSCHED_PINNED": "true",
+    }
     assert pin_environment(res, pinned=False) == {"VRAMSCHED_PINNED": "false"}
     assert pin_environment(res, pinned=True, time_sliced=False) == {"VRAMSCHED_PINNED": "false"}
     mig = Reservation(PodRef("default", "web-0"), "n", ("0:1g.10gb:2",), (GIB,))
@@ -176,11 +198,14 @@ def test_preemption_only_evicts_what_lets_the_pod_past_the_plugins_worst_case() 
     assert preempt_victims(c.ledger, preemptor, {"ts": ["b"]}) == {}
     assert preempt_victims(c.ledger, preemptor, {"ts": ["a"]}) == {"ts": ["a"]}
     exact = ts_cluster(None, ("a", 0, 12), ("b", 1, 8), ("c", 0, 8))
-    assert preempt_victims(exact.ledger, preemptor, {"ts": ["b"]}) == {"ts": ["b"]}  # exact books: it would fit
+    assert preempt_victims(exact.ledger, preemptor, {"ts": ["b"]}) == {
+        "ts": ["b"]
+    }  # exact books: it would fit
 
 
 def test_plugin_allows_checks_devices_chosen_elsewhere_against_the_node_level_bound() -> None:
     """What bind asks of a background plan's GPUs (plans are made on per-GPU books alone)."""
+
     def res(gpu: int, gib: int) -> Reservation:
         return Reservation(PodRef("default", "d", "d"), "ts", (str(gpu),), (gib * GIB,))
 
@@ -190,37 +215,52 @@ def test_plugin_allows_checks_devices_chosen_elsewhere_against_the_node_level_bo
     assert not plugin_allows(c.ledger, d, res(1, 12))  # ... the plugin may stack 12 + 12 on one GPU
     assert plugin_allows(c.ledger, pod_demand(pod("e", "2Gi")), res(1, 2))
     # exact per-GPU books (no replica policy): nothing more to check
-    assert plugin_allows(ts_cluster(None, ("a", 0, 12), ("b", 0, 8), ("c", 1, 8)).ledger, d, res(1, 12))
+    assert plugin_allows(
+        ts_cluster(None, ("a", 0, 12), ("b", 0, 8), ("c", 1, 8)).ledger, d, res(1, 12)
+    )
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     policy=st.sampled_from(["distributed", "packed"]),
-    holds=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 30)), max_size=40),
+    holds=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 30)), max_size=40
+    ),
     gib=st.integers(1, 40),
     count=st.integers(2, 3),
 )
-def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(policy, holds, gib, count) -> None:
+def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
+    policy, holds, gib, count
+) -> None:
     """`shared_fit` bounds every group at once (`_group_worst`); it must equal `worst_case_load`
     group by group, including groups holding more replicas than they have (recorded from the API:
     up to 40 on a node of 12), and groups with no pod (ts-big). Half the pods arrive after the
     view was first built, so its per-group keys are also kept up to date node by node."""
     from extender.deviceplugin import _view, shared_fit
 
-    c = cluster(*(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
-                gpu_node("ts-big", count=2, memory_mib=81920, replicas=8))
+    c = cluster(
+        *(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
+        gpu_node("ts-big", count=2, memory_mib=81920, replicas=8),
+    )
     c.ledger.replica_policy = policy
     a = c.ledger.arrays
     need = np.full(len(a.capacity), gib * GIB, np.int64)
     for j, (node, gpu, size) in enumerate(holds):
         if j == len(holds) // 2:
             shared_fit(c.ledger, need, count, pin_configmap=True)  # the view as it is now
-        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
+        c.ledger.record(
+            Reservation(
+                PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)
+            )
+        )
     fit = shared_fit(c.ledger, need, count, pin_configmap=True)
     v = _view(c.ledger, ReplicaPolicy(policy))
     groups = [g for gs in v.groups.values() for g in gs]
-    assert groups and all(fit.worst[g.rows].tolist() == [worst_case_load(
-        g.sizes, gib * GIB, count, g.gpus, g.replicas, g.policy)] * len(g.rows) for g in groups)
+    assert groups and all(
+        fit.worst[g.rows].tolist()
+        == [worst_case_load(g.sizes, gib * GIB, count, g.gpus, g.replicas, g.policy)] * len(g.rows)
+        for g in groups
+    )
 
 
 def _explain_one_node(fit, demand, r: int) -> str | None:
@@ -235,8 +275,12 @@ def _explain_one_node(fit, demand, r: int) -> str | None:
     match = fit.matches[rows]
     if match.any() and int((match & ~s.needs_pin[rows]).sum()) < demand.gpu_count:
         return PIN_MISSING
-    local = match & (a.used_replicas[rows] < a.replicas[rows]) & (a.capacity[rows] - a.used[rows] >= fit.need[rows]) \
+    local = (
+        match
+        & (a.used_replicas[rows] < a.replicas[rows])
+        & (a.capacity[rows] - a.used[rows] >= fit.need[rows])
         & (a.per_pod_cap[rows] >= fit.need[rows])
+    )
     blocked = local & ~s.allowed[rows]
     if int(local.sum()) < demand.gpu_count or not blocked.any():
         return None
@@ -247,7 +291,9 @@ def _explain_one_node(fit, demand, r: int) -> str | None:
 #: a small time-sliced fleet under a replica policy, pods recorded on it (overcommit included), and a pod
 _POLICY_CASES = dict(
     policy=st.sampled_from(["distributed", "packed", "pinned"]),
-    holds=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 20)), max_size=30),
+    holds=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(1, 20)), max_size=30
+    ),
     gib=st.integers(1, 24),
     gpus=st.integers(1, 2),
     pinned_pod=st.booleans(),
@@ -256,10 +302,17 @@ _POLICY_NODES = ("ts0", "ts1", "ts2", "ts3", "x")
 
 
 def _policy_case(policy: str, holds, gib: int, gpus: int, pinned_pod: bool):
-    c = cluster(*(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)), gpu_node("x", count=2))
+    c = cluster(
+        *(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)),
+        gpu_node("x", count=2),
+    )
     c.ledger.replica_policy = policy
     for j, (node, gpu, size) in enumerate(holds):
-        c.ledger.record(Reservation(PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)))
+        c.ledger.record(
+            Reservation(
+                PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)
+            )
+        )
     p = pod("new", f"{gib}Gi", gpus=gpus)
     if pinned_pod:
         p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-new"}}]
@@ -268,7 +321,9 @@ def _policy_case(policy: str, holds, gib: int, gpus: int, pinned_pod: bool):
 
 @settings(max_examples=60, deadline=None)
 @given(**_POLICY_CASES)
-def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(policy, holds, gib, gpus, pinned_pod) -> None:
+def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(
+    policy, holds, gib, gpus, pinned_pod
+) -> None:
     from extender.deviceplugin import PIN_MISSING
     from extender.placement import _fit
 
@@ -279,7 +334,9 @@ def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(polic
         plugin = reason == PIN_MISSING or reason.startswith("device plugin")
         memory = reason.endswith("free") and not reason.startswith("all GPU replicas")
         if plugin or memory:
-            assert _explain_one_node(fit, d, c.ledger.node_row(name)) == (reason if plugin else None), (name, reason)
+            assert _explain_one_node(fit, d, c.ledger.node_row(name)) == (
+                reason if plugin else None
+            ), (name, reason)
 
 
 def _choose_cluster_wide(ledger, demand, node: str):
@@ -299,7 +356,9 @@ def _choose_cluster_wide(ledger, demand, node: str):
 
 @settings(max_examples=60, deadline=None)
 @given(**_POLICY_CASES)
-def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(policy, holds, gib, gpus, pinned_pod) -> None:
+def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(
+    policy, holds, gib, gpus, pinned_pod
+) -> None:
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
     for node in _POLICY_NODES:
         got = choose_devices(c.ledger, d, node)
@@ -311,7 +370,9 @@ def test_bind_reads_only_its_node_and_chooses_as_over_the_whole_cluster(policy, 
 
 @settings(max_examples=60, deadline=None)
 @given(**_POLICY_CASES)
-def test_the_bound_over_the_cluster_is_each_nodes_bound(policy, holds, gib, gpus, pinned_pod) -> None:
+def test_the_bound_over_the_cluster_is_each_nodes_bound(
+    policy, holds, gib, gpus, pinned_pod
+) -> None:
     """Over every row, `shared_fit` works out only the rows the bound or the pin rule applies to
     and keeps its label-only masks with the view; node by node (bind's slices) or for several
     nodes' rows (kept scores) it works them all out: all give the same rows, asked once or again
@@ -327,14 +388,28 @@ def test_the_bound_over_the_cluster_is_each_nodes_bound(policy, holds, gib, gpus
             sl = slice(int(a.node_start[r]), int(a.node_start[r + 1]))
             part = shared_fit(c.ledger, need[sl], d.gpu_count, d.pin_configmap, sl)
             for field in ("allowed", "worst", "needs_pin", "distributed"):
-                want = np.zeros(sl.stop - sl.start, bool if field != "worst" else np.int64) if part is None else getattr(part, field)
+                want = (
+                    np.zeros(sl.stop - sl.start, bool if field != "worst" else np.int64)
+                    if part is None
+                    else getattr(part, field)
+                )
                 if part is None and field == "allowed":
                     want = np.ones(sl.stop - sl.start, bool)
                 assert getattr(whole, field)[sl].tolist() == want.tolist(), (a.node_names[r], field)
-        for picked in ([0, 2], [1, 2, 3], [0, 4], list(range(len(a.node_names)))):  # several nodes' rows at once
+        for picked in (
+            [0, 2],
+            [1, 2, 3],
+            [0, 4],
+            list(range(len(a.node_names))),
+        ):  # several nodes' rows at once
             rows = np.concatenate([np.arange(a.node_start[r], a.node_start[r + 1]) for r in picked])
             part = shared_fit(c.ledger, need[rows], d.gpu_count, d.pin_configmap, rows)
             if part is not None:
                 for field in ("allowed", "worst", "needs_pin", "distributed"):
-                    assert getattr(part, field).tolist() == getattr(whole, field)[rows].tolist(), (picked, field)
-        c.ledger.record(Reservation(PodRef("default", f"more{extra}", f"m{extra}"), "ts0", ("0",), (3 * GIB,)))
+                    assert getattr(part, field).tolist() == getattr(whole, field)[rows].tolist(), (
+                        picked,
+                        field,
+                    )
+        c.ledger.record(
+            Reservation(PodRef("default", f"more{extra}", f"m{extra}"), "ts0", ("0",), (3 * GIB,))
+        )

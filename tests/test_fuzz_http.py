@@ -21,10 +21,10 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from builders import cluster, gpu_node, mig_mixed_node, pod, service
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builders import cluster, gpu_node, mig_mixed_node, pod, service
 from extender.cluster import check_cluster
 from extender.server import create_app
 from extender.wire import VERBS
@@ -35,7 +35,11 @@ FUZZ = settings(
     derandomize=True,
     database=None,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 NODES = ("a100-0", "h100-0", "mig-0")
 
@@ -73,7 +77,9 @@ class Driver:
 
     def request(self, method: str, path: str, data: bytes | None = None) -> tuple[int, Any]:
         async def go() -> tuple[int, bytes, str]:
-            async with self.client.request(method, path, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with self.client.request(
+                method, path, data=data, headers={"Content-Type": "application/json"}
+            ) as r:
                 return r.status, await r.read(), r.content_type
 
         status, raw, ctype = self.loop.run_until_complete(go())
@@ -85,7 +91,10 @@ class Driver:
         """Everything a refused request must not change: reservations, inventories, per-device totals."""
         ledger = self.cluster.ledger
         a = ledger.arrays
-        held = sorted((r.key, r.node, r.device_ids, r.bytes_per_device, r.assumed) for r in ledger.reservations())
+        held = sorted(
+            (r.key, r.node, r.device_ids, r.bytes_per_device, r.assumed)
+            for r in ledger.reservations()
+        )
         nodes = {n: (ledger.node(n).devices, ledger.node(n).problem) for n in NODES}
         rows = [ledger.row(n, d.device_id) for n in NODES for d in ledger.node(n).devices]
         totals = [(int(a.used[i]), int(a.used_replicas[i])) for i in rows]
@@ -100,11 +109,15 @@ class Driver:
         assert status < 500, body
         assert isinstance(body, (dict, list)), body
         if status >= 400:
-            assert isinstance(body, dict) and isinstance(body.get("Error"), str) and body["Error"], body
+            assert (
+                isinstance(body, dict) and isinstance(body.get("Error"), str) and body["Error"]
+            ), body
         refused = status >= 400 or (isinstance(body, dict) and body.get("Error"))
         if refused:
             self.refused += 1
-            assert self.snapshot() == before, f"{verb} refused ({status} {body}) but changed the ledger"
+            assert self.snapshot() == before, (
+                f"{verb} refused ({status} {body}) but changed the ledger"
+            )
         violations = check_cluster(self.cluster)
         assert violations == [], [str(v) for v in violations]
         health, text = self.request("GET", "/healthz")
@@ -117,7 +130,9 @@ def driver() -> Iterator[Driver]:
     d = Driver()
     yield d
     d.close()
-    print(f"\nfuzz: {d.posts} requests to the verbs ({d.refused} refused), each followed by the checks")
+    print(
+        f"\nfuzz: {d.posts} requests to the verbs ({d.refused} refused), each followed by the checks"
+    )
 
 
 # ----- strategies ---------------------------------------------------------------------------------
@@ -130,36 +145,100 @@ json_scalars = st.one_of(
 )
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 bad_quantities = st.one_of(
-    st.sampled_from([
-        "16Gx", "-1", "-16Gi", "1e400", "1e31", "NaN", "nan", "Infinity", "inf", "", " ", "0", "0Gi", "1e30",
-        "16 Gi", "0x10", "1_000", "9" * 100, "64Ti", "65Ti", "1Pi", "16Gi\n", "1.5.5", ".", "+", "16gi",
-        "\u0661\u0666Gi", "16\x00Gi", "1" * 65,
-    ]),
+    st.sampled_from(
+        [
+            "16Gx",
+            "-1",
+            "-16Gi",
+            "1e400",
+            "1e31",
+            "NaN",
+            "nan",
+            "Infinity",
+            "inf",
+            "",
+            " ",
+            "0",
+            "0Gi",
+            "1e30",
+            "16 Gi",
+            "0x10",
+            "1_000",
+            "9" * 100,
+            "64Ti",
+            "65Ti",
+            "1Pi",
+            "16Gi\n",
+            "1.5.5",
+            ".",
+            "+",
+            "16gi",
+            "\u0661\u0666Gi",
+            "16\x00Gi",
+            "1" * 65,
+        ]
+    ),
     st.sampled_from([16, -1, 0, 1.5, 1e308, None, [], {}, True, [1], {"a": 1}, 2**70]),
     st.text(max_size=12),
 )
 gpu_counts = st.one_of(
-    st.sampled_from(["1", "2", "4", "0", "-1", "65", "64", "1000000", "1.5", "1e400", "NaN", "", "1e2", "500m"]),
+    st.sampled_from(
+        ["1", "2", "4", "0", "-1", "65", "64", "1000000", "1.5", "1e400", "NaN", "", "1e2", "500m"]
+    ),
     st.sampled_from([1, 2, 0, -3, 2**70, 1.0, 1.5, None, True, [], {}]),
 )
 names = st.one_of(
-    st.sampled_from(["p0", "p1", "pending-0", "running-0", "", "x" * 300, "日本", "a/b", "../../etc", "p\x00"]),
+    st.sampled_from(
+        ["p0", "p1", "pending-0", "running-0", "", "x" * 300, "日本", "a/b", "../../etc", "p\x00"]
+    ),
     st.sampled_from([None, 5, [], {}, True]),
     st.text(max_size=20),
 )
-node_names = st.one_of(st.sampled_from(NODES + ("nope", "", "A100-0", "x" * 254, "mig-0 ")), st.text(max_size=10))
-resources = st.sampled_from([
-    "nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-", "nvidia.com/gpux", "cpu",
-])
+node_names = st.one_of(
+    st.sampled_from(NODES + ("nope", "", "A100-0", "x" * 254, "mig-0 ")), st.text(max_size=10)
+)
+resources = st.sampled_from(
+    [
+        "nvidia.com/gpu",
+        "nvidia.com/gpu.shared",
+        "nvidia.com/mig-1g.10gb",
+        "nvidia.com/mig-",
+        "nvidia.com/gpux",
+        "cpu",
+    ]
+)
 CORRUPTIONS = (
-    "none", "metadata-list", "metadata-null", "spec-str", "spec-missing", "containers-dict", "container-int",
-    "resources-list", "requests-list", "annotations-list", "annotation-int", "priority-str", "priority-float",
-    "priority-huge", "status-list", "phase-list", "phase-succeeded", "node-name", "node-name-int", "uid-int",
-    "namespace-int", "init-huge", "two-gpu-resources", "assignment-bogus", "products-odd",
+    "none",
+    "metadata-list",
+    "metadata-null",
+    "spec-str",
+    "spec-missing",
+    "containers-dict",
+    "container-int",
+    "resources-list",
+    "requests-list",
+    "annotations-list",
+    "annotation-int",
+    "priority-str",
+    "priority-float",
+    "priority-huge",
+    "status-list",
+    "phase-list",
+    "phase-succeeded",
+    "node-name",
+    "node-name-int",
+    "uid-int",
+    "namespace-int",
+    "init-huge",
+    "two-gpu-resources",
+    "assignment-bogus",
+    "products-odd",
 )
 
 
@@ -171,15 +250,24 @@ def adversarial_pods(draw: st.DrawFn) -> dict[str, Any]:
     count = draw(gpu_counts)
     annotations: dict[str, Any] = {}
     if draw(st.booleans()):
-        annotations["vramsched.io/model-memory"] = draw(st.one_of(bad_quantities, st.sampled_from(["16Gi", "80Gi", "1Mi"])))
+        annotations["vramsched.io/model-memory"] = draw(
+            st.one_of(bad_quantities, st.sampled_from(["16Gi", "80Gi", "1Mi"]))
+        )
     limits: dict[str, Any] = {resource: count}
     if draw(st.booleans()):
         limits["cpu"] = draw(bad_quantities)
         limits["memory"] = draw(bad_quantities)
     p: dict[str, Any] = {
-        "metadata": {"name": name, "namespace": draw(st.sampled_from(["default", "inference", "", "x" * 300])),
-                     "uid": draw(st.sampled_from(["", "u-1", "u-2"])), "annotations": annotations},
-        "spec": {"schedulerName": "vramsched", "containers": [{"name": "c", "resources": {"limits": limits}}]},
+        "metadata": {
+            "name": name,
+            "namespace": draw(st.sampled_from(["default", "inference", "", "x" * 300])),
+            "uid": draw(st.sampled_from(["", "u-1", "u-2"])),
+            "annotations": annotations,
+        },
+        "spec": {
+            "schedulerName": "vramsched",
+            "containers": [{"name": "c", "resources": {"limits": limits}}],
+        },
         "status": {"phase": "Pending"},
     }
     for _ in range(draw(st.integers(0, 2))):
@@ -189,38 +277,72 @@ def adversarial_pods(draw: st.DrawFn) -> dict[str, Any]:
             break
         containers = spec.get("containers")
         match corruption:
-            case "metadata-list": p["metadata"] = [meta]
-            case "metadata-null": p["metadata"] = None
-            case "spec-str": p["spec"] = "spec"
-            case "spec-missing": del p["spec"]
-            case "containers-dict": spec["containers"] = {"c": containers}
-            case "container-int" if isinstance(containers, list): containers.append(7)
-            case "resources-list" if isinstance(containers, list) and containers and isinstance(containers[0], dict):
+            case "metadata-list":
+                p["metadata"] = [meta]
+            case "metadata-null":
+                p["metadata"] = None
+            case "spec-str":
+                p["spec"] = "spec"
+            case "spec-missing":
+                del p["spec"]
+            case "containers-dict":
+                spec["containers"] = {"c": containers}
+            case "container-int" if isinstance(containers, list):
+                containers.append(7)
+            case "resources-list" if (
+                isinstance(containers, list) and containers and isinstance(containers[0], dict)
+            ):
                 containers[0]["resources"] = [limits]
-            case "requests-list" if isinstance(containers, list) and containers and isinstance(containers[0], dict):
+            case "requests-list" if (
+                isinstance(containers, list) and containers and isinstance(containers[0], dict)
+            ):
                 containers[0]["resources"] = {"requests": [1], "limits": limits}
-            case "annotations-list": meta["annotations"] = ["vramsched.io/model-memory"]
-            case "annotation-int": annotations["vramsched.io/model-memory"] = 17179869184
-            case "priority-str": spec["priority"] = "high"
-            case "priority-float": spec["priority"] = 1.5
-            case "priority-huge": spec["priority"] = 2**80
-            case "status-list": p["status"] = ["Pending"]
-            case "phase-list": p["status"] = {"phase": ["Running"]}
-            case "phase-succeeded": p["status"] = {"phase": "Succeeded"}
-            case "node-name": spec["nodeName"] = draw(node_names)
-            case "node-name-int": spec["nodeName"] = 3
-            case "uid-int": meta["uid"] = 12
-            case "namespace-int": meta["namespace"] = 12
-            case "init-huge": spec["initContainers"] = [{"resources": {"limits": {resource: "1e30"}}}]
+            case "annotations-list":
+                meta["annotations"] = ["vramsched.io/model-memory"]
+            case "annotation-int":
+                annotations["vramsched.io/model-memory"] = 17179869184
+            case "priority-str":
+                spec["priority"] = "high"
+            case "priority-float":
+                spec["priority"] = 1.5
+            case "priority-huge":
+                spec["priority"] = 2**80
+            case "status-list":
+                p["status"] = ["Pending"]
+            case "phase-list":
+                p["status"] = {"phase": ["Running"]}
+            case "phase-succeeded":
+                p["status"] = {"phase": "Succeeded"}
+            case "node-name":
+                spec["nodeName"] = draw(node_names)
+            case "node-name-int":
+                spec["nodeName"] = 3
+            case "uid-int":
+                meta["uid"] = 12
+            case "namespace-int":
+                meta["namespace"] = 12
+            case "init-huge":
+                spec["initContainers"] = [{"resources": {"limits": {resource: "1e30"}}}]
             case "two-gpu-resources" if isinstance(containers, list):
                 containers.append({"resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}})
             case "assignment-bogus":
-                annotations["vramsched.io/assignment"] = draw(st.sampled_from([
-                    '{"node":"a100-0","devices":["0"],"bytesPerDevice":[85899345920000]}', "{", "[]", "null",
-                    '{"node":"h100-0","devices":["0","0"],"bytesPerDevice":[1,1]}',
-                ]))
-            case "products-odd": annotations["vramsched.io/gpu-products"] = draw(st.sampled_from([",,,", "*", "x" * 1000, 5]))
-            case _: pass
+                annotations["vramsched.io/assignment"] = draw(
+                    st.sampled_from(
+                        [
+                            '{"node":"a100-0","devices":["0"],"bytesPerDevice":[85899345920000]}',
+                            "{",
+                            "[]",
+                            "null",
+                            '{"node":"h100-0","devices":["0","0"],"bytesPerDevice":[1,1]}',
+                        ]
+                    )
+                )
+            case "products-odd":
+                annotations["vramsched.io/gpu-products"] = draw(
+                    st.sampled_from([",,,", "*", "x" * 1000, 5])
+                )
+            case _:
+                pass
     if draw(st.booleans()):
         p[draw(st.text(min_size=1, max_size=8))] = draw(json_values)  # an unknown key
     return p
@@ -257,8 +379,24 @@ def fuzz_node(name: str, garbage: Any) -> dict[str, Any]:
         st.binary(max_size=300),
         st.text(max_size=200).map(str.encode),
         json_values.map(orjson.dumps),
-        st.sampled_from([b"", b"null", b"{}", b"[]", b"true", b"0", b'"Pod"', b"{'Pod': 1}", b'{"Pod":', b"\xff\xfe",
-                         b'{"Pod": {}, "Pod": null}', b"\x00" * 64, b'{"Pod": NaN}', b'{"Pod": Infinity}']),
+        st.sampled_from(
+            [
+                b"",
+                b"null",
+                b"{}",
+                b"[]",
+                b"true",
+                b"0",
+                b'"Pod"',
+                b"{'Pod': 1}",
+                b'{"Pod":',
+                b"\xff\xfe",
+                b'{"Pod": {}, "Pod": null}',
+                b"\x00" * 64,
+                b'{"Pod": NaN}',
+                b'{"Pod": Infinity}',
+            ]
+        ),
     ),
 )
 def test_garbage_bodies_are_refused_with_an_error(driver: Driver, verb: str, body: bytes) -> None:
@@ -268,8 +406,14 @@ def test_garbage_bodies_are_refused_with_an_error(driver: Driver, verb: str, bod
 
 
 @settings(FUZZ, max_examples=40)
-@given(verb=st.sampled_from(VERBS), depth=st.integers(min_value=100, max_value=20000), inside=st.booleans())
-def test_deeply_nested_json_is_refused_or_survived(driver: Driver, verb: str, depth: int, inside: bool) -> None:
+@given(
+    verb=st.sampled_from(VERBS),
+    depth=st.integers(min_value=100, max_value=20000),
+    inside=st.booleans(),
+)
+def test_deeply_nested_json_is_refused_or_survived(
+    driver: Driver, verb: str, depth: int, inside: bool
+) -> None:
     nested = b"[" * depth + b"]" * depth
     body = b'{"Pod": {"metadata": {"name": "deep"}, "x": ' + nested + b"}}" if inside else nested
     driver.send(verb, body)
@@ -279,23 +423,44 @@ def test_deeply_nested_json_is_refused_or_survived(driver: Driver, verb: str, de
 @given(
     verb=st.sampled_from(VERBS),
     envelope=st.dictionaries(
-        st.one_of(st.sampled_from(["Pod", "Nodes", "NodeNames", "PodName", "PodNamespace", "PodUID", "Node",
-                                   "NodeNameToVictims", "NodeNameToMetaVictims", "pod", "nodenames"]),
-                  st.text(max_size=10)),
+        st.one_of(
+            st.sampled_from(
+                [
+                    "Pod",
+                    "Nodes",
+                    "NodeNames",
+                    "PodName",
+                    "PodNamespace",
+                    "PodUID",
+                    "Node",
+                    "NodeNameToVictims",
+                    "NodeNameToMetaVictims",
+                    "pod",
+                    "nodenames",
+                ]
+            ),
+            st.text(max_size=10),
+        ),
         json_values,
         max_size=6,
     ),
 )
-def test_wrong_types_missing_null_and_unknown_keys(driver: Driver, verb: str, envelope: dict[str, Any]) -> None:
+def test_wrong_types_missing_null_and_unknown_keys(
+    driver: Driver, verb: str, envelope: dict[str, Any]
+) -> None:
     driver.send(verb, dumps(envelope))
 
 
 @FUZZ
 @given(the_pod=adversarial_pods(), nodes=node_lists, verb=st.sampled_from(["filter", "prioritize"]))
-def test_adversarial_pods_filter_and_prioritize(driver: Driver, the_pod: dict, nodes: list | None, verb: str) -> None:
+def test_adversarial_pods_filter_and_prioritize(
+    driver: Driver, the_pod: dict, nodes: list | None, verb: str
+) -> None:
     status, body = driver.send(verb, dumps({"Pod": the_pod, "NodeNames": nodes}))
     if any(len(n) > 253 for n in nodes or []):
-        assert status == 400 and "NodeNames" in body["Error"]  # not a Kubernetes name: the envelope is wrong
+        assert (
+            status == 400 and "NodeNames" in body["Error"]
+        )  # not a Kubernetes name: the envelope is wrong
         return
     assert status == 200
     if verb == "prioritize":  # unknown nodes get no score, which kube-scheduler reads as no opinion
@@ -304,19 +469,30 @@ def test_adversarial_pods_filter_and_prioritize(driver: Driver, the_pod: dict, n
     elif not body["Error"]:
         sent = set(nodes or [])
         assert set(body["NodeNames"]) <= sent
-        assert set(body["NodeNames"]).isdisjoint(body["FailedNodes"]) and set(body["NodeNames"]).isdisjoint(
-            body["FailedAndUnresolvableNodes"])
+        assert set(body["NodeNames"]).isdisjoint(body["FailedNodes"]) and set(
+            body["NodeNames"]
+        ).isdisjoint(body["FailedAndUnresolvableNodes"])
 
 
 @FUZZ
-@given(the_pod=adversarial_pods(), node=node_lists.filter(bool), uid=st.sampled_from(["", "u-1", "other"]),
-       twice=st.booleans())
-def test_adversarial_pods_bind(driver: Driver, the_pod: dict, node: list, uid: str, twice: bool) -> None:
+@given(
+    the_pod=adversarial_pods(),
+    node=node_lists.filter(bool),
+    uid=st.sampled_from(["", "u-1", "other"]),
+    twice=st.booleans(),
+)
+def test_adversarial_pods_bind(
+    driver: Driver, the_pod: dict, node: list, uid: str, twice: bool
+) -> None:
     """Filter (which is how embedded mode learns a pending pod), then bind it, maybe twice."""
     driver.send("filter", dumps({"Pod": the_pod, "NodeNames": list(NODES)}))
     meta = the_pod.get("metadata") if isinstance(the_pod.get("metadata"), dict) else {}
-    args = {"PodName": meta.get("name"), "PodNamespace": meta.get("namespace") or "default", "PodUID": uid,
-            "Node": node[0]}
+    args = {
+        "PodName": meta.get("name"),
+        "PodNamespace": meta.get("namespace") or "default",
+        "PodUID": uid,
+        "Node": node[0],
+    }
     for _ in range(2 if twice else 1):
         status, body = driver.send("bind", dumps(args))
     key = f"{args['PodNamespace']}/{args['PodName']}"
@@ -328,29 +504,67 @@ def test_adversarial_pods_bind(driver: Driver, the_pod: dict, node: list, uid: s
 @FUZZ
 @given(
     the_pod=adversarial_pods(),
-    meta_victims=st.one_of(st.none(), st.dictionaries(
-        node_names,
-        st.fixed_dictionaries({"Pods": st.lists(st.fixed_dictionaries({"UID": st.sampled_from(["u-1", "", "zz"])}),
-                                                max_size=3)},
-                              optional={"NumPDBViolations": st.sampled_from([0, 1, -1, 2**62])}),
-        max_size=3)),
-    full_victims=st.one_of(st.none(), st.dictionaries(node_names, st.fixed_dictionaries(
-        {"Pods": st.lists(st.one_of(adversarial_pods(), st.just({"metadata": ["x"]})), max_size=2)}), max_size=2)),
+    meta_victims=st.one_of(
+        st.none(),
+        st.dictionaries(
+            node_names,
+            st.fixed_dictionaries(
+                {
+                    "Pods": st.lists(
+                        st.fixed_dictionaries({"UID": st.sampled_from(["u-1", "", "zz"])}),
+                        max_size=3,
+                    )
+                },
+                optional={"NumPDBViolations": st.sampled_from([0, 1, -1, 2**62])},
+            ),
+            max_size=3,
+        ),
+    ),
+    full_victims=st.one_of(
+        st.none(),
+        st.dictionaries(
+            node_names,
+            st.fixed_dictionaries(
+                {
+                    "Pods": st.lists(
+                        st.one_of(adversarial_pods(), st.just({"metadata": ["x"]})), max_size=2
+                    )
+                }
+            ),
+            max_size=2,
+        ),
+    ),
 )
-def test_adversarial_preempt(driver: Driver, the_pod: dict, meta_victims: Any, full_victims: Any) -> None:
-    status, body = driver.send("preempt", dumps(
-        {"Pod": the_pod, "NodeNameToMetaVictims": meta_victims, "NodeNameToVictims": full_victims}))
+def test_adversarial_preempt(
+    driver: Driver, the_pod: dict, meta_victims: Any, full_victims: Any
+) -> None:
+    status, body = driver.send(
+        "preempt",
+        dumps(
+            {
+                "Pod": the_pod,
+                "NodeNameToMetaVictims": meta_victims,
+                "NodeNameToVictims": full_victims,
+            }
+        ),
+    )
     if status == 200:
         proposed = meta_victims if meta_victims is not None else (full_victims or {})
         assert set(body["NodeNameToMetaVictims"]) <= set(proposed)
 
 
 @settings(FUZZ, max_examples=60)
-@given(garbage=st.one_of(json_values, bad_quantities), name=st.text(min_size=1, max_size=8), verb=st.sampled_from(["filter", "prioritize"]))
+@given(
+    garbage=st.one_of(json_values, bad_quantities),
+    name=st.text(min_size=1, max_size=8),
+    verb=st.sampled_from(["filter", "prioritize"]),
+)
 def test_full_node_objects_with_garbage(driver: Driver, garbage: Any, name: str, verb: str) -> None:
     """nodeCacheCapable=false: the scheduler sends whole Nodes, which the extender must survive."""
     nodes = [fuzz_node(name, garbage), {"metadata": garbage}, {"metadata": {"name": garbage}}]
-    status, body = driver.send(verb, dumps({"Pod": pod("p-nodes", "16Gi"), "Nodes": {"items": nodes}}))
+    status, body = driver.send(
+        verb, dumps({"Pod": pod("p-nodes", "16Gi"), "Nodes": {"items": nodes}})
+    )
     assert status == 200
 
 
@@ -383,18 +597,29 @@ def test_deeply_nested_node_echoed_back_by_filter(driver: Driver) -> None:
         return node
 
     deep = node_nested("fuzz-deep", 600)
-    status, body = driver.send("filter", dumps({"Pod": pod("deep-0", "16Gi"), "Nodes": {"items": [deep]}}))
+    status, body = driver.send(
+        "filter", dumps({"Pod": pod("deep-0", "16Gi"), "Nodes": {"items": [deep]}})
+    )
     assert status == 200 and "nested too deeply" in body["Error"]
     fine = node_nested("fuzz-deep", 200)
-    status, body = driver.send("filter", dumps({"Pod": pod("deep-1", "16Gi"), "Nodes": {"items": [fine]}}))
+    status, body = driver.send(
+        "filter", dumps({"Pod": pod("deep-1", "16Gi"), "Nodes": {"items": [fine]}})
+    )
     assert status == 200 and body["Error"] == "" and body["Nodes"]["items"] == [fine]
 
 
 def test_filter_body_cannot_write_a_bound_pod_into_the_ledger(driver: Driver) -> None:
     """Regression: a filter body claiming `nodeName` plus an assignment used to be recorded as bound
     (in embedded mode), oversubscribing a GPU through `record()`."""
-    forged = pod("forged", "900Gi", node="h100-0", phase="Running",
-                 annotations={"vramsched.io/assignment": '{"node":"h100-0","devices":["0"],"bytesPerDevice":[966367641600]}'})
+    forged = pod(
+        "forged",
+        "900Gi",
+        node="h100-0",
+        phase="Running",
+        annotations={
+            "vramsched.io/assignment": '{"node":"h100-0","devices":["0"],"bytesPerDevice":[966367641600]}'
+        },
+    )
     before = driver.snapshot()
     driver.send("filter", dumps({"Pod": forged, "NodeNames": list(NODES)}))
     assert driver.snapshot() == before
@@ -403,8 +628,10 @@ def test_filter_body_cannot_write_a_bound_pod_into_the_ledger(driver: Driver) ->
 
 def test_filter_body_cannot_release_a_running_pod(driver: Driver) -> None:
     """A pod sent as Succeeded (or re-created with another UID) must not free a running pod's VRAM."""
-    for variant in (pod("running-0", "24Gi", namespace="inference", phase="Succeeded"),
-                    pod("running-0", "24Gi", namespace="inference", uid="another-uid")):
+    for variant in (
+        pod("running-0", "24Gi", namespace="inference", phase="Succeeded"),
+        pod("running-0", "24Gi", namespace="inference", uid="another-uid"),
+    ):
         before = driver.snapshot()
         driver.send("filter", dumps({"Pod": variant, "NodeNames": list(NODES)}))
         assert driver.snapshot() == before
@@ -423,21 +650,34 @@ def test_bad_pod_with_nodes_leaves_inventory_alone(driver: Driver) -> None:
 
 
 def test_absurd_but_valid_demands_fit_nowhere(driver: Driver) -> None:
-    for name, memory, gpus in (("huge-mem", "64Ti", 1), ("many-gpus", "16Gi", 64), ("zero-gpus", None, 0)):
+    for name, memory, gpus in (
+        ("huge-mem", "64Ti", 1),
+        ("many-gpus", "16Gi", 64),
+        ("zero-gpus", None, 0),
+    ):
         p = pod(name, memory, gpus=gpus)
         status, body = driver.send("filter", dumps({"Pod": p, "NodeNames": list(NODES)}))
         assert status == 200
         if gpus:
             assert body["NodeNames"] == [] and body["Error"] == ""
-            status, body = driver.send("bind", dumps({"PodName": name, "PodNamespace": "default", "Node": "h100-0"}))
+            status, body = driver.send(
+                "bind", dumps({"PodName": name, "PodNamespace": "default", "Node": "h100-0"})
+            )
             assert body["Error"]
 
 
 def test_preempt_full_victims_with_malformed_metadata(driver: Driver) -> None:
     """Regression: a victim Pod whose metadata was not an object made preempt a 500."""
-    victims = {"h100-0": {"Pods": [{"metadata": ["x"]}, {"metadata": {"uid": 7}}, {}], "NumPDBViolations": 0}}
-    status, body = driver.send("preempt", dumps({"Pod": pod("preemptor", "16Gi", priority=100),
-                                                 "NodeNameToVictims": victims}))
+    victims = {
+        "h100-0": {
+            "Pods": [{"metadata": ["x"]}, {"metadata": {"uid": 7}}, {}],
+            "NumPDBViolations": 0,
+        }
+    }
+    status, body = driver.send(
+        "preempt",
+        dumps({"Pod": pod("preemptor", "16Gi", priority=100), "NodeNameToVictims": victims}),
+    )
     assert status == 200 and set(body["NodeNameToMetaVictims"]) <= {"h100-0"}
 
 
@@ -453,8 +693,12 @@ async def test_embedded_mode_keeps_a_bounded_number_of_learned_pending_pods(monk
         s.filter(ExtenderArgs(Pod=pod(f"big-{i}", "1Ti"), NodeNames=["n0"]))  # fits nowhere
         if i == 100:
             s.filter(ExtenderArgs(Pod=pod("fits", "16Gi"), NodeNames=["n0"]))
-            assert (await s.bind(ExtenderBindingArgs(PodName="fits", PodNamespace="default", Node="n0"))).Error == ""
+            assert (
+                await s.bind(ExtenderBindingArgs(PodName="fits", PodNamespace="default", Node="n0"))
+            ).Error == ""
     learned = [k for k in state.pods if k.startswith("default/big-")]
     assert len(learned) == 50 and "default/big-199" in learned and "default/big-0" not in learned
-    assert "default/from-file" in state.pods and state.pods["default/fits"]["spec"]["nodeName"] == "n0"
+    assert (
+        "default/from-file" in state.pods and state.pods["default/fits"]["spec"]["nodeName"] == "n0"
+    )
     assert check_cluster(state) == []

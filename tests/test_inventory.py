@@ -10,7 +10,9 @@ def test_exclusive_gpus_from_labels():
     assert len(inv.devices) == 8
     d = inv.devices[3]
     assert isinstance(d, Gpu) and d.index == 3 and d.memory_bytes == 81559 * MIB
-    assert d.sharing is Sharing.EXCLUSIVE and d.replicas == 1 and d.per_pod_cap_bytes == d.memory_bytes
+    assert (
+        d.sharing is Sharing.EXCLUSIVE and d.replicas == 1 and d.per_pod_cap_bytes == d.memory_bytes
+    )
 
 
 def test_time_slicing_uses_per_gpu_replicas_and_shared_suffix():
@@ -63,13 +65,18 @@ def test_missing_labels_name_the_label():
 def test_mig_single_strategy_slices():
     inv = node_inventory(mig_single_node("n", "1g.10gb", slices=14, memory_mib=9984))
     assert inv.problem is None and len(inv.devices) == 14
-    assert all(isinstance(d, MigSlice) and d.profile == "1g.10gb" and d.memory_bytes == 9984 * MIB for d in inv.devices)
+    assert all(
+        isinstance(d, MigSlice) and d.profile == "1g.10gb" and d.memory_bytes == 9984 * MIB
+        for d in inv.devices
+    )
     assert {d.gpu_index for d in inv.devices} == {0, 1}
     assert len({d.device_id for d in inv.devices}) == 14
 
 
 def test_mig_mixed_strategy_uses_labelled_memory():
-    inv = node_inventory(mig_mixed_node("n", {"1g.10gb": (2, 9984), "2g.20gb": (1, 20096), "3g.40gb": (1, 40192)}))
+    inv = node_inventory(
+        mig_mixed_node("n", {"1g.10gb": (2, 9984), "2g.20gb": (1, 20096), "3g.40gb": (1, 40192)})
+    )
     assert inv.problem is None
     by_profile = {}
     for d in inv.devices:

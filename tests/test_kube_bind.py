@@ -10,8 +10,9 @@ import time
 from typing import Any
 
 import orjson
-
 from builders import gpu_node, pod
+from kube_fakes import FakeApi
+
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
 from extender.deviceplugin import PIN_MISSING
@@ -19,7 +20,6 @@ from extender.kube import ApiError, EventRecorder, LiveService, LiveSource
 from extender.ledger import check_invariant
 from extender.server import METRICS_KEY, create_app
 from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderPreemptionArgs
-from kube_fakes import FakeApi
 
 GIB = 1024**3
 
@@ -39,7 +39,9 @@ def downward_pod(name: str, memory: str, **kw: Any) -> dict[str, Any]:
     return p
 
 
-def live(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], **kw: Any) -> tuple[LiveService, FakeApi, ClusterState]:
+def live(
+    nodes: list[dict[str, Any]], pods: list[dict[str, Any]], **kw: Any
+) -> tuple[LiveService, FakeApi, ClusterState]:
     """A synced live service whose API is the fake; the pods exist in both."""
     api = FakeApi()
     c = ClusterState()
@@ -52,7 +54,12 @@ def live(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], **kw: Any) -> 
 
 
 def bind_args(p: dict[str, Any], node: str) -> ExtenderBindingArgs:
-    return ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", PodUID=p["metadata"]["uid"], Node=node)
+    return ExtenderBindingArgs(
+        PodName=p["metadata"]["name"],
+        PodNamespace="default",
+        PodUID=p["metadata"]["uid"],
+        Node=node,
+    )
 
 
 def filter_args(p: dict[str, Any], nodes: list[str]) -> ExtenderArgs:
@@ -66,7 +73,9 @@ async def test_annotations_are_written_before_the_binding() -> None:
     assert result.Error == ""
     assert api.writes() == ["patch_pod", "create_binding"]
     patch = api.calls[0][3]
-    assert patch["metadata"]["uid"] == p["metadata"]["uid"]  # precondition: never annotate a re-created pod
+    assert (
+        patch["metadata"]["uid"] == p["metadata"]["uid"]
+    )  # precondition: never annotate a re-created pod
     assignment = orjson.loads(patch["metadata"]["annotations"][ASSIGNMENT])
     assert assignment["node"] == "n1" and assignment["bytesPerDevice"] == [30 * GIB]
     # The device plugin picks the physical GPU: no index is claimed (and a stale one is removed).
@@ -86,7 +95,10 @@ async def test_a_retried_bind_whose_binding_landed_succeeds_once() -> None:
     assert (await service.bind(bind_args(p, "n1"))).Error == ""
     again = await service.bind(bind_args(p, "n1"))  # the watch has not shown the binding yet
     assert again.Error == ""
-    assert [w for w in api.writes() if w == "create_binding"] == ["create_binding", "create_binding"]
+    assert [w for w in api.writes() if w == "create_binding"] == [
+        "create_binding",
+        "create_binding",
+    ]
     assert ("read_pod", "default", "p") in api.calls
     assert len(list(c.ledger.reservations())) == 1
     assert check_invariant(c.ledger) == []
@@ -125,7 +137,9 @@ async def test_an_uncertain_binding_keeps_the_assumed_hold_and_the_retry_confirm
 async def test_a_definite_failure_rolls_back_and_removes_the_annotation() -> None:
     p = pod("p", "30Gi")
     service, api, c = live([gpu_node("n1")], [p])
-    api.fail["create_binding"] = [ApiError(403, "Forbidden", 'cannot create resource "pods/binding"')]
+    api.fail["create_binding"] = [
+        ApiError(403, "Forbidden", 'cannot create resource "pods/binding"')
+    ]
     result = await service.bind(bind_args(p, "n1"))
     assert "forbidden by RBAC" in result.Error
     assert c.ledger.reservation("default/p") is None
@@ -146,7 +160,9 @@ async def test_only_holds_of_unsettled_binds_expire_after_their_ttl() -> None:
     """A bind whose outcome is unknown holds its GPU for the TTL; one the API accepted holds it
     until the watch shows the pod (or a relist shows it gone), however late that is."""
     a, b, u = pod("a", "60Gi"), pod("b", "60Gi"), pod("u", "60Gi")
-    service, api, c = live([gpu_node("n1", count=1), gpu_node("n2", count=1), gpu_node("n3", count=1)], [a, b, u])
+    service, api, c = live(
+        [gpu_node("n1", count=1), gpu_node("n2", count=1), gpu_node("n3", count=1)], [a, b, u]
+    )
     assert (await service.bind(bind_args(a, "n1"))).Error == ""
     assert (await service.bind(bind_args(b, "n2"))).Error == ""
     api.fail["create_binding"] = [ApiError(504, "Timeout", "etcd request timed out")]
@@ -187,13 +203,18 @@ async def test_pinned_policy_writes_a_configmap_owned_by_the_pod() -> None:
     cm = api.configmaps["default/vramsched-p"]
     index = api.pods["default/p"]["metadata"]["annotations"][GPU_INDEX]
     assert cm["data"] == {"NVIDIA_VISIBLE_DEVICES": index, "VRAMSCHED_PINNED": "true"}
-    assert cm["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": p["metadata"]["uid"]}]
+    assert cm["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": p["metadata"]["uid"]}
+    ]
     # A retry finds its own ConfigMap: fine. Someone else's: refused.
     assert (await service.bind(bind_args(p, "ts"))).Error == ""
     q = pinned_pod("q", "4Gi")
     api.add_pod(q)
     c.upsert_pod(q)
-    api.configmaps["default/vramsched-q"] = {"metadata": {"name": "vramsched-q", "ownerReferences": [{"uid": "older-q"}]}, "data": {}}
+    api.configmaps["default/vramsched-q"] = {
+        "metadata": {"name": "vramsched-q", "ownerReferences": [{"uid": "older-q"}]},
+        "data": {},
+    }
     result = await service.bind(bind_args(q, "ts"))
     assert "belongs to another pod" in result.Error and c.ledger.reservation("default/q") is None
 
@@ -209,16 +230,24 @@ async def test_without_pinning_a_referenced_configmap_still_exists_but_pins_noth
 
 async def test_pinned_policy_refuses_time_sliced_nodes_to_pods_that_cannot_be_pinned() -> None:
     plain = pod("plain", "4Gi")
-    service, api, c = live([gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1)], [plain],
-                           replica_policy="pinned")
+    service, api, c = live(
+        [gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1)],
+        [plain],
+        replica_policy="pinned",
+    )
     result = service.filter(filter_args(plain, ["ts", "whole"]))
     assert result.NodeNames == ["whole"]  # an exclusive GPU's identity does not matter
-    assert result.FailedNodes == result.FailedAndUnresolvableNodes == {}  # a node passes: no reasons by default
+    assert (
+        result.FailedNodes == result.FailedAndUnresolvableNodes == {}
+    )  # a node passes: no reasons by default
     service.explain_all = True
     result = service.filter(filter_args(plain, ["ts", "whole"]))
     assert result.NodeNames == ["whole"]
     assert result.FailedAndUnresolvableNodes == {"ts": PIN_MISSING}
-    assert "envFrom ConfigMap vramsched-<pod-name>" in PIN_MISSING and "vramsched.io/gpu-index" in PIN_MISSING
+    assert (
+        "envFrom ConfigMap vramsched-<pod-name>" in PIN_MISSING
+        and "vramsched.io/gpu-index" in PIN_MISSING
+    )
 
 
 async def test_when_the_pin_rule_leaves_no_node_every_refused_node_is_explained() -> None:
@@ -232,7 +261,9 @@ async def test_when_the_pin_rule_leaves_no_node_every_refused_node_is_explained(
     assert result.NodeNames == []
     assert "cannot be pinned" in result.FailedAndUnresolvableNodes["whole"]
     assert "need 12Gi per GPU" in result.FailedAndUnresolvableNodes["small"]
-    assert result.FailedNodes == result.FailedAndUnresolvableNodes  # kube-scheduler < 1.21 reads this one
+    assert (
+        result.FailedNodes == result.FailedAndUnresolvableNodes
+    )  # kube-scheduler < 1.21 reads this one
 
 
 async def test_a_pod_the_watch_has_not_delivered_yet_is_read_from_the_api() -> None:
@@ -244,13 +275,18 @@ async def test_a_pod_the_watch_has_not_delivered_yet_is_read_from_the_api() -> N
     assert api.pods["default/fresh"]["spec"]["nodeName"] == "n1"
     assert c.ledger.reservation("default/fresh") is not None
     gone = pod("gone", "1Gi")
-    assert "unknown to vramsched and unreadable (404" in (await service.bind(bind_args(gone, "n1"))).Error
+    assert (
+        "unknown to vramsched and unreadable (404"
+        in (await service.bind(bind_args(gone, "n1"))).Error
+    )
 
 
 # ----- the downward-API pin: NVIDIA_VISIBLE_DEVICES from the gpu-index annotation -------------------
 
 
-async def test_pinned_policy_takes_a_downward_api_pod_on_time_sliced_gpus_and_annotates_before_binding() -> None:
+async def test_pinned_policy_takes_a_downward_api_pod_on_time_sliced_gpus_and_annotates_before_binding() -> (
+    None
+):
     p = downward_pod("web-7f9c-x2", "12Gi")
     node = gpu_node("ts", count=2, memory_mib=23034, replicas=4)
     service, api, c = live([node], [p], replica_policy="pinned")
@@ -270,9 +306,11 @@ async def test_pinned_policy_takes_a_downward_api_pod_on_time_sliced_gpus_and_an
         assert service.filter(filter_args(q, ["ts"])).NodeNames == ["ts"], name
         assert (await service.bind(bind_args(q, "ts"))).Error == ""
     per_gpu: dict[str, int] = {}
-    for key, stored in api.pods.items():
+    for _key, stored in api.pods.items():
         ann = stored["metadata"]["annotations"]
-        per_gpu[ann[GPU_INDEX]] = per_gpu.get(ann[GPU_INDEX], 0) + orjson.loads(ann[ASSIGNMENT])["bytesPerDevice"][0]
+        per_gpu[ann[GPU_INDEX]] = (
+            per_gpu.get(ann[GPU_INDEX], 0) + orjson.loads(ann[ASSIGNMENT])["bytesPerDevice"][0]
+        )
     assert sorted(per_gpu.values()) == [20 * GIB, 20 * GIB]
     assert check_invariant(c.ledger) == []
 
@@ -289,7 +327,9 @@ async def test_a_downward_api_pod_is_kept_where_no_index_would_be_written() -> N
     result = service.filter(filter_args(p, ["ts", "whole"]))
     assert result.NodeNames == ["ts"]
     assert "cannot be pinned" in result.FailedAndUnresolvableNodes["whole"]
-    assert result.FailedNodes["whole"] == result.FailedAndUnresolvableNodes["whole"]  # kube-scheduler < 1.21
+    assert (
+        result.FailedNodes["whole"] == result.FailedAndUnresolvableNodes["whole"]
+    )  # kube-scheduler < 1.21
     # The same pod without the env var may use the exclusive GPU: the check is the pod's form.
     plain = pod("plain", "12Gi")
     assert service.filter(filter_args(plain, ["whole"])).NodeNames == ["whole"]
@@ -306,21 +346,29 @@ async def test_a_downward_api_pod_is_refused_everywhere_unless_gpus_are_pinned()
     result = service.filter(filter_args(p, ["ts", "whole"]))
     assert result.NodeNames == []
     assert set(result.FailedAndUnresolvableNodes) == {"ts", "whole"}
-    assert all("only with --replica-policy pinned" in m for m in result.FailedAndUnresolvableNodes.values())
+    assert all(
+        "only with --replica-policy pinned" in m for m in result.FailedAndUnresolvableNodes.values()
+    )
     assert "would start without a GPU" in (await service.bind(bind_args(p, "ts"))).Error
     assert api.writes() == []
 
 
-async def test_preemption_never_evicts_for_a_downward_api_pod_on_a_node_that_cannot_pin_it() -> None:
+async def test_preemption_never_evicts_for_a_downward_api_pod_on_a_node_that_cannot_pin_it() -> (
+    None
+):
     victim = pod("victim", "70Gi", node="whole", priority=0)
     nodes = [gpu_node("whole", count=1)]
     service, api, c = live(nodes, [victim], replica_policy="pinned")
     victims = {"whole": {"Pods": [{"UID": victim["metadata"]["uid"]}], "NumPDBViolations": 0}}
     plain = pod("plain", "70Gi", priority=100)
-    chosen = service.preempt(ExtenderPreemptionArgs.model_validate({"Pod": plain, "NodeNameToMetaVictims": victims}))
+    chosen = service.preempt(
+        ExtenderPreemptionArgs.model_validate({"Pod": plain, "NodeNameToMetaVictims": victims})
+    )
     assert set(chosen.NodeNameToMetaVictims) == {"whole"}  # a plain pod would evict it
     downward = downward_pod("web-1", "70Gi", priority=100)
-    chosen = service.preempt(ExtenderPreemptionArgs.model_validate({"Pod": downward, "NodeNameToMetaVictims": victims}))
+    chosen = service.preempt(
+        ExtenderPreemptionArgs.model_validate({"Pod": downward, "NodeNameToMetaVictims": victims})
+    )
     assert chosen.NodeNameToMetaVictims == {}
 
 
@@ -336,10 +384,20 @@ async def test_each_bind_records_one_assigned_event_on_the_pod() -> None:
     (event,) = api.events
     index = api.pods["default/p"]["metadata"]["annotations"][GPU_INDEX]
     assert event["reason"] == "VramschedAssigned" and event["type"] == "Normal"
-    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "default", "name": "p",
-                                       "uid": p["metadata"]["uid"]}
-    assert event["metadata"]["namespace"] == "default" and event["metadata"]["name"].startswith("p.")
-    assert event["message"] == f"reserved 12Gi on GPU {index} of ts (time-slicing, 1/4 replicas, pinned)"
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": "default",
+        "name": "p",
+        "uid": p["metadata"]["uid"],
+    }
+    assert event["metadata"]["namespace"] == "default" and event["metadata"]["name"].startswith(
+        "p."
+    )
+    assert (
+        event["message"]
+        == f"reserved 12Gi on GPU {index} of ts (time-slicing, 1/4 replicas, pinned)"
+    )
     assert event["firstTimestamp"] == event["lastTimestamp"] and event["count"] == 1
     assert "eventTime" not in event  # core/v1 legacy rules: valid on 1.20 as on today's servers
     # The event comes after the Binding, never before.
@@ -353,7 +411,10 @@ async def test_unpinned_events_name_the_device_counted_not_a_gpu_claimed() -> No
     assert (await service.bind(bind_args(p, "n1"))).Error == ""
     await service.source.binder.events.drain()
     (event,) = api.events
-    assert event["message"] == "reserved 30Gi on a GPU of n1 (exclusive, counted on GPU 0; the device plugin picks the GPU)"
+    assert (
+        event["message"]
+        == "reserved 30Gi on a GPU of n1 (exclusive, counted on GPU 0; the device plugin picks the GPU)"
+    )
 
 
 async def test_a_failing_event_call_does_not_fail_the_bind() -> None:
@@ -379,7 +440,9 @@ async def test_a_stuck_events_api_delays_no_bind_and_the_queue_drops_beyond_its_
     api.fail["create_event"] = [lambda: release.wait(10)]
     try:
         for i, p in enumerate(pods):
-            result = await asyncio.wait_for(service.bind(bind_args(p, "n1" if i % 2 else "n2")), timeout=5)
+            result = await asyncio.wait_for(
+                service.bind(bind_args(p, "n1" if i % 2 else "n2")), timeout=5
+            )
             assert result.Error == ""
         # One event is stuck in the API, two wait in the queue, two were dropped.
         assert (recorder.queued, recorder.dropped, recorder.sent) == (2, 2, 0)

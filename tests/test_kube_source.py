@@ -10,14 +10,14 @@ from typing import Any
 
 import orjson
 import pytest
-
 from builders import gpu_node, pod
+from kube_fakes import FakeApi
+
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT
 from extender.kube import NOT_SYNCED, ApiError, Informer, LiveService, LiveSource
 from extender.ledger import check_invariant
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
-from kube_fakes import FakeApi
 
 
 def ev(kind: str, obj: dict[str, Any], rv: str) -> dict[str, Any]:
@@ -31,13 +31,30 @@ def bookmark(rv: str) -> dict[str, Any]:
 
 
 def gone() -> dict[str, Any]:
-    return {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old resource version"}}
+    return {
+        "type": "ERROR",
+        "object": {
+            "kind": "Status",
+            "code": 410,
+            "reason": "Expired",
+            "message": "too old resource version",
+        },
+    }
 
 
-def run_informer(api: FakeApi, kind: str = "pods", **kw: Any) -> tuple[Informer, list[tuple[str, Any]]]:
+def run_informer(
+    api: FakeApi, kind: str = "pods", **kw: Any
+) -> tuple[Informer, list[tuple[str, Any]]]:
     """Run an informer in this thread until the fake's scripts are used up."""
     got: list[tuple[str, Any]] = []
-    inf = Informer(kind, api, lambda op, obj: got.append((op, obj)), backoff_initial=0.001, backoff_max=0.004, **kw)
+    inf = Informer(
+        kind,
+        api,
+        lambda op, obj: got.append((op, obj)),
+        backoff_initial=0.001,
+        backoff_max=0.004,
+        **kw,
+    )
     api.on_exhausted = lambda _kind: inf.stop()
     inf.run()
     return inf, got
@@ -60,12 +77,19 @@ def test_watch_resumes_from_the_last_version_seen_without_relisting() -> None:
     api = FakeApi()
     api.lists["pods"] = [([pod("a")], "10")]
     api.watches["pods"] = [
-        [ev("ADDED", pod("b"), "11"), ev("MODIFIED", pod("b"), "12")],  # then the server times the watch out
+        [
+            ev("ADDED", pod("b"), "11"),
+            ev("MODIFIED", pod("b"), "12"),
+        ],  # then the server times the watch out
         [ev("DELETED", pod("a"), "13")],
     ]
     inf, got = run_informer(api)
     watch_calls = [c for c in api.calls if c[0] == "watch"]
-    assert watch_calls[:3] == [("watch", "pods", "10"), ("watch", "pods", "12"), ("watch", "pods", "13")]
+    assert watch_calls[:3] == [
+        ("watch", "pods", "10"),
+        ("watch", "pods", "12"),
+        ("watch", "pods", "13"),
+    ]
     assert [c for c in api.calls if c[0] == "list"] == [("list", "pods")]
     assert names(got) == [("replace", ["a"]), ("ADDED", "b"), ("MODIFIED", "b"), ("DELETED", "a")]
     assert inf.stats.watch_resumes == 2 and inf.stats.relists_gone == 0 and inf.stats.synced
@@ -85,8 +109,10 @@ def test_410_gone_relists_and_watches_from_the_new_list(how: str) -> None:
     api = FakeApi()
     api.lists["pods"] = [([pod("a")], "10"), ([pod("b")], "90")]
     expired = [gone()] if how == "error event" else ApiError(410, "Expired", "too old")
-    api.watches["pods"] = [[ev("ADDED", pod("c"), "11")] + ([] if how == "http status" else expired),
-                           [ev("ADDED", pod("d"), "91")]]
+    api.watches["pods"] = [
+        [ev("ADDED", pod("c"), "11")] + ([] if how == "http status" else expired),
+        [ev("ADDED", pod("d"), "91")],
+    ]
     if how == "http status":
         api.watches["pods"].insert(1, expired)
     inf, got = run_informer(api)
@@ -106,8 +132,14 @@ def test_connection_errors_back_off_and_resume_without_a_relist() -> None:
         [ev("ADDED", pod("c"), "12")],
     ]
     inf, got = run_informer(api)
-    assert [c for c in api.calls if c[0] == "list"] == [("list", "pods")] * 2  # the first one failed
-    assert [c for c in api.calls if c[0] == "watch"][:3] == [("watch", "pods", "10"), ("watch", "pods", "11"), ("watch", "pods", "11")]
+    assert [c for c in api.calls if c[0] == "list"] == [
+        ("list", "pods")
+    ] * 2  # the first one failed
+    assert [c for c in api.calls if c[0] == "watch"][:3] == [
+        ("watch", "pods", "10"),
+        ("watch", "pods", "11"),
+        ("watch", "pods", "11"),
+    ]
     assert names(got) == [("replace", ["a"]), ("ADDED", "b"), ("ADDED", "c")]
     assert inf.stats.errors == 3 and "apiserver restarting" in inf.stats.last_error
 
@@ -163,7 +195,12 @@ def test_ready_only_after_nodes_and_pods_are_both_listed() -> None:
     assert src.ready()[0] is False
     src.apply("pods", "replace", [assigned("p", "n1", ["2"], 16 * GIB)])
     ready, detail = src.ready()
-    assert ready and detail["nodes"] == 1 and detail["pods"] == 1 and detail["replicaPolicy"] == "distributed"
+    assert (
+        ready
+        and detail["nodes"] == 1
+        and detail["pods"] == 1
+        and detail["replicaPolicy"] == "distributed"
+    )
     assert holds(c) == {"default/p": ("n1", ("2",))}
 
 
@@ -178,13 +215,19 @@ def test_a_full_pod_list_is_left_out_of_later_garbage_collections() -> None:
     before = gc.get_freeze_count()
     src.apply("pods", "replace", [pod])
     assert gc.get_freeze_count() > before
-    assert not any(o is c.pods["default/p"] for o in gc.get_objects())  # in no generation a collection scans
+    assert not any(
+        o is c.pods["default/p"] for o in gc.get_objects()
+    )  # in no generation a collection scans
 
 
 def test_a_restart_rebuilds_the_same_ledger_from_the_same_objects() -> None:
     objects = [gpu_node("n1", replicas=4), gpu_node("n2")]
-    pods = [assigned("a", "n1", ["0"], 30 * GIB), assigned("b", "n1", ["0"], 20 * GIB), assigned("c", "n2", ["1"], 80 * GIB),
-            pod("pending", "10Gi")]
+    pods = [
+        assigned("a", "n1", ["0"], 30 * GIB),
+        assigned("b", "n1", ["0"], 20 * GIB),
+        assigned("c", "n2", ["1"], 80 * GIB),
+        pod("pending", "10Gi"),
+    ]
     first, c1 = source()
     first.apply("nodes", "replace", objects)
     first.apply("pods", "replace", pods)
@@ -209,7 +252,9 @@ def test_relist_drops_what_disappeared_and_keeps_what_is_still_there() -> None:
 def test_terminal_and_deleted_pods_release_but_terminating_pods_keep_their_vram() -> None:
     src, c = source()
     src.apply("nodes", "replace", [gpu_node("n1")])
-    a, b, t = (assigned(n, "n1", [d], GIB, uid=f"u-{n}") for n, d in (("a", "0"), ("b", "1"), ("t", "2")))
+    a, b, t = (
+        assigned(n, "n1", [d], GIB, uid=f"u-{n}") for n, d in (("a", "0"), ("b", "1"), ("t", "2"))
+    )
     src.apply("pods", "replace", [a, b, t])
     src.apply("pods", "MODIFIED", {**a, "status": {"phase": "Succeeded"}})
     src.apply("pods", "DELETED", b)
@@ -226,7 +271,9 @@ def test_terminal_and_deleted_pods_release_but_terminating_pods_keep_their_vram(
 def test_a_pod_seen_before_its_node_is_counted_when_the_node_arrives() -> None:
     src, c = source()
     src.apply("nodes", "replace", [])
-    src.apply("pods", "replace", [pod("early", "40Gi", node="late-node")])  # bound by someone else, no assignment
+    src.apply(
+        "pods", "replace", [pod("early", "40Gi", node="late-node")]
+    )  # bound by someone else, no assignment
     assert holds(c) == {}
     src.apply("nodes", "ADDED", gpu_node("late-node"))
     assert list(holds(c)) == ["default/early"]
@@ -262,8 +309,14 @@ async def test_verbs_are_refused_until_the_first_sync() -> None:
     p = pod("p", "10Gi")
     result = service.filter(ExtenderArgs.model_validate({"Pod": p, "NodeNames": ["n1"]}))
     assert result.Error == NOT_SYNCED
-    bound = await service.bind(ExtenderBindingArgs(PodName="p", PodNamespace="default", PodUID=p["metadata"]["uid"], Node="n1"))
+    bound = await service.bind(
+        ExtenderBindingArgs(
+            PodName="p", PodNamespace="default", PodUID=p["metadata"]["uid"], Node="n1"
+        )
+    )
     assert bound.Error == NOT_SYNCED
     src.apply("nodes", "replace", [gpu_node("n1")])
     src.apply("pods", "replace", [p])
-    assert service.filter(ExtenderArgs.model_validate({"Pod": p, "NodeNames": ["n1"]})).NodeNames == ["n1"]
+    assert service.filter(
+        ExtenderArgs.model_validate({"Pod": p, "NodeNames": ["n1"]})
+    ).NodeNames == ["n1"]

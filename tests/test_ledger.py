@@ -15,7 +15,9 @@ def _ledger(*nodes):
 
 
 def res(name, node, devices, gib, **kw):
-    return Reservation(PodRef("ns", name, f"u-{name}"), node, tuple(devices), tuple(g * GIB for g in gib), **kw)
+    return Reservation(
+        PodRef("ns", name, f"u-{name}"), node, tuple(devices), tuple(g * GIB for g in gib), **kw
+    )
 
 
 def test_reserve_checks_memory_and_replicas():
@@ -84,29 +86,50 @@ def test_invariant_checker_detects_overcommit_and_ghosts():
 def test_cluster_rebuild_from_annotations_is_identical():
     from extender.service import EmbeddedBinder
 
-    objs = [gpu_node("n", count=2, replicas=4), pod("a", "30Gi"), pod("b", "60Gi"), pod("c", "20Gi")]
+    objs = [
+        gpu_node("n", count=2, replicas=4),
+        pod("a", "30Gi"),
+        pod("b", "60Gi"),
+        pod("c", "20Gi"),
+    ]
     c1 = cluster(*objs)
     binder = EmbeddedBinder(c1)
     import asyncio
 
-    from extender.placement import choose_devices
     from extender.demand import pod_demand
+    from extender.placement import choose_devices
 
     for key in ["default/a", "default/b", "default/c"]:
         p = c1.pod(key)
         r = c1.ledger.reserve(choose_devices(c1.ledger, pod_demand(p), "n"))
         asyncio.run(binder.bind(p, "n", r))
     # a restart: a new cluster state from the same objects as the API would list them
-    c2 = cluster(*[c1.nodes["n"] | {"kind": "Node"}], *[p | {"kind": "Pod"} for p in c1.pods.values()])
-    snap = lambda c: sorted((r.key, r.node, r.device_ids, r.bytes_per_device) for r in c.ledger.reservations())
+    c2 = cluster(
+        *[c1.nodes["n"] | {"kind": "Node"}], *[p | {"kind": "Pod"} for p in c1.pods.values()]
+    )
+
+    def snap(c):
+        return sorted(
+            (r.key, r.node, r.device_ids, r.bytes_per_device) for r in c.ledger.reservations()
+        )
+
     assert snap(c1) == snap(c2) and len(snap(c2)) == 3
     assert check_invariant(c2.ledger, c2.live_pod_keys()) == []
 
 
 def test_terminal_and_deleted_pods_release():
-    c = cluster(gpu_node("n", count=1, replicas=4),
-                pod("a", "30Gi", node="n", phase="Running",
-                    annotations={"vramsched.io/assignment": '{"node":"n","devices":["0"],"bytesPerDevice":[32212254720]}'}))
+    c = cluster(
+        gpu_node("n", count=1, replicas=4),
+        pod(
+            "a",
+            "30Gi",
+            node="n",
+            phase="Running",
+            annotations={
+                "vramsched.io/assignment": '{"node":"n","devices":["0"],"bytesPerDevice":[32212254720]}'
+            },
+        ),
+    )
     assert c.ledger.totals()[0] == 30 * GIB
     done = dict(c.pod("default/a"), status={"phase": "Succeeded"})
     c.upsert_pod(done)
@@ -132,18 +155,29 @@ def test_clone_copies_and_a_capacity_clone_keeps_only_the_used_columns():
     assert check_invariant(full) == [] and full.reservation("ns/a") is not None
     assert [r.key for r in full.pods_on("n")] == ["ns/a"]
     for c in (full, capacity):
-        assert (c.arrays.used == led.arrays.used).all() and (c.arrays.used_replicas == led.arrays.used_replicas).all()
-    assert capacity.reservation("ns/a") is None and list(capacity.reservations()) == [] and capacity.pods_on("n") == []
+        assert (c.arrays.used == led.arrays.used).all() and (
+            c.arrays.used_replicas == led.arrays.used_replicas
+        ).all()
+    assert (
+        capacity.reservation("ns/a") is None
+        and list(capacity.reservations()) == []
+        and capacity.pods_on("n") == []
+    )
     # the capacity clone still refuses what does not fit, and reserves and releases its own pods
     with pytest.raises(LedgerError, match="no free replica"):
         capacity.reserve(res("c", "m", ["0"], [0]))
     capacity.reserve(res("c", "n", ["0"], [50]))
-    assert capacity.arrays.used[led.row("n", "0")] == 80 * GIB and led.arrays.used[led.row("n", "0")] == 30 * GIB
+    assert (
+        capacity.arrays.used[led.row("n", "0")] == 80 * GIB
+        and led.arrays.used[led.row("n", "0")] == 30 * GIB
+    )
     capacity.release("ns/c")
     assert (capacity.arrays.used == led.arrays.used).all()
     # and the original changes without either copy seeing it
     led.release("ns/b")
-    assert full.reservation("ns/b") is not None and capacity.arrays.used[led.row("m", "0")] == 80 * GIB
+    assert (
+        full.reservation("ns/b") is not None and capacity.arrays.used[led.row("m", "0")] == 80 * GIB
+    )
 
 
 def test_allocatable_follows_node_updates_that_keep_the_devices():
@@ -157,7 +191,10 @@ def test_allocatable_follows_node_updates_that_keep_the_devices():
     smaller = gpu_node("n", cpu="32", memory="512Gi")  # same GPUs: the arrays are not rebuilt
     led.upsert_node(node_inventory(smaller))
     assert led.allocatable()[0].tolist() == [32_000, 8_000]
-    assert clone.allocatable()[0].tolist() == [64_000, 8_000]  # the copy keeps what it was taken with
+    assert clone.allocatable()[0].tolist() == [
+        64_000,
+        8_000,
+    ]  # the copy keeps what it was taken with
     led.remove_node("m")
     assert led.allocatable()[0].tolist() == [32_000]
 
@@ -176,7 +213,10 @@ def test_touched_rows_name_the_rows_of_the_touched_nodes_across_the_log_trim():
         if led.touched_base != base or i >= 69_990:
             base = led.touched_base
             for back in (1, 2, 3, 5, 40_000):
-                names, rows = led.touched_since(led.position - back), led.touched_rows_since(led.position - back)
+                names, rows = (
+                    led.touched_since(led.position - back),
+                    led.touched_rows_since(led.position - back),
+                )
                 if names is None:  # trimmed away
                     assert rows is None
                     continue

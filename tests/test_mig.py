@@ -66,7 +66,12 @@ def reference_valid(model: mig.MigModel, counts: Counter) -> bool:
 
 @pytest.mark.parametrize(
     "name, g, gb, attr",
-    [("1g.10gb", 1, 10, None), ("1g.10gb+me", 1, 10, "me"), ("7g.141gb", 7, 141, None), ("3g.71gb", 3, 71, None)],
+    [
+        ("1g.10gb", 1, 10, None),
+        ("1g.10gb+me", 1, 10, "me"),
+        ("7g.141gb", 7, 141, None),
+        ("3g.71gb", 3, 71, None),
+    ],
 )
 def test_parse_profile_name(name: str, g: int, gb: int, attr: str | None) -> None:
     pn = mig.parse_profile_name(name)
@@ -74,7 +79,10 @@ def test_parse_profile_name(name: str, g: int, gb: int, attr: str | None) -> Non
     assert str(pn) == name
 
 
-@pytest.mark.parametrize("bad", ["", "1g", "10gb", "1g.10GB", "8g.80gb", "0g.5gb", "1g.10gb+", "mig-1g.10gb", "1g.10gb.me"])
+@pytest.mark.parametrize(
+    "bad",
+    ["", "1g", "10gb", "1g.10GB", "8g.80gb", "0g.5gb", "1g.10gb+", "mig-1g.10gb", "1g.10gb.me"],
+)
 def test_parse_profile_name_rejects_garbage(bad: str) -> None:
     with pytest.raises(ValueError):
         mig.parse_profile_name(bad)
@@ -96,8 +104,24 @@ def test_resource_names() -> None:
 
 def test_tables_have_the_reference_profiles() -> None:
     names = {m.name: [p.name for p in m.profiles] for m in ALL_MODELS}
-    assert names["A100-40GB"] == ["1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"]
-    assert names["H100-94GB"] == ["1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"]
+    assert names["A100-40GB"] == [
+        "1g.5gb",
+        "1g.5gb+me",
+        "1g.10gb",
+        "2g.10gb",
+        "3g.20gb",
+        "4g.20gb",
+        "7g.40gb",
+    ]
+    assert names["H100-94GB"] == [
+        "1g.12gb",
+        "1g.12gb+me",
+        "1g.24gb",
+        "2g.24gb",
+        "3g.47gb",
+        "4g.47gb",
+        "7g.94gb",
+    ]
     assert names["H200-141GB"][-1] == "7g.141gb"
     assert names["B200"][-1] == "7g.180gb"
     assert mig.H100_80GB.profile("1g.10gb").memory_bytes == int(9.75 * GIB)
@@ -107,7 +131,12 @@ def test_tables_have_the_reference_profiles() -> None:
         for p in m.profiles:
             # real figures sit just below the number in the name (read as GiB); estimates lower still
             assert p.memory_bytes <= mig.parse_profile_name(p.name).nominal_gb * GIB
-            assert p.max_count == {"1g": 7, "1g+me": 1, "1g.2x": 4, "2g": 3, "3g": 2, "4g": 1, "7g": 1}[_shape(m, p.name)]
+            assert (
+                p.max_count
+                == {"1g": 7, "1g+me": 1, "1g.2x": 4, "2g": 3, "3g": 2, "4g": 1, "7g": 1}[
+                    _shape(m, p.name)
+                ]
+            )
             c, w, starts = REFERENCE_RULES[_shape(m, p.name)]
             assert (p.compute_slices, p.memory_slots, set(p.placements)) == (c, w, starts)
 
@@ -155,7 +184,18 @@ def test_model_for_product(product: str, model: str) -> None:
     assert m is not None and m.name == model
 
 
-@pytest.mark.parametrize("product", ["NVIDIA-L4", "NVIDIA-GB200", "NVIDIA-GH200-480GB", "NVIDIA-A10", "NVIDIA-A100X", "", "Tesla-T4-SHARED"])
+@pytest.mark.parametrize(
+    "product",
+    [
+        "NVIDIA-L4",
+        "NVIDIA-GB200",
+        "NVIDIA-GH200-480GB",
+        "NVIDIA-A10",
+        "NVIDIA-A100X",
+        "",
+        "Tesla-T4-SHARED",
+    ],
+)
 def test_unknown_products_have_no_table(product: str) -> None:
     assert mig.model_for_product(product) is None
 
@@ -241,7 +281,9 @@ def test_explicit_placements() -> None:
     assert not mig.placement_is_valid(m, [("4g.40gb", 4)])
     assert not mig.placement_is_valid(m, [("1g.10gb", 7)])
     assert not mig.placement_is_valid(m, [("3g.40gb", 0), ("1g.10gb", 3)])  # overlap
-    assert mig.placement_is_valid(m, [("3g.40gb", 4), ("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3)])
+    assert mig.placement_is_valid(
+        m, [("3g.40gb", 4), ("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3)]
+    )
     # reference: one 3g.40gb (at slot 0) leaves room for only 3 of the 7 1g.10gb
     assert mig.place(m, {"1g.10gb": 3}, pinned=[("3g.40gb", 0)]) is not None
     assert mig.place(m, {"1g.10gb": 4}, pinned=[("3g.40gb", 0)]) is None
@@ -348,7 +390,13 @@ def test_infer_allows_empty_gpus() -> None:
 
 @pytest.mark.parametrize(
     "gpus, counts",
-    [(1, {"4g.40gb": 2}), (2, {"7g.80gb": 3}), (2, {"1g.10gb": 15}), (0, {"1g.10gb": 1}), (1, {"1g.5gb": 1})],
+    [
+        (1, {"4g.40gb": 2}),
+        (2, {"7g.80gb": 3}),
+        (2, {"1g.10gb": 15}),
+        (0, {"1g.10gb": 1}),
+        (1, {"1g.5gb": 1}),
+    ],
 )
 def test_infer_impossible_raises(gpus: int, counts: dict[str, int]) -> None:
     with pytest.raises(mig.LayoutInferenceError):

@@ -24,7 +24,14 @@ from extender.planner.mig_geometry import (
 TL = 5.0  # generous solver limit; the small cases below solve in milliseconds
 
 
-def gpu(node: str, index: int, model: mig.MigModel, layout: str | dict | None = "all-balanced", occupied: dict | None = None, **kw) -> MigGpuState:
+def gpu(
+    node: str,
+    index: int,
+    model: mig.MigModel,
+    layout: str | dict | None = "all-balanced",
+    occupied: dict | None = None,
+    **kw,
+) -> MigGpuState:
     """A GPU with a named or explicit layout; `occupied` = {profile: [bytes, ...]} marks slices used."""
     if layout is None:
         g = ()
@@ -129,7 +136,10 @@ def test_least_waste_among_equal_plans() -> None:
 def test_allowed_profiles_are_respected() -> None:
     m = mig.A100_80GB
     gpus = [gpu("n1", 0, m, layout="all-1g.10gb")]
-    pending = [PendingPod("a", 0, frozenset({"2g.20gb"})), PendingPod("b", 0, frozenset({"2g.20gb"}))]
+    pending = [
+        PendingPod("a", 0, frozenset({"2g.20gb"})),
+        PendingPod("b", 0, frozenset({"2g.20gb"})),
+    ]
     plan = plan_mig_geometry(gpus, pending, time_limit_s=TL)
     check_plan(plan, gpus, pending)
     assert plan.pods_placed == 2 and all(p.profile == "2g.20gb" for p in plan.placements)
@@ -163,7 +173,9 @@ def test_whole_gpu_mode_keeps_partly_used_gpus_exactly() -> None:
 def test_free_slices_mode_recarves_around_pinned_instance() -> None:
     m = mig.H100_80GB
     # 3g.40gb at slot 4 is in use, the rest is 4 x 1g.10gb: re-carve the free half into a 3g or 4g
-    slices = [MigSliceState("3g.40gb", 30 * GIB, 4, "ns/running")] + [MigSliceState("1g.10gb", None, s) for s in range(4)]
+    slices = [MigSliceState("3g.40gb", 30 * GIB, 4, "ns/running")] + [
+        MigSliceState("1g.10gb", None, s) for s in range(4)
+    ]
     gpus = [MigGpuState("n1", 0, m, tuple(slices))]
     pending = pods(35)
     whole = plan_mig_geometry(gpus, pending, time_limit_s=TL)
@@ -196,7 +208,14 @@ def test_node_with_inferred_layout_and_used_slice_is_frozen() -> None:
 
 def test_unknown_gpu_is_left_alone_but_its_free_slices_count() -> None:
     slices = (MigSliceState("2g.12gb", None), MigSliceState("1g.6gb", None))
-    unknown = MigGpuState("x1", 0, None, slices, product="NVIDIA-RTX-PRO-6000", profile_memory={"2g.12gb": 11 * GIB, "1g.6gb": 5 * GIB})
+    unknown = MigGpuState(
+        "x1",
+        0,
+        None,
+        slices,
+        product="NVIDIA-RTX-PRO-6000",
+        profile_memory={"2g.12gb": 11 * GIB, "1g.6gb": 5 * GIB},
+    )
     gpus = [unknown]
     pending = pods(10, 4, 20)
     plan = plan_mig_geometry(gpus, pending, time_limit_s=TL)
@@ -210,7 +229,9 @@ def test_unknown_gpu_is_left_alone_but_its_free_slices_count() -> None:
 
 def test_mig_parted_config_realises_the_plan() -> None:
     m = mig.H100_80GB
-    gpus = [gpu("n1", i, m, layout="all-1g.10gb") for i in range(2)] + [gpu("n2", i, m, layout="all-1g.10gb") for i in range(2)]
+    gpus = [gpu("n1", i, m, layout="all-1g.10gb") for i in range(2)] + [
+        gpu("n2", i, m, layout="all-1g.10gb") for i in range(2)
+    ]
     gpus[0] = gpu("n1", 0, m, layout="all-1g.10gb", occupied={"1g.10gb": [3 * GIB]})
     pending = pods(70, 70, 70)
     plan = plan_mig_geometry(gpus, pending, time_limit_s=TL)
@@ -232,8 +253,15 @@ def test_mig_parted_config_realises_the_plan() -> None:
                 got[i] = e["mig-devices"]
         assert got == planned
     # n2 is uniform -> one "devices: all" entry with a descriptive name; n1 keeps GPU 0 as it is
-    assert labels["n2"] == "vramsched-7g.80gb" and doc["mig-configs"]["vramsched-7g.80gb"][0]["devices"] == "all"
-    assert doc["mig-configs"][labels["n1"]][0] == {"devices": [0], "mig-enabled": True, "mig-devices": {"1g.10gb": 7}}
+    assert (
+        labels["n2"] == "vramsched-7g.80gb"
+        and doc["mig-configs"]["vramsched-7g.80gb"][0]["devices"] == "all"
+    )
+    assert doc["mig-configs"][labels["n1"]][0] == {
+        "devices": [0],
+        "mig-enabled": True,
+        "mig-devices": {"1g.10gb": 7},
+    }
 
 
 def test_config_name_is_label_safe_and_stable() -> None:
@@ -259,10 +287,14 @@ def _random_case(seed: int) -> tuple[list[MigGpuState], list[PendingPod]]:
             g = gpu(f"node{n}", i, m, layout=layout)
             if rng.random() < 0.3:
                 first = g.slices[0]
-                g = MigGpuState(g.node, g.gpu_index, m, (MigSliceState(first.profile, GIB),) + g.slices[1:])
+                g = MigGpuState(
+                    g.node, g.gpu_index, m, (MigSliceState(first.profile, GIB),) + g.slices[1:]
+                )
             gpus.append(g)
     sizes = [7.8, 8.5, 13.4, 19.0, 23.4, 44.6, 70.1]
-    pending = [PendingPod(f"pod{i}", int(rng.choice(sizes) * GIB)) for i in range(rng.randint(6, 20))]
+    pending = [
+        PendingPod(f"pod{i}", int(rng.choice(sizes) * GIB)) for i in range(rng.randint(6, 20))
+    ]
     return gpus, pending
 
 
@@ -277,7 +309,9 @@ def test_planner_places_at_least_best_uniform(seed: int) -> None:
         u = evaluate_uniform(gpus, pending, fam, time_limit_s=TL)
         check_plan(u, gpus, pending)
         for gp, st in zip(u.gpus, sorted(gpus, key=lambda g: (g.node, g.gpu_index))):
-            assert gp.planned == (st.current if st.is_occupied else mig.uniform_geometry(st.model, fam))
+            assert gp.planned == (
+                st.current if st.is_occupied else mig.uniform_geometry(st.model, fam)
+            )
         best = max(best, u.pods_placed)
     assert plan.pods_placed >= best
 

@@ -14,7 +14,13 @@ NAMES = [f"node-{i:04d}" for i in range(64)]
 
 def body(pod_obj: dict, names: list[str]) -> bytes:
     """As Go's encoder writes ExtenderArgs: Pod, Nodes, NodeNames, compact."""
-    return b'{"Pod":' + orjson.dumps(pod_obj) + b',"Nodes":null,"NodeNames":' + orjson.dumps(names) + b"}"
+    return (
+        b'{"Pod":'
+        + orjson.dumps(pod_obj)
+        + b',"Nodes":null,"NodeNames":'
+        + orjson.dumps(names)
+        + b"}"
+    )
 
 
 def test_a_remembered_list_is_taken_from_the_tail_and_the_head_decoded():
@@ -62,14 +68,21 @@ def test_least_recently_used_lists_go_first():
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(prefix=st.binary(max_size=40) | st.dictionaries(st.text(max_size=6), json_values, max_size=3).map(
-    lambda d: orjson.dumps(d)[:-1]), cut=st.integers(0, 4))
+@given(
+    prefix=st.binary(max_size=40)
+    | st.dictionaries(st.text(max_size=6), json_values, max_size=3).map(
+        lambda d: orjson.dumps(d)[:-1]
+    ),
+    cut=st.integers(0, 4),
+)
 def test_a_hit_always_equals_decoding_the_whole_body(prefix, cut):
     """Whatever precedes the tail (random bytes, or a JSON object missing its closing brace,
     possibly cut short), a hit is exactly `orjson.loads` of the whole body."""
@@ -85,7 +98,12 @@ def test_a_hit_always_equals_decoding_the_whole_body(prefix, cut):
 
 def fleet():
     """Half the nodes with 24 GiB GPUs, so filter answers carry both survivors and reasons."""
-    return cluster(*[gpu_node(n, count=2, replicas=4, memory_mib=24576 if i % 2 else 81920) for i, n in enumerate(NAMES)])
+    return cluster(
+        *[
+            gpu_node(n, count=2, replicas=4, memory_mib=24576 if i % 2 else 81920)
+            for i, n in enumerate(NAMES)
+        ]
+    )
 
 
 @pytest.fixture
@@ -94,7 +112,9 @@ def app_and_state():
     return create_app(service(state)), state
 
 
-async def test_filter_then_prioritize_hit_the_lists_and_answer_as_without_them(aiohttp_client, app_and_state):
+async def test_filter_then_prioritize_hit_the_lists_and_answer_as_without_them(
+    aiohttp_client, app_and_state
+):
     app, _ = app_and_state
     plain_app = create_app(service(fleet()))
     plain_app[NAMES_KEY] = NameLists(size=0)  # never remembers anything: always the full decode
@@ -117,7 +137,9 @@ async def test_a_bad_pod_with_a_remembered_list_is_still_refused(aiohttp_client,
     app, state = app_and_state
     client = await aiohttp_client(app)
     assert (await client.post("/filter", data=body(pod("ok", "1Gi"), NAMES))).status == 200
-    resp = await client.post("/filter", data=b'{"Pod":[1],"Nodes":null,"NodeNames":' + orjson.dumps(NAMES) + b"}")
+    resp = await client.post(
+        "/filter", data=b'{"Pod":[1],"Nodes":null,"NodeNames":' + orjson.dumps(NAMES) + b"}"
+    )
     assert resp.status == 400
     assert "Pod" in (await resp.json())["Error"]
     assert app[NAMES_KEY].hits == 1

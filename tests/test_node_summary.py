@@ -12,15 +12,14 @@ import random
 
 import numpy as np
 import pytest
-from builders import H100_80, A100_80, cluster, gpu_node, mig_mixed_node, mig_single_node, pod
+from builders import A100_80, H100_80, cluster, gpu_node, mig_mixed_node, mig_single_node, pod
 
+from extender import placement
 from extender.demand import Demand, pod_demand
 from extender.inventory import node_inventory
 from extender.ledger import LedgerError, Reservation, check_invariant, slot_free_of
-from extender import placement
 from extender.placement import (
     FilterOutcome,
-    row_counts,
     _filter_one,
     _filter_rows,
     _fit,
@@ -28,37 +27,72 @@ from extender.placement import (
     _resource_arrays,
     choose_devices,
     filter_nodes,
+    row_counts,
     score_rows,
 )
 
 GIB = 1 << 30
-RESOURCES = ["nvidia.com/gpu"] * 5 + ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb"]
+RESOURCES = ["nvidia.com/gpu"] * 5 + [
+    "nvidia.com/mig-1g.10gb",
+    "nvidia.com/mig-2g.20gb",
+    "nvidia.com/mig-3g.40gb",
+]
 
 
 def _random_node(rng: random.Random, name: str) -> dict:
     product = rng.choice([A100_80, H100_80, "NVIDIA-L4"])
     kind = rng.choice(["exclusive", "time-slicing", "mps", "mig-mixed", "mig-single", "cpu"])
     if kind == "exclusive":
-        return gpu_node(name, count=rng.randint(1, 8), memory_mib=rng.choice([24576, 40960, 81920]), product=product)
+        return gpu_node(
+            name,
+            count=rng.randint(1, 8),
+            memory_mib=rng.choice([24576, 40960, 81920]),
+            product=product,
+        )
     if kind == "time-slicing":
         return gpu_node(name, count=rng.randint(1, 8), replicas=rng.randint(2, 10), product=product)
     if kind == "mps":
-        return gpu_node(name, count=rng.randint(1, 4), replicas=rng.randint(2, 4), strategy="mps", product=product)
+        return gpu_node(
+            name,
+            count=rng.randint(1, 4),
+            replicas=rng.randint(2, 4),
+            strategy="mps",
+            product=product,
+        )
     if kind == "mig-mixed":
-        profiles = {"1g.10gb": (rng.randint(1, 7), 9984), "2g.20gb": (rng.randint(0, 2), 19968), "3g.40gb": (rng.randint(0, 2), 40192)}
-        return mig_mixed_node(name, {p: v for p, v in profiles.items() if v[0]}, gpus=rng.randint(1, 4), product=product)
+        profiles = {
+            "1g.10gb": (rng.randint(1, 7), 9984),
+            "2g.20gb": (rng.randint(0, 2), 19968),
+            "3g.40gb": (rng.randint(0, 2), 40192),
+        }
+        return mig_mixed_node(
+            name,
+            {p: v for p, v in profiles.items() if v[0]},
+            gpus=rng.randint(1, 4),
+            product=product,
+        )
     if kind == "mig-single":
-        return mig_single_node(name, "1g.10gb", slices=rng.randint(1, 14), memory_mib=9984, product=product)
-    return {"kind": "Node", "metadata": {"name": name, "labels": {}}, "status": {"allocatable": {"cpu": "8", "memory": "32Gi"}}}
+        return mig_single_node(
+            name, "1g.10gb", slices=rng.randint(1, 14), memory_mib=9984, product=product
+        )
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {}},
+        "status": {"allocatable": {"cpu": "8", "memory": "32Gi"}},
+    }
 
 
 def _random_pod(rng: random.Random, name: str) -> dict:
     resource = rng.choice(RESOURCES)
     gpus = 1 if "mig" in resource or rng.random() < 0.6 else rng.randint(2, 8)
-    memory = rng.choice([None, f"{rng.randint(1, 90)}Gi", f"{rng.randint(500, 90000)}Mi", "10Gi", "40Gi"])
+    memory = rng.choice(
+        [None, f"{rng.randint(1, 90)}Gi", f"{rng.randint(500, 90000)}Mi", "10Gi", "40Gi"]
+    )
     annotations = {}
     if rng.random() < 0.25:
-        annotations["vramsched.io/gpu-products"] = ",".join(rng.sample([A100_80, H100_80, "NVIDIA-L4", "NVIDIA-B200"], rng.randint(1, 2)))
+        annotations["vramsched.io/gpu-products"] = ",".join(
+            rng.sample([A100_80, H100_80, "NVIDIA-L4", "NVIDIA-B200"], rng.randint(1, 2))
+        )
     return pod(name, memory, gpus=gpus, resource=resource, annotations=annotations)
 
 
@@ -68,7 +102,9 @@ def _scores_afresh(ledger, demand: Demand, names: list[str], planned: str | None
     a = ledger.arrays if base is None else base
     fit = _fit(ledger, demand, base)
     rows, _ = _node_rows(ledger, names)
-    scores, placed = placement._device_scores(fit, demand.gpu_count, rows, ledger.arrays.node_used_replicas > 0)
+    scores, placed = placement._device_scores(
+        fit, demand.gpu_count, rows, ledger.arrays.node_used_replicas > 0
+    )
     return placement._finish_scores(ledger, a, rows, scores, placed, planned)
 
 
@@ -105,10 +141,18 @@ def _feasible_by_hand(ledger, demand: Demand, names: list[str]) -> list[str]:
         for i in range(int(a.node_start[r]), int(a.node_start[r + 1])):
             d = a.devices[i]
             need = d.per_pod_cap_bytes if demand.bytes_per_gpu is None else demand.bytes_per_gpu
-            product_ok = demand.allowed_products is None or d.product.removesuffix("-SHARED") in demand.allowed_products \
+            product_ok = (
+                demand.allowed_products is None
+                or d.product.removesuffix("-SHARED") in demand.allowed_products
                 or d.product in demand.allowed_products
-            if (d.resource == demand.resource and product_ok and d.per_pod_cap_bytes >= need
-                    and a.used_replicas[i] < a.replicas[i] and a.capacity[i] - a.used[i] >= need):
+            )
+            if (
+                d.resource == demand.resource
+                and product_ok
+                and d.per_pod_cap_bytes >= need
+                and a.used_replicas[i] < a.replicas[i]
+                and a.capacity[i] - a.used[i] >= need
+            ):
                 fitting += 1
         if fitting >= demand.gpu_count:
             out.append(name)
@@ -118,7 +162,11 @@ def _feasible_by_hand(ledger, demand: Demand, names: list[str]) -> list[str]:
 def _broken(ledger) -> list:
     """check_invariant without what the history may legitimately leave: a pod `record`ed overcommitted,
     a pod on a device that a relabel removed."""
-    return [v for v in check_invariant(ledger) if "oversubscribed" not in v.what and "missing device" not in v.what]
+    return [
+        v
+        for v in check_invariant(ledger)
+        if "oversubscribed" not in v.what and "missing device" not in v.what
+    ]
 
 
 def _random_step(rng: random.Random, c, names: list[str], step: int) -> None:
@@ -139,8 +187,14 @@ def _random_step(rng: random.Random, c, names: list[str], step: int) -> None:
         if inv is not None and inv.devices:
             devs = rng.sample(inv.devices, rng.randint(1, min(2, len(inv.devices))))
             demand = pod_demand(pod(f"rec{step}"))
-            ledger.record(Reservation(pod=demand.pod, node=node, device_ids=tuple(d.device_id for d in devs),
-                                      bytes_per_device=tuple(rng.randint(0, 90) * GIB for _ in devs)))
+            ledger.record(
+                Reservation(
+                    pod=demand.pod,
+                    node=node,
+                    device_ids=tuple(d.device_id for d in devs),
+                    bytes_per_device=tuple(rng.randint(0, 90) * GIB for _ in devs),
+                )
+            )
     elif roll < 0.9:  # relabel a node: the arrays (and summaries) are rebuilt
         c.ledger.upsert_node(node_inventory(_random_node(rng, rng.choice(names))))
     else:
@@ -150,12 +204,20 @@ def _random_step(rng: random.Random, c, names: list[str], step: int) -> None:
         if isinstance(res, Reservation):
             ledger.reserve(res)
             with pytest.raises(LedgerError):
-                ledger.reserve(Reservation(pod=pod_demand(pod(f"y{step}")).pod, node=node, device_ids=res.device_ids * 2,
-                                           bytes_per_device=res.bytes_per_device * 2))
+                ledger.reserve(
+                    Reservation(
+                        pod=pod_demand(pod(f"y{step}")).pod,
+                        node=node,
+                        device_ids=res.device_ids * 2,
+                        bytes_per_device=res.bytes_per_device * 2,
+                    )
+                )
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filter_fast_path_equals_per_device_computation(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     used: list[str] = []
 
     def spy(real):
@@ -164,6 +226,7 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
             if got is not None:
                 used.append(real.__name__)
             return got
+
         return call
 
     monkeypatch.setattr(placement, "_one_largest", spy(placement._one_largest))
@@ -171,8 +234,13 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
     monkeypatch.setattr(placement, "_score_summary", spy(placement._score_summary))
     rng = random.Random(seed)
     n_nodes = rng.randint(3, 30)
-    names = [f"n{i}" for i in range(n_nodes)] + ["mig"]  # one MIG node at least: per-resource views exist
-    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    names = [f"n{i}" for i in range(n_nodes)] + [
+        "mig"
+    ]  # one MIG node at least: per-resource views exist
+    c = cluster(
+        *[_random_node(rng, n) for n in names[:-1]],
+        mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+    )
     asked = names + ["ghost"]
     for step in range(60):
         _random_step(rng, c, names, step)
@@ -199,15 +267,24 @@ def test_filter_fast_path_equals_per_device_computation(seed: int, monkeypatch: 
                 many = placement._choose(fit, demand.gpu_count, rows)
                 for r in rows.tolist():
                     one = placement._choose(fit, demand.gpu_count, np.asarray([r]))
-                    assert sorted(one.tolist()) == sorted(i for i in many.tolist() if fit.a.node_of[i] == r), (step, r)
-    assert {"_one_largest", "_node_fit", "_score_summary"} <= set(used)  # every fast path was taken (and compared)
+                    assert sorted(one.tolist()) == sorted(
+                        i for i in many.tolist() if fit.a.node_of[i] == r
+                    ), (step, r)
+    assert {"_one_largest", "_node_fit", "_score_summary"} <= set(
+        used
+    )  # every fast path was taken (and compared)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_binds_one_node_choice_in_python_equals_the_vector_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_binds_one_node_choice_in_python_equals_the_vector_path(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(100 + seed)
     names = [f"n{i}" for i in range(12)] + ["mig"]
-    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    c = cluster(
+        *[_random_node(rng, n) for n in names[:-1]],
+        mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+    )
     quick_fits = 0
     for step in range(80):
         _random_step(rng, c, names, step)
@@ -226,8 +303,10 @@ def test_binds_one_node_choice_in_python_equals_the_vector_path(seed: int, monke
 def test_summary_follows_every_change_and_invariant_catches_a_stale_one() -> None:
     rng = random.Random(42)
     names = [f"n{i}" for i in range(12)]
-    c = cluster(*[gpu_node(n, count=4, replicas=rng.randint(1, 4)) for n in names],
-                mig_mixed_node("m", {"1g.10gb": (3, 9984), "3g.40gb": (1, 40192)}))
+    c = cluster(
+        *[gpu_node(n, count=4, replicas=rng.randint(1, 4)) for n in names],
+        mig_mixed_node("m", {"1g.10gb": (3, 9984), "3g.40gb": (1, 40192)}),
+    )
     ledger = c.ledger
     rids = list(ledger.arrays.resources.values())
     for rid in rids:
@@ -266,7 +345,9 @@ def test_a_full_gpu_reads_as_no_free_replica_and_an_overcommitted_one_as_negativ
     ledger.release(p2.key)
     assert ledger.slot_free(rid).tolist() == [6 * GIB]
     assert filter_nodes(ledger, demand, ["a"]).feasible == ["a"]
-    assert [v.what for v in check_invariant(ledger)] == ["VRAM oversubscribed: 12884901888 > 10737418240"]
+    assert [v.what for v in check_invariant(ledger)] == [
+        "VRAM oversubscribed: 12884901888 > 10737418240"
+    ]
 
 
 def test_summary_after_most_nodes_changed_at_once() -> None:
@@ -277,26 +358,50 @@ def test_summary_after_most_nodes_changed_at_once() -> None:
     rid = ledger.arrays.resources["nvidia.com/gpu"]
     before = ledger.slot_free(rid).copy()
     for i, n in enumerate(names[:90]):
-        ledger.record(Reservation(pod=pod_demand(pod(f"p{i}")).pod, node=n, device_ids=("0", "1"),
-                                  bytes_per_device=(i * GIB // 8, i * GIB // 4)))
+        ledger.record(
+            Reservation(
+                pod=pod_demand(pod(f"p{i}")).pod,
+                node=n,
+                device_ids=("0", "1"),
+                bytes_per_device=(i * GIB // 8, i * GIB // 4),
+            )
+        )
     after = ledger.slot_free(rid)
     assert np.array_equal(after, slot_free_of(ledger.arrays, rid))
     assert (after[90:] == before[90:]).all()
-    assert after[:90].tolist() == [10 * GIB - i * GIB // 8 for i in range(90)]  # GPU 0 has the most left
-    ledger.record(Reservation(pod=pod_demand(pod("q")).pod, node="n0", device_ids=("0",), bytes_per_device=(11 * GIB,)))
-    assert ledger.slot_free(rid)[0] == 10 * GIB  # GPU 1: 1 replica left, 10 GiB free; GPU 0: none left
+    assert after[:90].tolist() == [
+        10 * GIB - i * GIB // 8 for i in range(90)
+    ]  # GPU 0 has the most left
+    ledger.record(
+        Reservation(
+            pod=pod_demand(pod("q")).pod, node="n0", device_ids=("0",), bytes_per_device=(11 * GIB,)
+        )
+    )
+    assert (
+        ledger.slot_free(rid)[0] == 10 * GIB
+    )  # GPU 1: 1 replica left, 10 GiB free; GPU 0: none left
     assert _broken(ledger) == []
 
 
 def test_a_lone_overcommitted_gpu_with_a_free_replica_reads_negative() -> None:
-    c = cluster(gpu_node("b", count=1, replicas=2, memory_mib=10240), mig_mixed_node("m", {"1g.10gb": (1, 9984)}))
+    c = cluster(
+        gpu_node("b", count=1, replicas=2, memory_mib=10240),
+        mig_mixed_node("m", {"1g.10gb": (1, 9984)}),
+    )
     ledger = c.ledger
     rid = ledger.arrays.resources["nvidia.com/gpu"]
     ledger.slot_free(rid)
-    ledger.record(Reservation(pod=pod_demand(pod("p")).pod, node="b", device_ids=("0",), bytes_per_device=(12 * GIB,)))
+    ledger.record(
+        Reservation(
+            pod=pod_demand(pod("p")).pod, node="b", device_ids=("0",), bytes_per_device=(12 * GIB,)
+        )
+    )
     assert ledger.slot_free(rid).tolist() == [-2 * GIB, -1]
     demand = pod_demand(pod("q", "1Gi"))
-    assert filter_nodes(ledger, demand, ["b", "m"]).failed == _reference(ledger, demand, ["b", "m"]).failed
+    assert (
+        filter_nodes(ledger, demand, ["b", "m"]).failed
+        == _reference(ledger, demand, ["b", "m"]).failed
+    )
 
 
 @pytest.mark.parametrize("width", [0, 1, 5, 8, 16, 56])
@@ -321,7 +426,9 @@ def _reference_per_device(ledger, demand: Demand, names: list[str]) -> FilterOut
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filter_under_a_replica_policy_fast_path_equals_per_device(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under a device-plugin policy (live mode) filter answers from the per-node summary plus the
     bound per node: same feasible nodes and reasons as over every device, except the wording
     `_filter_one` has always had for an overcommitted GPU with a free replica."""
@@ -335,7 +442,10 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, mo
     monkeypatch.setattr(placement, "_filter_plugin", spy)
     rng = random.Random(100 + seed)
     names = [f"n{i}" for i in range(rng.randint(3, 25))] + ["mig"]
-    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    c = cluster(
+        *[_random_node(rng, n) for n in names[:-1]],
+        mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+    )
     c.ledger.replica_policy = rng.choice(["distributed", "packed", "pinned"])
     asked = names + ["ghost"]
     for step in range(50):
@@ -343,7 +453,9 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, mo
         for j in range(4):
             p = _random_pod(rng, f"q{step}-{j}")
             if rng.random() < 0.5:
-                p["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": f"vramsched-q{step}-{j}"}}]
+                p["spec"]["containers"][0]["envFrom"] = [
+                    {"configMapRef": {"name": f"vramsched-q{step}-{j}"}}
+                ]
             demand = pod_demand(p)
             if not demand.wants_gpu:
                 continue
@@ -353,8 +465,12 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, mo
             assert got.feasible == want.feasible, (step, demand)
             assert got.unresolvable == want.unresolvable, (step, demand)
             for name, reason in want.failed.items():
-                if got.failed[name] != reason:  # an overcommitted GPU: no room, worded as no free replica
-                    assert got.failed[name].startswith("all GPU replicas in use") and "free" in reason, (step, name)
+                if (
+                    got.failed[name] != reason
+                ):  # an overcommitted GPU: no room, worded as no free replica
+                    assert (
+                        got.failed[name].startswith("all GPU replicas in use") and "free" in reason
+                    ), (step, name)
             assert got.failed.keys() == want.failed.keys()
     # the fast path answered one-GPU and multi-GPU pods (test_deviceplugin covers the per-device
     # path it gives way to: a fleet of one resource has no per-resource view)
@@ -362,21 +478,30 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(seed: int, mo
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_scores_kept_per_shape_equal_scores_computed_afresh(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Prioritize keeps each demand shape's scores for every node and brings them up to date
     from the ledger's log of touched nodes: after any history (reserve, release, records that
     overcommit, relabels, the log trimmed past a shape's last look) they equal the per-device
     computation, for a handful of shapes asked again and again."""
     rng = random.Random(seed)
     names = [f"n{i}" for i in range(rng.randint(3, 30))] + ["mig"]
-    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
-    c.ledger.replica_policy = [None, None, "distributed", "pinned", "packed"][seed % 5]  # device by device under a policy
+    c = cluster(
+        *[_random_node(rng, n) for n in names[:-1]],
+        mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+    )
+    c.ledger.replica_policy = [None, None, "distributed", "pinned", "packed"][
+        seed % 5
+    ]  # device by device under a policy
     shapes = [pod_demand(_random_pod(rng, f"shape{i}")) for i in range(6)]
     shapes = [d for d in shapes if d.wants_gpu] or [pod_demand(pod("s", "10Gi"))]
     score_summary, patched = placement._score_summary, []
 
     def spy(ledger, demand, rows, a):
-        entry = a.derived.get("scores", {}).get((demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count))
+        entry = a.derived.get("scores", {}).get(
+            (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
+        )
         got = score_summary(ledger, demand, rows, a)
         if entry is not None and got is not None and got[0] is entry[1]:
             patched.append(demand)  # an entry kept from an earlier call answered
@@ -395,23 +520,33 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(seed: int, monkeypat
     for step in range(80):
         for i in range(rng.randint(0, 4)):
             _random_step(rng, c, names, step * 10 + i)
-        if rng.random() < 0.05:  # the log was trimmed past what the entries last saw: they start over
+        if (
+            rng.random() < 0.05
+        ):  # the log was trimmed past what the entries last saw: they start over
             c.ledger.touched_base += len(c.ledger.touched) + 1
             c.ledger.touched.clear()
         for demand in rng.sample(shapes, len(shapes)):
             fast = score_rows(c.ledger, demand, names, None)
-            assert fast[2].tolist() == _scores_afresh(c.ledger, demand, names, None)[2].tolist(), (step, demand)
+            assert fast[2].tolist() == _scores_afresh(c.ledger, demand, names, None)[2].tolist(), (
+                step,
+                demand,
+            )
     assert patched  # kept entries were used (and compared), not only fresh ones
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_filter_under_a_replica_policy_equals_the_per_device_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_filter_under_a_replica_policy_equals_the_per_device_path(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Live mode's filter (`_filter_plugin`: per-node summaries, the bound per node, resources the
     bound never applies to skipped) gives what the per-device path gives under the same policy,
     on random clusters with MIG, MPS and time-sliced nodes, after random histories."""
     rng = random.Random(100 + seed)
     names = [f"n{i}" for i in range(rng.randint(3, 30))] + ["mig"]
-    c = cluster(*[_random_node(rng, n) for n in names[:-1]], mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}))
+    c = cluster(
+        *[_random_node(rng, n) for n in names[:-1]],
+        mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+    )
     c.ledger.replica_policy = ["distributed", "packed", "pinned"][seed % 3]
     plugin, taken = placement._filter_plugin, []
 
@@ -430,5 +565,8 @@ def test_filter_under_a_replica_policy_equals_the_per_device_path(seed: int, mon
             monkeypatch.setattr(placement, "_filter_plugin", lambda *args: False)
             want = filter_nodes(c.ledger, demand, asked)
             assert (got.feasible, dict(got.failed), dict(got.unresolvable)) == (
-                want.feasible, dict(want.failed), dict(want.unresolvable)), (step, demand)
+                want.feasible,
+                dict(want.failed),
+                dict(want.unresolvable),
+            ), (step, demand)
     assert any(taken)  # the live-mode path answered (and was compared)

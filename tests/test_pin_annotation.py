@@ -11,15 +11,18 @@ import copy
 from typing import Any
 
 import pytest
-
 from builders import cluster, gpu_node, mig_mixed_node, pod
+
 from extender.bind_event import REASON, bind_event, bind_message
 from extender.demand import PIN_FIELD_PATH, PodRef, pod_demand, reads_pin_annotation
 from extender.deviceplugin import ReplicaPolicy, annotation_pin_refusal
 from extender.ledger import Reservation
 
 GIB = 1024**3
-FROM_ANNOTATION = {"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {"fieldPath": PIN_FIELD_PATH}}}
+FROM_ANNOTATION = {
+    "name": "NVIDIA_VISIBLE_DEVICES",
+    "valueFrom": {"fieldRef": {"fieldPath": PIN_FIELD_PATH}},
+}
 
 
 def with_env(p: dict[str, Any], *env: dict[str, Any], container: int = 0) -> dict[str, Any]:
@@ -28,7 +31,9 @@ def with_env(p: dict[str, Any], *env: dict[str, Any], container: int = 0) -> dic
     return p
 
 
-def sidecar(p: dict[str, Any], *, gpu: bool = False, env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def sidecar(
+    p: dict[str, Any], *, gpu: bool = False, env: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     p = copy.deepcopy(p)
     c: dict[str, Any] = {"name": "sidecar", "image": "busybox", "env": env or []}
     if gpu:
@@ -61,8 +66,22 @@ def test_the_configmap_form_is_pinned_but_not_annotation_bound() -> None:
         [],
         [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}],
         # kubelet only understands single quotes in a subscripted field path
-        [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {"fieldPath": 'metadata.annotations["vramsched.io/gpu-index"]'}}}],
-        [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['vramsched.io/assignment']"}}}],
+        [
+            {
+                "name": "NVIDIA_VISIBLE_DEVICES",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": 'metadata.annotations["vramsched.io/gpu-index"]'}
+                },
+            }
+        ],
+        [
+            {
+                "name": "NVIDIA_VISIBLE_DEVICES",
+                "valueFrom": {
+                    "fieldRef": {"fieldPath": "metadata.annotations['vramsched.io/assignment']"}
+                },
+            }
+        ],
         [{"name": "GPU_INDEX", "valueFrom": {"fieldRef": {"fieldPath": PIN_FIELD_PATH}}}],
         # the last entry of a name wins in kubelet: a later literal overrides the reference
         [FROM_ANNOTATION, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
@@ -86,7 +105,9 @@ def test_every_gpu_container_must_read_the_annotation() -> None:
     assert not reads_pin_annotation(sidecar(pod("web", "12Gi"), env=[FROM_ANNOTATION]))
     # A GPU init container counts too.
     init = copy.deepcopy(base)
-    init["spec"]["initContainers"] = [{"name": "warm", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]
+    init["spec"]["initContainers"] = [
+        {"name": "warm", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+    ]
     assert not reads_pin_annotation(init)
 
 
@@ -106,27 +127,51 @@ def test_only_pinned_whole_time_sliced_gpus_take_it() -> None:
     pinned = ReplicaPolicy.PINNED
     assert annotation_pin_refusal(ts, "nvidia.com/gpu", pinned) is None
     assert annotation_pin_refusal(ts, "nvidia.com/gpu", "pinned") is None
-    for devs, resource in ((exclusive, "nvidia.com/gpu"), (mps, "nvidia.com/gpu"), (mig, "nvidia.com/mig-1g.10gb")):
-        assert "cannot be pinned" in (annotation_pin_refusal(devs, resource, pinned) or ""), resource
+    for devs, resource in (
+        (exclusive, "nvidia.com/gpu"),
+        (mps, "nvidia.com/gpu"),
+        (mig, "nvidia.com/mig-1g.10gb"),
+    ):
+        assert "cannot be pinned" in (annotation_pin_refusal(devs, resource, pinned) or ""), (
+            resource
+        )
     for policy in (None, ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED):
-        assert "only with --replica-policy pinned" in (annotation_pin_refusal(ts, "nvidia.com/gpu", policy) or "")
+        assert "only with --replica-policy pinned" in (
+            annotation_pin_refusal(ts, "nvidia.com/gpu", policy) or ""
+        )
 
 
 # ----- the bind event ---------------------------------------------------------------------------------
 
 
-def reserve(c: Any, key: str, node: str, devs: tuple[str, ...], sizes: tuple[int, ...], declared: bool = True) -> Reservation:
+def reserve(
+    c: Any,
+    key: str,
+    node: str,
+    devs: tuple[str, ...],
+    sizes: tuple[int, ...],
+    declared: bool = True,
+) -> Reservation:
     ns, name = key.split("/")
-    return c.ledger.reserve(Reservation(PodRef(ns, name, f"uid-{name}"), node, devs, sizes, declared=declared))
+    return c.ledger.reserve(
+        Reservation(PodRef(ns, name, f"uid-{name}"), node, devs, sizes, declared=declared)
+    )
 
 
 def test_messages_say_what_is_reserved_and_how_full_the_device_is() -> None:
-    c = cluster(gpu_node("ts", count=2, memory_mib=81920, replicas=4), gpu_node("mps", count=1, replicas=4, strategy="mps"),
-                gpu_node("x", count=4), mig_mixed_node("mig", {"1g.10gb": (7, 9856)}))
+    c = cluster(
+        gpu_node("ts", count=2, memory_mib=81920, replicas=4),
+        gpu_node("mps", count=1, replicas=4, strategy="mps"),
+        gpu_node("x", count=4),
+        mig_mixed_node("mig", {"1g.10gb": (7, 9856)}),
+    )
     c.ledger.replica_policy = "pinned"
     reserve(c, "default/a", "ts", ("1",), (8 * GIB,))
     b = reserve(c, "default/b", "ts", ("1",), (16 * GIB,))
-    assert bind_message(c.ledger, b, pinned=True) == "reserved 16Gi on GPU 1 of ts (time-slicing, 2/4 replicas, pinned)"
+    assert (
+        bind_message(c.ledger, b, pinned=True)
+        == "reserved 16Gi on GPU 1 of ts (time-slicing, 2/4 replicas, pinned)"
+    )
     assert bind_message(c.ledger, b, pinned=False) == (
         "reserved 16Gi on a GPU of ts (time-slicing, 2/4 replicas, counted on GPU 1; the device plugin picks the GPU)"
     )
@@ -139,18 +184,34 @@ def test_messages_say_what_is_reserved_and_how_full_the_device_is() -> None:
         "reserved 2x40Gi on 2 GPUs of x (exclusive, counted on GPUs 0,2; the device plugin picks the GPUs)"
     )
     whole = reserve(c, "default/w", "x", ("1",), (80 * GIB,), declared=False)
-    assert bind_message(c.ledger, whole, pinned=False).startswith("reserved 80Gi (whole device, no model-memory declared) on a GPU of x")
+    assert bind_message(c.ledger, whole, pinned=False).startswith(
+        "reserved 80Gi (whole device, no model-memory declared) on a GPU of x"
+    )
     slice_id = next(d.device_id for d in c.ledger.node("mig").devices)
     s = reserve(c, "default/s", "mig", (slice_id,), (8 * GIB,))
-    assert bind_message(c.ledger, s, pinned=False) == f"reserved 8Gi on MIG slice 1g.10gb of mig (isolated memory, counted on {slice_id})"
+    assert (
+        bind_message(c.ledger, s, pinned=False)
+        == f"reserved 8Gi on MIG slice 1g.10gb of mig (isolated memory, counted on {slice_id})"
+    )
 
 
 def test_the_event_is_a_core_v1_event_on_the_pod() -> None:
     ref = PodRef("team-a", "web-7f9c-x2", "uid-1")
-    body = bind_event(ref, "reserved 16Gi on GPU 1 of n", now=1_800_000_000.25, instance="vramsched-abc")
+    body = bind_event(
+        ref, "reserved 16Gi on GPU 1 of n", now=1_800_000_000.25, instance="vramsched-abc"
+    )
     assert body["apiVersion"] == "v1" and body["kind"] == "Event"
-    assert body["metadata"] == {"name": f"web-7f9c-x2.{int(1_800_000_000.25 * 1e9):x}", "namespace": "team-a"}
-    assert body["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "team-a", "name": "web-7f9c-x2", "uid": "uid-1"}
+    assert body["metadata"] == {
+        "name": f"web-7f9c-x2.{int(1_800_000_000.25 * 1e9):x}",
+        "namespace": "team-a",
+    }
+    assert body["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": "team-a",
+        "name": "web-7f9c-x2",
+        "uid": "uid-1",
+    }
     assert (body["reason"], body["type"], body["count"]) == (REASON, "Normal", 1)
     assert body["firstTimestamp"] == body["lastTimestamp"] == "2027-01-15T08:00:00Z"
     assert body["reportingInstance"] == "vramsched-abc"

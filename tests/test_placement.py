@@ -14,7 +14,11 @@ def place(c, p, node):
 
 
 def test_filter_reasons_are_specific():
-    c = cluster(gpu_node("full", count=1, replicas=2), gpu_node("small", count=1, memory_mib=24576), gpu_node("ok", count=1, replicas=2))
+    c = cluster(
+        gpu_node("full", count=1, replicas=2),
+        gpu_node("small", count=1, memory_mib=24576),
+        gpu_node("ok", count=1, replicas=2),
+    )
     place(c, pod("x", "60Gi"), "full")
     out = filter_nodes(c.ledger, pod_demand(pod("p", "40Gi")), ["full", "small", "ok", "ghost"])
     assert out.feasible == ["ok"]
@@ -32,7 +36,9 @@ def test_multi_gpu_pod_needs_all_gpus_on_one_node():
     assert out.failed == {"n": "only 2 of 4 GPUs with 30Gi free"}
     r = choose_devices(c.ledger, pod_demand(pod("q", "120Gi", gpus=2)), "n")
     assert r.device_ids == ("2", "3") and r.bytes_per_device == (60 * GIB, 60 * GIB)
-    assert filter_nodes(c.ledger, pod_demand(pod("p", "8Gi", gpus=8)), ["n"]).unresolvable == {"n": "node has 4 GPUs, pod needs 8"}
+    assert filter_nodes(c.ledger, pod_demand(pod("p", "8Gi", gpus=8)), ["n"]).unresolvable == {
+        "n": "node has 4 GPUs, pod needs 8"
+    }
 
 
 def test_replicas_exhausted():
@@ -44,7 +50,11 @@ def test_replicas_exhausted():
 
 
 def test_best_fit_prefers_partly_used_gpu_and_never_opens_empty_one():
-    c = cluster(gpu_node("a", count=2, replicas=4), gpu_node("b", count=2, replicas=4), gpu_node("c", count=2, replicas=4))
+    c = cluster(
+        gpu_node("a", count=2, replicas=4),
+        gpu_node("b", count=2, replicas=4),
+        gpu_node("c", count=2, replicas=4),
+    )
     place(c, pod("x", "60Gi"), "a")  # 20Gi left on a/0
     place(c, pod("y", "30Gi"), "b")  # 50Gi left on b/0
     scores = dict(score_nodes(c.ledger, pod_demand(pod("p", "16Gi")), ["a", "b", "c"]))
@@ -80,7 +90,10 @@ def test_without_a_plan_the_first_node_of_the_best_band_alone_gets_top_score():
     place(c, pod("w", "80Gi"), "c")
     assert dict(score_nodes(c.ledger, d, ["c", "d", "b"], planned="c")) == {"c": 0, "d": 9, "b": 10}
     # nowhere to go: nobody gets 10
-    assert dict(score_nodes(c.ledger, pod_demand(pod("big", "70Gi")), ["b", "c"])) == {"b": 0, "c": 0}
+    assert dict(score_nodes(c.ledger, pod_demand(pod("big", "70Gi")), ["b", "c"])) == {
+        "b": 0,
+        "c": 0,
+    }
 
 
 def test_no_annotation_needs_an_empty_gpu():
@@ -95,10 +108,14 @@ def test_no_annotation_needs_an_empty_gpu():
 
 def test_mps_respects_per_replica_cap():
     c = cluster(gpu_node("m", count=1, replicas=4, strategy="mps"))
-    assert filter_nodes(c.ledger, pod_demand(pod("p", "21Gi")), ["m"]).unresolvable == {"m": "need 21Gi per GPU, MPS caps each replica at 20Gi"}
+    assert filter_nodes(c.ledger, pod_demand(pod("p", "21Gi")), ["m"]).unresolvable == {
+        "m": "need 21Gi per GPU, MPS caps each replica at 20Gi"
+    }
     for i in range(4):
         place(c, pod(f"p{i}", "20Gi"), "m")
-    assert "replicas in use" in filter_nodes(c.ledger, pod_demand(pod("q", "1Gi")), ["m"]).failed["m"]
+    assert (
+        "replicas in use" in filter_nodes(c.ledger, pod_demand(pod("q", "1Gi")), ["m"]).failed["m"]
+    )
     assert check_invariant(c.ledger) == []
 
 
@@ -106,7 +123,9 @@ def test_mig_mixed_profile_too_small_names_both_numbers_and_a_fitting_profile():
     c = cluster(mig_mixed_node("m", {"1g.10gb": (4, 9984), "3g.40gb": (1, 40192)}))
     d = pod_demand(pod("p", "12Gi", resource="nvidia.com/mig-1g.10gb"))
     out = filter_nodes(c.ledger, d, ["m"])
-    assert out.unresolvable == {"m": "model needs 12Gi but 1g.10gb has 9.75Gi; smallest profile on node that fits: 3g.40gb"}
+    assert out.unresolvable == {
+        "m": "model needs 12Gi but 1g.10gb has 9.75Gi; smallest profile on node that fits: 3g.40gb"
+    }
     ok = pod_demand(pod("q", "5Gi", resource="nvidia.com/mig-1g.10gb"))
     assert filter_nodes(c.ledger, ok, ["m"]).feasible == ["m"]
     r = choose_devices(c.ledger, ok, "m")
@@ -119,12 +138,21 @@ def test_mig_single_strategy_places_on_slices():
         place(c, pod(f"p{i}", "9Gi"), "s")
     out = filter_nodes(c.ledger, pod_demand(pod("x", "1Gi")), ["s"])
     assert out.failed and check_invariant(c.ledger) == []
-    assert filter_nodes(c.ledger, pod_demand(pod("y", "10Gi")), ["s"]).unresolvable["s"].startswith("need 10Gi per GPU")
+    assert (
+        filter_nodes(c.ledger, pod_demand(pod("y", "10Gi")), ["s"])
+        .unresolvable["s"]
+        .startswith("need 10Gi per GPU")
+    )
 
 
 def test_allowed_products():
-    c = cluster(gpu_node("a", product="NVIDIA-A100-SXM4-80GB"), gpu_node("h", product="NVIDIA-H100-80GB-HBM3"))
-    d = pod_demand(pod("p", "8Gi", annotations={"vramsched.io/gpu-products": "NVIDIA-H100-80GB-HBM3"}))
+    c = cluster(
+        gpu_node("a", product="NVIDIA-A100-SXM4-80GB"),
+        gpu_node("h", product="NVIDIA-H100-80GB-HBM3"),
+    )
+    d = pod_demand(
+        pod("p", "8Gi", annotations={"vramsched.io/gpu-products": "NVIDIA-H100-80GB-HBM3"})
+    )
     out = filter_nodes(c.ledger, d, ["a", "h"])
     assert out.feasible == ["h"] and "not in the pod's allowed products" in out.unresolvable["a"]
 
@@ -132,7 +160,12 @@ def test_allowed_products():
 def test_preempt_keeps_fewest_lowest_priority_victims():
     c = cluster(gpu_node("n", count=1, replicas=4))
     victims = {}
-    for name, gib, prio in [("low-big", "40Gi", 1), ("low-small", "10Gi", 1), ("mid", "20Gi", 5), ("high", "10Gi", 100)]:
+    for name, gib, prio in [
+        ("low-big", "40Gi", 1),
+        ("low-small", "10Gi", 1),
+        ("mid", "20Gi", 5),
+        ("high", "10Gi", 100),
+    ]:
         p = pod(name, gib, priority=prio)
         c.upsert_pod(p)
         place(c, p, "n")
@@ -161,26 +194,42 @@ def test_label_only_reasons_are_shared_read_only_and_encoded_once():
     from extender.server import encode_names_result
     from extender.wire import ExtenderFilterResult
 
-    c = cluster(mig_mixed_node("mig", {"1g.10gb": (7, 9984)}), gpu_node("ok", count=2), gpu_node("small", count=1, memory_mib=24576))
+    c = cluster(
+        mig_mixed_node("mig", {"1g.10gb": (7, 9984)}),
+        gpu_node("ok", count=2),
+        gpu_node("small", count=1, memory_mib=24576),
+    )
     names = ["mig", "ok", "small"]
     small_pod, big_pod = pod_demand(pod("p", "10Gi")), pod_demand(pod("q", "40Gi"))
     first, second, third = (filter_nodes(c.ledger, small_pod, names) for _ in range(3))
     assert first.unresolvable == second.unresolvable == {"mig": "node has no nvidia.com/gpu"}
-    assert isinstance(second.unresolvable, SharedReasons) and second.unresolvable is third.unresolvable
+    assert (
+        isinstance(second.unresolvable, SharedReasons) and second.unresolvable is third.unresolvable
+    )
     with pytest.raises(TypeError):
         second.unresolvable["x"] = "y"
     with pytest.raises(TypeError):
         second.unresolvable.update({"x": "y"})
     assert second.unresolvable == {"mig": "node has no nvidia.com/gpu"}
     for _ in range(2):
-        result = ExtenderFilterResult.model_construct(NodeNames=second.feasible, FailedNodes={}, FailedAndUnresolvableNodes=second.unresolvable)
-        assert orjson.loads(encode_names_result(result, NameLists()))["FailedAndUnresolvableNodes"] == dict(second.unresolvable)
+        result = ExtenderFilterResult.model_construct(
+            NodeNames=second.feasible,
+            FailedNodes={},
+            FailedAndUnresolvableNodes=second.unresolvable,
+        )
+        assert orjson.loads(encode_names_result(result, NameLists()))[
+            "FailedAndUnresolvableNodes"
+        ] == dict(second.unresolvable)
     # a pod too big for "small" adds a reason of its own: a plain dict holding both, the shared one untouched
     for _ in range(2):
         big = filter_nodes(c.ledger, big_pod, names)
     assert type(big.unresolvable) is dict and big.unresolvable == {
-        "mig": "node has no nvidia.com/gpu", "small": "need 40Gi per GPU, GPUs have 24Gi"}
-    assert filter_nodes(c.ledger, small_pod, names).unresolvable == {"mig": "node has no nvidia.com/gpu"}
+        "mig": "node has no nvidia.com/gpu",
+        "small": "need 40Gi per GPU, GPUs have 24Gi",
+    }
+    assert filter_nodes(c.ledger, small_pod, names).unresolvable == {
+        "mig": "node has no nvidia.com/gpu"
+    }
 
 
 def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_added():
@@ -190,8 +239,11 @@ def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_add
     from extender.deviceplugin import PIN_MISSING
     from extender.placement import SharedReasons
 
-    c = cluster(mig_mixed_node("mig", {"1g.10gb": (7, 9984)}), gpu_node("ts0", count=2, memory_mib=23034, replicas=4),
-                gpu_node("x", count=2))
+    c = cluster(
+        mig_mixed_node("mig", {"1g.10gb": (7, 9984)}),
+        gpu_node("ts0", count=2, memory_mib=23034, replicas=4),
+        gpu_node("x", count=2),
+    )
     c.ledger.replica_policy = "pinned"
     names = ["mig", "ts0", "x"]
     pinned = pod("p", "10Gi")
@@ -202,7 +254,10 @@ def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_add
     assert isinstance(second.unresolvable, SharedReasons)
     # the same shape without a pin: ts0 refuses it for good, on top of the shared reasons
     plain = filter_nodes(c.ledger, pod_demand(pod("q", "10Gi")), names)
-    assert type(plain.unresolvable) is dict and plain.unresolvable == {**mig_only, "ts0": PIN_MISSING}
+    assert type(plain.unresolvable) is dict and plain.unresolvable == {
+        **mig_only,
+        "ts0": PIN_MISSING,
+    }
     assert plain.feasible == ["x"]
     again = filter_nodes(c.ledger, pod_demand(pinned), names)
     assert again.unresolvable is second.unresolvable and again.unresolvable == mig_only

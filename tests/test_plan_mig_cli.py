@@ -16,7 +16,13 @@ from extender.commands import plan_mig
 GIB = mig.GIB
 
 
-def node(name: str, product: str, count: int, labels: dict[str, str] | None = None, strategy: str | None = "mixed") -> dict:
+def node(
+    name: str,
+    product: str,
+    count: int,
+    labels: dict[str, str] | None = None,
+    strategy: str | None = "mixed",
+) -> dict:
     lab = {"nvidia.com/gpu.product": product, "nvidia.com/gpu.count": str(count)}
     if strategy:
         lab["nvidia.com/mig.strategy"] = strategy
@@ -24,7 +30,9 @@ def node(name: str, product: str, count: int, labels: dict[str, str] | None = No
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": lab}}
 
 
-def mig_labels(counts: dict[str, int], memory_mib: dict[str, int] | None = None, config: str | None = None) -> dict[str, str]:
+def mig_labels(
+    counts: dict[str, int], memory_mib: dict[str, int] | None = None, config: str | None = None
+) -> dict[str, str]:
     out = {}
     for p, k in counts.items():
         base = mig.resource_name(p)
@@ -37,7 +45,14 @@ def mig_labels(counts: dict[str, int], memory_mib: dict[str, int] | None = None,
     return out
 
 
-def pod(name: str, memory: str | None = None, node_name: str | None = None, assignment: dict | None = None, mig_limits: dict | None = None, phase: str | None = None) -> dict:
+def pod(
+    name: str,
+    memory: str | None = None,
+    node_name: str | None = None,
+    assignment: dict | None = None,
+    mig_limits: dict | None = None,
+    phase: str | None = None,
+) -> dict:
     ann = {}
     if memory:
         ann["vramsched.io/model-memory"] = memory
@@ -63,7 +78,17 @@ def write_list(path: Path, items: list[dict]) -> Path:
 
 
 def args(cluster: Path, **kw) -> argparse.Namespace:
-    base = dict(cluster=cluster, pending=None, time_limit=5.0, workers=1, reconfigure="whole-gpu", compare_uniform=False, output_yaml=None, apply_labels=False, kubeconfig=None)
+    base = dict(
+        cluster=cluster,
+        pending=None,
+        time_limit=5.0,
+        workers=1,
+        reconfigure="whole-gpu",
+        compare_uniform=False,
+        output_yaml=None,
+        apply_labels=False,
+        kubeconfig=None,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -76,10 +101,22 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 def cluster(tmp_path: Path) -> Path:
     balanced2 = {"1g.10gb": 4, "2g.20gb": 2, "3g.40gb": 2}
     items = [
-        node("a100-1", A100, 2, mig_labels(balanced2, {"1g.10gb": 9728, "2g.20gb": 19968, "3g.40gb": 40192}, "all-balanced")),
+        node(
+            "a100-1",
+            A100,
+            2,
+            mig_labels(
+                balanced2, {"1g.10gb": 9728, "2g.20gb": 19968, "3g.40gb": 40192}, "all-balanced"
+            ),
+        ),
         node("h100-1", H100, 2, mig_labels({"1g.10gb": 14})),
         node("l4-1", "NVIDIA-L4", 1, strategy=None),
-        pod("running", "30Gi", "a100-1", {"node": "a100-1", "devices": ["0:3g.40gb:0"], "bytesPerDevice": 30 * GIB}),
+        pod(
+            "running",
+            "30Gi",
+            "a100-1",
+            {"node": "a100-1", "devices": ["0:3g.40gb:0"], "bytesPerDevice": 30 * GIB},
+        ),
         pod("big", "70Gi"),
         pod("mid", "23Gi"),
         pod("huge", "100Gi"),
@@ -129,7 +166,9 @@ def test_run_prints_table_and_yaml(cluster: Path, tmp_path: Path) -> None:
     assert "uniform:all-balanced" in text
     cfg = yaml.safe_load(out_yaml.read_text())
     assert cfg["version"] == "v1"
-    assert cfg == yaml.safe_load(text.split("# mig-parted config")[1].split("\n", 1)[1].split("# node labels")[0])
+    assert cfg == yaml.safe_load(
+        text.split("# mig-parted config")[1].split("\n", 1)[1].split("# node labels")[0]
+    )
     labels = yaml.safe_load(text.split("# node labels (dry-run: not applied)\n")[1])["nodeLabels"]
     # a100-1 GPU 0 runs a pod: whatever the plan, its layout is untouched
     for n, lab in labels.items():
@@ -158,7 +197,13 @@ def test_apply_labels_is_dry_run(cluster: Path) -> None:
 
 def test_opaque_and_single_strategy_nodes_are_frozen(tmp_path: Path) -> None:
     items = [
-        node("single", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", 14, {"nvidia.com/gpu.memory": "4864"}, strategy="single"),
+        node(
+            "single",
+            "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb",
+            14,
+            {"nvidia.com/gpu.memory": "4864"},
+            strategy="single",
+        ),
         node("opaque", H100, 1, mig_labels({"1g.10gb": 7})),
         pod("foreign", None, "opaque", mig_limits={"nvidia.com/mig-1g.10gb": 1}),
         pod("big", "70Gi"),
@@ -178,7 +223,12 @@ def test_assignment_forms_and_multi_gpu_pods(tmp_path: Path) -> None:
     items = [
         node("h", H100, 2, mig_labels({"1g.10gb": 14})),
         # bytesPerDevice as a list (what the binder writes) and as one number; two pods on one device
-        pod("a", "5Gi", "h", {"node": "h", "devices": ["1:1g.10gb:3", "1:1g.10gb:4"], "bytesPerDevice": [GIB, GIB]}),
+        pod(
+            "a",
+            "5Gi",
+            "h",
+            {"node": "h", "devices": ["1:1g.10gb:3", "1:1g.10gb:4"], "bytesPerDevice": [GIB, GIB]},
+        ),
         pod("b", "5Gi", "h", {"node": "h", "devices": ["1:1g.10gb:3"], "bytesPerDevice": GIB}),
         pod("two", "8Gi", mig_limits={"nvidia.com/mig-1g.10gb": 2}),
         pod("one", "8Gi"),

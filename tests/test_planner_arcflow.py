@@ -5,23 +5,38 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from builders import gpu_node
+from test_planner_model import brute_force, demand
+
 from extender.ledger import check_invariant
 from extender.planner import model
 from extender.planner.capacity import FragIndex, Workload
 from extender.planner.greedy import greedy_batch
 from extender.simulate.engine import build_capacity
-from test_planner_model import brute_force, demand
 
 
 def _case(seed: int, *, multi: bool):
     rng = random.Random(seed)
-    nodes = [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=3, cpu=str(rng.choice([4, 8] if multi else [64])))
-             for i in range(2)]
+    nodes = [
+        gpu_node(
+            f"n{i}",
+            count=2,
+            memory_mib=80 * 1024,
+            replicas=3,
+            cpu=str(rng.choice([4, 8] if multi else [64])),
+        )
+        for i in range(2)
+    ]
     _, cap = build_capacity(nodes)
-    demands = [demand(f"p{i}", rng.choice([10, 20, 30, 40, 50]), gpus=rng.choice([1, 1, 2]) if multi else 1,
-                      cpu=rng.choice([1000, 3000]) if multi else 0) for i in range(3)]
+    demands = [
+        demand(
+            f"p{i}",
+            rng.choice([10, 20, 30, 40, 50]),
+            gpus=rng.choice([1, 1, 2]) if multi else 1,
+            cpu=rng.choice([1000, 3000]) if multi else 0,
+        )
+        for i in range(3)
+    ]
     profile = [demand("t1", 40), demand("t2", 20), demand("t4", 70)]
     if multi:
         profile.append(demand("t3", 40, gpus=2, cpu=2000))
@@ -50,7 +65,9 @@ def test_stranded_bound_is_exact_for_single_gpu_pods_with_room(seed):
 
 
 def _packable(n_nodes: int, sizes: list[int]):
-    _, cap = build_capacity([gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=8) for i in range(n_nodes)])
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=8) for i in range(n_nodes)]
+    )
     demands = [demand(f"p{i}", gib) for i, gib in enumerate(sizes)]
     return cap, demands, FragIndex(cap, Workload.from_demands(demands))
 
@@ -63,14 +80,20 @@ SEVENTEEN = [30, 30, 20, 20, 10, 30, 40, 10, 30, 10, 40, 20, 40, 40, 20, 20, 20]
 
 def test_flow_plan_reaches_the_bound_where_fgd_one_pod_at_a_time_strands_memory():
     cap, demands, frag = _packable(2, SIX)
-    reference = model._evaluate(cap, demands, greedy_batch(cap, demands, frag, order="arrival", rule="fgd"), frag)
+    reference = model._evaluate(
+        cap, demands, greedy_batch(cap, demands, frag, order="arrival", rule="fgd"), frag
+    )
     flow = model.flow_plan(cap, demands, frag, time_limit=10, num_workers=1)
     cost = model._evaluate(cap, demands, flow, frag)
     assert len(flow) == len(SIX) and model._valid(cap, demands, flow, frag)
     assert reference[1] > 0 and reference[2] == 4
-    assert cost[1] == 0 == model.stranded_lower_bound(cap, demands, frag, time_limit=10, num_workers=1)
+    assert (
+        cost[1] == 0 == model.stranded_lower_bound(cap, demands, frag, time_limit=10, num_workers=1)
+    )
     assert cost[2] == 2  # the two GPUs the sizes fill exactly
-    assert check_invariant(cap.ledger) == [] and int(cap.arrays.used.sum()) == 0  # capacity restored
+    assert (
+        check_invariant(cap.ledger) == [] and int(cap.arrays.used.sum()) == 0
+    )  # capacity restored
 
 
 def test_a_large_batch_takes_the_flow_plan_and_a_small_one_keeps_fgds():
@@ -81,7 +104,11 @@ def test_a_large_batch_takes_the_flow_plan_and_a_small_one_keeps_fgds():
     assert model._valid(cap, demands, plan.choices, frag)
     # the proof: stranded VRAM cannot go below the bound, and the plan is at it
     assert plan.stats["strandedLowerBoundKiB"] == 0
-    assert plan.stages[-1].status == "BOUNDED" and plan.stages[-1].objective == plan.cost[1] and plan.gap == 0
+    assert (
+        plan.stages[-1].status == "BOUNDED"
+        and plan.stages[-1].objective == plan.cost[1]
+        and plan.gap == 0
+    )
     # a batch of SMALL_BATCH pods or fewer (the trace's bursts) keeps FGD's sequential plan
     cap, demands, frag = _packable(2, SIX)
     plan = model.solve_batch(cap, demands, frag, time_limit=10, num_workers=1, prove=True)
@@ -92,7 +119,9 @@ def test_a_large_batch_takes_the_flow_plan_and_a_small_one_keeps_fgds():
 def test_flow_plan_honours_cpu_and_falls_back_to_fgd_for_what_it_cannot_place():
     # the relaxation ignores CPU: with 2 CPUs per node only two pods fit on each node,
     # whatever the GPUs hold; every pod still gets a valid place
-    _, cap = build_capacity([gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=8, cpu="2") for i in range(9)])
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=8, cpu="2") for i in range(9)]
+    )
     demands = [demand(f"p{i}", gib, cpu=1000) for i, gib in enumerate(SEVENTEEN)]
     frag = FragIndex(cap, Workload.from_demands(demands))
     flow = model.flow_plan(cap, demands, frag, time_limit=10, num_workers=1)
@@ -105,4 +134,9 @@ def test_flow_plan_honours_cpu_and_falls_back_to_fgd_for_what_it_cannot_place():
 
 def test_no_bound_when_the_batch_cannot_be_placed_whole():
     cap, _, frag = _packable(1, [])
-    assert model.stranded_lower_bound(cap, [demand(f"q{i}", 50) for i in range(3)], frag, time_limit=5, num_workers=1) is None
+    assert (
+        model.stranded_lower_bound(
+            cap, [demand(f"q{i}", 50) for i in range(3)], frag, time_limit=5, num_workers=1
+        )
+        is None
+    )

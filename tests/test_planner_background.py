@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from builders import cluster, gpu_node, pod
-from extender.ledger import Reservation, check_invariant
+
 from extender.demand import PodRef
+from extender.ledger import Reservation, check_invariant
 from extender.planner.background import BackgroundPlanner
 from extender.quantity import GIB
 from extender.service import EmbeddedBinder, ExtenderService
@@ -37,7 +38,13 @@ def test_prioritize_gives_the_planned_node_the_top_score_and_bind_uses_the_plann
         assert node in NODES
         assert scores(svc, p)[node] == 10
         planned = planner.entries[key].reservation
-        result = asyncio.run(svc.bind(ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", Node=node)))
+        result = asyncio.run(
+            svc.bind(
+                ExtenderBindingArgs(
+                    PodName=p["metadata"]["name"], PodNamespace="default", Node=node
+                )
+            )
+        )
         assert result.Error == ""
         held = c.ledger.reservation(key)
         assert (held.node, held.device_ids) == (planned.node, planned.device_ids)
@@ -51,7 +58,9 @@ def test_without_a_plan_the_greedy_path_answers():
     plain = ExtenderService(c, EmbeddedBinder(c))
     assert planner.planned_node("default/x") is None  # cold start
     assert scores(svc, p) == scores(plain, p)
-    result = asyncio.run(svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node="a")))
+    result = asyncio.run(
+        svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node="a"))
+    )
     assert result.Error == "" and c.ledger.reservation("default/x").node == "a"
 
 
@@ -77,8 +86,15 @@ def test_binding_one_planned_pod_keeps_its_neighbours_plans():
     c, planner, svc = setup(*pods)
     planner.plan_once()
     e1, e2 = planner.entries["default/p1"], planner.entries["default/p2"]
-    assert asyncio.run(svc.bind(ExtenderBindingArgs(PodName="p1", PodNamespace="default", Node=e1.node))).Error == ""
-    assert planner.planned_node("default/p2") == e2.node  # same node changed, its GPUs are still free
+    assert (
+        asyncio.run(
+            svc.bind(ExtenderBindingArgs(PodName="p1", PodNamespace="default", Node=e1.node))
+        ).Error
+        == ""
+    )
+    assert (
+        planner.planned_node("default/p2") == e2.node
+    )  # same node changed, its GPUs are still free
     assert planner.planned_node("default/p1") is None  # bound: no longer pending
 
 
@@ -87,8 +103,12 @@ def test_a_stale_planned_reservation_is_not_used_by_bind():
     c, planner, svc = setup(p, pod("q", "60Gi"))
     planner.plan_once()
     e = planner.entries["default/p"]
-    c.ledger.record(Reservation(PodRef("other", "x"), e.node, e.reservation.device_ids, (70 * GIB,)))
-    result = asyncio.run(svc.bind(ExtenderBindingArgs(PodName="p", PodNamespace="default", Node=e.node)))
+    c.ledger.record(
+        Reservation(PodRef("other", "x"), e.node, e.reservation.device_ids, (70 * GIB,))
+    )
+    result = asyncio.run(
+        svc.bind(ExtenderBindingArgs(PodName="p", PodNamespace="default", Node=e.node))
+    )
     assert result.Error == ""  # best fit on the other GPU of that node
     assert c.ledger.reservation("default/p").device_ids != e.reservation.device_ids
     assert check_invariant(c.ledger) == []
@@ -175,15 +195,30 @@ def test_cpu_and_memory_sums_follow_every_pod_event():
         if roll < 0.15:
             c.delete_pod(f"default/{name}")
             continue
-        p = _with_requests(pod(name, rng.choice(["8Gi", None]), gpus=rng.choice([0, 1]), node=rng.choice([None, *NODES]),
-                               phase=rng.choice(["Pending", "Running", "Running", "Succeeded"]), uid=f"{name}-{rng.randrange(3)}"),
-                           f"{rng.randrange(1, 9)}", f"{rng.randrange(1, 9)}Gi")
+        p = _with_requests(
+            pod(
+                name,
+                rng.choice(["8Gi", None]),
+                gpus=rng.choice([0, 1]),
+                node=rng.choice([None, *NODES]),
+                phase=rng.choice(["Pending", "Running", "Running", "Succeeded"]),
+                uid=f"{name}-{rng.randrange(3)}",
+            ),
+            f"{rng.randrange(1, 9)}",
+            f"{rng.randrange(1, 9)}Gi",
+        )
         if roll < 0.2:
-            p["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "lots"  # unreadable: counted nowhere
+            p["spec"]["containers"][0]["resources"]["requests"]["cpu"] = (
+                "lots"  # unreadable: counted nowhere
+            )
         c.upsert_pod(p)
         want_cpu, want_mem = _reference_usage(c)
-        assert ({k: v for k, v in c.cpu_used.items() if v}, {k: v for k, v in c.memory_used.items() if v}) == \
-            ({k: v for k, v in want_cpu.items() if v}, {k: v for k, v in want_mem.items() if v}), step
+        assert (
+            {k: v for k, v in c.cpu_used.items() if v},
+            {k: v for k, v in c.memory_used.items() if v},
+        ) == ({k: v for k, v in want_cpu.items() if v}, {k: v for k, v in want_mem.items() if v}), (
+            step
+        )
         assert not [v for v in check_cluster(c) if "CPU/memory" in v.what], step
     assert c.cpu_used  # the walk ended with pods running somewhere
 
@@ -194,14 +229,19 @@ def test_check_cluster_notices_a_wrong_cpu_sum():
     c = cluster(gpu_node("a"), _with_requests(pod("p", node="a", phase="Running"), "2", "1Gi"))
     assert c.cpu_used == {"a": 2000} and check_cluster(c) == []
     c.cpu_used["a"] = 1000
-    assert [v.what for v in check_cluster(c)] == ["CPU/memory requested on the node is (2000, 1073741824), counted (1000, 1073741824)"]
+    assert [v.what for v in check_cluster(c)] == [
+        "CPU/memory requested on the node is (2000, 1073741824), counted (1000, 1073741824)"
+    ]
 
 
 def test_snapshot_is_a_private_copy_equal_to_the_cluster():
-    from extender.planner.background import snapshot
     from extender.placement import choose_devices
+    from extender.planner.background import snapshot
 
-    running = [_with_requests(pod(f"r{i}", "20Gi", node=NODES[i % 3], phase="Running"), "4", "16Gi") for i in range(5)]
+    running = [
+        _with_requests(pod(f"r{i}", "20Gi", node=NODES[i % 3], phase="Running"), "4", "16Gi")
+        for i in range(5)
+    ]
     c, planner, svc = setup(*running, pod("waiting", "30Gi"))
     cap, gens = snapshot(c)
     a, b = c.ledger.arrays, cap.arrays
@@ -219,10 +259,14 @@ def test_snapshot_is_a_private_copy_equal_to_the_cluster():
     copy_before = b.used.copy()
     demand = svc._demand(c.pod("default/waiting"))
     res = cap.ledger.reserve(choose_devices(cap.ledger, demand, "a"))
-    assert (c.ledger.arrays.used == before).all() and c.ledger.reservation("default/waiting") is None
+    assert (c.ledger.arrays.used == before).all() and c.ledger.reservation(
+        "default/waiting"
+    ) is None
     assert b.used.sum() == copy_before.sum() + sum(res.bytes_per_device)
     c.ledger.release("default/r0")
-    assert c.ledger.arrays.used.sum() < before.sum() and b.used.sum() == copy_before.sum() + sum(res.bytes_per_device)
+    assert c.ledger.arrays.used.sum() < before.sum() and b.used.sum() == copy_before.sum() + sum(
+        res.bytes_per_device
+    )
     # the copy releases what it reserved itself, back to the state it was taken in
     cap.ledger.release("default/waiting")
     assert (b.used == copy_before).all() and check_invariant(c.ledger) == []
@@ -233,11 +277,16 @@ def test_a_pod_placed_before_it_is_min_age_old_is_never_planned_and_a_waiting_on
     t0 = 1000.0
     aged = planner._aged(t0)
     assert aged == frozenset() and not planner._needs_plan(aged, t0)
-    asyncio.run(svc.bind(ExtenderBindingArgs(PodName="quick", PodNamespace="default", Node="a")))  # placed at once
+    asyncio.run(
+        svc.bind(ExtenderBindingArgs(PodName="quick", PodNamespace="default", Node="a"))
+    )  # placed at once
     aged = planner._aged(t0 + planner.min_age)
     assert aged == {"default/waits"} and planner._needs_plan(aged, t0 + planner.min_age)
     asyncio.run(planner.replan(aged))
-    assert planner.planned_node("default/waits") in NODES and planner.planned_node("default/quick") is None
+    assert (
+        planner.planned_node("default/waits") in NODES
+        and planner.planned_node("default/quick") is None
+    )
 
 
 def test_after_a_plan_only_new_waiting_pods_replan_at_once_other_changes_wait_for_refresh():
@@ -257,7 +306,9 @@ def test_after_a_plan_only_new_waiting_pods_replan_at_once_other_changes_wait_fo
     planner._aged(soon - planner.min_age)
     aged = planner._aged(soon)
     assert aged == {"default/w1", "default/w2"}
-    assert not planner._needs_plan(aged, planned_at + planner.min_interval / 2)  # plans start at most this often
+    assert not planner._needs_plan(
+        aged, planned_at + planner.min_interval / 2
+    )  # plans start at most this often
     assert planner._needs_plan(aged, soon)
     # a planned pod that leaves needs no new plan: the others' entries stay valid per node
     asyncio.run(planner.replan(aged))
@@ -280,14 +331,22 @@ def test_a_pod_that_fit_nowhere_is_left_out_of_plans_for_new_pods_until_the_refr
     assert planner.stats.last_batch == 2 and planner._unplaced == {"default/huge"}
     c.upsert_pod(pod("w2", "20Gi"))
     planner._aged(start - planner.min_age)
-    asyncio.run(planner.step(planner._planned_from[2] + planner.min_interval))  # a new waiting pod, without `huge`
+    asyncio.run(
+        planner.step(planner._planned_from[2] + planner.min_interval)
+    )  # a new waiting pod, without `huge`
     assert planner.stats.plans == 2 and planner.stats.last_batch == 1  # w2 alone, around w1's entry
-    assert planner.planned_node("default/w2") in NODES and planner.planned_node("default/w1") in NODES
+    assert (
+        planner.planned_node("default/w2") in NODES and planner.planned_node("default/w1") in NODES
+    )
     c.upsert_pod(pod("elsewhere", "10Gi", node="b", phase="Running"))
-    asyncio.run(planner.step(planner._planned_from[2] + planner.refresh))  # the refresh: still without it
+    asyncio.run(
+        planner.step(planner._planned_from[2] + planner.refresh)
+    )  # the refresh: still without it
     assert planner.stats.plans == 3 and planner.stats.last_batch == 2
     c.upsert_pod(pod("elsewhere-2", "10Gi", node="c", phase="Running"))
-    asyncio.run(planner.step(planner._planned_from[2] + planner.refresh_all))  # the full plan: everyone
+    asyncio.run(
+        planner.step(planner._planned_from[2] + planner.refresh_all)
+    )  # the full plan: everyone
     assert planner.stats.plans == 4 and planner.stats.last_batch == 3
     assert planner._unplaced == {"default/huge"}
 
@@ -337,8 +396,11 @@ def test_a_newly_waiting_pod_is_planned_around_the_entries_that_still_hold():
     what the kept entries hold: the two plans never count the same room twice."""
     import time
 
-    c = cluster(gpu_node("a", count=1, memory_mib=80 * 1024, replicas=4),
-                gpu_node("b", count=1, memory_mib=80 * 1024, replicas=4), pod("w1", "60Gi"))
+    c = cluster(
+        gpu_node("a", count=1, memory_mib=80 * 1024, replicas=4),
+        gpu_node("b", count=1, memory_mib=80 * 1024, replicas=4),
+        pod("w1", "60Gi"),
+    )
     planner = BackgroundPlanner(c, time_limit=2.0, num_workers=1)
     start = time.monotonic()
     planner._aged(start - planner.min_age)
@@ -374,7 +436,9 @@ def test_bind_rechecks_the_device_plugin_bound_before_taking_the_planned_gpus():
     # GPU, 50 + 40 Gi on 80 Gi; the per-GPU books alone would still take the plan
     c.ledger.reserve(Reservation(PodRef("default", "small", "small"), "a", ("1",), (10 * GIB,)))
     assert c.ledger.fits(planned) is None
-    result = asyncio.run(svc.bind(ExtenderBindingArgs(PodName="new", PodNamespace="default", Node="a")))
+    result = asyncio.run(
+        svc.bind(ExtenderBindingArgs(PodName="new", PodNamespace="default", Node="a"))
+    )
     assert "does not fit on a" in result.Error and "may stack 90Gi on a 80Gi GPU" in result.Error
     assert c.ledger.reservation("default/new") is None and check_invariant(c.ledger) == []
     assert svc.planner_state()["hits"] == 1 and svc.planner_state()["refusedAtBind"] == 1
@@ -394,7 +458,16 @@ def test_a_burst_of_pods_is_planned_by_the_arc_flow_relaxation_and_bound_as_plan
         node = planner.planned_node(key)
         assert scores(svc, p)[node] == 10
         planned = planner.entries[key].reservation
-        assert asyncio.run(svc.bind(ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", Node=node))).Error == ""
+        assert (
+            asyncio.run(
+                svc.bind(
+                    ExtenderBindingArgs(
+                        PodName=p["metadata"]["name"], PodNamespace="default", Node=node
+                    )
+                )
+            ).Error
+            == ""
+        )
         held = c.ledger.reservation(key)
         assert (held.node, held.device_ids) == (planned.node, planned.device_ids)
     assert check_invariant(c.ledger) == [] and planner.stats.hits == len(sizes)

@@ -7,8 +7,8 @@ import random
 
 import numpy as np
 import pytest
-
 from builders import gpu_node
+
 from extender.demand import Demand, PodRef
 from extender.ledger import Reservation, check_invariant
 from extender.planner import greedy, model
@@ -19,10 +19,23 @@ from extender.quantity import GIB
 from extender.simulate.engine import build_capacity
 
 
-def demand(name: str, gib: int | None, *, gpus: int = 1, cpu: int = 0, products: frozenset[str] | None = None,
-           priority: int = 0) -> Demand:
-    return Demand(PodRef("t", name), gpus, None if gib is None else gib * GIB, cpu_milli=cpu, allowed_products=products,
-                  priority=priority)
+def demand(
+    name: str,
+    gib: int | None,
+    *,
+    gpus: int = 1,
+    cpu: int = 0,
+    products: frozenset[str] | None = None,
+    priority: int = 0,
+) -> Demand:
+    return Demand(
+        PodRef("t", name),
+        gpus,
+        None if gib is None else gib * GIB,
+        cpu_milli=cpu,
+        allowed_products=products,
+        priority=priority,
+    )
 
 
 def brute_force(cap: Capacity, demands: list[Demand], frag: FragIndex) -> tuple[int, ...]:
@@ -51,7 +64,12 @@ def brute_force(cap: Capacity, demands: list[Demand], frag: FragIndex) -> tuple[
             for g in rows:
                 used[g] += d.bytes_per_gpu
                 reps[g] += 1
-            res = Reservation(d.pod, a.node_names[n], tuple(a.devices[g].device_id for g in rows), (d.bytes_per_gpu,) * len(rows))
+            res = Reservation(
+                d.pod,
+                a.node_names[n],
+                tuple(a.devices[g].device_id for g in rows),
+                (d.bytes_per_gpu,) * len(rows),
+            )
             choices[i] = (res, n, False)
         if not ok or (used > a.capacity).any() or (reps > a.replicas).any() or (cpu < 0).any():
             continue
@@ -63,7 +81,7 @@ def brute_force(cap: Capacity, demands: list[Demand], frag: FragIndex) -> tuple[
 def opened_by(cap: Capacity, plan) -> int:
     a = cap.arrays
     seen = set()
-    for res, n, _ in plan.choices.values():
+    for res, _n, _ in plan.choices.values():
         for dev in res.device_ids:
             g = cap.ledger.row(res.node, dev)
             if a.used_replicas[g] == 0:
@@ -95,14 +113,24 @@ def test_solver_beats_greedy_where_greedy_strands_memory():
 @pytest.mark.parametrize("seed", range(4))
 def test_matches_brute_force_on_small_random_cases(seed):
     rng = random.Random(seed)
-    nodes = [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=3, cpu=str(rng.choice([4, 8]))) for i in range(2)]
+    nodes = [
+        gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=3, cpu=str(rng.choice([4, 8])))
+        for i in range(2)
+    ]
     _, cap = build_capacity(nodes)
     demands = []
     for i in range(4):
         k = rng.choice([1, 1, 1, 2])
-        demands.append(demand(f"p{i}", rng.choice([10, 30, 40, 50, 70]), gpus=k, cpu=rng.choice([1000, 3000])))
+        demands.append(
+            demand(f"p{i}", rng.choice([10, 30, 40, 50, 70]), gpus=k, cpu=rng.choice([1000, 3000]))
+        )
     # a profile of at most MODEL_TYPES types with weights in whole percents: the model's goal is exact
-    profile = [demand("t1", 40), demand("t2", 20), demand("t3", 40, gpus=2, cpu=2000), demand("t4", 70)]
+    profile = [
+        demand("t1", 40),
+        demand("t2", 20),
+        demand("t3", 40, gpus=2, cpu=2000),
+        demand("t4", 70),
+    ]
     frag = FragIndex(cap, Workload.from_demands(profile))
     expected = brute_force(cap, demands, frag)
     # accept="all": the solver's plan is used whenever it is better on any goal, so it must be the optimum
@@ -112,7 +140,10 @@ def test_matches_brute_force_on_small_random_cases(seed):
 
 
 def test_multi_gpu_pod_lands_on_one_node_and_distinct_gpus():
-    nodes = [gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), gpu_node("b", count=2, memory_mib=80 * 1024, replicas=4)]
+    nodes = [
+        gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4),
+        gpu_node("b", count=2, memory_mib=80 * 1024, replicas=4),
+    ]
     _, cap = build_capacity(nodes)
     demands = [demand("big", 60, gpus=2), demand("s1", 20), demand("s2", 20), demand("s3", 50)]
     plan = solve_batch(cap, demands, time_limit=5, num_workers=1)
@@ -122,12 +153,29 @@ def test_multi_gpu_pod_lands_on_one_node_and_distinct_gpus():
 
 
 def test_cpu_limit_and_allowed_products_are_respected():
-    nodes = [gpu_node("small-cpu", count=4, memory_mib=80 * 1024, replicas=4, cpu="2", product="NVIDIA-A100-SXM4-80GB"),
-             gpu_node("h100", count=1, memory_mib=80 * 1024, replicas=4, product="NVIDIA-H100-80GB-HBM3")]
+    nodes = [
+        gpu_node(
+            "small-cpu",
+            count=4,
+            memory_mib=80 * 1024,
+            replicas=4,
+            cpu="2",
+            product="NVIDIA-A100-SXM4-80GB",
+        ),
+        gpu_node(
+            "h100", count=1, memory_mib=80 * 1024, replicas=4, product="NVIDIA-H100-80GB-HBM3"
+        ),
+    ]
     _, cap = build_capacity(nodes)
-    demands = [demand(f"c{i}", 10, cpu=1000) for i in range(3)] + [demand("only-a100", 10, products=frozenset({"NVIDIA-A100-SXM4-80GB"}))]
+    demands = [demand(f"c{i}", 10, cpu=1000) for i in range(3)] + [
+        demand("only-a100", 10, products=frozenset({"NVIDIA-A100-SXM4-80GB"}))
+    ]
     plan = solve_batch(cap, demands, time_limit=5, num_workers=1)
-    on_small = [i for i, (_, n, _) in plan.choices.items() if cap.arrays.node_names[n] == "small-cpu" and demands[i].cpu_milli]
+    on_small = [
+        i
+        for i, (_, n, _) in plan.choices.items()
+        if cap.arrays.node_names[n] == "small-cpu" and demands[i].cpu_milli
+    ]
     assert len(on_small) <= 2  # 2 CPUs on that node
     assert cap.arrays.node_names[plan.choices[3][1]] == "small-cpu"
     assert plan.placed == 4
@@ -143,11 +191,26 @@ def test_priority_weighted_when_not_everything_fits():
 @pytest.mark.parametrize("seed", range(4))
 def test_plan_never_overcommits(seed):
     rng = random.Random(100 + seed)
-    nodes = [gpu_node(f"n{i}", count=rng.choice([2, 4]), memory_mib=rng.choice([24, 48, 80]) * 1024, replicas=rng.choice([1, 2, 4]),
-                      cpu=str(rng.choice([8, 16]))) for i in range(5)]
+    nodes = [
+        gpu_node(
+            f"n{i}",
+            count=rng.choice([2, 4]),
+            memory_mib=rng.choice([24, 48, 80]) * 1024,
+            replicas=rng.choice([1, 2, 4]),
+            cpu=str(rng.choice([8, 16])),
+        )
+        for i in range(5)
+    ]
     _, cap = build_capacity(nodes)
-    demands = [demand(f"p{i}", rng.choice([None, 8, 12, 20, 30, 40]), gpus=rng.choice([1, 1, 2]), cpu=rng.choice([500, 2000, 4000]))
-               for i in range(25)]
+    demands = [
+        demand(
+            f"p{i}",
+            rng.choice([None, 8, 12, 20, 30, 40]),
+            gpus=rng.choice([1, 1, 2]),
+            cpu=rng.choice([500, 2000, 4000]),
+        )
+        for i in range(25)
+    ]
     plan = solve_batch(cap, demands, time_limit=2, num_workers=1)
     for i, ch in plan.choices.items():
         place_one(cap, demands[i], ch)  # reserve(): raises on any overcommit
@@ -158,7 +221,9 @@ def test_plan_never_overcommits(seed):
 def test_restricted_neighbourhood_is_valid_and_never_worse_than_greedy():
     nodes = [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(12)]
     _, cap = build_capacity(nodes)
-    demands = [demand(f"p{i}", g) for i, g in enumerate([50, 30, 30, 20, 20, 60, 40, 40, 10, 70, 20, 30])]
+    demands = [
+        demand(f"p{i}", g) for i, g in enumerate([50, 30, 30, 20, 20, 60, 40, 40, 10, 70, 20, 30])
+    ]
     frag = FragIndex(cap, Workload.from_demands(demands))
     greedy = greedy_batch(cap, demands, frag)
     built = model._Builder(cap, demands, frag, greedy, max_copies=3)
@@ -193,7 +258,9 @@ def test_single_pod_uses_the_exact_greedy_rule():
 def test_capacity_is_left_unchanged_by_planning():
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4)])
     before = (cap.arrays.used.copy(), cap.cpu_free.copy(), len(list(cap.ledger.reservations())))
-    solve_batch(cap, [demand("a", 40), demand("b", 50), demand("c", 30)], time_limit=1, num_workers=1)
+    solve_batch(
+        cap, [demand("a", 40), demand("b", 50), demand("c", 30)], time_limit=1, num_workers=1
+    )
     assert (cap.arrays.used == before[0]).all() and (cap.cpu_free == before[1]).all()
     assert len(list(cap.ledger.reservations())) == before[2]
 
@@ -202,8 +269,12 @@ def test_a_batch_of_one_pod_gets_fgds_node():
     # a tiny workload type: a 10 GiB pod strands nothing wherever it goes, so FGD's measure ties
     # between the empty node n0 and the used GPU of n1; FGD breaks the tie by node index (n0),
     # vramsched's own rule by fewest empty GPUs opened (n1). The planner follows FGD.
-    _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4),
-                             gpu_node("n1", count=2, memory_mib=80 * 1024, replicas=4)])
+    _, cap = build_capacity(
+        [
+            gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4),
+            gpu_node("n1", count=2, memory_mib=80 * 1024, replicas=4),
+        ]
+    )
     frag = FragIndex(cap, Workload.from_demands([demand("tiny", 1)]))
     first = demand("first", 40)
     c = candidates(cap, first, dedupe=False)
@@ -219,10 +290,16 @@ def test_a_batch_of_one_pod_gets_fgds_node():
 def stranded_case():
     """One 80 GiB GPU holds 40 GiB; a batch of 20+20+10 GiB pods: FGD's sequential plan strands
     more VRAM (for the 20 GiB, 40 GiB and 2-GPU types) than the solver's plan."""
-    _, cap = build_capacity([gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(3)])
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(3)]
+    )
     first = demand("b0", 40)
-    place_one(cap, first, greedy.fgd(cap, first, FragIndex(cap, Workload.from_demands([demand("w", 20)]))))
-    frag = FragIndex(cap, Workload.from_demands([demand("t1", 20), demand("t2", 40), demand("t3", None, gpus=2)]))
+    place_one(
+        cap, first, greedy.fgd(cap, first, FragIndex(cap, Workload.from_demands([demand("w", 20)])))
+    )
+    frag = FragIndex(
+        cap, Workload.from_demands([demand("t1", 20), demand("t2", 40), demand("t3", None, gpus=2)])
+    )
     return cap, frag, [demand("q0", 20), demand("q1", 20), demand("q2", 10)]
 
 
@@ -231,13 +308,20 @@ def test_batch_keeps_fgds_sequential_plan_unless_the_solver_places_more():
     sequential = greedy_batch(cap, demands, frag, order="arrival", rule="fgd")
     # the solver finds a plan that strands less VRAM (it is used when asked to accept that goal) ...
     eager = solve_batch(cap, demands, frag, time_limit=5, num_workers=1, accept="all")
-    assert eager.improved and eager.cost[0] == eager.greedy_cost[0] and eager.cost[1] < eager.greedy_cost[1]
+    assert (
+        eager.improved
+        and eager.cost[0] == eager.greedy_cost[0]
+        and eager.cost[1] < eager.greedy_cost[1]
+    )
     # ... but by default a plan must place more pods than FGD's sequential plan; this one does not
     plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
     assert not plan.improved and plan.placed == 3
-    assert {i: (ch[0].device_ids, ch[1]) for i, ch in plan.choices.items()} == \
-        {i: (ch[0].device_ids, ch[1]) for i, ch in sequential.items()}
-    assert plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0  # every pod placed: stage 1 proven
+    assert {i: (ch[0].device_ids, ch[1]) for i, ch in plan.choices.items()} == {
+        i: (ch[0].device_ids, ch[1]) for i, ch in sequential.items()
+    }
+    assert (
+        plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0
+    )  # every pod placed: stage 1 proven
 
 
 def test_batch_takes_the_solver_plan_when_it_places_more_than_fgd():
@@ -260,11 +344,19 @@ def test_a_greedy_plan_smallest_first_is_taken_when_it_places_more_than_the_refe
     smallest = greedy_batch(cap, demands, frag, order="small", rule="fgd")
     assert len(smallest) == 6
     plan = solve_batch(cap, demands, frag, time_limit=5, num_workers=1)
-    assert plan.placed == 6 and plan.greedy_cost[0] == 0 and not plan.improved and plan.status == "GREEDY"
-    assert {i: (ch[0].device_ids, ch[1]) for i, ch in plan.choices.items()} == \
-        {i: (ch[0].device_ids, ch[1]) for i, ch in smallest.items()}
+    assert (
+        plan.placed == 6
+        and plan.greedy_cost[0] == 0
+        and not plan.improved
+        and plan.status == "GREEDY"
+    )
+    assert {i: (ch[0].device_ids, ch[1]) for i, ch in plan.choices.items()} == {
+        i: (ch[0].device_ids, ch[1]) for i, ch in smallest.items()
+    }
     assert plan.stages[0].status == "OPTIMAL" and plan.stages[0].gap == 0
-    assert [demands[i].bytes_per_gpu // GIB for i in greedy.batch_order(demands, smallest_first=True)] == [20, 20, 30, 35, 35, 50]
+    assert [
+        demands[i].bytes_per_gpu // GIB for i in greedy.batch_order(demands, smallest_first=True)
+    ] == [20, 20, 30, 35, 35, 50]
 
 
 def test_unknown_accept_is_refused():
@@ -276,17 +368,39 @@ def test_unknown_accept_is_refused():
 def _exact_state(cap: Capacity, n: int) -> tuple:
     a = cap.arrays
     lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
-    cols = (a.resource_id, a.product_id, a.capacity, a.per_pod_cap, a.replicas, a.used, a.used_replicas)
-    return int(cap.cpu_free[n]), int(cap.mem_free[n]), tuple(sorted(zip(*(c[lo:hi].tolist() for c in cols))))
+    cols = (
+        a.resource_id,
+        a.product_id,
+        a.capacity,
+        a.per_pod_cap,
+        a.replicas,
+        a.used,
+        a.used_replicas,
+    )
+    return (
+        int(cap.cpu_free[n]),
+        int(cap.mem_free[n]),
+        tuple(sorted(zip(*(c[lo:hi].tolist() for c in cols)))),
+    )
 
 
 def _random_nodes(rng: random.Random) -> list[dict]:
-    return [gpu_node(f"n{i}", count=rng.choice([1, 2, 4]), memory_mib=rng.choice([24, 80]) * 1024,
-                     replicas=rng.choice([1, 4]), cpu=str(rng.choice([8, 16]))) for i in range(40)]
+    return [
+        gpu_node(
+            f"n{i}",
+            count=rng.choice([1, 2, 4]),
+            memory_mib=rng.choice([24, 80]) * 1024,
+            replicas=rng.choice([1, 4]),
+            cpu=str(rng.choice([8, 16])),
+        )
+        for i in range(40)
+    ]
 
 
 def _place_random(cap: Capacity, rng: random.Random, i: int) -> None:
-    d = demand(f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000]))
+    d = demand(
+        f"p{i}", rng.choice([None, 8, 20]), gpus=rng.choice([1, 2]), cpu=rng.choice([0, 2000])
+    )
     choice = greedy.best_fit(cap, d)
     if choice is not None:
         place_one(cap, d, choice)
@@ -301,13 +415,19 @@ def test_node_signatures_group_exactly_the_interchangeable_nodes(seed):
     _, cap = build_capacity(nodes)
     states = [_exact_state(cap, n) for n in range(len(nodes))]
     sig = cap.signatures().tolist()
-    assert len(set(sig)) == len(set(states)) < len(nodes)  # identical nodes merged, distinct ones apart
-    assert all((sig[i] == sig[j]) == (states[i] == states[j]) for i in range(len(nodes)) for j in range(i))
+    assert (
+        len(set(sig)) == len(set(states)) < len(nodes)
+    )  # identical nodes merged, distinct ones apart
+    assert all(
+        (sig[i] == sig[j]) == (states[i] == states[j]) for i in range(len(nodes)) for j in range(i)
+    )
     for i in range(30):
         _place_random(cap, rng, i)
         sig = cap.signatures().tolist()
         states = [_exact_state(cap, n) for n in range(len(nodes))]
-        assert all(states[i] == states[j] for i in range(len(nodes)) for j in range(i) if sig[i] == sig[j])
+        assert all(
+            states[i] == states[j] for i in range(len(nodes)) for j in range(i) if sig[i] == sig[j]
+        )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -319,7 +439,15 @@ def test_device_classes_share_an_id_only_for_interchangeable_devices(seed):
     nodes = _random_nodes(rng)
     _, cap = build_capacity(nodes)
     a = cap.arrays
-    cols = (a.resource_id, a.product_id, a.capacity, a.per_pod_cap, a.replicas, a.used, a.used_replicas)
+    cols = (
+        a.resource_id,
+        a.product_id,
+        a.capacity,
+        a.per_pod_cap,
+        a.replicas,
+        a.used,
+        a.used_replicas,
+    )
 
     def state(g: int) -> tuple:
         return _exact_state(cap, int(a.node_of[g])), tuple(int(c[g]) for c in cols)
@@ -357,16 +485,30 @@ def test_collapsing_identical_nodes_changes_no_choice(seed):
     """`Capacity.dedupe` off (the background planner's small plans) scores every candidate; the
     rules then choose exactly what they choose among the collapsed ones."""
     rng = random.Random(500 + seed)
-    nodes = [gpu_node(f"n{i}", count=rng.choice([2, 4]), memory_mib=80 * 1024, replicas=4, cpu="16") for i in range(12)]
-    demands = [demand(f"p{i}", rng.choice([None, 10, 20, 40]), gpus=rng.choice([1, 1, 2]), cpu=rng.choice([0, 2000]))
-               for i in range(20)]
+    nodes = [
+        gpu_node(f"n{i}", count=rng.choice([2, 4]), memory_mib=80 * 1024, replicas=4, cpu="16")
+        for i in range(12)
+    ]
+    demands = [
+        demand(
+            f"p{i}",
+            rng.choice([None, 10, 20, 40]),
+            gpus=rng.choice([1, 1, 2]),
+            cpu=rng.choice([0, 2000]),
+        )
+        for i in range(20)
+    ]
     plans = []
     for dedupe in (True, False):
         _, cap = build_capacity(nodes)
         cap.dedupe = dedupe
         frag = FragIndex(cap, Workload.from_demands(demands))
-        plans.append({i: (ch[0].device_ids if ch[0] else None, ch[1])
-                      for i, ch in greedy_batch(cap, demands, frag, order="arrival", rule="fgd").items()})
+        plans.append(
+            {
+                i: (ch[0].device_ids if ch[0] else None, ch[1])
+                for i, ch in greedy_batch(cap, demands, frag, order="arrival", rule="fgd").items()
+            }
+        )
     assert plans[0] == plans[1] and len(plans[0]) > 10
 
 
@@ -378,9 +520,18 @@ def test_prove_bounds_the_empty_gpus_a_plan_placing_every_pod_must_open():
     assert plan.status == "GREEDY" and plan.placed == 2 and plan.cost[2] == 2
     assert plan.stats["openedLowerBound"] == 2
     # three 30 GiB pods: two share a GPU, so 2 must be opened, not 3 and not 1
-    plan = solve_batch(cap, [demand(f"p{i}", 30) for i in range(3)], time_limit=5, num_workers=1, prove=True)
+    plan = solve_batch(
+        cap, [demand(f"p{i}", 30) for i in range(3)], time_limit=5, num_workers=1, prove=True
+    )
     assert plan.cost[2] == plan.stats["openedLowerBound"] == 2
     # reports only: without `prove` (the background planner) no proof is spent
     assert "openedLowerBound" not in solve_batch(cap, demands, time_limit=5, num_workers=1).stats
     # a batch that cannot be placed whole has no such bound
-    assert opened_lower_bound(cap, [demand(f"q{i}", 50) for i in range(3)], FragIndex(cap, Workload.from_demands(demands))) is None
+    assert (
+        opened_lower_bound(
+            cap,
+            [demand(f"q{i}", 50) for i in range(3)],
+            FragIndex(cap, Workload.from_demands(demands)),
+        )
+        is None
+    )

@@ -4,8 +4,8 @@ churn result (docs/packing.md, "The churn replay: why the planner keeps FGD's ru
 from __future__ import annotations
 
 import numpy as np
-
 from builders import gpu_node
+
 from extender.demand import Demand, PodRef
 from extender.planner import greedy, model
 from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
@@ -28,9 +28,13 @@ def place_on(cap: Capacity, d: Demand, node_row: int) -> None:
 def cpu_starved_case() -> tuple[Capacity, FragIndex, Demand]:
     """n0: a GPU with 30 GiB free on a node with 1 core left; n1: a GPU with 20 GiB free on a node
     with 64 cores; n2: idle. Half the workload needs 8 cores, so n0's free memory is stranded for it."""
-    _, cap = build_capacity([gpu_node("n0", count=1, memory_mib=80 * 1024, replicas=4, cpu="4"),
-                             gpu_node("n1", count=1, memory_mib=80 * 1024, replicas=4),
-                             gpu_node("n2", count=1, memory_mib=80 * 1024, replicas=4)])
+    _, cap = build_capacity(
+        [
+            gpu_node("n0", count=1, memory_mib=80 * 1024, replicas=4, cpu="4"),
+            gpu_node("n1", count=1, memory_mib=80 * 1024, replicas=4),
+            gpu_node("n2", count=1, memory_mib=80 * 1024, replicas=4),
+        ]
+    )
     place_on(cap, demand("cpu-heavy", 50, cpu=3000), 0)
     place_on(cap, demand("large", 60), 1)
     frag = FragIndex(cap, Workload.from_demands([demand("w8cpu", 10, cpu=8000), demand("w15", 15)]))
@@ -61,5 +65,7 @@ def test_the_planner_follows_fgd_for_one_pod_and_for_the_reference_plan():
     other = demand("q", 15, cpu=0)
     plan = solve_batch(cap, [pod, other], frag, time_limit=1, num_workers=1)
     sequential = greedy.greedy_batch(cap, [pod, other], frag, order="arrival", rule="fgd")
-    assert not plan.improved and {i: ch[1] for i, ch in plan.choices.items()} == {i: ch[1] for i, ch in sequential.items()}
+    assert not plan.improved and {i: ch[1] for i, ch in plan.choices.items()} == {
+        i: ch[1] for i, ch in sequential.items()
+    }
     assert plan.choices[0][1] == 0

@@ -12,7 +12,11 @@ from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
 NODES = ["ts", "mps", "excl", "mig"]
 RESOURCES = ["nvidia.com/gpu"] * 4 + ["nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"]
-memories = st.one_of(st.none(), st.integers(1, 90).map(lambda g: f"{g}Gi"), st.integers(500, 90000).map(lambda m: f"{m}Mi"))
+memories = st.one_of(
+    st.none(),
+    st.integers(1, 90).map(lambda g: f"{g}Gi"),
+    st.integers(500, 90000).map(lambda m: f"{m}Mi"),
+)
 
 
 class Scheduling(RuleBasedStateMachine):
@@ -28,11 +32,23 @@ class Scheduling(RuleBasedStateMachine):
         self.n = 0
         self.bound: dict[str, str] = {}
 
-    @rule(memory=memories, gpus=st.integers(1, 3), resource=st.sampled_from(RESOURCES), prio=st.integers(0, 3),
-          pick=st.integers(0, 10), wrong=st.booleans())
+    @rule(
+        memory=memories,
+        gpus=st.integers(1, 3),
+        resource=st.sampled_from(RESOURCES),
+        prio=st.integers(0, 3),
+        pick=st.integers(0, 10),
+        wrong=st.booleans(),
+    )
     def schedule(self, memory, gpus, resource, prio, pick, wrong):
         self.n += 1
-        p = pod(f"p{self.n}", memory, gpus=1 if "mig" in resource else gpus, resource=resource, priority=prio)
+        p = pod(
+            f"p{self.n}",
+            memory,
+            gpus=1 if "mig" in resource else gpus,
+            resource=resource,
+            priority=prio,
+        )
         self.svc.explain_all = True
         full = self.svc.filter(ExtenderArgs(Pod=p, NodeNames=NODES))
         self.svc.explain_all = False  # the default: reasons only when no node passes
@@ -40,12 +56,17 @@ class Scheduling(RuleBasedStateMachine):
         if out.Error:
             assert full.Error == out.Error
             return
-        assert set(full.NodeNames) | set(full.FailedNodes) | set(full.FailedAndUnresolvableNodes) == set(NODES)
+        assert set(full.NodeNames) | set(full.FailedNodes) | set(
+            full.FailedAndUnresolvableNodes
+        ) == set(NODES)
         assert out.NodeNames == full.NodeNames
         if out.NodeNames:
             assert out.FailedNodes == out.FailedAndUnresolvableNodes == {}
         else:
-            assert (out.FailedNodes, out.FailedAndUnresolvableNodes) == (full.FailedNodes, full.FailedAndUnresolvableNodes)
+            assert (out.FailedNodes, out.FailedAndUnresolvableNodes) == (
+                full.FailedNodes,
+                full.FailedAndUnresolvableNodes,
+            )
         scores = self.svc.prioritize(ExtenderArgs(Pod=p, NodeNames=out.NodeNames))
         assert all(0 <= h.Score <= 10 for h in scores)
         if out.NodeNames and p["spec"]["containers"][0]["resources"]["limits"]:
@@ -57,7 +78,12 @@ class Scheduling(RuleBasedStateMachine):
             target = max(scores, key=lambda h: h.Score).Host
         else:
             return
-        args = ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", PodUID=p["metadata"]["uid"], Node=target)
+        args = ExtenderBindingArgs(
+            PodName=p["metadata"]["name"],
+            PodNamespace="default",
+            PodUID=p["metadata"]["uid"],
+            Node=target,
+        )
         result = asyncio.run(self.svc.bind(args))
         if not result.Error:
             self.bound[f"default/{p['metadata']['name']}"] = target
@@ -88,5 +114,9 @@ class Scheduling(RuleBasedStateMachine):
 
 
 TestScheduling = Scheduling.TestCase
-TestScheduling.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
+TestScheduling.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

@@ -2,7 +2,15 @@ from fractions import Fraction
 
 import pytest
 
-from extender.quantity import GIB, MIB, QuantityError, format_bytes, parse_bytes, parse_milli, parse_quantity
+from extender.quantity import (
+    GIB,
+    MIB,
+    QuantityError,
+    format_bytes,
+    parse_bytes,
+    parse_milli,
+    parse_quantity,
+)
 
 
 @pytest.mark.parametrize(
@@ -27,7 +35,28 @@ def test_parse_quantity_exact(text, expected):
     assert parse_quantity(text) == expected
 
 
-@pytest.mark.parametrize("text", ["16Gx", "", " ", "Gi", "16 Gi", "1e400", "NaN", "inf", "--1", "1.2.3", "0x10", "1e", None, True, 1.5, [], "9" * 100])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "16Gx",
+        "",
+        " ",
+        "Gi",
+        "16 Gi",
+        "1e400",
+        "NaN",
+        "inf",
+        "--1",
+        "1.2.3",
+        "0x10",
+        "1e",
+        None,
+        True,
+        1.5,
+        [],
+        "9" * 100,
+    ],
+)
 def test_parse_quantity_rejects(text):
     with pytest.raises(QuantityError):
         parse_quantity(text)
@@ -53,6 +82,15 @@ def test_parse_milli():
         parse_milli("-1")
 
 
-@pytest.mark.parametrize("n, text", [(40 * GIB, "40Gi"), (22 * GIB + GIB // 2, "22.5Gi"), (512 * MIB, "512Mi"), (100, "100B"), (2 * 1024 * GIB, "2Ti")])
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (40 * GIB, "40Gi"),
+        (22 * GIB + GIB // 2, "22.5Gi"),
+        (512 * MIB, "512Mi"),
+        (100, "100B"),
+        (2 * 1024 * GIB, "2Ti"),
+    ],
+)
 def test_format_bytes(n, text):
     assert format_bytes(n) == text

@@ -21,13 +21,14 @@ import asyncio
 import copy
 import random
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 import pytest
-
 from builders import cluster as make_cluster
 from builders import gpu_node, mig_mixed_node, pod
+
 from extender.assignment import encode_assignment
 from extender.cluster import ClusterState, check_cluster
 from extender.demand import pod_ref
@@ -63,7 +64,9 @@ class Nodes:
         return [self.node(n) for n in self.params] + [self.mig()]
 
     def node(self, name: str) -> dict[str, Any]:
-        obj = gpu_node(name, **self.params[name], extra_labels={"test/generation": str(self.version)})
+        obj = gpu_node(
+            name, **self.params[name], extra_labels={"test/generation": str(self.version)}
+        )
         obj["metadata"]["resourceVersion"] = str(self.version)
         return obj
 
@@ -193,14 +196,18 @@ class ApiBinder:
     def __init__(self, api: FakeApi, rng: random.Random) -> None:
         self.api, self.rng = api, rng
 
-    async def bind(self, the_pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None:
+    async def bind(
+        self, the_pod: Mapping[str, Any], node: str, reservation: Reservation | None
+    ) -> None:
         ref = pod_ref(the_pod)
         await ticks(self.rng.randint(0, 8))  # request on the wire
         fate = self.rng.random()
         if fate < 0.08:
             raise BindError("API server unreachable")  # definite: nothing was written
         try:
-            self.api.bind(ref.key, ref.uid, node, encode_assignment(reservation) if reservation else {})
+            self.api.bind(
+                ref.key, ref.uid, node, encode_assignment(reservation) if reservation else {}
+            )
         except ApiAnswer as exc:
             if exc.status == 409 and exc.bound == node:
                 return  # a retried bind whose first Binding landed
@@ -243,7 +250,9 @@ async def live_round(seed: int) -> dict[str, int]:
         await ticks(rng.randint(0, 30))
         obj = api.pods.get(f"default/{name}")
         uid = obj["metadata"]["uid"] if obj else ""
-        result = await service.bind(ExtenderBindingArgs(PodName=name, PodNamespace="default", PodUID=uid, Node=node))
+        result = await service.bind(
+            ExtenderBindingArgs(PodName=name, PodNamespace="default", PodUID=uid, Node=node)
+        )
         counts["binds"] += 1
         if not result.Error:
             won[uid].add(node)
@@ -290,7 +299,9 @@ async def live_round(seed: int) -> dict[str, int]:
         assert len(bound) == 1, f"seed {seed}: the API bound pod {uid} {len(bound)} times"
     for uid, nodes_won in won.items():
         landed = api.bindings.get(uid, [])
-        assert not nodes_won or landed == sorted(nodes_won), f"seed {seed}: {uid} won {nodes_won}, API has {landed}"
+        assert not nodes_won or landed == sorted(nodes_won), (
+            f"seed {seed}: {uid} won {nodes_won}, API has {landed}"
+        )
     assert {k: p["spec"].get("nodeName") for k, p in state.pods.items()} == {
         k: p["spec"].get("nodeName") for k, p in api.pods.items()
     }
@@ -298,9 +309,20 @@ async def live_round(seed: int) -> dict[str, int]:
     assert violations == [], f"seed {seed}: {[str(v) for v in violations]}"
     # The ledger is a function of the API: a fresh extender reading the same objects agrees.
     fresh = ClusterState()
-    fresh.load([*({**n, "kind": "Node"} for n in state.nodes.values()), *({**p, "kind": "Pod"} for p in api.pods.values())])
-    confirmed = {r.key: (r.node, r.device_ids, r.bytes_per_device) for r in state.ledger.reservations() if not r.assumed}
-    assert confirmed == {r.key: (r.node, r.device_ids, r.bytes_per_device) for r in fresh.ledger.reservations()}
+    fresh.load(
+        [
+            *({**n, "kind": "Node"} for n in state.nodes.values()),
+            *({**p, "kind": "Pod"} for p in api.pods.values()),
+        ]
+    )
+    confirmed = {
+        r.key: (r.node, r.device_ids, r.bytes_per_device)
+        for r in state.ledger.reservations()
+        if not r.assumed
+    }
+    assert confirmed == {
+        r.key: (r.node, r.device_ids, r.bytes_per_device) for r in fresh.ledger.reservations()
+    }
     counts["bound"] = len(api.bindings)
     counts["checks"] = watcher.checks
     return counts
@@ -331,7 +353,12 @@ async def test_http_embedded_concurrent_binds_for_the_same_gpus(aiohttp_client) 
 
     async def bind(p: dict[str, Any]) -> None:
         node = rng.choice(["excl-0", "ts-0"])
-        body = {"PodName": p["metadata"]["name"], "PodNamespace": "default", "PodUID": p["metadata"]["uid"], "Node": node}
+        body = {
+            "PodName": p["metadata"]["name"],
+            "PodNamespace": "default",
+            "PodUID": p["metadata"]["uid"],
+            "Node": node,
+        }
         r = await client.post("/bind", data=orjson.dumps(body))
         assert r.status == 200
         if not (await r.json())["Error"]:
@@ -343,7 +370,11 @@ async def test_http_embedded_concurrent_binds_for_the_same_gpus(aiohttp_client) 
         r = await client.post("/filter", data=orjson.dumps({"Pod": p, "Nodes": {"items": [node]}}))
         assert r.status == 200
 
-    tasks = [bind(p) for p in pods] + [bind(p) for p in rng.sample(pods, 100)] + [relabel() for _ in range(40)]
+    tasks = (
+        [bind(p) for p in pods]
+        + [bind(p) for p in rng.sample(pods, 100)]
+        + [relabel() for _ in range(40)]
+    )
     rng.shuffle(tasks)
     checker = asyncio.ensure_future(watcher.run())
     await asyncio.gather(*tasks)
@@ -357,7 +388,9 @@ async def test_http_embedded_concurrent_binds_for_the_same_gpus(aiohttp_client) 
     # far more pods than room: the GPUs are full, and not one beyond
     a = state.ledger.arrays
     assert (a.used_replicas <= a.replicas).all() and (a.used <= a.capacity).all()
-    assert len(won) < 200 and int(a.used_replicas.sum()) == sum(len(r.device_ids) for r in state.ledger.reservations())
+    assert len(won) < 200 and int(a.used_replicas.sum()) == sum(
+        len(r.device_ids) for r in state.ledger.reservations()
+    )
 
 
 # ----- the races above, one at a time (regressions for the fixes they found) -------------------------
@@ -368,7 +401,9 @@ class GatedBinder:
         self.gates: list[tuple[asyncio.Event, list]] = []
         self.answers: list[BaseException | None] = []
 
-    async def bind(self, the_pod: Mapping[str, Any], node: str, reservation: Reservation | None) -> None:
+    async def bind(
+        self, the_pod: Mapping[str, Any], node: str, reservation: Reservation | None
+    ) -> None:
         gate = asyncio.Event()
         self.gates.append((gate, [pod_ref(the_pod).key, node]))
         await gate.wait()
@@ -467,16 +502,25 @@ async def test_an_in_flight_bind_of_an_older_pod_with_the_same_name_is_not_share
 # ----- the checker every test above relies on can fail -------------------------------------------------
 def test_check_cluster_reports_each_kind_of_corruption() -> None:
     def fresh() -> ClusterState:
-        return make_cluster(gpu_node("a", count=2), gpu_node("b", count=2),
-                            pod("p", "60Gi", node="a", phase="Running", uid="up"),
-                            pod("q", "60Gi", node="a", phase="Running", uid="uq"))
+        return make_cluster(
+            gpu_node("a", count=2),
+            gpu_node("b", count=2),
+            pod("p", "60Gi", node="a", phase="Running", uid="up"),
+            pod("q", "60Gi", node="a", phase="Running", uid="uq"),
+        )
 
     state = fresh()
     assert check_cluster(state) == [] and len(list(state.ledger.reservations())) == 2
     p = state.ledger.reservation("default/p")
 
-    state.ledger.record(Reservation(pod=pod_ref(pod("x", "1Gi", uid="ux")), node="a", device_ids=p.device_ids,
-                                    bytes_per_device=(80 * 2**30,)))
+    state.ledger.record(
+        Reservation(
+            pod=pod_ref(pod("x", "1Gi", uid="ux")),
+            node="a",
+            device_ids=p.device_ids,
+            bytes_per_device=(80 * 2**30,),
+        )
+    )
     found = " ".join(map(str, check_cluster(state)))
     assert "VRAM oversubscribed" in found and "held by a pod that no longer exists" in found
 
@@ -486,16 +530,35 @@ def test_check_cluster_reports_each_kind_of_corruption() -> None:
 
     state = fresh()
     held = state.ledger.release("default/p")
-    state.ledger.record(Reservation(pod=held.pod, node="b", device_ids=("0",), bytes_per_device=held.bytes_per_device))
+    state.ledger.record(
+        Reservation(
+            pod=held.pod, node="b", device_ids=("0",), bytes_per_device=held.bytes_per_device
+        )
+    )
     assert "held on b but bound to a" in " ".join(map(str, check_cluster(state)))
 
     state = fresh()
     p = state.ledger.reservation("default/p")
-    annotated = pod("p", "60Gi", node="a", phase="Running", uid="up", annotations={
-        "vramsched.io/assignment": orjson.dumps({"node": "a", "devices": list(p.device_ids),
-                                                 "bytesPerDevice": list(p.bytes_per_device)}).decode()})
+    annotated = pod(
+        "p",
+        "60Gi",
+        node="a",
+        phase="Running",
+        uid="up",
+        annotations={
+            "vramsched.io/assignment": orjson.dumps(
+                {
+                    "node": "a",
+                    "devices": list(p.device_ids),
+                    "bytesPerDevice": list(p.bytes_per_device),
+                }
+            ).decode()
+        },
+    )
     state.pods["default/p"] = annotated  # the API says one thing ...
     other = "1" if p.device_ids == ("0",) else "0"
     state.ledger.release("default/p")  # ... the ledger another
-    state.ledger.record(Reservation(pod=p.pod, node="a", device_ids=(other,), bytes_per_device=p.bytes_per_device))
+    state.ledger.record(
+        Reservation(pod=p.pod, node="a", device_ids=(other,), bytes_per_device=p.bytes_per_device)
+    )
     assert "assignment says" in " ".join(map(str, check_cluster(state)))

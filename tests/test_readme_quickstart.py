@@ -32,7 +32,7 @@ def quick_start() -> tuple[dict, list[tuple[str, bytes, object]]]:
         body = arg[1:-1].replace('\\"', '"') if arg.startswith('"') else arg[1:-1]
         body = body.replace("$POD", orjson.dumps(pod).decode())
         expected = []
-        for follow in lines[i + 1:]:
+        for follow in lines[i + 1 :]:
             if not follow.startswith("# ") or follow.startswith("# ("):
                 break
             expected.append(follow[2:].strip())
@@ -42,11 +42,20 @@ def quick_start() -> tuple[dict, list[tuple[str, bytes, object]]]:
 
 async def test_the_quick_start_answers_are_what_the_readme_shows(aiohttp_client):
     pod, calls = quick_start()
-    assert pod["metadata"]["name"] == "qwen-7b" and [c[0] for c in calls] == ["filter", "filter", "prioritize", "bind"]
+    assert pod["metadata"]["name"] == "qwen-7b" and [c[0] for c in calls] == [
+        "filter",
+        "filter",
+        "prioritize",
+        "bind",
+    ]
     cluster = ClusterState()
     cluster.load(read_cluster_file(ROOT / "config" / "demo-cluster.yaml"))
-    client = await aiohttp_client(create_app(ExtenderService(cluster, EmbeddedBinder(cluster))))  # as `make run`
+    client = await aiohttp_client(
+        create_app(ExtenderService(cluster, EmbeddedBinder(cluster)))
+    )  # as `make run`
     for verb, body, expected in calls:
-        resp = await client.post(f"/{verb}", data=body, headers={"Content-Type": "application/json"})
+        resp = await client.post(
+            f"/{verb}", data=body, headers={"Content-Type": "application/json"}
+        )
         assert resp.status == 200
         assert orjson.loads(await resp.read()) == expected, verb

@@ -23,10 +23,10 @@ import pytest
 import schemathesis
 import yaml
 from aiohttp import web
+from builders import cluster, gpu_node, mig_mixed_node, pod, service
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
-from builders import cluster, gpu_node, mig_mixed_node, pod, service
 from extender.cluster import check_cluster
 from extender.server import create_app, route_paths
 
@@ -45,7 +45,7 @@ class ServerThread:
             self.port = s.getsockname()[1]
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
         return self

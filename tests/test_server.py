@@ -5,9 +5,9 @@ import csv
 import numpy as np
 import orjson
 import pytest
+from builders import FIXTURES, cluster, fixture, fixture_nodes, gpu_node, pod, service
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from builders import FIXTURES, cluster, fixture, fixture_nodes, gpu_node, pod, service
 
 from extender.ledger import check_invariant
 from extender.server import create_app, route_paths
@@ -25,8 +25,11 @@ async def client(aiohttp_client, state):
 
 
 async def post(client, verb, body, status=200):
-    resp = await client.post(f"/{verb}", data=body if isinstance(body, (bytes, str)) else orjson.dumps(body),
-                             headers={"Content-Type": "application/json"})
+    resp = await client.post(
+        f"/{verb}",
+        data=body if isinstance(body, (bytes, str)) else orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     assert resp.status == status, await resp.text()
     assert resp.content_type == "application/json"
     return orjson.loads(await resp.read())
@@ -44,7 +47,11 @@ async def test_filter_full_nodes_mode_returns_nodes(client):
     body = fixture("042-filter.json")
     out = await post(client, "filter", body)
     assert out["NodeNames"] is None
-    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == ["gpu-node-a", "gpu-node-b", "gpu-node-c"]
+    assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == [
+        "gpu-node-a",
+        "gpu-node-b",
+        "gpu-node-c",
+    ]
     # the node objects come back as they were sent
     assert out["Nodes"]["items"][0] == body["Nodes"]["items"][0]
 
@@ -74,7 +81,9 @@ async def test_bind_reserves_annotates_and_is_idempotent(client, state):
 
 
 async def test_bind_errors_change_nothing(client, state):
-    assert (await post(client, "bind", fixture("002-bind.json")))["Error"] == "pod default/gpu-pod-1 is unknown to vramsched"
+    assert (await post(client, "bind", fixture("002-bind.json")))[
+        "Error"
+    ] == "pod default/gpu-pod-1 is unknown to vramsched"
     await post(client, "filter", fixture("001-filter.json"))
     wrong_node = dict(fixture("002-bind.json"), Node="nope")
     assert (await post(client, "bind", wrong_node))["Error"] == "node nope is unknown to vramsched"
@@ -112,7 +121,9 @@ async def test_filter_error_field_for_bad_annotation(client, state):
     body = fixture("003-filter.json")
     body["Pod"]["metadata"]["annotations"]["vramsched.io/model-memory"] = "16Gx"
     out = await post(client, "filter", body)
-    assert out["Error"].startswith("pod default/gpu-pod-2: annotation vramsched.io/model-memory='16Gx' is invalid")
+    assert out["Error"].startswith(
+        "pod default/gpu-pod-2: annotation vramsched.io/model-memory='16Gx' is invalid"
+    )
     assert state.ledger.totals()[0] == 0
 
 
@@ -122,15 +133,35 @@ async def test_preempt_meta_victims(aiohttp_client):
     cl = await aiohttp_client(app)
     low = pod("low", "60Gi", priority=1)
     await post(cl, "filter", {"Pod": low, "NodeNames": ["n"]})
-    assert await post(cl, "bind", {"PodName": "low", "PodNamespace": "default", "PodUID": low["metadata"]["uid"], "Node": "n"}) == {"Error": ""}
+    assert await post(
+        cl,
+        "bind",
+        {
+            "PodName": "low",
+            "PodNamespace": "default",
+            "PodUID": low["metadata"]["uid"],
+            "Node": "n",
+        },
+    ) == {"Error": ""}
     high = pod("high", "40Gi", priority=10)
-    body = {"Pod": high, "NodeNameToVictims": None,
-            "NodeNameToMetaVictims": {"n": {"Pods": [{"UID": low["metadata"]["uid"]}], "NumPDBViolations": 0}}}
+    body = {
+        "Pod": high,
+        "NodeNameToVictims": None,
+        "NodeNameToMetaVictims": {
+            "n": {"Pods": [{"UID": low["metadata"]["uid"]}], "NumPDBViolations": 0}
+        },
+    }
     out = await post(cl, "preempt", body)
-    assert out == {"NodeNameToMetaVictims": {"n": {"Pods": [{"UID": low["metadata"]["uid"]}], "NumPDBViolations": 0}}}
+    assert out == {
+        "NodeNameToMetaVictims": {
+            "n": {"Pods": [{"UID": low["metadata"]["uid"]}], "NumPDBViolations": 0}
+        }
+    }
     small = pod("small", "10Gi", priority=10)
     body["Pod"] = small  # fits already: the scheduler's own victims are left as they are
-    assert (await post(cl, "preempt", body))["NodeNameToMetaVictims"]["n"]["Pods"] == [{"UID": low["metadata"]["uid"]}]
+    assert (await post(cl, "preempt", body))["NodeNameToMetaVictims"]["n"]["Pods"] == [
+        {"UID": low["metadata"]["uid"]}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +187,9 @@ async def test_bad_requests_get_clear_4xx(client, state, verb, body, status, nee
 
 async def test_body_limit(aiohttp_client, state):
     cl = await aiohttp_client(create_app(service(state), max_body_bytes=1024))
-    resp = await cl.post("/filter", data=b"{" + b" " * 4096 + b"}", headers={"Content-Type": "application/json"})
+    resp = await cl.post(
+        "/filter", data=b"{" + b" " * 4096 + b"}", headers={"Content-Type": "application/json"}
+    )
     assert resp.status == 413
     assert "Error" in orjson.loads(await resp.read())
 
@@ -168,14 +201,21 @@ async def test_health_metrics_state(client, state):
     metrics = await (await client.get("/metrics")).text()
     assert 'vramsched_request_duration_seconds_bucket{le="0.001",verb="filter"}' in metrics
     assert 'vramsched_requests_total{code="200",verb="bind"} 1.0' in metrics
-    gauges = dict(line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_vram_"))
+    gauges = dict(
+        line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_vram_")
+    )
     assert float(gauges["vramsched_vram_allocated_bytes"]) == 16 * 1024**3
     assert float(gauges["vramsched_vram_free_bytes"]) == 12 * 81920 * 1024**2 - 16 * 1024**3
     st = orjson.loads(await (await client.get("/state")).read())
     node_c = next(n for n in st["nodes"] if n["name"] == "gpu-node-c")
     g0 = node_c["gpus"][0]
     assert {k: g0[k] for k in ("index", "memoryBytes", "usedBytes", "replicas", "pods")} == {
-        "index": 0, "memoryBytes": 81920 * 1024**2, "usedBytes": 16 * 1024**3, "replicas": 4, "pods": ["default/gpu-pod-2"]}
+        "index": 0,
+        "memoryBytes": 81920 * 1024**2,
+        "usedBytes": 16 * 1024**3,
+        "replicas": 4,
+        "pods": ["default/gpu-pod-2"],
+    }
     # no background planner in this service: no counters for it anywhere
     assert st["planner"] is None and "vramsched_planner_" not in metrics
 
@@ -184,7 +224,9 @@ async def test_state_and_metrics_count_what_the_planner_did(aiohttp_client):
     from extender.planner.background import BackgroundPlanner
     from extender.service import EmbeddedBinder, ExtenderService
 
-    c = cluster(gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), pod("p", "40Gi"), pod("q", "20Gi"))
+    c = cluster(
+        gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), pod("p", "40Gi"), pod("q", "20Gi")
+    )
     planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
     svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)
     client = await aiohttp_client(create_app(svc))
@@ -192,20 +234,47 @@ async def test_state_and_metrics_count_what_the_planner_did(aiohttp_client):
     planned = planner.entries["default/q"].reservation
     await post(client, "bind", {"PodName": "p", "PodNamespace": "default", "Node": "a"})
     # q's planned GPU is taken from under it before its bind: its entry is stale, bind takes best fit
-    c.ledger.reserve(planned.__class__(planned.pod.__class__("other", "x"), "a", planned.device_ids, (70 * 1024**3,)))
+    c.ledger.reserve(
+        planned.__class__(
+            planned.pod.__class__("other", "x"), "a", planned.device_ids, (70 * 1024**3,)
+        )
+    )
     await post(client, "bind", {"PodName": "q", "PodNamespace": "default", "Node": "a"})
     st = orjson.loads(await (await client.get("/state")).read())["planner"]
-    assert (st["plans"], st["hits"], st["stale"], st["refusedAtBind"], st["errors"]) == (1, 1, 1, 0, 0)
+    assert (st["plans"], st["hits"], st["stale"], st["refusedAtBind"], st["errors"]) == (
+        1,
+        1,
+        1,
+        0,
+        0,
+    )
     assert st["lastStatus"] == "GREEDY" and st["lastBatch"] == 2 and st["lastPlaced"] == 2
     metrics = await (await client.get("/metrics")).text()
-    values = dict(line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_planner_"))
-    assert float(values["vramsched_planner_plans_total"]) == 1.0 and float(values["vramsched_planner_bind_hits_total"]) == 1.0
-    assert float(values["vramsched_planner_stale_entries_total"]) == 1.0 and float(values["vramsched_planner_bind_refused_total"]) == 0.0
+    values = dict(
+        line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_planner_")
+    )
+    assert (
+        float(values["vramsched_planner_plans_total"]) == 1.0
+        and float(values["vramsched_planner_bind_hits_total"]) == 1.0
+    )
+    assert (
+        float(values["vramsched_planner_stale_entries_total"]) == 1.0
+        and float(values["vramsched_planner_bind_refused_total"]) == 0.0
+    )
     assert c.ledger.reservation("default/q") is not None and check_invariant(c.ledger) == []
 
 
 def test_route_paths():
-    assert {"/filter", "/prioritize", "/bind", "/preempt", "/healthz", "/readyz", "/metrics", "/state"} <= route_paths()
+    assert {
+        "/filter",
+        "/prioritize",
+        "/bind",
+        "/preempt",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/state",
+    } <= route_paths()
 
 
 async def test_probe_app_serves_only_probes_and_metrics(aiohttp_client, state):
@@ -218,8 +287,13 @@ async def test_probe_app_serves_only_probes_and_metrics(aiohttp_client, state):
     assert (await probes.get("/healthz")).status == 200
     assert (await probes.get("/readyz")).status == 200
     text = await (await probes.get("/metrics")).text()
-    assert 'vramsched_requests_total{code="200",verb="filter"} 1.0' in text  # the main app's registry
-    assert (await probes.post("/filter", data=orjson.dumps(fixture("003-filter.json")))).status in (404, 405)
+    assert (
+        'vramsched_requests_total{code="200",verb="filter"} 1.0' in text
+    )  # the main app's registry
+    assert (await probes.post("/filter", data=orjson.dumps(fixture("003-filter.json")))).status in (
+        404,
+        405,
+    )
     assert (await probes.get("/state")).status == 404
 
 
@@ -234,19 +308,29 @@ async def test_a_pod_sent_again_with_another_annotation_gets_its_new_demand(aioh
 
 
 @pytest.mark.parametrize("legacy", [True, False])
-async def test_unresolvable_nodes_are_in_failed_nodes_only_for_old_schedulers(aiohttp_client, legacy):
+async def test_unresolvable_nodes_are_in_failed_nodes_only_for_old_schedulers(
+    aiohttp_client, legacy
+):
     """kube-scheduler < 1.21 reads only FailedNodes; newer ones read both maps, so there the
     unresolvable entries are not sent twice."""
     state = cluster(gpu_node("big", count=1), gpu_node("small", count=1, memory_mib=24576))
     svc = service(state)
     svc.legacy_failed_nodes = legacy
     client = await aiohttp_client(create_app(svc))
-    out = await post(client, "filter", {"Pod": pod("p", "90Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]})
+    out = await post(
+        client,
+        "filter",
+        {"Pod": pod("p", "90Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]},
+    )
     assert out["NodeNames"] == []
     assert set(out["FailedAndUnresolvableNodes"]) == {"big", "small", "ghost"}
     assert out["FailedNodes"] == (out["FailedAndUnresolvableNodes"] if legacy else {})
     svc.explain_all = True  # reasons also when some node passes: the same rule
-    out = await post(client, "filter", {"Pod": pod("q", "40Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]})
+    out = await post(
+        client,
+        "filter",
+        {"Pod": pod("q", "40Gi"), "Nodes": None, "NodeNames": ["big", "small", "ghost"]},
+    )
     assert out["NodeNames"] == ["big"]
     assert set(out["FailedAndUnresolvableNodes"]) == {"small", "ghost"}
     assert out["FailedNodes"] == (out["FailedAndUnresolvableNodes"] if legacy else {})
@@ -255,7 +339,9 @@ async def test_unresolvable_nodes_are_in_failed_nodes_only_for_old_schedulers(ai
 async def test_refused_nodes_are_explained_when_none_passes_or_when_asked(aiohttp_client):
     """kube-scheduler reads filter's reasons only when no node is left (FitError event,
     preemption): by default they are sent then, for every refused node, and not otherwise."""
-    state = cluster(gpu_node("big", count=1, replicas=4), gpu_node("small", count=1, memory_mib=24576))
+    state = cluster(
+        gpu_node("big", count=1, replicas=4), gpu_node("small", count=1, memory_mib=24576)
+    )
     state.upsert_pod(pod("busy", "70Gi", node="big"))
     svc = service(state)
     svc.legacy_failed_nodes = False  # today's kube-scheduler: each refused node in one map
@@ -263,18 +349,25 @@ async def test_refused_nodes_are_explained_when_none_passes_or_when_asked(aiohtt
     names = ["big", "small", "ghost"]
     out = await post(client, "filter", {"Pod": pod("p", "8Gi"), "Nodes": None, "NodeNames": names})
     assert out["NodeNames"] == ["big", "small"]
-    assert out["FailedNodes"] == out["FailedAndUnresolvableNodes"] == {}  # ghost dropped, unexplained
+    assert (
+        out["FailedNodes"] == out["FailedAndUnresolvableNodes"] == {}
+    )  # ghost dropped, unexplained
     out = await post(client, "filter", {"Pod": pod("q", "20Gi"), "Nodes": None, "NodeNames": names})
     assert out["NodeNames"] == ["small"]
     assert out["FailedNodes"] == out["FailedAndUnresolvableNodes"] == {}
     out = await post(client, "filter", {"Pod": pod("r", "30Gi"), "Nodes": None, "NodeNames": names})
     assert out["NodeNames"] == []  # big is full for now (preemption may help), small too small
-    assert set(out["FailedNodes"]) == {"big"} and set(out["FailedAndUnresolvableNodes"]) == {"small", "ghost"}
+    assert set(out["FailedNodes"]) == {"big"} and set(out["FailedAndUnresolvableNodes"]) == {
+        "small",
+        "ghost",
+    }
     assert out["FailedAndUnresolvableNodes"]["ghost"] == "node unknown to vramsched"
     svc.explain_all = True
     out = await post(client, "filter", {"Pod": pod("s", "20Gi"), "Nodes": None, "NodeNames": names})
     assert out["NodeNames"] == ["small"]
-    assert set(out["FailedNodes"]) == {"big"} and set(out["FailedAndUnresolvableNodes"]) == {"ghost"}
+    assert set(out["FailedNodes"]) == {"big"} and set(out["FailedAndUnresolvableNodes"]) == {
+        "ghost"
+    }
 
 
 def test_which_control_planes_need_unresolvable_nodes_in_failed_nodes():
@@ -299,9 +392,22 @@ async def test_serve_reads_the_choice_from_the_api_server_and_keeps_it_when_unre
     def broken():
         raise OSError("connection refused")
 
-    assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=version("20")))) is True
-    assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=version("34")))) is False
-    assert await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=broken))) is True
+    assert (
+        await _legacy_failed_nodes(
+            SimpleNamespace(api=SimpleNamespace(server_version=version("20")))
+        )
+        is True
+    )
+    assert (
+        await _legacy_failed_nodes(
+            SimpleNamespace(api=SimpleNamespace(server_version=version("34")))
+        )
+        is False
+    )
+    assert (
+        await _legacy_failed_nodes(SimpleNamespace(api=SimpleNamespace(server_version=broken)))
+        is True
+    )
 
 
 async def test_delete_frees_what_a_bound_pod_held_and_refuses_what_it_cannot_do(client, state):
@@ -311,11 +417,16 @@ async def test_delete_frees_what_a_bound_pod_held_and_refuses_what_it_cannot_do(
     assert held == 16 * 1024**3
     resp = await client.delete("/pods/default/gpu-pod-2")
     assert resp.status == 200 and orjson.loads(await resp.read()) == {"Error": ""}
-    assert state.pod("default/gpu-pod-2") is None and state.ledger.reservation("default/gpu-pod-2") is None
+    assert (
+        state.pod("default/gpu-pod-2") is None
+        and state.ledger.reservation("default/gpu-pod-2") is None
+    )
     assert state.ledger.totals()[0] == 0
     assert check_invariant(state.ledger, state.live_pod_keys()) == []
     again = await client.delete("/pods/default/gpu-pod-2")  # gone: nothing changes
-    assert again.status == 404 and "unknown to vramsched" in orjson.loads(await again.read())["Error"]
+    assert (
+        again.status == 404 and "unknown to vramsched" in orjson.loads(await again.read())["Error"]
+    )
     # the freed GPU takes the pod again when kube-scheduler retries it
     await post(client, "filter", fixture("003-filter.json"))
     assert await post(client, "bind", fixture("005-bind.json")) == {"Error": ""}
@@ -363,7 +474,9 @@ async def test_delete_is_refused_in_live_mode_and_during_a_bind(aiohttp_client, 
 @settings(max_examples=200, deadline=None)
 @given(
     names=st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=12, unique=True),
-    picks=st.lists(st.tuples(st.integers(0, 11), st.integers(MIN_PRIORITY, MAX_PRIORITY)), max_size=30),
+    picks=st.lists(
+        st.tuples(st.integers(0, 11), st.integers(MIN_PRIORITY, MAX_PRIORITY)), max_size=30
+    ),
 )
 def test_prioritize_encoding_is_the_json_of_its_hosts(names, picks):
     """Fixed-width entries (padded with JSON whitespace) decode to exactly the hosts and scores,
@@ -372,7 +485,9 @@ def test_prioritize_encoding_is_the_json_of_its_hosts(names, picks):
     rows = np.array([r % len(names) for r, _ in picks], np.int64)
     scores = np.array([s for _, s in picks], np.int64)
     hosts = ScoredHosts(table, rows, scores)
-    assert orjson.loads(hosts.to_json()) == [{"Host": names[r], "Score": int(s)} for r, s in zip(rows, scores)]
+    assert orjson.loads(hosts.to_json()) == [
+        {"Host": names[r], "Score": int(s)} for r, s in zip(rows, scores)
+    ]
 
 
 async def test_concurrent_cycles_are_pointed_at_different_nodes_of_the_best_band(monkeypatch):
@@ -381,22 +496,32 @@ async def test_concurrent_cycles_are_pointed_at_different_nodes_of_the_best_band
     import extender.service as service_module
     from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
-    c = cluster(*(gpu_node(n, count=1, replicas=8) for n in ("a", "b", "c")), pod("x", "40Gi", node="a"),
-                pod("y", "40Gi", node="b"), pod("big", "70Gi", node="c"))
+    c = cluster(
+        *(gpu_node(n, count=1, replicas=8) for n in ("a", "b", "c")),
+        pod("x", "40Gi", node="a"),
+        pod("y", "40Gi", node="b"),
+        pod("big", "70Gi", node="c"),
+    )
     s = service(c)
     names = ["a", "b", "c"]
 
     def top(name: str) -> str:
         p = pod(name, "16Gi")
         s.filter(ExtenderArgs(Pod=p, NodeNames=names))
-        (best,) = [h.Host for h in s.prioritize(ExtenderArgs(Pod=p, NodeNames=names)) if h.Score == 10]
+        (best,) = [
+            h.Host for h in s.prioritize(ExtenderArgs(Pod=p, NodeNames=names)) if h.Score == 10
+        ]
         return best
 
     assert top("p1") == "a"
     assert top("p2") == "b"  # a and b tie in the best band; a is p1's until p1 binds
     assert top("p1") == "a"  # asked again: its own choice does not count against it
-    assert top("p3") == "a"  # every node of the best band is taken: the first one, as without others
-    assert (await s.bind(ExtenderBindingArgs(PodName="p1", PodNamespace="default", Node="a"))).Error == ""
+    assert (
+        top("p3") == "a"
+    )  # every node of the best band is taken: the first one, as without others
+    assert (
+        await s.bind(ExtenderBindingArgs(PodName="p1", PodNamespace="default", Node="a"))
+    ).Error == ""
     assert s._chosen.keys() == {"default/p2", "default/p3"}  # a bind ends its pod's choice
     # a alone is in the best band now (its GPU is fuller): taken by p3, still the top
     assert top("p4") == "a"

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import yaml
-
 from builders import gpu_node, pod
-from extender.cli import main
-from extender.ledger import Reservation
+
 from extender.assignment import encode_assignment
+from extender.cli import main
 from extender.demand import PodRef
+from extender.ledger import Reservation
 from extender.quantity import GIB, MIB
 from extender.simulate.engine import ALL_POLICIES, PolicyResult, run_policy, while_all_fit
 from extender.simulate.trace import inflate, read_inputs, read_trace_nodes, read_trace_pods
@@ -33,8 +33,16 @@ def task(name, gpus, milli, t, *, cpu=1000, spec="", dele=""):
 
 
 def test_trace_reader_follows_the_trace_convention(tmp_path):
-    n, p = write(tmp_path, ["node-a,8000,65536,2,T4"],
-                 [task("b", 1, 300, 5), task("a", 1, 300, 5, spec="T4|P100"), task("m", 2, 0, 1), task("cpu", 0, 0, 0)])
+    n, p = write(
+        tmp_path,
+        ["node-a,8000,65536,2,T4"],
+        [
+            task("b", 1, 300, 5),
+            task("a", 1, 300, 5, spec="T4|P100"),
+            task("m", 2, 0, 1),
+            task("cpu", 0, 0, 0),
+        ],
+    )
     nodes = read_trace_nodes(n)
     assert nodes[0]["metadata"]["labels"]["nvidia.com/gpu.memory"] == "1000"
     tasks = read_trace_pods(p)
@@ -59,15 +67,20 @@ def test_spread_overcommits_vram_and_vramsched_policies_never_do(tmp_path):
     n, p = write(tmp_path, ["n0,64000,262144,1,T4"], [task("x", 1, 600, 0), task("y", 1, 600, 1)])
     nodes, tasks, bound = read_inputs(n, p)
     spread = run_policy("spread", nodes, tasks, bound)
-    assert spread.placed == 2 and spread.overcommittedGpus == 1 and spread.overcommittedGpusPeak == 1
+    assert (
+        spread.placed == 2 and spread.overcommittedGpus == 1 and spread.overcommittedGpusPeak == 1
+    )
     for policy in ("planner", "best-fit", "first-fit", "fgd"):
         r = run_policy(policy, nodes, tasks, bound)
         assert (r.placed, r.failed, r.overcommittedGpus, r.invariantViolations) == (1, 1, 0, 0)
 
 
 def test_an_overcommit_that_churn_ends_before_the_replay_does_still_counts(tmp_path):
-    n, p = write(tmp_path, ["n0,64000,262144,1,T4"], [task("x", 1, 600, 0, dele="5"), task("y", 1, 600, 1, dele="5"),
-                                                      task("z", 1, 100, 9)])
+    n, p = write(
+        tmp_path,
+        ["n0,64000,262144,1,T4"],
+        [task("x", 1, 600, 0, dele="5"), task("y", 1, 600, 1, dele="5"), task("z", 1, 100, 9)],
+    )
     nodes, tasks, bound = read_inputs(n, p)
     spread = run_policy("spread", nodes, tasks, bound, churn=True)
     assert (spread.placed, spread.overcommittedGpus, spread.overcommittedGpusPeak) == (3, 0, 1)
@@ -77,7 +90,9 @@ def test_an_overcommit_that_churn_ends_before_the_replay_does_still_counts(tmp_p
 def test_pods_arriving_together_are_planned_as_one_batch(tmp_path):
     # two GPUs; six tasks at the same time: greedy strands memory, the batch plan fits all six
     sizes = [450, 450, 300, 300, 250, 250]
-    n, p = write(tmp_path, ["n0,64000,262144,2,T4"], [task(f"p{i}", 1, s, 7) for i, s in enumerate(sizes)])
+    n, p = write(
+        tmp_path, ["n0,64000,262144,2,T4"], [task(f"p{i}", 1, s, 7) for i, s in enumerate(sizes)]
+    )
     nodes, tasks, bound = read_inputs(n, p)
     planner = run_policy("planner", nodes, tasks, bound, time_limit=5, num_workers=1)
     best = run_policy("best-fit", nodes, tasks, bound)
@@ -89,14 +104,35 @@ def test_pods_arriving_together_are_planned_as_one_batch(tmp_path):
 def test_planner_follows_fgd_when_no_batch_plan_places_more(tmp_path):
     # pods alone and in pairs on four nodes, everything fits: the planner's plan of each batch is
     # FGD's sequential plan, so the replay ends in exactly FGD's state
-    rows = [task(f"p{i}", 1 if i % 5 else 2, (150 * i) % 900 + 50 if i % 5 else 0, i // 2 if i % 3 else i) for i in range(24)]
-    n, p = write(tmp_path, ["n0,64000,262144,4,T4", "n1,64000,262144,2,T4", "n2,32000,131072,4,P100", "n3,64000,262144,8,T4",
-                              "n4,64000,262144,4,P100"], rows)
+    rows = [
+        task(
+            f"p{i}", 1 if i % 5 else 2, (150 * i) % 900 + 50 if i % 5 else 0, i // 2 if i % 3 else i
+        )
+        for i in range(24)
+    ]
+    n, p = write(
+        tmp_path,
+        [
+            "n0,64000,262144,4,T4",
+            "n1,64000,262144,2,T4",
+            "n2,32000,131072,4,P100",
+            "n3,64000,262144,8,T4",
+            "n4,64000,262144,4,P100",
+        ],
+        rows,
+    )
     nodes, tasks, bound = read_inputs(n, p)
     planner = run_policy("planner", nodes, tasks, bound, time_limit=2, num_workers=1)
     fgd = run_policy("fgd", nodes, tasks, bound)
     assert planner.solverBatches > 0 and planner.solverImproved == 0 and planner.failed == 0
-    for key in ("placed", "allocatedMemoryBytes", "gpusFree", "fragmentationBytes", "gpusFreeMean", "gpusInUsePeak"):
+    for key in (
+        "placed",
+        "allocatedMemoryBytes",
+        "gpusFree",
+        "fragmentationBytes",
+        "gpusFreeMean",
+        "gpusInUsePeak",
+    ):
         assert getattr(planner, key) == getattr(fgd, key), key
 
 
@@ -109,7 +145,11 @@ def test_churn_frees_capacity_for_later_pods(tmp_path):
 
 
 def test_cpu_bounds_placement_like_kube_scheduler(tmp_path):
-    n, p = write(tmp_path, ["n0,4000,262144,2,T4"], [task("a", 1, 100, 0, cpu=3000), task("b", 1, 100, 1, cpu=3000)])
+    n, p = write(
+        tmp_path,
+        ["n0,4000,262144,2,T4"],
+        [task("a", 1, 100, 0, cpu=3000), task("b", 1, 100, 1, cpu=3000)],
+    )
     nodes, tasks, bound = read_inputs(n, p)
     for policy in ALL_POLICIES:
         assert run_policy(policy, nodes, tasks, bound).placed == 1
@@ -118,23 +158,46 @@ def test_cpu_bounds_placement_like_kube_scheduler(tmp_path):
 def test_the_regime_where_every_pod_fits_ends_at_the_first_pod_that_could_have_fit(tmp_path):
     # two 1000-MiB GPUs; x asks for a P100 the cluster lacks (it fits nowhere, for any policy), c
     # finds no room left: the regime ends before c, and d placed afterwards does not reopen it
-    n, p = write(tmp_path, ["n0,64000,262144,2,T4"],
-                 [task("a", 1, 300, 0), task("x", 1, 100, 1, spec="P100"), task("b", 1, 800, 2), task("c", 1, 800, 3),
-                  task("d", 1, 100, 4)])
+    n, p = write(
+        tmp_path,
+        ["n0,64000,262144,2,T4"],
+        [
+            task("a", 1, 300, 0),
+            task("x", 1, 100, 1, spec="P100"),
+            task("b", 1, 800, 2),
+            task("c", 1, 800, 3),
+            task("d", 1, 100, 4),
+        ],
+    )
     nodes, tasks, bound = read_inputs(n, p)
     r = run_policy("best-fit", nodes, tasks, bound)
     assert (r.placed, r.failed) == (3, 2)
     assert (r.allFitBatches, r.allFitArrivals) == (3, 3)
-    assert r.freeSeries == [(1, 1), (2, 1), (3, 0), (4, 0), (5, 0)]  # (pods arrived, GPUs fully free) per batch
+    assert r.freeSeries == [
+        (1, 1),
+        (2, 1),
+        (3, 0),
+        (4, 0),
+        (5, 0),
+    ]  # (pods arrived, GPUs fully free) per batch
     assert "freeSeries" not in r.to_json() and r.to_json()["allFitArrivals"] == 3
 
 
 def test_while_all_fit_compares_policies_where_none_has_failed_yet():
     early = PolicyResult("best-fit", allFitBatches=2, freeSeries=[(1, 5), (3, 4), (4, 4)])
     late = PolicyResult("planner", allFitBatches=3, freeSeries=[(1, 5), (3, 3), (4, 2)])
-    assert while_all_fit([late, early]) == {"batches": 2, "arrivals": 3, "gpusFree": {"planner": 3, "best-fit": 4}}
-    assert while_all_fit([late, PolicyResult("first-fit", allFitBatches=0, freeSeries=[(1, 5)])]) is None
-    over = PolicyResult("spread", allFitBatches=1, freeSeries=[(1, 6), (3, 6)], overcommittedGpusPeak=2)
+    assert while_all_fit([late, early]) == {
+        "batches": 2,
+        "arrivals": 3,
+        "gpusFree": {"planner": 3, "best-fit": 4},
+    }
+    assert (
+        while_all_fit([late, PolicyResult("first-fit", allFitBatches=0, freeSeries=[(1, 5)])])
+        is None
+    )
+    over = PolicyResult(
+        "spread", allFitBatches=1, freeSeries=[(1, 6), (3, 6)], overcommittedGpusPeak=2
+    )
     assert while_all_fit([late, over]) == {"batches": 3, "arrivals": 4, "gpusFree": {"planner": 2}}
 
 
@@ -142,34 +205,78 @@ def test_free_curve_plot(tmp_path):
     from extender.simulate.plot import plot_free_curve
 
     png = tmp_path / "curve.png"
-    plot_free_curve({"arrivals": [1, 5, 9], "gpusFree": {"planner": [7, 5, 4], "best-fit": [8, 5, 2], "fgd": [7, 5, 4]}}, png)
+    plot_free_curve(
+        {
+            "arrivals": [1, 5, 9],
+            "gpusFree": {"planner": [7, 5, 4], "best-fit": [8, 5, 2], "fgd": [7, 5, 4]},
+        },
+        png,
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
 def test_simulate_json_output(tmp_path, capsys):
-    n, p = write(tmp_path, ["n0,64000,262144,2,T4", "n1,64000,262144,2,P100"],
-                 [task(f"p{i}", 1, 200 * (i % 5 + 1), i // 2) for i in range(12)])
-    assert main(["simulate", "--nodes", str(n), "--pods", str(p), "--json", "--inflate", "1.2"]) == 0
+    n, p = write(
+        tmp_path,
+        ["n0,64000,262144,2,T4", "n1,64000,262144,2,P100"],
+        [task(f"p{i}", 1, 200 * (i % 5 + 1), i // 2) for i in range(12)],
+    )
+    assert (
+        main(["simulate", "--nodes", str(n), "--pods", str(p), "--json", "--inflate", "1.2"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert set(out["policies"]) == set(ALL_POLICIES)
     for name, r in out["policies"].items():
-        for key, typ in [("placed", int), ("failed", int), ("allocatedMemoryBytes", int), ("gpusInUse", int), ("gpusFree", int),
-                         ("overcommittedGpus", int), ("seconds", float)]:
+        for key, typ in [
+            ("placed", int),
+            ("failed", int),
+            ("allocatedMemoryBytes", int),
+            ("gpusInUse", int),
+            ("gpusFree", int),
+            ("overcommittedGpus", int),
+            ("seconds", float),
+        ]:
             assert isinstance(r[key], typ), (name, key)
         assert r["gpusInUse"] + r["gpusFree"] == 4
     assert out["policies"]["planner"]["overcommittedGpus"] == 0
     fit = out["whileAllFit"]  # 12 pods of 6 GPUs of demand at 1.2 x 4 GPUs: some policy fails some
     fair = {p: r for p, r in out["policies"].items() if not r["overcommittedGpusPeak"]}
-    assert 0 < fit["arrivals"] < out["input"]["tasks"] and set(fit["gpusFree"]) == set(fair) and "planner" in fair
+    assert (
+        0 < fit["arrivals"] < out["input"]["tasks"]
+        and set(fit["gpusFree"]) == set(fair)
+        and "planner" in fair
+    )
     assert fit["arrivals"] == min(r["allFitArrivals"] for r in fair.values())
 
 
 def test_simulate_reads_cluster_yaml_and_plots(tmp_path, capsys):
-    objs = [gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4), pod("a", "30Gi"), pod("b", "50Gi"), pod("c", "60Gi", gpus=2)]
+    objs = [
+        gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4),
+        pod("a", "30Gi"),
+        pod("b", "50Gi"),
+        pod("c", "60Gi", gpus=2),
+    ]
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}))
     png = tmp_path / "out.png"
-    assert main(["simulate", "--nodes", str(f), "--pods", str(f), "--policy", "planner", "--policy", "spread", "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--nodes",
+                str(f),
+                "--pods",
+                str(f),
+                "--policy",
+                "planner",
+                "--policy",
+                "spread",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "planner" in table and "spread" in table
     assert png.stat().st_size > 1000
@@ -177,22 +284,38 @@ def test_simulate_reads_cluster_yaml_and_plots(tmp_path, capsys):
 
 def bound_pod(name, node, dev, gib, namespace="default"):
     res = Reservation(PodRef(namespace, name), node, (dev,), (gib * GIB,))
-    p = pod(name, f"{gib}Gi", node=node, namespace=namespace, phase="Running", annotations=encode_assignment(res))
+    p = pod(
+        name,
+        f"{gib}Gi",
+        node=node,
+        namespace=namespace,
+        phase="Running",
+        annotations=encode_assignment(res),
+    )
     return p
 
 
 def test_plan_defrag_frees_gpus_with_fewest_moves_and_respects_limits(tmp_path, capsys):
-    objs = [gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4), gpu_node("g1", count=1, memory_mib=80 * 1024, replicas=4),
-            bound_pod("a", "g0", "0", 20), bound_pod("b", "g0", "1", 20), bound_pod("c", "g1", "0", 30, namespace="prod")]
+    objs = [
+        gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4),
+        gpu_node("g1", count=1, memory_mib=80 * 1024, replicas=4),
+        bound_pod("a", "g0", "0", 20),
+        bound_pod("b", "g0", "1", 20),
+        bound_pod("c", "g1", "0", 30, namespace="prod"),
+    ]
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}))
     assert main(["plan-defrag", "--cluster", str(f), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["gpusFreed"] == 2 and len(out["moves"]) == 2  # two moves free two GPUs; three would free no more
+    assert (
+        out["gpusFreed"] == 2 and len(out["moves"]) == 2
+    )  # two moves free two GPUs; three would free no more
     assert main(["plan-defrag", "--cluster", str(f), "--json", "--max-moves", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gpusFreed"] == 1 and len(out["moves"]) == 1
-    assert main(["plan-defrag", "--cluster", str(f), "--json", "--exclude-namespace", "default"]) == 0
+    assert (
+        main(["plan-defrag", "--cluster", str(f), "--json", "--exclude-namespace", "default"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["gpusFreed"] == 1 and [m["pod"] for m in out["moves"]] == ["prod/c"]
     assert main(["plan-defrag", "--cluster", str(f)]) == 0
@@ -205,7 +328,9 @@ def test_every_policy_on_a_slice_of_the_real_trace(policy):
     from pathlib import Path
 
     trace = Path(__file__).parent / "fixtures" / "traces"
-    nodes, tasks, bound = read_inputs(trace / "openb_node_list_gpu_node.csv", trace / "openb_pod_list_gpushare40.csv")
+    nodes, tasks, bound = read_inputs(
+        trace / "openb_node_list_gpu_node.csv", trace / "openb_pod_list_gpushare40.csv"
+    )
     assert (len(nodes), len(tasks)) == (40, 150)
     for churn in (False, True):
         r = run_policy(policy, nodes, tasks, bound, churn=churn)
@@ -215,19 +340,24 @@ def test_every_policy_on_a_slice_of_the_real_trace(policy):
 
 
 def test_usable_free_gpus_leaves_out_a_free_gpu_whose_node_has_no_cpu_left(tmp_path):
-    """"GPUs fully free" counts n0's second GPU; no GPU pod of the workload could start there (its
+    """ "GPUs fully free" counts n0's second GPU; no GPU pod of the workload could start there (its
     node's CPU is gone), so the usable count, weighted by the workload's GPU pod types, does not.
     A CPU-only type does not dilute it."""
     from extender.planner.capacity import Workload
 
-    n, p = write(tmp_path, ["n0,4000,262144,2,T4", "n1,64000,262144,2,T4"],
-                 [task("hog", 1, 100, 0, cpu=3500), task("small", 1, 200, 1), task("cpu", 0, 0, 2, cpu=100)])
+    n, p = write(
+        tmp_path,
+        ["n0,4000,262144,2,T4", "n1,64000,262144,2,T4"],
+        [task("hog", 1, 100, 0, cpu=3500), task("small", 1, 200, 1), task("cpu", 0, 0, 2, cpu=100)],
+    )
     nodes, tasks, bound = read_inputs(n, p)
     workload = Workload.from_demands(t.demand for t in tasks)
     r = run_policy("first-fit", nodes, tasks[:1], bound, workload=workload)  # the hog alone, on n0
     assert r.gpusFree == 3
     assert r.gpusFreeUsable == pytest.approx(2.0)
-    r = run_policy("first-fit", nodes, tasks[:2], bound, workload=workload)  # and "small" next to it? no CPU: on n1
+    r = run_policy(
+        "first-fit", nodes, tasks[:2], bound, workload=workload
+    )  # and "small" next to it? no CPU: on n1
     assert r.gpusFree == 2 and r.gpusFreeUsable == pytest.approx(1.0)
 
 
@@ -235,12 +365,15 @@ async def test_hot_path_policy_places_each_pod_where_the_server_binds_it():
     """`hot-path` claims to be what `vramsched serve` does to a pod placed at once: replay the same
     pods through the service's filter, prioritize (kube-scheduler takes the top score) and bind."""
     from builders import cluster, service
+
     from extender.demand import pod_demand
     from extender.planner.greedy import choose, place_one
     from extender.simulate.engine import build_capacity
     from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
-    nodes = [gpu_node(f"n{i}", count=2, replicas=4) for i in range(4)] + [gpu_node("big", count=4, replicas=2)]
+    nodes = [gpu_node(f"n{i}", count=2, replicas=4) for i in range(4)] + [
+        gpu_node("big", count=4, replicas=2)
+    ]
     sizes = [30, 60, 10, 40, 20, 70, 16, 50, 8, 30, 75, 12, 45, 5, 64, 33]
     pods = [pod(f"p{i}", f"{s}Gi", gpus=2 if i % 7 == 3 else 1) for i, s in enumerate(sizes * 2)]
     names = [n["metadata"]["name"] for n in nodes]
@@ -255,8 +388,16 @@ async def test_hot_path_policy_places_each_pod_where_the_server_binds_it():
             continue
         scores = {h.Host: h.Score for h in s.prioritize(ExtenderArgs(Pod=p, NodeNames=feasible))}
         best = max(scores.values())
-        (node,) = [n for n in feasible if scores[n] == best]  # one top score: no random pick to make
-        assert (await s.bind(ExtenderBindingArgs(PodName=p["metadata"]["name"], PodNamespace="default", Node=node))).Error == ""
+        (node,) = [
+            n for n in feasible if scores[n] == best
+        ]  # one top score: no random pick to make
+        assert (
+            await s.bind(
+                ExtenderBindingArgs(
+                    PodName=p["metadata"]["name"], PodNamespace="default", Node=node
+                )
+            )
+        ).Error == ""
         res = state.ledger.reservation(f"default/{p['metadata']['name']}")
         served[p["metadata"]["name"]] = (node, res.device_ids)
 
@@ -271,5 +412,9 @@ async def test_hot_path_policy_places_each_pod_where_the_server_binds_it():
         place_one(cap, d, ch)
         simulated[p["metadata"]["name"]] = (ch[0].node, ch[0].device_ids)
     assert simulated == served
-    assert sum(v is None for v in served.values()) >= 1  # the cluster fills: refusals are compared too
-    assert {served[f"p{i}"][0] for i in range(3)} == {"n0"}  # and it packs: 30 + 60 + 10Gi on the first node
+    assert (
+        sum(v is None for v in served.values()) >= 1
+    )  # the cluster fills: refusals are compared too
+    assert {served[f"p{i}"][0] for i in range(3)} == {
+        "n0"
+    }  # and it packs: 30 + 60 + 10Gi on the first node

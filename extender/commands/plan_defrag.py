@@ -9,17 +9,37 @@ __all__ = ["register", "run"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan-defrag", help="propose pod moves that free whole GPUs (dry run, nothing is evicted)",
-                       description="Reads a cluster (Nodes and bound Pods with vramsched assignments) and proposes the "
-                                   "fewest moves of GPU-sharing pods that free the most whole GPUs. Every move's target "
-                                   "has room before any other move, so they can be done one by one in any order. "
-                                   "Nothing is evicted.")
-    p.add_argument("--cluster", required=True, metavar="FILE", help="Kubernetes List of Nodes and Pods (YAML or JSON)")
+    p = sub.add_parser(
+        "plan-defrag",
+        help="propose pod moves that free whole GPUs (dry run, nothing is evicted)",
+        description="Reads a cluster (Nodes and bound Pods with vramsched assignments) and proposes the "
+        "fewest moves of GPU-sharing pods that free the most whole GPUs. Every move's target "
+        "has room before any other move, so they can be done one by one in any order. "
+        "Nothing is evicted.",
+    )
+    p.add_argument(
+        "--cluster",
+        required=True,
+        metavar="FILE",
+        help="Kubernetes List of Nodes and Pods (YAML or JSON)",
+    )
     p.add_argument("--max-moves", type=int, default=None, help="at most N moves in total")
-    p.add_argument("--max-per-namespace", type=int, default=None,
-                   help="at most N moves per namespace (like a PodDisruptionBudget maxUnavailable)")
-    p.add_argument("--max-per-node", type=int, default=None, help="at most N pods moved off any one node")
-    p.add_argument("--exclude-namespace", action="append", default=[], metavar="NS", help="never move pods of NS (repeatable)")
+    p.add_argument(
+        "--max-per-namespace",
+        type=int,
+        default=None,
+        help="at most N moves per namespace (like a PodDisruptionBudget maxUnavailable)",
+    )
+    p.add_argument(
+        "--max-per-node", type=int, default=None, help="at most N pods moved off any one node"
+    )
+    p.add_argument(
+        "--exclude-namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="never move pods of NS (repeatable)",
+    )
     p.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (default 10)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -50,20 +70,37 @@ def run(args: argparse.Namespace) -> int:
         except DemandError:
             continue
         demands[d.pod.key] = (d.cpu_milli, d.memory_bytes, d.resource)
-    limits = Limits(args.max_moves, args.max_per_namespace, args.max_per_node, frozenset(args.exclude_namespace))
+    limits = Limits(
+        args.max_moves, args.max_per_namespace, args.max_per_node, frozenset(args.exclude_namespace)
+    )
     plan = plan_defrag(cap, demands, limits, time_limit=args.time_limit, num_workers=args.workers)
     if args.json:
-        body = {"status": plan.status, "gpusFreeBefore": plan.gpus_free_before, "gpusFreed": len(plan.freed),
-                "gpusFreedBound": plan.bound_freed, "moves": [m.__dict__ for m in plan.moves],
-                "freed": [{"node": n, "device": d} for n, d in plan.freed], "seconds": round(plan.seconds, 3)}
+        body = {
+            "status": plan.status,
+            "gpusFreeBefore": plan.gpus_free_before,
+            "gpusFreed": len(plan.freed),
+            "gpusFreedBound": plan.bound_freed,
+            "moves": [m.__dict__ for m in plan.moves],
+            "freed": [{"node": n, "device": d} for n, d in plan.freed],
+            "seconds": round(plan.seconds, 3),
+        }
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
-    print(f"dry run: {len(plan.moves)} moves free {len(plan.freed)} whole GPUs "
-          f"({plan.gpus_free_before} free now; solver {plan.status}, {plan.seconds:.2f}s). Nothing was evicted.")
+    print(
+        f"dry run: {len(plan.moves)} moves free {len(plan.freed)} whole GPUs "
+        f"({plan.gpus_free_before} free now; solver {plan.status}, {plan.seconds:.2f}s). Nothing was evicted."
+    )
     if plan.moves:
         head = ["pod", "from", "to", "VRAM"]
-        rows = [[mv.pod, f"{mv.from_node}/GPU {mv.from_device}", f"{mv.to_node}/GPU {mv.to_device}", format_bytes(mv.bytes)]
-                for mv in plan.moves]
+        rows = [
+            [
+                mv.pod,
+                f"{mv.from_node}/GPU {mv.from_device}",
+                f"{mv.to_node}/GPU {mv.to_device}",
+                format_bytes(mv.bytes),
+            ]
+            for mv in plan.moves
+        ]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
         print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
         for r in rows:

@@ -20,8 +20,6 @@ import yaml
 from extender import mig
 from extender.assignment import AssignmentError, decode_assignment
 from extender.demand import pod_ref
-from extender.quantity import QuantityError
-from extender.quantity import parse_bytes as _parse_bytes
 from extender.planner.mig_geometry import (
     MIG_CONFIG_LABEL,
     MigGpuState,
@@ -32,6 +30,8 @@ from extender.planner.mig_geometry import (
     plan_mig_geometry,
     plan_summary_rows,
 )
+from extender.quantity import QuantityError
+from extender.quantity import parse_bytes as _parse_bytes
 
 MODEL_MEMORY_ANNOTATION = "vramsched.io/model-memory"
 ASSIGNMENT_ANNOTATION = "vramsched.io/assignment"
@@ -39,6 +39,7 @@ WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
 
 # ---------------------------------------------------------------------------------------------
 # cluster file reading (to be replaced by extender.inventory / extender.quantity)
+
 
 def parse_bytes(q: object) -> int:
     """Kubernetes quantity (``16Gi``) -> bytes, rounded up (zero allowed: "no memory stated")."""
@@ -59,7 +60,11 @@ def load_objects(path: Path) -> list[dict[str, Any]]:
         docs = [d for d in yaml.load_all(f, Loader=loader) if d]
     out: list[dict[str, Any]] = []
     for d in docs:
-        if isinstance(d, dict) and (d.get("kind") == "List" or d.get("kind", "").endswith("List")) and "items" in d:
+        if (
+            isinstance(d, dict)
+            and (d.get("kind") == "List" or d.get("kind", "").endswith("List"))
+            and "items" in d
+        ):
             out.extend(d.get("items") or [])
         elif isinstance(d, dict):
             out.append(d)
@@ -107,7 +112,9 @@ def _pending_pod(pod: dict) -> PendingPod | None:
     if mem is None and not reqs:
         return None
     if sum(reqs.values()) > 1 or len(reqs) > 1 or _gpu_requests(pod) > 1:
-        raise ValueError("asks for several GPUs or MIG devices; a MIG slice serves one pod on one device")
+        raise ValueError(
+            "asks for several GPUs or MIG devices; a MIG slice serves one pod on one device"
+        )
     allowed = frozenset(reqs) if reqs else None
     return PendingPod(_pod_key(pod), parse_bytes(mem) if mem is not None else 0, allowed)
 
@@ -149,7 +156,9 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         prof = m2[1] if m2 else None
         n_dev = int(labels.get("nvidia.com/gpu.count", "0"))
         if model is None or prof is None or not model.has_profile(prof):
-            notes.append(f"{name}: mig.strategy=single with product {product!r}: not understood, skipped")
+            notes.append(
+                f"{name}: mig.strategy=single with product {product!r}: not understood, skipped"
+            )
             return []
         per_gpu = mig.max_uniform_count(model, prof)
         counts = {prof: n_dev}
@@ -161,7 +170,9 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
     else:
         gpu_count = int(labels.get("nvidia.com/gpu.count", "0"))
     if not counts:
-        notes.append(f"{name}: MIG strategy {strategy} but no MIG slices labelled (MIG disabled or empty), skipped")
+        notes.append(
+            f"{name}: MIG strategy {strategy} but no MIG slices labelled (MIG disabled or empty), skipped"
+        )
         return []
 
     # occupancy from vramsched assignments; pods holding MIG slices without one make the node opaque
@@ -175,7 +186,9 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         on_node = (pod.get("spec") or {}).get("nodeName") == name
         if raw is None:
             if on_node and _mig_requests(pod):
-                frozen = frozen or f"pod {_pod_key(pod)} holds MIG slices without a vramsched assignment"
+                frozen = (
+                    frozen or f"pod {_pod_key(pod)} holds MIG slices without a vramsched assignment"
+                )
             continue
         try:
             res = decode_assignment(pod_ref(pod), ann)
@@ -188,7 +201,10 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         for dev, per in zip(res.device_ids, res.bytes_per_device):
             parts = str(dev).split(":")
             if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in counts:
-                frozen = frozen or f"pod {_pod_key(pod)} assignment device {dev!r} does not match the node's MIG slices"
+                frozen = (
+                    frozen
+                    or f"pod {_pod_key(pod)} assignment device {dev!r} does not match the node's MIG slices"
+                )
                 continue
             if dev in seen_devices:
                 continue
@@ -201,7 +217,9 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         unknown = [p for p in counts if not model.has_profile(p)]
         model_ok = not unknown
         if unknown:
-            notes.append(f"{name}: profiles {unknown} are not in the {model.name} table; treated as an unknown GPU")
+            notes.append(
+                f"{name}: profiles {unknown} are not in the {model.name} table; treated as an unknown GPU"
+            )
     if model_ok:
         assert model is not None
         model = model.with_memory({p: b for p, b in mem.items() if model.has_profile(p)})
@@ -213,9 +231,11 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         cfg = labels.get(MIG_CONFIG_LABEL)
         state = labels.get("nvidia.com/mig.config.state", "success")
         g = mig.geometry_for_config_name(model, cfg) if cfg and state == "success" else None
-        if g is not None and all(k * gpu_count == counts.get(n, 0) for n, k in g) and sum(
-            k for _, k in g
-        ) * gpu_count == sum(counts.values()):
+        if (
+            g is not None
+            and all(k * gpu_count == counts.get(n, 0) for n, k in g)
+            and sum(k for _, k in g) * gpu_count == sum(counts.values())
+        ):
             layouts = [[n for n, k in g for _ in range(k)] for _ in range(gpu_count)]
             layout_known = True
         else:
@@ -234,7 +254,8 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
                 layouts[i % len(layouts)].append(p)
                 i += 1
         required_ok = all(
-            Counter(p for p, _, _ in occupied.get(j, [])) <= Counter(layouts[j]) for j in range(len(layouts))
+            Counter(p for p, _, _ in occupied.get(j, [])) <= Counter(layouts[j])
+            for j in range(len(layouts))
         )
         if not required_ok:
             # keep the capacity accounting honest: move assigned slices where the pods say they are
@@ -311,9 +332,25 @@ def _gib(b: int) -> str:
     return f"{b / mig.GIB:.1f} GiB"
 
 
-def print_plan(plan: MigPlan, snap: ClusterSnapshot, out: TextIO, uniform: list[MigPlan] | None = None) -> None:
+def print_plan(
+    plan: MigPlan, snap: ClusterSnapshot, out: TextIO, uniform: list[MigPlan] | None = None
+) -> None:
     rows = plan_summary_rows(plan)
-    out.write(format_table(rows, ["node", "model", "action", "mig.config", "reconfigured", "new pods", "geometry", "note"]))
+    out.write(
+        format_table(
+            rows,
+            [
+                "node",
+                "model",
+                "action",
+                "mig.config",
+                "reconfigured",
+                "new pods",
+                "geometry",
+                "note",
+            ],
+        )
+    )
     out.write("\n\n")
     total = len(snap.pending)
     out.write(
@@ -333,7 +370,13 @@ def print_plan(plan: MigPlan, snap: ClusterSnapshot, out: TextIO, uniform: list[
             }
             for u in [plan, *uniform]
         ]
-        out.write("\n" + format_table(urows, ["geometry", "pods placed", "GPUs in use", "reconfigured", "wasted"]) + "\n")
+        out.write(
+            "\n"
+            + format_table(
+                urows, ["geometry", "pods placed", "GPUs in use", "reconfigured", "wasted"]
+            )
+            + "\n"
+        )
     if plan.unplaced:
         out.write(f"\nunplaced pods ({len(plan.unplaced)}):\n")
         for key, reason in plan.unplaced[:20]:
@@ -346,7 +389,11 @@ def print_plan(plan: MigPlan, snap: ClusterSnapshot, out: TextIO, uniform: list[
     out.write("\n# mig-parted config (nvidia-mig-parted / GPU operator mig-manager)\n")
     out.write(plan.mig_parted_yaml())
     out.write("\n# node labels (dry-run: not applied)\n")
-    out.write(yaml.safe_dump({"nodeLabels": {n: {MIG_CONFIG_LABEL: v} for n, v in labels.items()}}, sort_keys=False))
+    out.write(
+        yaml.safe_dump(
+            {"nodeLabels": {n: {MIG_CONFIG_LABEL: v} for n, v in labels.items()}}, sort_keys=False
+        )
+    )
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -357,9 +404,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "GPUs without destroying occupied slices; print a table, the nvidia.com/mig.config labels and "
         "the mig-parted config that realises them.",
     )
-    p.add_argument("--cluster", required=True, type=Path, help="kubectl get nodes,pods -A -o yaml output")
-    p.add_argument("--pending", type=Path, help="List of pending Pods (default: unbound pods in --cluster)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)")
+    p.add_argument(
+        "--cluster", required=True, type=Path, help="kubectl get nodes,pods -A -o yaml output"
+    )
+    p.add_argument(
+        "--pending", type=Path, help="List of pending Pods (default: unbound pods in --cluster)"
+    )
+    p.add_argument(
+        "--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)"
+    )
     p.add_argument("--workers", type=int, default=2, help="CP-SAT workers, at most 2 (default 2)")
     p.add_argument(
         "--reconfigure",
@@ -368,9 +421,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="whole-gpu (default): GPUs with a used slice keep their layout, as mig-parted requires; "
         "free-slices: re-carve free parts of used GPUs (needs per-instance tooling)",
     )
-    p.add_argument("--compare-uniform", action="store_true", help="also evaluate every uniform geometry")
+    p.add_argument(
+        "--compare-uniform", action="store_true", help="also evaluate every uniform geometry"
+    )
     p.add_argument("--output-yaml", type=Path, help="write the mig-parted config to this file")
-    p.add_argument("--apply-labels", action="store_true", help="label nodes in a live cluster (not implemented)")
+    p.add_argument(
+        "--apply-labels",
+        action="store_true",
+        help="label nodes in a live cluster (not implemented)",
+    )
     p.add_argument("--kubeconfig", type=Path, help="kubeconfig for --apply-labels")
     p.set_defaults(run=run)
     return p
@@ -389,12 +448,23 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 1
     workers = max(1, min(2, args.workers))
     plan = plan_mig_geometry(
-        snap.gpus, snap.pending, reconfigure=args.reconfigure, time_limit_s=args.time_limit, num_workers=workers
+        snap.gpus,
+        snap.pending,
+        reconfigure=args.reconfigure,
+        time_limit_s=args.time_limit,
+        num_workers=workers,
     )
     uniform = None
     if args.compare_uniform:
         uniform = [
-            evaluate_uniform(snap.gpus, snap.pending, fam, reconfigure=args.reconfigure, time_limit_s=args.time_limit, num_workers=workers)
+            evaluate_uniform(
+                snap.gpus,
+                snap.pending,
+                fam,
+                reconfigure=args.reconfigure,
+                time_limit_s=args.time_limit,
+                num_workers=workers,
+            )
             for fam in mig.UNIFORM_FAMILIES
         ]
     print_plan(plan, snap, out, uniform)

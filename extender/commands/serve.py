@@ -15,7 +15,12 @@ from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.deviceplugin import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.placement import warm
-from extender.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENCY, create_app, create_probe_app
+from extender.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENCY,
+    create_app,
+    create_probe_app,
+)
 from extender.service import EmbeddedBinder, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
 
@@ -25,39 +30,98 @@ log = logging.getLogger("extender.serve")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the extender HTTP API")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--cluster", metavar="FILE", help="embedded mode: a Kubernetes List of Nodes and Pods (YAML or JSON)")
-    src.add_argument("--kubeconfig", metavar="PATH", help="live mode with this kubeconfig (default: in-cluster config)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: a sidecar of kube-scheduler)")
-    p.add_argument("--port", type=int, default=8888)
-    p.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME, help="pods with this spec.schedulerName are ours")
-    p.add_argument("--headroom", type=float, default=0.0, help="extra fraction of VRAM reserved over the declared model memory (default 0)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
-                   help="requests in flight before answering 503 (probes are exempt)")
-    p.add_argument("--assume-ttl", type=float, default=60.0, help="seconds a bind's reservation is kept before the watch confirms it")
-    p.add_argument("--pin-gpus", action="store_true", help="shorthand for --replica-policy pinned (live mode)")
-    p.add_argument(
-        "--replica-policy", choices=[p.value for p in ReplicaPolicy], default=None,
-        help="who picks the physical GPU of a time-sliced replica: the device plugin with its "
-             "distributed (default) or packed policy, or vramsched via the pinning ConfigMap (docs/live.md)",
+    src.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="embedded mode: a Kubernetes List of Nodes and Pods (YAML or JSON)",
     )
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="also serve GET /metrics, /healthz, /readyz (nothing else) on this port; 0 = off")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="listen address of --metrics-port (default all interfaces)")
+    src.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="live mode with this kubeconfig (default: in-cluster config)",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="listen address (default 127.0.0.1: a sidecar of kube-scheduler)",
+    )
+    p.add_argument("--port", type=int, default=8888)
+    p.add_argument(
+        "--scheduler-name",
+        default=DEFAULT_SCHEDULER_NAME,
+        help="pods with this spec.schedulerName are ours",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.0,
+        help="extra fraction of VRAM reserved over the declared model memory (default 0)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENCY,
+        help="requests in flight before answering 503 (probes are exempt)",
+    )
+    p.add_argument(
+        "--assume-ttl",
+        type=float,
+        default=60.0,
+        help="seconds a bind's reservation is kept before the watch confirms it",
+    )
+    p.add_argument(
+        "--pin-gpus", action="store_true", help="shorthand for --replica-policy pinned (live mode)"
+    )
+    p.add_argument(
+        "--replica-policy",
+        choices=[p.value for p in ReplicaPolicy],
+        default=None,
+        help="who picks the physical GPU of a time-sliced replica: the device plugin with its "
+        "distributed (default) or packed policy, or vramsched via the pinning ConfigMap (docs/live.md)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="also serve GET /metrics, /healthz, /readyz (nothing else) on this port; 0 = off",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="0.0.0.0",
+        help="listen address of --metrics-port (default all interfaces)",
+    )
     p.add_argument("--tls-cert", metavar="FILE")
     p.add_argument("--tls-key", metavar="FILE")
-    p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep a CP-SAT batch plan for the pods that wait (pending 0.5 s and more) in a background "
-                        "thread; prioritize and bind follow it while it is fresh, best fit answers otherwise "
-                        "(default on; --no-planner: greedy only; docs/packing.md)")
-    p.add_argument("--planner-time-limit", type=float, default=1.0, help="seconds per background plan (default 1)")
-    p.add_argument("--legacy-failed-nodes", action=argparse.BooleanOptionalAction, default=None,
-                   help="also list unresolvable nodes in FailedNodes, for kube-scheduler < 1.21 which reads no "
-                        "other map (default: on with --cluster; live, on only if the API server is older than 1.21)")
-    p.add_argument("--explain-all", action=argparse.BooleanOptionalAction, default=False,
-                   help="give filter's reason for every refused node even when some node passes (default off: "
-                        "kube-scheduler reads the reasons only when no node is left, and then every refused node "
-                        "has one). Turn on when another filtering extender runs after vramsched")
+    p.add_argument(
+        "--planner",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a CP-SAT batch plan for the pods that wait (pending 0.5 s and more) in a background "
+        "thread; prioritize and bind follow it while it is fresh, best fit answers otherwise "
+        "(default on; --no-planner: greedy only; docs/packing.md)",
+    )
+    p.add_argument(
+        "--planner-time-limit",
+        type=float,
+        default=1.0,
+        help="seconds per background plan (default 1)",
+    )
+    p.add_argument(
+        "--legacy-failed-nodes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also list unresolvable nodes in FailedNodes, for kube-scheduler < 1.21 which reads no "
+        "other map (default: on with --cluster; live, on only if the API server is older than 1.21)",
+    )
+    p.add_argument(
+        "--explain-all",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="give filter's reason for every refused node even when some node passes (default off: "
+        "kube-scheduler reads the reasons only when no node is left, and then every refused node "
+        "has one). Turn on when another filtering extender runs after vramsched",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -103,32 +167,59 @@ async def _serve(args: argparse.Namespace) -> int:
             gc.disable()
             try:
                 cluster.load(read_cluster_file(args.cluster))
-                warm(cluster.ledger)  # device arrays, node kinds, per-resource views: before the first request
+                warm(
+                    cluster.ledger
+                )  # device arrays, node kinds, per-resource views: before the first request
             finally:
                 gc.freeze()
                 gc.enable()
         except (OSError, ClusterFileError) as exc:
-            raise SystemExit(f"cannot load {args.cluster}: {exc}")
+            raise SystemExit(f"cannot load {args.cluster}: {exc}") from None
         # No device plugin behind a cluster file: exact per-GPU books unless a policy is asked for.
         cluster.ledger.replica_policy = args.replica_policy
-        service = ExtenderService(cluster, EmbeddedBinder(cluster), planner=_planner(args, cluster),
-                                  legacy_failed_nodes=args.legacy_failed_nodes is not False,
-                                  explain_all=args.explain_all)
+        service = ExtenderService(
+            cluster,
+            EmbeddedBinder(cluster),
+            planner=_planner(args, cluster),
+            legacy_failed_nodes=args.legacy_failed_nodes is not False,
+            explain_all=args.explain_all,
+        )
         ready = None
         source = None
     else:
-        from extender.kube import LiveService, LiveSource  # only live mode needs the Kubernetes client
+        from extender.kube import (
+            LiveService,
+            LiveSource,
+        )  # only live mode needs the Kubernetes client
 
-        source = LiveSource(cluster, kubeconfig=args.kubeconfig, pin_gpus=args.pin_gpus, replica_policy=args.replica_policy)
-        service = LiveService(cluster, source, assume_ttl=args.assume_ttl, planner=_planner(args, cluster),
-                              explain_all=args.explain_all)
+        source = LiveSource(
+            cluster,
+            kubeconfig=args.kubeconfig,
+            pin_gpus=args.pin_gpus,
+            replica_policy=args.replica_policy,
+        )
+        service = LiveService(
+            cluster,
+            source,
+            assume_ttl=args.assume_ttl,
+            planner=_planner(args, cluster),
+            explain_all=args.explain_all,
+        )
         ready = source.ready
         await source.start()
         service.legacy_failed_nodes = (
-            args.legacy_failed_nodes if args.legacy_failed_nodes is not None else await _legacy_failed_nodes(source))
+            args.legacy_failed_nodes
+            if args.legacy_failed_nodes is not None
+            else await _legacy_failed_nodes(source)
+        )
     if service.planner is not None:
         await service.planner.start()
-    app = create_app(service, max_body_bytes=args.max_body_bytes, max_concurrency=args.max_concurrency, ready=ready)
+    app = create_app(
+        service,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrency=args.max_concurrency,
+        ready=ready,
+    )
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=_ssl_context(args), backlog=1024)
@@ -141,9 +232,17 @@ async def _serve(args: argparse.Namespace) -> int:
     a = cluster.ledger.arrays
     log.info(
         "serving",
-        extra={"fields": {"host": args.host, "port": args.port, "nodes": len(cluster.ledger), "devices": len(a.devices),
-                          "pods": len(cluster.pods), "startup_s": round(time.monotonic() - started, 3),
-                          "mode": "embedded" if args.cluster else "live"}},
+        extra={
+            "fields": {
+                "host": args.host,
+                "port": args.port,
+                "nodes": len(cluster.ledger),
+                "devices": len(a.devices),
+                "pods": len(cluster.pods),
+                "startup_s": round(time.monotonic() - started, 3),
+                "mode": "embedded" if args.cluster else "live",
+            }
+        },
     )
     try:
         while True:
@@ -165,17 +264,26 @@ async def _legacy_failed_nodes(source) -> bool:
     try:
         version = await asyncio.to_thread(source.api.server_version)
     except Exception as exc:  # noqa: BLE001 - any failure: keep the answer every version reads
-        log.warning("cannot read the API server version (%s); listing unresolvable nodes in FailedNodes too", exc)
+        log.warning(
+            "cannot read the API server version (%s); listing unresolvable nodes in FailedNodes too",
+            exc,
+        )
         return True
     legacy = needs_legacy_failed_nodes(version)
-    log.info("control plane %s.%s: unresolvable nodes %s in FailedNodes", version.get("major"), version.get("minor"),
-             "also" if legacy else "not")
+    log.info(
+        "control plane %s.%s: unresolvable nodes %s in FailedNodes",
+        version.get("major"),
+        version.get("minor"),
+        "also" if legacy else "not",
+    )
     return legacy
 
 
 def _planner(args: argparse.Namespace, cluster: ClusterState):
     if not args.planner:
         return None
-    from extender.planner.background import BackgroundPlanner  # imports OR-Tools only when asked for
+    from extender.planner.background import (
+        BackgroundPlanner,
+    )  # imports OR-Tools only when asked for
 
     return BackgroundPlanner(cluster, time_limit=args.planner_time_limit)

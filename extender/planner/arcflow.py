@@ -52,7 +52,14 @@ class ArcFlow:
     device g, `fit[p, g]` it may go there, `shares[p]` how many must be placed (GPU count x pods).
     `ok` is False when the graphs are too large or building ran past `deadline`."""
 
-    def __init__(self, frag: FragIndex, need: np.ndarray, fit: np.ndarray, shares: np.ndarray, deadline: float) -> None:
+    def __init__(
+        self,
+        frag: FragIndex,
+        need: np.ndarray,
+        fit: np.ndarray,
+        shares: np.ndarray,
+        deadline: float,
+    ) -> None:
         cap, a = frag.cap, frag.a
         self.ok = False
         self.solver: cp_model.CpSolver | None = None
@@ -68,10 +75,20 @@ class ArcFlow:
         if len(rows) == 0:
             return
         run = frag.runnable(cap.cpu_free, cap.mem_free, frag.okc)[a.node_of[rows]]  # (R, T) now
-        key = np.column_stack([
-            run.astype(np.int64), a.resource_id[rows], a.product_id[rows], a.capacity[rows], a.per_pod_cap[rows],
-            a.replicas[rows], a.used[rows], a.used_replicas[rows], fit[:, rows].T.astype(np.int64), need[:, rows].T,
-        ]).astype(np.int64)
+        key = np.column_stack(
+            [
+                run.astype(np.int64),
+                a.resource_id[rows],
+                a.product_id[rows],
+                a.capacity[rows],
+                a.per_pod_cap[rows],
+                a.replicas[rows],
+                a.used[rows],
+                a.used_replicas[rows],
+                fit[:, rows].T.astype(np.int64),
+                need[:, rows].T,
+            ]
+        ).astype(np.int64)
         members, bounds = hash_groups(row_hashes(key))
         first = members[bounds[:-1]]
         unit = 0
@@ -119,7 +136,7 @@ class ArcFlow:
                 m.Add(sum(inflow[s]) + (M if s == (0, 0) else 0) == sum(out) + end)
                 if cf:
                     objective.append(cf * end)
-            self.classes.append((rows[members[bounds[c]:bounds[c + 1]]], arcs, ends))
+            self.classes.append((rows[members[bounds[c] : bounds[c + 1]]], arcs, ends))
         for p in range(len(self.live)):
             if not placed[p]:
                 return
@@ -176,7 +193,9 @@ class ArcFlow:
         return out
 
 
-def _states(ps: list[int], size: dict[int, int], levels: int, rep0: int, limit: int) -> list[_State] | None:
+def _states(
+    ps: list[int], size: dict[int, int], levels: int, rep0: int, limit: int
+) -> list[_State] | None:
     """The (units used, replicas used) states reachable by adding shares, or None past `limit`."""
     states = {(0, 0)}
     frontier = [(0, 0)]
@@ -194,7 +213,9 @@ def _states(ps: list[int], size: dict[int, int], levels: int, rep0: int, limit: 
     return sorted(states)
 
 
-def _fragment(frag: FragIndex, g: int, run: np.ndarray, free: np.ndarray, rep_left: np.ndarray) -> np.ndarray:
+def _fragment(
+    frag: FragIndex, g: int, run: np.ndarray, free: np.ndarray, rep_left: np.ndarray
+) -> np.ndarray:
     """Device g's expected stranded bytes for each (free, replicas left) pair, judged on the device
     alone for the types its node can run now (see the module docstring)."""
     ok = frag.usable(np.full(len(free), g), free, rep_left)

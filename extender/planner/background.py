@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
 from extender.ledger import LedgerError, Reservation
@@ -65,8 +64,9 @@ def snapshot(cluster: ClusterState) -> tuple[Capacity, dict[str, int]]:
     and the per-node generations it reflects. Milliseconds at 5,000 nodes and 100,000 pods: the
     ledger's capacity is cloned (`Ledger.clone(reservations=False)`: plans reserve only their own
     trial placements) and CPU/memory come from the sums the cluster keeps."""
-    return Capacity.from_ledger(cluster.ledger.clone(reservations=False), cluster.cpu_used, cluster.memory_used), \
-        dict(cluster.ledger.node_generation)
+    return Capacity.from_ledger(
+        cluster.ledger.clone(reservations=False), cluster.cpu_used, cluster.memory_used
+    ), dict(cluster.ledger.node_generation)
 
 
 class BackgroundPlanner:
@@ -130,7 +130,9 @@ class BackgroundPlanner:
             return None
         r = e.reservation
         self.stats.hits += 1
-        return Reservation(r.pod, r.node, r.device_ids, r.bytes_per_device, r.priority, declared=r.declared)
+        return Reservation(
+            r.pod, r.node, r.device_ids, r.bytes_per_device, r.priority, declared=r.declared
+        )
 
     def notify_pending(self, pod_key: str) -> None:
         if self._wake is not None:
@@ -159,7 +161,9 @@ class BackgroundPlanner:
         ledger = self.cluster.ledger
         if ledger.node_generation.get(e.node, 0) == e.generation:
             return e
-        if ledger.node(e.node) is not None and (e.reservation is None or ledger.fits(e.reservation) is None):
+        if ledger.node(e.node) is not None and (
+            e.reservation is None or ledger.fits(e.reservation) is None
+        ):
             return e  # the node changed, but what the plan holds for this pod is still free
         self.stats.stale += 1
         self.entries.pop(pod_key, None)
@@ -201,8 +205,12 @@ class BackgroundPlanner:
         self._install(demands, plan, gens, cap)
         return plan
 
-    async def replan(self, keys: frozenset[str] | None = None, covers: frozenset[str] | None = None,
-                     keep: dict[str, PlanEntry] | None = None) -> Plan | None:
+    async def replan(
+        self,
+        keys: frozenset[str] | None = None,
+        covers: frozenset[str] | None = None,
+        keep: dict[str, PlanEntry] | None = None,
+    ) -> Plan | None:
         """Plan the pending pods `keys` (all when None); `covers`: the waiting pods this plan answers
         for (default `keys`), so that those left out on purpose do not ask for another plan.
 
@@ -219,10 +227,14 @@ class BackgroundPlanner:
                 self._record(covers, full=keep is None)
             return None
         cap, gens = snapshot(self.cluster)  # on the loop: a consistent copy
-        hold = [(e.demand, e.reservation, e.node) for e in (keep or {}).values() if e.demand is not None]
+        hold = [
+            (e.demand, e.reservation, e.node) for e in (keep or {}).values() if e.demand is not None
+        ]
         started = time.perf_counter()
         try:
-            plan = await asyncio.to_thread(_solve, cap, demands, self.time_limit, self.num_workers, hold)
+            plan = await asyncio.to_thread(
+                _solve, cap, demands, self.time_limit, self.num_workers, hold
+            )
         except Exception:  # noqa: BLE001 - planning is an optimisation; the greedy path still answers
             self.stats.errors += 1
             log.exception("background plan failed")
@@ -232,13 +244,21 @@ class BackgroundPlanner:
         planned = {d.pod.key for d in demands}
         pending = self.cluster.pending
         # this plan's verdict for its pods; earlier ones kept for the pods it left out
-        self._unplaced = frozenset(k for k in self._unplaced if k not in planned and k in pending) | frozenset(
-            k for k in planned if k not in self.entries)
+        self._unplaced = frozenset(
+            k for k in self._unplaced if k not in planned and k in pending
+        ) | frozenset(k for k in planned if k not in self.entries)
         self.stats.last_seconds = time.perf_counter() - started
         return plan
 
-    def _install(self, demands: list[Demand], plan: Plan, gens: dict[str, int], cap: Capacity,
-                 covers: frozenset[str] | None = None, keep: dict[str, PlanEntry] | None = None) -> None:
+    def _install(
+        self,
+        demands: list[Demand],
+        plan: Plan,
+        gens: dict[str, int],
+        cap: Capacity,
+        covers: frozenset[str] | None = None,
+        keep: dict[str, PlanEntry] | None = None,
+    ) -> None:
         a = cap.arrays
         entries: dict[str, PlanEntry] = dict(keep) if keep else {}
         for i, (res, node_row, _) in plan.choices.items():
@@ -292,7 +312,7 @@ class BackgroundPlanner:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.poll)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             await asyncio.sleep(self.debounce)  # let a burst of pending pods arrive together
@@ -331,13 +351,27 @@ class BackgroundPlanner:
     def state(self) -> dict[str, Any]:
         s = self.stats
         gap = s.last_gap if math.isfinite(s.last_gap) else None  # JSON has no infinity
-        return {"plans": s.plans, "entries": len(self.entries), "lastStatus": s.last_status, "lastGap": gap,
-                "lastBatch": s.last_batch, "lastPlaced": s.last_placed, "lastSeconds": round(s.last_seconds, 4),
-                "hits": s.hits, "stale": s.stale, "errors": s.errors}
+        return {
+            "plans": s.plans,
+            "entries": len(self.entries),
+            "lastStatus": s.last_status,
+            "lastGap": gap,
+            "lastBatch": s.last_batch,
+            "lastPlaced": s.last_placed,
+            "lastSeconds": round(s.last_seconds, 4),
+            "hits": s.hits,
+            "stale": s.stale,
+            "errors": s.errors,
+        }
 
 
-def _solve(cap: Capacity, demands: list[Demand], time_limit: float, num_workers: int,
-           hold: list[tuple[Demand, Reservation | None, str]] = ()) -> Plan:
+def _solve(
+    cap: Capacity,
+    demands: list[Demand],
+    time_limit: float,
+    num_workers: int,
+    hold: list[tuple[Demand, Reservation | None, str]] = (),
+) -> Plan:
     """Plan `demands` on `cap` (a private snapshot) after holding what kept entries hold there."""
     for demand, res, node in hold:
         row = cap.ledger.node_row(node)

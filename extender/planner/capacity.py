@@ -15,16 +15,25 @@ candidate placement is judged with a few vector operations.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import DeviceArrays, Ledger, Reservation, first_k_per_node, run_starts
 
-__all__ = ["Capacity", "Workload", "demand_kind", "FragIndex", "Candidates", "device_matches", "candidates", "MAX_TYPES"]
+__all__ = [
+    "Capacity",
+    "Workload",
+    "demand_kind",
+    "FragIndex",
+    "Candidates",
+    "device_matches",
+    "candidates",
+    "MAX_TYPES",
+]
 
 #: the workload profile keeps the most frequent demand types (their weights renormalised).
 MAX_TYPES = 48
@@ -47,9 +56,19 @@ def device_matches(a: DeviceArrays, resource: str, allowed: frozenset[str] | Non
 
 # A device's state as `Capacity.signatures` compares it, and the two independent 64-bit hashes of
 # it: per hash, odd weights for the columns and a seed.
-_SIG_COLUMNS = ("resource_id", "product_id", "capacity", "per_pod_cap", "replicas", "used", "used_replicas")
+_SIG_COLUMNS = (
+    "resource_id",
+    "product_id",
+    "capacity",
+    "per_pod_cap",
+    "replicas",
+    "used",
+    "used_replicas",
+)
 _SIG_SEEDS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F], np.uint64)
-_SIG_WEIGHTS = (np.random.default_rng(7).integers(1, 1 << 62, (len(_SIG_COLUMNS), 2)) * 2 + 1).astype(np.uint64)
+_SIG_WEIGHTS = (
+    np.random.default_rng(7).integers(1, 1 << 62, (len(_SIG_COLUMNS), 2)) * 2 + 1
+).astype(np.uint64)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -62,14 +81,18 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 def _device_hashes(a: DeviceArrays) -> np.ndarray:
     """(devices, 2): two hashes of each device's `_SIG_COLUMNS` (weighted sums, mixed)."""
-    block = np.stack([getattr(a, c) for c in _SIG_COLUMNS], axis=1).astype(np.int64).astype(np.uint64)
+    block = (
+        np.stack([getattr(a, c) for c in _SIG_COLUMNS], axis=1).astype(np.int64).astype(np.uint64)
+    )
     with np.errstate(over="ignore"):
         return _mix64(block @ _SIG_WEIGHTS + _SIG_SEEDS)
 
 
 def row_hashes(key: np.ndarray, seed: int = 11) -> np.ndarray:
     """(rows, 2): two independent 64-bit hashes of each row of an integer matrix."""
-    weights = (np.random.default_rng(seed).integers(1, 1 << 62, (key.shape[1], 2)) * 2 + 1).astype(np.uint64)
+    weights = (np.random.default_rng(seed).integers(1, 1 << 62, (key.shape[1], 2)) * 2 + 1).astype(
+        np.uint64
+    )
     with np.errstate(over="ignore"):
         return _mix64(key.astype(np.uint64) @ weights + _SIG_SEEDS)
 
@@ -131,7 +154,12 @@ class Capacity:
     dedupe: bool = True
 
     @classmethod
-    def from_ledger(cls, ledger: Ledger, used_cpu: dict[str, int] | None = None, used_mem: dict[str, int] | None = None) -> "Capacity":
+    def from_ledger(
+        cls,
+        ledger: Ledger,
+        used_cpu: dict[str, int] | None = None,
+        used_mem: dict[str, int] | None = None,
+    ) -> Capacity:
         a = ledger.arrays
         names, n = a.node_names, len(a.node_names)
         # Cached allocatable columns and C-level maps, no Python loop per node: the background
@@ -176,9 +204,15 @@ class Capacity:
             self._sig_arrays, self._sig_dirty = a, set()
             self._cls = None
         self._cls_dirty |= self._sig_dirty
-        for n in self._sig_dirty:  # a node changed since: its exact state as the key (~15 us in Python)
+        for (
+            n
+        ) in self._sig_dirty:  # a node changed since: its exact state as the key (~15 us in Python)
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
-            key = (int(self.cpu_free[n]), int(self.mem_free[n]), tuple(sorted(_device_states(a, lo, hi))))
+            key = (
+                int(self.cpu_free[n]),
+                int(self.mem_free[n]),
+                tuple(sorted(_device_states(a, lo, hi))),
+            )
             self._sig[n] = self._sig_ids.setdefault(key, self._sig_base + len(self._sig_ids))
         self._sig_dirty = set()
         return self._sig
@@ -205,7 +239,11 @@ class Capacity:
         sig = self.signatures()
         a = self.arrays
         if self._cls is None:
-            order, bounds = hash_groups(row_hashes(np.column_stack([sig[a.node_of], *(getattr(a, c) for c in _SIG_COLUMNS)])))
+            order, bounds = hash_groups(
+                row_hashes(
+                    np.column_stack([sig[a.node_of], *(getattr(a, c) for c in _SIG_COLUMNS)])
+                )
+            )
             self._cls = np.empty(len(order), np.int64)
             self._cls[order] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
             self._cls_base, self._cls_ids, self._cls_dirty = len(bounds) - 1, {}, set()
@@ -214,7 +252,10 @@ class Capacity:
         for n in self._cls_dirty:
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
             s = int(sig[n])
-            self._cls[lo:hi] = [ids.setdefault((s, dev), self._cls_base + len(ids)) for dev in _device_states(a, lo, hi)]
+            self._cls[lo:hi] = [
+                ids.setdefault((s, dev), self._cls_base + len(ids))
+                for dev in _device_states(a, lo, hi)
+            ]
         self._cls_dirty = set()
         return self._cls
 
@@ -233,15 +274,21 @@ class Capacity:
         nonempty = a.node_start[1:] > starts
         sums = np.zeros((n_nodes, 2), np.uint64)
         if nonempty.any():
-            sums[nonempty] = np.add.reduceat(_device_hashes(a), starts[nonempty], axis=0, dtype=np.uint64)
-        _, sig = np.unique(_node_keys(sums, self.cpu_free, self.mem_free), axis=0, return_inverse=True)
+            sums[nonempty] = np.add.reduceat(
+                _device_hashes(a), starts[nonempty], axis=0, dtype=np.uint64
+            )
+        _, sig = np.unique(
+            _node_keys(sums, self.cpu_free, self.mem_free), axis=0, return_inverse=True
+        )
         return sig.astype(np.int64).ravel()
 
     def fits_host(self, demand: Demand) -> np.ndarray:
         """Nodes with enough free CPU and memory for the pod (kube-scheduler's NodeResourcesFit)."""
         return (self.cpu_free >= demand.cpu_milli) & (self.mem_free >= demand.memory_bytes)
 
-    def apply(self, demand: Demand, res: Reservation | None, node_row: int, *, overcommit: bool = False) -> None:
+    def apply(
+        self, demand: Demand, res: Reservation | None, node_row: int, *, overcommit: bool = False
+    ) -> None:
         """Hold the pod's GPUs (atomic check-and-set; `overcommit` records like a device plugin
         that does not know memory) and its CPU and memory."""
         if res is not None:
@@ -263,8 +310,14 @@ class Capacity:
 def demand_kind(d: Demand) -> tuple:
     """What makes two pods the same demand type: GPUs, bytes per GPU (-1: whole devices), CPU,
     memory, resource and allowed products."""
-    return (d.gpu_count, -1 if d.bytes_per_gpu is None else d.bytes_per_gpu, d.cpu_milli, d.memory_bytes, d.resource,
-            d.allowed_products)
+    return (
+        d.gpu_count,
+        -1 if d.bytes_per_gpu is None else d.bytes_per_gpu,
+        d.cpu_milli,
+        d.memory_bytes,
+        d.resource,
+        d.allowed_products,
+    )
 
 
 @dataclass
@@ -280,7 +333,7 @@ class Workload:
     allowed: list[frozenset[str] | None] = field(default_factory=list)
 
     @classmethod
-    def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> "Workload":
+    def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> Workload:
         """The most common demand types, weighted by how many pods have them (FGD's choice)."""
         counts: Counter = Counter(demand_kind(d) for d in demands)
         top = counts.most_common(max_types)
@@ -328,11 +381,18 @@ class FragIndex:
         self.total = np.zeros(n_nodes, np.float64)
         self.refresh()
 
-    def usable(self, rows: np.ndarray | slice, free: np.ndarray, rep_left: np.ndarray) -> np.ndarray:
+    def usable(
+        self, rows: np.ndarray | slice, free: np.ndarray, rep_left: np.ndarray
+    ) -> np.ndarray:
         """(devices, types): which workload types could use each device of `rows` with `free` bytes
         and `rep_left` replicas left (GPU-less types always): FGD's per-device test, which the
         arc-flow plan and the simulator's usable free GPUs apply too."""
-        ok = self.match[rows] & self.need_ok[rows] & (rep_left[:, None] > 0) & (free[:, None] >= self.need[rows])
+        ok = (
+            self.match[rows]
+            & self.need_ok[rows]
+            & (rep_left[:, None] > 0)
+            & (free[:, None] >= self.need[rows])
+        )
         return ok | self.gpuless
 
     def refresh(self, node_rows: Sequence[int] | None = None) -> None:
@@ -357,7 +417,9 @@ class FragIndex:
 
     def runnable(self, cpu_free: np.ndarray, mem_free: np.ndarray, okc: np.ndarray) -> np.ndarray:
         w = self.w
-        return (cpu_free[..., None] >= w.cpu) & (mem_free[..., None] >= w.mem) & (okc >= w.gpu_count)
+        return (
+            (cpu_free[..., None] >= w.cpu) & (mem_free[..., None] >= w.mem) & (okc >= w.gpu_count)
+        )
 
     def node_frag(self, node_rows: np.ndarray | None = None) -> np.ndarray:
         """Expected stranded bytes per node (weighted over the workload types)."""
@@ -366,7 +428,7 @@ class FragIndex:
         frag = np.where(run, self.A[rows], self.total[rows][:, None])
         return frag @ self.w.weight
 
-    def delta(self, cand: "Candidates", demand: Demand) -> np.ndarray:
+    def delta(self, cand: Candidates, demand: Demand) -> np.ndarray:
         """Change of expected stranded bytes on the candidate's node if the pod went there."""
         a = self.a
         n = cand.node
@@ -403,7 +465,7 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.node)
 
-    def take(self, idx: np.ndarray) -> "Candidates":
+    def take(self, idx: np.ndarray) -> Candidates:
         return Candidates(self.node[idx], self.devices[idx], self.need[idx])
 
     def opened(self, a: DeviceArrays) -> np.ndarray:
@@ -431,7 +493,14 @@ class Candidates:
         )
 
 
-def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: bool = True, overcommit: bool = False) -> Candidates:
+def candidates(
+    cap: Capacity,
+    demand: Demand,
+    *,
+    order: str = "tight",
+    dedupe: bool = True,
+    overcommit: bool = False,
+) -> Candidates:
     """Every distinct way to place `demand` now.
 
     One GPU: each fitting device. k GPUs: per node, the k devices picked by `order` ("tight":
@@ -448,19 +517,29 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
         nodes = np.flatnonzero(host)
         if sig is not None and len(nodes):
             nodes = nodes[_firsts(sig[nodes], cap.signature_count)]
-        return Candidates(nodes, np.zeros((len(nodes), 0), np.int64), np.zeros((len(nodes), 0), np.int64))
+        return Candidates(
+            nodes, np.zeros((len(nodes), 0), np.int64), np.zeros((len(nodes), 0), np.int64)
+        )
     matches = cap.matches(demand.resource, demand.allowed_products)
-    need = a.per_pod_cap if demand.bytes_per_gpu is None else np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
+    need = (
+        a.per_pod_cap
+        if demand.bytes_per_gpu is None
+        else np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
+    )
     ok = matches & (a.used_replicas < a.replicas) & host[a.node_of]
     if not overcommit:
         ok &= (a.capacity - a.used >= need) & (a.per_pod_cap >= need)
     rows = np.flatnonzero(ok)
     if k == 1:
         if sig is not None and len(rows):
-            rows = rows[_firsts(cap.device_classes()[rows], cap.device_class_count)]  # the lowest row of each class
+            rows = rows[
+                _firsts(cap.device_classes()[rows], cap.device_class_count)
+            ]  # the lowest row of each class
         return Candidates(a.node_of[rows].astype(np.int64), rows[:, None], need[rows][:, None])
     if len(rows) == 0:
-        return Candidates(np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.int64))
+        return Candidates(
+            np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.int64)
+        )
     node = a.node_of[rows]
     if order == "index":
         key2 = rows
@@ -468,7 +547,7 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
         key2 = a.used_replicas[rows].astype(np.int64) * (1 << 32) + rows
     else:
         empty = (a.used_replicas[rows] == 0).astype(np.int64)
-        left = (a.capacity[rows] - a.used[rows] - need[rows])
+        left = a.capacity[rows] - a.used[rows] - need[rows]
         key2 = np.lexsort((rows, left, empty))
         inv = np.empty_like(key2)
         inv[key2] = np.arange(len(key2))
@@ -477,7 +556,9 @@ def candidates(cap: Capacity, demand: Demand, *, order: str = "tight", dedupe: b
     rows, node = rows[srt], node[srt]
     rows = rows[first_k_per_node(node, k, len(a.node_names))].reshape(-1, k)
     if sig is not None and len(rows):
-        rows = rows[_firsts(sig[a.node_of[rows[:, 0]]], cap.signature_count)]  # nodes ascending: the lowest of each
+        rows = rows[
+            _firsts(sig[a.node_of[rows[:, 0]]], cap.signature_count)
+        ]  # nodes ascending: the lowest of each
     return Candidates(a.node_of[rows[:, 0]].astype(np.int64), rows, need[rows])
 
 

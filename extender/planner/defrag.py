@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from ortools.sat.python import cp_model
 
@@ -54,8 +54,14 @@ class DefragPlan:
     gpus_free_before: int = 0
 
 
-def plan_defrag(cap: Capacity, demands: Mapping[str, tuple[int, int, str | None]], limits: Limits = Limits(), *,
-                time_limit: float = 10.0, num_workers: int = 2) -> DefragPlan:
+def plan_defrag(
+    cap: Capacity,
+    demands: Mapping[str, tuple[int, int, str | None]],
+    limits: Limits = Limits(),
+    *,
+    time_limit: float = 10.0,
+    num_workers: int = 2,
+) -> DefragPlan:
     """`demands` maps pod key -> (cpu milli, memory bytes, resource) of every bound pod we hold."""
     start = time.perf_counter()
     ledger = cap.ledger
@@ -69,7 +75,12 @@ def plan_defrag(cap: Capacity, demands: Mapping[str, tuple[int, int, str | None]
             if g is not None:
                 by_dev[g].append(res)
         ns = res.pod.namespace
-        if len(rows) == 1 and rows[0] is not None and res.declared and ns not in limits.exclude_namespaces:
+        if (
+            len(rows) == 1
+            and rows[0] is not None
+            and res.declared
+            and ns not in limits.exclude_namespaces
+        ):
             movable.append((res, rows[0]))
     m = cp_model.CpModel()
     x: dict[tuple[int, int], cp_model.IntVar] = {}
@@ -87,8 +98,15 @@ def plan_defrag(cap: Capacity, demands: Mapping[str, tuple[int, int, str | None]
         nbytes = res.bytes_per_device[0]
         cpu, mem, resource = demands.get(res.key, (0, 0, None))
         dev = a.devices[g]
-        ok = device_matches(a, resource or dev.resource, None) & (free >= nbytes) & (rep > 0) & (a.per_pod_cap >= nbytes)
-        ok &= a.product_id == a.product_id[g]  # stay on the same GPU product (the pod may depend on it)
+        ok = (
+            device_matches(a, resource or dev.resource, None)
+            & (free >= nbytes)
+            & (rep > 0)
+            & (a.per_pod_cap >= nbytes)
+        )
+        ok &= (
+            a.product_id == a.product_id[g]
+        )  # stay on the same GPU product (the pod may depend on it)
         targets = [int(h) for h in ok.nonzero()[0] if int(h) != g]
         if not targets:
             continue
@@ -96,7 +114,9 @@ def plan_defrag(cap: Capacity, demands: Mapping[str, tuple[int, int, str | None]
         terms = []
         for h in targets:
             n_to = int(a.node_of[h])
-            if a.node_names[n_to] != res.node and (cap.cpu_free[n_to] < cpu or cap.mem_free[n_to] < mem):
+            if a.node_names[n_to] != res.node and (
+                cap.cpu_free[n_to] < cpu or cap.mem_free[n_to] < mem
+            ):
                 continue
             v = m.NewBoolVar(f"x{i}_{h}")
             x[i, h] = v
@@ -144,25 +164,39 @@ def plan_defrag(cap: Capacity, demands: Mapping[str, tuple[int, int, str | None]
     W = (len(moved) + 1) * 2
     max_prio = max((r.priority for _, r in moved), default=0)
     # moves cost 2, plus 1 when the pod is of the highest priority among the movable ones
-    m.Maximize(W * sum(f for f, _ in freed) - sum((2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mv
-                                                 for mv, r in moved))
+    m.Maximize(
+        W * sum(f for f, _ in freed)
+        - sum((2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mv for mv, r in moved)
+    )
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = max(1, num_workers)
     solver.parameters.max_time_in_seconds = time_limit
     st = solver.Solve(m)
     out.status = solver.StatusName(st)
-    out.bound_freed = int(solver.BestObjectiveBound() // W) if st in (cp_model.OPTIMAL, cp_model.FEASIBLE) else 0
+    out.bound_freed = (
+        int(solver.BestObjectiveBound() // W) if st in (cp_model.OPTIMAL, cp_model.FEASIBLE) else 0
+    )
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         out.seconds = time.perf_counter() - start
         return out
     for (i, h), v in x.items():
         if solver.Value(v):
             res, g = movable[i]
-            out.moves.append(Move(res.key, res.node, a.devices[g].device_id, a.node_names[int(a.node_of[h])],
-                                  a.devices[h].device_id, res.bytes_per_device[0], res.priority))
-    out.freed = sorted((a.devices[g].node, a.devices[g].device_id) for f, g in freed if solver.Value(f))
+            out.moves.append(
+                Move(
+                    res.key,
+                    res.node,
+                    a.devices[g].device_id,
+                    a.node_names[int(a.node_of[h])],
+                    a.devices[h].device_id,
+                    res.bytes_per_device[0],
+                    res.priority,
+                )
+            )
+    out.freed = sorted(
+        (a.devices[g].node, a.devices[g].device_id) for f, g in freed if solver.Value(f)
+    )
     # a moved pod whose GPU is not freed would be a wasted move; the objective never wants one
     out.moves.sort(key=lambda mv: (mv.from_node, mv.from_device, mv.pod))
     out.seconds = time.perf_counter() - start
     return out
-

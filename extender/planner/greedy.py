@@ -26,7 +26,7 @@ the trace, so the planner follows FGD and the cost with churn is documented.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,7 +41,13 @@ __all__ = ["Choice", "POLICIES", "choose", "place_one", "greedy_batch", "batch_o
 Choice = tuple[Reservation | None, int, bool]
 
 
-def _pick(cands: Candidates, keys: Sequence[np.ndarray], demand: Demand, cap: Capacity, overcommit: bool = False) -> Choice | None:
+def _pick(
+    cands: Candidates,
+    keys: Sequence[np.ndarray],
+    demand: Demand,
+    cap: Capacity,
+    overcommit: bool = False,
+) -> Choice | None:
     if len(cands) == 0:
         return None
     order = np.lexsort(tuple(reversed(list(keys))))
@@ -144,7 +150,9 @@ def place_one(cap: Capacity, demand: Demand, choice: Choice, frag: FragIndex | N
         frag.refresh([node_row])
 
 
-def choose(policy: str, cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+def choose(
+    policy: str, cap: Capacity, demand: Demand, frag: FragIndex | None = None
+) -> Choice | None:
     return POLICIES[policy](cap, demand, frag)
 
 
@@ -157,12 +165,26 @@ def batch_order(demands: Sequence[Demand], *, smallest_first: bool = False) -> l
     `smallest_first`: highest priority, then fewest GPUs, then least memory (the order that places
     the most pods when not all fit: 481 of 500 where largest first placed 426, `make bench-planner`)."""
     sign = 1 if smallest_first else -1
-    return sorted(range(len(demands)), key=lambda i: (
-        -demands[i].priority, sign * demands[i].gpu_count, sign * _size(demands[i]), demands[i].pod.key))
+    return sorted(
+        range(len(demands)),
+        key=lambda i: (
+            -demands[i].priority,
+            sign * demands[i].gpu_count,
+            sign * _size(demands[i]),
+            demands[i].pod.key,
+        ),
+    )
 
 
-def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | None = None, *, apply: bool = False,
-                 order: str = "size", rule: str = "vramsched") -> dict[int, Choice]:
+def greedy_batch(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex | None = None,
+    *,
+    apply: bool = False,
+    order: str = "size",
+    rule: str = "vramsched",
+) -> dict[int, Choice]:
     """A one-pod `rule` (vramsched's by default) pod by pod, largest first (`order="size"`),
     smallest first ("small"), in queue order ("arrival": priority, then as given) or exactly as
     given ("given").
@@ -175,7 +197,9 @@ def greedy_batch(cap: Capacity, demands: Sequence[Demand], frag: FragIndex | Non
         elif order == "given":
             queue = list(range(len(demands)))
         else:
-            queue = sorted(range(len(demands)), key=lambda i: -demands[i].priority)  # stable: arrival within a priority
+            queue = sorted(
+                range(len(demands)), key=lambda i: -demands[i].priority
+            )  # stable: arrival within a priority
         pick = POLICIES[rule]
         for i in queue:
             ch = pick(cap, demands[i], frag)

@@ -231,7 +231,12 @@ def _node_freeze_reasons(gpus: Sequence[MigGpuState], reconfigure: Reconfigure) 
             r = f"no MIG profile table for {g.product or 'this GPU'}: labelled slices are fixed capacity"
         elif g.is_occupied and not g.layout_known:
             r = "per-GPU layout inferred from node-level labels and a slice is in use: relabelling could destroy it"
-        elif g.model is not None and g.slices and not is_valid_geometry(g.model, g.current) and g.is_occupied:
+        elif (
+            g.model is not None
+            and g.slices
+            and not is_valid_geometry(g.model, g.current)
+            and g.is_occupied
+        ):
             r = f"GPU {g.gpu_index} reports an invalid layout ({format_geometry(g.current)}) with a slice in use"
         if r and g.node not in reasons:
             reasons[g.node] = r
@@ -259,7 +264,13 @@ def _build_classes(
         current = g.current
         occupied = Counter(dict(g.occupied))
         reason = frozen.get(g.node)
-        pins = tuple(sorted((s.profile, s.start) for s in g.slices if s.occupied_bytes is not None and s.start is not None))
+        pins = tuple(
+            sorted(
+                (s.profile, s.start)
+                for s in g.slices
+                if s.occupied_bytes is not None and s.start is not None
+            )
+        )
         if reason is not None or (g.is_occupied and reconfigure == "whole-gpu"):
             cands = [current]
         elif g.is_occupied:  # free-slices mode
@@ -277,7 +288,9 @@ def _build_classes(
                 cands = [current]
         if g.slices and any(n not in pbytes for n, _ in current):
             missing = sorted(n for n, _ in current if n not in pbytes)
-            warnings.append(f"{g.node} GPU {g.gpu_index}: no memory figure for {', '.join(missing)}; those slices get no pods")
+            warnings.append(
+                f"{g.node} GPU {g.gpu_index}: no memory figure for {', '.join(missing)}; those slices get no pods"
+            )
         key = (
             g.model.name if g.model else f"product:{g.product}",
             tuple(sorted(pbytes.items())),
@@ -289,7 +302,9 @@ def _build_classes(
         )
         c = classes.get(key)
         if c is None:
-            c = classes[key] = _Class(key, g.model, [], cands, current, occupied, g.is_occupied, pbytes, reason)
+            c = classes[key] = _Class(
+                key, g.model, [], cands, current, occupied, g.is_occupied, pbytes, reason
+            )
         c.members.append(g)
     for c in classes.values():
         c.members.sort(key=lambda m: (m.node, m.gpu_index))
@@ -398,7 +413,12 @@ def _solve(
     pods_expr = sum(x.values()) if x else 0
     used_expr = sum(used_terms) if used_terms else 0
     waste_expr = (
-        sum(v * ((classes[ci].profile_bytes[p] - types[di].bytes) // MIB) for (ci, p, di), v in x.items()) if x else 0
+        sum(
+            v * ((classes[ci].profile_bytes[p] - types[di].bytes) // MIB)
+            for (ci, p, di), v in x.items()
+        )
+        if x
+        else 0
     )
     reconf_expr = sum(reconf_terms) if reconf_terms else 0
 
@@ -436,11 +456,16 @@ def _solve(
         st = solver.solve(m)
         stage_seconds[name] = round(time.perf_counter() - ts, 3)
         if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            stage_bounds[name] = (int(round(solver.objective_value)), int(round(solver.best_objective_bound)))
+            stage_bounds[name] = (
+                int(round(solver.objective_value)),
+                int(round(solver.best_objective_bound)),
+            )
         stage_status[name] = solver.status_name(st)
         if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if not solved:
-                raise RuntimeError(f"CP-SAT found no solution in the '{name}' stage: {solver.status_name(st)}")
+                raise RuntimeError(
+                    f"CP-SAT found no solution in the '{name}' stage: {solver.status_name(st)}"
+                )
             break
         solved = True
         best = int(round(solver.objective_value))
@@ -468,7 +493,12 @@ def _solve(
     plan.stage_status = stage_status
     plan.stage_seconds = stage_seconds
     plan.stage_bounds = stage_bounds
-    plan.model_size = {"classes": len(classes), "demand_types": len(types), "variables": len(m.proto.variables), "constraints": len(m.proto.constraints)}
+    plan.model_size = {
+        "classes": len(classes),
+        "demand_types": len(types),
+        "variables": len(m.proto.variables),
+        "constraints": len(m.proto.constraints),
+    }
     plan.pods_bound = max(bound, plan.pods_placed)
     plan.warnings = warnings + plan.warnings
     plan.wall_seconds = time.perf_counter() - t0
@@ -503,7 +533,7 @@ def _read_back(classes, types, y, u, x, val, frozen, reconfigure: Reconfigure) -
                 if v is None:
                     continue
                 count = val(v)
-                for mi, (gpu, (g, host)) in enumerate(member_geo):
+                for mi, (gpu, (_g, host)) in enumerate(member_geo):
                     if count == 0:
                         break
                     if not host:
@@ -512,12 +542,16 @@ def _read_back(classes, types, y, u, x, val, frozen, reconfigure: Reconfigure) -
                     while count and starts:
                         pod = remaining[di].pop()
                         s = starts.pop(0)
-                        pp = PodPlacement(pod.key, gpu.node, gpu.gpu_index, p, s, c.profile_bytes[p], d.bytes)
+                        pp = PodPlacement(
+                            pod.key, gpu.node, gpu.gpu_index, p, s, c.profile_bytes[p], d.bytes
+                        )
                         pods_on[mi].append(pp)
                         placements.append(pp)
                         count -= 1
                 if count:
-                    raise AssertionError(f"read-back could not place {count} pods of {p} in class {ci}")
+                    raise AssertionError(
+                        f"read-back could not place {count} pods of {p} in class {ci}"
+                    )
         for mi, (gpu, (g, _)) in enumerate(member_geo):
             gpu_plans.append(
                 GpuPlan(
@@ -566,7 +600,9 @@ def _read_back(classes, types, y, u, x, val, frozen, reconfigure: Reconfigure) -
     )
 
 
-def _free_slices(gpu: MigGpuState, g: Geometry, c: _Class) -> tuple[dict[str, list[int | None]], Placement | None]:
+def _free_slices(
+    gpu: MigGpuState, g: Geometry, c: _Class
+) -> tuple[dict[str, list[int | None]], Placement | None]:
     """Free instances (profile -> start slots) of ``gpu`` once it has geometry ``g``."""
     out: dict[str, list[int | None]] = defaultdict(list)
     if g == gpu.current:
@@ -575,19 +611,29 @@ def _free_slices(gpu: MigGpuState, g: Geometry, c: _Class) -> tuple[dict[str, li
                 out[s.profile].append(s.start)
         pl = None
         if gpu.model is not None and all(s.start is not None for s in gpu.slices):
-            pl = tuple(sorted(((s.profile, s.start) for s in gpu.slices), key=lambda t: (t[1], t[0])))
+            pl = tuple(
+                sorted(((s.profile, s.start) for s in gpu.slices), key=lambda t: (t[1], t[0]))
+            )
         elif gpu.model is not None:
             pl = place(gpu.model, g)
         return dict(out), pl
     assert gpu.model is not None
-    pins = [(s.profile, s.start) for s in gpu.slices if s.occupied_bytes is not None and s.start is not None]
-    unpinned_occ = Counter(s.profile for s in gpu.slices if s.occupied_bytes is not None and s.start is None)
+    pins = [
+        (s.profile, s.start)
+        for s in gpu.slices
+        if s.occupied_bytes is not None and s.start is not None
+    ]
+    unpinned_occ = Counter(
+        s.profile for s in gpu.slices if s.occupied_bytes is not None and s.start is None
+    )
     extra = Counter(dict(g))
     for n, _ in pins:
         extra[n] -= 1
     pl = place(gpu.model, +extra, pinned=pins)
     if pl is None:
-        raise AssertionError(f"planned geometry {format_geometry(g)} cannot be placed on {gpu.node}/{gpu.gpu_index}")
+        raise AssertionError(
+            f"planned geometry {format_geometry(g)} cannot be placed on {gpu.node}/{gpu.gpu_index}"
+        )
     pinned_set = Counter(pins)
     for n, s in pl:
         if pinned_set[(n, s)]:
@@ -611,7 +657,11 @@ def _unplaced_reason(d: _DemandType, classes: Sequence[_Class]) -> str:
                 if _eligible(c, p, d):
                     fits = True
     if not fits:
-        allowed = f" among allowed profiles {', '.join(sorted(d.allowed))}" if d.allowed is not None else ""
+        allowed = (
+            f" among allowed profiles {', '.join(sorted(d.allowed))}"
+            if d.allowed is not None
+            else ""
+        )
         return f"needs {need}: no MIG slice that can be planned is large enough{allowed} (largest {largest / GIB:.1f} GiB)"
     return f"needs {need}: not enough suitable MIG slices left"
 
@@ -619,7 +669,10 @@ def _unplaced_reason(d: _DemandType, classes: Sequence[_Class]) -> str:
 def _label_safe(name: str) -> bool:
     import re
 
-    return len(name) <= _LABEL_VALUE_MAX and re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", name) is not None
+    return (
+        len(name) <= _LABEL_VALUE_MAX
+        and re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", name) is not None
+    )
 
 
 def config_name(devices: Sequence[tuple[int, Geometry]]) -> str:
@@ -657,7 +710,11 @@ def _node_plans(gpu_plans: Sequence[GpuPlan], frozen: Mapping[str, str]) -> list
         gps = sorted(by_node[node], key=lambda gp: gp.gpu_index)
         devices = tuple((gp.gpu_index, gp.planned) for gp in gps)
         changed = any(gp.changed for gp in gps)
-        out.append(NodePlan(node, changed, config_name(devices) if changed else None, devices, frozen.get(node)))
+        out.append(
+            NodePlan(
+                node, changed, config_name(devices) if changed else None, devices, frozen.get(node)
+            )
+        )
     return out
 
 

@@ -38,19 +38,34 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation
-from extender.planner.capacity import Candidates, Capacity, FragIndex, Workload, candidates, device_matches
-from extender.planner.greedy import Choice, greedy_batch, place_one
 from extender.planner.arcflow import ArcFlow
+from extender.planner.capacity import (
+    Candidates,
+    Capacity,
+    FragIndex,
+    Workload,
+    candidates,
+    device_matches,
+)
+from extender.planner.greedy import Choice, greedy_batch, place_one
 
-__all__ = ["Plan", "StageResult", "solve_batch", "flow_plan", "stranded_lower_bound", "opened_lower_bound", "MODEL_TYPES"]
+__all__ = [
+    "Plan",
+    "StageResult",
+    "solve_batch",
+    "flow_plan",
+    "stranded_lower_bound",
+    "opened_lower_bound",
+    "MODEL_TYPES",
+]
 
 #: pending-demand types the model's stranded-VRAM term looks at (the most frequent ones).
 MODEL_TYPES = 4
@@ -142,7 +157,17 @@ class _Copy:
 def _pod_classes(demands: Sequence[Demand]) -> list[_PodClass]:
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, d in enumerate(demands):
-        groups[(d.gpu_count, d.bytes_per_gpu, d.resource, d.allowed_products, d.cpu_milli, d.memory_bytes, d.priority)].append(i)
+        groups[
+            (
+                d.gpu_count,
+                d.bytes_per_gpu,
+                d.resource,
+                d.allowed_products,
+                d.cpu_milli,
+                d.memory_bytes,
+                d.priority,
+            )
+        ].append(i)
     # strict priority: one pod of a higher priority outweighs all pods of the lower ones together
     weight: dict[int, int] = {}
     below = 0
@@ -238,7 +263,11 @@ def solve_batch(
     plan.greedy_cost = solved.greedy_cost
     plan.cost = solved.cost
     plan.status = solved.status
-    if solved.choices is not None and _better(solved.cost, solved.greedy_cost, accept) and _valid(cap, demands, solved.choices, frag):
+    if (
+        solved.choices is not None
+        and _better(solved.cost, solved.greedy_cost, accept)
+        and _valid(cap, demands, solved.choices, frag)
+    ):
         plan.choices = solved.choices
         plan.improved = True
     else:
@@ -247,8 +276,16 @@ def solve_batch(
     return plan
 
 
-def _all_placed(plan: Plan, cap: Capacity, demands: Sequence[Demand], frag: FragIndex, start: float,
-                time_limit: float, num_workers: int, prove: bool) -> Plan:
+def _all_placed(
+    plan: Plan,
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    start: float,
+    time_limit: float,
+    num_workers: int,
+    prove: bool,
+) -> Plan:
     """A greedy (or flow) plan that places every pod: stage 1 is proven (nothing left out), and with
     `prove`, in the time left, the GPUs it opens are bounded by the class relaxation and its
     stranded VRAM by the arc-flow relaxation (a third stage, "BOUNDED")."""
@@ -265,13 +302,25 @@ def _all_placed(plan: Plan, cap: Capacity, demands: Sequence[Demand], frag: Frag
             # stage 2's first goal, for the plan as it stands: its stranded VRAM increase against
             # the fewest KiB any plan placing every pod can reach
             plan.stats["strandedLowerBoundKiB"] = stranded
-            plan.stages.append(StageResult("BOUNDED", float(plan.cost[1]), float(stranded), time.perf_counter() - t0))
+            plan.stages.append(
+                StageResult(
+                    "BOUNDED", float(plan.cost[1]), float(stranded), time.perf_counter() - t0
+                )
+            )
     plan.seconds = time.perf_counter() - start
     return plan
 
 
-def _try_flow(plan: Plan, cap: Capacity, demands: Sequence[Demand], frag: FragIndex, start_by: float, deadline: float,
-              num_workers: int, accept: str) -> None:
+def _try_flow(
+    plan: Plan,
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    start_by: float,
+    deadline: float,
+    num_workers: int,
+    accept: str,
+) -> None:
     """A batch of more than SMALL_BATCH pods that a greedy plan places whole: the arc-flow plan
     (`flow_plan`) replaces it when it strands less VRAM (and is better on what `accept` names
     beyond that). Small batches (the trace's 2-8 pods) keep FGD's plan: one pod at a time is
@@ -283,7 +332,9 @@ def _try_flow(plan: Plan, cap: Capacity, demands: Sequence[Demand], frag: FragIn
     if len(flow) < len(demands):
         return
     c = _evaluate(cap, demands, flow, frag)
-    if _better(c, plan.cost, "stranded" if accept == "placed" else accept) and _valid(cap, demands, flow, frag):
+    if _better(c, plan.cost, "stranded" if accept == "placed" else accept) and _valid(
+        cap, demands, flow, frag
+    ):
         plan.choices, plan.cost, plan.improved, plan.status = flow, c, True, "FLOW"
 
 
@@ -293,7 +344,9 @@ def _better(cost: tuple[int, ...], ref: tuple[int, ...], accept: str) -> bool:
     return cost[:n] < ref[:n]
 
 
-def _valid(cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice], frag: FragIndex) -> bool:
+def _valid(
+    cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice], frag: FragIndex
+) -> bool:
     """Apply the plan through the ledger's check-and-set, then undo: proof that it never overcommits."""
     done = []
     ok = True
@@ -331,8 +384,15 @@ def _stage1(cost: tuple[int, ...]) -> int:
     return cost[0]
 
 
-def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: dict[int, Choice], built: "_Builder",
-           time_limit: float, num_workers: int) -> _Solved:
+def _large(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    greedy: dict[int, Choice],
+    built: _Builder,
+    time_limit: float,
+    num_workers: int,
+) -> _Solved:
     """A batch too large for one exact model within the time limit: large-neighbourhood search.
 
     Each round frees the pods planned on a neighbourhood of at most MAX_COPIES nodes (nodes where
@@ -366,7 +426,11 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
             sub_greedy = {j: current[i] for j, i in enumerate(inside) if i in current}
             sb = _Builder(cap, sub, frag, sub_greedy, max_copies=None, node_subset=subset)
             left = time_limit - (time.perf_counter() - t0) - 0.05
-            res = sb.solve(max(0.05, min(left, time_limit / 3)), num_workers) if not sb.empty and left > 0.05 else None
+            res = (
+                sb.solve(max(0.05, min(left, time_limit / 3)), num_workers)
+                if not sb.empty and left > 0.05
+                else None
+            )
         finally:
             for d, n in reversed(done):
                 cap.remove(d, n)
@@ -383,7 +447,14 @@ def _large(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
     bound = float(max(0, math.ceil((relax - (W - 1)) / W))) if relax is not None else float("-inf")
     if obj == 0:
         bound = 0.0  # every pod placed: nothing can be better
-    stages = [StageResult("OPTIMAL" if bound >= obj else "FEASIBLE", float(obj), float(bound), time.perf_counter() - t0)]
+    stages = [
+        StageResult(
+            "OPTIMAL" if bound >= obj else "FEASIBLE",
+            float(obj),
+            float(bound),
+            time.perf_counter() - t0,
+        )
+    ]
     # stage 2 (stranded VRAM, nodes touched) is only improved by the search here, never proven; what
     # is proven is how many empty GPUs any plan placing these pods must open
     out = _Solved(current, stages, "FEASIBLE", cost, greedy_cost, rounds, accepted)
@@ -399,8 +470,13 @@ def _opened_bound(relax: float | None, W: int) -> int | None:
     return int(math.ceil(relax)) if relax is not None and relax < W else None
 
 
-def opened_lower_bound(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_limit: float = 5.0,
-                       num_workers: int = 2) -> int | None:
+def opened_lower_bound(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    time_limit: float = 5.0,
+    num_workers: int = 2,
+) -> int | None:
     """The fewest empty GPUs any plan placing every pod of `demands` must open, proven by the class
     relaxation of the whole cluster (`_Builder.relaxation_bound`), or None (no bound within
     `time_limit`, or no plan places them all). For reports (`make bench-planner`): a batch that a
@@ -412,15 +488,22 @@ def opened_lower_bound(cap: Capacity, demands: Sequence[Demand], frag: FragIndex
     return _opened_bound(built.relaxation_bound(time_limit, num_workers, W), W)
 
 
-def stranded_lower_bound(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_limit: float = 5.0,
-                         num_workers: int = 2) -> int | None:
+def stranded_lower_bound(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    time_limit: float = 5.0,
+    num_workers: int = 2,
+) -> int | None:
     """The fewest KiB by which any plan placing every pod of `demands` changes stranded VRAM (the
     second goal of `_evaluate`), proven by the per-GPU arc-flow relaxation (`arcflow`), or None."""
     deadline = time.perf_counter() + time_limit
     return _arcflow(cap, _pod_classes(demands), frag, deadline).solve(deadline, num_workers)
 
 
-def _arcflow(cap: Capacity, classes: Sequence[_PodClass], frag: FragIndex, deadline: float) -> ArcFlow:
+def _arcflow(
+    cap: Capacity, classes: Sequence[_PodClass], frag: FragIndex, deadline: float
+) -> ArcFlow:
     """The relaxation of a batch: a share may only go to a device it fits, on a node that could
     host its whole pod now."""
     need, fit, usable = _compat(cap, classes)
@@ -428,8 +511,13 @@ def _arcflow(cap: Capacity, classes: Sequence[_PodClass], frag: FragIndex, deadl
     return ArcFlow(frag, need, fit & usable[:, cap.arrays.node_of], shares, deadline)
 
 
-def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_limit: float,
-              num_workers: int = 2) -> dict[int, Choice]:
+def flow_plan(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    time_limit: float,
+    num_workers: int = 2,
+) -> dict[int, Choice]:
     """A plan steered by the arc-flow relaxation's solution: pods of several GPUs first by FGD's
     rule in queue order (they need GPUs of one node, which the relaxation drops), then single-GPU
     pods onto the GPUs the relaxed solution gives them (where the node's CPU and memory still
@@ -452,7 +540,9 @@ def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_li
 
     def by_fgd(indices: list[int]) -> None:
         sub = [demands[i] for i in indices]
-        for j, ch in greedy_batch(cap, sub, frag, order="arrival", rule=SEQUENTIAL_RULE, apply=True).items():
+        for j, ch in greedy_batch(
+            cap, sub, frag, order="arrival", rule=SEQUENTIAL_RULE, apply=True
+        ).items():
             choices[indices[j]] = ch
             done.append((demands[indices[j]], ch[1]))
 
@@ -477,7 +567,14 @@ def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_li
             for walk in sorted((w for w in walks if w), key=len, reverse=True):
                 cpu = sum(demands[pools[p][-1]].cpu_milli for p in walk)
                 mem = sum(demands[pools[p][-1]].memory_bytes for p in walk)
-                g = next((g for g in free_rows if cap.cpu_free[a.node_of[g]] >= cpu and cap.mem_free[a.node_of[g]] >= mem), None)
+                g = next(
+                    (
+                        g
+                        for g in free_rows
+                        if cap.cpu_free[a.node_of[g]] >= cpu and cap.mem_free[a.node_of[g]] >= mem
+                    ),
+                    None,
+                )
                 if g is None:
                     continue  # no node of this class has the CPU or memory left: FGD places them
                 free_rows.remove(g)
@@ -486,7 +583,11 @@ def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_li
                 for p in walk:
                     i = pools[p].pop()
                     need = classes[p].demand.bytes_per_gpu
-                    one = Candidates(np.asarray([n]), np.asarray([[g]]), np.asarray([[a.per_pod_cap[g] if need is None else need]]))
+                    one = Candidates(
+                        np.asarray([n]),
+                        np.asarray([[g]]),
+                        np.asarray([[a.per_pod_cap[g] if need is None else need]]),
+                    )
                     if not place(i, (one.reservation(a, 0, demands[i]), n, False)):
                         pools[p].append(i)
         by_fgd([i for i in range(len(demands)) if i not in choices])
@@ -497,8 +598,15 @@ def flow_plan(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, time_li
     return choices
 
 
-def _small(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: dict[int, Choice], built: "_Builder",
-           time_limit: float, num_workers: int) -> _Solved:
+def _small(
+    cap: Capacity,
+    demands: Sequence[Demand],
+    frag: FragIndex,
+    greedy: dict[int, Choice],
+    built: _Builder,
+    time_limit: float,
+    num_workers: int,
+) -> _Solved:
     """A few pods on a cluster of many distinct nodes: the exact model over each pod's best
     `_TOP_K` candidate nodes by vramsched's rule (and their identical twins) plus the greedy plan's
     nodes. The stage 1 bound still comes from the class relaxation of the whole cluster."""
@@ -536,7 +644,9 @@ def _small(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
         else:
             relax = built.relaxation_bound(max(0.05, min(0.1, time_limit * 0.1)), num_workers)
             bound = min(st.bound, relax) if relax is not None else float("-inf")
-        res.stages[0] = StageResult("OPTIMAL" if bound >= st.objective else "FEASIBLE", st.objective, bound, st.seconds)
+        res.stages[0] = StageResult(
+            "OPTIMAL" if bound >= st.objective else "FEASIBLE", st.objective, bound, st.seconds
+        )
         if len(res.stages) > 1 and res.stages[1].status == "OPTIMAL":
             s2 = res.stages[1]
             res.stages[1] = StageResult("OPTIMAL_IN_SUBSET", s2.objective, s2.bound, s2.seconds)
@@ -545,7 +655,9 @@ def _small(cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: di
     return res
 
 
-def _neighbourhood(cap: Capacity, demands: Sequence[Demand], plan: dict[int, Choice], built: "_Builder", rng) -> set[int]:
+def _neighbourhood(
+    cap: Capacity, demands: Sequence[Demand], plan: dict[int, Choice], built: _Builder, rng
+) -> set[int]:
     a = cap.arrays
     budget = MAX_COPIES
     opened_nodes: dict[int, int] = defaultdict(int)
@@ -555,9 +667,18 @@ def _neighbourhood(cap: Capacity, demands: Sequence[Demand], plan: dict[int, Cho
             if a.used_replicas[g] == 0:
                 opened_nodes[ch[1]] += 1
     cand = set(built.cand_nodes.tolist())
-    part = [n for n in cand if n not in plan_nodes and
-            ((a.used_replicas[a.node_start[n]:a.node_start[n + 1]] > 0) &
-             (a.capacity[a.node_start[n]:a.node_start[n + 1]] > a.used[a.node_start[n]:a.node_start[n + 1]])).any()]
+    part = [
+        n
+        for n in cand
+        if n not in plan_nodes
+        and (
+            (a.used_replicas[a.node_start[n] : a.node_start[n + 1]] > 0)
+            & (
+                a.capacity[a.node_start[n] : a.node_start[n + 1]]
+                > a.used[a.node_start[n] : a.node_start[n + 1]]
+            )
+        ).any()
+    ]
     idle = [n for n in cand if n not in plan_nodes and n not in set(part)]
     pick: list[int] = []
     on = list(opened_nodes)
@@ -573,7 +694,9 @@ def _neighbourhood(cap: Capacity, demands: Sequence[Demand], plan: dict[int, Cho
     return set(pick[:budget])
 
 
-def _compat(cap: Capacity, classes: Sequence[_PodClass]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _compat(
+    cap: Capacity, classes: Sequence[_PodClass]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per pod class: bytes a pod takes on each device (`need`), the devices one of its GPUs fits
     now (`fit`), and the nodes that could host a whole pod now (`usable`: CPU, memory, enough
     fitting devices)."""
@@ -586,9 +709,18 @@ def _compat(cap: Capacity, classes: Sequence[_PodClass]) -> tuple[np.ndarray, np
     host = np.zeros((P, len(a.node_names)), bool)
     for p, pc in enumerate(classes):
         d = pc.demand
-        need = a.per_pod_cap if d.bytes_per_gpu is None else np.full(len(a.capacity), d.bytes_per_gpu, np.int64)
+        need = (
+            a.per_pod_cap
+            if d.bytes_per_gpu is None
+            else np.full(len(a.capacity), d.bytes_per_gpu, np.int64)
+        )
         need_all[p] = need
-        fit[p] = device_matches(a, d.resource, d.allowed_products) & (a.per_pod_cap >= need) & (free >= need) & (rep > 0)
+        fit[p] = (
+            device_matches(a, d.resource, d.allowed_products)
+            & (a.per_pod_cap >= need)
+            & (free >= need)
+            & (rep > 0)
+        )
         host[p] = cap.fits_host(d)
     okcount = np.zeros((P, len(a.node_names)), np.int64)
     for p in range(P):
@@ -598,8 +730,17 @@ def _compat(cap: Capacity, classes: Sequence[_PodClass]) -> tuple[np.ndarray, np
 
 
 class _Builder:
-    def __init__(self, cap: Capacity, demands: Sequence[Demand], frag: FragIndex, greedy: dict[int, Choice],
-                 max_copies: int | None = MAX_COPIES, *, node_subset: set[int] | None = None, build: bool = True) -> None:
+    def __init__(
+        self,
+        cap: Capacity,
+        demands: Sequence[Demand],
+        frag: FragIndex,
+        greedy: dict[int, Choice],
+        max_copies: int | None = MAX_COPIES,
+        *,
+        node_subset: set[int] | None = None,
+        build: bool = True,
+    ) -> None:
         self.cap, self.demands, self.frag, self.greedy = cap, demands, frag, greedy
         a = cap.arrays
         self.a = a
@@ -614,17 +755,34 @@ class _Builder:
         w = frag.w
         top = np.argsort(-w.weight, kind="stable")[:MODEL_TYPES]
         self.types = top
-        self.tw = np.maximum(1, np.rint(w.weight[top] / w.weight[top].sum() * _WEIGHT_RES)).astype(np.int64)
+        self.tw = np.maximum(1, np.rint(w.weight[top] / w.weight[top].sum() * _WEIGHT_RES)).astype(
+            np.int64
+        )
         # node classes
         groups: dict[tuple, list[int]] = defaultdict(list)
         self.dev_order: dict[int, list[int]] = {}
         for n in cand_nodes.tolist():
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
-            keys = [(int(a.resource_id[g]), int(a.product_id[g]), int(a.capacity[g]), int(a.per_pod_cap[g]), int(a.replicas[g]),
-                     int(a.used[g]), int(a.used_replicas[g])) for g in range(lo, hi)]
+            keys = [
+                (
+                    int(a.resource_id[g]),
+                    int(a.product_id[g]),
+                    int(a.capacity[g]),
+                    int(a.per_pod_cap[g]),
+                    int(a.replicas[g]),
+                    int(a.used[g]),
+                    int(a.used_replicas[g]),
+                )
+                for g in range(lo, hi)
+            ]
             order = sorted(range(lo, hi), key=lambda g: keys[g - lo])
             self.dev_order[n] = order
-            key = (int(cap.cpu_free[n]), int(cap.mem_free[n]), tuple(keys[g - lo] for g in order), tuple(usable[:, n]))
+            key = (
+                int(cap.cpu_free[n]),
+                int(cap.mem_free[n]),
+                tuple(keys[g - lo] for g in order),
+                tuple(usable[:, n]),
+            )
             groups[key].append(n)
         greedy_nodes: dict[int, int] = defaultdict(int)
         for ch in greedy.values():
@@ -633,13 +791,15 @@ class _Builder:
         self.class_nodes: list[list[int]] = []
         restricted = 0
         full: list[int] = []
-        for key, nodes in groups.items():
-            compat = sum(len(pc.members) for p, pc in enumerate(self.classes) if usable[p, nodes[0]])
+        for nodes in groups.values():
+            compat = sum(
+                len(pc.members) for p, pc in enumerate(self.classes) if usable[p, nodes[0]]
+            )
             u = min(len(nodes), compat)
             full.append(u)
         self.full_copies = sum(full)
         restrict = max_copies is not None and sum(full) > max_copies
-        for c, (key, nodes) in enumerate(groups.items()):
+        for c, nodes in enumerate(groups.values()):
             u = full[c]
             if restrict:
                 # neighbourhood of the greedy plan: the nodes it used of this class plus some slack
@@ -657,8 +817,14 @@ class _Builder:
         self.usable = usable
         self.cand_nodes = cand_nodes
         self.empty = not self.copies
-        self.stats = {"podClasses": P, "candidateNodes": len(cand_nodes), "nodeClasses": len(groups), "nodeCopies": len(self.copies),
-                      "types": len(top), "restrictedClasses": restricted}
+        self.stats = {
+            "podClasses": P,
+            "candidateNodes": len(cand_nodes),
+            "nodeClasses": len(groups),
+            "nodeCopies": len(self.copies),
+            "types": len(top),
+            "restrictedClasses": restricted,
+        }
         self.restricted = restricted > 0
         self.unit = self._unit()
         self.opened = []
@@ -726,7 +892,14 @@ class _Builder:
                 fits = [li for li, g in enumerate(devs) if self.fit[p, g]]
                 if len(fits) < pc.k:
                     continue
-                ub = min(n_p, len(fits) // pc.k * max(1, min(int(a.replicas[devs[li]] - a.used_replicas[devs[li]]) for li in fits)))
+                ub = min(
+                    n_p,
+                    len(fits)
+                    // pc.k
+                    * max(
+                        1, min(int(a.replicas[devs[li]] - a.used_replicas[devs[li]]) for li in fits)
+                    ),
+                )
                 zv = m.NewIntVar(0, ub, f"z{p}_{ci}")
                 self.z[p, ci] = zv
                 shares = []
@@ -778,7 +951,9 @@ class _Builder:
                     if a.used_replicas[g] == 0:
                         o = m.NewBoolVar(f"o{ci}_{li}")
                         m.Add(used_n <= max(rep0, 1) * o)
-                        m.Add(used_b <= max(free0, 1) * o)  # bytes link: LP bound ~ volume / GPU size
+                        m.Add(
+                            used_b <= max(free0, 1) * o
+                        )  # bytes link: LP bound ~ volume / GPU size
                         self.opened.append(o)
                         self.aux.append((o, list(dev_count[li]), True))
                 same_as_prev = li > 0 and self._dev_key(devs[li - 1]) == self._dev_key(g)
@@ -791,7 +966,10 @@ class _Builder:
         for p, pc in enumerate(self.classes):
             if placed_terms[p]:
                 m.Add(sum(placed_terms[p]) <= len(pc.members))
-        self.unplaced = sum(pc.weight * (len(pc.members) - sum(placed_terms[p])) for p, pc in enumerate(self.classes))
+        self.unplaced = sum(
+            pc.weight * (len(pc.members) - sum(placed_terms[p]))
+            for p, pc in enumerate(self.classes)
+        )
         self.obj1 = self.unplaced
 
     def _build_stranded(self) -> None:
@@ -811,10 +989,14 @@ class _Builder:
             for ti, t_idx in enumerate(self.types):
                 k_t = int(w.gpu_count[t_idx])
                 run = m.NewBoolVar(f"run{ci}_{ti}")
-                m.Add(sum(cpu_terms) <= int(cap.cpu_free[n0]) - int(w.cpu[t_idx])).OnlyEnforceIf(run) if cpu_terms else None
+                m.Add(sum(cpu_terms) <= int(cap.cpu_free[n0]) - int(w.cpu[t_idx])).OnlyEnforceIf(
+                    run
+                ) if cpu_terms else None
                 if not cpu_terms and (int(cap.cpu_free[n0]) < int(w.cpu[t_idx])):
                     m.Add(run == 0)
-                m.Add(sum(mem_terms) <= int(cap.mem_free[n0]) - int(w.mem[t_idx])).OnlyEnforceIf(run) if mem_terms else None
+                m.Add(sum(mem_terms) <= int(cap.mem_free[n0]) - int(w.mem[t_idx])).OnlyEnforceIf(
+                    run
+                ) if mem_terms else None
                 if not mem_terms and (int(cap.mem_free[n0]) < int(w.mem[t_idx])):
                     m.Add(run == 0)
                 oks = []
@@ -846,14 +1028,16 @@ class _Builder:
                         m.Add(run == 0)
                     else:
                         m.Add(sum(oks) >= k_t).OnlyEnforceIf(run)
-            for li, g, fa, used_n, rep0, free0 in free_after:
+            for _li, _g, fa, _used_n, _rep0, _free0 in free_after:
                 stranded_terms.append((int(self.tw.sum()), fa))
         self.stranded = sum(c * v for c, v in stranded_terms)
         w_t = len(self.touched) + 1
         w_s = (len(self.opened) + 1) * w_t
         self.obj2 = w_s * self.stranded + w_t * sum(self.opened) + sum(self.touched)
 
-    def relaxation_bound(self, time_limit: float, num_workers: int, W: int | None = None) -> float | None:
+    def relaxation_bound(
+        self, time_limit: float, num_workers: int, W: int | None = None
+    ) -> float | None:
         """A proven lower bound on stage 1 for the *whole* cluster: every node class is merged into
         one bin with M times its free memory, replicas, CPU and memory (any real plan summed over the
         nodes of a class is a solution of it, so its optimum can only be lower).
@@ -867,7 +1051,7 @@ class _Builder:
         m = cp_model.CpModel()
         placed: list[list] = [[] for _ in self.classes]
         opened = []
-        for c, (key, nodes) in enumerate(self.groups):
+        for _c, (_key, nodes) in enumerate(self.groups):
             if time.perf_counter() > deadline:
                 return None
             M = len(nodes)
@@ -925,7 +1109,9 @@ class _Builder:
         for p, pc in enumerate(self.classes):
             if placed[p]:
                 m.Add(sum(placed[p]) <= len(pc.members))
-        unplaced = sum(pc.weight * (len(pc.members) - sum(placed[p])) for p, pc in enumerate(self.classes))
+        unplaced = sum(
+            pc.weight * (len(pc.members) - sum(placed[p])) for p, pc in enumerate(self.classes)
+        )
         # stage 1 is pods placed; with W, the bound is on W * unplaced + opened (fewest GPUs opened)
         m.Minimize(unplaced if W is None else W * unplaced + sum(opened))
         left = deadline - time.perf_counter()
@@ -941,12 +1127,29 @@ class _Builder:
         """Stranded VRAM is counted in units of the gcd of all sizes involved (exact), unless
         that makes a GPU more than 20,000 units; then 1/1000 of the largest GPU (rounded)."""
         a = self.a
-        rows = np.concatenate([np.arange(int(a.node_start[n]), int(a.node_start[n + 1])) for n in self.cand_nodes.tolist()] or
-                              [np.zeros(0, np.int64)]).astype(np.int64)
+        rows = np.concatenate(
+            [
+                np.arange(int(a.node_start[n]), int(a.node_start[n + 1]))
+                for n in self.cand_nodes.tolist()
+            ]
+            or [np.zeros(0, np.int64)]
+        ).astype(np.int64)
         if len(rows) == 0:
             return 1
-        vals = [int(v) for v in np.unique(np.concatenate([a.capacity[rows], a.used[rows], self.frag.need[rows].ravel(),
-                                                         self.need[:, rows].ravel()])) if v > 0]
+        vals = [
+            int(v)
+            for v in np.unique(
+                np.concatenate(
+                    [
+                        a.capacity[rows],
+                        a.used[rows],
+                        self.frag.need[rows].ravel(),
+                        self.need[:, rows].ravel(),
+                    ]
+                )
+            )
+            if v > 0
+        ]
         g = 0
         for v in vals:
             g = math.gcd(g, v)
@@ -957,8 +1160,15 @@ class _Builder:
 
     def _dev_key(self, g: int) -> tuple:
         a = self.a
-        return (int(a.resource_id[g]), int(a.product_id[g]), int(a.capacity[g]), int(a.per_pod_cap[g]), int(a.replicas[g]),
-                int(a.used[g]), int(a.used_replicas[g]))
+        return (
+            int(a.resource_id[g]),
+            int(a.product_id[g]),
+            int(a.capacity[g]),
+            int(a.per_pod_cap[g]),
+            int(a.replicas[g]),
+            int(a.used[g]),
+            int(a.used_replicas[g]),
+        )
 
     # ----- hint from greedy ----------------------------------------------------------------------------
     def _hint_values(self) -> dict[int, int] | None:
@@ -1013,7 +1223,9 @@ class _Builder:
                 li = 0
                 while li < len(devs):
                     lj = li
-                    while lj + 1 < len(devs) and self._dev_key(actual[lj + 1]) == self._dev_key(actual[li]):
+                    while lj + 1 < len(devs) and self._dev_key(actual[lj + 1]) == self._dev_key(
+                        actual[li]
+                    ):
                         lj += 1
                     block = sorted(range(li, lj + 1), key=lambda q: -load[q])
                     for pos, q in zip(range(li, lj + 1), block):
@@ -1068,9 +1280,20 @@ class _Builder:
             solver2 = _solver(num_workers, max(0.02, time_limit - (time.perf_counter() - t0)))
             st2 = solver2.Solve(m)
             if st2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                stages.append(StageResult(solver2.StatusName(st2), solver2.ObjectiveValue(), solver2.BestObjectiveBound(), solver2.WallTime()))
+                stages.append(
+                    StageResult(
+                        solver2.StatusName(st2),
+                        solver2.ObjectiveValue(),
+                        solver2.BestObjectiveBound(),
+                        solver2.WallTime(),
+                    )
+                )
                 choices = self._read_back(self._values(solver2))
-                status = "OPTIMAL" if name == "OPTIMAL" and st2 == cp_model.OPTIMAL and not self.restricted else "FEASIBLE"
+                status = (
+                    "OPTIMAL"
+                    if name == "OPTIMAL" and st2 == cp_model.OPTIMAL and not self.restricted
+                    else "FEASIBLE"
+                )
             else:
                 status = "FEASIBLE"
         elif st == cp_model.OPTIMAL:
@@ -1089,7 +1312,9 @@ class _Builder:
             m.AddHint(var, (1 if total > 0 else 0) if is_bool else total)
 
     def _values(self, solver: cp_model.CpSolver) -> dict[int, int]:
-        return {v.Index(): int(solver.Value(v)) for v in list(self.x.values()) + list(self.z.values())}
+        return {
+            v.Index(): int(solver.Value(v)) for v in list(self.x.values()) + list(self.z.values())
+        }
 
     def _read_back(self, values: dict[int, int]) -> dict[int, Choice]:
         a = self.a
@@ -1114,24 +1339,50 @@ class _Builder:
                         for _ in range(values[v.Index()]):
                             i = queue[p].pop()
                             g = actual[li]
-                            choices[i] = (Reservation(self.demands[i].pod, a.node_names[n], (a.devices[g].device_id,),
-                                                      (int(self.need[p, g]),), d.priority, d.bytes_per_gpu is not None), n, False)
+                            choices[i] = (
+                                Reservation(
+                                    self.demands[i].pod,
+                                    a.node_names[n],
+                                    (a.devices[g].device_id,),
+                                    (int(self.need[p, g]),),
+                                    d.priority,
+                                    d.bytes_per_gpu is not None,
+                                ),
+                                n,
+                                False,
+                            )
                     continue
                 v = self.z.get((p, ci))
                 zc = values.get(v.Index(), 0) if v is not None else 0
-                left = {li: values[self.x[p, ci, li].Index()] for li in range(len(actual)) if (p, ci, li) in self.x}
+                left = {
+                    li: values[self.x[p, ci, li].Index()]
+                    for li in range(len(actual))
+                    if (p, ci, li) in self.x
+                }
                 for _ in range(zc):
                     pick = sorted(left, key=lambda li: (-left[li], li))[: pc.k]
                     for li in pick:
                         left[li] -= 1
                     rows = sorted(actual[li] for li in pick)
                     i = queue[p].pop()
-                    choices[i] = (Reservation(self.demands[i].pod, a.node_names[n], tuple(a.devices[g].device_id for g in rows),
-                                              tuple(int(self.need[p, g]) for g in rows), d.priority, d.bytes_per_gpu is not None), n, False)
+                    choices[i] = (
+                        Reservation(
+                            self.demands[i].pod,
+                            a.node_names[n],
+                            tuple(a.devices[g].device_id for g in rows),
+                            tuple(int(self.need[p, g]) for g in rows),
+                            d.priority,
+                            d.bytes_per_gpu is not None,
+                        ),
+                        n,
+                        False,
+                    )
         return choices
 
 
-def _evaluate(cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice], frag: FragIndex) -> tuple[int, ...]:
+def _evaluate(
+    cap: Capacity, demands: Sequence[Demand], choices: dict[int, Choice], frag: FragIndex
+) -> tuple[int, ...]:
     """The goals of a plan, measured exactly (full workload profile, bytes), smaller is better:
     (priority-weighted pods left out, stranded VRAM increase in KiB, empty GPUs opened, nodes touched)."""
     classes = _pod_classes(demands)

@@ -10,9 +10,10 @@ records what the device plugin would do, overcommit included, and the metrics co
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import groupby
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,17 @@ from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.simulate.trace import Task
 
-__all__ = ["PolicyResult", "run_policy", "build_capacity", "fit_nowhere", "while_all_fit", "all_fit_line", "overcommit_text", "ALL_POLICIES", "VRAMSCHED_POLICIES"]
+__all__ = [
+    "PolicyResult",
+    "run_policy",
+    "build_capacity",
+    "fit_nowhere",
+    "while_all_fit",
+    "all_fit_line",
+    "overcommit_text",
+    "ALL_POLICIES",
+    "VRAMSCHED_POLICIES",
+]
 
 ALL_POLICIES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies that must never overcommit (they are vramsched's own).
@@ -77,7 +88,9 @@ class PolicyResult:
         return d
 
 
-def build_capacity(nodes: Sequence[Mapping[str, Any]], bound: Sequence[Mapping[str, Any]] = ()) -> tuple[ClusterState, Capacity]:
+def build_capacity(
+    nodes: Sequence[Mapping[str, Any]], bound: Sequence[Mapping[str, Any]] = ()
+) -> tuple[ClusterState, Capacity]:
     """The cluster through the server's own loader; bound pods hold their GPUs, CPU and memory
     (the CPU/memory sums the cluster keeps per node)."""
     cluster = ClusterState()
@@ -99,7 +112,11 @@ def run_policy(
 ) -> PolicyResult:
     cluster, cap = build_capacity(nodes, bound)
     workload = workload or Workload.from_demands(t.demand for t in tasks)
-    frag = None if policy in ("first-fit", "best-fit", "spread", "hot-path") else FragIndex(cap, workload)
+    frag = (
+        None
+        if policy in ("first-fit", "best-fit", "spread", "hot-path")
+        else FragIndex(cap, workload)
+    )
     out = PolicyResult(policy)
     start = time.perf_counter()
     where: dict[str, int] = {}
@@ -182,14 +199,19 @@ def while_all_fit(results: Sequence[PolicyResult]) -> dict[str, Any] | None:
     k = min((r.allFitBatches for r in fair), default=0)
     if k == 0:
         return None
-    return {"batches": k, "arrivals": fair[0].freeSeries[k - 1][0],
-            "gpusFree": {r.policy: r.freeSeries[k - 1][1] for r in fair}}
+    return {
+        "batches": k,
+        "arrivals": fair[0].freeSeries[k - 1][0],
+        "gpusFree": {r.policy: r.freeSeries[k - 1][1] for r in fair},
+    }
 
 
 def all_fit_line(fit: Mapping[str, Any]) -> str:
     """`while_all_fit`'s answer in one line, as the simulator and the trace benchmark print it."""
-    return (f"while every pod fit (the first {fit['arrivals']} pods, {fit['batches']} batches), GPUs fully free: "
-            + ", ".join(f"{p} {v}" for p, v in fit["gpusFree"].items()))
+    return (
+        f"while every pod fit (the first {fit['arrivals']} pods, {fit['batches']} batches), GPUs fully free: "
+        + ", ".join(f"{p} {v}" for p, v in fit["gpusFree"].items())
+    )
 
 
 def overcommit_text(end: int, peak: int) -> str:
@@ -203,14 +225,25 @@ def _planner_rule() -> str:
     return model.SEQUENTIAL_RULE  # a pod alone: the planner's plan of a batch of one
 
 
-def _plan_batch(cap: Capacity, frag: FragIndex | None, batch: list[Task], out: PolicyResult, time_limit: float, num_workers: int,
-                accept: str | None):
+def _plan_batch(
+    cap: Capacity,
+    frag: FragIndex | None,
+    batch: list[Task],
+    out: PolicyResult,
+    time_limit: float,
+    num_workers: int,
+    accept: str | None,
+):
     from extender.planner.model import solve_batch
 
     demands = [t.demand for t in batch]
-    plan = solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers, accept=accept)
+    plan = solve_batch(
+        cap, demands, frag, time_limit=time_limit, num_workers=num_workers, accept=accept
+    )
     out.solverBatches += 1
-    out.solverRuns += plan.stats.get("nodeCopies", 0) > 0  # CP-SAT ran (skipped when it could not gain)
+    out.solverRuns += (
+        plan.stats.get("nodeCopies", 0) > 0
+    )  # CP-SAT ran (skipped when it could not gain)
     out.solverOptimal += plan.status == "OPTIMAL"
     out.solverImproved += plan.improved
     placed = []

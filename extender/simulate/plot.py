@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from extender.simulate.engine import PolicyResult
 
@@ -34,15 +34,22 @@ def plot_results(results: Sequence[PolicyResult], path: str | Path, title: str =
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         for b, v in zip(bars, values):
-            ax.annotate(f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}",
+                (b.get_x() + b.get_width() / 2, b.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     fig.suptitle(title or "vramsched simulate", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_free_curve(curve: dict, path: str | Path, title: str = "", baseline: str = "best-fit") -> None:
+def plot_free_curve(
+    curve: dict, path: str | Path, title: str = "", baseline: str = "best-fit"
+) -> None:
     """GPUs fully free along a replay, each policy minus `baseline`: where one policy leaves more
     whole GPUs free and where it stops doing so (the end of a replay hides the crossing)."""
     import matplotlib
@@ -59,8 +66,13 @@ def plot_free_curve(curve: dict, path: str | Path, title: str = "", baseline: st
         if name == baseline:
             continue
         ys = curve["gpusFree"][name]
-        ax.plot(x, [y - b for y, b in zip(ys, base)], label=name, lw=3.5 if name in ours else 1.3,
-                alpha=0.55 if name in ours else 1.0)
+        ax.plot(
+            x,
+            [y - b for y, b in zip(ys, base)],
+            label=name,
+            lw=3.5 if name in ours else 1.3,
+            alpha=0.55 if name in ours else 1.0,
+        )
     ax.axhline(0, color="#4a5568", lw=0.8)
     ax.set_xlabel("pods arrived")
     ax.set_ylabel(f"GPUs fully free minus {baseline}'s")

@@ -9,16 +9,26 @@ through the same `node_inventory` as a live cluster.
 from __future__ import annotations
 
 import csv
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from extender.demand import Demand, DemandError, PodRef, pod_demand
 from extender.inventory import GPU_RESOURCE
 from extender.quantity import MIB
 from extender.source_file import read_cluster_file
 
-__all__ = ["Task", "TRACE_GPU_MIB", "DEFAULT_REPLICAS", "read_trace_nodes", "read_trace_pods", "read_yaml", "read_inputs", "inflate"]
+__all__ = [
+    "Task",
+    "TRACE_GPU_MIB",
+    "DEFAULT_REPLICAS",
+    "read_trace_nodes",
+    "read_trace_pods",
+    "read_yaml",
+    "read_inputs",
+    "inflate",
+]
 
 TRACE_GPU_MIB = 1000
 #: time-slicing replicas per trace GPU: 1000 MiB / 50 MiB (the smallest task) so that memory,
@@ -57,9 +67,18 @@ def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> l
                 "nvidia.com/gpu.replicas": str(replicas),
                 "nvidia.com/gpu.sharing-strategy": "time-slicing" if replicas > 1 else "none",
             }
-            alloc = {"cpu": f"{int(row['cpu_milli'])}m", "memory": f"{int(row['memory_mib'])}Mi", GPU_RESOURCE: str(gpus * replicas)}
-            nodes.append({"kind": "Node", "metadata": {"name": row["sn"], "labels": labels},
-                          "status": {"allocatable": alloc, "capacity": dict(alloc)}})
+            alloc = {
+                "cpu": f"{int(row['cpu_milli'])}m",
+                "memory": f"{int(row['memory_mib'])}Mi",
+                GPU_RESOURCE: str(gpus * replicas),
+            }
+            nodes.append(
+                {
+                    "kind": "Node",
+                    "metadata": {"name": row["sn"], "labels": labels},
+                    "status": {"allocatable": alloc, "capacity": dict(alloc)},
+                }
+            )
     return nodes
 
 
@@ -85,12 +104,16 @@ def read_trace_pods(path: str | Path, *, skip_cpu_only: bool = False) -> list[Ta
                 model_memory=per_gpu,
             )
             dep = row.get("deletion_time") or ""
-            tasks.append(Task(demand, float(row["creation_time"] or 0), float(dep) if dep else None))
+            tasks.append(
+                Task(demand, float(row["creation_time"] or 0), float(dep) if dep else None)
+            )
     tasks.sort(key=lambda t: (t.arrival, t.demand.pod.name))
     return tasks
 
 
-def read_yaml(path: str | Path) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
+def read_yaml(
+    path: str | Path,
+) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
     """Nodes, pods to replay (unbound pods, or all pods if none is bound... see below) and bound pods.
 
     A pod with `spec.nodeName` is already running and is accounted first; the others are replayed.
@@ -100,7 +123,7 @@ def read_yaml(path: str | Path) -> tuple[list[Mapping[str, Any]], list[Task], li
     objs = read_cluster_file(path)
     nodes = [o for o in objs if o.get("kind") == "Node"]
     bound, tasks = [], []
-    for i, o in enumerate(o for o in objs if o.get("kind") == "Pod"):
+    for _i, o in enumerate(o for o in objs if o.get("kind") == "Pod"):
         if (o.get("spec") or {}).get("nodeName"):
             bound.append(o)
             continue
@@ -128,8 +151,13 @@ def _timestamp(value: Any) -> float:
         return 0.0
 
 
-def read_inputs(nodes_path: str | Path, pods_path: str | Path, *, replicas: int = DEFAULT_REPLICAS,
-                skip_cpu_only: bool = False) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
+def read_inputs(
+    nodes_path: str | Path,
+    pods_path: str | Path,
+    *,
+    replicas: int = DEFAULT_REPLICAS,
+    skip_cpu_only: bool = False,
+) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
     """(node objects, tasks in arrival order, already bound pod objects) from either format."""
     bound: list[Mapping[str, Any]] = []
     if _is_trace(nodes_path):
@@ -145,7 +173,9 @@ def read_inputs(nodes_path: str | Path, pods_path: str | Path, *, replicas: int 
     return nodes, tasks, bound
 
 
-def inflate(tasks: list[Task], gpu_capacity: float, factor: float, gpu_bytes: int = TRACE_GPU_MIB * MIB) -> list[Task]:
+def inflate(
+    tasks: list[Task], gpu_capacity: float, factor: float, gpu_bytes: int = TRACE_GPU_MIB * MIB
+) -> list[Task]:
     """FGD's protocol: keep drawing tasks in order (repeating the list under new names) until the
     arrived GPU demand reaches `factor` x the cluster's GPU capacity (both in GPUs)."""
     if factor <= 0 or not tasks:
@@ -162,7 +192,11 @@ def inflate(tasks: list[Task], gpu_capacity: float, factor: float, gpu_bytes: in
             d = t.demand
             if rnd:
                 d = replace(d, pod=PodRef(d.pod.namespace, f"{d.pod.name}-r{rnd}"))
-                t = Task(d, t.arrival + rnd * span, None if t.departure is None else t.departure + rnd * span)
+                t = Task(
+                    d,
+                    t.arrival + rnd * span,
+                    None if t.departure is None else t.departure + rnd * span,
+                )
             out.append(t)
             demand += gpu_units(d, gpu_bytes)
         rnd += 1

@@ -30,9 +30,13 @@ def cluster(control_plane: ControlPlane) -> Iterator[ControlPlane]:
         for node in core.list_node().items:
             core.delete_node(node.metadata.name)
         control_plane.wait_for(
-            lambda: not core.list_node().items
-            and all(p.metadata.namespace.startswith("kube-")
-                    for p in core.list_pod_for_all_namespaces().items),
+            lambda: (
+                not core.list_node().items
+                and all(
+                    p.metadata.namespace.startswith("kube-")
+                    for p in core.list_pod_for_all_namespaces().items
+                )
+            ),
             timeout=30,
             message="pods and nodes deleted after the test",
         )

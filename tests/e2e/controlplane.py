@@ -167,7 +167,7 @@ class Component:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            stamp = _dt.datetime.now(_dt.timezone.utc).isoformat()
+            stamp = _dt.datetime.now(_dt.UTC).isoformat()
             log.write(f"\n=== {stamp} starting: {' '.join(self.argv)}\n".encode())
             log.flush()
             # setpriv --pdeathsig: the component dies with the test process even on SIGKILL,
@@ -270,7 +270,9 @@ class ControlPlane:
             self.stop()
             raise
         self._write_kubeconfig(self.kubeconfig_path, "admin", self.admin_token)
-        self._write_kubeconfig(self.scheduler_kubeconfig_path, "kube-scheduler", self.scheduler_token)
+        self._write_kubeconfig(
+            self.scheduler_kubeconfig_path, "kube-scheduler", self.scheduler_token
+        )
         return self
 
     def stop(self) -> None:
@@ -367,25 +369,54 @@ class ControlPlane:
             core = kubernetes.client.CoreV1Api(client)
             rbac = kubernetes.client.RbacAuthorizationV1Api(client)
             name = f"e2e-scheduler-lease-{lease}"
-            _create_ignore_conflict(lambda: core.create_namespace({"metadata": {"name": namespace}}))
-            _create_ignore_conflict(lambda: rbac.create_namespaced_role(namespace, {
-                "metadata": {"name": name},
-                "rules": [
-                    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                     "verbs": ["create"]},
-                    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                     "resourceNames": [lease], "verbs": ["get", "update"]},
-                ],
-            }))
-            _create_ignore_conflict(lambda: rbac.create_namespaced_role_binding(namespace, {
-                "metadata": {"name": name},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                              "name": "system:kube-scheduler"}],
-            }))
+            _create_ignore_conflict(
+                lambda: core.create_namespace({"metadata": {"name": namespace}})
+            )
+            _create_ignore_conflict(
+                lambda: rbac.create_namespaced_role(
+                    namespace,
+                    {
+                        "metadata": {"name": name},
+                        "rules": [
+                            {
+                                "apiGroups": ["coordination.k8s.io"],
+                                "resources": ["leases"],
+                                "verbs": ["create"],
+                            },
+                            {
+                                "apiGroups": ["coordination.k8s.io"],
+                                "resources": ["leases"],
+                                "resourceNames": [lease],
+                                "verbs": ["get", "update"],
+                            },
+                        ],
+                    },
+                )
+            )
+            _create_ignore_conflict(
+                lambda: rbac.create_namespaced_role_binding(
+                    namespace,
+                    {
+                        "metadata": {"name": name},
+                        "roleRef": {
+                            "apiGroup": "rbac.authorization.k8s.io",
+                            "kind": "Role",
+                            "name": name,
+                        },
+                        "subjects": [
+                            {
+                                "apiGroup": "rbac.authorization.k8s.io",
+                                "kind": "User",
+                                "name": "system:kube-scheduler",
+                            }
+                        ],
+                    },
+                )
+            )
 
-    def scheduler_lease_holder(self, namespace: str = "kube-system",
-                               name: str = "kube-scheduler") -> str | None:
+    def scheduler_lease_holder(
+        self, namespace: str = "kube-system", name: str = "kube-scheduler"
+    ) -> str | None:
         """holderIdentity of the scheduler's Lease, or None (no lease / not held)."""
         with self.api_client() as client:
             api = kubernetes.client.CoordinationV1Api(client)
@@ -515,7 +546,7 @@ class ControlPlane:
         alloc.update({k: str(v) for k, v in (allocatable or {}).items()})
         cap = dict(alloc)
         cap.update({k: str(v) for k, v in (capacity or {}).items()})
-        now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
             "kind": "Node",
@@ -535,11 +566,16 @@ class ControlPlane:
                     }
                 ],
                 "nodeInfo": {  # every field is required by the client's model
-                    "architecture": "amd64", "operatingSystem": "linux",
-                    "osImage": "fake", "kernelVersion": "fake",
-                    "containerRuntimeVersion": "fake://0", "kubeletVersion": f"v{K8S_VERSION}",
-                    "kubeProxyVersion": f"v{K8S_VERSION}", "bootID": name,
-                    "machineID": name, "systemUUID": name,
+                    "architecture": "amd64",
+                    "operatingSystem": "linux",
+                    "osImage": "fake",
+                    "kernelVersion": "fake",
+                    "containerRuntimeVersion": "fake://0",
+                    "kubeletVersion": f"v{K8S_VERSION}",
+                    "kubeProxyVersion": f"v{K8S_VERSION}",
+                    "bootID": name,
+                    "machineID": name,
+                    "systemUUID": name,
                 },
             },
         }
@@ -564,10 +600,16 @@ class ControlPlane:
             if len(taints) == len(node.spec.taints or []):
                 return
             patch = [
-                {"op": "test", "path": "/metadata/resourceVersion",
-                 "value": node.metadata.resource_version},
-                {"op": "replace", "path": "/spec/taints",
-                 "value": [client_to_dict(t) for t in taints]},
+                {
+                    "op": "test",
+                    "path": "/metadata/resourceVersion",
+                    "value": node.metadata.resource_version,
+                },
+                {
+                    "op": "replace",
+                    "path": "/spec/taints",
+                    "value": [client_to_dict(t) for t in taints],
+                },
             ]
             try:
                 core.patch_node(name, patch)  # a list body is sent as a JSON patch
@@ -611,7 +653,9 @@ class ControlPlane:
 
     def logs(self, lines: int = 40) -> str:
         """Tails of every component's log, for failure messages."""
-        return "\n".join(c.describe(lines) for c in (self.etcd, self.apiserver, self.scheduler) if c)
+        return "\n".join(
+            c.describe(lines) for c in (self.etcd, self.apiserver, self.scheduler) if c
+        )
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -723,18 +767,55 @@ class ControlPlane:
             if proc.returncode != 0:
                 raise ControlPlaneError(f"openssl {' '.join(args)} failed:\n{proc.stderr}")
 
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-                "-out", "ca.crt", "-days", "3650", "-subj", "/CN=vramsched-e2e-ca")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key",
-                "-out", "apiserver.csr", "-subj", "/CN=kube-apiserver")
+        openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "3650",
+            "-subj",
+            "/CN=vramsched-e2e-ca",
+        )
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "apiserver.key",
+            "-out",
+            "apiserver.csr",
+            "-subj",
+            "/CN=kube-apiserver",
+        )
         (pki / "apiserver.ext").write_text(
             "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,"
             "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
             "extendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
         )
-        openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", "apiserver.crt", "-days", "3650",
-                "-extfile", "apiserver.ext")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            "apiserver.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "apiserver.crt",
+            "-days",
+            "3650",
+            "-extfile",
+            "apiserver.ext",
+        )
         openssl("genrsa", "-out", "sa.key", "2048")
         openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
 
@@ -750,8 +831,15 @@ class ControlPlane:
         doc = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "e2e", "cluster": {
-                "server": self.server_url, "certificate-authority": str(self.ca_path)}}],
+            "clusters": [
+                {
+                    "name": "e2e",
+                    "cluster": {
+                        "server": self.server_url,
+                        "certificate-authority": str(self.ca_path),
+                    },
+                }
+            ],
             "users": [{"name": user, "user": {"token": token}}],
             "contexts": [{"name": user, "context": {"cluster": "e2e", "user": user}}],
             "current-context": user,
@@ -812,9 +900,7 @@ def _create_ignore_conflict(create: Callable[[], Any]) -> None:
 
 
 def _node_status_ready(node: Any) -> bool:
-    return any(
-        c.type == "Ready" and c.status == "True" for c in (node.status.conditions or [])
-    )
+    return any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
 
 
 def _ready_untainted(node: Any) -> Any:

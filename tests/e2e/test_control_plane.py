@@ -16,7 +16,6 @@ import kubernetes.client
 import kubernetes.config
 import pytest
 import yaml
-
 from controlplane import (
     NOT_READY_TAINT,
     SCHEDULER_API_V1BETA1,
@@ -64,8 +63,12 @@ def test_api_answers_with_version_and_default_namespaces(cluster: ControlPlane) 
 @pytest.mark.e2e
 def test_gpu_node_is_ready_untainted_and_has_gpus(cluster: ControlPlane) -> None:
     labels = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.memory": "81920"}
-    cluster.create_gpu_node("gpu-a", labels, {GPU: 8}, taints=[
-        {"key": "dedicated", "value": "gpu", "effect": "PreferNoSchedule"}])
+    cluster.create_gpu_node(
+        "gpu-a",
+        labels,
+        {GPU: 8},
+        taints=[{"key": "dedicated", "value": "gpu", "effect": "PreferNoSchedule"}],
+    )
 
     with cluster.api_client() as client:
         node = kubernetes.client.CoreV1Api(client).read_node("gpu-a")
@@ -88,12 +91,14 @@ def test_scheduler_binds_pod_of_its_profile_and_ignores_others(cluster: ControlP
         core.create_namespaced_pod("default", pod_body("other-scheduler", "someone-else"))
         core.create_namespaced_pod("default", pod_body("plain", "vramsched"))
 
-        node = cluster.wait_for(lambda: bound_node(core, "plain"), timeout=60,
-                                message="pod 'plain' bound")
+        node = cluster.wait_for(
+            lambda: bound_node(core, "plain"), timeout=60, message="pod 'plain' bound"
+        )
         assert node == "gpu-b"
         conditions = core.read_namespaced_pod("plain", "default").status.conditions or []
         assert [(c.type, c.status) for c in conditions if c.type == "PodScheduled"] == [
-            ("PodScheduled", "True")]
+            ("PodScheduled", "True")
+        ]
         # Created first, so the scheduler had it in hand before it bound 'plain'.
         assert bound_node(core, "other-scheduler") is None
 
@@ -150,23 +155,33 @@ class RecordingExtender:
 
     def reply(self, verb: str, body: dict[str, Any]) -> Any:
         if verb == "filter":
-            return {"Nodes": body.get("Nodes"), "NodeNames": body.get("NodeNames"),
-                    "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+            return {
+                "Nodes": body.get("Nodes"),
+                "NodeNames": body.get("NodeNames"),
+                "FailedNodes": {},
+                "FailedAndUnresolvableNodes": {},
+                "Error": "",
+            }
         if verb == "prioritize":
             return []
         if verb == "bind":
             kubernetes.client.CoreV1Api(self.api).create_namespaced_binding(
                 body["PodNamespace"],
-                {"metadata": {"name": body["PodName"], "uid": body["PodUID"]},
-                 "target": {"kind": "Node", "name": body["Node"]}},
+                {
+                    "metadata": {"name": body["PodName"], "uid": body["PodUID"]},
+                    "target": {"kind": "Node", "name": body["Node"]},
+                },
                 _preload_content=False,  # the server answers a Status, not a Binding
             )
             return {"Error": ""}
         return {"Error": f"unexpected verb {verb}"}
 
     def verbs_for(self, pod: str) -> list[str]:
-        return [path.rsplit("/", 1)[-1] for path, body in self.calls
-                if body.get("Pod", {}).get("metadata", {}).get("name", body.get("PodName")) == pod]
+        return [
+            path.rsplit("/", 1)[-1]
+            for path, body in self.calls
+            if body.get("Pod", {}).get("metadata", {}).get("name", body.get("PodName")) == pod
+        ]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -186,8 +201,9 @@ def test_scheduler_calls_extender_at_url_prefix_for_gpu_pods_only(
     cluster: ControlPlane, recording_extender: RecordingExtender
 ) -> None:
     cluster.create_gpu_node("gpu-d", {}, {GPU: 1})
-    config = ControlPlane.scheduler_config("vramsched", extender_url=recording_extender.url,
-                                           prioritize_verb=None)
+    config = ControlPlane.scheduler_config(
+        "vramsched", extender_url=recording_extender.url, prioritize_verb=None
+    )
     written = yaml.safe_load(cluster.start_scheduler(config).read_text())
     assert written["apiVersion"] == SCHEDULER_API_V1BETA1
     with cluster.api_client() as client:
@@ -216,19 +232,24 @@ def test_shipped_scheduler_config_runs_with_leader_election_and_extender_binding
     election = config["leaderElection"]
     cluster.create_gpu_node("gpu-e", {}, {GPU: 2})
     cluster.create_gpu_node("gpu-f", {}, {GPU: 2})
-    cluster.start_scheduler(SHIPPED_CONFIG.read_text(), extender_url=recording_extender.url,
-                            leader_elect=True)
+    cluster.start_scheduler(
+        SHIPPED_CONFIG.read_text(), extender_url=recording_extender.url, leader_elect=True
+    )
 
     holder = cluster.wait_for(
-        lambda: cluster.scheduler_lease_holder(election["resourceNamespace"],
-                                               election["resourceName"]),
-        timeout=60, message="the scheduler holds its own lease")
+        lambda: cluster.scheduler_lease_holder(
+            election["resourceNamespace"], election["resourceName"]
+        ),
+        timeout=60,
+        message="the scheduler holds its own lease",
+    )
     assert holder
     with cluster.api_client() as client:
         core = kubernetes.client.CoreV1Api(client)
         core.create_namespaced_pod("default", pod_body("gpu-pod", "vramsched", gpus=1))
-        node = cluster.wait_for(lambda: bound_node(core, "gpu-pod"), timeout=60,
-                                message="gpu-pod bound by the extender")
+        node = cluster.wait_for(
+            lambda: bound_node(core, "gpu-pod"), timeout=60, message="gpu-pod bound by the extender"
+        )
     assert node in {"gpu-e", "gpu-f"}
     verbs = recording_extender.verbs_for("gpu-pod")
     assert verbs == ["filter", "prioritize", "bind"]  # two feasible nodes: prioritize runs
@@ -247,20 +268,32 @@ def test_service_account_kubeconfig_carries_rbac_of_that_account(cluster: Contro
             sa_core.list_node()
         assert denied.value.status == 403
         with cluster.api_client() as admin:
-            kubernetes.client.RbacAuthorizationV1Api(admin).create_cluster_role_binding({
-                "metadata": {"name": "e2e-extender-reads-nodes"},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                            "name": "system:kube-scheduler"},
-                "subjects": [{"kind": "ServiceAccount", "name": "extender",
-                              "namespace": "vramsched-system"}],
-            })
+            kubernetes.client.RbacAuthorizationV1Api(admin).create_cluster_role_binding(
+                {
+                    "metadata": {"name": "e2e-extender-reads-nodes"},
+                    "roleRef": {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "ClusterRole",
+                        "name": "system:kube-scheduler",
+                    },
+                    "subjects": [
+                        {
+                            "kind": "ServiceAccount",
+                            "name": "extender",
+                            "namespace": "vramsched-system",
+                        }
+                    ],
+                }
+            )
         try:
-            cluster.wait_for(lambda: sa_core.list_node() is not None, timeout=30,
-                             message="RBAC grant visible")
+            cluster.wait_for(
+                lambda: sa_core.list_node() is not None, timeout=30, message="RBAC grant visible"
+            )
         finally:
             with cluster.api_client() as admin:
                 kubernetes.client.RbacAuthorizationV1Api(admin).delete_cluster_role_binding(
-                    "e2e-extender-reads-nodes")
+                    "e2e-extender-reads-nodes"
+                )
 
 
 @pytest.mark.e2e
@@ -291,8 +324,11 @@ time.sleep(600)
 def test_components_die_with_a_killed_test_process(
     tmp_path: Path, control_plane: ControlPlane
 ) -> None:
-    script = CRASHING_SESSION.format(here=str(Path(__file__).parent), workdir=str(tmp_path / "cp"),
-                                     bin_dir=str(control_plane.bin_dir))
+    script = CRASHING_SESSION.format(
+        here=str(Path(__file__).parent),
+        workdir=str(tmp_path / "cp"),
+        bin_dir=str(control_plane.bin_dir),
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -301,8 +337,11 @@ def test_components_die_with_a_killed_test_process(
     finally:
         proc.kill()  # SIGKILL: no atexit, no finally in the child
         proc.wait()
-    control_plane.wait_for(lambda: not [pid for pid in pids if _alive(pid)], timeout=15,
-                           message="etcd and kube-apiserver gone after their parent was killed")
+    control_plane.wait_for(
+        lambda: not [pid for pid in pids if _alive(pid)],
+        timeout=15,
+        message="etcd and kube-apiserver gone after their parent was killed",
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -324,11 +363,17 @@ def test_v1_config_is_translated_for_kube_scheduler_1_20() -> None:
 
 
 def test_v1_config_that_1_20_cannot_express_is_refused() -> None:
-    multipoint = {"apiVersion": "kubescheduler.config.k8s.io/v1",
-                  "profiles": [{"schedulerName": "a", "plugins": {"multiPoint": {}}}]}
+    multipoint = {
+        "apiVersion": "kubescheduler.config.k8s.io/v1",
+        "profiles": [{"schedulerName": "a", "plugins": {"multiPoint": {}}}],
+    }
     with pytest.raises(ControlPlaneError, match="multiPoint"):
         to_v1beta1(multipoint)
-    disagree = {"profiles": [{"schedulerName": "a", "percentageOfNodesToScore": 50},
-                             {"schedulerName": "b", "percentageOfNodesToScore": 100}]}
+    disagree = {
+        "profiles": [
+            {"schedulerName": "a", "percentageOfNodesToScore": 50},
+            {"schedulerName": "b", "percentageOfNodesToScore": 100},
+        ]
+    }
     with pytest.raises(ControlPlaneError, match="percentageOfNodesToScore"):
         to_v1beta1(disagree)

@@ -30,7 +30,6 @@ import kubernetes.watch
 import orjson
 import pytest
 import yaml
-
 from controlplane import REPO_ROOT, Component, ControlPlane, free_port
 
 from extender.bind_event import REASON
@@ -59,11 +58,17 @@ def gpu_labels(product: str, count: int, memory_mib: int, replicas: int = 1) -> 
     }
 
 
-def add_node(cp: ControlPlane, name: str, product: str, count: int, memory_mib: int, replicas: int = 1) -> None:
-    cp.create_gpu_node(name, gpu_labels(product, count, memory_mib, replicas), {GPU: str(count * replicas)})
+def add_node(
+    cp: ControlPlane, name: str, product: str, count: int, memory_mib: int, replicas: int = 1
+) -> None:
+    cp.create_gpu_node(
+        name, gpu_labels(product, count, memory_mib, replicas), {GPU: str(count * replicas)}
+    )
 
 
-def gpu_pod(name: str, memory: str | None, *, gpus: int = 1, scheduler: str = "vramsched", pin: bool = False) -> dict[str, Any]:
+def gpu_pod(
+    name: str, memory: str | None, *, gpus: int = 1, scheduler: str = "vramsched", pin: bool = False
+) -> dict[str, Any]:
     ann = {"vramsched.io/model-memory": memory} if memory else {}
     container: dict[str, Any] = {
         "name": "main",
@@ -88,18 +93,29 @@ def _grant_extender_rbac(cp: ControlPlane) -> Path:
     kubeconfig = cp.service_account_kubeconfig(SA_NAMESPACE, SA_NAME)
     wanted = {"vramsched-extender", "vramsched-extender-pinning"}
     docs = []
-    for path in (REPO_ROOT / "deploy" / "rbac.yaml", REPO_ROOT / "deploy" / "pin-gpus" / "rbac.yaml"):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d["metadata"]["name"] in wanted]
+    for path in (
+        REPO_ROOT / "deploy" / "rbac.yaml",
+        REPO_ROOT / "deploy" / "pin-gpus" / "rbac.yaml",
+    ):
+        docs += [
+            d for d in yaml.safe_load_all(path.read_text()) if d and d["metadata"]["name"] in wanted
+        ]
     with cp.api_client() as client:
         rbac = kubernetes.client.RbacAuthorizationV1Api(client)
         for doc in docs:
-            create = rbac.create_cluster_role if doc["kind"] == "ClusterRole" else rbac.create_cluster_role_binding
+            create = (
+                rbac.create_cluster_role
+                if doc["kind"] == "ClusterRole"
+                else rbac.create_cluster_role_binding
+            )
             try:
                 create(doc)
             except kubernetes.client.ApiException as exc:
                 if exc.status != 409:
                     raise
-    assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}, "deploy/ RBAC for the extender is missing"
+    assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}, (
+        "deploy/ RBAC for the extender is missing"
+    )
     return kubeconfig
 
 
@@ -121,13 +137,28 @@ class Extender:
         self.log_path = cp.logs_dir / f"vramsched-{self.port}.log"
         # `python -m extender`, with this checkout first on the path whatever the cwd.
         boot = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from extender.cli import main; sys.exit(main())"
-        argv = [sys.executable, "-c", boot, "serve", "--kubeconfig", str(kubeconfig),
-                "--port", str(self.port), "--log-level", "info", *args]
+        argv = [
+            sys.executable,
+            "-c",
+            boot,
+            "serve",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--port",
+            str(self.port),
+            "--log-level",
+            "info",
+            *args,
+        ]
         self.component = Component("vramsched", argv, self.log_path)
 
     def start(self) -> None:
         self.component.start()
-        self.cp.wait_for(lambda: self.get("/readyz") is not None, timeout=60, message=f"vramsched ready\n{self.describe()}")
+        self.cp.wait_for(
+            lambda: self.get("/readyz") is not None,
+            timeout=60,
+            message=f"vramsched ready\n{self.describe()}",
+        )
 
     def kill9(self) -> None:
         """SIGKILL: no shutdown path runs, as when a node dies."""
@@ -148,7 +179,11 @@ class Extender:
             return None
 
     def post(self, path: str, body: Any) -> Any:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
@@ -170,7 +205,9 @@ def extender_args() -> list[str]:
 
 
 @pytest.fixture
-def stack(cluster: ControlPlane, extender_args: list[str]) -> Iterator[tuple[ControlPlane, Extender]]:
+def stack(
+    cluster: ControlPlane, extender_args: list[str]
+) -> Iterator[tuple[ControlPlane, Extender]]:
     """Extender (with `extender_args`) + kube-scheduler running the deploy config."""
     kubeconfig = _grant_extender_rbac(cluster)
     ext = Extender(cluster, kubeconfig, extender_args)
@@ -207,11 +244,13 @@ def rebuilt_ledger(api: kubernetes.client.CoreV1Api, policy: ReplicaPolicy) -> C
 def assert_sound(api: kubernetes.client.CoreV1Api, policy: ReplicaPolicy) -> ClusterState:
     """No GPU over its VRAM or replicas in the API's state, and none the device plugin could make so."""
     state = rebuilt_ledger(api, policy)
-    assert state.guessed == set(), f"bound GPU pods without a readable assignment: {sorted(state.guessed)}"
+    assert state.guessed == set(), (
+        f"bound GPU pods without a readable assignment: {sorted(state.guessed)}"
+    )
     assert check_invariant(state.ledger, state.live_pod_keys()) == []
     for pod in state.pods.values():
         node = (pod.get("spec") or {}).get("nodeName")
-        ann = (pod["metadata"].get("annotations") or {})
+        ann = pod["metadata"].get("annotations") or {}
         if node and "vramsched.io/assignment" in ann:
             assert json.loads(ann["vramsched.io/assignment"])["node"] == node
     if policy is not ReplicaPolicy.PINNED:
@@ -220,13 +259,22 @@ def assert_sound(api: kubernetes.client.CoreV1Api, policy: ReplicaPolicy) -> Clu
             if not shared:
                 continue
             ids = {d.device_id for d in shared}
-            sizes = [b for r in state.ledger.pods_on(inv.name) for dev, b in zip(r.device_ids, r.bytes_per_device) if dev in ids]
+            sizes = [
+                b
+                for r in state.ledger.pods_on(inv.name)
+                for dev, b in zip(r.device_ids, r.bytes_per_device)
+                if dev in ids
+            ]
             worst = worst_case_load(sizes, 0, 0, len(shared), shared[0].replicas, policy)
-            assert worst <= shared[0].memory_bytes, f"{inv.name}: plugin could stack {worst} bytes on one GPU"
+            assert worst <= shared[0].memory_bytes, (
+                f"{inv.name}: plugin could stack {worst} bytes on one GPU"
+            )
     return state
 
 
-def wait_bound(cp: ControlPlane, api: kubernetes.client.CoreV1Api, names: list[str], timeout: float = 60) -> dict[str, str]:
+def wait_bound(
+    cp: ControlPlane, api: kubernetes.client.CoreV1Api, names: list[str], timeout: float = 60
+) -> dict[str, str]:
     def all_bound() -> dict[str, str] | None:
         got = {n: api.read_namespaced_pod(n, NS).spec.node_name for n in names}
         return got if all(got.values()) else None
@@ -247,7 +295,9 @@ def annotations(api: kubernetes.client.CoreV1Api, name: str) -> dict[str, str]:
 
 
 @pytest.mark.e2e
-def test_binds_to_right_nodes_with_annotations_and_explains_refusals(stack: tuple[ControlPlane, Extender]) -> None:
+def test_binds_to_right_nodes_with_annotations_and_explains_refusals(
+    stack: tuple[ControlPlane, Extender],
+) -> None:
     cp, ext = stack
     add_node(cp, "a100", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920)
     add_node(cp, "l4", "NVIDIA-L4", count=1, memory_mib=23034)
@@ -267,12 +317,16 @@ def test_binds_to_right_nodes_with_annotations_and_explains_refusals(stack: tupl
     # Exclusive GPUs: the device plugin, not vramsched, picks which one; no index is claimed.
     assert "vramsched.io/gpu-index" not in ann
 
-    events = cp.wait_for(lambda: scheduling_events(api, "huge"), timeout=30, message="FailedScheduling for huge")
+    events = cp.wait_for(
+        lambda: scheduling_events(api, "huge"), timeout=30, message="FailedScheduling for huge"
+    )
     # Whichever node still has a free GPU reached the extender; its refusal is in the event.
     free_gpu = {"a100": "80Gi", "l4": "22.49Gi"}["l4" if got["small"] == "a100" else "a100"]
     assert any(f"1 need 200Gi per GPU, GPUs have {free_gpu}" in m for m in events), events
     huge = api.read_namespaced_pod("huge", NS)
-    assert huge.spec.node_name is None and "vramsched.io/assignment" not in (huge.metadata.annotations or {})
+    assert huge.spec.node_name is None and "vramsched.io/assignment" not in (
+        huge.metadata.annotations or {}
+    )
 
     stranger = api.read_namespaced_pod("stranger", NS)
     assert stranger.spec.node_name is None
@@ -285,7 +339,9 @@ def test_binds_to_right_nodes_with_annotations_and_explains_refusals(stack: tupl
 
 
 @pytest.mark.e2e
-def test_kube_scheduler_binds_where_vramsched_chooses_among_equal_nodes(stack: tuple[ControlPlane, Extender]) -> None:
+def test_kube_scheduler_binds_where_vramsched_chooses_among_equal_nodes(
+    stack: tuple[ControlPlane, Extender],
+) -> None:
     """Two idle identical GPU nodes are in the same band for vramsched, so prioritize gives one of
     them 10 (the first in its order) and the other its band, 0. A CPU-heavy pod on the chosen one
     makes kube-scheduler's own CPU/memory scorers prefer the other node (~85 points); our 10 steps
@@ -295,17 +351,37 @@ def test_kube_scheduler_binds_where_vramsched_chooses_among_equal_nodes(stack: t
     for name in ("tie-0", "tie-1"):
         add_node(cp, name, "NVIDIA-A100-SXM4-80GB", count=1, memory_mib=81920)
     api = core(cp)
-    cp.wait_for(lambda: {"tie-0", "tie-1"} <= {n["name"] for n in (ext.get("/state") or {}).get("nodes", [])},
-                timeout=30, message="both nodes in the extender's ledger")
+    cp.wait_for(
+        lambda: (
+            {"tie-0", "tie-1"} <= {n["name"] for n in (ext.get("/state") or {}).get("nodes", [])}
+        ),
+        timeout=30,
+        message="both nodes in the extender's ledger",
+    )
     probe = gpu_pod("tie-pod", "16Gi")
     probe["metadata"].update(namespace=NS, uid="probe")
-    scores = {h["Host"]: h["Score"] for h in ext.post("/prioritize", {"Pod": probe, "NodeNames": ["tie-0", "tie-1"]})}
+    scores = {
+        h["Host"]: h["Score"]
+        for h in ext.post("/prioritize", {"Pod": probe, "NodeNames": ["tie-0", "tie-1"]})
+    }
     (chosen,) = [n for n, s in scores.items() if s == 10]
     (other,) = [n for n, s in scores.items() if s != 10]
     assert scores[other] == 0  # an idle node, and a loose fit: the lowest band
-    hog = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cpu-hog"},
-           "spec": {"nodeName": chosen, "containers": [{"name": "main", "image": "busybox",
-                                                        "resources": {"requests": {"cpu": "48", "memory": "256Gi"}}}]}}
+    hog = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "cpu-hog"},
+        "spec": {
+            "nodeName": chosen,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "busybox",
+                    "resources": {"requests": {"cpu": "48", "memory": "256Gi"}},
+                }
+            ],
+        },
+    }
     api.create_namespaced_pod(NS, hog)
     api.create_namespaced_pod(NS, gpu_pod("tie-pod", "16Gi"))
     assert wait_bound(cp, api, ["tie-pod"])["tie-pod"] == chosen
@@ -313,7 +389,9 @@ def test_kube_scheduler_binds_where_vramsched_chooses_among_equal_nodes(stack: t
 
 
 @pytest.mark.e2e
-def test_time_sliced_gpus_are_booked_for_the_device_plugins_worst_case(stack: tuple[ControlPlane, Extender]) -> None:
+def test_time_sliced_gpus_are_booked_for_the_device_plugins_worst_case(
+    stack: tuple[ControlPlane, Extender],
+) -> None:
     """Default policy `distributed`: the plugin, not vramsched, picks the GPU of each replica.
 
     2 x 22.5Gi GPUs, 4 replicas each. 12+8+8 fit however the plugin spreads them; a second
@@ -327,8 +405,12 @@ def test_time_sliced_gpus_are_booked_for_the_device_plugins_worst_case(stack: tu
         api.create_namespaced_pod(NS, gpu_pod(name, memory))
         wait_bound(cp, api, [name])
     api.create_namespaced_pod(NS, gpu_pod("ts-d", "12Gi"))
-    events = cp.wait_for(lambda: scheduling_events(api, "ts-d"), timeout=30, message="FailedScheduling for ts-d")
-    assert any("device plugin (distributed) may stack 24Gi on a 22.49Gi GPU" in m for m in events), events
+    events = cp.wait_for(
+        lambda: scheduling_events(api, "ts-d"), timeout=30, message="FailedScheduling for ts-d"
+    )
+    assert any(
+        "device plugin (distributed) may stack 24Gi on a 22.49Gi GPU" in m for m in events
+    ), events
     api.create_namespaced_pod(NS, gpu_pod("ts-e", "2Gi"))
     wait_bound(cp, api, ["ts-e"])
     assert api.read_namespaced_pod("ts-d", NS).spec.node_name is None
@@ -337,11 +419,17 @@ def test_time_sliced_gpus_are_booked_for_the_device_plugins_worst_case(stack: tu
     state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     # The extender's own ledger is the one the API rebuilds.
     served = {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
-    assert served == {r.key for r in state.ledger.reservations()} == {f"default/ts-{x}" for x in "abce"}
+    assert (
+        served
+        == {r.key for r in state.ledger.reservations()}
+        == {f"default/ts-{x}" for x in "abce"}
+    )
 
 
 @pytest.mark.e2e
-def test_kill_and_restart_mid_run_loses_nothing_and_double_books_nothing(stack: tuple[ControlPlane, Extender]) -> None:
+def test_kill_and_restart_mid_run_loses_nothing_and_double_books_nothing(
+    stack: tuple[ControlPlane, Extender],
+) -> None:
     """Two time-sliced nodes hold exactly 16 pods of 30Gi (8 per node: at most 2 per 80Gi GPU
     whatever the plugin does). 10 pods, SIGKILL the extender while they are being bound, 8 more
     while it is down, restart it: 16 bound, 2 Pending with our reason, no GPU over its VRAM."""
@@ -371,7 +459,9 @@ def test_kill_and_restart_mid_run_loses_nothing_and_double_books_nothing(stack: 
         nodes = {n: api.read_namespaced_pod(n, NS).spec.node_name for n in everyone}
         return nodes if sum(1 for v in nodes.values() if v) == 16 else None
 
-    nodes = cp.wait_for(settled, timeout=120, interval=0.5, message=f"16 pods bound\n{ext.describe()}")
+    nodes = cp.wait_for(
+        settled, timeout=120, interval=0.5, message=f"16 pods bound\n{ext.describe()}"
+    )
     state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     # The two left over are refused by the restarted extender itself. (Their FailedScheduling
     # events may lag: the event recorder rate-limits a pod that failed many times while the
@@ -381,7 +471,9 @@ def test_kill_and_restart_mid_run_loses_nothing_and_double_books_nothing(stack: 
     for name in waiting:
         pod = api.api_client.sanitize_for_serialization(api.read_namespaced_pod(name, NS))
         answer = ext.post("/filter", {"Pod": pod, "Nodes": None, "NodeNames": ["ts-0", "ts-1"]})
-        assert answer["NodeNames"] == [] and set(answer["FailedNodes"].values()) == {"no GPU with 30Gi free"}
+        assert answer["NodeNames"] == [] and set(answer["FailedNodes"].values()) == {
+            "no GPU with 30Gi free"
+        }
     per_node = {n: sum(1 for v in nodes.values() if v == n) for n in ("ts-0", "ts-1")}
     assert per_node == {"ts-0": 8, "ts-1": 8}
     assert 1 <= bound_at_kill < 18
@@ -392,7 +484,9 @@ def test_kill_and_restart_mid_run_loses_nothing_and_double_books_nothing(stack: 
 
 
 @pytest.mark.e2e
-def test_watches_resume_after_apiserver_restart_and_release_finished_pods(stack: tuple[ControlPlane, Extender]) -> None:
+def test_watches_resume_after_apiserver_restart_and_release_finished_pods(
+    stack: tuple[ControlPlane, Extender],
+) -> None:
     cp, ext = stack
     add_node(cp, "h100", "NVIDIA-H100-80GB-HBM3", count=2, memory_mib=81559)
     api = core(cp)
@@ -413,7 +507,11 @@ def test_watches_resume_after_apiserver_restart_and_release_finished_pods(stack:
     def held() -> set[str]:
         return {p for n in ext.get("/state")["nodes"] for g in n["gpus"] for p in g["pods"]}
 
-    cp.wait_for(lambda: not held() & {"default/w-1", "default/w-2"}, timeout=30, message="VRAM of w-1, w-2 released")
+    cp.wait_for(
+        lambda: not held() & {"default/w-1", "default/w-2"},
+        timeout=30,
+        message="VRAM of w-1, w-2 released",
+    )
     # A node event sends the refused pods back to the scheduling queue at once (else ~60 s).
     api.patch_node("h100", {"metadata": {"labels": {"e2e/freed": "true"}}})
     wait_bound(cp, api, ["w-3", "w-4"], timeout=90)
@@ -428,7 +526,9 @@ def test_watches_resume_after_apiserver_restart_and_release_finished_pods(stack:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("extender_args", [["--replica-policy", "pinned"]])
-def test_pinned_policy_hands_the_gpu_choice_to_the_container(stack: tuple[ControlPlane, Extender], extender_args: list[str]) -> None:
+def test_pinned_policy_hands_the_gpu_choice_to_the_container(
+    stack: tuple[ControlPlane, Extender], extender_args: list[str]
+) -> None:
     cp, ext = stack
     add_node(cp, "ts-pin", "NVIDIA-L4", count=2, memory_mib=23034, replicas=4)
     api = core(cp)
@@ -436,7 +536,9 @@ def test_pinned_policy_hands_the_gpu_choice_to_the_container(stack: tuple[Contro
         api.create_namespaced_pod(NS, gpu_pod(name, memory, pin=True))
         wait_bound(cp, api, [name])
     api.create_namespaced_pod(NS, gpu_pod("unpinned", "1Gi"))
-    events = cp.wait_for(lambda: scheduling_events(api, "unpinned"), timeout=30, message="unpinned refused")
+    events = cp.wait_for(
+        lambda: scheduling_events(api, "unpinned"), timeout=30, message="unpinned refused"
+    )
     assert any(PIN_MISSING in m for m in events), events
     per_gpu: dict[str, int] = {}
     for name in ("pin-a", "pin-b", "pin-c", "pin-d"):
@@ -444,22 +546,31 @@ def test_pinned_policy_hands_the_gpu_choice_to_the_container(stack: tuple[Contro
         cm = api.read_namespaced_config_map(f"vramsched-{name}", NS)
         index = pod.metadata.annotations["vramsched.io/gpu-index"]
         assert cm.data == {"NVIDIA_VISIBLE_DEVICES": index, "VRAMSCHED_PINNED": "true"}
-        assert [(o.kind, o.name, o.uid) for o in cm.metadata.owner_references] == [("Pod", name, pod.metadata.uid)]
-        per_gpu[index] = per_gpu.get(index, 0) + json.loads(pod.metadata.annotations["vramsched.io/assignment"])["bytesPerDevice"][0]
+        assert [(o.kind, o.name, o.uid) for o in cm.metadata.owner_references] == [
+            ("Pod", name, pod.metadata.uid)
+        ]
+        per_gpu[index] = (
+            per_gpu.get(index, 0)
+            + json.loads(pod.metadata.annotations["vramsched.io/assignment"])["bytesPerDevice"][0]
+        )
     # Pinned, the books are exact: 12+8 and 12+8 on the two 22.5Gi GPUs (distributed would refuse pin-d).
     assert sorted(per_gpu.values()) == [20 * GIB, 20 * GIB]
     assert_sound(api, ReplicaPolicy.PINNED)
 
 
 @pytest.mark.e2e
-def test_a_standby_replica_tracks_the_active_one_and_takes_over(stack: tuple[ControlPlane, Extender]) -> None:
+def test_a_standby_replica_tracks_the_active_one_and_takes_over(
+    stack: tuple[ControlPlane, Extender],
+) -> None:
     """Two replicas run (as in deploy/: two pods, one scheduler leads). The standby learns every
     bind from the API alone; after a failover it fills the node to exactly its capacity."""
     cp, active = stack
     standby = Extender(cp, _grant_extender_rbac(cp), [])
     standby.start()
     try:
-        add_node(cp, "ts", "NVIDIA-A100-SXM4-80GB", count=4, memory_mib=81920, replicas=4)  # 8 x 30Gi fit
+        add_node(
+            cp, "ts", "NVIDIA-A100-SXM4-80GB", count=4, memory_mib=81920, replicas=4
+        )  # 8 x 30Gi fit
         api = core(cp)
         first = [f"ha-{i}" for i in range(6)]
         for name in first:
@@ -485,7 +596,10 @@ def test_a_standby_replica_tracks_the_active_one_and_takes_over(stack: tuple[Con
 
         cp.wait_for(bound, timeout=60, message=f"8 pods bound after failover\n{standby.describe()}")
         state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
-        assert held(standby) == {r.key for r in state.ledger.reservations()} and len(held(standby)) == 8
+        assert (
+            held(standby) == {r.key for r in state.ledger.reservations()}
+            and len(held(standby)) == 8
+        )
     finally:
         standby.stop()
 
@@ -503,8 +617,13 @@ def versions_until_bound(api: kubernetes.client.CoreV1Api, name: str, since: str
     """Every version of the pod the API server committed from `since` up to the first one bound."""
     seen: list[Any] = []
     w = kubernetes.watch.Watch()
-    for event in w.stream(api.list_namespaced_pod, NS, field_selector=f"metadata.name={name}",
-                          resource_version=since, timeout_seconds=30):
+    for event in w.stream(
+        api.list_namespaced_pod,
+        NS,
+        field_selector=f"metadata.name={name}",
+        resource_version=since,
+        timeout_seconds=30,
+    ):
         seen.append(event["object"])
         if event["object"].spec.node_name:
             w.stop()
@@ -527,11 +646,16 @@ def test_deployment_pods_pin_through_the_downward_api_and_each_bind_records_an_e
     so kubelet can never start the container with an empty variable."""
     cp, ext = stack
     add_node(cp, "a100-ts", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920, replicas=4)
-    add_node(cp, "a100-x", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920)  # exclusive: cannot pin
+    add_node(
+        cp, "a100-x", "NVIDIA-A100-SXM4-80GB", count=2, memory_mib=81920
+    )  # exclusive: cannot pin
     api = core(cp)
     template = example_template_pod(REPO_ROOT / "deploy" / "examples" / "pinned-deployment.yaml")
     (env,) = template["spec"]["containers"][0]["env"]
-    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['vramsched.io/gpu-index']"
+    assert (
+        env["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['vramsched.io/gpu-index']"
+    )
     created = [api.create_namespaced_pod(NS, template).metadata for _ in range(3)]
     names = [m.name for m in created]
     nodes = wait_bound(cp, api, names)
@@ -544,10 +668,15 @@ def test_deployment_pods_pin_through_the_downward_api_and_each_bind_records_an_e
         index = (bound.metadata.annotations or {}).get("vramsched.io/gpu-index")
         assignment = json.loads(bound.metadata.annotations["vramsched.io/assignment"])
         # The first bound version carries the index, and it names the GPU vramsched booked.
-        assert index is not None and index == ",".join(assignment["devices"]) and index in {"0", "1"}
+        assert (
+            index is not None and index == ",".join(assignment["devices"]) and index in {"0", "1"}
+        )
         # Written by an earlier write than the Binding: a version holds it while still unbound.
-        assert any(v.spec.node_name is None and (v.metadata.annotations or {}).get("vramsched.io/gpu-index") == index
-                   for v in versions[:-1]), meta.name
+        assert any(
+            v.spec.node_name is None
+            and (v.metadata.annotations or {}).get("vramsched.io/gpu-index") == index
+            for v in versions[:-1]
+        ), meta.name
         # No ConfigMap is involved in this form.
         with pytest.raises(kubernetes.client.ApiException):
             api.read_namespaced_config_map(f"vramsched-{meta.name}", NS)
@@ -557,10 +686,17 @@ def test_deployment_pods_pin_through_the_downward_api_and_each_bind_records_an_e
 
     # One VramschedAssigned event per bind, after the Binding, naming the pinned GPU.
     for meta in created:
-        (event,) = cp.wait_for(lambda n=meta.name: assigned_events(api, n), timeout=30, message=f"event for {meta.name}")
+        (event,) = cp.wait_for(
+            lambda n=meta.name: assigned_events(api, n),
+            timeout=30,
+            message=f"event for {meta.name}",
+        )
         index = annotations(api, meta.name)["vramsched.io/gpu-index"]
         assert event.type == "Normal" and event.involved_object.uid == meta.uid
-        assert re.fullmatch(rf"reserved 16Gi on GPU {index} of a100-ts \(time-slicing, [1-4]/4 replicas, pinned\)", event.message), event.message
+        assert re.fullmatch(
+            rf"reserved 16Gi on GPU {index} of a100-ts \(time-slicing, [1-4]/4 replicas, pinned\)",
+            event.message,
+        ), event.message
         assert event.source.component == "vramsched-extender"
     assert ext.get("/readyz")["events"]["failed"] == 0
 
@@ -571,6 +707,11 @@ def test_deployment_pods_pin_through_the_downward_api_and_each_bind_records_an_e
     probe["spec"].pop("nodeSelector", None)
     answer = ext.post("/filter", {"Pod": probe, "Nodes": None, "NodeNames": ["a100-ts", "a100-x"]})
     assert answer["NodeNames"] == ["a100-ts"]
-    answer = ext.post("/filter", {"Pod": probe, "Nodes": None, "NodeNames": ["a100-x"]})  # why, when nothing passes
-    assert answer["NodeNames"] == [] and "cannot be pinned" in answer["FailedAndUnresolvableNodes"]["a100-x"]
+    answer = ext.post(
+        "/filter", {"Pod": probe, "Nodes": None, "NodeNames": ["a100-x"]}
+    )  # why, when nothing passes
+    assert (
+        answer["NodeNames"] == []
+        and "cannot be pinned" in answer["FailedAndUnresolvableNodes"]["a100-x"]
+    )
     assert_sound(api, ReplicaPolicy.PINNED)

@@ -23,8 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +31,6 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
-
 from controlplane import REPO_ROOT, ControlPlane
 from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     NS,
@@ -70,8 +67,15 @@ def nudge(api: kubernetes.client.CoreV1Api, node: str) -> None:
     api.patch_node(node, {"metadata": {"labels": {"e2e/nudge": str(time.monotonic_ns())}}})
 
 
-def settle(cp: ControlPlane, api: kubernetes.client.CoreV1Api, names: list[str], expect: int, nodes: list[str],
-           ext: Extender, timeout: float = 150) -> dict[str, str]:
+def settle(
+    cp: ControlPlane,
+    api: kubernetes.client.CoreV1Api,
+    names: list[str],
+    expect: int,
+    nodes: list[str],
+    ext: Extender,
+    timeout: float = 150,
+) -> dict[str, str]:
     """Wait until exactly `expect` of `names` are bound (nudging now and then), and return them."""
     deadline = time.monotonic() + timeout
     last_nudge = 0.0
@@ -80,7 +84,9 @@ def settle(cp: ControlPlane, api: kubernetes.client.CoreV1Api, names: list[str],
         if sum(1 for v in got.values() if v) == expect:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"{sum(1 for v in got.values() if v)}/{expect} bound: {got}\n{ext.describe()}")
+            raise AssertionError(
+                f"{sum(1 for v in got.values() if v)}/{expect} bound: {got}\n{ext.describe()}"
+            )
         if time.monotonic() - last_nudge > 10:
             nudge(api, nodes[0])
             last_nudge = time.monotonic()
@@ -92,9 +98,15 @@ def fresh_state_equals(cp: ControlPlane, survivor: Extender, pods: int) -> dict[
     fresh = Extender(cp, _grant_extender_rbac(cp), [])
     fresh.start()
     try:
-        cp.wait_for(lambda: (fresh.get("/readyz") or {}).get("ready") and fresh.get("/state")["nodes"] == survivor.get("/state")["nodes"],
-                    timeout=30, message=f"fresh extender agrees with the survivor\n{json.dumps(fresh.get('/state'))[:2000]}\n"
-                                        f"{json.dumps(survivor.get('/state'))[:2000]}")
+        cp.wait_for(
+            lambda: (
+                (fresh.get("/readyz") or {}).get("ready")
+                and fresh.get("/state")["nodes"] == survivor.get("/state")["nodes"]
+            ),
+            timeout=30,
+            message=f"fresh extender agrees with the survivor\n{json.dumps(fresh.get('/state'))[:2000]}\n"
+            f"{json.dumps(survivor.get('/state'))[:2000]}",
+        )
         state = fresh.get("/state")
         assert sum(len(g["pods"]) for n in state["nodes"] for g in n["gpus"]) == pods
         return state
@@ -102,7 +114,9 @@ def fresh_state_equals(cp: ControlPlane, survivor: Extender, pods: int) -> dict[
         fresh.stop()
 
 
-def check_outcome(cp: ControlPlane, api: kubernetes.client.CoreV1Api, ext: Extender, got: dict[str, str]) -> None:
+def check_outcome(
+    cp: ControlPlane, api: kubernetes.client.CoreV1Api, ext: Extender, got: dict[str, str]
+) -> None:
     """Each bound pod holds exactly one reservation where it is bound; the rest are refused by us."""
     state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     bound = {f"{NS}/{n}" for n, v in got.items() if v}
@@ -111,7 +125,14 @@ def check_outcome(cp: ControlPlane, api: kubernetes.client.CoreV1Api, ext: Exten
         assert res.node == got[res.key.split("/", 1)[1]]
     for name in (n for n, v in got.items() if not v):
         pod = api.api_client.sanitize_for_serialization(api.read_namespaced_pod(name, NS))
-        answer = ext.post("/filter", {"Pod": pod, "Nodes": None, "NodeNames": sorted({n.metadata.name for n in api.list_node().items})})
+        answer = ext.post(
+            "/filter",
+            {
+                "Pod": pod,
+                "Nodes": None,
+                "NodeNames": sorted({n.metadata.name for n in api.list_node().items}),
+            },
+        )
         assert answer["NodeNames"] == [] and answer["FailedNodes"], answer
         assert all("30Gi" in reason for reason in answer["FailedNodes"].values()), answer
 
@@ -129,7 +150,9 @@ def two_time_sliced_nodes(cp: ControlPlane) -> list[str]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("extender_args", [["--assume-ttl", "15"]])
-def test_apiserver_stopped_and_restarted_during_binds(stack: tuple[ControlPlane, Extender], extender_args: list[str]) -> None:
+def test_apiserver_stopped_and_restarted_during_binds(
+    stack: tuple[ControlPlane, Extender], extender_args: list[str]
+) -> None:
     """20 pods for 16 places; the API server is killed while they are being bound and comes back
     5 s later: 16 bound exactly once with their annotations, 4 waiting with our reason."""
     cp, ext = stack
@@ -138,8 +161,12 @@ def test_apiserver_stopped_and_restarted_during_binds(stack: tuple[ControlPlane,
     names = [f"api-{i:02d}" for i in range(20)]
     for name in names[:12]:
         api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
-    cp.wait_for(lambda: any(bound_names(api, names[:12]).values()), timeout=60, interval=0.05,
-                message="binding under way")
+    cp.wait_for(
+        lambda: any(bound_names(api, names[:12]).values()),
+        timeout=60,
+        interval=0.05,
+        message="binding under way",
+    )
     cp.stop_apiserver()
     time.sleep(5)
     cp.start_apiserver()
@@ -160,14 +187,20 @@ def test_filter_answers_from_the_last_view_while_the_api_is_down_and_readyz_says
     add_node(cp, "h100", "NVIDIA-H100-80GB-HBM3", count=2, memory_mib=81559)
     api = core(cp)
     api.create_namespaced_pod(NS, gpu_pod("down-0", "40Gi"))
-    cp.wait_for(lambda: (ext.get("/readyz") or {}).get("pods", 0) >= 1, timeout=30, message="pod seen")
+    cp.wait_for(
+        lambda: (ext.get("/readyz") or {}).get("pods", 0) >= 1, timeout=30, message="pod seen"
+    )
     pod = api.api_client.sanitize_for_serialization(api.read_namespaced_pod("down-0", NS))
     body = {"Pod": pod, "Nodes": None, "NodeNames": ["h100"]}
     before = ext.post("/filter", body)
     assert before["NodeNames"] == ["h100"]
-    ready = cp.wait_for(lambda: (r := ext.get("/readyz")) and r["apiServer"] == "connected" and r, timeout=30,
-                        message=f"/readyz connected: {ext.get('/readyz')}")
+    ready = cp.wait_for(
+        lambda: (r := ext.get("/readyz")) and r["apiServer"] == "connected" and r,
+        timeout=30,
+        message=f"/readyz connected: {ext.get('/readyz')}",
+    )
     assert ready["ready"] is True
+
     def ledger_view() -> dict:  # /state without the planner's counters, which move on their own
         return {k: v for k, v in ext.get("/state").items() if k != "planner"}
 
@@ -175,10 +208,16 @@ def test_filter_answers_from_the_last_view_while_the_api_is_down_and_readyz_says
 
     cp.stop_apiserver()
     try:
-        down = cp.wait_for(lambda: (r := ext.get("/readyz")) and r["apiServer"] == "unreachable" and r,
-                           timeout=30, message="/readyz reports the API server unreachable")
+        down = cp.wait_for(
+            lambda: (r := ext.get("/readyz")) and r["apiServer"] == "unreachable" and r,
+            timeout=30,
+            message="/readyz reports the API server unreachable",
+        )
         assert down["ready"] is True  # still serving from the last consistent view
-        assert down["informers"]["pods"]["connected"] is False and down["informers"]["pods"]["lastError"]
+        assert (
+            down["informers"]["pods"]["connected"] is False
+            and down["informers"]["pods"]["lastError"]
+        )
         time.sleep(1.5)
         down = ext.get("/readyz")
         assert down["staleForS"] >= 1.0
@@ -186,15 +225,29 @@ def test_filter_answers_from_the_last_view_while_the_api_is_down_and_readyz_says
         scores = ext.post("/prioritize", body)
         assert [h["Host"] for h in scores] == ["h100"] and 0 <= scores[0]["Score"] <= 10
         # a bind cannot be written now: refused, and the ledger keeps nothing for it
-        answer = ext.post("/bind", {"PodName": "down-0", "PodNamespace": NS, "PodUID": pod["metadata"]["uid"], "Node": "h100"})
+        answer = ext.post(
+            "/bind",
+            {
+                "PodName": "down-0",
+                "PodNamespace": NS,
+                "PodUID": pod["metadata"]["uid"],
+                "Node": "h100",
+            },
+        )
         assert answer["Error"]
         assert ledger_view() == state_before
     finally:
         cp.start_apiserver()
-    cp.wait_for(lambda: (ext.get("/readyz") or {}).get("apiServer") == "connected", timeout=60,
-                message="/readyz reports the API server back")
+    cp.wait_for(
+        lambda: (ext.get("/readyz") or {}).get("apiServer") == "connected",
+        timeout=60,
+        message="/readyz reports the API server back",
+    )
     assert ext.get("/readyz")["staleForS"] == 0.0
-    assert ext.post("/bind", {"PodName": "down-0", "PodNamespace": NS, "PodUID": pod["metadata"]["uid"], "Node": "h100"}) == {"Error": ""}
+    assert ext.post(
+        "/bind",
+        {"PodName": "down-0", "PodNamespace": NS, "PodUID": pod["metadata"]["uid"], "Node": "h100"},
+    ) == {"Error": ""}
     wait_bound(cp, api, ["down-0"])
     assert_sound(api, ReplicaPolicy.DISTRIBUTED)
 
@@ -287,7 +340,9 @@ def proxied(cluster: ControlPlane) -> Iterator[tuple[ControlPlane, Extender, Pro
 
 
 @pytest.mark.e2e
-def test_dropped_watch_connections_resume_without_losing_an_event(proxied: tuple[ControlPlane, Extender, Proxy]) -> None:
+def test_dropped_watch_connections_resume_without_losing_an_event(
+    proxied: tuple[ControlPlane, Extender, Proxy],
+) -> None:
     """Binds, deletions and new pods happen while the extender's connections are cut again and
     again; its informers resume and its ledger ends equal to the API's."""
     cp, ext, proxy = proxied
@@ -311,10 +366,20 @@ def test_dropped_watch_connections_resume_without_losing_an_event(proxied: tuple
     got = settle(cp, api, alive, len(alive), nodes, ext)
     assert cut >= 4  # the watches (and the binder's keep-alive connections) really were cut
     expected = {f"{NS}/{n}" for n in alive}
-    cp.wait_for(lambda: held(ext) == expected, timeout=60, message=f"ledger caught up: {held(ext)} vs {expected}")
-    ready = cp.wait_for(lambda: (r := ext.get("/readyz")) and r["apiServer"] == "connected" and r, timeout=60,
-                        message=f"informers reconnected: {ext.get('/readyz')}")
-    resumed = {k: v["watchResumes"] + v["relistsGone"] + v["lists"] - 1 for k, v in ready["informers"].items()}
+    cp.wait_for(
+        lambda: held(ext) == expected,
+        timeout=60,
+        message=f"ledger caught up: {held(ext)} vs {expected}",
+    )
+    ready = cp.wait_for(
+        lambda: (r := ext.get("/readyz")) and r["apiServer"] == "connected" and r,
+        timeout=60,
+        message=f"informers reconnected: {ext.get('/readyz')}",
+    )
+    resumed = {
+        k: v["watchResumes"] + v["relistsGone"] + v["lists"] - 1
+        for k, v in ready["informers"].items()
+    }
     assert all(n >= 1 for n in resumed.values()), ready
     state = assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     assert {r.key for r in state.ledger.reservations()} == expected
@@ -324,7 +389,7 @@ def test_dropped_watch_connections_resume_without_losing_an_event(proxied: tuple
 
 # ----- SIGKILL under load ----------------------------------------------------------------------------
 
-LOCUSTFILE = '''
+LOCUSTFILE = """
 import json, os
 from locust import FastHttpUser, constant_throughput, task
 
@@ -345,7 +410,7 @@ class Scheduler(FastHttpUser):
         headers = {"Content-Type": "application/json"}
         self.client.post("/filter", data=BODY, headers=headers, name="filter")
         self.client.post("/prioritize", data=BODY, headers=headers, name="prioritize")
-'''
+"""
 
 
 class Locust:
@@ -357,10 +422,33 @@ class Locust:
         (tmp / "faults_locustfile.py").write_text(LOCUSTFILE)
         env = dict(os.environ, FAULT_NODES=json.dumps(nodes))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "locust", "-f", str(tmp / "faults_locustfile.py"), "--headless", "-u", "4", "-r", "4",
-             "-t", "600s", "-H", url, "--csv", str(tmp / "load"), "--only-summary", "--loglevel", "ERROR",
-             "--exit-code-on-error", "0"],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=(tmp / "locust.log").open("wb"),
+            [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(tmp / "faults_locustfile.py"),
+                "--headless",
+                "-u",
+                "4",
+                "-r",
+                "4",
+                "-t",
+                "600s",
+                "-H",
+                url,
+                "--csv",
+                str(tmp / "load"),
+                "--only-summary",
+                "--loglevel",
+                "ERROR",
+                "--exit-code-on-error",
+                "0",
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp / "locust.log").open("wb"),
         )
 
     def stop(self) -> dict[str, int]:
@@ -378,12 +466,17 @@ class Locust:
         with path.open() as f:
             for row in csv.DictReader(f):
                 if row.get("Name") == "Aggregated":
-                    return {"requests": int(row["Request Count"]), "failures": int(row["Failure Count"])}
+                    return {
+                        "requests": int(row["Request Count"]),
+                        "failures": int(row["Failure Count"]),
+                    }
         return {"requests": 0, "failures": 0}
 
 
 @pytest.mark.e2e
-def test_sigkill_under_locust_load_three_times_loses_nothing(stack: tuple[ControlPlane, Extender], tmp_path: Path) -> None:
+def test_sigkill_under_locust_load_three_times_loses_nothing(
+    stack: tuple[ControlPlane, Extender], tmp_path: Path
+) -> None:
     """The extender is SIGKILLed three times while kube-scheduler binds and locust adds load, and
     restarted on the same port each time: 16 of 22 pods bound exactly once with annotations,
     the rest refused for lack of room, and the ledger equals a fresh extender's."""
@@ -399,9 +492,15 @@ def test_sigkill_under_locust_load_three_times_loses_nothing(stack: tuple[Contro
             api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
         for batch, more in zip(batches, batches[1:]):
             # kill while this batch is being bound (or, once the GPUs are full, refused)
-            cp.wait_for(lambda: any(v for v in bound_names(api, batch).values()) or
-                        sum(1 for v in bound_names(api, names).values() if v) >= 16,
-                        timeout=60, interval=0.05, message=f"binding of {batch} under way")
+            cp.wait_for(
+                lambda: (
+                    any(v for v in bound_names(api, batch).values())
+                    or sum(1 for v in bound_names(api, names).values() if v) >= 16
+                ),
+                timeout=60,
+                interval=0.05,
+                message=f"binding of {batch} under way",
+            )
             ext.kill9()
             for name in more:  # created while the extender is down
                 api.create_namespaced_pod(NS, gpu_pod(name, "30Gi"))
@@ -439,8 +538,15 @@ def test_live_concurrent_binds_for_the_same_gpus(cluster: ControlPlane) -> None:
         uids = {}
         for name in names:
             uids[name] = api.create_namespaced_pod(NS, gpu_pod(name, "30Gi")).metadata.uid
-        cp.wait_for(lambda: (ext.get("/readyz") or {}).get("pods", 0) >= len(names), timeout=30, message="pods seen")
-        pod_json = {n: api.api_client.sanitize_for_serialization(api.read_namespaced_pod(n, NS)) for n in names}
+        cp.wait_for(
+            lambda: (ext.get("/readyz") or {}).get("pods", 0) >= len(names),
+            timeout=30,
+            message="pods seen",
+        )
+        pod_json = {
+            n: api.api_client.sanitize_for_serialization(api.read_namespaced_pod(n, NS))
+            for n in names
+        }
 
         def bind(name: str, node: str) -> tuple[str, str, str]:
             body = {"PodName": name, "PodNamespace": NS, "PodUID": uids[name], "Node": node}
@@ -463,7 +569,9 @@ def test_live_concurrent_binds_for_the_same_gpus(cluster: ControlPlane) -> None:
         got = bound_names(api, names)
         assert {n: v for n, v in got.items() if v} == {n: next(iter(v)) for n, v in wins.items()}
         assert len(wins) == 16  # exactly the room there is: no pod lost to a race either
-        cp.wait_for(lambda: held(ext) == {f"{NS}/{n}" for n in wins}, timeout=30, message="ledger confirmed")
+        cp.wait_for(
+            lambda: held(ext) == {f"{NS}/{n}" for n in wins}, timeout=30, message="ledger confirmed"
+        )
         check_outcome(cp, api, ext, got)
         fresh_state_equals(cp, ext, 16)
     finally:
