@@ -47,7 +47,7 @@ e2e: venv deps control-plane
 	$(PY) -m pytest -q -p no:cacheprovider -m e2e tests
 
 # Load test: vramsched and a parse-only floor server under the same locust scenario, same run.
-# `make loadtest NODES=1000 DURATION=20s`; results in loadtest/results/ (see docs/performance.md).
+# `make loadtest NODES=1000 DURATION=20s`; results in loadtest/results/ (see docs/benchmarks/load-test.md).
 NODES ?= 5000
 DURATION ?= 60s
 USERS ?= 4
