@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test lint e2e venv deps control-plane bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
+.PHONY: run test lint e2e venv deps control-plane protos bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ run: venv
 # cached in ~/.cache/vramsched (a warm run is a no-op). See docs/control-plane.md.
 control-plane:
 	scripts/control-plane/build.sh
+
+# The kubelet's gRPC APIs (device plugin v1beta1, PodResources v1) as Python stubs, from the
+# .proto files in extender/device_plugin/api (a test fails when the committed stubs are stale).
+protos: venv
+	$(PY) -m extender.device_plugin.api.generate
 
 # Lint: ruff (rules and format), configured in pyproject.toml.
 LINT_PATHS := extender tests benchmarks loadtest

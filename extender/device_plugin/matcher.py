@@ -1,0 +1,270 @@
+"""Which pod an Allocate is for, and which GPUs it gets. Pure: no I/O, no clock.
+
+The kubelet's `Allocate` names devices, never the pod. But the kubelet admits one pod at a time
+and allocates its GPU containers one after the other (init containers first, then the app
+containers, each in spec order; pkg/kubelet/cm/devicemanager/manager.go `Allocate`), and its
+PodResources `List` answers, while that Allocate is waiting, with the pods it holds as active and
+the devices each container already has. The pod being admitted is among them, with no devices yet
+for the container being allocated; every pod admitted before it has its devices. So:
+
+  candidates = pods the kubelet lists whose next GPU container (first one without devices)
+               requests exactly the number of devices in the Allocate.
+
+One candidate (or several carrying the same GPUs) is the answer: exactly the GPUs its
+`vramsched.io/assignment` names. Anything else is refused with a message that reaches the pod's
+events (`UnexpectedAdmissionError`): no candidate, candidates with different GPUs, a pod vramsched
+did not place, an assignment for another node, a GPU that is unhealthy or unknown. Never a guess.
+
+Non-restartable init containers are not in PodResources `List`; the plugin remembers the ones it
+served (`served_init`). Their devices are the pod's first GPUs (the kubelet hands an init
+container's devices on to the app containers); app containers take consecutive slices of the
+assignment in spec order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from extender.assignment import AssignmentError, decode_assignment
+from extender.demand import DemandError, pod_ref
+from extender.quantity import QuantityError, parse_quantity
+
+__all__ = [
+    "Slot",
+    "KubeletPod",
+    "Match",
+    "Refusal",
+    "container_slots",
+    "identify",
+    "preferred_devices",
+    "replica_id",
+    "gpu_of",
+    "gpu_limit",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One container of a pod that requests the resource, in the kubelet's allocation order."""
+
+    container: str
+    count: int
+    gpus: tuple[int, ...]  # GPU indices it is handed
+    init: bool = False  # a non-restartable init container: not listed by PodResources
+
+
+@dataclass(frozen=True, slots=True)
+class KubeletPod:
+    """A pod as PodResources `List` shows it: per container, its device IDs of our resource."""
+
+    namespace: str
+    name: str
+    devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The Allocate is for `slot` of `pod` (namespace/name), UID `uid`."""
+
+    pod: str
+    uid: str
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why the plugin does not answer; the kubelet shows it on the pod."""
+
+    reason: str
+    ambiguous: bool = False
+
+
+def gpu_limit(container: Mapping[str, Any], resource: str) -> int:
+    resources = container.get("resources") or {}
+    limits = resources.get("limits") or {} if isinstance(resources, Mapping) else {}
+    raw = limits.get(resource) if isinstance(limits, Mapping) else None
+    if raw is None:
+        return 0
+    try:
+        value = parse_quantity(raw)
+    except QuantityError:
+        return 0
+    return int(value) if value == int(value) and value > 0 else 0
+
+
+def container_slots(pod: Mapping[str, Any], resource: str, node: str) -> list[Slot] | Refusal:
+    """The pod's GPU containers with the GPUs each is handed, or why the pod cannot be served.
+
+    The kubelet allocates by `limits` (extended resources have requests == limits)."""
+    spec = pod.get("spec") or {}
+    # (name, count, plain init container): init containers in spec order (sidecars, with
+    # restartPolicy Always, keep their devices like app containers), then the app containers
+    wanted = [
+        (c.get("name", ""), gpu_limit(c, resource), c.get("restartPolicy") != "Always")
+        for c in spec.get("initContainers") or []
+        if isinstance(c, Mapping)
+    ]
+    wanted += [
+        (c.get("name", ""), gpu_limit(c, resource), False)
+        for c in spec.get("containers") or []
+        if isinstance(c, Mapping)
+    ]
+    wanted = [w for w in wanted if w[1] > 0]
+    if not wanted:
+        return []
+    try:
+        ref = pod_ref(pod)
+        res = decode_assignment(ref, (pod.get("metadata") or {}).get("annotations") or {})
+    except (DemandError, AssignmentError) as exc:
+        return Refusal(str(exc))
+    if res is None:
+        return Refusal(
+            f"pod {ref} has no vramsched.io/assignment: on nodes served by vramsched's device "
+            "plugin, GPU pods must be scheduled by vramsched (schedulerName: vramsched)"
+        )
+    if res.node != node:
+        return Refusal(f"pod {ref} is assigned GPUs on {res.node}, not on this node ({node})")
+    try:
+        gpus = tuple(int(d) for d in res.device_ids)
+    except ValueError:
+        return Refusal(
+            f"pod {ref} is assigned {', '.join(res.device_ids)}: vramsched's device plugin "
+            "serves whole GPUs, not MIG slices"
+        )
+    out: list[Slot] = []
+    at = 0
+    for name, count, init in wanted:
+        if init:  # runs before the app containers; the kubelet reuses its devices for them
+            chosen = gpus[:count]
+        else:
+            chosen = gpus[at : at + count]
+            at += count
+        if len(chosen) != count:
+            return Refusal(
+                f"pod {ref} requests more {resource} ({sum(w[1] for w in wanted if not w[2])}) "
+                f"than its assignment holds ({len(gpus)})"
+            )
+        out.append(Slot(name, count, chosen, init))
+    return out
+
+
+def identify(
+    count: int,
+    kubelet_pods: Iterable[KubeletPod],
+    pods: Mapping[str, Mapping[str, Any]],
+    served_init: Mapping[str, frozenset[str]],
+    resource: str,
+    node: str,
+) -> Match | Refusal:
+    """The pod and container an Allocate of `count` devices is for (module docstring).
+
+    `pods`: the API's pods by namespace/name (every pod the kubelet lists must be there; the
+    caller reads missing ones first); `served_init`: per pod UID, the init containers already
+    allocated."""
+    candidates: list[Match] = []
+    refusals: list[str] = []
+    waiting: list[str] = []
+    for kp in kubelet_pods:
+        pod = pods.get(kp.key)
+        if pod is None:
+            continue
+        slots = container_slots(pod, resource, node)
+        if not slots:
+            continue
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if isinstance(slots, Refusal):
+            # a GPU pod we cannot serve: only a candidate if nothing of it is allocated yet
+            if not any(kp.devices.values()):
+                refusals.append(slots.reason)
+            continue
+        done = served_init.get(uid, frozenset())
+        nxt = next(
+            (
+                s
+                for s in slots
+                if not (s.container in done if s.init else kp.devices.get(s.container))
+            ),
+            None,
+        )
+        if nxt is None:
+            continue
+        if nxt.count != count:
+            waiting.append(f"{kp.key} ({nxt.count})")
+            continue
+        candidates.append(Match(kp.key, uid, nxt))
+    if refusals and not candidates:
+        return Refusal(refusals[0] if len(refusals) == 1 else "; ".join(sorted(refusals)))
+    if refusals:
+        return Refusal(
+            f"cannot tell whether this allocation of {count} {resource} is for "
+            f"{', '.join(m.pod for m in candidates)} or for a pod vramsched cannot serve "
+            f"({'; '.join(sorted(refusals))}); refusing rather than guessing",
+            ambiguous=True,
+        )
+    if not candidates:
+        detail = f" (waiting: {', '.join(sorted(waiting))})" if waiting else ""
+        return Refusal(f"no pod on {node} is waiting for {count} {resource}{detail}")
+    if len({m.slot.gpus for m in candidates}) > 1:
+        names = ", ".join(f"{m.pod} (GPU {_indices(m.slot.gpus)})" for m in candidates)
+        return Refusal(
+            f"cannot tell which pod this allocation of {count} {resource} is for: {names} "
+            "wait with different GPUs; refusing rather than guessing",
+            ambiguous=True,
+        )
+    return candidates[0]
+
+
+def _indices(gpus: Sequence[int]) -> str:
+    return ",".join(map(str, gpus))
+
+
+def replica_id(uuid: str, replica: int, replicas: int) -> str:
+    """NVIDIA's device ID: the UUID, with `::<replica>` when GPUs are shared (rm/devices.go)."""
+    return f"{uuid}::{replica}" if replicas > 1 else uuid
+
+
+def gpu_of(device_id: str) -> str:
+    """The GPU UUID of a device ID (replica or whole)."""
+    return device_id.split("::", 1)[0]
+
+
+def preferred_devices(
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    gpus: Sequence[str] | None,
+) -> list[str]:
+    """The kubelet's `GetPreferredAllocation`: replicas of the GPUs (UUIDs) the pod is assigned,
+    so that the kubelet's own record (PodResources, and tools that read it, e.g. DCGM exporter)
+    names the GPUs the container really gets; `gpus` None (pod unknown): any, lowest IDs first.
+    Always `size` IDs when `available` has them, `must_include` first."""
+    chosen = list(dict.fromkeys(must_include))[:size]
+    taken = set(chosen)
+    free = sorted((d for d in available if d not in taken), key=_replica_order)
+    for uuid in gpus or ():
+        if len(chosen) >= size:
+            break
+        if any(gpu_of(d) == uuid for d in chosen):
+            continue
+        pick = next((d for d in free if gpu_of(d) == uuid and d not in taken), None)
+        if pick is not None:
+            chosen.append(pick)
+            taken.add(pick)
+    for d in free:
+        if len(chosen) >= size:
+            break
+        if d not in taken:
+            chosen.append(d)
+            taken.add(d)
+    return chosen
+
+
+def _replica_order(device_id: str) -> tuple[str, int]:
+    uuid, _, replica = device_id.partition("::")
+    return uuid, int(replica) if replica.isdigit() else 0

@@ -1,0 +1,446 @@
+"""The device plugin's gRPC service (`v1beta1.DevicePlugin`) and its life beside the kubelet.
+
+`DevicePluginService` answers the kubelet: it advertises `replicas` device IDs per healthy GPU
+(NVIDIA's `<uuid>::<replica>`, so pod specs do not change), and for each Allocate identifies the
+pod from the kubelet's PodResources (extender.device_plugin.matcher) and hands its container the
+GPUs of its vramsched assignment. `PluginRunner` serves the socket, registers, watches for kubelet
+restarts (re-serving and re-registering), watches GPU health and publishes the plugin's state on
+its node (extender.plugin_state), which the extender reads before booking GPUs there.
+
+Threads: gRPC's worker pool, the pod informer, the health watcher and the runner's loop share
+`DevicePluginService` under one lock, held only for in-memory work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
+from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from extender.device_plugin.gpus import GpuInfo, GpuSource
+from extender.device_plugin.kubelet import KubeletWatch, PodResources, register
+from extender.device_plugin.matcher import (
+    KubeletPod,
+    Match,
+    Refusal,
+    container_slots,
+    gpu_of,
+    identify,
+    preferred_devices,
+    replica_id,
+)
+from extender.device_plugin.specs import container_spec
+from extender.plugin_state import PluginState
+
+__all__ = ["DevicePluginService", "PluginRunner", "PodLookup", "Metrics"]
+
+log = logging.getLogger(__name__)
+
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+#: kubelet pods (namespace/name) -> their API objects (`NodePods.snapshot`)
+PodLookup = Callable[[list[str]], dict[str, dict[str, Any]]]
+
+
+class Metrics:
+    """Prometheus series of one plugin (its own registry: tests run several in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.allocations = Counter(
+            "vramsched_device_plugin_allocations",
+            "Allocate calls by outcome (served, refused; ambiguous is a refusal for lack of a unique pod)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.allocate_seconds = Histogram(
+            "vramsched_device_plugin_allocate_seconds",
+            "Time to answer Allocate (PodResources List included)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.registered = Gauge(
+            "vramsched_device_plugin_registered",
+            "1 while registered with the kubelet",
+            registry=self.registry,
+        )
+        self.unhealthy = Gauge(
+            "vramsched_device_plugin_unhealthy_gpus",
+            "GPUs marked unhealthy",
+            registry=self.registry,
+        )
+
+
+class DevicePluginService(dp_grpc.DevicePluginServicer):
+    """The gRPC servicer: state is the GPUs, their health and the init containers served."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        gpus: Sequence[GpuInfo],
+        replicas: int,
+        strategies: Sequence[str],
+        kubelet_pods: Callable[[], list[KubeletPod]],
+        lookup: PodLookup,
+        resource: str = "nvidia.com/gpu",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.node = node
+        self.gpus = {g.index: g for g in gpus}
+        self.by_uuid = {g.uuid: g for g in gpus}
+        self.replicas = replicas
+        self.strategies = tuple(strategies)
+        self.kubelet_pods = kubelet_pods
+        self.lookup = lookup
+        self.resource = resource
+        self.metrics = metrics or Metrics()
+        self.unhealthy: dict[int, str] = {}
+        #: pod UID -> non-restartable init containers served (PodResources does not list them)
+        self.served_init: dict[str, frozenset[str]] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
+        self.stopping = threading.Event()
+        self.on_health_change: Callable[[], None] = lambda: None
+
+    # ----- devices and health ------------------------------------------------------------------
+    def device_ids(self) -> list[tuple[str, bool]]:
+        with self._lock:
+            return self._device_ids()
+
+    def _device_ids(self) -> list[tuple[str, bool]]:
+        return [
+            (replica_id(g.uuid, r, self.replicas), g.index not in self.unhealthy)
+            for g in sorted(self.gpus.values(), key=lambda g: g.index)
+            for r in range(self.replicas)
+        ]
+
+    def mark_unhealthy(self, index: int, why: str) -> None:
+        with self._changed:
+            if index in self.unhealthy or index not in self.gpus:
+                return
+            self.unhealthy[index] = why
+            self._version += 1
+            self._changed.notify_all()
+        log.warning("GPU %d (%s) marked unhealthy: %s", index, self.gpus[index].uuid, why)
+        self.metrics.unhealthy.set(len(self.unhealthy))
+        self.on_health_change()
+
+    # ----- gRPC --------------------------------------------------------------------------------
+    def GetDevicePluginOptions(self, request: Any, context: Any) -> dp.DevicePluginOptions:
+        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: Any, context: Any) -> Iterator[dp.ListAndWatchResponse]:
+        seen = -1
+        while not self.stopping.is_set() and context.is_active():
+            with self._changed:
+                if seen == self._version:
+                    self._changed.wait(timeout=1.0)
+                if seen == self._version:
+                    continue
+                seen = self._version
+                devices = self._device_ids()
+            yield dp.ListAndWatchResponse(
+                devices=[dp.Device(ID=i, health=HEALTHY if ok else UNHEALTHY) for i, ok in devices]
+            )
+
+    def stop_streams(self) -> None:
+        self.stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    def GetPreferredAllocation(self, request: Any, context: Any) -> dp.PreferredAllocationResponse:
+        out = dp.PreferredAllocationResponse()
+        for req in request.container_requests:
+            size = int(req.allocation_size)
+            decision, _ = self._identify(size, {})
+            gpus = (
+                [self.gpus[i].uuid for i in decision.slot.gpus if i in self.gpus]
+                if isinstance(decision, Match)
+                else None
+            )
+            out.container_responses.append(
+                dp.ContainerPreferredAllocationResponse(
+                    deviceIDs=preferred_devices(
+                        list(req.available_deviceIDs), list(req.must_include_deviceIDs), size, gpus
+                    )
+                )
+            )
+        return out
+
+    def Allocate(self, request: Any, context: Any) -> dp.AllocateResponse:
+        started = time.perf_counter()
+        out = dp.AllocateResponse()
+        taken: dict[str, set[str]] = {}  # earlier containers of this very request
+        for req in request.container_requests:
+            ids = list(req.devices_ids)
+            answer = self._allocate_one(ids, taken)
+            if isinstance(answer, Refusal):
+                self.metrics.allocations.labels(
+                    "ambiguous" if answer.ambiguous else "refused"
+                ).inc()
+                log.warning(
+                    "allocation refused",
+                    extra={"fields": {"devices": ids, "reason": answer.reason}},
+                )
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, answer.reason)
+            out.container_responses.append(answer)
+            self.metrics.allocations.labels("served").inc()
+        self.metrics.allocate_seconds.observe(time.perf_counter() - started)
+        return out
+
+    def PreStartContainer(self, request: Any, context: Any) -> dp.PreStartContainerResponse:
+        return dp.PreStartContainerResponse()
+
+    # ----- the decision ---------------------------------------------------------------------------
+    def _identify(
+        self, count: int, taken: dict[str, set[str]]
+    ) -> tuple[Match | Refusal, list[KubeletPod]]:
+        try:
+            kubelet_pods = self.kubelet_pods()
+        except grpc.RpcError as exc:
+            return Refusal(f"cannot read the kubelet's PodResources API ({_code(exc)})"), []
+        if taken:
+            kubelet_pods = [_with_taken(kp, taken.get(kp.key)) for kp in kubelet_pods]
+        pods = self.lookup([kp.key for kp in kubelet_pods])
+        with self._lock:
+            served = dict(self.served_init)
+        return identify(count, kubelet_pods, pods, served, self.resource, self.node), kubelet_pods
+
+    def _allocate_one(
+        self, ids: list[str], taken: dict[str, set[str]]
+    ) -> dp.ContainerAllocateResponse | Refusal:
+        known = {i for i, _ in self.device_ids()}
+        unknown = [i for i in ids if i not in known]
+        if unknown or not ids:
+            return Refusal(
+                f"unknown device IDs {unknown or ids} for {self.resource} on {self.node}"
+            )
+        decision, _ = self._identify(len(ids), taken)
+        if isinstance(decision, Refusal):
+            return decision
+        slot = decision.slot
+        with self._lock:
+            bad = [i for i in slot.gpus if i not in self.gpus or i in self.unhealthy]
+            if bad:
+                why = "; ".join(
+                    f"GPU {i}: {self.unhealthy.get(i, 'not on this node')}" for i in bad
+                )
+                return Refusal(
+                    f"pod {decision.pod} is assigned GPU {','.join(map(str, bad))}, which this "
+                    f"node cannot serve ({why})"
+                )
+            if slot.init:
+                self.served_init[decision.uid] = self.served_init.get(decision.uid, frozenset()) | {
+                    slot.container
+                }
+        taken.setdefault(decision.pod, set()).add(slot.container)
+        uuids = [self.gpus[i].uuid for i in slot.gpus]
+        spec = container_spec(self.strategies, uuids, slot.gpus, str(uuid.uuid4()))
+        log.info(
+            "allocated",
+            extra={
+                "fields": {
+                    "pod": decision.pod,
+                    "container": slot.container,
+                    "gpus": list(slot.gpus),
+                    "uuids": uuids,
+                    "kubeletDevices": ids,
+                    "sameGpuAsKubelet": sorted({gpu_of(i) for i in ids}) == sorted(uuids),
+                }
+            },
+        )
+        return dp.ContainerAllocateResponse(
+            envs=spec.envs,
+            mounts=[
+                dp.Mount(container_path=c, host_path=h, read_only=True) for c, h in spec.mounts
+            ],
+            annotations=spec.annotations,
+            cdi_devices=[dp.CDIDevice(name=n) for n in spec.cdi_devices],
+        )
+
+    def rebuild(self) -> int:
+        """After a (re)start or re-registration: every plain init container of a pod whose other
+        containers hold devices was served (the kubelet allocates init containers first).
+        Returns how many pods the kubelet holds with our devices."""
+        try:
+            kubelet_pods = self.kubelet_pods()
+        except grpc.RpcError as exc:
+            log.warning("cannot read PodResources to rebuild the record: %s", _code(exc))
+            return 0
+        holding = [kp for kp in kubelet_pods if any(kp.devices.values())]
+        pods = self.lookup([kp.key for kp in holding])
+        served: dict[str, frozenset[str]] = {}
+        for kp in holding:
+            pod = pods.get(kp.key)
+            if pod is None:
+                continue
+            slots = container_slots(pod, self.resource, self.node)
+            if isinstance(slots, Refusal):
+                continue
+            inits = frozenset(s.container for s in slots if s.init)
+            if inits:
+                served[str((pod.get("metadata") or {}).get("uid") or "")] = inits
+        with self._lock:
+            self.served_init = served
+        return len(holding)
+
+    def state(self, registered: bool) -> PluginState:
+        with self._lock:
+            return PluginState(
+                registered=registered,
+                gpus=len(self.gpus),
+                replicas=self.replicas,
+                unhealthy=tuple(sorted(self.unhealthy)),
+                resource=self.resource,
+                strategy=self.strategies,
+            )
+
+
+def _with_taken(kp: KubeletPod, containers: set[str] | None) -> KubeletPod:
+    if not containers:
+        return kp
+    devices = dict(kp.devices)
+    for c in containers:
+        devices[c] = devices.get(c) or ("(this request)",)
+    return KubeletPod(kp.namespace, kp.name, devices)
+
+
+def _code(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else ""
+    return f"{code.name if code else 'error'}: {details}".strip(": ")
+
+
+class PluginRunner:
+    """Serve, register, and keep both true across kubelet restarts, until `stop`."""
+
+    def __init__(
+        self,
+        service: DevicePluginService,
+        *,
+        plugin_dir: Path,
+        socket_name: str,
+        source: GpuSource,
+        publish: Callable[[PluginState], None],
+        pod_resources: PodResources | None = None,
+        poll: float = 1.0,
+    ) -> None:
+        self.service = service
+        self.plugin_dir = Path(plugin_dir)
+        self.socket = self.plugin_dir / socket_name
+        self.source = source
+        self._publish = publish
+        self.pod_resources = pod_resources
+        self.poll = poll
+        self.watch = KubeletWatch(self.plugin_dir, self.socket)
+        self.registered = False
+        self.registrations = 0
+        self._server: grpc.Server | None = None
+        self._stop = threading.Event()
+        self._published: PluginState | None = None
+        self._publish_lock = threading.Lock()
+        service.on_health_change = lambda: self.publish()
+
+    def publish(self) -> None:
+        """Write our state on the node when it changed; a failure is retried on the next tick."""
+        state = self.service.state(self.registered)
+        with self._publish_lock:
+            if state == self._published:
+                return
+            try:
+                self._publish(state)
+            except Exception as exc:  # noqa: BLE001 - the API may be away; the loop retries
+                log.warning("cannot publish the plugin state on the node: %s", exc)
+                return
+            self._published = state
+
+    def _serve(self) -> None:
+        self._close_server()
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.socket.unlink()
+        except FileNotFoundError:
+            pass
+        self.service.stopping.clear()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dp"))
+        dp_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        server.add_insecure_port(f"unix:{self.socket}")
+        server.start()
+        self._server = server
+
+    def _close_server(self) -> None:
+        if self._server is not None:
+            self.service.stop_streams()
+            self._server.stop(grace=1.0).wait(2.0)
+            self._server = None
+
+    def _register(self) -> bool:
+        try:
+            register(self.plugin_dir, self.socket.name, self.service.resource)
+        except grpc.RpcError as exc:
+            log.warning("registration with the kubelet failed: %s", _code(exc))
+            return False
+        self.watch.mark()
+        self.registered = True
+        self.registrations += 1
+        self.service.metrics.registered.set(1)
+        held = self.service.rebuild()
+        log.info(
+            "registered with the kubelet",
+            extra={
+                "fields": {
+                    "resource": self.service.resource,
+                    "socket": str(self.socket),
+                    "devices": len(self.service.device_ids()),
+                    "podsHoldingDevices": held,
+                    "registrations": self.registrations,
+                }
+            },
+        )
+        return True
+
+    def run(self) -> None:
+        """Block until `stop()`: (re)serve and (re)register whenever the kubelet asks for it."""
+        health = threading.Thread(target=self._watch_health, name="gpu-health", daemon=True)
+        health.start()
+        try:
+            while not self._stop.is_set():
+                if not self.registered or self.watch.must_reregister():
+                    if self.registered:
+                        log.info("the kubelet restarted or removed our socket: registering again")
+                    self.registered = False
+                    self.service.metrics.registered.set(0)
+                    if self.watch.kubelet_ready():
+                        self._serve()
+                        self._register()
+                self.publish()
+                self._stop.wait(self.poll)
+        finally:
+            self.registered = False
+            self.service.metrics.registered.set(0)
+            self._close_server()
+            try:
+                self.socket.unlink()
+            except FileNotFoundError:
+                pass
+            self.publish()
+
+    def _watch_health(self) -> None:
+        try:
+            self.source.watch_health(self.service.mark_unhealthy, self._stop)
+        except Exception:  # noqa: BLE001 - as NVIDIA's plugin: keep serving without health checks
+            log.exception("GPU health checks stopped")
+
+    def stop(self) -> None:
+        self._stop.set()
