@@ -126,9 +126,12 @@ def annotation_pin_refusal(
     writes an index only where the pin is real: pinned mode, whole time-sliced GPUs. Elsewhere the
     pod would start without a GPU, so it must not go there at all.
     """
+    devices = list(devices)
+    matching = [d for d in devices if d.resource == resource]
+    if matching and all(getattr(d, "plugin_served", False) for d in matching):
+        return None  # vramsched's device plugin: the index written is the GPU the pod gets
     if policy is None or ReplicaPolicy(policy) is not ReplicaPolicy.PINNED:
         return f"{_FROM_ANNOTATION}: GPUs are pinned only with --replica-policy pinned"
-    matching = [d for d in devices if d.resource == resource]
     if matching and not all(isinstance(d, Gpu) and is_time_sliced(d) for d in matching):
         return f"{_FROM_ANNOTATION}: GPUs here cannot be pinned (only whole time-sliced GPUs are)"
     return None
@@ -362,8 +365,8 @@ def _view(ledger: Ledger, policy: ReplicaPolicy) -> _View:
         v.base_t1 = np.zeros(n, np.int64)
         by_group: dict[tuple[str, str], list[int]] = {}
         for i, d in enumerate(a.devices):
-            if not is_time_sliced(d):
-                continue
+            if not is_time_sliced(d) or getattr(d, "plugin_served", False):
+                continue  # vramsched's own plugin hands out exactly the booked GPU: exact books
             if policy is ReplicaPolicy.PINNED and isinstance(d, Gpu):
                 v.pin_rows[i] = True  # exact per-GPU accounting; the pod must take the pin
                 continue

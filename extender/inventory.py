@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from extender.plugin_state import (
+    SERVED_LABEL,
+    STATE_ANNOTATION,
+    StateError,
+    decode_state,
+    is_plugin_served,
+)
 from extender.quantity import MIB, QuantityError, parse_bytes, parse_milli, parse_quantity
 
 __all__ = [
@@ -65,6 +72,9 @@ class Gpu:
     replicas: int
     sharing: Sharing
     resource: str
+    #: vramsched's device plugin serves the node (extender.plugin_state): a container gets
+    #: exactly this GPU, so its books are exact whatever the replica policy
+    plugin_served: bool = False
 
     @property
     def device_id(self) -> str:
@@ -207,6 +217,8 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
             devices = _mixed_mig(name, labels, alloc, product)
         elif strategy == "single" or _MIG_SINGLE_PRODUCT.search(product):
             devices = _single_mig(name, labels, alloc, product)
+        elif strategy == "none" and is_plugin_served(labels):
+            devices = _plugin_gpus(name, labels, meta.get("annotations"), alloc, product)
         elif strategy == "none":
             devices = _whole_gpus(name, labels, alloc, product)
         else:
@@ -246,6 +258,45 @@ def _whole_gpus(
     sharing = _sharing(labels, product, replicas)
     memory = memory_mib * MIB
     return [Gpu(name, i, product, memory, replicas, sharing, resource) for i in range(count)]
+
+
+def _plugin_gpus(
+    name: str, labels: Mapping[str, str], annotations: Any, alloc: Mapping[str, Any], product: str
+) -> list[Device]:
+    """Whole GPUs served by vramsched's device plugin: the healthy ones it reports, and only
+    while it is registered with the kubelet (allocatable has their replicas). Refusing the node
+    otherwise is what keeps a pod from being bound where nothing would hand it its GPU."""
+    count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
+    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
+    replicas = _replicas(labels, LABEL + "gpu.replicas")
+    raw = annotations.get(STATE_ANNOTATION) if isinstance(annotations, Mapping) else None
+    if raw is None:
+        raise _Missing(f"label {SERVED_LABEL}=true but vramsched's device plugin has not reported")
+    try:
+        state = decode_state(raw)
+    except StateError as exc:
+        raise _Missing(str(exc)) from None
+    if not state.registered:
+        raise _Missing("vramsched's device plugin is not registered with the kubelet")
+    if state.resource != GPU_RESOURCE:
+        raise _Missing(f"vramsched's device plugin serves {state.resource}, not {GPU_RESOURCE}")
+    if state.replicas != replicas:
+        raise _Missing(
+            f"vramsched's device plugin serves {state.replicas} replicas per GPU, "
+            f"label {LABEL}gpu.replicas says {replicas}"
+        )
+    healthy = [i for i in range(min(count, state.gpus)) if i not in state.unhealthy]
+    advertised = _allocatable_count(alloc, GPU_RESOURCE)
+    if not healthy or advertised is None or advertised < len(healthy) * replicas:
+        raise _Missing(
+            f"vramsched's device plugin is not serving: allocatable {GPU_RESOURCE} is "
+            f"{advertised or 0}, {len(healthy)} healthy GPUs x {replicas} expected"
+        )
+    sharing = _sharing(labels, product, replicas)
+    return [
+        Gpu(name, i, product, memory_mib * MIB, replicas, sharing, GPU_RESOURCE, True)
+        for i in healthy
+    ]
 
 
 def _mig_gpu_slots(product: str, profile: str) -> int:

@@ -883,9 +883,18 @@ class KubeBinder:
         return out
 
     def _pins(self, pod: Mapping[str, Any], reservation: Reservation) -> bool:
-        """The pod takes a pin (either form) and this reservation gets a real one."""
+        """The pod takes a pin (either form) and this reservation gets a real one, or vramsched's
+        device plugin serves the node (the index is then the GPU the container gets)."""
+        if self._plugin_served(reservation):
+            return True
         env = pin_environment(reservation, self.pinned, self._time_sliced(reservation))
         return PIN_ENV in env and (references_pin_configmap(pod) or reads_pin_annotation(pod))
+
+    def _plugin_served(self, reservation: Reservation) -> bool:
+        inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None
+        ids = set(reservation.device_ids)
+        held = [d for d in inv.devices if d.device_id in ids] if inv is not None else []
+        return bool(held) and all(getattr(d, "plugin_served", False) for d in held)
 
     def _time_sliced(self, reservation: Reservation) -> bool:
         inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None

@@ -29,6 +29,7 @@ from extender.placement import (
     preempt_victims,
     score_rows,
 )
+from extender.plugin_state import is_plugin_served
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -346,6 +347,11 @@ class ExtenderService:
         created = (
             False  # a hold this call took; one reused from an earlier bind outlives our failure
         )
+        inv = self.ledger.node(args.Node)
+        if demand.wants_gpu and inv is not None and inv.problem and is_plugin_served(inv.labels):
+            # Nothing on that node would hand the pod its GPUs (plugin down, unregistered, GPU
+            # gone): never report a bind that the kubelet would then fail.
+            return ExtenderBindingResult(Error=f"node {args.Node} cannot serve GPUs: {inv.problem}")
         if demand.wants_gpu:
             self.ledger.expire()
             held = self.ledger.reservation(key)

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 EXAMPLES = DEPLOY / "examples"
 PIN = DEPLOY / "pin-gpus"
+PLUGIN = DEPLOY / "device-plugin"
 CONFIG = ROOT / "config" / "KubeSchedulerConfiguration.yaml"
 CONFIG_KEY = "KubeSchedulerConfiguration.yaml"
 # Files under deploy/ that are not Kubernetes objects.
@@ -53,6 +54,7 @@ MODEL_OF = {
     ("v1", "Pod"): "V1Pod",
     ("v1", "Node"): "V1Node",
     ("apps/v1", "Deployment"): "V1Deployment",
+    ("apps/v1", "DaemonSet"): "V1DaemonSet",
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
@@ -485,6 +487,69 @@ def test_pinning_patch_only_adds_the_flag() -> None:
     parsed = serve_args(patched["args"])
     # An explicit --replica-policy would override the --pin-gpus shorthand.
     assert parsed.pin_gpus is True and parsed.replica_policy is None
+
+
+# ---------------------------------------------------------------------------------------------
+# vramsched's device plugin (deploy/device-plugin)
+
+
+def plugin_daemonset() -> dict[str, Any]:
+    return one(load(PLUGIN / "daemonset.yaml"), "DaemonSet", "vramsched-device-plugin")
+
+
+def test_kustomize_renders_the_device_plugin() -> None:
+    docs = kustomize(PLUGIN)
+    for doc in docs:
+        check_object(doc)
+    got = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs}
+    ns = "vramsched-device-plugin"
+    assert got == {
+        ("Namespace", None, ns),
+        ("ServiceAccount", ns, ns),
+        ("ClusterRole", None, ns),
+        ("ClusterRoleBinding", None, ns),
+        ("DaemonSet", ns, ns),
+    }
+
+
+def test_device_plugin_runs_where_labelled_with_the_kubelets_sockets() -> None:
+    spec = plugin_daemonset()["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"vramsched.io/device-plugin": "true"}
+    assert spec["serviceAccountName"] == "vramsched-device-plugin"
+    (c,) = spec["containers"]
+    assert c["command"] == ["vramsched", "device-plugin"]
+    args = build_parser().parse_args(["device-plugin", *c["args"]])
+    defaults = build_parser().parse_args(["device-plugin"])
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    hostpaths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    # the plugin's defaults are where the DaemonSet mounts the kubelet's folders
+    assert mounts["device-plugins"] == hostpaths["device-plugins"] == defaults.device_plugin_dir
+    assert (
+        f"{mounts['pod-resources']}/kubelet.sock"
+        == f"{hostpaths['pod-resources']}/kubelet.sock"
+        == defaults.pod_resources_socket
+    )
+    (port,) = c["ports"]
+    assert port["containerPort"] == args.probe_port
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False
+    assert not sc.get("privileged", False) and sc["readOnlyRootFilesystem"] is True
+
+
+def test_device_plugin_role_reads_pods_and_patches_only_nodes() -> None:
+    role = one(load(PLUGIN / "rbac.yaml"), "ClusterRole")
+    assert sorted((tuple(r["resources"]), tuple(r["verbs"])) for r in role["rules"]) == [
+        (("nodes",), ("get", "patch")),
+        (("pods",), ("get", "list", "watch")),
+    ]
+    binding = one(load(PLUGIN / "rbac.yaml"), "ClusterRoleBinding")
+    assert [(s["namespace"], s["name"]) for s in binding["subjects"]] == [
+        ("vramsched-device-plugin", "vramsched-device-plugin")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
