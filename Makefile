@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test lint e2e venv deps control-plane protos bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
+.PHONY: run test lint e2e venv deps control-plane node-deps protos bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
 
 venv: $(STAMP)
 
@@ -38,17 +38,26 @@ control-plane:
 protos: venv
 	$(PY) -m extender.device_plugin.api.generate
 
+# A real kubelet node for the device-plugin e2e tests (tests/e2e/test_device_plugin_e2e.py):
+# containerd, runc, busybox-static and the CNI plugins from Debian, and the Kubernetes 1.36.3
+# binaries (kubelet, API server, scheduler; a kubelet needs an API server at least as new),
+# sha256-checked and unpacked from K8S_136 into ~/.cache/vramsched/k8s-1.36.3/bin.
+K8S_136 ?= $(or $(VRAMSCHED_K8S_136),$(CURDIR)/../shared/k8s-1.36)
+node-deps:
+	scripts/node/deps.sh
+	VRAMSCHED_K8S_136=$(K8S_136) scripts/node/k8s-1.36.sh
+
 # Lint: ruff (rules and format), configured in pyproject.toml.
 LINT_PATHS := extender tests benchmarks loadtest
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
-test: venv deps control-plane
+test: venv deps control-plane node-deps
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Only the tests that run against the real control plane (etcd, kube-apiserver, kube-scheduler).
-e2e: venv deps control-plane
+e2e: venv deps control-plane node-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m e2e tests
 
 # Load test: vramsched and a parse-only floor server under the same locust scenario, same run.
