@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test lint e2e venv deps control-plane node-deps protos bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
+.PHONY: run test lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
 
 venv: $(STAMP)
 
@@ -82,6 +82,12 @@ bench-packing: venv
 # The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
 bench-kube-scoring: venv
 	$(PY) benchmarks/kube_scoring.py
+
+# vramsched's device plugin: the packing it buys in live mode (a 1.36.3 control plane, four
+# time-sliced 8 x A100 nodes, one pod stream, stock plugin vs vramsched's vs embedded) and
+# Allocate latency at 64 replicas beside a no-op plugin (~4 minutes); docs/device-plugin.md.
+bench-device-plugin: venv node-deps
+	$(PY) benchmarks/device_plugin.py
 
 # CP-SAT batch planner: 500 pending pods on 100..5,000 nodes x 8 GPUs.
 bench-planner: venv

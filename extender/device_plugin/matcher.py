@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extender.assignment import AssignmentError, decode_assignment
-from extender.demand import DemandError, pod_ref
+from extender.demand import ASSIGNMENT, DemandError, pod_ref
 from extender.quantity import QuantityError, parse_quantity
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Refusal",
     "container_slots",
     "identify",
+    "SlotCache",
     "preferred_devices",
     "replica_id",
     "gpu_of",
@@ -154,6 +155,29 @@ def container_slots(pod: Mapping[str, Any], resource: str, node: str) -> list[Sl
     return out
 
 
+class SlotCache:
+    """`container_slots` per pod, kept while the pod's UID and assignment stay the same (its
+    containers' limits cannot change after creation): Allocate then parses only new pods."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._slots: dict[tuple[str, str], list[Slot] | Refusal] = {}
+
+    def __call__(self, pod: Mapping[str, Any], resource: str, node: str) -> list[Slot] | Refusal:
+        meta = pod.get("metadata") or {}
+        uid = str(meta.get("uid") or "")
+        raw = str((meta.get("annotations") or {}).get(ASSIGNMENT, ""))
+        if not uid:
+            return container_slots(pod, resource, node)
+        key = (uid, raw)
+        hit = self._slots.get(key)
+        if hit is None:
+            if len(self._slots) >= self.size:
+                self._slots.clear()
+            hit = self._slots[key] = container_slots(pod, resource, node)
+        return hit
+
+
 def identify(
     count: int,
     kubelet_pods: Iterable[KubeletPod],
@@ -161,6 +185,7 @@ def identify(
     served_init: Mapping[str, frozenset[str]],
     resource: str,
     node: str,
+    slots_of: Any = container_slots,
 ) -> Match | Refusal:
     """The pod and container an Allocate of `count` devices is for (module docstring).
 
@@ -174,7 +199,7 @@ def identify(
         pod = pods.get(kp.key)
         if pod is None:
             continue
-        slots = container_slots(pod, resource, node)
+        slots = slots_of(pod, resource, node)
         if not slots:
             continue
         uid = str((pod.get("metadata") or {}).get("uid") or "")

@@ -33,6 +33,7 @@ from extender.device_plugin.matcher import (
     KubeletPod,
     Match,
     Refusal,
+    SlotCache,
     container_slots,
     gpu_of,
     identify,
@@ -105,6 +106,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self.resource = resource
         self.metrics = metrics or Metrics()
         self.unhealthy: dict[int, str] = {}
+        self._slots = SlotCache()
+        self._known = frozenset(i for i, _ in self._device_ids())
         #: pod UID -> non-restartable init containers served (PodResources does not list them)
         self.served_init: dict[str, frozenset[str]] = {}
         self._lock = threading.Lock()
@@ -215,13 +218,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         pods = self.lookup([kp.key for kp in kubelet_pods])
         with self._lock:
             served = dict(self.served_init)
-        return identify(count, kubelet_pods, pods, served, self.resource, self.node), kubelet_pods
+        return (
+            identify(count, kubelet_pods, pods, served, self.resource, self.node, self._slots),
+            kubelet_pods,
+        )
 
     def _allocate_one(
         self, ids: list[str], taken: dict[str, set[str]]
     ) -> dp.ContainerAllocateResponse | Refusal:
-        known = {i for i, _ in self.device_ids()}
-        unknown = [i for i in ids if i not in known]
+        unknown = [i for i in ids if i not in self._known]
         if unknown or not ids:
             return Refusal(
                 f"unknown device IDs {unknown or ids} for {self.resource} on {self.node}"

@@ -66,6 +66,7 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
         self._server: grpc.Server | None = None
         self._channel: grpc.Channel | None = None
         self._plugin: dp_grpc.DevicePluginStub | None = None
+        self._listing: pr.ListPodResourcesResponse | None = None  # List's answer, until a change
 
     # ----- lifecycle -----------------------------------------------------------------------------
     def start(self) -> SimKubelet:
@@ -126,6 +127,8 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
     # ----- PodResources ----------------------------------------------------------------------------
     def List(self, request: Any, context: Any) -> pr.ListPodResourcesResponse:
         with self._lock:
+            if self._listing is not None:  # nothing changed since the last answer
+                return self._listing
             pods = []
             for key, containers in self.active.items():
                 namespace, _, name = key.partition("/")
@@ -149,7 +152,8 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
                         ],
                     )
                 )
-        return pr.ListPodResourcesResponse(pod_resources=pods)
+            self._listing = pr.ListPodResourcesResponse(pod_resources=pods)
+            return self._listing
 
     def GetAllocatableResources(self, request: Any, context: Any) -> Any:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
@@ -178,6 +182,7 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
                 ]
             ]
             self.allocated[key] = {}
+            self._listing = None
         assert self._plugin is not None, "no plugin registered"
         for container in order:
             needed = gpu_limit(container, self.resource)
@@ -215,6 +220,7 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
             out.allocate_seconds.append(time.perf_counter() - started)
             with self._lock:
                 self.allocated[key][container["name"]] = chosen
+                self._listing = None
             out.devices[container["name"]] = chosen
             out.responses[container["name"]] = answer.container_responses[0]
         return out
@@ -223,6 +229,7 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
         with self._lock:
             self.active.pop(key, None)
             self.allocated.pop(key, None)
+            self._listing = None
 
     def remove(self, key: str) -> None:
         """The pod ended: its devices are free again."""
