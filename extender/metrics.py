@@ -1,9 +1,11 @@
 """Prometheus metrics. Per request: one histogram observation and one counter; the VRAM
-gauges and the planner's counters are read at scrape time, so they cost nothing on the hot path."""
+gauges and the planner's counters are read at scrape time, so they cost nothing on the hot path.
+Families too large for prometheus_client's formatter (the per-GPU gauges) are added as `streams`
+of ready text, written after the registry's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -125,6 +127,8 @@ class Metrics:
         self.registry.register(_LedgerCollector(ledger))
         self.registry.register(_PlannerCollector(planner))
         self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+        #: more exposition text, in pieces (extender.observe.gpu_metrics): called once per scrape
+        self.streams: list[Callable[[], Iterable[bytes]]] = []
 
     def request(self, verb: str, code: int, seconds: float) -> None:
         """Count one answered request. The labelled children are looked up once per (verb, code):
@@ -142,5 +146,11 @@ class Metrics:
         if errors is not None:
             errors.inc()
 
+    def pieces(self) -> Iterator[bytes]:
+        """The scrape in pieces: the registry's families, then each stream's."""
+        yield generate_latest(self.registry)
+        for stream in self.streams:
+            yield from stream()
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(self.pieces())

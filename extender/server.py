@@ -7,6 +7,7 @@ problems with a well-formed request (a bad annotation) get 200 with `Error` set.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -21,6 +22,8 @@ from pydantic_core import PydanticSerializationError
 from extender.demand import DemandError
 from extender.metrics import Metrics
 from extender.namelists import NameLists
+from extender.observe.collector import HealthCollector
+from extender.observe.gpu_metrics import GpuExposition
 from extender.placement import SharedReasons
 from extender.service import ExtenderService
 from extender.wire import (
@@ -58,6 +61,7 @@ NAMES_KEY = web.AppKey("names", NameLists)
 READY_KEY = web.AppKey("ready", object)
 
 _JSON = "application/json"
+_EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
 _GET_PATHS = ("/healthz", "/readyz", "/metrics", "/state", "/openapi.yaml")
 
 
@@ -260,10 +264,19 @@ async def _readyz(request: web.Request) -> web.Response:
     return _json({"ready": ready, **detail}, status=200 if ready else 503)
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(
-        body=request.app[METRICS_KEY].render(), content_type="text/plain", charset="utf-8"
-    )
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    """Streamed piece by piece, other requests served in between: the per-GPU families of a large
+    cluster are tens of MB. Compressed when the scraper accepts it (Prometheus does), off the
+    loop (aiohttp compresses pieces over 4 KiB in its executor)."""
+    response = web.StreamResponse(headers={"Content-Type": _EXPOSITION})
+    response.enable_compression()
+    await response.prepare(request)
+    for piece in request.app[METRICS_KEY].pieces():
+        if piece:
+            await response.write(piece)
+        await asyncio.sleep(0)
+    await response.write_eof()
+    return response
 
 
 async def _state(request: web.Request) -> web.Response:
@@ -338,13 +351,29 @@ def create_probe_app(main: web.Application) -> web.Application:
     return app
 
 
+def _observe(
+    metrics: Metrics,
+    service: ExtenderService,
+    ready: Callable[[], tuple[bool, dict[str, Any]]],
+    leader: Callable[[], bool | None],
+) -> None:
+    """The per-GPU gauges and the health gauges, read at scrape time (extender.observe)."""
+    metrics.registry.register(
+        HealthCollector(ready=ready, pending=service.pending_reasons.counts, leader=leader)
+    )
+    metrics.streams.append(GpuExposition(lambda: service.ledger).pieces)
+
+
 def create_app(
     service: ExtenderService,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     ready: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
+    leader: Callable[[], bool | None] | None = None,
 ) -> web.Application:
+    """`ready`: the /readyz answer (default: ready, embedded); `leader`: whether this replica
+    leads (extender.observe.leader; default: always, a single instance)."""
     if max_concurrency < 1:
         raise ValueError("max_concurrency must be at least 1")
     app = web.Application(
@@ -358,6 +387,7 @@ def create_app(
     )():  # live mode: bind event counters
         app[METRICS_KEY].registry.register(collector)
     app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))
+    _observe(app[METRICS_KEY], service, app[READY_KEY], leader or (lambda: True))
     handlers = {"filter": _filter, "prioritize": _prioritize, "bind": _bind, "preempt": _preempt}
     for verb in VERBS:
         app.router.add_post(f"/{verb}", _timed(verb, handlers[verb]))

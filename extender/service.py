@@ -20,6 +20,8 @@ from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import Demand, DemandError, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
+from extender.observe.pending import PendingReasons, outcome_class
+from extender.observe.usage import state_nodes, usage_from_ledger
 from extender.placement import (
     MAX_SCORE,
     FilterOutcome,
@@ -164,6 +166,8 @@ class ExtenderService:
         self._learned: dict[str, None] = {}
         #: demands by the pod's JSON (see _demand)
         self._demands: dict[bytes, tuple[float, Demand]] = {}
+        #: each pending pod's class from its last filter answer (`vramsched_pods_pending`)
+        self.pending_reasons = PendingReasons(cluster.pending)
 
     @property
     def ledger(self):
@@ -186,6 +190,12 @@ class ExtenderService:
             self._demands.clear()
         self._demands[key] = (self.cluster.headroom, demand)
         return demand
+
+    def _note_invalid(self, pod: Mapping[str, Any]) -> None:
+        try:
+            self.pending_reasons.note(pod_ref(pod).key, "invalid")
+        except DemandError:
+            pass
 
     def _remember(self, pod: Mapping[str, Any]) -> None:
         """Embedded mode learns pending pods from filter (there is no API to list them).
@@ -231,6 +241,7 @@ class ExtenderService:
         try:
             demand = self._demand(args.Pod)
         except DemandError as exc:
+            self._note_invalid(args.Pod)
             return ExtenderFilterResult(
                 Error=str(exc)
             )  # before any change: an Error changes nothing
@@ -244,6 +255,10 @@ class ExtenderService:
         self._remember(args.Pod)
         self.ledger.expire()
         outcome = self._filter_outcome(args.Pod, demand, names)
+        self.pending_reasons.note(
+            demand.pod.key,
+            "fits" if outcome.feasible else outcome_class(False, outcome.failed.values()),
+        )
         if self.planner is not None and names:
             self.planner.notify_filtered(demand.pod.key, bool(outcome.feasible))
         failed = outcome.failed
@@ -467,68 +482,7 @@ class ExtenderService:
     def state(self) -> dict[str, Any]:
         """The ledger for people and tools: per node, per GPU (and per MIG slice) who holds what."""
         ledger = self.ledger
-        a = ledger.arrays
-        holders: dict[tuple[str, str], list[str]] = {}
-        for res in ledger.reservations():
-            for dev in res.device_ids:
-                holders.setdefault((res.node, dev), []).append(res.key)
-        nodes = []
-        for inv in ledger.nodes():
-            gpus: dict[int, dict[str, Any]] = {}
-            for d in inv.devices:
-                i = ledger.row(inv.name, d.device_id)
-                used = int(a.used[i]) if i is not None else 0
-                used_rep = int(a.used_replicas[i]) if i is not None else 0
-                pods = sorted(holders.get((inv.name, d.device_id), []))
-                if d.profile is None:
-                    gpus[d.gpu_index] = {
-                        "index": d.gpu_index,
-                        "product": d.product,
-                        "memoryBytes": d.memory_bytes,
-                        "usedBytes": used,
-                        "replicas": d.replicas,
-                        "usedReplicas": used_rep,
-                        "sharing": d.sharing.value,
-                        "resource": d.resource,
-                        "pods": pods,
-                    }
-                else:
-                    g = gpus.setdefault(
-                        d.gpu_index,
-                        {
-                            "index": d.gpu_index,
-                            "product": d.product,
-                            "memoryBytes": 0,
-                            "usedBytes": 0,
-                            "replicas": 0,
-                            "usedReplicas": 0,
-                            "sharing": "mig",
-                            "resource": None,
-                            "pods": [],
-                            "slices": [],
-                        },
-                    )
-                    g["memoryBytes"] += d.memory_bytes
-                    g["usedBytes"] += used
-                    g["replicas"] += d.replicas
-                    g["usedReplicas"] += used_rep
-                    g["pods"] = sorted(set(g["pods"]) | set(pods))
-                    g["slices"].append(
-                        {
-                            "profile": d.profile,
-                            "slot": d.slot,
-                            "resource": d.resource,
-                            "memoryBytes": d.memory_bytes,
-                            "usedBytes": used,
-                            "replicas": d.replicas,
-                            "usedReplicas": used_rep,
-                            "pods": pods,
-                        }
-                    )
-            entry: dict[str, Any] = {"name": inv.name, "gpus": [gpus[k] for k in sorted(gpus)]}
-            if inv.problem:
-                entry["problem"] = inv.problem
-            nodes.append(entry)
+        nodes = state_nodes(usage_from_ledger(ledger, self.cluster.pods))
         allocated, capacity = ledger.totals()
         return {
             "nodes": nodes,

@@ -14,6 +14,7 @@ from aiohttp import web
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.deviceplugin import ReplicaPolicy
 from extender.logs import setup_logging
+from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
@@ -122,6 +123,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "kube-scheduler reads the reasons only when no node is left, and then every refused node "
         "has one). Turn on when another filtering extender runs after vramsched",
     )
+    p.add_argument(
+        "--leader-lease",
+        metavar="NAMESPACE/NAME",
+        default="vramsched/vramsched",
+        help="live mode: the Lease kube-scheduler's leader election holds (its leaderElection "
+        "resourceNamespace/resourceName); vramsched_leader is 1 on the replica whose "
+        "kube-scheduler holds it (default vramsched/vramsched, as deploy/; '' = always 1)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -134,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--max-concurrency must be at least 1")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
+    if args.leader_lease:
+        try:
+            parse_lease_name(args.leader_lease)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     try:
         return _run_loop(_serve(args))
     except KeyboardInterrupt:
@@ -186,6 +200,7 @@ async def _serve(args: argparse.Namespace) -> int:
         )
         ready = None
         source = None
+        leader = None
     else:
         from extender.kube import (
             LiveService,
@@ -207,6 +222,7 @@ async def _serve(args: argparse.Namespace) -> int:
         )
         ready = source.ready
         await source.start()
+        leader = _leader(args, source)
         service.legacy_failed_nodes = (
             args.legacy_failed_nodes
             if args.legacy_failed_nodes is not None
@@ -219,6 +235,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_concurrency=args.max_concurrency,
         ready=ready,
+        leader=leader.value if leader is not None else None,
     )
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
@@ -250,6 +267,8 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         if service.planner is not None:
             await service.planner.stop()
+        if leader is not None:
+            leader.stop()
         if source is not None:
             await source.stop()
         if probe_runner is not None:
@@ -277,6 +296,16 @@ async def _legacy_failed_nodes(source) -> bool:
         "also" if legacy else "not",
     )
     return legacy
+
+
+def _leader(args: argparse.Namespace, source) -> LeaseLeader | None:
+    """Polls the leader Lease (extender.observe.leader) through the live source's client."""
+    client = getattr(source.api, "client", None)
+    if not args.leader_lease or client is None:
+        return None
+    leader = LeaseLeader(kube_lease_reader(client, *parse_lease_name(args.leader_lease)))
+    leader.start()
+    return leader
 
 
 def _planner(args: argparse.Namespace, cluster: ClusterState):

@@ -1,0 +1,156 @@
+"""Where `top` and `why` read the cluster: the Kubernetes API, a running extender, a cluster file.
+
+The API's nodes and pods go through `LiveSource.apply`, the very code the live informers feed, so
+the ledger built here is the one a freshly started vramsched would hold: same GFD label parsing,
+same assignment annotations read back, same guesses for pods bound by someone else. A cluster
+file goes through `ClusterState.load`, as `serve --cluster` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
+from extender.deviceplugin import ReplicaPolicy
+from extender.source_file import ClusterFileError, read_cluster_file
+
+__all__ = [
+    "SourceError",
+    "add_source_args",
+    "default_kubeconfig",
+    "cluster_from_file",
+    "cluster_from_kube",
+    "state_from_server",
+    "load_cluster",
+]
+
+
+class SourceError(Exception):
+    """The cluster could not be read; the message says from where and why, in one line."""
+
+
+def add_source_args(p: argparse.ArgumentParser, *, server: bool) -> None:
+    """Flags as kubectl users expect them, plus the other two sources."""
+    p.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        help="read the cluster from the API server of this kubeconfig (default: $KUBECONFIG, "
+        "~/.kube/config, else the in-cluster ServiceAccount)",
+    )
+    if server:
+        p.add_argument(
+            "--server",
+            metavar="URL",
+            help="read a running extender's GET /state instead (e.g. http://127.0.0.1:8888 "
+            "through kubectl port-forward)",
+        )
+    p.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="read a cluster file instead (a List of Nodes and Pods, as `serve --cluster`)",
+    )
+    p.add_argument(
+        "--replica-policy",
+        choices=[r.value for r in ReplicaPolicy],
+        default=None,
+        help="the device plugin's replica policy the extender runs with (API default: "
+        "distributed, as `serve`; a cluster file: none)",
+    )
+    p.add_argument("--scheduler-name", default=DEFAULT_SCHEDULER_NAME)
+
+
+def default_kubeconfig(explicit: str | None) -> str | None:
+    """kubectl's order: the flag, the first file of $KUBECONFIG, ~/.kube/config; None: in-cluster."""
+    if explicit:
+        return explicit
+    env = os.environ.get("KUBECONFIG", "")
+    for path in env.split(os.pathsep):
+        if path and Path(path).exists():
+            return path
+    home = Path.home() / ".kube" / "config"
+    return str(home) if home.exists() else None
+
+
+def cluster_from_file(
+    path: str,
+    *,
+    scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+    headroom: float = 0.0,
+    replica_policy: str | None = None,
+) -> ClusterState:
+    cluster = ClusterState(scheduler_name=scheduler_name, headroom=headroom)
+    try:
+        cluster.load(read_cluster_file(path))
+    except (OSError, ClusterFileError) as exc:
+        raise SourceError(f"cannot read {path}: {exc}") from None
+    cluster.ledger.replica_policy = replica_policy
+    return cluster
+
+
+def cluster_from_kube(
+    kubeconfig: str | None,
+    *,
+    scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+    headroom: float = 0.0,
+    replica_policy: str | None = None,
+) -> ClusterState:
+    """One list of nodes, then of pods, applied as the informers' first sync applies them."""
+    from extender.kube import ApiError, ClientApi, LiveSource
+
+    where = kubeconfig or "the in-cluster ServiceAccount"
+    try:
+        api = ClientApi(kubeconfig)
+    except Exception as exc:  # noqa: BLE001 - the client raises many kinds for a bad config
+        raise SourceError(f"cannot load Kubernetes config from {where}: {str(exc)[:200]}") from None
+    cluster = ClusterState(scheduler_name=scheduler_name, headroom=headroom)
+    source = LiveSource(cluster, api=api, replica_policy=replica_policy)
+    try:
+        for kind in ("nodes", "pods"):
+            try:
+                items, _ = api.list(kind)
+            except ApiError as exc:
+                raise SourceError(
+                    f"cannot list {kind} from the API server ({where}): {exc}"
+                ) from None
+            source.apply(kind, "replace", items)
+    finally:
+        source.binder.close()
+    return cluster
+
+
+def state_from_server(url: str, timeout: float = 30.0) -> dict[str, Any]:
+    """GET <url>/state of a running extender."""
+    target = url.rstrip("/") + "/state"
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:
+            return orjson.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise SourceError(f"{target}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise SourceError(f"cannot reach {target}: {getattr(exc, 'reason', exc)}") from None
+    except orjson.JSONDecodeError:
+        raise SourceError(f"{target} did not answer JSON: is it a vramsched extender?") from None
+
+
+def load_cluster(args: argparse.Namespace, *, headroom: float = 0.0) -> ClusterState:
+    """The ClusterState `args` name: --cluster FILE, else the API server."""
+    if args.cluster:
+        return cluster_from_file(
+            args.cluster,
+            scheduler_name=args.scheduler_name,
+            headroom=headroom,
+            replica_policy=args.replica_policy,
+        )
+    return cluster_from_kube(
+        default_kubeconfig(args.kubeconfig),
+        scheduler_name=args.scheduler_name,
+        headroom=headroom,
+        replica_policy=args.replica_policy,
+    )

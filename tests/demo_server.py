@@ -1,0 +1,122 @@
+"""`vramsched serve --cluster config/demo-cluster.yaml` as a subprocess on a free port, with a
+hand to schedule pods through its own filter and bind (as kube-scheduler would), for the tests
+that need a running extender: `top --server`, and the dashboard against a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "config" / "demo-cluster.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_pod(
+    name: str, memory: str, *, gpus: int = 1, namespace: str = "inference"
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{namespace}-{name}",
+            "annotations": {"vramsched.io/model-memory": memory},
+        },
+        "spec": {
+            "schedulerName": "vramsched",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "vllm",
+                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                }
+            ],
+        },
+        "status": {"phase": "Pending"},
+    }
+
+
+class DemoServer:
+    def __init__(self, log: Path, cluster: Path = DEMO) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.nodes = ["a100-ts-0", "a100-ts-1", "h100-excl-0", "h100-mps-0", "cpu-only-0"]
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "extender",
+                "serve",
+                "--cluster",
+                str(cluster),
+                "--port",
+                str(self.port),
+                "--no-planner",
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=1):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"vramsched serve did not start (see {log})") from None
+                time.sleep(0.1)
+
+    def post(self, verb: str, body: Any) -> Any:
+        req = urllib.request.Request(
+            f"{self.url}/{verb}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def schedule(self, pod: dict[str, Any]) -> str | None:
+        """filter, then bind to the first node that passed (None: it stays pending)."""
+        answer = self.post("filter", {"Pod": pod, "NodeNames": self.nodes})
+        if not answer["NodeNames"]:
+            return None
+        node = answer["NodeNames"][0]
+        meta = pod["metadata"]
+        result = self.post(
+            "bind",
+            {
+                "PodName": meta["name"],
+                "PodNamespace": meta["namespace"],
+                "PodUID": meta["uid"],
+                "Node": node,
+            },
+        )
+        assert not result.get("Error"), result
+        return node
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

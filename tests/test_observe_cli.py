@@ -1,0 +1,159 @@
+"""`vramsched top` / `why` (and `kubectl vramsched`) on the demo cluster: a file and a running
+extender, as a user runs them (output piped, so plain text), plus the one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+from demo_server import DEMO, ROOT, DemoServer, gpu_pod
+
+from extender.cli import main
+
+GIB = 1 << 30
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_top_on_the_demo_file_is_plain_text_sorted_with_a_summary(capsys) -> None:
+    code, out, err = run(capsys, "top", "--cluster", str(DEMO))
+    assert code == 0 and err == ""
+    assert "\x1b[" not in out  # piped: no colour
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["NODE", "GPU", "PRODUCT", "SHARING"]
+    assert all(line == line.rstrip() for line in lines)
+    row = next(line for line in lines if line.startswith("a100-ts-0"))
+    assert "64Gi/80Gi" in row and "2/4" in row and "inference/llama3-8b-0 24Gi" in row
+    assert any(line.strip() == "inference/qwen25-32b-awq-0 40Gi" for line in lines)
+    assert lines[-1] == (
+        "1 of 18 GPUs in use, 17 fully free; VRAM allocated 64Gi of 1.4Ti (4.5%); "
+        "stranded 0B; 2 pods on 4 nodes"
+    )
+    assert "cpu-only-0" not in out  # not a GPU node: only with --wide
+    code, wide, _ = run(capsys, "top", "--cluster", str(DEMO), "-o", "wide")
+    assert "missing label nvidia.com/gpu.product" in wide and "STRANDED" in wide
+
+
+def test_top_json_yaml_and_filters(capsys) -> None:
+    code, out, _ = run(capsys, "top", "--cluster", str(DEMO), "-o", "json")
+    doc = orjson.loads(out)
+    assert doc["summary"]["gpusInUse"] == 1 and doc["summary"]["usedBytes"] == 64 * GIB
+    assert yaml.safe_load(run(capsys, "top", "--cluster", str(DEMO), "-o", "yaml")[1]) == doc
+    doc = orjson.loads(
+        run(capsys, "top", "--cluster", str(DEMO), "--product", "h100", "-o", "json")[1]
+    )
+    assert [n["name"] for n in doc["nodes"]] == ["h100-excl-0", "h100-mps-0"]
+    doc = orjson.loads(
+        run(capsys, "top", "--cluster", str(DEMO), "-n", "inference", "-o", "json")[1]
+    )
+    assert [(n["name"], [d["id"] for d in n["devices"]]) for n in doc["nodes"]] == [
+        ("a100-ts-0", ["0"])
+    ]
+    doc = orjson.loads(
+        run(
+            capsys,
+            "top",
+            "--cluster",
+            str(DEMO),
+            "--node",
+            "a100-*",
+            "--sort",
+            "name",
+            "-o",
+            "json",
+        )[1]
+    )
+    assert [n["name"] for n in doc["nodes"]] == ["a100-ts-0", "a100-ts-1"]
+
+
+def test_colour_only_on_a_terminal() -> None:
+    env = dict(os.environ, FORCE_COLOR="1", COLUMNS="200")
+    env.pop("NO_COLOR", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "extender", "top", "--cluster", str(DEMO)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "\x1b[" in out
+
+
+def test_why_on_the_demo_file(capsys) -> None:
+    code, out, err = run(capsys, "why", "--cluster", str(DEMO), "-n", "inference", "mistral-7b-0")
+    assert code == 0 and err == ""
+    assert (
+        out.splitlines()[0] == "pod inference/mistral-7b-0 asks for 1x nvidia.com/gpu (16Gi each)"
+    )
+    assert "fits now on 4 of 5 nodes" in out
+    doc = orjson.loads(
+        run(capsys, "why", "--cluster", str(DEMO), "inference/mistral-7b-0", "-o", "json")[1]
+    )
+    assert doc["feasible"] == ["a100-ts-0", "a100-ts-1", "h100-excl-0", "h100-mps-0"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["why", "--cluster", str(DEMO), "nope"], "error: pod default/nope not found"),
+        (["top", "--cluster", "/no/such/file.yaml"], "error: cannot read /no/such/file.yaml"),
+        (["top", "--server", "http://127.0.0.1:9"], "error: cannot reach http://127.0.0.1:9/state"),
+        (["top", "--cluster", str(DEMO), "--server", "http://x"], "error: choose one source"),
+        (
+            ["top", "--kubeconfig", "/no/such/kubeconfig"],
+            "error: cannot load Kubernetes config from /no/such/kubeconfig",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv, message) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and out == ""
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_top_and_why_against_a_running_extender(tmp_path: Path, capsys) -> None:
+    server = DemoServer(tmp_path / "serve.log")
+    try:
+        assert server.schedule(gpu_pod("big-70b", "150Gi", gpus=2)) is not None
+        for i in range(3):
+            assert server.schedule(gpu_pod(f"small-{i}", "20Gi")) is not None
+        code, out, err = run(capsys, "top", "--server", server.url, "-o", "json")
+        assert code == 0, err
+        doc = orjson.loads(out)
+        held = {p["pod"]: p["bytes"] for n in doc["nodes"] for d in n["devices"] for p in d["pods"]}
+        assert held["inference/big-70b"] == 75 * GIB  # 150Gi over its two GPUs
+        assert held["inference/small-0"] == 20 * GIB
+        assert doc["summary"]["usedBytes"] == (64 + 150 + 60) * GIB
+        text = run(capsys, "top", "--server", server.url)[1]
+        assert "inference/big-70b 75Gi" in text
+    finally:
+        server.stop()
+
+
+def test_kubectl_finds_the_plugin_on_path() -> None:
+    """kubectl (installed by `make deps`) runs `kubectl-vramsched` from PATH."""
+    bindir = Path(sys.executable).parent
+    assert (bindir / "kubectl-vramsched").exists(), "installed by `pip install -e .` (make venv)"
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(
+        ["kubectl", "vramsched", "top", "--cluster", str(DEMO), "-o", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert orjson.loads(out)["summary"]["gpus"] == 18
+    usage = subprocess.run(
+        ["kubectl", "vramsched", "--help"], env=env, capture_output=True, text=True
+    ).stdout
+    assert usage.startswith("usage: kubectl vramsched") and "serve" not in usage

@@ -1,0 +1,95 @@
+"""`why`: filter's reasons grouped, the event text, the closest node and what would make it fit."""
+
+from __future__ import annotations
+
+from builders import cluster, gpu_node, mig_mixed_node, pod
+
+from extender.observe.why import describe_closest, event_text, explain, explanation_dict
+
+GIB = 1 << 30
+
+
+def _at(node: str, device: str, gib: int) -> dict[str, str]:
+    return {
+        "vramsched.io/assignment": (
+            f'{{"node":"{node}","devices":["{device}"],"bytesPerDevice":[{gib * GIB}]}}'
+        )
+    }
+
+
+def test_groups_event_closest_and_fewest_removals() -> None:
+    c = cluster(
+        gpu_node("a", count=1, replicas=4),  # 80Gi: 30 + 30 held -> 20Gi free
+        gpu_node("b", count=1, replicas=4),  # 80Gi: 10 + 20 + 40 held -> 10Gi free
+        gpu_node("small", count=2, memory_mib=24576, product="NVIDIA-L4"),
+        {"kind": "Node", "metadata": {"name": "cpu"}, "status": {}},
+        pod("a1", "30Gi", node="a", annotations=_at("a", "0", 30), priority=5),
+        pod("a2", "30Gi", node="a", annotations=_at("a", "0", 30)),
+        pod("b1", "10Gi", node="b", annotations=_at("b", "0", 10)),
+        pod("b2", "20Gi", node="b", annotations=_at("b", "0", 20)),
+        pod("b3", "40Gi", node="b", annotations=_at("b", "0", 40)),
+        pod("want", "45Gi", priority=1),
+    )
+    e = explain(c.ledger, c.pod("default/want"), pods=c.pods)
+    assert e.feasible == [] and e.nodes == 4
+    groups = {r: (ns, u) for r, ns, u in e.groups}
+    assert groups["no GPU with 45Gi free"] == (["a", "b"], False)
+    assert groups["need 45Gi per GPU, GPUs have 24Gi"] == (["small"], True)
+    assert groups["not a GPU node: missing label nvidia.com/gpu.product"] == (["cpu"], True)
+    # kube-scheduler's FitError wording: counts and reasons sorted as strings
+    assert event_text(e) == (
+        "0/4 nodes are available: 1 need 45Gi per GPU, GPUs have 24Gi, "
+        "1 not a GPU node: missing label nvidia.com/gpu.product, 2 no GPU with 45Gi free."
+    )
+    # a misses by 25Gi, b by 35Gi: a is closest; removing one 30Gi pod leaves 50Gi free.
+    # a2 (priority 0) goes rather than a1 (priority 5): preemption may evict it (want is 1)
+    cl = e.closest
+    assert (cl.node, cl.short_bytes) == ("a", 25 * GIB)
+    assert [p.key for p in cl.remove] == ["default/a2"] and cl.preemptible
+    assert "fits once default/a2 (30Gi) is gone" in describe_closest(cl)
+    doc = explanation_dict(e)
+    assert doc["closest"]["remove"] == [
+        {"pod": "default/a2", "bytes": 30 * GIB, "modelMemory": 30 * GIB}
+    ]
+
+
+def test_no_removal_helps_and_higher_priority_holders() -> None:
+    c = cluster(
+        gpu_node("x", count=1, replicas=2),
+        pod("big", "70Gi", node="x", annotations=_at("x", "0", 70), priority=10),
+        pod("want", "75Gi"),
+    )
+    e = explain(c.ledger, c.pod("default/want"), pods=c.pods)
+    assert e.closest.node == "x" and e.closest.short_bytes == 65 * GIB
+    assert [p.key for p in e.closest.remove] == ["default/big"]
+    assert not e.closest.preemptible  # big outranks want: only deleting it frees the GPU
+    c2 = cluster(gpu_node("y", count=1, replicas=2), pod("want", "79Gi", gpus=2))
+    e2 = explain(c2.ledger, c2.pod("default/want"), pods=c2.pods)
+    assert e2.closest is None  # one GPU, the pod needs two: refused for good, nothing to free
+    assert e2.groups == [("node has 1 GPUs, pod needs 2", ["y"], True)]
+
+
+def test_fits_now_and_bad_demand() -> None:
+    c = cluster(gpu_node("x", count=1), pod("ok", "10Gi"), pod("bad", "lots"))
+    e = explain(c.ledger, c.pod("default/ok"))
+    assert e.feasible == ["x"] and event_text(e) == "" and e.closest is None
+    bad = explain(c.ledger, c.pod("default/bad"))
+    assert bad.error and "lots" in bad.error
+
+
+def test_mig_pod_gets_the_smallest_profile_that_holds_it() -> None:
+    c = cluster(
+        mig_mixed_node("m", {"1g.10gb": (2, 9728), "3g.40gb": (1, 40192)}),
+        pod("want", "15Gi", resource="nvidia.com/mig-1g.10gb"),
+    )
+    e = explain(c.ledger, c.pod("default/want"))
+    assert e.mig.profile == "3g.40gb" and e.mig.resource == "nvidia.com/mig-3g.40gb"
+    assert (e.mig.free_slices, e.mig.nodes) == (1, ("m",))
+    only_small = cluster(
+        mig_mixed_node("m", {"1g.10gb": (7, 9728)}),
+        pod("want", "15Gi", resource="nvidia.com/mig-1g.10gb"),
+    )
+    e2 = explain(only_small.ledger, only_small.pod("default/want"))
+    # no slice that large exists: the A100-80GB's smallest profile over 15Gi is 1g.20gb
+    assert e2.mig.profile == "1g.20gb" and e2.mig.free_slices == 0
+    assert e2.mig.reconfigure
