@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-planner loadtest soak clean
+.PHONY: run test lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
 venv: $(STAMP)
 
@@ -20,10 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
-# System tools the test suite uses: kubectl (renders deploy/ with kustomize).
+# System tools the test suite uses: kubectl (renders deploy/ with kustomize; runs the kubectl
+# plugin), prometheus and promtool (tests/test_prometheus.py: the dashboard and alert rules
+# against a real Prometheus, which the test starts on loopback). Debian's package would start a
+# Prometheus service where an init system lets it: it is stopped again, the tests run their own.
 deps:
 	@command -v kubectl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null)
 	@command -v openssl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null)
+	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null && (service prometheus stop >/dev/null 2>&1 || true))
 
 run: venv
 	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT) $(ARGS)
@@ -68,6 +72,13 @@ USERS ?= 4
 loadtest: venv
 	$(PY) -m loadtest.run --nodes $(NODES) --duration $(DURATION) --users $(USERS)
 
+# The same scenario without and with a scraper on /metrics (every SCRAPE_INTERVAL s), alternating
+# order over ROUNDS rounds: does scraping the per-GPU gauges move the p99? (docs/observe.md)
+ROUNDS ?= 2
+SCRAPE_INTERVAL ?= 5
+loadtest-scrape: venv
+	$(PY) -m loadtest.scrape_ab --nodes $(NODES) --duration $(DURATION) --users $(USERS) --rounds $(ROUNDS) --interval $(SCRAPE_INTERVAL)
+
 # Soak: 10 minutes of the locust scenario at half the measured maximum rate; RSS growth, failures.
 soak: venv
 	$(PY) -m loadtest.soak
@@ -88,6 +99,10 @@ bench-kube-scoring: venv
 # Allocate latency at 64 replicas beside a no-op plugin (~4 minutes); docs/device-plugin.md.
 bench-device-plugin: venv node-deps
 	$(PY) benchmarks/device_plugin.py
+
+# One scrape of the per-GPU gauges at 5,000 nodes x 8 GPUs, against prometheus_client's formatter.
+bench-metrics: venv
+	$(PY) -m benchmarks.metrics_scrape
 
 # CP-SAT batch planner: 500 pending pods on 100..5,000 nodes x 8 GPUs.
 bench-planner: venv

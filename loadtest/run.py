@@ -257,6 +257,33 @@ def _csv_failures(path: Path) -> int:
     raise SystemExit(f"no Aggregated row in {path}")
 
 
+def start_server(cluster: Path, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    """`vramsched serve --cluster` as the load test runs it (planner and replica policy from
+    `args`)."""
+    # --no-legacy-failed-nodes: the scenario is today's kube-scheduler (deploy/ runs 1.34), which
+    # reads FailedAndUnresolvableNodes; only < 1.21 needs those nodes in FailedNodes again.
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "extender",
+            "serve",
+            "--cluster",
+            str(cluster),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-legacy-failed-nodes",
+            "--planner" if args.planner else "--no-planner",
+            *(["--replica-policy", args.replica_policy] if args.replica_policy else []),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=5000)
@@ -297,28 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = orjson.loads(sidecar.read_bytes())
 
     port = _free_port()
-    server = subprocess.Popen(
-        # --no-legacy-failed-nodes: the scenario is today's kube-scheduler (deploy/ runs 1.34), which
-        # reads FailedAndUnresolvableNodes; only < 1.21 needs those nodes in FailedNodes again.
-        [
-            sys.executable,
-            "-m",
-            "extender",
-            "serve",
-            "--cluster",
-            str(cluster),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-legacy-failed-nodes",
-            "--planner" if args.planner else "--no-planner",
-            *(["--replica-policy", args.replica_policy] if args.replica_policy else []),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=(out / "vramsched.server.log").open("wb"),
-    )
+    server = start_server(cluster, port, args, out / "vramsched.server.log")
     try:
         startup = _wait_ready(f"http://127.0.0.1:{port}/readyz", server, timeout=120)
         startup_cpu = _cpu_seconds(

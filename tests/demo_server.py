@@ -92,10 +92,11 @@ class DemoServer:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
-    def schedule(self, pod: dict[str, Any]) -> str | None:
-        """filter, then bind to the first node that passed (None: it stays pending)."""
-        answer = self.post("filter", {"Pod": pod, "NodeNames": self.nodes})
-        if not answer["NodeNames"]:
+    def schedule(self, pod: dict[str, Any], nodes: list[str] | None = None) -> str | None:
+        """filter over `nodes` (default all), then bind to the first that passed (None: none
+        did, and the pod stays pending)."""
+        answer = self.post("filter", {"Pod": pod, "NodeNames": nodes or self.nodes})
+        if answer.get("Error") or not answer["NodeNames"]:
             return None
         node = answer["NodeNames"][0]
         meta = pod["metadata"]

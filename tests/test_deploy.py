@@ -73,8 +73,16 @@ def load(path: Path) -> list[dict[str, Any]]:
         return [d for d in yaml.safe_load_all(f) if d is not None]
 
 
+#: not Kubernetes objects: Prometheus rule files (tests/test_prometheus.py checks them)
+NOT_OBJECT_DIRS = {"prometheus"}
+
+
 def object_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in NOT_OBJECTS)
+    return sorted(
+        p
+        for p in DEPLOY.rglob("*.yaml")
+        if p.name not in NOT_OBJECTS and not NOT_OBJECT_DIRS & set(p.relative_to(DEPLOY).parts)
+    )
 
 
 def base_objects() -> list[dict[str, Any]]:

@@ -1,0 +1,153 @@
+"""`make loadtest-scrape`: does a Prometheus scraper move the load test's latency?
+
+The load test's scenario (loadtest/locustfile.py) against `vramsched serve` on the generated
+5,000-node cluster, alternately without (A) and with (B) a scraper that GETs /metrics (gzip, as
+Prometheus asks) every --interval seconds for the whole run. A new server per run; the order
+alternates by round (A B, then B A, ...) so that a neighbour's load on the shared machine does not
+land on one variant only. Prints each run and the median per variant of the cycle and verb p99,
+cycles/s and the scrapes' own time and size; writes `<out>/scrape_ab.json`.
+
+    python -m loadtest.scrape_ab --nodes 5000 --duration 45s --rounds 2 --interval 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadtest.gen_cluster import nodes_file
+from loadtest.run import (
+    ROOT,
+    VERBS,
+    _free_port,
+    _seconds,
+    _wait_ready,
+    cluster_file,
+    run_locust,
+    start_server,
+    stop_process,
+)
+
+
+def _scraper(
+    url: str, interval: float, stop: threading.Event, out: list[tuple[float, int]]
+) -> None:
+    """GET /metrics as Prometheus does (gzip accepted) every `interval` s: (seconds, bytes) each."""
+    while not stop.is_set():
+        started = time.perf_counter()
+        req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                size = len(resp.read())
+            out.append((time.perf_counter() - started, size))
+        except OSError:
+            pass
+        stop.wait(max(0.0, interval - (time.perf_counter() - started)))
+
+
+def one_run(
+    name: str, scrape: bool, args: argparse.Namespace, cluster: Path, out: Path
+) -> dict[str, Any]:
+    port = _free_port()
+    server = start_server(cluster, port, args, out / f"{name}.server.log")
+    scrapes: list[tuple[float, int]] = []
+    stop = threading.Event()
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/readyz", server, timeout=180)
+        if scrape:
+            threading.Thread(
+                target=_scraper,
+                args=(f"http://127.0.0.1:{port}/metrics", args.interval, stop, scrapes),
+                daemon=True,
+            ).start()
+        result = run_locust(name, port, args, nodes_file(cluster), out, server.pid)
+    finally:
+        stop.set()
+        stop_process(server)
+    row = {
+        "run": name,
+        "scraper": scrape,
+        "cycles_per_s": result["cycles_per_s"],
+        "failures": result["failures"],
+        "cycle_p99_ms": result["verbs"]["cycle"]["p99_ms"],
+        "cycle_p50_ms": result["verbs"]["cycle"]["p50_ms"],
+        **{f"{v}_p99_ms": result["verbs"][v]["p99_ms"] for v in VERBS},
+        "server_cpu_ms_per_cycle": result["server_cpu_ms_per_cycle"],
+        "scrapes": len(scrapes),
+        "scrape_s_median": round(statistics.median(s for s, _ in scrapes), 3) if scrapes else None,
+        "scrape_gzip_bytes": scrapes[-1][1] if scrapes else None,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=5000)
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--duration", default="45s", help="locust run time per run (default 45s)")
+    p.add_argument("--users", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of A and B (default 2)")
+    p.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between scrapes (default 5)"
+    )
+    p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "scrape_ab")
+    args = p.parse_args(argv)
+    # what run_locust and start_server read, as `make loadtest` sets them
+    args.duration_s, args.rate, args.warmup, args.processes = _seconds(args.duration), 0.0, 3.0, 1
+    args.planner, args.replica_policy = True, None
+    args.out.mkdir(parents=True, exist_ok=True)
+    cluster = cluster_file(args.out.parent, args.nodes, args.gpus, 0.6, 1)
+    rows = []
+    for r in range(args.rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for scrape in order:
+            rows.append(one_run(f"{'B' if scrape else 'A'}{r}", scrape, args, cluster, args.out))
+    print()
+    print(
+        "| variant | runs | cycle p99 ms | filter p99 | prioritize p99 | bind p99 | cycles/s | server CPU ms/cycle | scrapes (median s, gzip size) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    summary = {}
+    for scrape in (False, True):
+        mine = [x for x in rows if x["scraper"] is scrape]
+        med = {
+            k: statistics.median(x[k] for x in mine)
+            for k in (
+                "cycle_p99_ms",
+                "filter_p99_ms",
+                "prioritize_p99_ms",
+                "bind_p99_ms",
+                "cycles_per_s",
+                "server_cpu_ms_per_cycle",
+            )
+        }
+        label = f"B: scrape every {args.interval:g} s" if scrape else "A: no scraper"
+        scr = (
+            f"{sum(x['scrapes'] for x in mine)} ({statistics.median(x['scrape_s_median'] for x in mine):.2f} s, "
+            f"{mine[0]['scrape_gzip_bytes'] / 2**20:.1f} MiB)"
+            if scrape and all(x["scrapes"] for x in mine)
+            else "-"
+        )
+        print(
+            f"| {label} | {len(mine)} | {med['cycle_p99_ms']:.2f} | {med['filter_p99_ms']:.2f} "
+            f"| {med['prioritize_p99_ms']:.2f} | {med['bind_p99_ms']:.2f} | {med['cycles_per_s']:.0f} "
+            f"| {med['server_cpu_ms_per_cycle']:.2f} | {scr} |"
+        )
+        summary["B" if scrape else "A"] = med
+    (args.out / "scrape_ab.json").write_text(
+        json.dumps({"argv": argv or sys.argv[1:], "runs": rows, "medians": summary}, indent=2)
+        + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
