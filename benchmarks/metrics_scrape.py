@@ -31,6 +31,7 @@ from extender.inventory import MigSlice
 from extender.ledger import Ledger
 from extender.observe.gpu_metrics import FAMILIES, GpuExposition
 from extender.observe.usage import MIG
+from extender.placement import warm
 from loadtest.gen_cluster import generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "metrics_scrape.json"
@@ -144,7 +145,8 @@ def bench_fleet(name: str, cluster: ClusterState) -> dict:
         "first_scrape_s": round(first[0], 3),
         "scrape_s": round(same[0], 3),
         "scrape_after_500_changes_s": round(changed[0], 3),
-        "longest_piece_ms": round(1000 * max(first[1], same[1], changed[1]), 2),
+        "longest_piece_first_ms": round(1000 * first[1], 2),
+        "longest_piece_ms": round(1000 * max(same[1], changed[1]), 2),
         "bytes": changed[2],
         "gzip_bytes": gz_size,
         "gzip_s_off_loop": round(gzip_s, 3),
@@ -170,16 +172,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             cluster.load(_h100_fleet(args.nodes, args.gpus))
+        warm(cluster.ledger)  # as `serve` does before it listens: the device arrays are built
+        gc.freeze()  # and the cluster's objects are left out of later collections
         rows.append(bench_fleet(name, cluster))
         print(json.dumps(rows[-1]), flush=True)
     print()
     print(
-        "| fleet | devices | series | first scrape | scrape | after 500 pods left | longest loop hold | size | gzip (off loop) | prometheus_client |"
+        "| fleet | devices | series | first scrape (longest hold) | scrape | after 500 pods left | longest loop hold | size | gzip (off loop) | prometheus_client |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['fleet']} | {r['devices']:,} | {r['series']:,} | {r['first_scrape_s'] * 1000:.0f} ms "
+            f"| {r['fleet']} | {r['devices']:,} | {r['series']:,} "
+            f"| {r['first_scrape_s'] * 1000:.0f} ms ({r['longest_piece_first_ms']:.0f} ms) "
             f"| {r['scrape_s'] * 1000:.0f} ms | {r['scrape_after_500_changes_s'] * 1000:.0f} ms "
             f"| {r['longest_piece_ms']:.1f} ms | {r['bytes'] / 2**20:.1f} MiB "
             f"| {r['gzip_bytes'] / 2**20:.1f} MiB in {r['gzip_s_off_loop'] * 1000:.0f} ms "
