@@ -5,8 +5,8 @@ Two fleets of 5,000 nodes x 8 GPUs: the load test's generated cluster (loadtest/
 H100/H200/A100 nodes, time-slicing, MPS and MIG, so MIG slices make more devices than GPUs), and
 5,000 nodes of 8 whole H100s. Per fleet: the first scrape (every label built), a scrape with
 nothing changed, one after 500 pods left; the longest the event loop is held between two pieces
-(what a request waits behind a scrape at worst), the size, and the gzip that aiohttp does off the
-loop when Prometheus asks for it. Figures are wall-clock on the machine it runs on; never asserted.
+(what a request waits behind a scrape at worst), the size, and the CPU of the gzip (level 1) the
+server runs off the loop when Prometheus asks for it. Figures are wall-clock on the machine it runs on; never asserted.
 
     .venv/bin/python -m benchmarks.metrics_scrape            # make bench-metrics
 """
@@ -127,10 +127,10 @@ def bench_fleet(name: str, cluster: ClusterState) -> dict:
         ledger.release(res.key)
     changed = _scrape(exp)
     body = b"".join(changed[3])
-    t = time.perf_counter()
-    gz = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # aiohttp's gzip, default level
+    t = time.process_time()
+    gz = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # the server's gzip (level 1)
     gz_size = sum(len(gz.compress(p)) for p in changed[3]) + len(gz.flush())
-    gzip_s = time.perf_counter() - t
+    gzip_s = time.process_time() - t
     registry = CollectorRegistry()
     registry.register(_Baseline(ledger))
     t = time.perf_counter()
@@ -149,7 +149,7 @@ def bench_fleet(name: str, cluster: ClusterState) -> dict:
         "longest_piece_ms": round(1000 * max(same[1], changed[1]), 2),
         "bytes": changed[2],
         "gzip_bytes": gz_size,
-        "gzip_s_off_loop": round(gzip_s, 3),
+        "gzip_cpu_s_off_loop": round(gzip_s, 3),
         "prometheus_client_s": round(baseline_s, 3),
         "prometheus_client_bytes": len(baseline),
     }
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['first_scrape_s'] * 1000:.0f} ms ({r['longest_piece_first_ms']:.0f} ms) "
             f"| {r['scrape_s'] * 1000:.0f} ms | {r['scrape_after_500_changes_s'] * 1000:.0f} ms "
             f"| {r['longest_piece_ms']:.1f} ms | {r['bytes'] / 2**20:.1f} MiB "
-            f"| {r['gzip_bytes'] / 2**20:.1f} MiB in {r['gzip_s_off_loop'] * 1000:.0f} ms "
+            f"| {r['gzip_bytes'] / 2**20:.1f} MiB, {r['gzip_cpu_s_off_loop'] * 1000:.0f} ms CPU "
             f"| {r['prometheus_client_s']:.2f} s |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

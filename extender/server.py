@@ -11,6 +11,7 @@ import asyncio
 import logging
 import re
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -266,15 +267,25 @@ async def _readyz(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
     """Streamed piece by piece, other requests served in between: the per-GPU families of a large
-    cluster are tens of MB. Compressed when the scraper accepts it (Prometheus does), off the
-    loop (aiohttp compresses pieces over 4 KiB in its executor)."""
-    response = web.StreamResponse(headers={"Content-Type": _EXPOSITION})
-    response.enable_compression()
+    cluster are tens of MB. Gzipped when the scraper accepts it (Prometheus does), at level 1 in
+    the default executor, off the loop (zlib lets other threads run while it compresses): about a
+    quarter of the CPU of zlib's default level, for a third more bytes."""
+    gzip = "gzip" in request.headers.get("Accept-Encoding", "")
+    headers = {"Content-Type": _EXPOSITION}
+    if gzip:
+        headers["Content-Encoding"] = "gzip"
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
+    z = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS) if gzip else None
+    loop = asyncio.get_running_loop()
     for piece in request.app[METRICS_KEY].pieces():
         if piece:
-            await response.write(piece)
+            data = await loop.run_in_executor(None, z.compress, piece) if z else piece
+            if data:
+                await response.write(data)
         await asyncio.sleep(0)
+    if z is not None:
+        await response.write(z.flush())
     await response.write_eof()
     return response
 

@@ -144,6 +144,15 @@ def pod(
     }
 
 
+def assigned(node: str, device: str, gib: int) -> dict[str, str]:
+    """The `vramsched.io/assignment` annotation of a pod holding `gib` GiB on one device."""
+    return {
+        "vramsched.io/assignment": json.dumps(
+            {"node": node, "devices": [device], "bytesPerDevice": [gib << 30]}
+        )
+    }
+
+
 def cluster(*objects: dict[str, Any], **kwargs: Any) -> ClusterState:
     c = ClusterState(**kwargs)
     c.load(objects)

@@ -4,24 +4,18 @@ that need a running extender: `top --server`, and the dashboard against a real P
 
 from __future__ import annotations
 
+import argparse
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from controlplane import free_port
+
+from loadtest.run import _wait_ready, start_server, stop_process
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "config" / "demo-cluster.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpu_pod(
@@ -53,35 +47,10 @@ class DemoServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nodes = ["a100-ts-0", "a100-ts-1", "h100-excl-0", "h100-mps-0", "cpu-only-0"]
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "extender",
-                "serve",
-                "--cluster",
-                str(cluster),
-                "--port",
-                str(self.port),
-                "--no-planner",
-                "--log-level",
-                "warning",
-            ],
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+        self.proc = start_server(
+            cluster, self.port, argparse.Namespace(planner=False, replica_policy=None), log
         )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=1):
-                    break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"vramsched serve did not start (see {log})") from None
-                time.sleep(0.1)
+        _wait_ready(self.url + "/readyz", self.proc, timeout=60)
 
     def post(self, verb: str, body: Any) -> Any:
         req = urllib.request.Request(
@@ -113,11 +82,4 @@ class DemoServer:
         return node
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        stop_process(self.proc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 
-from builders import cluster, gpu_node, mig_mixed_node, pod, service
+from builders import assigned, cluster, gpu_node, mig_mixed_node, pod, service
 from prometheus_client.parser import text_string_to_metric_families
 
 from extender.observe.collector import HealthCollector
@@ -29,25 +29,17 @@ def _gpu(node: str, gpu: str, product: str, sharing: str) -> tuple:
     return tuple(sorted({"node": node, "gpu": gpu, "product": product, "sharing": sharing}.items()))
 
 
-def _at(node: str, device: str, gib: int) -> dict[str, str]:
-    return {
-        "vramsched.io/assignment": (
-            f'{{"node":"{node}","devices":["{device}"],"bytesPerDevice":[{gib * GIB}]}}'
-        )
-    }
-
-
 def _cluster():
     return cluster(
         gpu_node("ts", count=2, replicas=2),
         mig_mixed_node("mig", {"3g.40gb": (2, 40192)}),
-        pod("a", "30Gi", node="ts", annotations=_at("ts", "0", 30)),
+        pod("a", "30Gi", node="ts", annotations=assigned("ts", "0", 30)),
         pod(
             "m",
             "20Gi",
             node="mig",
             resource="nvidia.com/mig-3g.40gb",
-            annotations=_at("mig", "0:3g.40gb:1", 20),
+            annotations=assigned("mig", "0:3g.40gb:1", 20),
         ),
     )
 
@@ -71,7 +63,7 @@ def test_scrape_after_changes_equals_a_fresh_render() -> None:
     c = _cluster()
     exp = GpuExposition(lambda: c.ledger, chunk=2)  # several pieces per family
     first = exp.render()
-    c.upsert_pod(pod("b", "40Gi", node="ts", annotations=_at("ts", "1", 40)))
+    c.upsert_pod(pod("b", "40Gi", node="ts", annotations=assigned("ts", "1", 40)))
     c.delete_pod("default/a")
     second = exp.render()
     assert second != first
@@ -94,7 +86,7 @@ def test_label_values_are_escaped() -> None:
 async def test_metrics_endpoint_gzip_health_and_pending_classes(aiohttp_client) -> None:
     c = cluster(
         gpu_node("n", count=1, replicas=2, memory_mib=81920),
-        pod("held", "60Gi", node="n", annotations=_at("n", "0", 60)),
+        pod("held", "60Gi", node="n", annotations=assigned("n", "0", 60)),
         pod("vram", "30Gi"),  # 20Gi free on the only GPU, a replica free: waits on VRAM
         pod("never", "100Gi"),  # no GPU is that large
         pod("fits", "10Gi"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from builders import cluster, gpu_node, mig_mixed_node, pod, service
+from builders import assigned, cluster, gpu_node, mig_mixed_node, pod, service
 
 from extender.observe.usage import (
     report_dict,
@@ -26,26 +26,18 @@ def _demo():
         gpu_node("ts", count=2, replicas=2),  # time-sliced: 2 pods per GPU
         gpu_node("ex", count=2),  # exclusive
         mig_mixed_node("mig", {"3g.40gb": (2, 40192), "1g.10gb": (1, 9728)}),
-        pod("a", "30Gi", node="ts", namespace="team-a", annotations=_at("ts", "0", 30)),
-        pod("b", "40Gi", node="ts", namespace="team-b", annotations=_at("ts", "0", 40)),
-        pod("c", "10Gi", node="ex", namespace="team-a", annotations=_at("ex", "1", 10)),
+        pod("a", "30Gi", node="ts", namespace="team-a", annotations=assigned("ts", "0", 30)),
+        pod("b", "40Gi", node="ts", namespace="team-b", annotations=assigned("ts", "0", 40)),
+        pod("c", "10Gi", node="ex", namespace="team-a", annotations=assigned("ex", "1", 10)),
         pod("d", None, node="ex", namespace="team-b"),  # undeclared: a whole GPU, guessed
         pod(
             "e",
             "20Gi",
             node="mig",
             resource="nvidia.com/mig-3g.40gb",
-            annotations=_at("mig", "0:3g.40gb:0", 20),
+            annotations=assigned("mig", "0:3g.40gb:0", 20),
         ),
     )
-
-
-def _at(node: str, device: str, gib: int) -> dict[str, str]:
-    return {
-        "vramsched.io/assignment": (
-            f'{{"node":"{node}","devices":["{device}"],"bytesPerDevice":[{gib * GIB}]}}'
-        )
-    }
 
 
 def test_rows_are_the_ledgers_books_with_each_pods_share_and_declared_memory() -> None:

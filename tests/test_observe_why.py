@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from builders import cluster, gpu_node, mig_mixed_node, pod
+from builders import assigned, cluster, gpu_node, mig_mixed_node, pod
 
 from extender.observe.why import describe_closest, event_text, explain, explanation_dict
 
 GIB = 1 << 30
-
-
-def _at(node: str, device: str, gib: int) -> dict[str, str]:
-    return {
-        "vramsched.io/assignment": (
-            f'{{"node":"{node}","devices":["{device}"],"bytesPerDevice":[{gib * GIB}]}}'
-        )
-    }
 
 
 def test_groups_event_closest_and_fewest_removals() -> None:
@@ -23,11 +15,11 @@ def test_groups_event_closest_and_fewest_removals() -> None:
         gpu_node("b", count=1, replicas=4),  # 80Gi: 10 + 20 + 40 held -> 10Gi free
         gpu_node("small", count=2, memory_mib=24576, product="NVIDIA-L4"),
         {"kind": "Node", "metadata": {"name": "cpu"}, "status": {}},
-        pod("a1", "30Gi", node="a", annotations=_at("a", "0", 30), priority=5),
-        pod("a2", "30Gi", node="a", annotations=_at("a", "0", 30)),
-        pod("b1", "10Gi", node="b", annotations=_at("b", "0", 10)),
-        pod("b2", "20Gi", node="b", annotations=_at("b", "0", 20)),
-        pod("b3", "40Gi", node="b", annotations=_at("b", "0", 40)),
+        pod("a1", "30Gi", node="a", annotations=assigned("a", "0", 30), priority=5),
+        pod("a2", "30Gi", node="a", annotations=assigned("a", "0", 30)),
+        pod("b1", "10Gi", node="b", annotations=assigned("b", "0", 10)),
+        pod("b2", "20Gi", node="b", annotations=assigned("b", "0", 20)),
+        pod("b3", "40Gi", node="b", annotations=assigned("b", "0", 40)),
         pod("want", "45Gi", priority=1),
     )
     e = explain(c.ledger, c.pod("default/want"), pods=c.pods)
@@ -56,7 +48,7 @@ def test_groups_event_closest_and_fewest_removals() -> None:
 def test_no_removal_helps_and_higher_priority_holders() -> None:
     c = cluster(
         gpu_node("x", count=1, replicas=2),
-        pod("big", "70Gi", node="x", annotations=_at("x", "0", 70), priority=10),
+        pod("big", "70Gi", node="x", annotations=assigned("x", "0", 70), priority=10),
         pod("want", "75Gi"),
     )
     e = explain(c.ledger, c.pod("default/want"), pods=c.pods)
