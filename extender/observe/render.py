@@ -110,6 +110,10 @@ def top_table(nodes: Sequence[NodeUsage], *, wide: bool = False) -> Table:
     return table
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def summary_line(s: Summary) -> Text:
     text = Text()
     text.append(f"{s.gpus_in_use}", style="bold")
@@ -122,7 +126,7 @@ def summary_line(s: Summary) -> Text:
     )
     text.append("; stranded ")
     text.append(format_bytes(s.stranded), style="bold magenta" if s.stranded else "bold")
-    text.append(f"; {s.pods} pods on {s.nodes} nodes")
+    text.append(f"; {_count(s.pods, 'pod')} on {_count(s.nodes, 'node')}")
     return text
 
 
