@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="the extender's --headroom (extra VRAM fraction over the declared model memory)",
     )
+    p.add_argument(
+        "--wide", action="store_true", help="every node of every reason, not the first 5"
+    )
     p.add_argument("-o", "--output", choices=("json", "yaml", "wide"), help="output format")
     p.set_defaults(run=run)
 
@@ -78,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
     if args.output in ("json", "yaml"):
         dump(explanation_dict(explanation), args.output)
     else:
-        emit(console(), *why_renderables(explanation, wide=args.output == "wide"))
+        emit(console(), *why_renderables(explanation, wide=args.wide or args.output == "wide"))
     return 1 if explanation.error else 0
