@@ -121,6 +121,26 @@ def test_bad_input_is_one_line(capsys, argv, message) -> None:
     assert err.startswith(message) and err.count("\n") == 1, err
 
 
+def test_unreachable_api_server_is_one_line(capsys, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+                "users": [{"name": "u", "user": {"token": "x"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    code, out, err = run(capsys, "top", "--kubeconfig", str(kubeconfig))
+    message = f"error: cannot list nodes from the API server ({kubeconfig})"
+    assert code == 1 and out == ""
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
 def test_top_and_why_against_a_running_extender(tmp_path: Path, capsys) -> None:
     server = DemoServer(tmp_path / "serve.log")
     try:

@@ -35,6 +35,9 @@ __all__ = [
 class SourceError(Exception):
     """The cluster could not be read; the message says from where and why, in one line."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
 
 def add_source_args(p: argparse.ArgumentParser, *, server: bool) -> None:
     """Flags as kubectl users expect them, plus the other two sources."""
