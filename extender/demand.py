@@ -29,6 +29,7 @@ __all__ = [
     "pod_ref",
     "pod_demand",
     "reads_pin_annotation",
+    "requests_gpu",
     "MAX_MODEL_MEMORY",
     "MAX_GPUS_PER_POD",
 ]
@@ -173,7 +174,8 @@ def _env_from_pin_annotation(container: Mapping[str, Any]) -> bool:
     return isinstance(ref, Mapping) and ref.get("fieldPath") == PIN_FIELD_PATH
 
 
-def _requests_gpu(container: Mapping[str, Any]) -> bool:
+def requests_gpu(container: Mapping[str, Any]) -> bool:
+    """Whether a container asks for a non-zero amount of any GPU resource."""
     resources = container.get("resources")
     if not isinstance(resources, Mapping):
         return False
@@ -202,7 +204,7 @@ def reads_pin_annotation(pod: Mapping[str, Any]) -> bool:
         c
         for group in ("containers", "initContainers")
         for c in (spec.get(group) or [])
-        if isinstance(c, Mapping) and _requests_gpu(c)
+        if isinstance(c, Mapping) and requests_gpu(c)
     ]
     return bool(gpu_containers) and all(_env_from_pin_annotation(c) for c in gpu_containers)
 

@@ -1,0 +1,200 @@
+"""Which serving engine a container runs and with which memory-relevant flags (pure).
+
+Read from the container spec only: `command` + `args` (a `sh -c` script is split too), the
+image name as a hint, and for TGI the environment variables its launcher also reads. Values
+that Kubernetes would substitute (`$(VAR)`) are unknown here and ignored.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from extender.sizing.engines import FLAGS, EngineSettings
+
+__all__ = ["Invocation", "parse_container", "ENGINE_ANNOTATION_VALUES"]
+
+ENGINE_ANNOTATION_VALUES = ("vllm", "tgi", "sglang")
+
+# flag -> EngineSettings field, per engine (every spelling the engine's CLI accepts).
+_FLAGS: dict[str, dict[str, str]] = {
+    "vllm": {
+        "--model": "model",
+        "--max-model-len": "max_model_len",
+        "--max-num-seqs": "max_num_seqs",
+        "--max-num-batched-tokens": "max_batched_tokens",
+        "--tensor-parallel-size": "tp",
+        "-tp": "tp",
+        "--dtype": "dtype",
+        "--quantization": "quantization",
+        "-q": "quantization",
+        "--kv-cache-dtype": "kv_cache_dtype",
+    },
+    "tgi": {
+        "--model-id": "model",
+        "--max-total-tokens": "max_model_len",
+        "--max-batch-prefill-tokens": "max_batched_tokens",
+        "--max-batch-total-tokens": "kv_tokens",
+        "--num-shard": "tp",
+        "--dtype": "dtype",
+        "--quantize": "quantization",
+        "--kv-cache-dtype": "kv_cache_dtype",
+    },
+    "sglang": {
+        "--model-path": "model",
+        "--model": "model",
+        "--context-length": "max_model_len",
+        "--max-running-requests": "max_num_seqs",
+        "--chunked-prefill-size": "max_batched_tokens",
+        "--max-total-tokens": "kv_tokens",
+        "--tp-size": "tp",
+        "--tp": "tp",
+        "--tensor-parallel-size": "tp",
+        "--dtype": "dtype",
+        "--quantization": "quantization",
+        "--kv-cache-dtype": "kv_cache_dtype",
+        "--cuda-graph-max-bs": "cuda_graph_max_bs",
+    },
+}
+_EAGER = {"vllm": "--enforce-eager", "sglang": "--disable-cuda-graph"}
+_INT_FIELDS = {
+    "max_model_len",
+    "max_num_seqs",
+    "max_batched_tokens",
+    "kv_tokens",
+    "tp",
+    "cuda_graph_max_bs",
+}
+# Spellings that mean the same thing to the estimator.
+_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "auto": None}
+_QUANT = {"awq_marlin": "awq", "gptq_marlin": "gptq", "bitsandbytes-nf4": None, "eetq": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Invocation:
+    """A recognised engine in one container."""
+
+    settings: EngineSettings
+    tokens: tuple[str, ...]  # command + args as the container runs them
+    shell: bool  # the engine runs inside `sh -c ...`: flags cannot be appended to args
+    fraction_flag_set: bool  # the container already passes the engine's memory flag
+
+    @property
+    def engine(self) -> str:
+        return self.settings.engine
+
+
+def _strings(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _detect(tokens: Sequence[str], image: str) -> str | None:
+    joined = " ".join(tokens)
+    for i, t in enumerate(tokens):
+        base = t.rsplit("/", 1)[-1]
+        if base == "vllm" and i + 1 < len(tokens) and tokens[i + 1] == "serve":
+            return "vllm"
+        if base == "text-generation-launcher":
+            return "tgi"
+    if "vllm.entrypoints" in joined:
+        return "vllm"
+    if "sglang.launch_server" in joined or "sglang serve" in joined:
+        return "sglang"
+    image = image.lower()
+    if "vllm" in image:
+        return "vllm"
+    if "text-generation-inference" in image:
+        return "tgi"
+    if "sglang" in image:
+        return "sglang"
+    return None
+
+
+def _value(field: str, raw: str) -> Any:
+    if "$(" in raw or raw.startswith("$"):
+        return None  # substituted by kubelet or the shell: unknown here
+    if field in _INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            return None
+    raw = raw.strip().lower() if field != "model" else raw.strip()
+    if field == "dtype":
+        return _DTYPE.get(raw, raw)
+    if field == "quantization":
+        return _QUANT.get(raw, raw)
+    return raw
+
+
+def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bool]:
+    names = _FLAGS[engine]
+    found: dict[str, Any] = {}
+    fraction = FLAGS[engine]
+    fraction_set = False
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        flag, _, inline = t.partition("=")
+        if flag == fraction:
+            fraction_set = True
+        if flag == _EAGER.get(engine):
+            found["enforce_eager"] = True
+        field = names.get(flag)
+        if field is not None:
+            raw = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
+            value = _value(field, raw)
+            if value is not None:
+                found[field] = value
+            if not inline:
+                i += 1
+        i += 1
+    if engine == "vllm" and "model" not in found:
+        # `vllm serve MODEL`: the first word after `serve` that is not a flag.
+        for i, t in enumerate(tokens[:-1]):
+            if t == "serve" and not tokens[i + 1].startswith("-"):
+                found["model"] = tokens[i + 1]
+                break
+    return found, fraction_set
+
+
+def _tgi_env(env: Any, found: dict[str, Any]) -> None:
+    """TGI's launcher reads every flag from the environment too (clap `env`)."""
+    for entry in env if isinstance(env, list) else []:
+        if not isinstance(entry, Mapping) or "value" not in entry:
+            continue
+        name = str(entry.get("name", ""))
+        flag = "--" + name.lower().replace("_", "-")
+        field = _FLAGS["tgi"].get(flag)
+        if field is not None and field not in found:
+            value = _value(field, str(entry["value"]))
+            if value is not None:
+                found[field] = value
+
+
+def parse_container(
+    container: Mapping[str, Any], engine_hint: str | None = None
+) -> Invocation | None:
+    """The engine a container runs (None: none recognised). `engine_hint` (the pod's
+    vramsched.io/engine annotation) overrides detection."""
+    command = _strings(container.get("command"))
+    args = _strings(container.get("args"))
+    tokens = command + args
+    shell = False
+    if command and command[0].rsplit("/", 1)[-1] in ("sh", "bash") and "-c" in tokens:
+        script = tokens[tokens.index("-c") + 1] if tokens.index("-c") + 1 < len(tokens) else ""
+        try:
+            tokens = shlex.split(script)
+        except ValueError:
+            tokens = script.split()
+        shell = True
+    engine = engine_hint if engine_hint in ENGINE_ANNOTATION_VALUES else None
+    engine = engine or _detect(tokens, str(container.get("image") or ""))
+    if engine is None:
+        return None
+    found, fraction_set = _parse_flags(engine, tokens)
+    if engine == "tgi":
+        _tgi_env(container.get("env"), found)
+    settings = replace(EngineSettings(engine=engine), **found)
+    return Invocation(settings, tuple(command + args), shell, fraction_set)

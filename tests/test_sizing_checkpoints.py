@@ -1,0 +1,218 @@
+"""The weights estimate against published checkpoint sizes and vLLM's measured weight memory.
+
+Published: `metadata.total_size` of the models' model.safetensors.index.json (sources in
+extender/sizing/catalogue.yaml); the architecture count must reproduce every one byte for
+byte. Measured: "Model loading took N GiB" from vLLM on an H100 (llm-d's
+config_explorer/empirical-vllm-memory-results.md).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from extender.sizing import catalogue
+from extender.sizing.architecture import architecture_from_config
+from extender.sizing.engines import EngineSettings
+from extender.sizing.estimate import estimate, resolve_model
+from extender.sizing.quant import checkpoint_format, total_bytes
+from extender.sizing.tensors import inventory
+
+GIB = 1 << 30
+PUBLISHED = [e for e in catalogue.entries() if e.checkpoint_bytes]
+
+
+def _checkpoint_bytes(entry: catalogue.Entry) -> int:
+    a = entry.architecture
+    files = inventory(a, checkpoint=True, lm_head_stored=entry.lm_head_stored)
+    return total_bytes(files, checkpoint_format(a.quantization, a.dtype))
+
+
+@pytest.mark.parametrize("entry", PUBLISHED, ids=lambda e: e.name)
+def test_architecture_count_reproduces_the_published_checkpoint_size(
+    entry: catalogue.Entry,
+) -> None:
+    assert _checkpoint_bytes(entry) == entry.checkpoint_bytes
+
+
+def test_every_architecture_kind_has_a_published_size_checked() -> None:
+    kinds = {
+        "gqa": lambda a: a.mla is None and 1 < a.kv_heads < a.heads,
+        "mqa": lambda a: a.kv_heads == 1,
+        "explicit head_dim": lambda a: a.head_dim * a.heads != a.hidden,
+        "sliding window": lambda a: a.sliding_layers == a.layers,
+        "interleaved sliding": lambda a: 0 < a.sliding_layers < a.layers,
+        "moe": lambda a: a.moe is not None,
+        "mla": lambda a: a.mla is not None,
+        "tied": lambda a: a.tied,
+        "group-scaled quantisation (mxfp4)": lambda a: (
+            a.quantization.get("quant_method") == "mxfp4"
+        ),
+    }
+    for kind, test in kinds.items():
+        assert any(test(e.architecture) for e in PUBLISHED), kind
+
+
+def test_deepseek_v3_fp8_block_scales_match_the_published_files_less_their_headers() -> None:
+    """The published 688,586,727,753 bytes sum the 163 shard files, JSON headers included
+    (~95k tensor names); the tensors come to 11.9 MB less, and never more."""
+    tensors = _checkpoint_bytes(catalogue.lookup("deepseek-ai/DeepSeek-V3"))
+    assert tensors == 688_574_839_360
+    assert 0 < 688_586_727_753 - tensors < 12_000_000
+
+
+def test_deepseek_v3_serving_leaves_out_the_multi_token_prediction_layer() -> None:
+    e = estimate(
+        resolve_model("deepseek-v3"), EngineSettings(tp=8, max_model_len=4096), list_devices=False
+    )
+    assert e.parameters == 671_026_419_200  # "671B"; 684.5B with the MTP layer
+    assert e.weights_bytes < e.checkpoint_bytes - 15 * 10**9
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "measured_gib"),
+    [
+        ("meta-llama/Llama-3.1-8B-Instruct", 1, 14.99),
+        ("Qwen/Qwen3-0.6B", 1, 1.12),  # tied: the shipped lm_head is not loaded
+        ("Qwen/Qwen3-32B", 1, 61.03),
+        ("openai/gpt-oss-20b", 1, 13.47),  # MXFP4 experts, hidden padded to 3072
+        ("openai/gpt-oss-120b", 1, 64.38),
+        ("RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic", 1, 67.72),
+        ("RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic", 2, 33.88),
+    ],
+)
+def test_weights_per_gpu_within_one_percent_of_vllm_measurements(
+    model: str, tp: int, measured_gib: float
+) -> None:
+    e = estimate(
+        resolve_model(model), EngineSettings(tp=tp, max_model_len=16000), list_devices=False
+    )
+    assert abs(e.weights_per_gpu / GIB - measured_gib) <= 0.01 * measured_gib
+
+
+def test_tied_checkpoint_counts_its_shipped_lm_head_on_disk_only() -> None:
+    entry = catalogue.lookup("qwen3-0.6b")
+    e = estimate(resolve_model("qwen3-0.6b"), EngineSettings(), list_devices=False)
+    lm_head = 151936 * 1024 * 2
+    assert e.checkpoint_bytes == entry.checkpoint_bytes
+    assert e.weights_bytes == entry.checkpoint_bytes - lm_head
+
+
+# ----- AWQ / GPTQ: the byte formulas against the tensor layouts vLLM creates ---------------------
+
+_DTYPE_BYTES = {"I32": 4, "F16": 2, "BF16": 2, "F32": 4}
+
+
+def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> int:
+    """A real safetensors file (zeroed data); returns its tensor bytes."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = _DTYPE_BYTES[dtype]
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + offset)
+    return offset
+
+
+_TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+}
+
+
+def _projections(layers: int) -> list[tuple[str, int, int]]:
+    out = []
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [
+            (f"{p}.self_attn.q_proj", 256, 256),
+            (f"{p}.self_attn.k_proj", 128, 256),
+            (f"{p}.self_attn.v_proj", 128, 256),
+            (f"{p}.self_attn.o_proj", 256, 256),
+            (f"{p}.mlp.gate_proj", 512, 256),
+            (f"{p}.mlp.up_proj", 512, 256),
+            (f"{p}.mlp.down_proj", 256, 512),
+        ]
+    return out
+
+
+def _unquantised(layers: int) -> dict[str, tuple[str, list[int]]]:
+    t = {
+        "model.embed_tokens.weight": ("F16", [1024, 256]),
+        "lm_head.weight": ("F16", [1024, 256]),
+        "model.norm.weight": ("F16", [256]),
+    }
+    for i in range(layers):
+        t[f"model.layers.{i}.input_layernorm.weight"] = ("F16", [256])
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = ("F16", [256])
+    return t
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_awq_and_gptq_bytes_match_the_packed_tensor_layouts(tmp_path: Path, method: str) -> None:
+    """vLLM's awq.py: qweight [in, out/8] int32, qzeros [in/g, out/8] int32, scales [in/g, out]
+    fp16. gptq.py: qweight [in/8, out], qzeros [in/g, out/8], scales [in/g, out], g_idx [in]."""
+    g = 64
+    tensors = _unquantised(2)
+    for name, out, inp in _projections(2):
+        if method == "awq":
+            tensors[f"{name}.qweight"] = ("I32", [inp, out // 8])
+        else:
+            tensors[f"{name}.qweight"] = ("I32", [inp // 8, out])
+            tensors[f"{name}.g_idx"] = ("I32", [inp])
+        tensors[f"{name}.qzeros"] = ("I32", [inp // g, out // 8])
+        tensors[f"{name}.scales"] = ("F16", [inp // g, out])
+    written = _write_safetensors(tmp_path / "model.safetensors", tensors)
+    config = dict(_TINY, quantization_config={"quant_method": method, "bits": 4, "group_size": g})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = resolve_model(str(tmp_path))
+    assert model.checkpoint_bytes == written
+    derived = total_bytes(
+        inventory(model.architecture, checkpoint=True),
+        checkpoint_format(config["quantization_config"], "float16"),
+    )
+    assert derived == written
+
+
+def test_local_directory_counts_every_shard_header(tmp_path: Path) -> None:
+    tensors = _unquantised(2)
+    for name, out, inp in _projections(2):
+        tensors[f"{name}.weight"] = ("F16", [out, inp])
+    names = sorted(tensors)
+    first = {n: tensors[n] for n in names[: len(names) // 2]}
+    second = {n: tensors[n] for n in names[len(names) // 2 :]}
+    total = _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", first)
+    total += _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", second)
+    index = {"metadata": {"total_size": total}, "weight_map": {n: "x" for n in names}}
+    index["weight_map"] = {
+        n: (
+            "model-00001-of-00002.safetensors" if n in first else "model-00002-of-00002.safetensors"
+        )
+        for n in names
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    model = resolve_model(str(tmp_path / "config.json"))
+    assert model.checkpoint_bytes == total
+    assert "2 files" in model.source
+    arch = architecture_from_config(_TINY)
+    assert total_bytes(inventory(arch), checkpoint_format({}, "float16")) == total

@@ -1,0 +1,313 @@
+"""KV cache, engine overhead, the estimate and `vramsched estimate`, against hand computations.
+
+Every expected number is written out from the model's config values, not from the code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extender.cli import main
+from extender.sizing.architecture import architecture_from_config
+from extender.sizing.catalogue import lookup
+from extender.sizing.engines import (
+    GIB,
+    MIB,
+    EngineSettings,
+    fraction,
+    outside,
+    overhead,
+)
+from extender.sizing.errors import SizingError
+from extender.sizing.estimate import estimate, format_quantity, resolve_model
+from extender.sizing.kv import kv_cache
+
+
+def _kv(
+    name: str, context: int, sequences: int = 1, tp: int = 1, dtype: int = 2, windowed: bool = True
+):
+    return kv_cache(
+        lookup(name).architecture,
+        dtype_bytes=dtype,
+        context=context,
+        sequences=sequences,
+        tp=tp,
+        windowed=windowed,
+    )
+
+
+# ----- KV cache per architecture kind ----------------------------------------------------------
+
+
+def test_gqa_llama_3_8b() -> None:
+    # 2 (K and V) x 32 layers x 8 KV heads x 128 x 2 bytes = 131,072 bytes a token.
+    kv = _kv("llama-3.1-8b", 8192, sequences=2)
+    assert kv.bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert kv.total_bytes == 131_072 * 8192 * 2
+    assert kv.per_gpu_bytes == kv.total_bytes
+
+
+def test_gqa_under_tensor_parallelism_splits_kv_heads_then_replicates_them() -> None:
+    assert _kv("llama-3.1-8b", 8192, tp=2).per_gpu_bytes == 131_072 * 8192 // 2
+    # Qwen2.5-7B has 4 KV heads: with tp=8 every GPU still holds one whole head (1/4).
+    kv = _kv("qwen2.5-7b", 4096, tp=8)
+    assert kv.bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert kv.per_gpu_bytes == 57_344 * 4096 // 4
+
+
+def test_explicit_head_dim_mistral_nemo() -> None:
+    # head_dim 128, although 5120 / 32 heads would be 160.
+    kv = _kv("mistral-nemo", 1024)
+    assert kv.bytes_per_token == 2 * 40 * 8 * 128 * 2 == 163_840
+
+
+def test_mqa_with_interleaved_window_gemma_3_1b() -> None:
+    # 1 KV head of 256: 1,024 bytes a layer. Layers 6, 12, 18, 24 (every 6th) are global; the
+    # other 22 keep a 512-token window, held as 512 + one 16-token block.
+    kv = _kv("gemma-3-1b", 32768)
+    per_layer = 2 * 1 * 256 * 2
+    assert kv.bytes_per_token == per_layer * 26
+    assert kv.total_bytes == per_layer * (4 * 32768 + 22 * (512 + 16))
+
+
+def test_sliding_window_everywhere_mistral_7b_v01() -> None:
+    kv = _kv("mistral-7b-v0.1", 32768)
+    assert kv.total_bytes == 2 * 32 * 8 * 128 * 2 * (4096 + 16)
+    # A context shorter than the window is not rounded up to it.
+    assert _kv("mistral-7b-v0.1", 1000).total_bytes == 131_072 * 1008
+    # An engine that keeps every token (TGI) is counted at full context.
+    assert _kv("mistral-7b-v0.1", 32768, windowed=False).total_bytes == 131_072 * 32768
+
+
+def test_gemma_2_alternates_local_and_global_layers() -> None:
+    # 42 layers: 21 local (window 4096) and 21 global; 8 KV heads of 256.
+    kv = _kv("gemma-2-9b", 8192)
+    per_layer = 2 * 8 * 256 * 2
+    assert kv.total_bytes == per_layer * (21 * 8192 + 21 * (4096 + 16))
+
+
+def test_mla_deepseek_caches_one_latent_per_layer_on_every_gpu() -> None:
+    # (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes per layer.
+    assert _kv("deepseek-v2-lite", 1).bytes_per_token == (512 + 64) * 2 * 27 == 31_104
+    kv = _kv("deepseek-v3", 16384, tp=8)
+    assert kv.bytes_per_token == (512 + 64) * 2 * 61 == 70_272
+    assert kv.per_gpu_bytes == kv.total_bytes == 70_272 * 16384
+
+
+def test_gpt_oss_alternates_128_token_window_and_full_layers() -> None:
+    # 8 KV heads of 64: 2,048 bytes a layer; 12 sliding (128 + 16 tokens), 12 full.
+    kv = _kv("gpt-oss-20b", 131072)
+    assert kv.bytes_per_token == 2 * 8 * 64 * 2 * 24 == 49_152
+    assert kv.total_bytes == 2048 * (12 * 131072 + 12 * 144)
+
+
+def test_moe_mixtral_kv_is_the_attention_only() -> None:
+    assert _kv("mixtral-8x7b", 32768).total_bytes == 131_072 * 32768
+
+
+def test_fp8_kv_cache_halves_it() -> None:
+    assert (
+        _kv("llama-3.1-8b", 8192, dtype=1).total_bytes * 2 == _kv("llama-3.1-8b", 8192).total_bytes
+    )
+
+
+# ----- engine overhead and the fraction flag ----------------------------------------------------
+
+
+def test_vllm_activation_model_covers_every_measured_peak() -> None:
+    """llm-d's H100 runs at vLLM's H100 defaults (1024 sequences): torch peak + non-torch."""
+    measured = {
+        "llama-3.1-8b": 4.76 + 0.13,
+        "qwen3-0.6b": 5.56 + 0.13,
+        "qwen3-32b": 5.64 + 0.14,
+        "gpt-oss-20b": 7.38 + 0.13,
+    }
+    for name, gib in measured.items():
+        o = overhead(lookup(name).architecture, EngineSettings(), 80 * GIB, "NVIDIA-H100-80GB-HBM3")
+        assert gib * GIB <= o.inside <= (gib + 1) * GIB, name
+    o = overhead(lookup("llama-3.3-70b").architecture, EngineSettings(tp=2), 80 * GIB, "H100")
+    assert (4.84 + 0.55) * GIB <= o.inside
+
+
+def test_vllm_small_gpu_defaults_shrink_the_sampler() -> None:
+    a = lookup("llama-3.1-8b").architecture
+    big = overhead(a, EngineSettings(), 80 * GIB, "NVIDIA-H100-80GB-HBM3")
+    a100 = overhead(a, EngineSettings(), 80 * GIB, "NVIDIA-A100-SXM4-80GB")
+    assert a100.inside < big.inside  # vLLM keeps the 256-sequence default on A100s
+    assert big.inside >= 1024 * 128256 * 40
+
+
+def test_flag_covers_what_each_engine_counts() -> None:
+    reservation, device = 20 * GIB, 80 * GIB
+    # vLLM: CUDA context (0.75 GiB) and CUDA graphs (1 GiB) are outside its budget.
+    v = EngineSettings(engine="vllm")
+    assert outside(v) == 768 * MIB + GIB
+    assert (
+        fraction(reservation, device, overhead(lookup("qwen2.5-7b").architecture, v)) == 0.22
+    )  # 18.25/80
+    # TGI: everything is inside; it then uses 95% of the fraction.
+    t = EngineSettings(engine="tgi")
+    assert outside(t) == 0
+    assert fraction(reservation, device, overhead(lookup("qwen2.5-7b").architecture, t)) == 0.25
+    # SGLang: context + its own reserve (512 MiB + 8192 x 1.5 MiB + 256 x 2 MiB + 128 MiB on an H100).
+    s = EngineSettings(engine="sglang")
+    assert outside(s, 80 * GIB) == 768 * MIB + (512 + 12288 + 512 + 128) * MIB
+    assert outside(s, 16 * GIB) == 768 * MIB + (512 + 3072 + 16 + 128) * MIB
+
+
+def test_fraction_rounds_down_and_never_exceeds_one() -> None:
+    o = overhead(lookup("qwen2.5-7b").architecture, EngineSettings(engine="tgi"))
+    assert fraction(16 * GIB, 80 * GIB, o) == 0.2
+    assert fraction(16 * GIB - 1, 80 * GIB, o) == 0.19
+    assert fraction(90 * GIB, 80 * GIB, o) == 1.0
+
+
+def test_estimate_total_adds_up_and_rounds_the_annotation_up() -> None:
+    e = estimate(
+        resolve_model("qwen2.5-7b"),
+        EngineSettings(max_model_len=8192, max_num_seqs=4),
+        list_devices=False,
+    )
+    assert e.weights_per_gpu == 15_231_233_024
+    assert e.kv.per_gpu_bytes == 57_344 * 8192 * 4
+    assert e.total_per_gpu == e.weights_per_gpu + e.kv.per_gpu_bytes + e.overhead.total
+    assert e.reservation_per_gpu % (256 * MIB) == 0
+    assert 0 <= e.reservation_per_gpu - e.total_per_gpu < 256 * MIB
+    assert e.annotation == f"vramsched.io/model-memory: {format_quantity(e.total_per_gpu)}"
+
+
+def test_tgi_total_leaves_its_five_percent() -> None:
+    s = EngineSettings(engine="tgi", max_model_len=8192)
+    e = estimate(resolve_model("qwen2.5-7b"), s, list_devices=False)
+    inside = e.weights_per_gpu + e.kv.per_gpu_bytes + e.overhead.inside
+    assert e.total_per_gpu * 0.95 >= inside
+
+
+def test_tensor_parallel_annotation_is_for_all_gpus() -> None:
+    e = estimate(
+        resolve_model("llama-3.1-70b"), EngineSettings(tp=4, max_model_len=8192), list_devices=False
+    )
+    assert e.model_memory == format_quantity(e.reservation_per_gpu * 4)
+    assert e.weights_per_gpu < 141_107_412_992 // 4 + 2 * GIB
+
+
+def test_format_quantity() -> None:
+    assert format_quantity(8 * GIB) == "8Gi"
+    assert format_quantity(8 * GIB + 1) == "8.25Gi"
+    assert format_quantity(22 * GIB + 300 * MIB) == "22.5Gi"
+
+
+@pytest.mark.parametrize(
+    ("model", "settings", "message"),
+    [
+        ("qwen3", EngineSettings(), "did you mean"),
+        ("Qwen/Qwen2.5-7B-Instrct", EngineSettings(), "Qwen/Qwen2.5-7B-Instruct"),
+        ("llama-3-8b", EngineSettings(max_model_len=100000), "longer than the 8192 tokens"),
+        ("llama-3.1-8b", EngineSettings(tp=3), "does not divide the 32 attention heads"),
+        ("qwen2.5-7b-awq", EngineSettings(quantization="gptq"), "quantized with awq"),
+    ],
+)
+def test_bad_input_is_one_line(model: str, settings: EngineSettings, message: str) -> None:
+    with pytest.raises(SizingError) as exc:
+        estimate(resolve_model(model), settings)
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_config_missing_fields_are_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    with pytest.raises(
+        SizingError,
+        match="missing num_hidden_layers, num_attention_heads, vocab_size, intermediate_size",
+    ):
+        resolve_model(str(tmp_path))
+
+
+def test_config_only_directory_uses_the_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(lookup("qwen2.5-7b").config))
+    e = estimate(
+        resolve_model(str(tmp_path)), EngineSettings(max_model_len=4096), list_devices=False
+    )
+    assert e.checkpoint_bytes == 15_231_233_024
+    assert "config.json only" in e.model.source
+
+
+def test_yarn_rope_scaling_stretches_the_context() -> None:
+    config = dict(lookup("qwen2.5-7b").config, rope_scaling={"type": "yarn", "factor": 4.0})
+    assert architecture_from_config(config).max_context == 131072
+
+
+# ----- the command ------------------------------------------------------------------------------
+
+
+def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "estimate",
+            "Qwen/Qwen2.5-7B-Instruct",
+            "--max-model-len",
+            "8192",
+            "--gpu",
+            "NVIDIA-L4",
+            "-o",
+            "json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for key in (
+        "weightsBytes",
+        "kvBytesPerToken",
+        "kvCacheBytes",
+        "overheadBytes",
+        "totalBytesPerGpu",
+        "annotation",
+    ):
+        assert key in out, key
+    assert out["weightsBytes"] == 15_231_233_024
+    assert out["kvBytesPerToken"] == 57_344
+    assert out["gpu"]["flag"].startswith("--gpu-memory-utilization 0.")
+    assert out["annotation"].startswith("vramsched.io/model-memory: ")
+
+
+def test_cli_yaml_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["estimate", "gpt-oss-20b", "--engine", "sglang", "--gpu", "H100", "-o", "yaml"]) == 0
+    )
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["gpu"]["flag"].startswith("--mem-fraction-static ")
+    assert (
+        main(["estimate", "qwen2.5-7b-awq", "--max-model-len", "16384", "--gpu", "A100-80GB"]) == 0
+    )
+    text = capsys.readouterr().out
+    assert "vramsched.io/model-memory: " in text
+    assert "--gpu-memory-utilization" in text
+    assert "MIG" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["estimate", "no-such-model"],
+        ["estimate", "llama-3-8b", "--max-model-len", "100000"],
+        ["estimate", "llama-3.1-8b", "--gpu", "Z100"],
+        ["estimate", "llama-3.1-8b", "--max-num-seqs", "0"],
+        ["estimate", "/nonexistent/model"],
+    ],
+)
+def test_cli_errors_exit_2_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "Traceback" not in err
+    # One error line (argparse's own errors print the usage above it).
+    assert err.splitlines()[-1].startswith("vramsched estimate: error: ")
+    if "usage:" not in err:
+        assert len(err.splitlines()) == 1
