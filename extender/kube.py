@@ -61,6 +61,7 @@ from extender.ledger import Reservation
 from extender.placement import FilterOutcome, filter_nodes
 from extender.quantity import format_bytes
 from extender.service import BindError, ExtenderService
+from extender.sizing.handoff import FRACTION_ANNOTATION, bind_fraction
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -880,6 +881,10 @@ class KubeBinder:
         out: dict[str, str | None] = dict(encode_assignment(reservation))
         if not self._pins(pod, reservation):
             out[GPU_INDEX] = None
+        inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None
+        out[FRACTION_ANNOTATION] = bind_fraction(
+            pod, reservation.device_ids, inv.devices if inv else ()
+        )
         return out
 
     def _pins(self, pod: Mapping[str, Any], reservation: Reservation) -> bool:
@@ -1062,7 +1067,15 @@ class KubeBinder:
                 self.api.patch_pod,
                 ref.namespace,
                 ref.name,
-                {"metadata": {"annotations": {ASSIGNMENT: None, GPU_INDEX: None}}},
+                {
+                    "metadata": {
+                        "annotations": {
+                            ASSIGNMENT: None,
+                            GPU_INDEX: None,
+                            FRACTION_ANNOTATION: None,
+                        }
+                    }
+                },
             )
         except ApiError:
             pass

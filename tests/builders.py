@@ -178,3 +178,27 @@ def fixture(name: str) -> dict[str, Any]:
 def fixture_nodes() -> list[dict[str, Any]]:
     """The three GPU nodes the recorded scheduler saw (from the nodeCacheCapable=false run)."""
     return [dict(n, kind="Node") for n in fixture("042-filter.json")["Nodes"]["items"]]
+
+
+def apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 `add` and `test`, all the admission webhook emits, on a copy of `doc`."""
+    import copy
+
+    out = copy.deepcopy(doc)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent: Any = out
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
+        last = parts[-1]
+        if op["op"] == "test":
+            assert (parent[int(last)] if isinstance(parent, list) else parent[last]) == op["value"]
+        elif isinstance(parent, list):
+            if last == "-":
+                parent.append(op["value"])
+            else:
+                parent.insert(int(last), op["value"])
+        else:
+            assert op["op"] == "add" and last not in parent, op
+            parent[last] = op["value"]
+    return out

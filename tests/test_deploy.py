@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from builders import apply_json_patch
 from kubernetes.client import ApiClient
 
 from extender import mig
@@ -35,6 +36,11 @@ from extender.inventory import GPU_RESOURCE, SHARED_GPU_RESOURCE, is_gpu_resourc
 from extender.quantity import MIB, parse_bytes
 from extender.server import create_app, create_probe_app, route_paths
 from extender.service import EmbeddedBinder, ExtenderService
+from extender.sizing.engines import FLAGS, outside
+from extender.sizing.handoff import FRACTION_ENV, FRACTION_FIELD_PATH, pod_engine, pod_fraction
+from extender.webhook.admission import decide
+from extender.webhook.launch import check_arguments
+from extender.webhook.server import MUTATE_PATH
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -60,6 +66,10 @@ MODEL_OF = {
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding",
     ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+    (
+        "admissionregistration.k8s.io/v1",
+        "MutatingWebhookConfiguration",
+    ): "V1MutatingWebhookConfiguration",
 }
 _API = ApiClient()
 
@@ -664,7 +674,11 @@ def test_extender_probes_use_its_get_only_listener_and_the_verbs_stay_on_loopbac
     args = serve_args(c["args"])
     # kubelet probes the pod IP: the probe listener must listen there, the verbs must not.
     assert args.metrics_port and args.metrics_host == "0.0.0.0" and args.host == "127.0.0.1"
-    assert container_ports(c) == {"http-metrics": args.metrics_port}
+    # The one other listener is the admission webhook's (HTTPS, POST /mutate only).
+    assert container_ports(c) == {
+        "http-metrics": args.metrics_port,
+        "https-webhook": args.webhook_port,
+    }
     served = probe_app_paths()
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert "exec" not in c[probe]
@@ -769,6 +783,8 @@ def test_scheduler_is_bound_to_the_upstream_scheduler_roles() -> None:
         ("RoleBinding", "vramsched", "Role", "vramsched-leader-election"),
         ("ClusterRoleBinding", None, "ClusterRole", "vramsched-extender"),
         ("ClusterRoleBinding", None, "ClusterRole", "vramsched-extender-pinning"),
+        ("RoleBinding", "vramsched", "Role", "vramsched-webhook-certificate"),
+        ("ClusterRoleBinding", None, "ClusterRole", "vramsched-webhook-ca-bundle"),
     }
 
 
@@ -784,14 +800,28 @@ def test_every_binding_is_for_the_pods_service_account_only() -> None:
             ], o["metadata"]["name"]
 
 
-def test_no_role_uses_wildcards_or_touches_secrets() -> None:
+def test_no_role_uses_wildcards_or_touches_secrets_but_the_webhook_certificate() -> None:
     for o in base_objects() + load(PIN / "rbac.yaml"):
         if o["kind"] in ("ClusterRole", "Role"):
             for r in o["rules"]:
                 assert "*" not in r["verbs"] + r["resources"] + r["apiGroups"], o["metadata"][
                     "name"
                 ]
-                assert "secrets" not in r["resources"]
+                if o["metadata"]["name"] != "vramsched-webhook-certificate":
+                    assert "secrets" not in r["resources"]
+    # The one Secret the webhook keeps its certificate in, in vramsched's own namespace
+    # (create cannot be limited to a name).
+    role = one(base_objects(), "Role", "vramsched-webhook-certificate")
+    assert role["metadata"]["namespace"] == "vramsched"
+    assert rules_of(base_objects(), "Role", "vramsched-webhook-certificate") == {
+        ("", "secrets", "create", None),
+        ("", "secrets", "get", "vramsched-webhook-tls"),
+        ("", "secrets", "update", "vramsched-webhook-tls"),
+    }
+    assert rules_of(base_objects(), "ClusterRole", "vramsched-webhook-ca-bundle") == {
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "get", "vramsched"),
+        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations", "patch", "vramsched"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -808,9 +838,18 @@ def test_examples_request_only_managed_resources_through_vramsched() -> None:
             gpu = {r for r in requested_resources(spec) if is_gpu_resource(r)}
             assert gpu and gpu <= managed, f"{path.name}: {gpu}"
             assert spec["schedulerName"] == profile, path.name
-            pod = {"metadata": {"name": "x", "namespace": "default", **meta}, "spec": spec}
+            pod = admitted(meta, spec)
             demand = pod_demand(pod)
-            assert demand.model_memory == parse_bytes(meta["annotations"][MODEL_MEMORY]) > 0
+            annotations = pod["metadata"]["annotations"]
+            assert demand.model_memory == parse_bytes(annotations[MODEL_MEMORY]) > 0
+
+
+def admitted(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """A workload's pod as the admission webhook lets it in (memory filled, env var added)."""
+    pod = {"metadata": {"name": "x", "namespace": "default", **meta}, "spec": spec}
+    decision = decide(pod)
+    assert decision.allowed, decision.message
+    return apply_json_patch(pod, decision.patch)
 
 
 def _device_memory_bytes(spec: dict[str, Any]) -> int:
@@ -828,6 +867,8 @@ def test_vllm_memory_fraction_matches_the_reservation() -> None:
     for path, doc in example_workloads():
         for meta, spec in pod_specs(doc):
             (vllm,) = spec["containers"]
+            if "--gpu-memory-utilization" not in vllm["args"]:
+                continue  # set at bind time: test_sizing_examples_*
             fraction = Fraction(flag_value(vllm["args"], "--gpu-memory-utilization"))
             reserved = parse_bytes(meta["annotations"][MODEL_MEMORY])
             budget = fraction * _device_memory_bytes(spec)
@@ -837,6 +878,91 @@ def test_vllm_memory_fraction_matches_the_reservation() -> None:
             )
             checked += 1
     assert checked >= 3
+
+
+SIZING_EXAMPLES = ("vllm-sizing.yaml", "tgi-sizing.yaml", "sglang-sizing.yaml")
+
+
+@pytest.mark.parametrize("name", SIZING_EXAMPLES)
+def test_sizing_examples_hand_the_bind_time_fraction_to_their_engine(name: str) -> None:
+    (doc,) = [d for d in load(EXAMPLES / name) if d["kind"] == "Deployment"]
+    ((meta, spec),) = list(pod_specs(doc))
+    decision = decide({"metadata": {"name": "x", "namespace": "default", **meta}, "spec": spec})
+    assert not any("run out" in w or "cannot size" in w for w in decision.warnings), (
+        decision.warnings
+    )
+    pod = admitted(meta, spec)
+    (engine_container,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in engine_container["env"]}
+    assert env[FRACTION_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == FRACTION_FIELD_PATH
+    invocation = pod_engine(pod)
+    assert invocation is not None
+    flag = FLAGS[invocation.engine]
+    assert f"{flag}=$({FRACTION_ENV})" in engine_container["args"]
+    # At bind, on any device the reservation fits: the engine's flag plus what it takes outside
+    # the flag stays inside the reservation, and rounding wastes at most 1% of the device.
+    per_gpu = pod_demand(pod).bytes_per_gpu
+    assert per_gpu is not None
+    checked = 0
+    for device in (24 * 2**30, 40 * 2**30, 48 * 2**30, 80 * 2**30, 141 * 2**30):
+        if per_gpu > device:
+            continue
+        share = Fraction(pod_fraction(pod, [(per_gpu, device)]))
+        used = share * device * (Fraction(95, 100) if invocation.engine == "tgi" else 1)
+        used += outside(invocation.settings, device)
+        assert used <= per_gpu, (name, device)
+        assert per_gpu - used <= device / 100 + (
+            device * share / 20 if invocation.engine == "tgi" else 0
+        )
+        checked += 1
+    assert checked >= 2
+
+
+def webhook_configuration() -> dict[str, Any]:
+    return one(base_objects(), "MutatingWebhookConfiguration", "vramsched")
+
+
+def test_webhook_is_scoped_to_vramsched_pods_and_never_blocks_creation() -> None:
+    (hook,) = webhook_configuration()["webhooks"]
+    profile = scheduler_config()["profiles"][0]["schedulerName"]
+    assert (hook["failurePolicy"], hook["sideEffects"]) == ("Ignore", "None")
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    (condition,) = hook["matchConditions"]
+    assert condition["expression"] == f"object.spec.schedulerName == '{profile}'"
+    assert hook["timeoutSeconds"] <= 10
+
+
+def test_webhook_service_reaches_the_extenders_webhook_listener() -> None:
+    (hook,) = webhook_configuration()["webhooks"]
+    ref = hook["clientConfig"]["service"]
+    assert ref["path"] == MUTATE_PATH
+    assert "caBundle" not in hook["clientConfig"]  # written by vramsched at start-up
+    svc = one(base_objects(), "Service", ref["name"])
+    assert svc["metadata"]["namespace"] == ref["namespace"]
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]]
+    dep = deployment()
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    ext = container(dep, "extender")
+    ports = {p["name"]: p["containerPort"] for p in ext["ports"]}
+    args = serve_args(ext["args"])
+    check_arguments(args)  # SystemExit if the flags could not work together
+    assert ports[port["targetPort"]] == args.webhook_port
+    assert args.webhook_host == "0.0.0.0"
+    assert args.webhook_service == f"{ref['name']}.{ref['namespace']}"
+    assert args.webhook_configuration == webhook_configuration()["metadata"]["name"]
+    role = one(base_objects(), "Role", "vramsched-webhook-certificate")
+    namespace, secret = args.webhook_secret.split("/")
+    assert namespace == role["metadata"]["namespace"]
+    assert [secret] == [r for rule in role["rules"] for r in rule.get("resourceNames", [])][:1]
 
 
 def test_time_slicing_example_shares_a_managed_resource() -> None:

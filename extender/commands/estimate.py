@@ -85,11 +85,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"vramsched estimate: error: {exc}", file=sys.stderr)
         return 2
     if args.output == "json":
-        print(json.dumps(result.to_dict(), indent=2))
+        text = json.dumps(result.to_dict(), indent=2) + "\n"
     elif args.output == "yaml":
-        print(yaml.safe_dump(result.to_dict(), sort_keys=False), end="")
+        text = yaml.safe_dump(result.to_dict(), sort_keys=False)
     else:
-        print(render_text(result))
+        text = render_text(result) + "\n"
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `vramsched estimate ... | head`: the reader left, not an error
+        sys.stderr.close()
     return 0
 
 

@@ -24,6 +24,7 @@ from extender.server import (
 )
 from extender.service import EmbeddedBinder, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
+from extender.webhook import launch as webhook
 
 log = logging.getLogger("extender.serve")
 
@@ -132,6 +133,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "kube-scheduler holds it (default vramsched/vramsched, as deploy/; '' = always 1)",
     )
     p.add_argument("--log-level", default="info")
+    webhook.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -148,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             parse_lease_name(args.leader_lease)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
+    webhook.check_arguments(args)
     try:
         return _run_loop(_serve(args))
     except KeyboardInterrupt:
@@ -230,6 +233,8 @@ async def _serve(args: argparse.Namespace) -> int:
         )
     if service.planner is not None:
         await service.planner.start()
+    # Before the verbs: once /readyz answers, the webhook serves too.
+    webhook_runner = await webhook.start_webhook(args, cluster)
     app = create_app(
         service,
         max_body_bytes=args.max_body_bytes,
@@ -273,6 +278,8 @@ async def _serve(args: argparse.Namespace) -> int:
             await source.stop()
         if probe_runner is not None:
             await probe_runner.cleanup()
+        if webhook_runner is not None:
+            await webhook_runner.cleanup()
         await runner.cleanup()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from extender.demand import ANNOTATION_PREFIX, requests_gpu
+from extender.demand import ANNOTATION_PREFIX, DemandError, pod_demand, requests_gpu
 from extender.sizing.engine_args import Invocation, parse_container
 from extender.sizing.engines import Overhead, fraction, outside
 
@@ -30,6 +30,7 @@ __all__ = [
     "gpu_containers",
     "pod_engine",
     "pod_fraction",
+    "bind_fraction",
     "format_fraction",
 ]
 
@@ -83,3 +84,20 @@ def pod_fraction(pod: Mapping[str, Any], per_device: Iterable[tuple[int, int]]) 
         out = outside(invocation.settings, memory) if invocation is not None else 0
         shares.append(fraction(reserved, memory, Overhead(0, out)))
     return format_fraction(min(shares) if shares else 0.0)
+
+
+def bind_fraction(
+    pod: Mapping[str, Any], device_ids: Iterable[str], devices: Iterable[Any]
+) -> str | None:
+    """The fraction annotation for a pod bound to `device_ids` (of `devices`: inventory devices
+    with device_id and memory_bytes); None when it declared no model-memory (whole devices:
+    the engine's own default is right) or its devices are unknown."""
+    try:
+        per_gpu = pod_demand(pod).bytes_per_gpu  # declared memory, without the operator's headroom
+    except DemandError:
+        return None
+    if per_gpu is None:
+        return None
+    memory = {d.device_id: d.memory_bytes for d in devices}
+    pairs = [(per_gpu, memory[i]) for i in device_ids if i in memory]
+    return pod_fraction(pod, pairs) if pairs else None

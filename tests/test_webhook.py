@@ -1,0 +1,321 @@
+"""The admission webhook's decisions, its AdmissionReview wire form, its TLS listener and certs."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import ssl
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from builders import apply_json_patch
+
+from extender.demand import DemandError, pod_demand
+from extender.webhook.admission import ReviewError, decide, review
+from extender.webhook.certs import cert_covers, make_serving_cert, service_hosts
+from extender.webhook.server import create_webhook_app, ssl_context
+
+GIB = 1 << 30
+FIELD = "metadata.annotations['vramsched.io/gpu-memory-fraction']"
+
+
+def pod(
+    annotations: dict[str, str] | None = None,
+    *,
+    args: list[str] | None = None,
+    command: list[str] | None = None,
+    gpus: str = "1",
+    scheduler: str = "vramsched",
+    name: str = "p",
+    env: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": "vllm/vllm-openai:v0.10.1",
+        "resources": {"limits": {"nvidia.com/gpu": gpus}},
+    }
+    if args is not None:
+        container["args"] = args
+    if command is not None:
+        container["command"] = command
+    if env is not None:
+        container["env"] = env
+    meta: dict[str, Any] = {"name": name, "namespace": "default"}
+    if annotations is not None:
+        meta["annotations"] = annotations
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"schedulerName": scheduler, "containers": [container]},
+    }
+
+
+# ----- decisions ----------------------------------------------------------------------------------
+
+
+def test_pods_of_other_schedulers_are_untouched() -> None:
+    d = decide(pod({"vramsched.io/model-memory": "lots"}, scheduler="default-scheduler"))
+    assert d.allowed and not d.patch and not d.warnings
+
+
+def test_invalid_model_memory_is_refused_with_the_filter_message() -> None:
+    bad = pod({"vramsched.io/model-memory": "16GB"})
+    with pytest.raises(DemandError) as filter_error:
+        pod_demand(bad)
+    d = decide(bad)
+    assert not d.allowed
+    assert d.message == str(filter_error.value)
+    assert "vramsched.io/model-memory='16GB' is invalid" in d.message
+
+
+def test_generate_name_pods_are_named_in_the_message() -> None:
+    p = pod({"vramsched.io/model-memory": "-1Gi"})
+    p["metadata"] = {"generateName": "qwen-7d9f-", "annotations": p["metadata"]["annotations"]}
+    d = decide(p, namespace="team")
+    assert not d.allowed and d.message.startswith("pod team/qwen-7d9f-*: ")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("vramsched.io/engine", "llama.cpp"), ("vramsched.io/engine-args", "yes")]
+)
+def test_invalid_engine_annotations_are_refused(key: str, value: str) -> None:
+    d = decide(pod({"vramsched.io/model-memory": "16Gi", key: value}))
+    assert not d.allowed and key in d.message
+
+
+def test_named_model_gets_its_annotation_and_the_fraction_env() -> None:
+    p = pod(
+        {"vramsched.io/model": "Qwen/Qwen2.5-7B-Instruct"},
+        command=["vllm", "serve"],
+        args=["Qwen/Qwen2.5-7B-Instruct", "--max-model-len", "8192", "--max-num-seqs", "4"],
+    )
+    d = decide(p)
+    assert d.allowed
+    out = apply_json_patch(p, d.patch)
+    memory = out["metadata"]["annotations"]["vramsched.io/model-memory"]
+    assert memory.endswith("Gi") and 15 < float(memory[:-2]) < 25
+    assert any(
+        "set vramsched.io/model-memory=" in w and "Qwen/Qwen2.5-7B-Instruct" in w
+        for w in d.warnings
+    )
+    (env,) = out["spec"]["containers"][0]["env"]
+    assert env == {
+        "name": "VRAMSCHED_GPU_MEMORY_FRACTION",
+        "valueFrom": {"fieldRef": {"fieldPath": FIELD}},
+    }
+    # The filled pod is one the filter accepts.
+    assert pod_demand(out).bytes_per_gpu == int(float(memory[:-2]) * GIB)
+
+
+def test_model_from_engine_args_without_annotations_and_two_gpus() -> None:
+    p = pod(
+        None,
+        command=["vllm", "serve"],
+        args=["Qwen/Qwen2.5-7B-Instruct", "--max-model-len", "8192", "-tp", "2"],
+        gpus="2",
+    )
+    d = decide(p)
+    out = apply_json_patch(p, d.patch)
+    total = out["metadata"]["annotations"]["vramsched.io/model-memory"]
+    per_gpu = pod_demand(out).bytes_per_gpu
+    assert per_gpu is not None and per_gpu * 2 == int(float(total[:-2]) * GIB)
+
+
+def test_declared_memory_below_the_estimate_warns() -> None:
+    p = pod(
+        {"vramsched.io/model-memory": "8Gi"},
+        command=["vllm", "serve"],
+        args=["Qwen/Qwen2.5-7B-Instruct"],
+    )
+    d = decide(p)
+    assert d.allowed
+    assert any("would run out of GPU memory" in w for w in d.warnings)
+    assert "vramsched.io/model-memory" not in json.dumps(
+        [op for op in d.patch if op["path"].startswith("/metadata")]
+    )
+
+
+def test_declared_memory_large_enough_does_not_warn() -> None:
+    p = pod(
+        {"vramsched.io/model-memory": "40Gi"},
+        command=["vllm", "serve"],
+        args=["Qwen/Qwen2.5-7B-Instruct", "--max-model-len", "8192"],
+    )
+    assert decide(p).warnings == []
+
+
+def test_unknown_model_warns_with_close_names_and_leaves_the_pod_alone() -> None:
+    p = pod(None, command=["vllm", "serve"], args=["Qwen/Qwen2.5-7B-Instrct"])
+    d = decide(p)
+    assert d.allowed and d.patch == []
+    (w,) = d.warnings
+    assert "did you mean Qwen/Qwen2.5-7B-Instruct" in w
+
+
+def test_context_too_long_warns() -> None:
+    p = pod(
+        None,
+        command=["vllm", "serve"],
+        args=["meta-llama/Meta-Llama-3-8B-Instruct", "--max-model-len", "65536"],
+    )
+    (w,) = decide(p).warnings
+    assert "longer than the 8192 tokens" in w
+
+
+def test_model_that_fits_no_gpu_in_the_cluster_warns() -> None:
+    p = pod(
+        None,
+        command=["vllm", "serve"],
+        args=["meta-llama/Llama-3.1-70B-Instruct", "--max-model-len", "8192"],
+    )
+    d = decide(p, largest_device=lambda: 80 * GIB)
+    assert any("fits no GPU" in w for w in d.warnings)
+
+
+def test_engine_args_inject_appends_the_engine_flag() -> None:
+    p = pod(
+        {"vramsched.io/model-memory": "20Gi", "vramsched.io/engine-args": "inject"},
+        command=["vllm", "serve"],
+        args=["m"],
+    )
+    out = apply_json_patch(p, decide(p).patch)
+    assert (
+        out["spec"]["containers"][0]["args"][-1]
+        == "--gpu-memory-utilization=$(VRAMSCHED_GPU_MEMORY_FRACTION)"
+    )
+    tgi = pod(
+        {"vramsched.io/model-memory": "20Gi", "vramsched.io/engine-args": "inject"},
+        command=["text-generation-launcher"],
+    )
+    out = apply_json_patch(tgi, decide(tgi).patch)
+    assert out["spec"]["containers"][0]["args"] == [
+        "--cuda-memory-fraction=$(VRAMSCHED_GPU_MEMORY_FRACTION)"
+    ]
+
+
+def test_engine_args_inject_leaves_a_set_flag_and_shell_scripts_alone() -> None:
+    ann = {"vramsched.io/model-memory": "20Gi", "vramsched.io/engine-args": "inject"}
+    already = pod(ann, command=["vllm", "serve"], args=["m", "--gpu-memory-utilization", "0.3"])
+    d = decide(already)
+    assert not any(op["path"].endswith("/args/-") for op in d.patch)
+    assert any("already sets --gpu-memory-utilization" in w for w in d.warnings)
+    shell = pod(
+        ann, command=["/bin/sh", "-c"], args=["python3 -m sglang.launch_server --model-path m"]
+    )
+    d = decide(shell)
+    assert any(
+        "in a shell" in w and "--mem-fraction-static=$VRAMSCHED_GPU_MEMORY_FRACTION" in w
+        for w in d.warnings
+    )
+
+
+def test_existing_env_var_is_kept() -> None:
+    own = [{"name": "VRAMSCHED_GPU_MEMORY_FRACTION", "value": "0.5"}]
+    d = decide(pod({"vramsched.io/model-memory": "20Gi"}, env=own))
+    assert d.patch == []
+
+
+def test_pods_without_model_memory_or_gpu_get_no_env() -> None:
+    assert decide(pod({})).patch == []  # whole devices: no fraction at bind
+    assert decide(pod({}, gpus="0")).patch == []
+
+
+# ----- the wire form -------------------------------------------------------------------------------
+
+
+def _review(
+    obj: dict[str, Any], api: str = "admission.k8s.io/v1", op: str = "CREATE"
+) -> dict[str, Any]:
+    return {
+        "apiVersion": api,
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "u-1",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "operation": op,
+            "namespace": "default",
+            "object": obj,
+        },
+    }
+
+
+def test_review_answers_with_a_base64_json_patch_and_warnings() -> None:
+    p = pod({"vramsched.io/model": "qwen2.5-7b"})
+    answer = review(_review(p))
+    r = answer["response"]
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and r["uid"] == "u-1" and r["allowed"]
+    assert r["patchType"] == "JSONPatch"
+    ops = json.loads(base64.b64decode(r["patch"]))
+    assert "vramsched.io/model-memory" in apply_json_patch(p, ops)["metadata"]["annotations"]
+    assert r["warnings"]
+
+
+def test_review_denial_and_other_operations() -> None:
+    r = review(_review(pod({"vramsched.io/model-memory": "x"}), api="admission.k8s.io/v1beta1"))
+    assert r["apiVersion"] == "admission.k8s.io/v1beta1"
+    assert r["response"]["allowed"] is False and "is invalid" in r["response"]["status"]["message"]
+    assert review(_review(pod({"vramsched.io/model-memory": "x"}), op="UPDATE"))["response"] == {
+        "uid": "u-1",
+        "allowed": True,
+    }
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        [],
+        {"kind": "Pod"},
+        {"kind": "AdmissionReview"},
+        {"kind": "AdmissionReview", "request": {}},
+    ],
+)
+def test_review_refuses_what_is_not_a_review(body: Any) -> None:
+    with pytest.raises(ReviewError):
+        review(body)
+
+
+# ----- certificates and the TLS listener -----------------------------------------------------------
+
+
+def test_serving_cert_covers_its_hosts_until_renewal_is_due() -> None:
+    hosts = service_hosts("vramsched-webhook.vramsched") + ["127.0.0.1"]
+    assert hosts[:2] == ["vramsched-webhook", "vramsched-webhook.vramsched"]
+    cert = make_serving_cert(hosts)
+    assert cert_covers(cert.cert_pem, hosts)
+    assert not cert_covers(cert.cert_pem, ["other.vramsched.svc"])
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=800)
+    assert not cert_covers(cert.cert_pem, hosts, now=later)
+    assert not cert_covers(b"not a certificate", hosts)
+
+
+async def test_listener_answers_over_tls_with_the_generated_ca(unused_tcp_port: int) -> None:
+    cert = make_serving_cert(["127.0.0.1"])
+    runner = web.AppRunner(create_webhook_app())
+    await runner.setup()
+    await web.TCPSite(
+        runner, "127.0.0.1", unused_tcp_port, ssl_context=ssl_context(cert=cert)
+    ).start()
+    client_ctx = ssl.create_default_context(cadata=cert.ca_pem.decode())
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"https://127.0.0.1:{unused_tcp_port}"
+            async with session.post(
+                f"{url}/mutate",
+                json=_review(pod({"vramsched.io/model-memory": "x"})),
+                ssl=client_ctx,
+            ) as resp:
+                body = await resp.json()
+                assert resp.status == 200 and body["response"]["allowed"] is False
+            async with session.post(f"{url}/mutate", data=b"{", ssl=client_ctx) as resp:
+                assert resp.status == 400
+            async with session.get(f"{url}/healthz", ssl=client_ctx) as resp:
+                assert resp.status == 200
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await session.get(f"{url}/healthz", ssl=ssl.create_default_context())
+    finally:
+        await runner.cleanup()
