@@ -149,7 +149,7 @@ def test_flag_covers_what_each_engine_counts() -> None:
     assert (
         fraction(reservation, device, overhead(lookup("qwen2.5-7b").architecture, v)) == 0.22
     )  # 18.25/80
-    # TGI: everything is inside; it then uses 95% of the fraction.
+    # TGI: everything is inside; it then uses 90% of the fraction (TGI_WIGGLE_ROOM).
     t = EngineSettings(engine="tgi")
     assert outside(t) == 0
     assert fraction(reservation, device, overhead(lookup("qwen2.5-7b").architecture, t)) == 0.25
@@ -180,11 +180,11 @@ def test_estimate_total_adds_up_and_rounds_the_annotation_up() -> None:
     assert e.annotation == f"vramsched.io/model-memory: {format_quantity(e.total_per_gpu)}"
 
 
-def test_tgi_total_leaves_its_five_percent() -> None:
+def test_tgi_total_leaves_its_ten_percent() -> None:
     s = EngineSettings(engine="tgi", max_model_len=8192)
     e = estimate(resolve_model("qwen2.5-7b"), s, list_devices=False)
     inside = e.weights_per_gpu + e.kv.per_gpu_bytes + e.overhead.inside
-    assert e.total_per_gpu * 0.95 >= inside
+    assert e.total_per_gpu * 0.90 >= inside
 
 
 def test_tensor_parallel_annotation_is_for_all_gpus() -> None:

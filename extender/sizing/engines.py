@@ -10,8 +10,9 @@ the flag covers (`inside`) and which part it takes on top (`outside`):
   NCCL buffers (allocated before the baseline snapshot) and the CUDA graph pool (captured
   after the KV cache is sized) are outside it.
 * TGI `--cuda-memory-fraction`: caps torch at fraction x total and sizes the KV cache so that
-  (1 - 0.95 x fraction) of the device stays free (server/.../utils/import_utils.py
-  get_cuda_free_memory, TGI_WIGGLE_ROOM=0.95): everything of TGI's is inside, 5% is left over.
+  (1 - 0.9 x fraction) of the device stays free (server/.../utils/import_utils.py
+  get_cuda_free_memory; TGI_WIGGLE_ROOM=0.90 in models/globals.py): everything of TGI's is
+  inside, and 10% of it is left over.
 * SGLang `--mem-fraction-static`: weights + KV pool = fraction x the memory free at start;
   the rest is left for activations and CUDA graphs, which SGLang sizes with its own formula
   (python/sglang/srt/server_args.py _handle_gpu_memory_settings). Those and the CUDA context
@@ -62,9 +63,10 @@ VLLM_SAMPLER_BYTES = 40
 # vLLM's non-torch memory growth during profiling: 0.13 GiB at TP=1, 0.55 GiB at TP=2.
 VLLM_NON_TORCH = 256 * MIB
 VLLM_NON_TORCH_TP = 768 * MIB
-TGI_WIGGLE = 0.95
+TGI_WIGGLE = 0.90
 TGI_GRAPH_BYTES = 512 * MIB
-TGI_DEFAULT_PREFILL = 4096
+TGI_MIN_PREFILL = 4096
+TGI_MAX_DEFAULT_PREFILL = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +189,18 @@ def overhead(
             + ("" if s.enforce_eager else ", CUDA graphs"),
         )
     if s.engine == "tgi":
-        prefill = s.max_batched_tokens or TGI_DEFAULT_PREFILL
+        # TGI's launcher defaults the prefill batch to what the GPU computes fastest (at least
+        # 4096 tokens, at most the context); without the flag, up to 16384 tokens are assumed.
+        default = max(
+            TGI_MIN_PREFILL, min(s.max_model_len or a.max_context, TGI_MAX_DEFAULT_PREFILL)
+        )
+        prefill = s.max_batched_tokens or default
         inside = context + prefill * fwd + TGI_GRAPH_BYTES
         return Overhead(
             inside,
             0,
             TGI_WIGGLE,
-            detail=f"CUDA context, {prefill} prefill tokens, CUDA graphs, 5% kept free",
+            detail=f"CUDA context, {prefill} prefill tokens, CUDA graphs, 10% kept free",
         )
     if s.engine == "sglang":
         _, chunk, graph_bs = _sglang_reserve(s, gpu_memory)
