@@ -6,32 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from builders import gpu_node, mig_single_node, pod
-from kube_fakes import FakeApi
+from test_kube_bind import bind_args, live
 
-from extender.cluster import ClusterState
-from extender.kube import ApiError, LiveService, LiveSource
+from extender.kube import ApiError
 from extender.sizing.handoff import FRACTION_ANNOTATION
-from extender.wire import ExtenderBindingArgs
-
-
-def _live(nodes: list[dict[str, Any]], pods: list[dict[str, Any]]) -> tuple[LiveService, FakeApi]:
-    api = FakeApi()
-    c = ClusterState()
-    src = LiveSource(c, api=api)
-    src.apply("nodes", "replace", nodes)
-    src.apply("pods", "replace", pods)
-    for p in pods:
-        api.add_pod(p)
-    return LiveService(c, src), api
-
-
-def _bind(p: dict[str, Any], node: str) -> ExtenderBindingArgs:
-    return ExtenderBindingArgs(
-        PodName=p["metadata"]["name"],
-        PodNamespace="default",
-        PodUID=p["metadata"]["uid"],
-        Node=node,
-    )
 
 
 def _app(p: dict[str, Any]) -> dict[str, Any]:
@@ -47,39 +25,39 @@ def _vllm(p: dict[str, Any]) -> dict[str, Any]:
 
 async def test_fraction_of_the_whole_gpu_for_an_unrecognised_container() -> None:
     p = _app(pod("p", "20Gi"))
-    service, api = _live([gpu_node("n1", memory_mib=81920)], [p])
-    assert (await service.bind(_bind(p, "n1"))).Error == ""
+    service, api, _ = live([gpu_node("n1", memory_mib=81920)], [p])
+    assert (await service.bind(bind_args(p, "n1"))).Error == ""
     annotations = api.calls[0][3]["metadata"]["annotations"]
     assert annotations[FRACTION_ANNOTATION] == "0.25"  # 20 GiB of 80 GiB
 
 
 async def test_fraction_leaves_out_what_vllm_takes_outside_its_flag() -> None:
     p = _vllm(pod("p", "20Gi"))
-    service, api = _live([gpu_node("n1", memory_mib=81920)], [p])
-    await service.bind(_bind(p, "n1"))
+    service, api, _ = live([gpu_node("n1", memory_mib=81920)], [p])
+    await service.bind(bind_args(p, "n1"))
     # (20 GiB - 0.75 GiB CUDA context - 1 GiB CUDA graphs) / 80 GiB = 0.228
     assert api.calls[0][3]["metadata"]["annotations"][FRACTION_ANNOTATION] == "0.22"
 
 
 async def test_fraction_of_a_mig_slice_uses_the_slice_memory() -> None:
     p = _app(pod("p", "8Gi"))
-    service, api = _live([mig_single_node("m1", "1g.10gb", slices=7, memory_mib=9984)], [p])
-    await service.bind(_bind(p, "m1"))
+    service, api, _ = live([mig_single_node("m1", "1g.10gb", slices=7, memory_mib=9984)], [p])
+    await service.bind(bind_args(p, "m1"))
     assert api.calls[0][3]["metadata"]["annotations"][FRACTION_ANNOTATION] == "0.82"  # 8192/9984
 
 
 async def test_whole_device_pods_get_no_fraction() -> None:
     p = pod("p", None)
-    service, api = _live([gpu_node("n1")], [p])
-    await service.bind(_bind(p, "n1"))
+    service, api, _ = live([gpu_node("n1")], [p])
+    await service.bind(bind_args(p, "n1"))
     annotations = api.calls[0][3]["metadata"]["annotations"]
     assert FRACTION_ANNOTATION in annotations and annotations[FRACTION_ANNOTATION] is None
 
 
 async def test_a_refused_binding_takes_the_fraction_back() -> None:
     p = pod("p", "20Gi")
-    service, api = _live([gpu_node("n1")], [p])
+    service, api, _ = live([gpu_node("n1")], [p])
     api.fail["create_binding"] = [ApiError(403, "Forbidden", "no")]
-    assert (await service.bind(_bind(p, "n1"))).Error
+    assert (await service.bind(bind_args(p, "n1"))).Error
     undo = api.calls[-1][3]["metadata"]["annotations"]
     assert undo[FRACTION_ANNOTATION] is None

@@ -297,6 +297,9 @@ def test_cli_yaml_and_text(capsys: pytest.CaptureFixture[str]) -> None:
         ["estimate", "llama-3.1-8b", "--gpu", "Z100"],
         ["estimate", "llama-3.1-8b", "--max-num-seqs", "0"],
         ["estimate", "/nonexistent/model"],
+        # Printed, but a model that fits no GPU is still an error.
+        ["estimate", "llama-3.1-70b", "--max-model-len", "8192", "--gpu", "L4"],
+        ["estimate", "llama-3.1-405b", "--max-model-len", "8192"],
     ],
 )
 def test_cli_errors_exit_2_with_one_line(

@@ -95,7 +95,26 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `vramsched estimate ... | head`: the reader left, not an error
         sys.stderr.close()
+        return 0
+    problem = _fits_nowhere(result)
+    if problem:
+        print(f"vramsched estimate: error: {problem}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _fits_nowhere(e: Estimate) -> str | None:
+    """The estimate is printed either way; a model that fits no GPU is still an error (exit 2)."""
+    need = format_bytes(e.reservation_per_gpu)
+    fit = e.gpu_fit()
+    if e.gpu is not None and fit is not None and not fit.fits:
+        return (
+            f"{e.model.name} needs {need} per GPU; {e.gpu.product} has {format_bytes(e.gpu.memory_bytes)}: "
+            "raise --tensor-parallel-size or quantize"
+        )
+    if e.gpu is None and e.devices and not any(d.fits for d in e.devices):
+        return f"{e.model.name} needs {need} per GPU, more than any GPU vramsched knows: raise --tensor-parallel-size or quantize"
+    return None
 
 
 def _gib(n: int) -> str:
@@ -126,10 +145,7 @@ def render_text(e: Estimate) -> str:
         if fit.fits:
             lines.append(f"  on {e.gpu.product}: {e.flag} {fit.fraction:.2f}")
         else:
-            lines.append(
-                f"  does not fit one {e.gpu.product} ({_gib(e.gpu.memory_bytes)}): "
-                "raise --tensor-parallel-size or quantize"
-            )
+            lines.append(f"  does not fit one {e.gpu.product} ({_gib(e.gpu.memory_bytes)})")
     whole = [d for d in e.devices if d.fits and not d.device.profile and e.gpu is None]
     # The smallest MIG profile that fits, per GPU model: bigger ones fit too.
     smallest: dict[str, DeviceFit] = {}
@@ -150,9 +166,7 @@ def render_text(e: Estimate) -> str:
             )
         )
     if not whole and not smallest and e.gpu is None:
-        lines.append(
-            "  fits no single GPU vramsched knows: raise --tensor-parallel-size or quantize"
-        )
+        lines.append("  fits no single GPU vramsched knows")
     for note in e.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
