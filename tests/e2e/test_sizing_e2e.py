@@ -324,3 +324,57 @@ def test_certificates_bootstrap_into_a_secret_and_the_ca_bundle(cluster: Control
         except kubernetes.client.ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+@pytest.mark.e2e
+def test_deployed_configuration_on_kubernetes_1_36_keeps_its_match_conditions(
+    tmp_path: Path,
+) -> None:
+    """kube-apiserver 1.36 compiles the CEL matchCondition of deploy/webhook.yaml (a typo would
+    be refused at create), keeps it, and calls the webhook for vramsched's pods."""
+    from kubelet import ControlPlane136  # the 1.36.3 control plane only: no kubelet here
+
+    cp = ControlPlane136(tmp_path / "cp136")
+    cp.start()
+    try:
+        kubeconfig = _grant_extender_rbac(cp)
+        cert = make_serving_cert(["127.0.0.1"])
+        (tmp_path / "tls.crt").write_bytes(cert.cert_pem)
+        (tmp_path / "tls.key").write_bytes(cert.key_pem)
+        port = free_port()
+        ext = Extender(
+            cp,
+            kubeconfig,
+            ["--webhook-port", str(port), "--webhook-host", "127.0.0.1"]
+            + [
+                "--webhook-cert",
+                str(tmp_path / "tls.crt"),
+                "--webhook-key",
+                str(tmp_path / "tls.key"),
+            ],
+        )
+        ext.start()
+        try:
+            name = _register(cp, port, cert.ca_pem)
+            with cp.api_client() as client:
+                kept = kubernetes.client.AdmissionregistrationV1Api(
+                    client
+                ).read_mutating_webhook_configuration(name)
+            (condition,) = kept.webhooks[0].match_conditions
+            assert condition.expression == "object.spec.schedulerName == 'vramsched'"
+            _wait_webhook_active(cp)
+            status, body, _ = _raw_create(
+                cp, vllm_pod("bad", {"vramsched.io/model-memory": "16GB"})
+            )
+            assert status == 400 and "is invalid" in body["message"], body
+            status, _, warnings = _raw_create(
+                cp,
+                vllm_pod(
+                    "other", {"vramsched.io/model-memory": "16GB"}, scheduler="default-scheduler"
+                ),
+            )
+            assert status == 201 and warnings == []
+        finally:
+            ext.stop()
+    finally:
+        cp.stop()
