@@ -32,11 +32,13 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from extender.planner.capacity import FragIndex, hash_groups, row_hashes
+from extender.planner.staged import Settings, Stage, staged_solve
 
 __all__ = ["ArcFlow", "MAX_STATES"]
 
@@ -45,6 +47,8 @@ __all__ = ["ArcFlow", "MAX_STATES"]
 MAX_STATES = 50_000
 
 _State = tuple[int, int]  # (memory units used, replicas used)
+#: a class's arcs: (state, pod class) -> (next state, flow variable)
+_Arcs = dict[tuple[_State, int], tuple[_State, cp_model.IntVar]]
 
 
 class ArcFlow:
@@ -62,11 +66,12 @@ class ArcFlow:
     ) -> None:
         cap, a = frag.cap, frag.a
         self.ok = False
-        self.solver: cp_model.CpSolver | None = None
+        self.values: Mapping[int, int] | None = None
         self.model = m = cp_model.CpModel()
+        self.objective: cp_model.LinearExprT = 0
         self.live = [p for p in range(len(shares)) if shares[p] > 0]
         # per GPU class: its device rows, its arcs {(state, live p): (next state, var)}, its ends {state: var}
-        self.classes: list[tuple[np.ndarray, dict, dict]] = []
+        self.classes: list[tuple[np.ndarray, _Arcs, dict[_State, cp_model.IntVar]]] = []
         if not self.live:
             self.ok = True
             return
@@ -96,8 +101,8 @@ class ArcFlow:
             unit = math.gcd(unit, int(v))
         if unit <= 0:
             return
-        placed: list[list] = [[] for _ in self.live]
-        objective = []
+        placed: list[list[cp_model.IntVar]] = [[] for _ in self.live]
+        objective: list[cp_model.LinearExprT] = []
         states_total = 0
         for c, j in enumerate(first.tolist()):
             if time.perf_counter() > deadline:
@@ -119,35 +124,36 @@ class ArcFlow:
             cost = _fragment(frag, g, run[j], free0 - used, left_rep)
             base = _fragment(frag, g, run[j], np.asarray([free0]), np.asarray([rep0]))[0]
             coef = np.floor((cost - base) / 1024.0).astype(np.int64)
-            inflow: dict[_State, list] = {s: [] for s in order}
-            arcs: dict[tuple[_State, int], tuple[_State, cp_model.IntVar]] = {}
+            inflow: dict[_State, list[cp_model.IntVar]] = {s: [] for s in order}
+            arcs: _Arcs = {}
             ends: dict[_State, cp_model.IntVar] = {}
             for s, cf in zip(order, coef.tolist()):
                 out = []
                 for p in ps:
                     t = (s[0] + size[p], s[1] + 1)
                     if t in inflow:
-                        x = m.NewIntVar(0, int(min(M * rep0, shares[p])), "")
+                        x = m.new_int_var(0, int(min(M * rep0, shares[p])), "")
                         out.append(x)
                         inflow[t].append(x)
                         placed[p].append(x)
                         arcs[s, p] = (t, x)
-                end = ends[s] = m.NewIntVar(0, M, "")
-                m.Add(sum(inflow[s]) + (M if s == (0, 0) else 0) == sum(out) + end)
+                end = ends[s] = m.new_int_var(0, M, "")
+                m.add(sum(inflow[s]) + (M if s == (0, 0) else 0) == sum(out) + end)
                 if cf:
                     objective.append(cf * end)
             self.classes.append((rows[members[bounds[c] : bounds[c + 1]]], arcs, ends))
         for p in range(len(self.live)):
             if not placed[p]:
                 return
-            m.Add(sum(placed[p]) == int(shares[p]))
-        m.Minimize(sum(objective))
+            m.add(sum(placed[p]) == int(shares[p]))
+        self.objective = cp_model.LinearExpr.sum(objective)  # a constant 0 is still solved
         self.ok = True
 
-    def solve(self, deadline: float, num_workers: int = 2) -> int | None:
+    def solve(self, deadline: float, num_workers: int = 2, *, keep: bool = False) -> int | None:
         """The proven bound in KiB (see the module docstring), or None: no model, no time left,
-        or the shares cannot all be placed even relaxed. Keeps the solution for `paths`."""
-        self.solver = None
+        or the shares cannot all be placed even relaxed. `keep`: keep the solution for `paths`
+        (reading it back costs time that a bound alone does not need)."""
+        self.values = None
         if not self.ok:
             return None
         if not self.live:
@@ -155,20 +161,38 @@ class ArcFlow:
         left = deadline - time.perf_counter()
         if left <= 0:
             return None
-        solver = cp_model.CpSolver()
-        solver.parameters.num_workers = max(1, num_workers)
-        solver.parameters.max_time_in_seconds = left
-        if solver.Solve(self.model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        variables = (
+            [
+                x
+                for _, arcs, ends in self.classes
+                for x in [*(v for _, v in arcs.values()), *ends.values()]
+            ]
+            if keep
+            else []
+        )
+        result = staged_solve(
+            self.model,
+            [Stage("stranded", self.objective, least=0.0)],
+            deadline,
+            variables=variables,
+            settings=Settings(num_workers),
+        )
+        stage = result.stages[0]
+        if not stage.solved:
             return None
-        self.solver = solver
-        return int(math.floor(solver.BestObjectiveBound()))
+        self.values = result.values if keep else None
+        return int(math.floor(stage.bound))
 
     def paths(self) -> list[tuple[np.ndarray, list[tuple[int, ...]]]]:
         """The solution cut into one path per GPU: per GPU class, its device rows and, for as many
         GPUs, the pod classes (caller's numbering) whose shares a GPU gets."""
-        if self.solver is None:
+        if self.values is None:
             return []
-        value = self.solver.Value
+        values = self.values
+
+        def value(var: cp_model.IntVar) -> int:
+            return values[var.index]
+
         out = []
         for rows, arcs, ends in self.classes:
             flow = {k: value(x) for k, (_, x) in arcs.items()}
@@ -220,4 +244,5 @@ def _fragment(
     alone for the types its node can run now (see the module docstring)."""
     ok = frag.usable(np.full(len(free), g), free, rep_left)
     stranded = np.where(run, ~ok, True)
-    return np.maximum(free, 0).astype(np.float64) * (stranded @ frag.w.weight)
+    out: np.ndarray = np.maximum(free, 0).astype(np.float64) * (stranded @ frag.w.weight)
+    return out

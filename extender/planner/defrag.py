@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from extender.ledger import Reservation
 from extender.planner.capacity import Capacity, device_matches
+from extender.planner.staged import Settings, Stage, staged_solve
 
 __all__ = ["Limits", "Move", "DefragPlan", "plan_defrag"]
 
@@ -44,14 +45,14 @@ class Move:
     priority: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class DefragPlan:
-    moves: list[Move] = field(default_factory=list)
-    freed: list[tuple[str, str]] = field(default_factory=list)  # (node, device id)
-    status: str = ""
-    bound_freed: int = 0
-    seconds: float = 0.0
-    gpus_free_before: int = 0
+    moves: list[Move]
+    freed: list[tuple[str, str]]  # (node, device id)
+    status: str
+    bound_freed: int
+    seconds: float
+    gpus_free_before: int
 
 
 def plan_defrag(
@@ -66,7 +67,7 @@ def plan_defrag(
     start = time.perf_counter()
     ledger = cap.ledger
     a = cap.arrays
-    out = DefragPlan(gpus_free_before=int((a.used_replicas == 0).sum()))
+    free_before = int((a.used_replicas == 0).sum())
     by_dev: dict[int, list[Reservation]] = defaultdict(list)
     movable: list[tuple[Reservation, int]] = []
     for res in ledger.reservations():
@@ -84,13 +85,13 @@ def plan_defrag(
             movable.append((res, rows[0]))
     m = cp_model.CpModel()
     x: dict[tuple[int, int], cp_model.IntVar] = {}
-    moved: list = []
-    incoming_b: dict[int, list] = defaultdict(list)
-    incoming_n: dict[int, list] = defaultdict(list)
-    incoming_cpu: dict[int, list] = defaultdict(list)
-    incoming_mem: dict[int, list] = defaultdict(list)
-    per_ns: dict[str, list] = defaultdict(list)
-    per_node: dict[str, list] = defaultdict(list)
+    moved: list[tuple[cp_model.IntVar, Reservation]] = []
+    incoming_b: dict[int, list[cp_model.LinearExprT]] = defaultdict(list)
+    incoming_n: dict[int, list[cp_model.IntVar]] = defaultdict(list)
+    incoming_cpu: dict[int, list[cp_model.LinearExprT]] = defaultdict(list)
+    incoming_mem: dict[int, list[cp_model.LinearExprT]] = defaultdict(list)
+    per_ns: dict[str, list[cp_model.IntVar]] = defaultdict(list)
+    per_node: dict[str, list[cp_model.IntVar]] = defaultdict(list)
     free = a.capacity - a.used
     rep = a.replicas - a.used_replicas
     moved_of: dict[str, cp_model.IntVar] = {}
@@ -110,7 +111,7 @@ def plan_defrag(
         targets = [int(h) for h in ok.nonzero()[0] if int(h) != g]
         if not targets:
             continue
-        mv = m.NewBoolVar(f"mv{i}")
+        mv = m.new_bool_var(f"mv{i}")
         terms = []
         for h in targets:
             n_to = int(a.node_of[h])
@@ -118,7 +119,7 @@ def plan_defrag(
                 cap.cpu_free[n_to] < cpu or cap.mem_free[n_to] < mem
             ):
                 continue
-            v = m.NewBoolVar(f"x{i}_{h}")
+            v = m.new_bool_var(f"x{i}_{h}")
             x[i, h] = v
             terms.append(v)
             incoming_b[h].append(nbytes * v)
@@ -128,61 +129,60 @@ def plan_defrag(
                 incoming_mem[n_to].append(mem * v)
         if not terms:
             continue
-        m.Add(sum(terms) == mv)
+        m.add(sum(terms) == mv)
         moved.append((mv, res))
         moved_of[res.key] = mv
         per_ns[res.pod.namespace].append(mv)
         per_node[res.node].append(mv)
-    for h, terms in incoming_b.items():
-        m.Add(sum(terms) <= int(free[h]))
-        m.Add(sum(incoming_n[h]) <= int(rep[h]))
-    for n, terms in incoming_cpu.items():
-        m.Add(sum(terms) <= int(cap.cpu_free[n]))
-        m.Add(sum(incoming_mem[n]) <= int(cap.mem_free[n]))
+    for h, bytes_in in incoming_b.items():
+        m.add(sum(bytes_in) <= int(free[h]))
+        m.add(sum(incoming_n[h]) <= int(rep[h]))
+    for n, cpu_in in incoming_cpu.items():
+        m.add(sum(cpu_in) <= int(cap.cpu_free[n]))
+        m.add(sum(incoming_mem[n]) <= int(cap.mem_free[n]))
     freed = []
     for g, holders in by_dev.items():
         if any(r.key not in moved_of for r in holders):
             continue
-        f = m.NewBoolVar(f"free{g}")
+        f = m.new_bool_var(f"free{g}")
         for r in holders:
-            m.AddImplication(f, moved_of[r.key])
+            m.add_implication(f, moved_of[r.key])
         if incoming_n.get(g):
-            m.Add(sum(incoming_n[g]) == 0).OnlyEnforceIf(f)
+            m.add(sum(incoming_n[g]) == 0).only_enforce_if(f)
         freed.append((f, g))
     if limits.max_moves is not None:
-        m.Add(sum(mv for mv, _ in moved) <= limits.max_moves)
+        m.add(sum(mv for mv, _ in moved) <= limits.max_moves)
     if limits.max_per_namespace is not None:
         for terms in per_ns.values():
-            m.Add(sum(terms) <= limits.max_per_namespace)
+            m.add(sum(terms) <= limits.max_per_namespace)
     if limits.max_per_node is not None:
         for terms in per_node.values():
-            m.Add(sum(terms) <= limits.max_per_node)
+            m.add(sum(terms) <= limits.max_per_node)
     if not freed:
-        out.status = "NOTHING_TO_FREE"
-        out.seconds = time.perf_counter() - start
-        return out
+        return DefragPlan([], [], "NOTHING_TO_FREE", 0, time.perf_counter() - start, free_before)
     W = (len(moved) + 1) * 2
     max_prio = max((r.priority for _, r in moved), default=0)
-    # moves cost 2, plus 1 when the pod is of the highest priority among the movable ones
-    m.Maximize(
-        W * sum(f for f, _ in freed)
-        - sum((2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mv for mv, r in moved)
+    # one goal: GPUs freed weigh more than all moves together; moves cost 2, plus 1 when the pod
+    # is of the highest priority among the movable ones
+    goal = W * sum(f for f, _ in freed) - sum(
+        (2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mv for mv, r in moved
     )
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = max(1, num_workers)
-    solver.parameters.max_time_in_seconds = time_limit
-    st = solver.Solve(m)
-    out.status = solver.StatusName(st)
-    out.bound_freed = (
-        int(solver.BestObjectiveBound() // W) if st in (cp_model.OPTIMAL, cp_model.FEASIBLE) else 0
+    result = staged_solve(
+        m,
+        [Stage("freed", goal, maximize=True, least=0.0)],
+        time.perf_counter() + time_limit,
+        variables=[*x.values(), *(f for f, _ in freed)],
+        settings=Settings(num_workers),
     )
-    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        out.seconds = time.perf_counter() - start
-        return out
+    stage = result.stages[0]
+    values = result.values
+    if not stage.solved or values is None:
+        return DefragPlan([], [], stage.status, 0, time.perf_counter() - start, free_before)
+    moves = []
     for (i, h), v in x.items():
-        if solver.Value(v):
+        if values[v.index]:
             res, g = movable[i]
-            out.moves.append(
+            moves.append(
                 Move(
                     res.key,
                     res.node,
@@ -193,10 +193,13 @@ def plan_defrag(
                     res.priority,
                 )
             )
-    out.freed = sorted(
-        (a.devices[g].node, a.devices[g].device_id) for f, g in freed if solver.Value(f)
-    )
     # a moved pod whose GPU is not freed would be a wasted move; the objective never wants one
-    out.moves.sort(key=lambda mv: (mv.from_node, mv.from_device, mv.pod))
-    out.seconds = time.perf_counter() - start
-    return out
+    moves.sort(key=lambda mv: (mv.from_node, mv.from_device, mv.pod))
+    return DefragPlan(
+        moves,
+        sorted((a.devices[g].node, a.devices[g].device_id) for f, g in freed if values[f.index]),
+        stage.status,
+        int(stage.bound // W),
+        time.perf_counter() - start,
+        free_before,
+    )

@@ -554,7 +554,7 @@ def flow_plan(
         singles = [i for i, d in enumerate(demands) if d.gpu_count == 1]
         classes = _pod_classes([demands[i] for i in singles])
         flow = _arcflow(cap, classes, frag, deadline)
-        if flow.solve(deadline, num_workers) is None:
+        if flow.solve(deadline, num_workers, keep=True) is None:
             choices.clear()
             return choices
         pools = [[singles[m] for m in reversed(pc.members)] for pc in classes]
