@@ -10,6 +10,7 @@ from test_planner_model import brute_force, demand
 
 from extender.ledger import check_invariant
 from extender.planner import model
+from extender.planner.batch_goals import evaluate, valid
 from extender.planner.capacity import FragIndex, Workload
 from extender.planner.greedy import greedy_batch
 from extender.simulate.engine import build_capacity
@@ -80,12 +81,12 @@ SEVENTEEN = [30, 30, 20, 20, 10, 30, 40, 10, 30, 10, 40, 20, 40, 40, 20, 20, 20]
 
 def test_flow_plan_reaches_the_bound_where_fgd_one_pod_at_a_time_strands_memory():
     cap, demands, frag = _packable(2, SIX)
-    reference = model._evaluate(
+    reference = evaluate(
         cap, demands, greedy_batch(cap, demands, frag, order="arrival", rule="fgd"), frag
     )
     flow = model.flow_plan(cap, demands, frag, time_limit=10, num_workers=1)
-    cost = model._evaluate(cap, demands, flow, frag)
-    assert len(flow) == len(SIX) and model._valid(cap, demands, flow, frag)
+    cost = evaluate(cap, demands, flow, frag)
+    assert len(flow) == len(SIX) and valid(cap, demands, flow, frag)
     assert reference[1] > 0 and reference[2] == 4
     assert (
         cost[1] == 0 == model.stranded_lower_bound(cap, demands, frag, time_limit=10, num_workers=1)
@@ -101,7 +102,7 @@ def test_a_large_batch_takes_the_flow_plan_and_a_small_one_keeps_fgds():
     plan = model.solve_batch(cap, demands, frag, time_limit=10, num_workers=1, prove=True)
     assert plan.status == "FLOW" and plan.improved and plan.placed == len(SEVENTEEN)
     assert plan.greedy_cost[1] > 0 and plan.cost[1] == 0 and plan.cost[2] <= plan.greedy_cost[2]
-    assert model._valid(cap, demands, plan.choices, frag)
+    assert valid(cap, demands, plan.choices, frag)
     # the proof: stranded VRAM cannot go below the bound, and the plan is at it
     assert plan.stats["strandedLowerBoundKiB"] == 0
     assert (
@@ -125,7 +126,7 @@ def test_flow_plan_honours_cpu_and_falls_back_to_fgd_for_what_it_cannot_place():
     demands = [demand(f"p{i}", gib, cpu=1000) for i, gib in enumerate(SEVENTEEN)]
     frag = FragIndex(cap, Workload.from_demands(demands))
     flow = model.flow_plan(cap, demands, frag, time_limit=10, num_workers=1)
-    assert len(flow) == len(SEVENTEEN) and model._valid(cap, demands, flow, frag)
+    assert len(flow) == len(SEVENTEEN) and valid(cap, demands, flow, frag)
     per_node: dict[int, int] = {}
     for _, n, _ in flow.values():
         per_node[n] = per_node.get(n, 0) + 1

@@ -11,7 +11,11 @@ from builders import gpu_node
 
 from extender.demand import Demand, PodRef
 from extender.ledger import Reservation, check_invariant
-from extender.planner import greedy, model
+from extender.planner import batch_solve, greedy, model
+from extender.planner.batch_bounds import relaxation_bound
+from extender.planner.batch_goals import evaluate
+from extender.planner.batch_layout import layout
+from extender.planner.batch_model import build_model
 from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
 from extender.planner.greedy import greedy_batch, place_one
 from extender.planner.model import opened_lower_bound, solve_batch
@@ -39,7 +43,7 @@ def demand(
 
 
 def brute_force(cap: Capacity, demands: list[Demand], frag: FragIndex) -> tuple[int, ...]:
-    """The best goals (model._evaluate: unplaced, stranded, opened, touched) over every assignment
+    """The best goals (batch_goals.evaluate: unplaced, stranded, opened, touched) over every assignment
     of each pod to a device set of one node or to nothing."""
     a = cap.arrays
     options = []
@@ -73,7 +77,7 @@ def brute_force(cap: Capacity, demands: list[Demand], frag: FragIndex) -> tuple[
             choices[i] = (res, n, False)
         if not ok or (used > a.capacity).any() or (reps > a.replicas).any() or (cpu < 0).any():
             continue
-        cost = model._evaluate(cap, demands, choices, frag)
+        cost = evaluate(cap, demands, choices, frag)
         best = cost if best is None or cost < best else best
     return best
 
@@ -226,11 +230,11 @@ def test_restricted_neighbourhood_is_valid_and_never_worse_than_greedy():
     ]
     frag = FragIndex(cap, Workload.from_demands(demands))
     greedy = greedy_batch(cap, demands, frag)
-    built = model._Builder(cap, demands, frag, greedy, max_copies=3)
-    assert built.restricted
-    solved = built.solve(2.0, 1)
+    lay = layout(cap, demands, frag, greedy, max_copies=3)
+    assert lay.restricted
+    solved = batch_solve.solve_exact(build_model(lay), 2.0, 1)
     assert solved.cost <= solved.greedy_cost
-    relax = built.relaxation_bound(1.0, 1)
+    relax = relaxation_bound(lay, 1.0, 1)
     assert relax is not None and relax <= solved.stages[0].objective
     plan = solve_batch(cap, demands, frag, time_limit=2, num_workers=1)
     assert plan.placed >= len(greedy)
@@ -240,10 +244,10 @@ def test_solver_failure_falls_back_to_greedy(monkeypatch):
     _, cap = build_capacity([gpu_node("n0", count=2, memory_mib=100 * 1024, replicas=8)])
     demands = [demand(f"p{i}", g) for i, g in enumerate([10, 40, 45, 45, 30, 30])]
 
-    def boom(self, *a, **k):
+    def boom(*a, **k):
         raise RuntimeError("solver crashed")
 
-    monkeypatch.setattr(model._Builder, "solve", boom)
+    monkeypatch.setattr(batch_solve, "solve_exact", boom)
     plan = solve_batch(cap, demands, time_limit=1, num_workers=1)
     assert plan.status == "ERROR"
     assert plan.placed == 5 and not plan.improved  # the greedy plan
@@ -474,9 +478,9 @@ def test_relaxation_bound_keeps_to_its_time_budget_and_only_reports():
     """No bound within the budget, which covers building the model and not only solving it, is None."""
     cap, frag, demands = stranded_case()
     greedy_plan = greedy_batch(cap, demands, frag)
-    built = model._Builder(cap, demands, frag, greedy_plan, max_copies=None, build=False)
-    assert built.relaxation_bound(0.0, 1) is None
-    bound = built.relaxation_bound(5.0, 1)
+    lay = layout(cap, demands, frag, greedy_plan)
+    assert relaxation_bound(lay, 0.0, 1) is None
+    bound = relaxation_bound(lay, 5.0, 1)
     assert bound == 0  # three nodes of two 80 GiB GPUs have room for all three pods
 
 
