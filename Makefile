@@ -51,11 +51,13 @@ node-deps:
 	scripts/node/deps.sh
 	VRAMSCHED_K8S_136=$(K8S_136) scripts/node/k8s-1.36.sh
 
-# Lint: ruff (rules and format), configured in pyproject.toml.
+# Lint: ruff (rules and format) and mypy (strict on the planner), configured in pyproject.toml.
 LINT_PATHS := extender tests benchmarks loadtest
+MYPY_PATHS := extender/planner
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy $(MYPY_PATHS)
 
 test: venv deps control-plane node-deps
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -109,4 +111,4 @@ bench-planner: venv
 	$(PY) benchmarks/planner_scaling.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,7 @@ class BackgroundPlanner:
         self.entries: dict[str, PlanEntry] = {}
         self.stats = PlannerStats()
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         #: (ledger generation, pods the plans since answer for, when) of the last full plan
         self._planned_from: tuple[int, frozenset[str], float] | None = None
         #: when the last plan, full or only for newly waiting pods, was installed
@@ -194,7 +195,7 @@ class BackgroundPlanner:
             out.append(d)
         return out[: self.max_batch]
 
-    def plan_once(self, executor_call=None) -> Plan | None:
+    def plan_once(self) -> Plan | None:
         """Plan synchronously (tests and the simulator use this; the loop calls `replan`)."""
         demands = self.pending_demands()
         if not demands:
@@ -325,10 +326,11 @@ class BackgroundPlanner:
             return None
         # Pods the last plan (or filter) could not place fit nowhere until the cluster changes:
         # plans leave them out, except a full one every `refresh_all` seconds.
-        full = self._planned_from is None or now - self._planned_from[2] >= self.refresh_all
+        last = self._planned_from
+        full = last is None or now - last[2] >= self.refresh_all
         waiting = aged - self._unschedulable
         keys = waiting if full else waiting - self._unplaced
-        if full or now - self._planned_from[2] >= self.refresh:
+        if full or (last is not None and now - last[2] >= self.refresh):
             return await self.replan(keys, covers=waiting)
         # Only pods that started waiting since (or whose entry went stale) ask for this plan: it
         # plans them around the entries that still hold.
@@ -370,7 +372,7 @@ def _solve(
     demands: list[Demand],
     time_limit: float,
     num_workers: int,
-    hold: list[tuple[Demand, Reservation | None, str]] = (),
+    hold: Sequence[tuple[Demand, Reservation | None, str]] = (),
 ) -> Plan:
     """Plan `demands` on `cap` (a private snapshot) after holding what kept entries hold there."""
     for demand, res, node in hold:

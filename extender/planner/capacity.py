@@ -47,7 +47,7 @@ def _product_allowed(product: str, allowed: frozenset[str]) -> bool:
 def device_matches(a: DeviceArrays, resource: str, allowed: frozenset[str] | None) -> np.ndarray:
     """Devices offering `resource` of an allowed product (the same rule as `placement`)."""
     rid = a.resources.get(resource, -1)
-    m = a.resource_id == rid
+    m: np.ndarray = a.resource_id == rid
     if allowed is not None:
         ok = [pid for name, pid in a.products.items() if _product_allowed(name, allowed)]
         m &= np.isin(a.product_id, np.asarray(ok, np.int32))
@@ -76,7 +76,8 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        out: np.ndarray = x ^ (x >> np.uint64(31))
+        return out
 
 
 def _device_hashes(a: DeviceArrays) -> np.ndarray:
@@ -138,14 +139,14 @@ class Capacity:
     _sig_dirty: set[int] = field(default_factory=set)
     #: exact keys of nodes changed since the first pass -> id (ids from `_sig_base` on, after the
     #: first pass's hash classes, which are never looked up again)
-    _sig_ids: dict[tuple, int] = field(default_factory=dict)
+    _sig_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _sig_base: int = 0
     _sig_arrays: DeviceArrays | None = None
     #: `device_classes`: per device row its id, nodes changed since, and (as for signatures) the
     #: exact keys of rows renumbered since the first pass -> id, from `_cls_base` on
     _cls: np.ndarray | None = None
     _cls_dirty: set[int] = field(default_factory=set)
-    _cls_ids: dict[tuple, int] = field(default_factory=dict)
+    _cls_ids: dict[tuple[object, ...], int] = field(default_factory=dict)
     _cls_base: int = 0
     #: whether `candidates` collapses identical nodes. Worth it when many pods are placed on one
     #: Capacity (the simulator, big batches: the signatures are then kept up to date per changed
@@ -179,6 +180,7 @@ class Capacity:
     def matches(self, resource: str, allowed: frozenset[str] | None) -> np.ndarray:
         """`device_matches`, cached: devices do not change while a plan or a replay runs."""
         a = self.arrays
+        cache: dict[tuple[int, str, frozenset[str] | None], np.ndarray]
         cache = self.__dict__.setdefault("_match_cache", {})
         key = (id(a), resource, allowed)
         m = cache.get(key)
@@ -307,7 +309,7 @@ class Capacity:
         self._sig_dirty.add(node_row)
 
 
-def demand_kind(d: Demand) -> tuple:
+def demand_kind(d: Demand) -> tuple[int, int, int, int, str, frozenset[str] | None]:
     """What makes two pods the same demand type: GPUs, bytes per GPU (-1: whole devices), CPU,
     memory, resource and allowed products."""
     return (
@@ -335,7 +337,7 @@ class Workload:
     @classmethod
     def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> Workload:
         """The most common demand types, weighted by how many pods have them (FGD's choice)."""
-        counts: Counter = Counter(demand_kind(d) for d in demands)
+        counts = Counter(demand_kind(d) for d in demands)
         top = counts.most_common(max_types)
         if not top:
             top = [((1, -1, 0, 0, "nvidia.com/gpu", None), 1)]
@@ -393,7 +395,8 @@ class FragIndex:
             & (rep_left[:, None] > 0)
             & (free[:, None] >= self.need[rows])
         )
-        return ok | self.gpuless
+        out: np.ndarray = ok | self.gpuless
+        return out
 
     def refresh(self, node_rows: Sequence[int] | None = None) -> None:
         a = self.a
@@ -426,7 +429,8 @@ class FragIndex:
         rows = slice(None) if node_rows is None else node_rows
         run = self.runnable(self.cap.cpu_free[rows], self.cap.mem_free[rows], self.okc[rows])
         frag = np.where(run, self.A[rows], self.total[rows][:, None])
-        return frag @ self.w.weight
+        out: np.ndarray = frag @ self.w.weight
+        return out
 
     def delta(self, cand: Candidates, demand: Demand) -> np.ndarray:
         """Change of expected stranded bytes on the candidate's node if the pod went there."""
@@ -451,7 +455,8 @@ class FragIndex:
         cpu2 = self.cap.cpu_free[n] - demand.cpu_milli
         mem2 = self.cap.mem_free[n] - demand.memory_bytes
         after = np.where(self.runnable(cpu2, mem2, okc), A, total[:, None]) @ self.w.weight
-        return after - self.node_frag(n)
+        out: np.ndarray = after - self.node_frag(n)
+        return out
 
 
 @dataclass
@@ -471,12 +476,14 @@ class Candidates:
     def opened(self, a: DeviceArrays) -> np.ndarray:
         if self.devices.shape[1] == 0:
             return np.zeros(len(self.node), np.int64)
-        return (a.used_replicas[self.devices] == 0).sum(axis=1)
+        out: np.ndarray = (a.used_replicas[self.devices] == 0).sum(axis=1)
+        return out
 
     def leftover(self, a: DeviceArrays) -> np.ndarray:
         if self.devices.shape[1] == 0:
             return np.zeros(len(self.node), np.int64)
-        return (a.capacity[self.devices] - a.used[self.devices] - self.need).sum(axis=1)
+        out: np.ndarray = (a.capacity[self.devices] - a.used[self.devices] - self.need).sum(axis=1)
+        return out
 
     def reservation(self, a: DeviceArrays, c: int, demand: Demand) -> Reservation | None:
         if self.devices.shape[1] == 0:
@@ -568,4 +575,5 @@ def _firsts(ids: np.ndarray, size: int) -> np.ndarray:
     pos = np.arange(len(ids))
     first = np.full(size, len(ids), np.int64)
     np.minimum.at(first, ids, pos)
-    return first[ids] == pos
+    out: np.ndarray = first[ids] == pos
+    return out

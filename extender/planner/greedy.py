@@ -75,7 +75,8 @@ def least_allocated(cap: Capacity, demand: Demand, nodes: np.ndarray) -> np.ndar
     for the pod: the share of CPU and of memory left free after it, averaged."""
     cpu = (cap.cpu_free[nodes] - demand.cpu_milli) / np.maximum(cap.cpu_total[nodes], 1)
     mem = (cap.mem_free[nodes] - demand.memory_bytes) / np.maximum(cap.mem_total[nodes], 1)
-    return np.floor(50 * (cpu + mem))
+    score: np.ndarray = np.floor(50 * (cpu + mem))
+    return score
 
 
 def spread(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
