@@ -42,12 +42,11 @@ def bench(
 ) -> dict:
     node_objs, pods = generate(nodes, 8, occupancy, seed)
     gc.disable()
-    cluster = ClusterState()
+    # live mode always has one (the stock device plugin picks time-sliced GPUs): `distributed` by default
+    cluster = ClusterState(replica_policy=replica_policy)
     cluster.load(node_objs + pods)
     gc.freeze()
     gc.enable()
-    # live mode always has one (the stock device plugin picks time-sliced GPUs): `distributed` by default
-    cluster.ledger.replica_policy = replica_policy
     # as the load test serves it: a current kube-scheduler reads FailedAndUnresolvableNodes
     svc = ExtenderService(cluster, EmbeddedBinder(cluster), legacy_failed_nodes=False)
     lists = NameLists()  # what the server keeps: the all-nodes list, filter's answers

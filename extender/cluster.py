@@ -14,7 +14,7 @@ from typing import Any
 
 from extender.assignment import AssignmentError, decode_assignment
 from extender.demand import ASSIGNMENT, DemandError, PodRef, pod_demand, pod_ref
-from extender.inventory import node_inventory
+from extender.inventory import ReplicaPolicy, node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
 
@@ -28,8 +28,15 @@ DEFAULT_SCHEDULER_NAME = "vramsched"
 class ClusterState:
     """Nodes and pods by name, plus the ledger; one event loop owns it (no locks needed)."""
 
-    def __init__(self, scheduler_name: str = DEFAULT_SCHEDULER_NAME, headroom: float = 0.0) -> None:
-        self.ledger = Ledger()
+    def __init__(
+        self,
+        scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+        headroom: float = 0.0,
+        replica_policy: ReplicaPolicy | str | None = None,
+    ) -> None:
+        #: `replica_policy`: how the nodes' device plugin picks time-sliced GPUs (live mode always
+        #: has one); None for a cluster file or the simulator, whose per-GPU books are exact
+        self.ledger = Ledger(replica_policy)
         self.nodes: dict[str, Mapping[str, Any]] = {}
         self.pods: dict[str, Mapping[str, Any]] = {}
         self.pending: set[str] = set()

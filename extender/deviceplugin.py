@@ -38,12 +38,11 @@ from collections.abc import (
     Sequence,
 )  # not the typing aliases: isinstance() per pod
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from extender.inventory import Gpu, Sharing
+from extender.inventory import Gpu, ReplicaPolicy, Sharing
 
 if TYPE_CHECKING:
     from extender.ledger import Ledger, Reservation
@@ -72,19 +71,6 @@ PIN_MISSING = (
     " or NVIDIA_VISIBLE_DEVICES from annotation vramsched.io/gpu-index)"
 )
 _FROM_ANNOTATION = "pod reads NVIDIA_VISIBLE_DEVICES from annotation vramsched.io/gpu-index"
-
-
-class ReplicaPolicy(StrEnum):
-    """How the physical GPU of a time-sliced replica is chosen on the nodes.
-
-    `distributed`/`packed`: by the stock device plugin with that policy; vramsched keeps the
-    node-level worst-case bound. `pinned`: by vramsched, handed to the container through the
-    per-pod ConfigMap or the downward API (gpu-index annotation); per-GPU accounting is then exact.
-    """
-
-    DISTRIBUTED = "distributed"
-    PACKED = "packed"
-    PINNED = "pinned"
 
 
 # ----- the pinning hand-off ---------------------------------------------------------------------
@@ -505,7 +491,7 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
 def bounds_resource(ledger: Ledger, resource_id: int) -> bool:
     """Whether the bound or the pin rule applies to any device of the resource (a MIG profile
     that no node time-slices has none): else `shared_fit` would allow every one of its rows."""
-    policy = getattr(ledger, "replica_policy", None)
+    policy = ledger.replica_policy
     return (
         policy is not None and resource_id in _view(ledger, ReplicaPolicy(policy)).bounded_resources
     )
@@ -528,7 +514,7 @@ def shared_fit(
     indexed like `rows`. `resource` (without `rows`): at that resource's rows only (`need`
     still over every row), for filter and prioritize, which look at nothing else: the whole
     cluster's columns and a gather from them cost a third of live filter."""
-    policy = getattr(ledger, "replica_policy", None)
+    policy = ledger.replica_policy
     if policy is None:
         return None
     policy = ReplicaPolicy(policy)
@@ -584,7 +570,7 @@ def refused_per_node(
     (GPUs under the pinned policy) are never in a group, so the two counts add up. None without
     a policy, or when the bound is not one value per group (`resource_groups`). `need` over
     every row, as `shared_fit` takes it."""
-    policy = getattr(ledger, "replica_policy", None)
+    policy = ledger.replica_policy
     if policy is None:
         return None
     v = _view(ledger, ReplicaPolicy(policy))
@@ -667,7 +653,7 @@ def allowed_without(
     """Rows lo..hi (one node) where the node-level bound admits the pod once `victims` are gone:
     preemption must not evict pods whose departure would still leave the pod refused."""
     out = np.ones(hi - lo, bool)
-    policy = getattr(ledger, "replica_policy", None)
+    policy = ledger.replica_policy
     if policy is None or hi <= lo:
         return out
     v = _view(ledger, ReplicaPolicy(policy))

@@ -24,6 +24,7 @@ from extender.quantity import MIB, QuantityError, parse_bytes, parse_milli, pars
 
 __all__ = [
     "Sharing",
+    "ReplicaPolicy",
     "Gpu",
     "MigSlice",
     "Device",
@@ -59,6 +60,29 @@ class Sharing(StrEnum):
     EXCLUSIVE = "exclusive"
     TIME_SLICING = "time-slicing"
     MPS = "mps"
+
+
+class ReplicaPolicy(StrEnum):
+    """How the physical GPU of a time-sliced replica is chosen on the nodes (the node side's
+    device plugin; extender.deviceplugin has the rules and the bound that follow from it).
+
+    `distributed`/`packed`: by the stock device plugin with that policy; vramsched keeps the
+    node-level worst-case bound. `pinned`: by vramsched, handed to the container through the
+    per-pod ConfigMap or the downward API (gpu-index annotation); per-GPU accounting is then exact.
+    """
+
+    DISTRIBUTED = "distributed"
+    PACKED = "packed"
+    PINNED = "pinned"
+
+    @classmethod
+    def live(cls, requested: ReplicaPolicy | str | None, pin_gpus: bool = False) -> ReplicaPolicy:
+        """Live mode's policy: the one asked for, else the stock device plugin's default
+        (`distributed`), or `pinned` with --pin-gpus. Live mode always has one: something always
+        picks a time-sliced replica's GPU."""
+        if requested:
+            return cls(requested)
+        return cls.PINNED if pin_gpus else cls.DISTRIBUTED
 
 
 @dataclass(frozen=True, slots=True)

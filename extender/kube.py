@@ -545,19 +545,14 @@ class LiveSource:
         cluster: ClusterState,
         *,
         kubeconfig: str | None = None,
-        pin_gpus: bool = False,
-        replica_policy: ReplicaPolicy | str | None = None,
         api: KubeApi | None = None,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
     ) -> None:
         self.cluster = cluster
-        policy = (
-            ReplicaPolicy(replica_policy)
-            if replica_policy
-            else (ReplicaPolicy.PINNED if pin_gpus else ReplicaPolicy.DISTRIBUTED)
-        )
-        cluster.ledger.replica_policy = policy
+        policy = cluster.ledger.replica_policy
+        if policy is None:  # the stock device plugin always picks time-sliced GPUs somehow
+            raise ValueError("live mode needs a cluster built with a replica policy")
         self.policy = policy
         self.api: KubeApi = api if api is not None else ClientApi(kubeconfig)
         self.binder = KubeBinder(self.api, pinned=policy is ReplicaPolicy.PINNED, cluster=cluster)

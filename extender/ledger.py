@@ -19,7 +19,7 @@ from operator import attrgetter
 import numpy as np
 
 from extender.demand import PodRef
-from extender.inventory import Device, NodeInventory
+from extender.inventory import Device, NodeInventory, ReplicaPolicy
 
 __all__ = [
     "Reservation",
@@ -137,7 +137,11 @@ class Violation:
 class Ledger:
     """Inventory of every node plus every reservation, with the per-device totals derived from them."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica_policy: ReplicaPolicy | str | None = None) -> None:
+        #: how time-sliced replicas get their physical GPU, fixed for the ledger's life (every
+        #: cache of placement and of the device plugin's bound assumes it does not change);
+        #: None = the per-device books are exact (embedded cluster, simulator: no device plugin).
+        self._replica_policy = ReplicaPolicy(replica_policy) if replica_policy is not None else None
         self._nodes: dict[str, NodeInventory] = {}
         self._reservations: dict[str, Reservation] = {}
         #: pod keys per node. Immutable sets, replaced on change rather than changed in place, so a
@@ -152,9 +156,6 @@ class Ledger:
         self._dirty = True
         #: bumped on every change; the planner uses it to know whether its plan is stale.
         self.generation = 0
-        #: how time-sliced replicas get their physical GPU (extender.deviceplugin.ReplicaPolicy);
-        #: None = the per-device books are exact (embedded cluster, simulator: no device plugin).
-        self.replica_policy: str | None = None
         #: per-node generation, so a change invalidates only plans touching that node.
         self.node_generation: dict[str, int] = {}
         #: nodes in the order they changed, from absolute position `touched_base`: lets a cache
@@ -191,7 +192,7 @@ class Ledger:
         100,000 reservations was 2 of the snapshot's 5 ms on the event loop.
         """
         a = self.arrays  # rebuilt first if the inventory changed
-        c = Ledger()
+        c = Ledger(self._replica_policy)
         c._nodes = dict(self._nodes)
         if reservations:
             c._reservations = dict(self._reservations)
@@ -208,10 +209,14 @@ class Ledger:
         c._allocatable, c._inventory_version = self._allocatable, self._inventory_version
         c._dirty = False
         c.generation = self.generation
-        c.replica_policy = self.replica_policy
         c.node_generation = dict(self.node_generation)
         c.touched_base = self.position
         return c
+
+    @property
+    def replica_policy(self) -> ReplicaPolicy | None:
+        """How the nodes' device plugin picks a time-sliced replica's GPU (None: exact books)."""
+        return self._replica_policy
 
     def allocatable(self) -> tuple[np.ndarray, np.ndarray]:
         """Allocatable CPU millicores and memory bytes per node row (0 where a node does not state
@@ -373,6 +378,13 @@ class Ledger:
     def node_row(self, node: str) -> int | None:
         _ = self.arrays  # numbers the rows if a change left them stale
         return self._node_row.get(node)
+
+    def node_rows(self, names: Iterable[str]) -> list[int]:
+        """The row of each of `names` in `arrays`, -1 for a node the ledger does not know: one
+        lookup per name, for filter and prioritize's candidate lists of thousands of nodes."""
+        _ = self.arrays  # numbers the rows if a change left them stale
+        get = self._node_row.get
+        return [get(name, -1) for name in names]
 
     def _rebuild(self) -> None:
         devices: list[Device] = []

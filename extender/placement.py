@@ -156,7 +156,7 @@ def _shared(
     follows its filter, usually with nothing changed in between."""
     key = (
         ledger.generation,
-        getattr(ledger, "replica_policy", None),
+        ledger.replica_policy,
         demand.bytes_per_gpu,
         demand.gpu_count,
         demand.pin_configmap,
@@ -246,8 +246,7 @@ def _node_rows(ledger: Ledger, names: Sequence[str]) -> tuple[np.ndarray, list[s
             if i:
                 recent.insert(0, recent.pop(i))  # least recently used goes first
             return rows, unknown
-    get = ledger._node_row.get  # noqa: SLF001 - hot path; arrays were just built by _fit
-    idx = [get(name, -1) for name in names]
+    idx = ledger.node_rows(names)
     if -1 not in idx:
         rows, unknown = np.fromiter(idx, np.int64, len(idx)), []
     else:
@@ -420,9 +419,7 @@ def filter_nodes(
 
 
 def _filter_into(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> None:
-    if getattr(ledger, "replica_policy", None) is not None and _filter_plugin(
-        ledger, demand, names, out
-    ):
+    if ledger.replica_policy is not None and _filter_plugin(ledger, demand, names, out):
         return
     view = _resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
@@ -626,7 +623,7 @@ def _resource_arrays(
     """
     a = ledger.arrays
     rid = a.resources.get(demand.resource)
-    if rid is None or (getattr(ledger, "replica_policy", None) is not None and not under_policy):
+    if rid is None or (ledger.replica_policy is not None and not under_policy):
         return None
     views = a.derived.setdefault("by_resource", {})
     view = views.get(rid)
@@ -1188,9 +1185,7 @@ def score_rows(
     Under a replica policy the per-node summary still answers for a resource the device plugin's
     bound never applies to (a MIG profile no node time-slices): its books are exact."""
     rid = ledger.arrays.resources.get(demand.resource)
-    exact = getattr(ledger, "replica_policy", None) is None or (
-        rid is not None and not bounds_resource(ledger, rid)
-    )
+    exact = ledger.replica_policy is None or (rid is not None and not bounds_resource(ledger, rid))
     view = _resource_arrays(ledger, demand, used=False, under_policy=True) if exact else None
     if view is not None:
         rows, _ = _node_rows(ledger, names)
@@ -1235,9 +1230,9 @@ def _device_scores_kept(
         demand.allowed_products,
         demand.gpu_count,
         demand.pin_configmap,
-        getattr(ledger, "replica_policy", None),
+        ledger.replica_policy,
     )
-    bounded = at is not None and getattr(ledger, "replica_policy", None) is not None
+    bounded = at is not None and ledger.replica_policy is not None
 
     def every() -> tuple[np.ndarray, np.ndarray]:
         node_busy = ledger.arrays.node_used_replicas > 0  # any pod, whatever resource it holds
@@ -1574,7 +1569,7 @@ def plugin_allows(ledger: Ledger, demand: Demand, res: Reservation) -> bool:
     of `res`, chosen elsewhere: a background plan, made on per-device books alone. This is what
     `choose_devices` checks beside `Ledger.fits` when a replica policy is set; with none (exact
     per-device books: embedded cluster, simulator) it always allows. Reads the node's rows only."""
-    if getattr(ledger, "replica_policy", None) is None or not demand.wants_gpu:
+    if ledger.replica_policy is None or not demand.wants_gpu:
         return True
     r = ledger.node_row(res.node)
     if r is None:
@@ -1596,7 +1591,7 @@ def _fit_on_node(ledger: Ledger, demand: Demand, r: int) -> _Fit:
         ledger,
         demand,
         _node_arrays(a, r),
-        node_rows=rows if getattr(ledger, "replica_policy", None) else None,
+        node_rows=rows if ledger.replica_policy else None,
     )
 
 
@@ -1609,7 +1604,7 @@ def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | s
     if ledger.node(node) is None:
         return f"node {node} unknown to vramsched"
     r = ledger.node_row(node)
-    if getattr(ledger, "replica_policy", None) is None and demand.wants_gpu:
+    if ledger.replica_policy is None and demand.wants_gpu:
         quick = _choose_on_node(ledger, demand, node, r)
         if quick is not None:
             return quick

@@ -122,8 +122,7 @@ def test_no_gpu_overflows_whatever_the_plugin_and_kubelet_do(
 
 def ts_cluster(policy: str | None, *holds: tuple[str, int, int]):
     """One time-sliced node, 2 x 22.49Gi (L4), 4 replicas; `holds` = (pod, gpu, GiB) already bound."""
-    c = cluster(gpu_node("ts", count=2, memory_mib=23034, replicas=4))
-    c.ledger.replica_policy = policy
+    c = cluster(gpu_node("ts", count=2, memory_mib=23034, replicas=4), replica_policy=policy)
     for name, gpu, gib in holds:
         c.ledger.reserve(
             Reservation(PodRef("default", name, name), "ts", (str(gpu),), (gib * GIB,))
@@ -163,8 +162,8 @@ def test_mps_and_exclusive_gpus_keep_per_gpu_books() -> None:
     c = cluster(
         gpu_node("mps", count=2, memory_mib=81920, replicas=4, strategy="mps"),
         gpu_node("x", count=2),
+        replica_policy="distributed",
     )
-    c.ledger.replica_policy = "distributed"
     for i in range(6):
         d = pod_demand(pod(f"m{i}", "20Gi"))
         res = choose_devices(c.ledger, d, "mps")
@@ -241,8 +240,8 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
     c = cluster(
         *(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
         gpu_node("ts-big", count=2, memory_mib=81920, replicas=8),
+        replica_policy=policy,
     )
-    c.ledger.replica_policy = policy
     a = c.ledger.arrays
     need = np.full(len(a.capacity), gib * GIB, np.int64)
     for j, (node, gpu, size) in enumerate(holds):
@@ -305,8 +304,8 @@ def _policy_case(policy: str, holds, gib: int, gpus: int, pinned_pod: bool):
     c = cluster(
         *(gpu_node(f"ts{i}", count=2, memory_mib=23034, replicas=4) for i in range(4)),
         gpu_node("x", count=2),
+        replica_policy=policy,
     )
-    c.ledger.replica_policy = policy
     for j, (node, gpu, size) in enumerate(holds):
         c.ledger.record(
             Reservation(

@@ -15,7 +15,7 @@ from kube_fakes import FakeApi
 
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
-from extender.deviceplugin import PIN_MISSING
+from extender.deviceplugin import PIN_MISSING, ReplicaPolicy
 from extender.kube import ApiError, EventRecorder, LiveService, LiveSource
 from extender.ledger import check_invariant
 from extender.server import METRICS_KEY, create_app
@@ -44,7 +44,7 @@ def live(
 ) -> tuple[LiveService, FakeApi, ClusterState]:
     """A synced live service whose API is the fake; the pods exist in both."""
     api = FakeApi()
-    c = ClusterState()
+    c = ClusterState(replica_policy=kw.pop("replica_policy", ReplicaPolicy.DISTRIBUTED))
     src = LiveSource(c, api=api, **kw)
     src.apply("nodes", "replace", nodes)
     src.apply("pods", "replace", pods)

@@ -15,6 +15,7 @@ from kube_fakes import FakeApi
 
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT
+from extender.deviceplugin import ReplicaPolicy
 from extender.kube import NOT_SYNCED, ApiError, Informer, LiveService, LiveSource
 from extender.ledger import check_invariant
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
@@ -180,7 +181,7 @@ GIB = 1024**3
 
 
 def source(api: FakeApi | None = None, **kw: Any) -> tuple[LiveSource, ClusterState]:
-    c = ClusterState()
+    c = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)  # live mode's default
     return LiveSource(c, api=api or FakeApi(), **kw), c
 
 
@@ -287,7 +288,7 @@ def test_informers_feed_the_loop_and_pods_wait_for_the_first_node_list() -> None
     api.watches["pods"] = [[ev("ADDED", assigned("q", "n2", ["1"], GIB), "4")]]
 
     async def main() -> tuple[bool, dict[str, Any]]:
-        c = ClusterState()
+        c = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
         src = LiveSource(c, api=api, backoff_initial=0.01, backoff_max=0.02)
         await src.start()
         deadline = time.monotonic() + 10

@@ -442,11 +442,12 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(
     monkeypatch.setattr(placement, "_filter_plugin", spy)
     rng = random.Random(100 + seed)
     names = [f"n{i}" for i in range(rng.randint(3, 25))] + ["mig"]
+    nodes = [_random_node(rng, n) for n in names[:-1]]
     c = cluster(
-        *[_random_node(rng, n) for n in names[:-1]],
+        *nodes,
         mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+        replica_policy=rng.choice(["distributed", "packed", "pinned"]),
     )
-    c.ledger.replica_policy = rng.choice(["distributed", "packed", "pinned"])
     asked = names + ["ghost"]
     for step in range(50):
         _random_step(rng, c, names, step)
@@ -490,10 +491,9 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(
     c = cluster(
         *[_random_node(rng, n) for n in names[:-1]],
         mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+        # device by device under a policy
+        replica_policy=[None, None, "distributed", "pinned", "packed"][seed % 5],
     )
-    c.ledger.replica_policy = [None, None, "distributed", "pinned", "packed"][
-        seed % 5
-    ]  # device by device under a policy
     shapes = [pod_demand(_random_pod(rng, f"shape{i}")) for i in range(6)]
     shapes = [d for d in shapes if d.wants_gpu] or [pod_demand(pod("s", "10Gi"))]
     score_summary, patched = placement._score_summary, []
@@ -546,8 +546,8 @@ def test_filter_under_a_replica_policy_equals_the_per_device_path(
     c = cluster(
         *[_random_node(rng, n) for n in names[:-1]],
         mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+        replica_policy=["distributed", "packed", "pinned"][seed % 3],
     )
-    c.ledger.replica_policy = ["distributed", "packed", "pinned"][seed % 3]
     plugin, taken = placement._filter_plugin, []
 
     def spy(*args):

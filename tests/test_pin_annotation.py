@@ -164,8 +164,8 @@ def test_messages_say_what_is_reserved_and_how_full_the_device_is() -> None:
         gpu_node("mps", count=1, replicas=4, strategy="mps"),
         gpu_node("x", count=4),
         mig_mixed_node("mig", {"1g.10gb": (7, 9856)}),
+        replica_policy="pinned",
     )
-    c.ledger.replica_policy = "pinned"
     reserve(c, "default/a", "ts", ("1",), (8 * GIB,))
     b = reserve(c, "default/b", "ts", ("1",), (16 * GIB,))
     assert (

@@ -243,8 +243,8 @@ def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_add
         mig_mixed_node("mig", {"1g.10gb": (7, 9984)}),
         gpu_node("ts0", count=2, memory_mib=23034, replicas=4),
         gpu_node("x", count=2),
+        replica_policy="pinned",
     )
-    c.ledger.replica_policy = "pinned"
     names = ["mig", "ts0", "x"]
     pinned = pod("p", "10Gi")
     pinned["spec"]["containers"][0]["envFrom"] = [{"configMapRef": {"name": "vramsched-p"}}]

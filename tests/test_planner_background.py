@@ -424,8 +424,11 @@ def test_bind_rechecks_the_device_plugin_bound_before_taking_the_planned_gpus():
     """Plans are made on exact per-GPU books. With a replica policy (the stock device plugin picks
     the physical GPU of a time-sliced replica) a plan's GPUs that the per-GPU books still take may
     break the plugin's node-level bound by the time of the bind: bind must not take them."""
-    c = cluster(gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), pod("new", "40Gi"))
-    c.ledger.replica_policy = "distributed"
+    c = cluster(
+        gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4),
+        pod("new", "40Gi"),
+        replica_policy="distributed",
+    )
     c.ledger.reserve(Reservation(PodRef("default", "big", "big"), "a", ("0",), (50 * GIB,)))
     planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
     svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)

@@ -55,16 +55,20 @@ def test_served_nodes_keep_exact_books_under_the_stock_plugin_policy() -> None:
     # second 12 on an unlabelled node; vramsched's plugin puts it where the books say.
     for policy in ("distributed", "packed", "pinned"):
         plain = hold(
-            cluster(gpu_node("ts", count=2, memory_mib=23034, replicas=4)),
+            cluster(gpu_node("ts", count=2, memory_mib=23034, replicas=4), replica_policy=policy),
             "ts",
             ("a", 0, 12),
             ("b", 0, 8),
             ("c", 1, 8),
         )
-        plain.ledger.replica_policy = policy
         assert filter_nodes(plain.ledger, pod_demand(pod("d", "12Gi")), ["ts"]).feasible == []
-        served = hold(cluster(served_node()), "ts", ("a", 0, 12), ("b", 0, 8), ("c", 1, 8))
-        served.ledger.replica_policy = policy
+        served = hold(
+            cluster(served_node(), replica_policy=policy),
+            "ts",
+            ("a", 0, 12),
+            ("b", 0, 8),
+            ("c", 1, 8),
+        )
         assert filter_nodes(served.ledger, pod_demand(pod("d", "12Gi")), ["ts"]).feasible == ["ts"]
         res = choose_devices(served.ledger, pod_demand(pod("d", "12Gi")), "ts")
         assert res.device_ids == ("1",)  # the only GPU with 12Gi free: exact, best fit

@@ -174,9 +174,22 @@ def _ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     return ctx
 
 
+def _replica_policy(args: argparse.Namespace) -> ReplicaPolicy | None:
+    """Who picks a time-sliced replica's GPU. No device plugin behind a cluster file: exact
+    per-GPU books unless a policy is asked for. Live mode always has one: the stock device
+    plugin's `distributed` unless asked otherwise (`--pin-gpus` is `pinned`)."""
+    if args.cluster:
+        return ReplicaPolicy(args.replica_policy) if args.replica_policy else None
+    return ReplicaPolicy.live(args.replica_policy, args.pin_gpus)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    cluster = ClusterState(scheduler_name=args.scheduler_name, headroom=args.headroom)
+    cluster = ClusterState(
+        scheduler_name=args.scheduler_name,
+        headroom=args.headroom,
+        replica_policy=_replica_policy(args),
+    )
     if args.cluster:
         try:
             # A 100,000-pod file is millions of objects that live as long as the server: collecting
@@ -192,8 +205,6 @@ async def _serve(args: argparse.Namespace) -> int:
                 gc.enable()
         except (OSError, ClusterFileError) as exc:
             raise SystemExit(f"cannot load {args.cluster}: {exc}") from None
-        # No device plugin behind a cluster file: exact per-GPU books unless a policy is asked for.
-        cluster.ledger.replica_policy = args.replica_policy
         service = ExtenderService(
             cluster,
             EmbeddedBinder(cluster),
@@ -210,12 +221,7 @@ async def _serve(args: argparse.Namespace) -> int:
             LiveSource,
         )  # only live mode needs the Kubernetes client
 
-        source = LiveSource(
-            cluster,
-            kubeconfig=args.kubeconfig,
-            pin_gpus=args.pin_gpus,
-            replica_policy=args.replica_policy,
-        )
+        source = LiveSource(cluster, kubeconfig=args.kubeconfig)
         service = LiveService(
             cluster,
             source,

@@ -88,12 +88,13 @@ def cluster_from_file(
     headroom: float = 0.0,
     replica_policy: str | None = None,
 ) -> ClusterState:
-    cluster = ClusterState(scheduler_name=scheduler_name, headroom=headroom)
+    cluster = ClusterState(
+        scheduler_name=scheduler_name, headroom=headroom, replica_policy=replica_policy
+    )
     try:
         cluster.load(read_cluster_file(path))
     except (OSError, ClusterFileError) as exc:
         raise SourceError(f"cannot read {path}: {exc}") from None
-    cluster.ledger.replica_policy = replica_policy
     return cluster
 
 
@@ -112,8 +113,12 @@ def cluster_from_kube(
         api = ClientApi(kubeconfig)
     except Exception as exc:  # noqa: BLE001 - the client raises many kinds for a bad config
         raise SourceError(f"cannot load Kubernetes config from {where}: {str(exc)[:200]}") from None
-    cluster = ClusterState(scheduler_name=scheduler_name, headroom=headroom)
-    source = LiveSource(cluster, api=api, replica_policy=replica_policy)
+    cluster = ClusterState(
+        scheduler_name=scheduler_name,
+        headroom=headroom,
+        replica_policy=ReplicaPolicy.live(replica_policy),
+    )
+    source = LiveSource(cluster, api=api)
     try:
         for kind in ("nodes", "pods"):
             try:

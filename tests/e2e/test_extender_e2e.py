@@ -235,8 +235,7 @@ def raw_list(api: kubernetes.client.CoreV1Api, kind: str) -> list[dict[str, Any]
 
 def rebuilt_ledger(api: kubernetes.client.CoreV1Api, policy: ReplicaPolicy) -> ClusterState:
     """The ledger a fresh vramsched would derive from the API right now."""
-    state = ClusterState()
-    state.ledger.replica_policy = policy
+    state = ClusterState(replica_policy=policy)
     state.load(raw_list(api, "Node") + raw_list(api, "Pod"))
     return state
 
