@@ -22,7 +22,13 @@ from extender.deviceplugin import (
     worst_case_load,
 )
 from extender.ledger import Reservation, check_invariant
-from extender.placement import choose_devices, filter_nodes, plugin_allows, preempt_victims
+from extender.placement import (
+    FilterOutcome,
+    choose_devices,
+    filter_nodes,
+    plugin_allows,
+    preempt_victims,
+)
 
 GIB = 1024**3
 D, P = ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED
@@ -263,7 +269,7 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
 
 
 def _explain_one_node(fit, demand, r: int) -> str | None:
-    """The per-node rule `placement._explain_shared` applies in vector form (its code before it
+    """The per-node rule `placement.reasons._explain_shared` applies in vector form (its code before it
     was vectorised): the reason the device plugin is owed for node row `r`, or None (memory)."""
     from extender.deviceplugin import PIN_MISSING
     from extender.quantity import format_bytes
@@ -324,11 +330,11 @@ def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(
     policy, holds, gib, gpus, pinned_pod
 ) -> None:
     from extender.deviceplugin import PIN_MISSING
-    from extender.placement import _fit
+    from extender.placement.fit import demand_fit
 
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
     out = filter_nodes(c.ledger, d, list(_POLICY_NODES))
-    fit = _fit(c.ledger, d)
+    fit = demand_fit(c.ledger, d)
     for name, reason in {**out.failed, **out.unresolvable}.items():
         plugin = reason == PIN_MISSING or reason.startswith("device plugin")
         memory = reason.endswith("free") and not reason.startswith("all GPU replicas")
@@ -341,15 +347,17 @@ def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(
 def _choose_cluster_wide(ledger, demand, node: str):
     """`choose_devices` as it was before it read only the node's rows under a replica policy:
     the bound computed over every device of the cluster, then this node's rows picked."""
-    from extender import placement
+    from extender.placement.choose import best_fit_devices
+    from extender.placement.filter import filter_rows
+    from extender.placement.fit import demand_fit
 
     r = ledger.node_row(node)
-    fit, rows = placement._fit(ledger, demand), np.asarray([r], np.int64)
-    outcome = placement.FilterOutcome()
-    placement._filter_rows(ledger, fit, demand, rows, outcome)
+    fit, rows = demand_fit(ledger, demand), np.asarray([r], np.int64)
+    outcome = FilterOutcome()
+    filter_rows(ledger, fit, demand, rows, outcome)
     if not outcome.feasible:
         return outcome.failed.get(node) or outcome.unresolvable.get(node) or "does not fit"
-    chosen = np.sort(placement._choose(fit, demand.gpu_count, rows))
+    chosen = np.sort(best_fit_devices(fit, demand.gpu_count, rows))
     return tuple(fit.a.devices[i].device_id for i in chosen.tolist())
 
 

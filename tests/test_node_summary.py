@@ -14,22 +14,17 @@ import numpy as np
 import pytest
 from builders import A100_80, H100_80, cluster, gpu_node, mig_mixed_node, mig_single_node, pod
 
-from extender import placement
+import extender.placement.choose as choosing
+import extender.placement.filter as filtering
+import extender.placement.score as scoring
 from extender.demand import Demand, pod_demand
 from extender.inventory import node_inventory
 from extender.ledger import LedgerError, Reservation, check_invariant, slot_free_of
-from extender.placement import (
-    FilterOutcome,
-    _filter_one,
-    _filter_rows,
-    _fit,
-    _node_rows,
-    _resource_arrays,
-    choose_devices,
-    filter_nodes,
-    row_counts,
-    score_rows,
-)
+from extender.placement import FilterOutcome, choose_devices, filter_nodes, row_counts, score_rows
+from extender.placement.choose import best_fit_devices
+from extender.placement.filter import _filter_one, filter_rows
+from extender.placement.fit import demand_fit
+from extender.placement.views import candidate_rows, resource_arrays
 
 GIB = 1 << 30
 RESOURCES = ["nvidia.com/gpu"] * 5 + [
@@ -98,34 +93,34 @@ def _random_pod(rng: random.Random, name: str) -> dict:
 
 def _scores_afresh(ledger, demand: Demand, names: list[str], planned: str | None):
     """`score_rows` as it was before any scores were kept: device by device, the asked nodes only."""
-    base = _resource_arrays(ledger, demand)
+    base = resource_arrays(ledger, demand)
     a = ledger.arrays if base is None else base
-    fit = _fit(ledger, demand, base)
-    rows, _ = _node_rows(ledger, names)
-    scores, placed = placement._device_scores(
+    fit = demand_fit(ledger, demand, base)
+    rows, _ = candidate_rows(ledger, names)
+    scores, placed = scoring._device_scores(
         fit, demand.gpu_count, rows, ledger.arrays.node_used_replicas > 0
     )
-    return placement._finish_scores(ledger, a, rows, scores, placed, planned)
+    return scoring._finish_scores(ledger, a, rows, scores, placed, planned)
 
 
 def _reference(ledger, demand: Demand, names: list[str]) -> FilterOutcome:
     """filter as it was before the summaries: per device, over the current used columns.
 
     (A one-device pod with declared bytes went through `_filter_one`, which words an
-    overcommitted GPU with a free replica as "all GPU replicas in use" where `_filter_rows`
+    overcommitted GPU with a free replica as "all GPU replicas in use" where `filter_rows`
     says "no GPU with 16Gi free": kept as it was, both are compared against their own path.)
     """
     out = FilterOutcome()
-    view = _resource_arrays(ledger, demand)
+    view = resource_arrays(ledger, demand)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
-    fit = _fit(ledger, demand, view, with_ok=not one)
-    rows, unknown = _node_rows(ledger, names)
+    fit = demand_fit(ledger, demand, view, with_ok=not one)
+    rows, unknown = candidate_rows(ledger, names)
     for n in unknown:
         out.unresolvable[n] = "node unknown to vramsched"
     if one:
         _filter_one(ledger, fit, demand, rows, out, None)
     else:
-        _filter_rows(ledger, fit, demand, rows, out)
+        filter_rows(ledger, fit, demand, rows, out)
     return out
 
 
@@ -229,9 +224,9 @@ def test_filter_fast_path_equals_per_device_computation(
 
         return call
 
-    monkeypatch.setattr(placement, "_one_largest", spy(placement._one_largest))
-    monkeypatch.setattr(placement, "_node_fit", spy(placement._node_fit))
-    monkeypatch.setattr(placement, "_score_summary", spy(placement._score_summary))
+    monkeypatch.setattr(filtering, "one_largest", spy(filtering.one_largest))
+    monkeypatch.setattr(filtering, "node_fit", spy(filtering.node_fit))
+    monkeypatch.setattr(scoring, "_score_summary", spy(scoring._score_summary))
     rng = random.Random(seed)
     n_nodes = rng.randint(3, 30)
     names = [f"n{i}" for i in range(n_nodes)] + [
@@ -262,15 +257,15 @@ def test_filter_fast_path_equals_per_device_computation(
                     assert fast[0] is slow[0] and np.array_equal(fast[1], slow[1]), (step, demand)
                     assert fast[2].tolist() == slow[2].tolist(), (step, demand, candidates)
                 # bind's one-node choice equals that node's share of the choice over several nodes
-                fit = _fit(c.ledger, demand)
+                fit = demand_fit(c.ledger, demand)
                 rows = np.arange(len(fit.a.node_names))
-                many = placement._choose(fit, demand.gpu_count, rows)
+                many = best_fit_devices(fit, demand.gpu_count, rows)
                 for r in rows.tolist():
-                    one = placement._choose(fit, demand.gpu_count, np.asarray([r]))
+                    one = best_fit_devices(fit, demand.gpu_count, np.asarray([r]))
                     assert sorted(one.tolist()) == sorted(
                         i for i in many.tolist() if fit.a.node_of[i] == r
                     ), (step, r)
-    assert {"_one_largest", "_node_fit", "_score_summary"} <= set(
+    assert {"one_largest", "node_fit", "_score_summary"} <= set(
         used
     )  # every fast path was taken (and compared)
 
@@ -293,7 +288,7 @@ def test_binds_one_node_choice_in_python_equals_the_vector_path(
             node = rng.choice(names)
             fast = choose_devices(c.ledger, demand, node)
             with monkeypatch.context() as m:
-                m.setattr(placement, "_choose_on_node", lambda *args: None)
+                m.setattr(choosing, "_choose_on_node", lambda *args: None)
                 slow = choose_devices(c.ledger, demand, node)
             assert fast == slow, (step, demand, node)
             quick_fits += isinstance(fast, Reservation) and demand.wants_gpu
@@ -415,13 +410,13 @@ def test_row_counts_equals_summing_each_row(width):
 
 
 def _reference_per_device(ledger, demand: Demand, names: list[str]) -> FilterOutcome:
-    """filter under a replica policy before `_filter_plugin`: every device, the bound in `_fit`."""
+    """filter under a replica policy before `_filter_plugin`: every device, the bound in `demand_fit`."""
     out = FilterOutcome()
-    fit = _fit(ledger, demand)
-    rows, unknown = _node_rows(ledger, names)
+    fit = demand_fit(ledger, demand)
+    rows, unknown = candidate_rows(ledger, names)
     for n in unknown:
         out.unresolvable[n] = "node unknown to vramsched"
-    _filter_rows(ledger, fit, demand, rows, out)
+    filter_rows(ledger, fit, demand, rows, out)
     return out
 
 
@@ -433,13 +428,13 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(
     bound per node: same feasible nodes and reasons as over every device, except the wording
     `_filter_one` has always had for an overcommitted GPU with a free replica."""
     taken: list[tuple[bool, int]] = []
-    real = placement._filter_plugin
+    real = filtering._filter_plugin
 
     def spy(ledger, demand, names, out):
         taken.append((real(ledger, demand, names, out), demand.gpu_count))
         return taken[-1][0]
 
-    monkeypatch.setattr(placement, "_filter_plugin", spy)
+    monkeypatch.setattr(filtering, "_filter_plugin", spy)
     rng = random.Random(100 + seed)
     names = [f"n{i}" for i in range(rng.randint(3, 25))] + ["mig"]
     nodes = [_random_node(rng, n) for n in names[:-1]]
@@ -496,7 +491,7 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(
     )
     shapes = [pod_demand(_random_pod(rng, f"shape{i}")) for i in range(6)]
     shapes = [d for d in shapes if d.wants_gpu] or [pod_demand(pod("s", "10Gi"))]
-    score_summary, patched = placement._score_summary, []
+    score_summary, patched = scoring._score_summary, []
 
     def spy(ledger, demand, rows, a):
         entry = a.derived.get("scores", {}).get(
@@ -514,9 +509,9 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(
             patched.append(demand)
         return got
 
-    device_scores = placement._device_scores_kept
-    monkeypatch.setattr(placement, "_score_summary", spy)
-    monkeypatch.setattr(placement, "_device_scores_kept", spy_devices)
+    device_scores = scoring._device_scores_kept
+    monkeypatch.setattr(scoring, "_score_summary", spy)
+    monkeypatch.setattr(scoring, "_device_scores_kept", spy_devices)
     for step in range(80):
         for i in range(rng.randint(0, 4)):
             _random_step(rng, c, names, step * 10 + i)
@@ -548,7 +543,7 @@ def test_filter_under_a_replica_policy_equals_the_per_device_path(
         mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
         replica_policy=["distributed", "packed", "pinned"][seed % 3],
     )
-    plugin, taken = placement._filter_plugin, []
+    plugin, taken = filtering._filter_plugin, []
 
     def spy(*args):
         got = plugin(*args)
@@ -560,9 +555,9 @@ def test_filter_under_a_replica_policy_equals_the_per_device_path(
         _random_step(rng, c, names, step)
         for j in range(4):
             demand = pod_demand(_random_pod(rng, f"q{step}-{j}"))
-            monkeypatch.setattr(placement, "_filter_plugin", spy)
+            monkeypatch.setattr(filtering, "_filter_plugin", spy)
             got = filter_nodes(c.ledger, demand, asked)
-            monkeypatch.setattr(placement, "_filter_plugin", lambda *args: False)
+            monkeypatch.setattr(filtering, "_filter_plugin", lambda *args: False)
             want = filter_nodes(c.ledger, demand, asked)
             assert (got.feasible, dict(got.failed), dict(got.unresolvable)) == (
                 want.feasible,

@@ -1,0 +1,39 @@
+"""Fit, filter, score, choose and preempt: the greedy placement core shared by every adapter.
+
+All per-node work is done on the ledger's device arrays with numpy, so one filter or
+prioritize call over thousands of candidate nodes is a handful of vector operations;
+Python only loops over the nodes it must explain.
+
+- `fit`: one demand against the devices (sizes, products, free VRAM and replicas, the device
+  plugin's node-level bound);
+- `filter`: which candidate nodes can take the pod now, and `reasons` for the others
+  (`outcome` holds the answer);
+- `score`: prioritize's best-fit bands, kept per demand shape and patched where nodes changed;
+- `choose`: the devices a bind takes on one node;
+- `preempt`: the fewest victims that make room;
+- `views` and `cache`: the per-resource and per-node views of the arrays, and what is derived
+  from them and kept with them.
+"""
+
+from extender.placement.choose import choose_devices, plugin_allows
+from extender.placement.filter import filter_nodes
+from extender.placement.fit import device_need
+from extender.placement.outcome import FilterOutcome, SharedReasons
+from extender.placement.preempt import preempt_victims
+from extender.placement.score import MAX_SCORE, score_nodes, score_rows
+from extender.placement.views import row_counts, warm
+
+__all__ = [
+    "FilterOutcome",
+    "SharedReasons",
+    "filter_nodes",
+    "score_nodes",
+    "choose_devices",
+    "plugin_allows",
+    "preempt_victims",
+    "MAX_SCORE",
+    "device_need",
+    "score_rows",
+    "row_counts",
+    "warm",
+]

@@ -1,0 +1,259 @@
+"""Filter: which candidate nodes can take the pod now, from the ledger's per-node summaries
+where they stand for the devices, device by device where they do not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from extender.demand import Demand
+from extender.deviceplugin import bounds_resource, refused_per_node
+from extender.ledger import DeviceArrays, Ledger, NodeSummary
+from extender.placement.fit import (
+    Fit,
+    bound_at_resource,
+    demand_fit,
+    node_fit,
+    one_largest,
+    shape_need,
+    static_fit,
+)
+from extender.placement.outcome import FilterOutcome, mutable_unresolvable
+from extender.placement.reasons import explain, explain_blocked
+from extender.placement.views import (
+    candidate_rows,
+    name_array,
+    per_node,
+    remember_candidates,
+    resource_arrays,
+    row_counts,
+    segment_max,
+)
+
+
+def filter_nodes(
+    ledger: Ledger, demand: Demand, names: Sequence[str], explain_all: bool = True
+) -> FilterOutcome:
+    """Which of `names` can take the pod now, and a short reason for every one that cannot.
+
+    `explain_all=False`: reasons only when no node passes. kube-scheduler reads an extender's
+    reasons only then (for the pod's FitError event and for preemption); when some node passes
+    it drops them unread, so working them out, sending and decoding them is wasted on the
+    scheduling path. The answer is then all-or-nothing: every refused node explained, or none."""
+    out = FilterOutcome(explain_all=explain_all)
+    if not demand.wants_gpu:
+        out.feasible = list(names)
+        return out
+    _filter_into(ledger, demand, names, out)
+    if not explain_all and out.feasible and (out.failed or out.unresolvable):
+        out.failed, out.unresolvable = {}, {}  # e.g. unknown nodes, named before the split
+    return out
+
+
+def _filter_into(ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome) -> None:
+    if ledger.replica_policy is not None and _filter_plugin(ledger, demand, names, out):
+        return
+    view = resource_arrays(ledger, demand, used=False)
+    one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
+    largest = one_largest(ledger, view, demand) if one else None
+    by_node = node_fit(ledger, view, demand) if view is not None and not one else None
+    if view is not None and largest is None and by_node is None:
+        view = resource_arrays(ledger, demand)  # the per-device path reads the used columns
+    fit = demand_fit(ledger, demand, view, with_ok=not one and by_node is None)
+    rows, unknown = candidate_rows(ledger, names)
+    if unknown:
+        mutable_unresolvable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
+    if one:
+        _filter_one(ledger, fit, demand, rows, out, largest)
+    elif by_node is not None:
+        _filter_summary(ledger, fit, demand, rows, out, *by_node)
+    else:
+        filter_rows(ledger, fit, demand, rows, out)
+
+
+def _filter_plugin(
+    ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome
+) -> bool:
+    """`_filter_one` / `_filter_summary` under a replica policy (live mode): the per-node summary,
+    and the device plugin's bound per node. The bound is the same for every device of a resource
+    on a node (one group: a node's devices of a resource share their sharing mode), so a node
+    fits iff it has room for the pod on the books and the bound admits it there. False when that
+    does not hold or the summary cannot stand for the devices (then the per-device path answers);
+    same answers and reasons as that path."""
+    full = ledger.arrays
+    rid = full.resources.get(demand.resource)
+    static = resource_arrays(ledger, demand, used=False, under_policy=True)
+    if static is None or rid is None:
+        return False
+    k = demand.gpu_count
+    one = k == 1 and demand.bytes_per_gpu is not None
+    if one:
+        largest = one_largest(ledger, static, demand)
+        if largest is None:
+            return False
+        room_at = largest >= demand.bytes_per_gpu
+    else:
+        hit = node_fit(ledger, static, demand)
+        if hit is None:
+            return False
+        ok, need_at, summary = hit
+        top = summary.top
+        room_at = ok & (top[:, k - 1] >= need_at) if k <= top.shape[1] else np.zeros(len(ok), bool)
+    # Per node, its devices of the resource the bound refuses (none applies: a MIG profile no
+    # node time-slices, whose books alone decide), worked out once per group; the rows' values
+    # (`bound_at_resource`) only when there are reasons to give.
+    n = len(static.node_names)
+    shared = None
+    if bounds_resource(ledger, rid):
+        refused = refused_per_node(ledger, shape_need(full, demand), k, demand.pin_configmap, rid)
+        if refused is None:  # the bound is not one value per group: from the rows
+            shared = bound_at_resource(ledger, demand)
+            refused = np.bincount(static.node_of[np.flatnonzero(~shared.allowed)], minlength=n)
+        if ((refused > 0) & (refused < np.diff(static.node_start))).any():
+            return False  # a node whose devices of the resource differ under the bound: per device
+        every = (refused == 0).astype(np.int64)  # 1 where the bound admits the node
+    else:
+        every = np.ones(n, np.int64)
+    rows, unknown = candidate_rows(ledger, names)
+    if unknown:
+        mutable_unresolvable(out).update(dict.fromkeys(unknown, "node unknown to vramsched"))
+    room = room_at[rows]  # by the per-device books
+    good = room & (every[rows] > 0)
+    if not len(split_feasible(ledger, static, rows, good, out)):
+        return True  # nothing to explain (or, `explain_all` off, no reason asked for)
+    if shared is None:
+        shared = bound_at_resource(ledger, demand)
+    # `static`'s used columns are stale: nothing below reads them (`books_short`)
+    matches, need, _ = static_fit(static, demand)
+    fit = Fit(static, matches, need, np.zeros(0, bool), shared)
+    blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
+    if len(blocked):
+        explain_blocked(static, fit.shared, blocked, name_array(static), out)
+    short = rows[~room]
+    if not len(short):
+        return True
+    if one:
+        explain(
+            ledger,
+            fit,
+            demand,
+            short,
+            out,
+            np.zeros(n, np.int64),
+            rows,
+            (None, largest),
+            books_short=True,
+        )
+    else:  # as `_filter_summary` explains
+        n_ok = np.zeros(n, np.int64)
+        open_ = short[ok[short]]
+        n_ok[open_] = (
+            row_counts(top[open_] >= need_at[open_, None]) * every[open_]
+        )  # devices the bound admits
+        explain(
+            ledger,
+            fit,
+            demand,
+            short,
+            out,
+            n_ok,
+            rows,
+            None,
+            (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)),
+            books_short=True,
+        )
+    return True
+
+
+def _filter_one(
+    ledger: Ledger,
+    fit: Fit,
+    demand: Demand,
+    rows: np.ndarray,
+    out: FilterOutcome,
+    largest: np.ndarray | None = None,
+) -> None:
+    """`filter_rows` for the commonest pod, one device with declared bytes (no device-plugin
+    bound): a node fits iff the most free VRAM on a big-enough device with a free replica covers
+    the pod. Same answers as counting fitting devices, in half the passes over the devices.
+    `largest` (per node, from `one_largest`) skips the pass over the devices altogether."""
+    a = fit.a
+    with_slot = None
+    if largest is None:
+        with_slot = static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
+        largest = segment_max(
+            (a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names)
+        )
+    good = largest[rows] >= demand.bytes_per_gpu
+    bad = split_feasible(ledger, a, rows, good, out)
+    if len(bad):
+        # a failing node has no fitting device: n_ok is 0 there; a free replica iff largest >= 0
+        explain(
+            ledger,
+            fit,
+            demand,
+            bad,
+            out,
+            np.zeros(len(a.node_names), np.int64),
+            rows,
+            (with_slot, largest),
+        )
+
+
+def _filter_summary(
+    ledger: Ledger,
+    fit: Fit,
+    demand: Demand,
+    rows: np.ndarray,
+    out: FilterOutcome,
+    ok: np.ndarray,
+    need: np.ndarray,
+    summary: NodeSummary,
+) -> None:
+    """`filter_rows` from the ledger's per-node summary (any GPU count, declared or whole
+    devices): a node has k fitting devices iff its k-th largest free VRAM with a free replica
+    covers the pod. Same answers and reasons, one pass over the nodes instead of the devices."""
+    a = fit.a
+    k = demand.gpu_count
+    top = summary.top
+    if k <= top.shape[1]:
+        good = ok[rows] & (top[rows, k - 1] >= need[rows])
+    else:
+        good = np.zeros(len(rows), bool)
+    bad = split_feasible(ledger, a, rows, good, out)
+    if len(bad):
+        n_ok = np.zeros(len(a.node_names), np.int64)
+        open_ = bad[ok[bad]]  # the others fail on labels (categories 0..3), which never read n_ok
+        n_ok[open_] = row_counts(top[open_] >= need[open_, None])
+        n_slot = np.where(ok, summary.slots, 0)
+        largest = np.where(ok, summary.largest, -1)
+        explain(ledger, fit, demand, bad, out, n_ok, rows, None, (n_slot, largest))
+
+
+def split_feasible(
+    ledger: Ledger, a: DeviceArrays, rows: np.ndarray, good: np.ndarray, out: FilterOutcome
+) -> np.ndarray:
+    """Put the names of the `good` rows in `out.feasible` (remembered: prioritize will send this
+    list) and return the failing rows, which the caller explains: none when some node passes and
+    `out.explain_all` is off."""
+    feasible_rows = rows[good]
+    out.feasible = name_array(a)[feasible_rows].tolist()
+    if len(out.feasible) > 1 and a.node_names is ledger.arrays.node_names:
+        remember_candidates(
+            ledger, out.feasible, feasible_rows, []
+        )  # shared, not copied: see FilterOutcome
+    if out.feasible and not out.explain_all:
+        return rows[:0]
+    return rows[~good]
+
+
+def filter_rows(
+    ledger: Ledger, fit: Fit, demand: Demand, rows: np.ndarray, out: FilterOutcome
+) -> None:
+    a = fit.a
+    ok_count = per_node(a, fit.ok)
+    good = ok_count[rows] >= demand.gpu_count
+    bad = split_feasible(ledger, a, rows, good, out)
+    if len(bad):
+        explain(ledger, fit, demand, bad, out, ok_count, rows)

@@ -1,0 +1,97 @@
+"""Preempt: the fewest lowest-priority victims whose removal lets a pod fit on each node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from itertools import combinations
+
+from extender.demand import Demand
+from extender.deviceplugin import allowed_without
+from extender.ledger import Ledger, Reservation
+from extender.placement.fit import demand_fit
+
+_MAX_COMBINATIONS = 4096
+
+
+def preempt_victims(
+    ledger: Ledger, demand: Demand, candidates: Mapping[str, Iterable[str]]
+) -> dict[str, list[str]]:
+    """For each node, the fewest lowest-priority victims (by UID) whose removal lets the pod fit.
+
+    `candidates` maps node -> UIDs kube-scheduler proposes. Victims we hold no GPUs for are kept
+    (the scheduler needed them for other resources); ours are cut to the smallest set that frees
+    enough VRAM and replicas. Nodes where even all victims would not make room are dropped.
+    """
+    result: dict[str, list[str]] = {}
+    fit = demand_fit(ledger, demand)
+    a = fit.a
+    for node, uids in candidates.items():
+        uids = list(dict.fromkeys(uids))
+        r = ledger.node_row(node)
+        if r is None or not demand.wants_gpu:
+            continue
+        lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
+        held = {res.pod.uid: res for res in ledger.pods_on(node) if res.pod.uid}
+        ours = sorted(
+            (held[u] for u in uids if u in held),
+            key=lambda res: (res.priority, -res.total_bytes, res.key),
+        )
+        others = [u for u in uids if u not in held]
+        if any(res.priority >= demand.priority for res in ours):
+            ours = [res for res in ours if res.priority < demand.priority]
+        if _fits_without(a, fit, lo, hi, demand.gpu_count, []):
+            result[node] = uids
+            continue
+        best = _fewest_victims(a, fit, lo, hi, demand.gpu_count, ours, ledger)
+        if best is None:
+            continue
+        result[node] = others + [res.pod.uid for res in best]
+    return result
+
+
+def _fewest_victims(a, fit, lo, hi, k, ours, ledger) -> list[Reservation] | None:
+    for size in range(1, len(ours) + 1):
+        tried = 0
+        winners = []
+        for combo in combinations(ours, size):
+            tried += 1
+            if tried > _MAX_COMBINATIONS:
+                break
+            if _fits_without(a, fit, lo, hi, k, combo, ledger):
+                winners.append(combo)
+        if winners:
+            return list(
+                min(winners, key=lambda c: (max(r.priority for r in c), sum(r.priority for r in c)))
+            )
+        if tried > _MAX_COMBINATIONS:
+            for extra in range(size, len(ours) + 1):
+                if _fits_without(a, fit, lo, hi, k, ours[:extra], ledger):
+                    return list(ours[:extra])
+            return None
+    return None
+
+
+def _fits_without(a, fit, lo, hi, k, victims, ledger=None) -> bool:
+    used = a.used[lo:hi].copy()
+    used_rep = a.used_replicas[lo:hi].copy()
+    for res in victims:
+        for dev_id, nbytes in zip(res.device_ids, res.bytes_per_device):
+            i = ledger.row(res.node, dev_id)
+            if i is not None and lo <= i < hi:
+                used[i - lo] -= nbytes
+                used_rep[i - lo] -= 1
+    need = fit.need[lo:hi]
+    ok = (
+        fit.matches[lo:hi]
+        & (used_rep < a.replicas[lo:hi])
+        & (a.capacity[lo:hi] - used >= need)
+        & (a.per_pod_cap[lo:hi] >= need)
+    )
+    if fit.shared is not None:  # the device plugin's node-level bound, with the victims gone
+        ok &= (
+            fit.shared.allowed[lo:hi]
+            if not victims
+            else ~fit.shared.needs_pin[lo:hi]
+            & allowed_without(ledger, lo, hi, victims, fit.need, k)
+        )
+    return int(ok.sum()) >= k
