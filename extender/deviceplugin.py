@@ -31,7 +31,6 @@ lower both sides.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import (
     Iterable,
     Mapping,
@@ -45,7 +44,7 @@ import numpy as np
 from extender.inventory import Gpu, ReplicaPolicy, Sharing
 
 if TYPE_CHECKING:
-    from extender.ledger import Ledger, Reservation
+    from extender.ledger import DeviceArrays, Ledger, Reservation
 
 __all__ = [
     "ReplicaPolicy",
@@ -59,8 +58,12 @@ __all__ = [
     "stack_depth",
     "worst_case_load",
     "plugin_candidates",
+    "BoundView",
+    "bound_view",
     "SharedFit",
     "shared_fit",
+    "bounds_resource",
+    "refused_per_node",
     "allowed_without",
 ]
 
@@ -214,9 +217,12 @@ class _Group:
 
 
 @dataclass
-class _View:
-    arrays: Any
-    policy: ReplicaPolicy | None
+class BoundView:
+    """What the bound needs of a ledger's arrays under one policy: which rows it applies to, their
+    groups, and each group's replica sizes (kept up to date node by node, `bound_view`)."""
+
+    arrays: DeviceArrays
+    policy: ReplicaPolicy
     generation: int = -1
     position: int = 0  # how far into ledger.touched this view is up to date
     groups: dict[str, list[_Group]] = field(default_factory=dict)
@@ -325,9 +331,6 @@ class _View:
         return hit
 
 
-_VIEWS: weakref.WeakKeyDictionary[Ledger, _View] = weakref.WeakKeyDictionary()
-
-
 @dataclass(slots=True)
 class SharedFit:
     """Per device row: may the pod go there under the node-level bound, and the worst case."""
@@ -339,11 +342,18 @@ class SharedFit:
     policy: str = ""
 
 
-def _view(ledger: Ledger, policy: ReplicaPolicy) -> _View:
+def bound_view(ledger: Ledger, view: BoundView | None) -> BoundView | None:
+    """The bound's view of `ledger` now, or None without a replica policy (exact per-device
+    books). `view` is the one kept with the ledger's arrays (placement keeps it, None at first):
+    it is brought up to date from the ledger's log of touched nodes, or replaced when the arrays
+    were rebuilt. Every function below reads the view this returns."""
+    policy = ledger.replica_policy
+    if policy is None:
+        return None
     a = ledger.arrays
-    v = _VIEWS.get(ledger)
+    v = view
     if v is None or v.arrays is not a or v.policy is not policy:
-        v = _View(arrays=a, policy=policy)
+        v = BoundView(arrays=a, policy=policy)
         n = len(a.devices)
         v.subject = np.zeros(n, bool)
         v.pin_rows = np.zeros(n, bool)
@@ -388,7 +398,6 @@ def _view(ledger: Ledger, policy: ReplicaPolicy) -> _View:
         v.bounded = np.flatnonzero(v.subject | v.pin_rows)
         v.bounded_resources = frozenset(a.resource_id[v.bounded].tolist())
         dirty: Iterable[str] = list(v.groups)
-        _VIEWS[ledger] = v
     elif v.generation == ledger.generation:
         return v
     else:
@@ -403,7 +412,7 @@ def _view(ledger: Ledger, policy: ReplicaPolicy) -> _View:
     return v
 
 
-def _refresh(ledger: Ledger, v: _View, node: str) -> None:
+def _refresh(ledger: Ledger, v: BoundView, node: str) -> None:
     groups = v.groups.get(node, [])
     if not groups:
         return
@@ -466,7 +475,7 @@ def _group_keys(sizes: np.ndarray, first: int = 0) -> np.ndarray:
     return _size_key(np.arange(first, first + len(sizes), dtype=np.int64)[:, None], sizes).ravel()
 
 
-def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.ndarray:
+def _group_worst(v: BoundView, g: np.ndarray, size: np.ndarray, count: int) -> np.ndarray:
     """`worst_case_load` of the groups `g` at once, for `count` replicas of `size[i]` bytes on g[i].
 
     The worst GPU holds the `depth` largest replicas of the group's sizes plus the new ones; with
@@ -488,17 +497,14 @@ def _group_worst(v: _View, g: np.ndarray, size: np.ndarray, count: int) -> np.nd
     return np.where(depth <= m, within, beyond)
 
 
-def bounds_resource(ledger: Ledger, resource_id: int) -> bool:
+def bounds_resource(view: BoundView | None, resource_id: int) -> bool:
     """Whether the bound or the pin rule applies to any device of the resource (a MIG profile
     that no node time-slices has none): else `shared_fit` would allow every one of its rows."""
-    policy = ledger.replica_policy
-    return (
-        policy is not None and resource_id in _view(ledger, ReplicaPolicy(policy)).bounded_resources
-    )
+    return view is not None and resource_id in view.bounded_resources
 
 
 def shared_fit(
-    ledger: Ledger,
+    view: BoundView | None,
     need: np.ndarray,
     gpu_count: int,
     pin_configmap: bool,
@@ -514,11 +520,9 @@ def shared_fit(
     indexed like `rows`. `resource` (without `rows`): at that resource's rows only (`need`
     still over every row), for filter and prioritize, which look at nothing else: the whole
     cluster's columns and a gather from them cost a third of live filter."""
-    policy = ledger.replica_policy
-    if policy is None:
+    if view is None:
         return None
-    policy = ReplicaPolicy(policy)
-    v = _view(ledger, policy)
+    v, policy = view, view.policy
     if rows is None:
         if not len(v.bounded):
             return None
@@ -561,7 +565,7 @@ def shared_fit(
 
 
 def refused_per_node(
-    ledger: Ledger, need: np.ndarray, gpu_count: int, pin_configmap: bool, resource: int
+    view: BoundView | None, need: np.ndarray, gpu_count: int, pin_configmap: bool, resource: int
 ) -> np.ndarray | None:
     """Per node: how many of its device rows of `resource` the bound or the pin rule refuses, the
     counts `shared_fit(..., resource=resource)` gives row by row, worked out on one value per
@@ -570,10 +574,9 @@ def refused_per_node(
     (GPUs under the pinned policy) are never in a group, so the two counts add up. None without
     a policy, or when the bound is not one value per group (`resource_groups`). `need` over
     every row, as `shared_fit` takes it."""
-    policy = ledger.replica_policy
-    if policy is None:
+    if view is None:
         return None
-    v = _view(ledger, ReplicaPolicy(policy))
+    v = view
     grouped = v.resource_groups(resource)
     if grouped is None:
         return None
@@ -591,7 +594,7 @@ def refused_per_node(
 
 
 def _bound(
-    v: _View,
+    v: BoundView,
     sel: slice | np.ndarray,
     need: np.ndarray,
     gpu_count: int,
@@ -629,7 +632,7 @@ def _bound(
 
 
 def _bound_per_group(
-    v: _View, groups: np.ndarray, need: np.ndarray, gpu_count: int
+    v: BoundView, groups: np.ndarray, need: np.ndarray, gpu_count: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """`_bound` of the groups `groups` (each one value for all its rows: a group's devices share
     their memory and per-pod cap, see `resource_groups`), read at each group's first row; `need`
@@ -644,6 +647,7 @@ def _bound_per_group(
 
 def allowed_without(
     ledger: Ledger,
+    view: BoundView | None,
     lo: int,
     hi: int,
     victims: Sequence[Reservation],
@@ -653,10 +657,9 @@ def allowed_without(
     """Rows lo..hi (one node) where the node-level bound admits the pod once `victims` are gone:
     preemption must not evict pods whose departure would still leave the pod refused."""
     out = np.ones(hi - lo, bool)
-    policy = ledger.replica_policy
-    if policy is None or hi <= lo:
+    if view is None or hi <= lo:
         return out
-    v = _view(ledger, ReplicaPolicy(policy))
+    v = view
     node = v.arrays.devices[lo].node
     gone: dict[int, list[int]] = {}
     for res in victims:

@@ -12,7 +12,7 @@ contiguous) so that filter/prioritize over thousands of nodes are vector operati
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
 
@@ -69,8 +69,8 @@ class Reservation:
 class DeviceArrays:
     """Column store of all devices; index `i` is one device. Rebuilt when inventory changes."""
 
-    devices: list[Device] = field(default_factory=list)
-    node_names: list[str] = field(default_factory=list)
+    devices: Sequence[Device] = field(default_factory=list)
+    node_names: Sequence[str] = field(default_factory=list)
     node_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     node_start: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     capacity: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -85,18 +85,25 @@ class DeviceArrays:
     products: dict[str, int] = field(default_factory=dict)
     #: replicas in use per node (sum over its devices): "is anything running here" in O(1)
     node_used_replicas: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    #: static facts derived from these rows (node kinds, name arrays, reasons), computed on
-    #: first use by the hot path and dropped with the arrays when the inventory changes.
-    derived: dict = field(default_factory=dict)
+    #: `rows_of` and `per_node_sum` remember what they read from the labels here (read-only)
+    resource_rows: dict[int, np.ndarray] = field(default_factory=dict)
+    nonempty_nodes: np.ndarray | bool | None = None
+    #: what placement derives from these rows and keeps with them (node kinds, per-resource views,
+    #: per-demand-shape masks and kept scores: `extender.placement.cache.ArraysCache`), made there
+    #: on first use and typed there (the ledger does not import placement). It lives and dies
+    #: with the arrays: a change of inventory rebuilds them, so nothing derived from labels is
+    #: ever stale; what also reads the used columns says in the cache how it follows them. A view
+    #: that only swaps the used columns (`dataclasses.replace`) shares it.
+    cache: object = None
 
     @property
     def free(self) -> np.ndarray:
         return self.capacity - self.used
 
     def rows_of(self, resource_id: int) -> np.ndarray:
-        """The rows of the devices of one resource, ascending: labels only, so kept in `derived`
+        """The rows of the devices of one resource, ascending: labels only, so kept with the arrays
         (read-only), where filter's view of the resource and the device plugin's bound both find it."""
-        by_id = self.derived.setdefault("rows_of", {})
+        by_id = self.resource_rows
         rows = by_id.get(resource_id)
         if rows is None:
             rows = by_id[resource_id] = np.flatnonzero(self.resource_id == resource_id)
@@ -112,10 +119,10 @@ class DeviceArrays:
         out_shape = (len(starts),) + values.shape[1:]
         if len(values) == 0:
             return np.zeros(out_shape, dtype)
-        nonempty = self.derived.get("nonempty")
+        nonempty = self.nonempty_nodes
         if nonempty is None:
             ne = starts < self.node_start[1:]
-            nonempty = self.derived["nonempty"] = True if ne.all() else ne
+            nonempty = self.nonempty_nodes = True if ne.all() else ne
         if nonempty is True:
             return np.add.reduceat(values, starts, axis=0, dtype=dtype)
         out = np.zeros(out_shape, dtype)
@@ -203,7 +210,9 @@ class Ledger:
             used=a.used.copy(),
             used_replicas=a.used_replicas.copy(),
             node_used_replicas=a.node_used_replicas.copy(),
-            derived={},
+            resource_rows={},
+            nonempty_nodes=None,
+            cache=None,
         )
         c._row, c._node_row = self._row, self._node_row
         c._allocatable, c._inventory_version = self._allocatable, self._inventory_version

@@ -241,7 +241,8 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
     group by group, including groups holding more replicas than they have (recorded from the API:
     up to 40 on a node of 12), and groups with no pod (ts-big). Half the pods arrive after the
     view was first built, so its per-group keys are also kept up to date node by node."""
-    from extender.deviceplugin import _view, shared_fit
+    from extender.deviceplugin import shared_fit
+    from extender.placement.fit import plugin_view
 
     c = cluster(
         *(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
@@ -252,14 +253,16 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
     need = np.full(len(a.capacity), gib * GIB, np.int64)
     for j, (node, gpu, size) in enumerate(holds):
         if j == len(holds) // 2:
-            shared_fit(c.ledger, need, count, pin_configmap=True)  # the view as it is now
+            shared_fit(
+                plugin_view(c.ledger), need, count, pin_configmap=True
+            )  # the view as it is now
         c.ledger.record(
             Reservation(
                 PodRef("default", f"h{j}", f"h{j}"), f"ts{node}", (str(gpu),), (size * GIB,)
             )
         )
-    fit = shared_fit(c.ledger, need, count, pin_configmap=True)
-    v = _view(c.ledger, ReplicaPolicy(policy))
+    fit = shared_fit(plugin_view(c.ledger), need, count, pin_configmap=True)
+    v = plugin_view(c.ledger)
     groups = [g for gs in v.groups.values() for g in gs]
     assert groups and all(
         fit.worst[g.rows].tolist()
@@ -385,15 +388,16 @@ def test_the_bound_over_the_cluster_is_each_nodes_bound(
     nodes' rows (kept scores) it works them all out: all give the same rows, asked once or again
     after more pods."""
     from extender.deviceplugin import shared_fit
+    from extender.placement.fit import plugin_view
 
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
     for extra in range(2):
         a = c.ledger.arrays
         need = np.full(len(a.capacity), d.bytes_per_gpu, np.int64)
-        whole = shared_fit(c.ledger, need, d.gpu_count, d.pin_configmap)
+        whole = shared_fit(plugin_view(c.ledger), need, d.gpu_count, d.pin_configmap)
         for r in range(len(a.node_names)):
             sl = slice(int(a.node_start[r]), int(a.node_start[r + 1]))
-            part = shared_fit(c.ledger, need[sl], d.gpu_count, d.pin_configmap, sl)
+            part = shared_fit(plugin_view(c.ledger), need[sl], d.gpu_count, d.pin_configmap, sl)
             for field in ("allowed", "worst", "needs_pin", "distributed"):
                 want = (
                     np.zeros(sl.stop - sl.start, bool if field != "worst" else np.int64)
@@ -410,7 +414,7 @@ def test_the_bound_over_the_cluster_is_each_nodes_bound(
             list(range(len(a.node_names))),
         ):  # several nodes' rows at once
             rows = np.concatenate([np.arange(a.node_start[r], a.node_start[r + 1]) for r in picked])
-            part = shared_fit(c.ledger, need[rows], d.gpu_count, d.pin_configmap, rows)
+            part = shared_fit(plugin_view(c.ledger), need[rows], d.gpu_count, d.pin_configmap, rows)
             if part is not None:
                 for field in ("allowed", "worst", "needs_pin", "distributed"):
                     assert getattr(part, field).tolist() == getattr(whole, field)[rows].tolist(), (

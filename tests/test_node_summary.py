@@ -21,6 +21,7 @@ from extender.demand import Demand, pod_demand
 from extender.inventory import node_inventory
 from extender.ledger import LedgerError, Reservation, check_invariant, slot_free_of
 from extender.placement import FilterOutcome, choose_devices, filter_nodes, row_counts, score_rows
+from extender.placement.cache import cache_of
 from extender.placement.choose import best_fit_devices
 from extender.placement.filter import _filter_one, filter_rows
 from extender.placement.fit import demand_fit
@@ -494,18 +495,18 @@ def test_scores_kept_per_shape_equal_scores_computed_afresh(
     score_summary, patched = scoring._score_summary, []
 
     def spy(ledger, demand, rows, a):
-        entry = a.derived.get("scores", {}).get(
+        entry = cache_of(a).scores.get(
             (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
         )
         got = score_summary(ledger, demand, rows, a)
-        if entry is not None and got is not None and got[0] is entry[1]:
+        if entry is not None and got is not None and got[0] is entry.scores:
             patched.append(demand)  # an entry kept from an earlier call answered
         return got
 
     def spy_devices(ledger, demand, a, full, at=None):
-        before = dict(a.derived.get("device_scores", {}))
+        before = dict(cache_of(a).device_scores)
         got = device_scores(ledger, demand, a, full, at)
-        if any(got[0] is e[1] for e in before.values()):
+        if any(got[0] is e.scores for e in before.values()):
             patched.append(demand)
         return got
 

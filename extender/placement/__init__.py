@@ -13,6 +13,9 @@ Python only loops over the nodes it must explain.
 - `preempt`: the fewest victims that make room;
 - `views` and `cache`: the per-resource and per-node views of the arrays, and what is derived
   from them and kept with them.
+
+Imports run one way: outcome, cache, views, fit, reasons, filter, choose, score (preempt needs
+only fit); callers import from this package, which re-exports the public names.
 """
 
 from extender.placement.choose import choose_devices, plugin_allows
@@ -20,12 +23,14 @@ from extender.placement.filter import filter_nodes
 from extender.placement.fit import device_need
 from extender.placement.outcome import FilterOutcome, SharedReasons
 from extender.placement.preempt import preempt_victims
+from extender.placement.reasons import ReasonKind
 from extender.placement.score import MAX_SCORE, score_nodes, score_rows
 from extender.placement.views import row_counts, warm
 
 __all__ = [
     "FilterOutcome",
     "SharedReasons",
+    "ReasonKind",
     "filter_nodes",
     "score_nodes",
     "choose_devices",

@@ -9,6 +9,7 @@ import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import Ledger, Reservation, first_k_per_node, run_starts
+from extender.placement.cache import cache_of
 from extender.placement.filter import filter_rows
 from extender.placement.fit import Fit, fit_on_node, product_allowed
 from extender.placement.outcome import FilterOutcome
@@ -24,9 +25,10 @@ def best_fit_devices(fit: Fit, k: int, rows: np.ndarray) -> np.ndarray:
     else:
         in_rows = np.zeros(len(a.node_names), bool)
         in_rows[rows] = True
-        sizes = a.derived.get("sizes")
+        cache = cache_of(a)
+        sizes = cache.sizes
         if sizes is None:
-            sizes = a.derived["sizes"] = np.diff(a.node_start)
+            sizes = cache.sizes = np.diff(a.node_start)
         cand = np.flatnonzero(fit.ok & np.repeat(in_rows, sizes))
     if len(cand) == 0:
         return cand

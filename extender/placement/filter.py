@@ -16,6 +16,7 @@ from extender.placement.fit import (
     demand_fit,
     node_fit,
     one_largest,
+    plugin_view,
     shape_need,
     static_fit,
 )
@@ -105,8 +106,9 @@ def _filter_plugin(
     # (`bound_at_resource`) only when there are reasons to give.
     n = len(static.node_names)
     shared = None
-    if bounds_resource(ledger, rid):
-        refused = refused_per_node(ledger, shape_need(full, demand), k, demand.pin_configmap, rid)
+    view = plugin_view(ledger)
+    if bounds_resource(view, rid):
+        refused = refused_per_node(view, shape_need(full, demand), k, demand.pin_configmap, rid)
         if refused is None:  # the bound is not one value per group: from the rows
             shared = bound_at_resource(ledger, demand)
             refused = np.bincount(static.node_of[np.flatnonzero(~shared.allowed)], minlength=n)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from extender.demand import Demand
-from extender.deviceplugin import SharedFit, bounds_resource, shared_fit
-from extender.ledger import DeviceArrays, Ledger
-from extender.placement.cache import shape_cache
+from extender.deviceplugin import BoundView, SharedFit, bound_view, bounds_resource, shared_fit
+from extender.ledger import DeviceArrays, Ledger, NodeSummary
+from extender.placement.cache import StaticFit, cache_of
 from extender.placement.views import node_arrays, uniform_labels
 
 
@@ -64,7 +64,9 @@ def demand_fit(
     ok = big_enough & (a.used_replicas < a.replicas) & (a.capacity - a.used >= need)
     shared = None
     if demand.wants_gpu and node_rows is not None:
-        shared = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, node_rows)
+        shared = shared_fit(
+            plugin_view(ledger), need, demand.gpu_count, demand.pin_configmap, node_rows
+        )
     elif demand.wants_gpu and bounded:
         shared = bound_at_resource(ledger, demand)
     elif demand.wants_gpu and local is None:
@@ -82,17 +84,29 @@ def kept_bound(
     follows its filter, usually with nothing changed in between."""
     key = (
         ledger.generation,
-        ledger.replica_policy,
         demand.bytes_per_gpu,
         demand.gpu_count,
         demand.pin_configmap,
         resource,
     )
-    hit = a.derived.get("shared")
+    cache = cache_of(a)
+    hit = cache.bound
     if hit is None or hit[0] != key or hit[2] is not need:
-        fit = shared_fit(ledger, need, demand.gpu_count, demand.pin_configmap, resource=resource)
-        hit = a.derived["shared"] = (key, fit, need)
+        fit = shared_fit(
+            plugin_view(ledger), need, demand.gpu_count, demand.pin_configmap, resource=resource
+        )
+        hit = cache.bound = (key, fit, need)
     return hit[1]
+
+
+def plugin_view(ledger: Ledger) -> BoundView | None:
+    """The device plugin's view of the ledger (what its bound needs), kept with the ledger's
+    arrays and brought up to date on each use; None without a replica policy (exact books)."""
+    if ledger.replica_policy is None:
+        return None
+    cache = cache_of(ledger.arrays)
+    view = cache.plugin = bound_view(ledger, cache.plugin)
+    return view
 
 
 def bound_at_resource(ledger: Ledger, demand: Demand) -> SharedFit | None:
@@ -100,7 +114,7 @@ def bound_at_resource(ledger: Ledger, demand: Demand) -> SharedFit | None:
     applies to none of them)."""
     full = ledger.arrays
     rid = full.resources.get(demand.resource)
-    if rid is None or not bounds_resource(ledger, rid):
+    if rid is None or not bounds_resource(plugin_view(ledger), rid):
         return None
     return kept_bound(ledger, demand, full, shape_need(full, demand), rid)
 
@@ -110,17 +124,17 @@ def shape_need(a: DeviceArrays, demand: Demand) -> np.ndarray:
     cache compares it by identity): `static_fit` takes it from here, and the bound reads it
     without `static_fit`'s two other columns, which over every device of the cluster, on a shape
     asked for the first time, cost more than the bound itself."""
-    cache = shape_cache(a, "need")
+    cache = cache_of(a).need.room()
     hit = cache.get(demand.bytes_per_gpu)
     if hit is None:
         hit = cache[demand.bytes_per_gpu] = device_need(a, demand)
     return hit
 
 
-def static_fit(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def static_fit(a: DeviceArrays, demand: Demand) -> StaticFit:
     """(devices of the resource and products, bytes needed on each, those big enough for it):
     labels and demand only, so kept with `a` per demand shape. Callers never write them."""
-    cache = shape_cache(a, "static_fit")
+    cache = cache_of(a).static_fit.room()
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
@@ -149,7 +163,7 @@ def node_ok(a: DeviceArrays, demand: Demand) -> tuple[np.ndarray, np.ndarray] | 
     uniform = uniform_labels(a)
     if uniform is None:
         return None
-    cache = shape_cache(a, "node_ok")
+    cache = cache_of(a).node_ok.room()
     key = (demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
@@ -180,7 +194,9 @@ def one_largest(ledger: Ledger, a: DeviceArrays, demand: Demand) -> np.ndarray |
     return np.where(hit[0], ledger.slot_free(int(a.resource_id[0])), -1)
 
 
-def node_fit(ledger: Ledger, a: DeviceArrays, demand: Demand) -> tuple | None:
+def node_fit(
+    ledger: Ledger, a: DeviceArrays, demand: Demand
+) -> tuple[np.ndarray, np.ndarray, NodeSummary] | None:
     """(node ok, bytes needed per node, the ledger's summary) for `_filter_summary`, or None."""
     hit = node_ok(a, demand)
     if hit is None:

@@ -8,7 +8,7 @@ from itertools import combinations
 from extender.demand import Demand
 from extender.deviceplugin import allowed_without
 from extender.ledger import Ledger, Reservation
-from extender.placement.fit import demand_fit
+from extender.placement.fit import demand_fit, plugin_view
 
 _MAX_COMBINATIONS = 4096
 
@@ -92,6 +92,6 @@ def _fits_without(a, fit, lo, hi, k, victims, ledger=None) -> bool:
             fit.shared.allowed[lo:hi]
             if not victims
             else ~fit.shared.needs_pin[lo:hi]
-            & allowed_without(ledger, lo, hi, victims, fit.need, k)
+            & allowed_without(ledger, plugin_view(ledger), lo, hi, victims, fit.need, k)
         )
     return int(ok.sum()) >= k

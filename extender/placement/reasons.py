@@ -4,6 +4,8 @@ share their label-only reasons, and reasons that depend on figures are worded on
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import IntEnum
+from functools import lru_cache
 
 import numpy as np
 
@@ -11,7 +13,7 @@ from extender.demand import Demand
 from extender.deviceplugin import PIN_MISSING, SharedFit
 from extender.inventory import MigSlice
 from extender.ledger import DeviceArrays, Ledger, run_starts
-from extender.placement.cache import shape_cache
+from extender.placement.cache import FIXED_REASONS_KEPT, StaticFit, cache_of
 from extender.placement.fit import Fit, static_fit
 from extender.placement.outcome import (
     FilterOutcome,
@@ -22,17 +24,30 @@ from extender.placement.outcome import (
 from extender.placement.views import node_kinds, per_node
 from extender.quantity import format_bytes
 
-# Reasons that depend on what is in use, worded once per distinct figure (bounded, see _reason).
-_REASONS: dict[tuple, str] = {}
+
+class ReasonKind(IntEnum):
+    """Why a node cannot take a pod, in the order `explain` tests them: the first that holds
+    names the node. The first four depend on labels and the demand only, so the node is
+    unresolvable (no preemption helps); the last two depend on what is in use.
+
+    The vector code compares `.value`: numpy compares a plain int several times faster than an
+    IntEnum member."""
+
+    NOT_A_GPU_NODE = 0  # the node's labels describe no usable GPU
+    NO_SUCH_RESOURCE = 1  # no device of the resource (or of an allowed product)
+    TOO_FEW_DEVICES = 2  # fewer devices of the resource than the pod asks for
+    DEVICES_TOO_SMALL = 3  # enough devices, too few big enough for the pod
+    NO_FREE_REPLICA = 4  # too few of them have a free replica now
+    NOT_ENOUGH_VRAM = 5  # too few of them have the free VRAM now
 
 
-_MAX_REASONS = 1 << 16
-
-
-_UNRESOLVABLE_CATEGORIES = 4  # categories 0..3 below never change until the node's labels do
-
-
-_FIXED_CACHED = 256
+#: the kinds below this one are unresolvable
+_RESOLVABLE = ReasonKind.NO_FREE_REPLICA.value
+#: the kinds below this one depend on labels and the demand's resource, products and GPU count
+#: only (not on its bytes): the same for every pod of that shape on a candidate list
+_BY_BYTES = ReasonKind.DEVICES_TOO_SMALL.value
+#: distinct reasons worded once and kept (`lru_cache`): pure functions of their figures
+_WORDINGS_KEPT = 1 << 16
 
 
 def explain(
@@ -47,14 +62,13 @@ def explain(
     summary: tuple[np.ndarray, np.ndarray] | None = None,
     books_short: bool = False,
 ) -> None:
-    """A reason for every node in `bad`, in vector form: nodes are sorted into categories
-    (0 not a GPU node, 1 no such resource, 2 too few devices, 3 devices too small: unresolvable;
-    4 no free replica, 5 not enough free VRAM: failed), then each distinct reason is worded once.
-    `books_short`: no node in `bad` has room for the pod on the books (`_filter_plugin`), so the
-    device plugin's bound refuses none of them (see `_explain_shared`).
+    """A reason for every node in `bad`, in vector form: each node gets its `ReasonKind`, then
+    each distinct reason is worded once. `books_short`: no node in `bad` has room for the pod on
+    the books (`_filter_plugin`), so the device plugin's bound refuses none of them (see
+    `_explain_shared`).
 
-    Categories 0..2 depend on labels and the demand's resource, products and GPU count only:
-    for a candidate list seen before (`asked`, the rows of the request, from the candidate_rows
+    The kinds below DEVICES_TOO_SMALL depend on labels and the demand's resource, products and
+    GPU count only: for a candidate list seen before (`asked`, the rows of the request, from the candidate_rows
     cache) and such a demand, their reasons are the same dict as last time and only the other
     nodes are looked at.
     """
@@ -63,8 +77,9 @@ def explain(
     n_nodes = len(a.node_names)
     k = demand.gpu_count
     dkey = (demand.resource, demand.bytes_per_gpu, demand.allowed_products, k)
-    fixed_cache = a.derived.setdefault("fixed", {})
-    ckey = (id(asked), demand.resource, demand.allowed_products, k)  # categories 0..2 only
+    cache = cache_of(a)
+    fixed_cache = cache.fixed
+    ckey = (id(asked), demand.resource, demand.allowed_products, k)  # label-only kinds
     known = fixed_cache.get(ckey) if asked is not None else None
     base = None
     if known is not None and known[0] is asked:
@@ -87,36 +102,36 @@ def explain(
         with_slot = big_enough & (a.used_replicas < a.replicas)
         n_slot = per_node(a, with_slot)
     # np.select's first matching condition, as masked assignments from the last to the first (cheaper)
-    cat = np.full(len(bad), 5, np.int64)
-    cat[n_slot[bad] < k] = 4
-    cat[n_big[bad] < k] = 3
+    cat = np.full(len(bad), ReasonKind.NOT_ENOUGH_VRAM.value, np.int64)
+    cat[n_slot[bad] < k] = ReasonKind.NO_FREE_REPLICA.value
+    cat[n_big[bad] < k] = ReasonKind.DEVICES_TOO_SMALL.value
     matching = n_match[bad]
-    cat[matching < k] = 2
-    cat[matching == 0] = 1
-    cat[problem[bad]] = 0
-    fixed = cat < _UNRESOLVABLE_CATEGORIES
+    cat[matching < k] = ReasonKind.TOO_FEW_DEVICES.value
+    cat[matching == 0] = ReasonKind.NO_SUCH_RESOURCE.value
+    cat[problem[bad]] = ReasonKind.NOT_A_GPU_NODE.value
+    fixed = cat < _RESOLVABLE
     if base is not None:
         add_shared_reasons(out, base)
     if fixed.any():
         rows = bad[fixed]
-        cache = a.derived.setdefault("reasons", {})
+        worded = cache.kind_reasons
         row_kinds = kind[rows]
         present = np.flatnonzero(np.bincount(row_kinds)).tolist()  # a handful of kinds
         by_kind = np.empty(present[-1] + 1, dtype=object)
         for kd in present:
-            msg = cache.get((kd, dkey))
+            msg = worded.get((kd, dkey))
             if msg is None:
                 i = int(np.argmax(row_kinds == kd))
                 r = int(rows[i])
-                msg = cache[(kd, dkey)] = _fixed_reason(
-                    ledger, fit, demand, int(cat[fixed][i]), r, int(n_match[r])
+                msg = worded[(kd, dkey)] = _fixed_reason(
+                    ledger, fit, demand, ReasonKind(int(cat[fixed][i])), r, int(n_match[r])
                 )
             by_kind[kd] = msg
         mutable_unresolvable(out).update(zip(names[rows].tolist(), by_kind[row_kinds].tolist()))
     if asked is not None and known is None:
-        if len(fixed_cache) >= _FIXED_CACHED:
+        if len(fixed_cache) >= FIXED_REASONS_KEPT:
             fixed_cache.clear()
-        label_only = cat < 3  # not category 3: "too small" depends on the pod's bytes
+        label_only = cat < _BY_BYTES  # "too small" depends on the pod's bytes
         is_fixed = np.zeros(n_nodes, bool)
         is_fixed[bad[label_only]] = True
         fixed_cache[ckey] = (
@@ -124,20 +139,11 @@ def explain(
             is_fixed,
             SharedReasons({n: out.unresolvable[n] for n in names[bad[label_only]].tolist()}),
         )
-    slot = cat == 4
+    slot = cat == ReasonKind.NO_FREE_REPLICA.value
     if slot.any():
         rows = bad[slot]
-        out.failed.update(
-            _worded(
-                names[rows].tolist(),
-                n_slot[rows],
-                lambda c: _reason(
-                    ("slot", c, k),
-                    lambda: f"all GPU replicas in use: {c} of {k} needed GPUs have a free replica",
-                ),
-            )
-        )
-    mem = cat == 5
+        out.failed.update(_worded(names[rows].tolist(), n_slot[rows], lambda c: _slot_reason(c, k)))
+    mem = cat == ReasonKind.NOT_ENOUGH_VRAM.value
     if not mem.any():
         return
     rows = bad[mem]
@@ -178,17 +184,12 @@ def stack_reasons(policy: str, worst: np.ndarray, cap: np.ndarray) -> list[str]:
     which[order] = np.cumsum(new) - 1
     words = np.array(
         [
-            _reason(
-                ("stack", policy, w, c),
-                lambda w=w, c=c: (
-                    f"device plugin ({policy}) may stack {format_bytes(w)} on a {format_bytes(c)} GPU"
-                ),
-            )
+            _stack_reason(policy, w, c)
             for w, c in zip(worst[order][new].tolist(), cap[order][new].tolist())
         ],
         dtype=object,
     )
-    return words[which].tolist()
+    return list(words[which].tolist())
 
 
 def _worded(names: list[str], counts: np.ndarray, word: Callable[[int], str]) -> dict[str, str]:
@@ -203,19 +204,18 @@ def _worded(names: list[str], counts: np.ndarray, word: Callable[[int], str]) ->
     return dict(zip(names, msgs[counts].tolist()))
 
 
-def _static_counts(
-    a: DeviceArrays, fit: Fit, demand: Demand, kind: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _static_counts(a: DeviceArrays, fit: Fit, demand: Demand, kind: np.ndarray) -> StaticFit:
     """Per node: devices of the resource (and product), and those big enough for the pod; plus
     the big-enough mask. They depend on labels and the demand only, so they are kept per demand,
     and counted on one node per kind (nodes of a kind have the same devices) instead of all."""
-    cache = shape_cache(a, "static_counts")
+    kept = cache_of(a)
+    cache = kept.static_counts.room()
     key = (demand.resource, demand.bytes_per_gpu, demand.allowed_products)
     hit = cache.get(key)
     if hit is None:
-        reps = a.derived.get("kind_reps")
+        reps = kept.kind_reps
         if reps is None:
-            reps = a.derived["kind_reps"] = (
+            reps = kept.kind_reps = (
                 np.unique(kind, return_index=True)[1] if len(kind) else np.zeros(0, np.int64)
             )
         bounds = list(zip(a.node_start[reps].tolist(), a.node_start[reps + 1].tolist()))
@@ -228,39 +228,38 @@ def _static_counts(
     return hit
 
 
-def _reason(key: tuple, word) -> str:
-    msg = _REASONS.get(key)
-    if msg is None:
-        if len(_REASONS) >= _MAX_REASONS:
-            _REASONS.clear()
-        msg = _REASONS[key] = word()
-    return msg
-
-
+@lru_cache(maxsize=_WORDINGS_KEPT)
 def _mem_reason(need: int | None, n_ok: int, k: int) -> str:
     """No per-node figure in the wording: kube-scheduler's event counts nodes per distinct reason
     ("0/5000 nodes are available: 1200 no GPU with 20Gi free, ..."), and a figure per node would
     split that into hundreds of one-node entries. /state shows each GPU's free VRAM."""
+    want = "a whole free GPU" if need is None else f"{format_bytes(need)} free"
+    if k == 1:
+        return f"no GPU with {want}"
+    return f"only {n_ok} of {k} GPUs with {want}"
 
-    def word() -> str:
-        want = "a whole free GPU" if need is None else f"{format_bytes(need)} free"
-        if k == 1:
-            return f"no GPU with {want}"
-        return f"only {n_ok} of {k} GPUs with {want}"
 
-    return _reason(("mem", need, n_ok, k), word)
+@lru_cache(maxsize=_WORDINGS_KEPT)
+def _slot_reason(free: int, k: int) -> str:
+    return f"all GPU replicas in use: {free} of {k} needed GPUs have a free replica"
+
+
+@lru_cache(maxsize=_WORDINGS_KEPT)
+def _stack_reason(policy: str, worst: int, cap: int) -> str:
+    return f"device plugin ({policy}) may stack {format_bytes(worst)} on a {format_bytes(cap)} GPU"
 
 
 def _fixed_reason(
-    ledger: Ledger, fit: Fit, demand: Demand, category: int, r: int, n_match: int
+    ledger: Ledger, fit: Fit, demand: Demand, kind: ReasonKind, r: int, n_match: int
 ) -> str:
+    """The wording of an unresolvable `kind` for node row `r` (one node stands for its kind)."""
     name = fit.a.node_names[r]
-    if category == 0:
+    if kind is ReasonKind.NOT_A_GPU_NODE:
         inv = ledger.node(name)
         return f"not a GPU node: {inv.problem if inv is not None else 'unknown'}"
-    if category == 1:
+    if kind is ReasonKind.NO_SUCH_RESOURCE:
         return _no_resource(ledger, name, demand)
-    if category == 2:
+    if kind is ReasonKind.TOO_FEW_DEVICES:
         return f"node has {n_match} {_unit(demand)}, pod needs {demand.gpu_count}"
     return _too_small(ledger, name, demand, fit)
 
@@ -323,7 +322,8 @@ def _pinnable(fit: Fit, demand: Demand) -> np.ndarray:
     pin the pod cannot take: labels, policy and the pod's pin ability only, so kept with the
     arrays per demand shape (per node counts over every node, read at the asked rows: cheaper
     than masking the rest)."""
-    cache = shape_cache(fit.a, "pinnable")
+    assert fit.shared is not None  # only asked under a replica policy
+    cache = cache_of(fit.a).pinnable.room()
     key = (demand.resource, demand.allowed_products, demand.pin_configmap, fit.shared.policy)
     hit = cache.get(key)
     if hit is None:

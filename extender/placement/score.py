@@ -10,9 +10,9 @@ import numpy as np
 from extender.demand import Demand
 from extender.deviceplugin import bounds_resource
 from extender.ledger import DeviceArrays, Ledger
-from extender.placement.cache import SCORE_SHAPES_KEPT, shape_cache
+from extender.placement.cache import KeptScores, ShapeCache, cache_of
 from extender.placement.choose import best_fit_devices
-from extender.placement.fit import Fit, demand_fit, node_ok
+from extender.placement.fit import Fit, demand_fit, node_ok, plugin_view
 from extender.placement.views import (
     candidate_rows,
     node_capacity,
@@ -66,7 +66,9 @@ def score_rows(
     Under a replica policy the per-node summary still answers for a resource the device plugin's
     bound never applies to (a MIG profile no node time-slices): its books are exact."""
     rid = ledger.arrays.resources.get(demand.resource)
-    exact = ledger.replica_policy is None or (rid is not None and not bounds_resource(ledger, rid))
+    exact = ledger.replica_policy is None or (
+        rid is not None and not bounds_resource(plugin_view(ledger), rid)
+    )
     view = resource_arrays(ledger, demand, used=False, under_policy=True) if exact else None
     if view is not None:
         rows, _ = candidate_rows(ledger, names)
@@ -111,7 +113,6 @@ def _device_scores_kept(
         demand.allowed_products,
         demand.gpu_count,
         demand.pin_configmap,
-        ledger.replica_policy,
     )
     bounded = at is not None and ledger.replica_policy is not None
 
@@ -140,39 +141,38 @@ def _device_scores_kept(
             ledger.arrays.node_used_replicas[nodes] > 0,
         )
 
-    return _kept_scores(ledger, a, "device_scores", key, every, some)
+    return _kept_scores(ledger, a, cache_of(a).device_scores, key, every, some)
 
 
 def _kept_scores(
     ledger: Ledger,
     a: DeviceArrays,
-    name: str,
-    key: tuple,
+    kept: ShapeCache[tuple[object, ...], KeptScores],
+    key: tuple[object, ...],
     every: Callable[[], tuple[np.ndarray, np.ndarray]],
     some: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A (scores, placed) table over every node of `a`, kept per demand shape (`key`, in the cache
-    `name`) and patched on the nodes the ledger's log says changed since it was last read:
+    """A (scores, placed) table over every node of `a`, kept per demand shape (`key`, in `kept`,
+    a cache of `a`) and patched on the nodes the ledger's log says changed since it was last read:
     `some(nodes)` gives (the rows among them whose entries may change, their scores, placed).
     Redone with `every()` when the log no longer reaches back that far, or when more than 1
     node in `_PATCH_SHARE` changed (then one pass over all of them is cheaper)."""
-    cache = shape_cache(a, name, SCORE_SHAPES_KEPT)
+    cache = kept.room()
     entry = cache.get(key)
     now = ledger.position
     if entry is not None:
-        nodes = ledger.touched_rows_since(
-            entry[0]
-        )  # rows of these very arrays (a rebuild drops the cache)
+        # rows of these very arrays (a rebuild drops the cache)
+        nodes = ledger.touched_rows_since(entry.position)
         if nodes is None or len(nodes) * _PATCH_SHARE > len(a.node_names):
             entry = None
         else:
             if len(nodes):
-                rows, entry[1][rows], entry[2][rows] = some(nodes)
-            entry[0] = now
+                rows, entry.scores[rows], entry.placed[rows] = some(nodes)
+            entry.position = now
     if entry is None:
         scores, placed = every()
-        entry = cache[key] = [now, scores.astype(np.int8), placed]
-    return entry[1], entry[2]
+        entry = cache[key] = KeptScores(now, scores.astype(np.int8), placed)
+    return entry.scores, entry.placed
 
 
 def _device_scores(
@@ -288,7 +288,7 @@ def _score_summary(
         return r, *_summary_scores(ledger, demand, a, node_need, capacity, r)
 
     key = (demand.bytes_per_gpu, demand.allowed_products, demand.gpu_count)
-    return _kept_scores(ledger, a, "scores", key, every, some)
+    return _kept_scores(ledger, a, cache_of(a).scores, key, every, some)
 
 
 def _summary_scores(

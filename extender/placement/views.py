@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TypeVar, overload
 
 import numpy as np
 
-from extender.demand import Demand
+from extender.demand import Demand, PodRef
+from extender.inventory import Device
 from extender.ledger import DeviceArrays, Ledger, offsets
+from extender.placement.cache import CANDIDATE_LISTS_KEPT, NodeKinds, cache_of
 
-_ROWS_CACHED = 8
+T = TypeVar("T")
 
 
 def candidate_rows(ledger: Ledger, names: Sequence[str]) -> tuple[np.ndarray, list[str]]:
@@ -22,7 +25,7 @@ def candidate_rows(ledger: Ledger, names: Sequence[str]) -> tuple[np.ndarray, li
     very list filter answered: comparing a list with a recent one is several times cheaper than
     looking 5,000 names up, so the last few lists are remembered (with the arrays they index).
     """
-    recent = ledger.arrays.derived.setdefault("rows", [])
+    recent = cache_of(ledger.arrays).candidates
     n = len(names)
     for i, (known, rows, unknown) in enumerate(recent):
         if known is names or (
@@ -44,28 +47,30 @@ def candidate_rows(ledger: Ledger, names: Sequence[str]) -> tuple[np.ndarray, li
 def remember_candidates(
     ledger: Ledger, names: list[str], rows: np.ndarray, unknown: list[str]
 ) -> None:
-    rows.flags.writeable = False  # shared by later calls
-    recent = ledger.arrays.derived.setdefault("rows", [])
+    """Remember `names` as a candidate list with its `rows` (shared by later calls: read-only)."""
+    rows.flags.writeable = False
+    recent = cache_of(ledger.arrays).candidates
     recent.insert(0, (names, rows, unknown))
-    del recent[_ROWS_CACHED:]
+    del recent[CANDIDATE_LISTS_KEPT:]
 
 
-def node_kinds(ledger: Ledger, a: DeviceArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def node_kinds(ledger: Ledger, a: DeviceArrays) -> NodeKinds:
     """Per node of `a`: name (object array, for fast fancy indexing), kind, has a problem.
 
     Nodes of one *kind* have the same devices, product and problem, so every reason that does
     not depend on what is in use (no such resource, too few or too small devices) is the same
     for all of them: it is worded once per kind instead of once per node. Cached with `a`.
     """
-    info = a.derived.get("nodes")
+    cache = cache_of(a)
+    info = cache.kinds
     if info is None:
-        kinds: dict[tuple, int] = {}
+        kinds: dict[tuple[object, ...], int] = {}
         kind = np.zeros(len(a.node_names), np.int32)
         problem = np.zeros(len(a.node_names), bool)
         for r, name in enumerate(a.node_names):
             inv = ledger.node(name)
             if inv is None:
-                sig: tuple = (name,)
+                sig: tuple[object, ...] = (name,)
             else:
                 problem[r] = bool(inv.problem)
                 sig = (
@@ -86,18 +91,19 @@ def node_kinds(ledger: Ledger, a: DeviceArrays) -> tuple[np.ndarray, np.ndarray,
                     ),
                 )
             kind[r] = kinds.setdefault(sig, len(kinds))
-        info = a.derived["nodes"] = (name_array(a), kind, problem)
+        info = cache.kinds = NodeKinds(name_array(a), kind, problem)
     return info
 
 
 def name_array(a: DeviceArrays) -> np.ndarray:
     """The node names of `a` as an object array (fast fancy indexing), one per arrays: encoders
     cache per-node fragments by this array's identity. Cheaper than `node_kinds` (no kinds)."""
-    names = a.derived.get("names")
+    cache = cache_of(a)
+    names = cache.names
     if names is None:
-        info = a.derived.get("nodes")
-        names = a.derived["names"] = (
-            info[0] if info is not None else np.array(a.node_names, dtype=object)
+        info = cache.kinds
+        names = cache.names = (
+            info.names if info is not None else np.array(a.node_names, dtype=object)
         )
     return names
 
@@ -128,19 +134,23 @@ def node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
     )
 
 
-class _Picked(Sequence):
+class _Picked(Sequence[T]):
     """`items` at `rows`, looked up when read: the kept scores' patches (`nodes_arrays`) build
     arrays over thousands of device rows and read none of their `Device` objects."""
 
     __slots__ = ("items", "rows")
 
-    def __init__(self, items: Sequence, rows: np.ndarray) -> None:
+    def __init__(self, items: Sequence[T], rows: np.ndarray) -> None:
         self.items, self.rows = items, rows
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
         if isinstance(i, slice):
             return [self.items[r] for r in self.rows[i].tolist()]
         return self.items[int(self.rows[i])]
@@ -155,8 +165,8 @@ def nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.n
     bounds = offsets(lengths)
     ix = np.repeat(starts - bounds[:-1], lengths) + np.arange(int(bounds[-1]))
     sub = DeviceArrays(
-        devices=_Picked(a.devices, ix),
-        node_names=_Picked(a.node_names, nodes),  # type: ignore[arg-type]
+        devices=_Picked[Device](a.devices, ix),
+        node_names=_Picked[str](a.node_names, nodes),
         node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths),
         node_start=bounds,
         capacity=a.capacity[ix],
@@ -190,7 +200,7 @@ def resource_arrays(
     rid = a.resources.get(demand.resource)
     if rid is None or (ledger.replica_policy is not None and not under_policy):
         return None
-    views = a.derived.setdefault("by_resource", {})
+    views = cache_of(a).by_resource
     view = views.get(rid)
     if view is None:
         idx = a.rows_of(rid)
@@ -214,16 +224,17 @@ def resource_arrays(
                 resources=a.resources,
                 products=a.products,
             )
-            static.derived["nodes"] = node_kinds(ledger, a)
+            cache_of(static).kinds = node_kinds(ledger, a)
             view = views[rid] = (idx, static)
     idx, static = view
     if idx is None:
         return None
     if not used:
         return static
-    current = static.derived.get("current")  # unchanged ledger since the last call: same view
+    cache = cache_of(static)  # shared by the view below (`replace` keeps it)
+    current = cache.current  # unchanged ledger since the last call: same view
     if current is None or current[0] != ledger.generation:
-        current = static.derived["current"] = (
+        current = cache.current = (
             ledger.generation,
             replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx]),
         )
@@ -234,7 +245,8 @@ def uniform_labels(a: DeviceArrays) -> tuple[np.ndarray, np.ndarray] | None:
     """Per node of the resource view `a`: the per-pod cap and product id its devices all share
     (-1 for a node without any), or None when some node mixes caps or products (then the
     per-node summaries cannot stand for its devices). Labels only: cached with `a`."""
-    uniform = a.derived.get("uniform")
+    cache = cache_of(a)
+    uniform = cache.uniform
     if uniform is None:
         n = len(a.node_names)
         cap, prod = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
@@ -246,13 +258,14 @@ def uniform_labels(a: DeviceArrays) -> tuple[np.ndarray, np.ndarray] | None:
                 hi, lo = np.maximum.reduceat(col, s[ne]), np.minimum.reduceat(col, s[ne])
                 same = same and bool((hi == lo).all())
                 dst[ne] = hi
-        uniform = a.derived["uniform"] = (cap, prod) if same and len(a.resource_id) else False
+        uniform = cache.uniform = (cap, prod) if same and len(a.resource_id) else False
     return uniform or None
 
 
 def node_capacity(a: DeviceArrays) -> np.ndarray | None:
     """Per node of `a`: the memory its devices all have, or None when a node mixes sizes."""
-    cap = a.derived.get("capacity")
+    cache = cache_of(a)
+    cap = cache.capacity
     if cap is None:
         n = len(a.node_names)
         cap = np.full(n, -1, np.int64)
@@ -263,7 +276,7 @@ def node_capacity(a: DeviceArrays) -> np.ndarray | None:
             cap[ne] = hi
             if (hi != lo).any():
                 cap = False
-        a.derived["capacity"] = cap
+        cache.capacity = cap
     return None if cap is False else cap
 
 
@@ -302,8 +315,7 @@ def warm(ledger: Ledger) -> None:
     a = ledger.arrays
     node_kinds(ledger, a)
     for resource, rid in list(a.resources.items()):
-        view = resource_arrays(
-            ledger, Demand(pod=None, gpu_count=1, bytes_per_gpu=None, resource=resource)
-        )  # type: ignore[arg-type]
+        shape = Demand(pod=PodRef("", ""), gpu_count=1, bytes_per_gpu=None, resource=resource)
+        view = resource_arrays(ledger, shape)
         if view is not None:
             uniform_labels(view), node_capacity(view), ledger.summary(rid)
