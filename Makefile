@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-planner bench-metrics loadtest loadtest-scrape soak clean
+.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
 venv: $(STAMP)
 
@@ -51,16 +51,20 @@ node-deps:
 	scripts/node/deps.sh
 	VRAMSCHED_K8S_136=$(K8S_136) scripts/node/k8s-1.36.sh
 
-# Lint: ruff (rules and format) and mypy (strict on the planner), configured in pyproject.toml.
+# Lint: ruff (rules and format) and mypy (strict on the pure core), configured in pyproject.toml.
 LINT_PATHS := extender tests benchmarks loadtest
-MYPY_PATHS := extender/planner
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
-	$(VENV)/bin/mypy $(MYPY_PATHS)
+	$(VENV)/bin/mypy
 
 test: venv deps control-plane node-deps
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The fast tests, while changing code: no control plane, and none of the tests that run
+# vramsched or locust as a process or fuzz the HTTP API (markers in pyproject.toml).
+unit: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not integration"
 
 # Only the tests that run against the real control plane (etcd, kube-apiserver, kube-scheduler).
 e2e: venv deps control-plane node-deps

@@ -46,17 +46,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
-import grpc  # noqa: E402
-import kubernetes.client  # noqa: E402
-import orjson  # noqa: E402
+import grpc
+import kubernetes.client
+import orjson
 
-from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp  # noqa: E402
-from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc  # noqa: E402
-from extender.device_plugin.gpus import FakeGpus  # noqa: E402
-from extender.device_plugin.kubelet import PodResources  # noqa: E402
-from extender.device_plugin.server import DevicePluginService, PluginRunner  # noqa: E402
-from extender.device_plugin.simkubelet import SimKubelet  # noqa: E402
-from extender.plugin_state import STATE_ANNOTATION, PluginState, encode_state  # noqa: E402
+from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
+from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from extender.device_plugin.gpus import FakeGpus
+from extender.device_plugin.kubelet import PodResources
+from extender.device_plugin.server import DevicePluginService, PluginRunner
+from extender.device_plugin.simkubelet import SimKubelet
+from extender.plugin_state import STATE_ANNOTATION, PluginState, encode_state
 
 GIB = 1024**3
 NODES, GPUS, MEMORY_MIB, REPLICAS = 4, 8, 81920, 4
@@ -453,7 +453,7 @@ def allocate(rounds: int, gpus: int = 16, replicas: int = 4) -> dict[str, Any]:
                         load.append(len(held))
                         try:
                             got = kubelet.admit(body)
-                        except Exception:  # noqa: BLE001 - its GPU has no free replica
+                        except Exception:  # its GPU has no free replica
                             continue
                         seconds += got.allocate_seconds
                         held.append(f"default/{body['metadata']['name']}")

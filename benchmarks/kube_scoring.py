@@ -26,13 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from trace_packing import load  # noqa: E402
+from trace_packing import load
 
-from extender import placement  # noqa: E402
-from extender.demand import Demand  # noqa: E402
-from extender.planner import greedy  # noqa: E402
-from extender.planner.capacity import Capacity, FragIndex  # noqa: E402
-from extender.simulate.engine import run_policy  # noqa: E402
+from extender import placement
+from extender.demand import Demand
+from extender.planner import greedy
+from extender.planner.capacity import Capacity, FragIndex
+from extender.simulate.engine import run_policy
 
 WEIGHT, STEP = 5, 10  # the shipped extender weight; MaxNodeScore / MaxExtenderPriority
 

@@ -25,9 +25,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from extender import mig  # noqa: E402
-from extender.commands.plan_mig import read_cluster  # noqa: E402
-from extender.planner.mig_geometry import evaluate_uniform, plan_mig_geometry  # noqa: E402
+from extender import mig
+from extender.commands.plan_mig import read_cluster
+from extender.planner.mig_geometry import evaluate_uniform, plan_mig_geometry
 
 GIB = mig.GIB
 MIB = mig.MIB

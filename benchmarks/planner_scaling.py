@@ -23,14 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from extender.assignment import encode_assignment  # noqa: E402
-from extender.demand import Demand, PodRef  # noqa: E402
-from extender.ledger import Reservation  # noqa: E402
-from extender.planner.capacity import FragIndex, Workload  # noqa: E402
-from extender.planner.greedy import greedy_batch  # noqa: E402
-from extender.planner.model import solve_batch  # noqa: E402
-from extender.quantity import GIB  # noqa: E402
-from extender.simulate.engine import build_capacity  # noqa: E402
+from extender.assignment import encode_assignment
+from extender.demand import Demand, PodRef
+from extender.ledger import Reservation
+from extender.planner.capacity import FragIndex, Workload
+from extender.planner.greedy import greedy_batch
+from extender.planner.model import solve_batch
+from extender.quantity import GIB
+from extender.simulate.engine import build_capacity
 
 GPU_GIB = 80
 SHAPES = [  # GiB used per GPU on a node of that shape

@@ -22,15 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from extender.planner.capacity import Workload  # noqa: E402
+from extender.planner.capacity import Workload
 from extender.simulate.engine import (
     ALL_POLICIES,
     all_fit_line,
     overcommit_text,
     run_policy,
     while_all_fit,
-)  # noqa: E402
-from extender.simulate.trace import inflate, read_inputs  # noqa: E402
+)
+from extender.simulate.trace import inflate, read_inputs
 
 TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "traces"))
 LISTS = ["default", "gpushare40", "gpuspec10"]

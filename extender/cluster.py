@@ -153,12 +153,11 @@ class ClusterState:
         if existing is not None and existing.node == node:
             return  # already counted (our own bind, or an earlier guess)
         self.ledger.release(ref.key)
-        guess = choose_devices(self.ledger, demand, node)
-        if isinstance(guess, str):
-            guess = self._worst_case(demand, node)
-            if guess is None:
-                log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
-                return
+        chosen = choose_devices(self.ledger, demand, node)
+        guess = self._worst_case(demand, node) if isinstance(chosen, str) else chosen
+        if guess is None:
+            log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
+            return
         self.guessed.add(ref.key)
         self.ledger.record(guess)
 

@@ -297,7 +297,9 @@ class BoundView:
         key = (resource, pin_configmap)
         hit = self.layouts.get(key)
         if hit is None:
-            groups = self.resource_groups(resource)[0]
+            grouped = self.resource_groups(resource)
+            assert grouped is not None  # asked only when the bound is one value per group
+            groups = grouped[0]
             a = self.arrays
             needs_pin = self.static_masks(pin_configmap, resource)[0]
             pinned = np.bincount(
@@ -424,9 +426,9 @@ def _refresh(ledger: Ledger, v: BoundView, node: str) -> None:
     for res in ledger.pods_on(node):
         for dev, nbytes in zip(res.device_ids, res.bytes_per_device):
             r = ledger.row(node, dev)
-            g = member.get(r) if r is not None else None
-            if g is not None:
-                g.sizes.append(int(nbytes))
+            owner = member.get(r) if r is not None else None
+            if owner is not None:
+                owner.sizes.append(int(nbytes))
     for g in groups:
         g.sizes.sort(reverse=True)
         prefix = (

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from extender.plugin_state import (
@@ -225,7 +226,8 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
         mem = parse_bytes(alloc["memory"], allow_zero=True) if "memory" in alloc else 0
     except QuantityError:
         cpu, mem = 0, 0
-    base = dict(
+    base = partial(
+        NodeInventory,
         name=name,
         cpu_milli=cpu,
         memory_bytes=mem,
@@ -248,12 +250,10 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
         else:
             raise _Missing(f"label {LABEL}mig.strategy={strategy!r} is not none, single or mixed")
     except _Missing as exc:
-        return NodeInventory(product=product, mig_strategy=strategy, problem=str(exc), **base)
+        return base(product=product, mig_strategy=strategy, problem=str(exc))
     if not devices:
-        return NodeInventory(
-            product=product, mig_strategy=strategy, problem="node advertises no GPUs", **base
-        )
-    return NodeInventory(devices=tuple(devices), product=product, mig_strategy=strategy, **base)
+        return base(product=product, mig_strategy=strategy, problem="node advertises no GPUs")
+    return base(devices=tuple(devices), product=product, mig_strategy=strategy)
 
 
 def _sharing(labels: Mapping[str, str], product: str, replicas: int) -> Sharing:

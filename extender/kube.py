@@ -464,7 +464,7 @@ class Informer:
                     self.stats.resource_version = ""
                     continue
                 self._failed(exc)
-            except Exception as exc:  # noqa: BLE001 - an informer thread must never die
+            except Exception as exc:  # an informer thread must never die
                 self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
@@ -630,7 +630,7 @@ class LiveSource:
                 self._apply_node(op, payload)
             else:
                 self._apply_pod(op, payload)
-        except Exception:  # noqa: BLE001 - one odd object must not stop the stream
+        except Exception:  # one odd object must not stop the stream
             log.exception("cannot apply %s %s", kind, op)
 
     def _apply_node(self, op: str, payload: Any) -> None:
@@ -769,7 +769,7 @@ class EventRecorder:
             try:
                 await loop.run_in_executor(self._pool, self.api.create_event, namespace, body)
                 self.sent += 1
-            except Exception as exc:  # noqa: BLE001 - an event is never worth more than a log line
+            except Exception as exc:  # an event is never worth more than a log line
                 self.failed += 1
                 log.warning(
                     "cannot create event",
@@ -992,7 +992,7 @@ class KubeBinder:
                 message = f"reserved {format_bytes(reservation.total_bytes)} on {reservation.node}"
             ref = pod_ref(pod)
             self.events.emit(ref.namespace, bind_event(ref, message, time.time(), self.instance))
-        except Exception:  # noqa: BLE001 - the bind succeeded; an event must not turn it into a failure
+        except Exception:  # the bind succeeded; an event must not turn it into a failure
             log.exception("cannot build the bind event")
             self.events.failed += 1
 

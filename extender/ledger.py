@@ -98,7 +98,8 @@ class DeviceArrays:
 
     @property
     def free(self) -> np.ndarray:
-        return self.capacity - self.used
+        free: np.ndarray = self.capacity - self.used
+        return free
 
     def rows_of(self, resource_id: int) -> np.ndarray:
         """The rows of the devices of one resource, ascending: labels only, so kept with the arrays
@@ -124,8 +125,9 @@ class DeviceArrays:
             ne = starts < self.node_start[1:]
             nonempty = self.nonempty_nodes = True if ne.all() else ne
         if nonempty is True:
-            return np.add.reduceat(values, starts, axis=0, dtype=dtype)
-        out = np.zeros(out_shape, dtype)
+            every: np.ndarray = np.add.reduceat(values, starts, axis=0, dtype=dtype)
+            return every
+        out: np.ndarray = np.zeros(out_shape, dtype)
         out[nonempty] = np.add.reduceat(values, starts[nonempty], axis=0, dtype=dtype)
         return out
 
@@ -180,7 +182,8 @@ class Ledger:
         self._stale_rows: set[int] = set()
         #: bumped whenever a node's inventory object is replaced or removed (see `allocatable`)
         self._inventory_version = 0
-        self._allocatable: tuple | None = None
+        #: (node names, inventory version, CPU, memory) of the last `allocatable` answer
+        self._allocatable: tuple[Sequence[str], int, np.ndarray, np.ndarray] | None = None
 
     def clone(self, *, reservations: bool = True) -> Ledger:
         """A private copy for a reader on another thread (the background planner), in milliseconds
@@ -632,7 +635,8 @@ def run_ranks(values: np.ndarray) -> np.ndarray:
 
 def first_k_per_node(node: np.ndarray, k: int, n_nodes: int) -> np.ndarray:
     """Mask of the first `k` entries of each node's run (`node` grouped), on nodes with at least `k`."""
-    return (run_ranks(node) < k) & (np.bincount(node, minlength=n_nodes)[node] >= k)
+    first: np.ndarray = (run_ranks(node) < k) & (np.bincount(node, minlength=n_nodes)[node] >= k)
+    return first
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
@@ -684,12 +688,12 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
                 continue
             used[i] += nbytes
             used_replicas[i] += 1
-    for i in np.flatnonzero((used != a.used) | (used_replicas != a.used_replicas)):
+    for i in np.flatnonzero((used != a.used) | (used_replicas != a.used_replicas)).tolist():
         d = a.devices[i]
         out.append(
             Violation("derived totals disagree with reservations", f"{d.node}/GPU {d.device_id}")
         )
-    for i in np.flatnonzero(used > a.capacity):
+    for i in np.flatnonzero(used > a.capacity).tolist():
         d = a.devices[i]
         out.append(
             Violation(
@@ -697,7 +701,7 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
                 f"{d.node}/GPU {d.device_id}",
             )
         )
-    for i in np.flatnonzero(used_replicas > a.replicas):
+    for i in np.flatnonzero(used_replicas > a.replicas).tolist():
         d = a.devices[i]
         out.append(
             Violation(
@@ -706,7 +710,7 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
             )
         )
     for rid, name in {rid: name for name, rid in a.resources.items()}.items():
-        if rid in ledger._summaries:  # noqa: SLF001 - the invariant checks derived state too
+        if rid in ledger._summaries:  # the invariant checks derived state too
             for r in ledger.summary(rid).same_as(summary_of(a, rid)).tolist():
                 out.append(Violation(f"stale summary of free {name}", a.node_names[r]))
     if live_pods is not None:

@@ -282,7 +282,7 @@ def _all_tilings(
     """Every multiset reachable by adding non-overlapping instances of ``names`` around ``pinned``."""
     profs = [model.profile(n) for n in names]
     used = [False] * MEMORY_SLOTS
-    base = Counter()
+    base: Counter[str] = Counter()
     for n, s in pinned:
         p = model.profile(n)
         for j in range(s, s + p.memory_slots):

@@ -13,7 +13,7 @@ import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -59,7 +59,10 @@ DEFAULT_MAX_CONCURRENCY = 256
 SERVICE_KEY = web.AppKey("service", ExtenderService)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 NAMES_KEY = web.AppKey("names", NameLists)
-READY_KEY = web.AppKey("ready", object)
+#: says whether the source is synced, and what it knows (`/readyz`)
+READY_KEY = web.AppKey[Callable[[], tuple[bool, dict[str, Any]]]]("ready")
+
+M = TypeVar("M", bound=BaseModel)
 
 _JSON = "application/json"
 _EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
@@ -96,7 +99,7 @@ def _validation_message(model: type[BaseModel], exc: ValidationError) -> str:
     return f"invalid {model.__name__}: " + "; ".join(parts) + more
 
 
-async def _decode(request: web.Request, model: type[BaseModel]) -> BaseModel:
+async def _decode(request: web.Request, model: type[M]) -> M:
     return _validate(model, _parse(model, await request.read()))
 
 
@@ -114,7 +117,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def _validate(model: type[BaseModel], obj: dict[str, Any]) -> BaseModel:
+def _validate(model: type[M], obj: dict[str, Any]) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
@@ -316,7 +319,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         if "Allow" in exc.headers:  # a 405 must say what is allowed (RFC 9110)
             response.headers["Allow"] = exc.headers["Allow"]
         return response
-    except Exception:  # noqa: BLE001 - the server must keep serving
+    except Exception:  # the server must keep serving
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error(500, "internal error in vramsched (see its log)")
 

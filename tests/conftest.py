@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
-from controlplane import ControlPlane, build_binaries  # noqa: E402
+from controlplane import ControlPlane, build_binaries
 
 
 def _wants_e2e(session: pytest.Session) -> bool:

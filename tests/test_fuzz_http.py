@@ -29,6 +29,8 @@ from extender.cluster import check_cluster
 from extender.server import create_app
 from extender.wire import VERBS
 
+pytestmark = pytest.mark.integration
+
 MAX_BODY = 256 * 1024
 FUZZ = settings(
     max_examples=250,

@@ -150,12 +150,12 @@ def test_backoff_doubles_up_to_its_cap_and_resets_after_success() -> None:
     inf = Informer("nodes", api, lambda *_: None, backoff_initial=0.001, backoff_max=0.004)
     delays = []
     for _ in range(4):
-        inf._failed(ApiError(0, "x", "y"))  # noqa: SLF001 - the schedule is the behaviour under test
-        delays.append(inf._delay)  # noqa: SLF001
+        inf._failed(ApiError(0, "x", "y"))  # the schedule is the behaviour under test
+        delays.append(inf._delay)
     assert delays == [0.001, 0.002, 0.004, 0.004]
     api.lists["nodes"] = [([], "1")]
-    inf._list()  # noqa: SLF001
-    assert inf._delay == 0.0  # noqa: SLF001
+    inf._list()
+    assert inf._delay == 0.0
 
 
 def test_stop_unblocks_a_waiting_informer_thread() -> None:
@@ -165,7 +165,7 @@ def test_stop_unblocks_a_waiting_informer_thread() -> None:
     inf.start()
     inf.stop()
     inf.join(timeout=5)
-    assert not inf._thread.is_alive()  # noqa: SLF001
+    assert not inf._thread.is_alive()
     assert api.calls == []
 
 

@@ -208,6 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("churn", [0, 1])
 def test_a_few_seconds_of_the_scenario_against_vramsched_have_no_failures(tmp_path, churn):

@@ -30,6 +30,8 @@ from schemathesis.checks import negative_data_rejection, positive_data_acceptanc
 from extender.cluster import check_cluster
 from extender.server import create_app, route_paths
 
+pytestmark = pytest.mark.integration
+
 OPENAPI = Path(__file__).resolve().parents[1] / "extender" / "openapi.yaml"
 
 

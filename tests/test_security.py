@@ -143,6 +143,7 @@ def serve() -> Iterator[list[Serve]]:
         s.stop()
 
 
+@pytest.mark.integration
 def test_listens_on_loopback_by_default(serve: list[Serve]) -> None:
     args = build_parser().parse_args(["serve", "--cluster", str(DEMO)])
     assert args.host == "127.0.0.1" and args.max_concurrency == DEFAULT_MAX_CONCURRENCY
@@ -157,6 +158,7 @@ def test_listens_on_loopback_by_default(serve: list[Serve]) -> None:
     assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
 
 
+@pytest.mark.integration
 def test_tls_serves_https_only_and_the_limits_apply(serve: list[Serve], tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     trusted = ssl.create_default_context(cafile=str(cert))
@@ -192,6 +194,7 @@ def test_tls_serves_https_only_and_the_limits_apply(serve: list[Serve], tmp_path
     assert status == 200
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flags", [["--tls-cert", "x.crt"], ["--max-concurrency", "0"]])
 def test_bad_security_flags_are_refused_at_start(flags: list[str]) -> None:
     proc = subprocess.run(

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("no GPU found")
     try:
         client = ClientApi(args.kubeconfig)
-    except Exception as exc:  # noqa: BLE001 - kubeconfig errors come in many types
+    except Exception as exc:  # kubeconfig errors come in many types
         return _fail(f"cannot load the Kubernetes client configuration: {exc}")
     api = NodeApi(client, args.node_name)
     try:
@@ -182,7 +182,7 @@ def _probes(args: argparse.Namespace, runner: Any) -> ThreadingHTTPServer:
     registry = runner.service.metrics.registry
 
     class Probe(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's spelling
+        def do_GET(self) -> None:  # http.server's spelling
             if self.path == "/healthz":
                 code, body, kind = 200, b"ok\n", "text/plain"
             elif self.path == "/readyz":

@@ -295,7 +295,7 @@ async def _legacy_failed_nodes(source) -> bool:
 
     try:
         version = await asyncio.to_thread(source.api.server_version)
-    except Exception as exc:  # noqa: BLE001 - any failure: keep the answer every version reads
+    except Exception as exc:  # any failure: keep the answer every version reads
         log.warning(
             "cannot read the API server version (%s); listing unresolvable nodes in FailedNodes too",
             exc,

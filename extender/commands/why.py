@@ -50,7 +50,7 @@ def _namespace(args: argparse.Namespace) -> str:
                 ns = (active or {}).get("context", {}).get("namespace")
                 if ns:
                     return str(ns)
-            except Exception:  # noqa: BLE001 - an unreadable context: the loader reports it next
+            except Exception:  # an unreadable context: the loader reports it next
                 pass
     return "default"
 

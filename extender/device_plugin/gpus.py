@@ -92,7 +92,9 @@ class NvmlGpus:
     def __init__(self, nvml: Any = None) -> None:
         if nvml is None:
             try:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             except ImportError as exc:  # nvidia-ml-py is a dependency; this is a broken install
                 raise GpuSourceError(f"nvidia-ml-py is not importable: {exc}") from None
         self.nvml = nvml

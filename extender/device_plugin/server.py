@@ -181,7 +181,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             )
         return out
 
-    def Allocate(self, request: Any, context: Any) -> dp.AllocateResponse:
+    def Allocate(self, request: Any, context: grpc.ServicerContext) -> dp.AllocateResponse:
         started = time.perf_counter()
         out = dp.AllocateResponse()
         taken: dict[str, set[str]] = {}  # earlier containers of this very request
@@ -365,7 +365,7 @@ class PluginRunner:
                 return
             try:
                 self._publish(state)
-            except Exception as exc:  # noqa: BLE001 - the API may be away; the loop retries
+            except Exception as exc:  # the API may be away; the loop retries
                 log.warning("cannot publish the plugin state on the node: %s", exc)
                 return
             self._published = state
@@ -444,7 +444,7 @@ class PluginRunner:
     def _watch_health(self) -> None:
         try:
             self.source.watch_health(self.service.mark_unhealthy, self._stop)
-        except Exception:  # noqa: BLE001 - as NVIDIA's plugin: keep serving without health checks
+        except Exception:  # as NVIDIA's plugin: keep serving without health checks
             log.exception("GPU health checks stopped")
 
     def stop(self) -> None:

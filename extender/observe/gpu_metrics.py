@@ -100,7 +100,7 @@ class GpuExposition:
         columns = (a.capacity, used, a.replicas, used_reps)
         blocks: list[list[bytes]] = []
         for (name, _), values in zip(FAMILIES, columns):
-            prefix, out = name.encode(), []
+            prefix, out = name.encode(), list[bytes]()
             for lo in range(0, len(labels), self.chunk):
                 out.extend(
                     b"%s%s %d\n" % (prefix, lab, v)

@@ -111,7 +111,7 @@ def cluster_from_kube(
     where = kubeconfig or "the in-cluster ServiceAccount"
     try:
         api = ClientApi(kubeconfig)
-    except Exception as exc:  # noqa: BLE001 - the client raises many kinds for a bad config
+    except Exception as exc:  # the client raises many kinds for a bad config
         raise SourceError(f"cannot load Kubernetes config from {where}: {str(exc)[:200]}") from None
     cluster = ClusterState(
         scheduler_name=scheduler_name,

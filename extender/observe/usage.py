@@ -178,7 +178,7 @@ def usage_from_ledger(
                     used_replicas=int(a.used_replicas[i]) if i is not None else 0,
                     pods=tuple(sorted(holders.get((inv.name, d.device_id), ()), key=_pod_key)),
                     profile=d.profile if mig else None,
-                    slot=d.slot if mig else None,
+                    slot=d.slot if isinstance(d, MigSlice) else None,
                 )
             )
         out.append(NodeUsage(inv.name, tuple(devices), inv.problem))

@@ -266,7 +266,7 @@ def _mig_hint(ledger: Ledger, demand: Demand) -> MigHint | None:
     for product in sorted(products):
         model = mig.model_for_product(product)
         fits = [p for p in model.profiles if p.memory_bytes >= need] if model else []
-        if fits:
+        if fits and model is not None:
             p = min(fits, key=lambda p: (p.memory_bytes, p.compute_slices, p.name))
             models.append((p.memory_bytes, p.name, model.name))
     if not models:

@@ -32,6 +32,7 @@ def best_fit_devices(fit: Fit, k: int, rows: np.ndarray) -> np.ndarray:
         cand = np.flatnonzero(fit.ok & np.repeat(in_rows, sizes))
     if len(cand) == 0:
         return cand
+    chosen: np.ndarray
     empty = (a.used_replicas[cand] == 0).astype(np.int64)
     if fit.shared is not None:
         # The plugin spreads these replicas: book each on a least-used GPU, as it will count it.
@@ -40,9 +41,11 @@ def best_fit_devices(fit: Fit, k: int, rows: np.ndarray) -> np.ndarray:
     if k == 1:
         best = _first_best_per_node(a.node_of[cand], empty, leftover)
         if best is not None:
-            return cand[best]
+            chosen = cand[best]
+            return chosen
     cand = cand[_best_fit_order(a.node_of[cand], empty, leftover)]
-    return cand[first_k_per_node(a.node_of[cand], k, len(a.node_names))]
+    chosen = cand[first_k_per_node(a.node_of[cand], k, len(a.node_names))]
+    return chosen
 
 
 def _first_best_per_node(
@@ -60,7 +63,8 @@ def _first_best_per_node(
     starts = np.flatnonzero(run_starts(node))
     lowest = np.minimum.reduceat(key, starts)
     hit = np.flatnonzero(key == np.repeat(lowest, np.diff(np.append(starts, n))))
-    return hit[run_starts(node[hit])]
+    first: np.ndarray = hit[run_starts(node[hit])]
+    return first
 
 
 def _best_fit_order(node: np.ndarray, empty: np.ndarray, leftover: np.ndarray) -> np.ndarray:
@@ -96,9 +100,9 @@ def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | s
     Works on that node's rows only (the device plugin's node-level bound too), so a bind costs
     the same in a 10-node and a 10,000-node cluster.
     """
-    if ledger.node(node) is None:
-        return f"node {node} unknown to vramsched"
     r = ledger.node_row(node)
+    if r is None:
+        return f"node {node} unknown to vramsched"
     if ledger.replica_policy is None and demand.wants_gpu:
         quick = _choose_on_node(ledger, demand, node, r)
         if quick is not None:

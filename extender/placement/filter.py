@@ -57,7 +57,7 @@ def _filter_into(ledger: Ledger, demand: Demand, names: Sequence[str], out: Filt
         return
     view = resource_arrays(ledger, demand, used=False)
     one = view is not None and demand.gpu_count == 1 and demand.bytes_per_gpu is not None
-    largest = one_largest(ledger, view, demand) if one else None
+    largest = one_largest(ledger, view, demand) if one and view is not None else None
     by_node = node_fit(ledger, view, demand) if view is not None and not one else None
     if view is not None and largest is None and by_node is None:
         view = resource_arrays(ledger, demand)  # the per-device path reads the used columns
@@ -89,6 +89,7 @@ def _filter_plugin(
         return False
     k = demand.gpu_count
     one = k == 1 and demand.bytes_per_gpu is not None
+    largest: np.ndarray | None = None
     if one:
         largest = one_largest(ledger, static, demand)
         if largest is None:
@@ -111,6 +112,7 @@ def _filter_plugin(
         refused = refused_per_node(view, shape_need(full, demand), k, demand.pin_configmap, rid)
         if refused is None:  # the bound is not one value per group: from the rows
             shared = bound_at_resource(ledger, demand)
+            assert shared is not None  # the bound applies to the resource
             refused = np.bincount(static.node_of[np.flatnonzero(~shared.allowed)], minlength=n)
         if ((refused > 0) & (refused < np.diff(static.node_start))).any():
             return False  # a node whose devices of the resource differ under the bound: per device
@@ -131,11 +133,13 @@ def _filter_plugin(
     fit = Fit(static, matches, need, np.zeros(0, bool), shared)
     blocked = rows[room & ~good]  # room on the books, refused by the bound: worded here, per node
     if len(blocked):
-        explain_blocked(static, fit.shared, blocked, name_array(static), out)
+        assert shared is not None  # the bound refused them
+        explain_blocked(static, shared, blocked, name_array(static), out)
     short = rows[~room]
     if not len(short):
         return True
     if one:
+        assert largest is not None  # set above when `one`
         explain(
             ledger,
             fit,
@@ -245,9 +249,8 @@ def split_feasible(
         remember_candidates(
             ledger, out.feasible, feasible_rows, []
         )  # shared, not copied: see FilterOutcome
-    if out.feasible and not out.explain_all:
-        return rows[:0]
-    return rows[~good]
+    failing: np.ndarray = rows[:0] if out.feasible and not out.explain_all else rows[~good]
+    return failing
 
 
 def filter_rows(

@@ -27,7 +27,8 @@ class Fit:
 
     @property
     def leftover(self) -> np.ndarray:
-        return self.a.capacity - self.a.used - self.need
+        left: np.ndarray = self.a.capacity - self.a.used - self.need
+        return left
 
 
 def device_need(a: DeviceArrays, demand: Demand) -> np.ndarray:

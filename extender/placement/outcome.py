@@ -38,7 +38,7 @@ class SharedReasons(dict[str, str]):
     def _read_only(self, *args: Any, **kw: Any) -> NoReturn:
         raise TypeError("SharedReasons are shared between answers: copy them to change them")
 
-    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _read_only  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _read_only
 
 
 def add_shared_reasons(out: FilterOutcome, base: SharedReasons) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import combinations
 
 from extender.demand import Demand
 from extender.deviceplugin import allowed_without
 from extender.ledger import Ledger, Reservation
-from extender.placement.fit import demand_fit, plugin_view
+from extender.placement.fit import Fit, demand_fit, plugin_view
 
 _MAX_COMBINATIONS = 4096
 
@@ -39,25 +39,30 @@ def preempt_victims(
         others = [u for u in uids if u not in held]
         if any(res.priority >= demand.priority for res in ours):
             ours = [res for res in ours if res.priority < demand.priority]
-        if _fits_without(a, fit, lo, hi, demand.gpu_count, []):
+        if _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()):
             result[node] = uids
             continue
-        best = _fewest_victims(a, fit, lo, hi, demand.gpu_count, ours, ledger)
+        best = _fewest_victims(ledger, fit, lo, hi, demand.gpu_count, ours)
         if best is None:
             continue
         result[node] = others + [res.pod.uid for res in best]
     return result
 
 
-def _fewest_victims(a, fit, lo, hi, k, ours, ledger) -> list[Reservation] | None:
+def _fewest_victims(
+    ledger: Ledger, fit: Fit, lo: int, hi: int, k: int, ours: list[Reservation]
+) -> list[Reservation] | None:
+    """The fewest of `ours` (sorted, lowest priority first) whose removal lets the pod fit on the
+    node of rows lo..hi, the lowest priorities among equally few; None when even all would not.
+    Past _MAX_COMBINATIONS sets of one size, the first ones of `ours` that do."""
     for size in range(1, len(ours) + 1):
         tried = 0
-        winners = []
+        winners: list[tuple[Reservation, ...]] = []
         for combo in combinations(ours, size):
             tried += 1
             if tried > _MAX_COMBINATIONS:
                 break
-            if _fits_without(a, fit, lo, hi, k, combo, ledger):
+            if _fits_without(ledger, fit, lo, hi, k, combo):
                 winners.append(combo)
         if winners:
             return list(
@@ -65,13 +70,17 @@ def _fewest_victims(a, fit, lo, hi, k, ours, ledger) -> list[Reservation] | None
             )
         if tried > _MAX_COMBINATIONS:
             for extra in range(size, len(ours) + 1):
-                if _fits_without(a, fit, lo, hi, k, ours[:extra], ledger):
+                if _fits_without(ledger, fit, lo, hi, k, ours[:extra]):
                     return list(ours[:extra])
             return None
     return None
 
 
-def _fits_without(a, fit, lo, hi, k, victims, ledger=None) -> bool:
+def _fits_without(
+    ledger: Ledger, fit: Fit, lo: int, hi: int, k: int, victims: Sequence[Reservation]
+) -> bool:
+    """Whether `k` devices of the node of rows lo..hi take the pod once `victims` are gone."""
+    a = fit.a
     used = a.used[lo:hi].copy()
     used_rep = a.used_replicas[lo:hi].copy()
     for res in victims:

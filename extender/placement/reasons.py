@@ -58,7 +58,7 @@ def explain(
     out: FilterOutcome,
     n_ok: np.ndarray,
     asked: np.ndarray | None = None,
-    one: tuple[np.ndarray, np.ndarray] | None = None,
+    one: tuple[np.ndarray | None, np.ndarray] | None = None,
     summary: tuple[np.ndarray, np.ndarray] | None = None,
     books_short: bool = False,
 ) -> None:
@@ -150,7 +150,7 @@ def explain(
     need = demand.bytes_per_gpu
     if fit.shared is not None:
         rows = _explain_shared(
-            fit, demand, rows, names, n_match, out, books_short
+            fit, fit.shared, demand, rows, names, n_match, out, books_short
         )  # what is left fails on memory
         if not len(rows):
             return
@@ -266,6 +266,7 @@ def _fixed_reason(
 
 def _explain_shared(
     fit: Fit,
+    s: SharedFit,
     demand: Demand,
     rows: np.ndarray,
     names: np.ndarray,
@@ -280,10 +281,11 @@ def _explain_shared(
     unresolvable; a node where enough devices have the memory but the plugin's node-level bound
     refuses some is named with the lowest worst case among those (the first such device).
     `books_short`: none of `rows` has enough such devices, so only the first case can hold, and
-    it depends on labels alone: the used columns are not read (they may be stale in `fit.a`)."""
-    a, s = fit.a, fit.shared
+    it depends on labels alone: the used columns are not read (they may be stale in `fit.a`).
+    `s` is `fit.shared`."""
+    a = fit.a
     k = demand.gpu_count
-    pin_missing = (n_match[rows] > 0) & (_pinnable(fit, demand)[rows] < k)
+    pin_missing = (n_match[rows] > 0) & (_pinnable(fit, s, demand)[rows] < k)
     if books_short:
         stacked = np.zeros(len(rows), bool)
     else:
@@ -314,20 +316,20 @@ def _explain_shared(
                 stack_reasons(s.policy, s.worst[first], a.capacity[first]),
             )
         )
-    return rows[~pin_missing & ~stacked]
+    left: np.ndarray = rows[~pin_missing & ~stacked]
+    return left
 
 
-def _pinnable(fit: Fit, demand: Demand) -> np.ndarray:
+def _pinnable(fit: Fit, s: SharedFit, demand: Demand) -> np.ndarray:
     """Per node of `fit.a`, its devices of the demand's resource and products that do not need a
     pin the pod cannot take: labels, policy and the pod's pin ability only, so kept with the
     arrays per demand shape (per node counts over every node, read at the asked rows: cheaper
     than masking the rest)."""
-    assert fit.shared is not None  # only asked under a replica policy
     cache = cache_of(fit.a).pinnable.room()
-    key = (demand.resource, demand.allowed_products, demand.pin_configmap, fit.shared.policy)
+    key = (demand.resource, demand.allowed_products, demand.pin_configmap, s.policy)
     hit = cache.get(key)
     if hit is None:
-        hit = cache[key] = per_node(fit.a, fit.matches & ~fit.shared.needs_pin)
+        hit = cache[key] = per_node(fit.a, fit.matches & ~s.needs_pin)
     return hit
 
 

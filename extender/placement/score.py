@@ -79,7 +79,7 @@ def score_rows(
         ledger, demand, used=False, under_policy=True
     )  # this resource's devices, or every device
     rows, _ = candidate_rows(ledger, names)
-    if static is None:
+    if static is None or rid is None:
         a, at = ledger.arrays, None
     else:  # the view's rows among every device's
         a, at = static, ledger.arrays.rows_of(rid)
@@ -254,7 +254,8 @@ def _first_best(
         free = best & ~np.isin(rows, skip)
         if free.any():
             best = free
-    return rows == rows[best].min()
+    top_rows: np.ndarray = rows == rows[best].min()
+    return top_rows
 
 
 def _score_summary(
@@ -307,13 +308,17 @@ def _summary_scores(
     fancy indexing)."""
     k = demand.gpu_count
     summary = ledger.summary(int(a.resource_id[0]))
-    whole = demand.bytes_per_gpu is None
-    need = node_need[r] if whole else demand.bytes_per_gpu  # whole device: its cap
+    need: np.ndarray | int
+    covers: np.ndarray | int
+    if demand.bytes_per_gpu is None:  # a whole device: its cap
+        caps = node_need[r]
+        need, covers = caps, caps[:, None]
+    else:
+        need = covers = demand.bytes_per_gpu
     busy, idle = (
         summary.busy.take(r, axis=0),
         summary.idle.take(r, axis=0),
     )  # sorted largest first: the fitting ones lead
-    covers = need[:, None] if whole else need
     n_busy = row_counts(busy >= covers)
     n_idle = row_counts(idle >= covers)
     fits = n_busy + n_idle >= k  # the others are worked out too (clipped indices) and scored 0

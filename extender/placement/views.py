@@ -13,7 +13,7 @@ import numpy as np
 from extender.demand import Demand, PodRef
 from extender.inventory import Device
 from extender.ledger import DeviceArrays, Ledger, offsets
-from extender.placement.cache import CANDIDATE_LISTS_KEPT, NodeKinds, cache_of
+from extender.placement.cache import CANDIDATE_LISTS_KEPT, NodeKinds, ResourceView, cache_of
 
 T = TypeVar("T")
 
@@ -203,31 +203,9 @@ def resource_arrays(
     views = cache_of(a).by_resource
     view = views.get(rid)
     if view is None:
-        idx = a.rows_of(rid)
-        if len(idx) == len(a.devices):
-            view = views[rid] = (None, None)
-        else:
-            counts = np.bincount(a.node_of[idx], minlength=len(a.node_names))
-            static = DeviceArrays(
-                devices=[a.devices[i] for i in idx.tolist()],
-                node_names=a.node_names,
-                node_of=a.node_of[idx],
-                node_start=offsets(counts),
-                capacity=a.capacity[idx],
-                per_pod_cap=a.per_pod_cap[idx],
-                replicas=a.replicas[idx],
-                used=a.used[idx],
-                used_replicas=a.used_replicas[idx],
-                resource_id=a.resource_id[idx],
-                product_id=a.product_id[idx],
-                gpu_index=a.gpu_index[idx],
-                resources=a.resources,
-                products=a.products,
-            )
-            cache_of(static).kinds = node_kinds(ledger, a)
-            view = views[rid] = (idx, static)
+        view = views[rid] = _cut_resource(ledger, a, rid)
     idx, static = view
-    if idx is None:
+    if idx is None or static is None:
         return None
     if not used:
         return static
@@ -239,6 +217,33 @@ def resource_arrays(
             replace(static, used=a.used[idx], used_replicas=a.used_replicas[idx]),
         )
     return current[1]
+
+
+def _cut_resource(ledger: Ledger, a: DeviceArrays, rid: int) -> ResourceView:
+    """The static columns of resource `rid`'s devices, and their rows in `a`; (None, None) when
+    every device is of that resource (the arrays themselves will do)."""
+    idx = a.rows_of(rid)
+    if len(idx) == len(a.devices):
+        return None, None
+    counts = np.bincount(a.node_of[idx], minlength=len(a.node_names))
+    static = DeviceArrays(
+        devices=[a.devices[i] for i in idx.tolist()],
+        node_names=a.node_names,
+        node_of=a.node_of[idx],
+        node_start=offsets(counts),
+        capacity=a.capacity[idx],
+        per_pod_cap=a.per_pod_cap[idx],
+        replicas=a.replicas[idx],
+        used=a.used[idx],
+        used_replicas=a.used_replicas[idx],
+        resource_id=a.resource_id[idx],
+        product_id=a.product_id[idx],
+        gpu_index=a.gpu_index[idx],
+        resources=a.resources,
+        products=a.products,
+    )
+    cache_of(static).kinds = node_kinds(ledger, a)  # the same nodes
+    return idx, static
 
 
 def uniform_labels(a: DeviceArrays) -> tuple[np.ndarray, np.ndarray] | None:
@@ -293,8 +298,10 @@ def row_counts(mask: np.ndarray) -> np.ndarray:
     n, w = mask.shape
     if w and w % 8 == 0 and mask.flags.c_contiguous:
         per_word = (mask.view(np.uint64) * _BYTE_SUM) >> np.uint64(56)
-        return (per_word[:, 0] if w == 8 else per_word.sum(axis=1)).astype(np.int64)
-    return mask.sum(axis=1, dtype=np.int64)
+        counts: np.ndarray = (per_word[:, 0] if w == 8 else per_word.sum(axis=1)).astype(np.int64)
+        return counts
+    summed: np.ndarray = mask.sum(axis=1, dtype=np.int64)
+    return summed
 
 
 def segment_max(values: np.ndarray, starts: np.ndarray, n_nodes: int) -> np.ndarray:

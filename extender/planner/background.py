@@ -236,7 +236,7 @@ class BackgroundPlanner:
             plan = await asyncio.to_thread(
                 _solve, cap, demands, self.time_limit, self.num_workers, hold
             )
-        except Exception:  # noqa: BLE001 - planning is an optimisation; the greedy path still answers
+        except Exception:  # planning is an optimisation; the greedy path still answers
             self.stats.errors += 1
             log.exception("background plan failed")
             return None
@@ -346,7 +346,7 @@ class BackgroundPlanner:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
 

@@ -160,8 +160,9 @@ def read_inputs(
 ) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
     """(node objects, tasks in arrival order, already bound pod objects) from either format."""
     bound: list[Mapping[str, Any]] = []
+    nodes: list[Mapping[str, Any]]
     if _is_trace(nodes_path):
-        nodes: list[Mapping[str, Any]] = read_trace_nodes(nodes_path, replicas=replicas)
+        nodes = list(read_trace_nodes(nodes_path, replicas=replicas))
     else:
         nodes, _, bound = read_yaml(nodes_path)
     if _is_trace(pods_path):

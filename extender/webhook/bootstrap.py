@@ -47,7 +47,7 @@ def _decode(secret: Any) -> ServingCert | None:
 
 def _body(
     namespace: str, name: str, cert: ServingCert, resource_version: str | None = None
-) -> dict[str, Any]:
+) -> Any:  # a dict: the client takes one wherever its hints say V1Secret
     meta: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
@@ -96,8 +96,9 @@ def ensure_serving_cert(
                     ", ".join(hosts),
                 )
             else:
+                version = secret.metadata.resource_version if secret.metadata else None
                 core.replace_namespaced_secret(
-                    name, namespace, _body(namespace, name, fresh, secret.metadata.resource_version)
+                    name, namespace, _body(namespace, name, fresh, version)
                 )
                 log.info("renewed webhook certificate secret %s/%s", namespace, name)
             return fresh

@@ -120,7 +120,7 @@ async def start_webhook(args: argparse.Namespace, cluster: ClusterState) -> web.
             ctx = ssl_context(cert_file=args.webhook_cert, key_file=args.webhook_key)
     except (OSError, ssl.SSLError) as exc:
         raise SystemExit(f"webhook certificate: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - an API error while bootstrapping: one line, then exit
+    except Exception as exc:  # an API error while bootstrapping: one line, then exit
         reason = getattr(exc, "reason", None) or type(exc).__name__
         status = getattr(exc, "status", None)
         raise SystemExit(f"webhook certificate: {status or ''} {reason}".strip()) from None

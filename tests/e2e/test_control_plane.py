@@ -135,7 +135,7 @@ class RecordingExtender:
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 recorder.calls.append((self.path, body))
                 data = json.dumps(recorder.reply(self.path.rsplit("/", 1)[-1], body)).encode()

@@ -417,7 +417,7 @@ def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> Non
                 stack.create(f"r{i}", f"{gib}Gi", gpus=2 if i % 7 == 6 else 1)
                 names.add(f"r{i}")
                 time.sleep(0.7)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     def registrations() -> int:
