@@ -18,8 +18,8 @@ from typing import Literal, NamedTuple, TypeVar
 
 import numpy as np
 
+from extender.arrays import DeviceArrays
 from extender.deviceplugin import BoundView, SharedFit
-from extender.ledger import DeviceArrays
 from extender.placement.outcome import SharedReasons
 
 __all__ = [

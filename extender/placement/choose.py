@@ -7,8 +7,9 @@ from math import ceil, log2
 
 import numpy as np
 
+from extender.arrays import first_k_per_node, run_starts
 from extender.demand import Demand
-from extender.ledger import Ledger, Reservation, first_k_per_node, run_starts
+from extender.ledger import Ledger, Reservation
 from extender.placement.cache import cache_of
 from extender.placement.filter import filter_rows
 from extender.placement.fit import Fit, fit_on_node, product_allowed

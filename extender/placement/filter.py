@@ -7,9 +7,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from extender.arrays import DeviceArrays, NodeSummary
 from extender.demand import Demand
 from extender.deviceplugin import bounds_resource, refused_per_node
-from extender.ledger import DeviceArrays, Ledger, NodeSummary
+from extender.ledger import Ledger
 from extender.placement.fit import (
     Fit,
     bound_at_resource,

@@ -9,10 +9,11 @@ from functools import lru_cache
 
 import numpy as np
 
+from extender.arrays import DeviceArrays, run_starts
 from extender.demand import Demand
 from extender.deviceplugin import PIN_MISSING, SharedFit
 from extender.inventory import MigSlice
-from extender.ledger import DeviceArrays, Ledger, run_starts
+from extender.ledger import Ledger
 from extender.placement.cache import FIXED_REASONS_KEPT, StaticFit, cache_of
 from extender.placement.fit import Fit, static_fit
 from extender.placement.outcome import (

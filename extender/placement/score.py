@@ -7,9 +7,10 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
+from extender.arrays import DeviceArrays
 from extender.demand import Demand
 from extender.deviceplugin import bounds_resource
-from extender.ledger import DeviceArrays, Ledger
+from extender.ledger import Ledger
 from extender.placement.cache import KeptScores, ShapeCache, cache_of
 from extender.placement.choose import best_fit_devices
 from extender.placement.fit import Fit, demand_fit, node_ok, plugin_view

@@ -10,9 +10,10 @@ from typing import TypeVar, overload
 
 import numpy as np
 
+from extender.arrays import DeviceArrays, offsets
 from extender.demand import Demand, PodRef
 from extender.inventory import Device
-from extender.ledger import DeviceArrays, Ledger, offsets
+from extender.ledger import Ledger
 from extender.placement.cache import CANDIDATE_LISTS_KEPT, NodeKinds, ResourceView, cache_of
 
 T = TypeVar("T")
