@@ -25,7 +25,7 @@ from extender.deviceplugin import ReplicaPolicy
 from extender.namelists import NameLists
 from extender.server import decode_args, encode_names_result
 from extender.service import EmbeddedBinder, ExtenderService
-from extender.wire import ExtenderBindingArgs, ScoredHosts
+from extender.wire import ExtenderBindingArgs, HostTables, ScoredHosts
 from loadtest.gen_cluster import generate
 from loadtest.pods import make_pod
 
@@ -50,6 +50,7 @@ def bench(
     # as the load test serves it: a current kube-scheduler reads FailedAndUnresolvableNodes
     svc = ExtenderService(cluster, EmbeddedBinder(cluster), legacy_failed_nodes=False)
     lists = NameLists()  # what the server keeps: the all-nodes list, filter's answers
+    tables = HostTables()  # and prioritize's per-node entries
     names_json = orjson.dumps([n["metadata"]["name"] for n in node_objs])
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
@@ -80,7 +81,7 @@ def bench(
             t = clock()
             hosts = svc.prioritize(decode_args(body, lists, learn=False))
             out = (
-                hosts.to_json()
+                hosts.to_json(tables)
                 if isinstance(hosts, ScoredHosts)
                 else orjson.dumps([h.model_dump() for h in hosts])
             )

@@ -34,6 +34,7 @@ from extender.wire import (
     ExtenderFilterResult,
     ExtenderPreemptionArgs,
     HostPriorityList,
+    HostTables,
     ScoredHosts,
 )
 
@@ -59,6 +60,7 @@ DEFAULT_MAX_CONCURRENCY = 256
 SERVICE_KEY = web.AppKey("service", ExtenderService)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 NAMES_KEY = web.AppKey("names", NameLists)
+HOSTS_KEY = web.AppKey("hosts", HostTables)
 #: says whether the source is synced, and what it knows (`/readyz`)
 READY_KEY = web.AppKey[Callable[[], tuple[bool, dict[str, Any]]]]("ready")
 
@@ -218,7 +220,7 @@ async def _prioritize(request: web.Request) -> web.Response:
     args = await _decode_args(request, learn=False)
     hosts = request.app[SERVICE_KEY].prioritize(args)
     if isinstance(hosts, ScoredHosts):  # the hot path: encoded from arrays, no object per host
-        return web.Response(body=hosts.to_json(), content_type=_JSON)
+        return web.Response(body=hosts.to_json(request.app[HOSTS_KEY]), content_type=_JSON)
     return _json(HostPriorityList(list(hosts)))
 
 
@@ -396,6 +398,7 @@ def create_app(
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = Metrics(lambda: service.ledger, service.planner_state)
     app[NAMES_KEY] = NameLists()
+    app[HOSTS_KEY] = HostTables()
     for collector in getattr(
         service, "metric_collectors", lambda: []
     )():  # live mode: bind event counters

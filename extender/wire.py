@@ -25,6 +25,7 @@ __all__ = [
     "HostPriority",
     "HostPriorityList",
     "ScoredHosts",
+    "HostTables",
     "ExtenderBindingArgs",
     "ExtenderBindingResult",
     "MetaPod",
@@ -117,10 +118,12 @@ class ScoredHosts(Sequence[HostPriority]):
     def __repr__(self) -> str:
         return f"ScoredHosts({len(self)} hosts)"
 
-    def to_json(self) -> bytes:
+    def to_json(self, tables: HostTables | None = None) -> bytes:
+        """The bare JSON array; `tables` keeps the per-node table between answers (the server
+        has one), else it is built for this answer alone."""
         if not len(self._rows):
             return b"[]"
-        table = _entry_table(self._names)
+        table = tables.table(self._names) if tables is not None else _entry_table(self._names)
         out = table.take(self._rows, axis=0)  # one fixed-width row per host, score not yet written
         out[:, -4:-2] = _SCORE_DIGITS[self._scores]
         out[-1, -1] = ord("]")  # the last entry's comma closes the array instead
@@ -134,25 +137,35 @@ class ScoredHosts(Sequence[HostPriority]):
 _SCORE_DIGITS = np.frombuffer(
     b"".join(b"%2d" % s for s in range(MAX_PRIORITY + 1)), np.uint8
 ).reshape(-1, 2)
-# names array -> (weak ref to it, entry table)
-_ENTRIES: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
 
 def _entry_table(names: np.ndarray) -> np.ndarray:
-    entry = _ENTRIES.get(id(names))
-    if entry is None or entry[0]() is not names:
-        for key in [k for k, (ref, _) in _ENTRIES.items() if ref() is None]:
-            del _ENTRIES[key]
-        heads = [b'{"Host":' + orjson.dumps(n) + b"," for n in names.tolist()]
-        width = max(map(len, heads), default=0)
-        rows = b"".join(h.ljust(width) + b'"Score":00},' for h in heads)
-        table = (
-            np.frombuffer(rows, np.uint8).reshape(len(heads), -1)
-            if heads
-            else np.empty((0, 0), np.uint8)
-        )
-        entry = _ENTRIES[id(names)] = (weakref.ref(names), table)
-    return entry[1]
+    heads = [b'{"Host":' + orjson.dumps(n) + b"," for n in names.tolist()]
+    width = max(map(len, heads), default=0)
+    rows = b"".join(h.ljust(width) + b'"Score":00},' for h in heads)
+    if not heads:
+        return np.empty((0, 0), np.uint8)
+    return np.frombuffer(rows, np.uint8).reshape(len(heads), -1)
+
+
+class HostTables:
+    """The entry table of each node-name array prioritize answers with (`ScoredHosts.to_json`),
+    kept while that array lives. Placement hands out one names array per inventory (a new one when
+    nodes change), so a server keeps one of these and reuses each table from answer to answer."""
+
+    __slots__ = ("_tables",)
+
+    def __init__(self) -> None:
+        #: id of a names array -> (weak reference to it, its table)
+        self._tables: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
+
+    def table(self, names: np.ndarray) -> np.ndarray:
+        entry = self._tables.get(id(names))
+        if entry is None or entry[0]() is not names:
+            for key in [k for k, (ref, _) in self._tables.items() if ref() is None]:
+                del self._tables[key]
+            entry = self._tables[id(names)] = (weakref.ref(names), _entry_table(names))
+        return entry[1]
 
 
 class ExtenderBindingArgs(BaseModel):

@@ -528,3 +528,29 @@ async def test_concurrent_cycles_are_pointed_at_different_nodes_of_the_best_band
     monkeypatch.setattr(service_module, "CHOSEN_TTL", -1.0)
     assert top("p5") == "a"  # choices older than the TTL are forgotten
     assert s._chosen.keys() == {"default/p5"}
+
+
+def test_host_tables_keep_one_table_per_names_array_while_it_lives():
+    """The server reuses a names array's entry table from answer to answer, builds another for
+    another array (a new inventory), and drops the tables of arrays that are gone."""
+    import gc
+
+    from extender.wire import HostTables
+
+    tables = HostTables()
+    names = np.array(["a", 'b"q'], dtype=object)
+    first = tables.table(names)
+    assert tables.table(names) is first
+    other = np.array(["a", 'b"q'], dtype=object)
+    assert tables.table(other) is not first
+    hosts = ScoredHosts(names, np.array([1, 0], np.int64), np.array([10, 3], np.int64))
+    assert hosts.to_json(tables) == hosts.to_json()
+    assert orjson.loads(hosts.to_json(tables)) == [
+        {"Host": 'b"q', "Score": 10},
+        {"Host": "a", "Score": 3},
+    ]
+    del names, hosts, first
+    gc.collect()
+    third = np.array(["c"], dtype=object)
+    tables.table(third)  # a new array clears out what is gone
+    assert len(tables._tables) == 2 and all(ref() is not None for ref, _ in tables._tables.values())
