@@ -114,24 +114,45 @@ def per_node(a: DeviceArrays, mask: np.ndarray) -> np.ndarray:
     return a.per_node_sum(mask, np.int64)
 
 
+def _take_rows(
+    a: DeviceArrays,
+    ix: slice | np.ndarray,
+    *,
+    devices: Sequence[Device],
+    node_names: Sequence[str],
+    node_of: np.ndarray,
+    node_start: np.ndarray,
+) -> DeviceArrays:
+    """The device rows `ix` of `a` as arrays of their own (numpy views for a slice, copies for
+    an index array), over the nodes the caller describes."""
+    return DeviceArrays(
+        devices=devices,
+        node_names=node_names,
+        node_of=node_of,
+        node_start=node_start,
+        capacity=a.capacity[ix],
+        per_pod_cap=a.per_pod_cap[ix],
+        replicas=a.replicas[ix],
+        used=a.used[ix],
+        used_replicas=a.used_replicas[ix],
+        resource_id=a.resource_id[ix],
+        product_id=a.product_id[ix],
+        gpu_index=a.gpu_index[ix],
+        resources=a.resources,
+        products=a.products,
+    )
+
+
 def node_arrays(a: DeviceArrays, r: int) -> DeviceArrays:
     """The rows of node `r` as arrays of their own (views), so one node costs the same in any cluster."""
     lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
-    return DeviceArrays(
+    return _take_rows(
+        a,
+        slice(lo, hi),
         devices=a.devices[lo:hi],
         node_names=[a.node_names[r]],
         node_of=np.zeros(hi - lo, np.int32),
         node_start=np.asarray([0, hi - lo], np.int64),
-        capacity=a.capacity[lo:hi],
-        per_pod_cap=a.per_pod_cap[lo:hi],
-        replicas=a.replicas[lo:hi],
-        used=a.used[lo:hi],
-        used_replicas=a.used_replicas[lo:hi],
-        resource_id=a.resource_id[lo:hi],
-        product_id=a.product_id[lo:hi],
-        gpu_index=a.gpu_index[lo:hi],
-        resources=a.resources,
-        products=a.products,
     )
 
 
@@ -165,21 +186,13 @@ def nodes_arrays(a: DeviceArrays, nodes: np.ndarray) -> tuple[DeviceArrays, np.n
     lengths = a.node_start[nodes + 1] - starts
     bounds = offsets(lengths)
     ix = np.repeat(starts - bounds[:-1], lengths) + np.arange(int(bounds[-1]))
-    sub = DeviceArrays(
+    sub = _take_rows(
+        a,
+        ix,
         devices=_Picked[Device](a.devices, ix),
         node_names=_Picked[str](a.node_names, nodes),
         node_of=np.repeat(np.arange(len(nodes), dtype=np.int32), lengths),
         node_start=bounds,
-        capacity=a.capacity[ix],
-        per_pod_cap=a.per_pod_cap[ix],
-        replicas=a.replicas[ix],
-        used=a.used[ix],
-        used_replicas=a.used_replicas[ix],
-        resource_id=a.resource_id[ix],
-        product_id=a.product_id[ix],
-        gpu_index=a.gpu_index[ix],
-        resources=a.resources,
-        products=a.products,
     )
     return sub, ix
 
@@ -227,21 +240,13 @@ def _cut_resource(ledger: Ledger, a: DeviceArrays, rid: int) -> ResourceView:
     if len(idx) == len(a.devices):
         return None, None
     counts = np.bincount(a.node_of[idx], minlength=len(a.node_names))
-    static = DeviceArrays(
+    static = _take_rows(
+        a,
+        idx,
         devices=[a.devices[i] for i in idx.tolist()],
         node_names=a.node_names,
         node_of=a.node_of[idx],
         node_start=offsets(counts),
-        capacity=a.capacity[idx],
-        per_pod_cap=a.per_pod_cap[idx],
-        replicas=a.replicas[idx],
-        used=a.used[idx],
-        used_replicas=a.used_replicas[idx],
-        resource_id=a.resource_id[idx],
-        product_id=a.product_id[idx],
-        gpu_index=a.gpu_index[idx],
-        resources=a.resources,
-        products=a.products,
     )
     cache_of(static).kinds = node_kinds(ledger, a)  # the same nodes
     return idx, static
