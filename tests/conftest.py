@@ -1,9 +1,16 @@
-"""One real control plane per pytest session, shared by the end-to-end suite (tests/e2e) and
-the deploy tests that bind with nothing but the shipped RBAC (tests/test_deploy.py).
+"""One real control plane per Kubernetes version per pytest session, shared by the end-to-end
+suite (tests/e2e) and the deploy tests that bind with nothing but the shipped RBAC
+(tests/test_deploy.py).
 
-The Go build (minutes when cold, instant when cached) runs once, before the first test, in
-``pytest_collection_finish`` so it is not charged to any test's timeout; the ``control_plane``
-fixture runs build.sh again (a no-op by then) so it also works when used on its own.
+Every test that uses the ``control_plane`` fixture (directly or through ``cluster``) runs once per
+version in ``K8S_VERSIONS`` (ids ``k8s-1.20``, ``k8s-1.36``). Tests are grouped by version
+(pytest orders session-parametrised tests so), so only one control plane runs at a time: the one
+for 1.20 is stopped before 1.36's starts. A test that only makes sense on some versions says so
+with ``@pytest.mark.k8s("1.36", reason=...)``: on the others it is skipped with that reason.
+
+The binaries (1.20: a Go build, minutes when cold; 1.36: unpacked, seconds) are prepared once,
+before the first test, in ``pytest_collection_finish`` so that is not charged to any test's
+timeout; the fixture runs the scripts again (a no-op by then) so it also works on its own.
 """
 
 from __future__ import annotations
@@ -17,29 +24,71 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 from controlplane import ControlPlane, build_binaries
+from releases import K8S_VERSIONS
 
 
-def _wants_e2e(session: pytest.Session) -> bool:
-    return any(item.get_closest_marker("e2e") for item in session.items)
+def version_id(version: str) -> str:
+    """``1.36.3`` -> ``k8s-1.36`` (the test id suffix)."""
+    return "k8s-" + ".".join(version.split(".")[:2])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "k8s(*minors, reason): run only on these Kubernetes minors (e.g. '1.36'); "
+        "the reason says why the others are skipped",
+    )
+
+
+def _versions_wanted(session: pytest.Session) -> list[str]:
+    wanted = []
+    for item in session.items:
+        if item.get_closest_marker("e2e") is None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        version = callspec.params.get("control_plane") if callspec else None
+        for v in [version] if version else K8S_VERSIONS:
+            if v not in wanted:
+                wanted.append(v)
+    return wanted
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the binaries up front when e2e tests were selected (cold build: a few minutes)."""
-    if session.config.option.collectonly or not _wants_e2e(session):
+    """Prepare the binaries up front for the versions selected (cold 1.20 build: minutes)."""
+    if session.config.option.collectonly:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("e2e: scripts/control-plane/build.sh (cached after the first run) ...")
-    build_binaries()
+    for version in _versions_wanted(session):
+        if reporter is not None:
+            reporter.write_line(f"e2e: Kubernetes {version} binaries (cached after the first run)")
+        build_binaries(version)
 
 
-@pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    """etcd + kube-apiserver 1.20 on loopback for the whole session; everything killed after."""
-    bin_dir = build_binaries()
-    cp = ControlPlane(tmp_path_factory.mktemp("control-plane"), bin_dir=bin_dir)
+@pytest.fixture(scope="session", params=K8S_VERSIONS, ids=version_id)
+def control_plane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver of one version on loopback for the session; everything killed after."""
+    version = request.param
+    bin_dir = build_binaries(version)
+    cp = ControlPlane(
+        tmp_path_factory.mktemp(f"control-plane-{version}"), version=version, bin_dir=bin_dir
+    )
     cp.start()
     try:
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(autouse=True)
+def _only_on_marked_versions(request: pytest.FixtureRequest) -> None:
+    """Skip a ``@pytest.mark.k8s(...)`` test on the versions it does not name, with its reason."""
+    marker = request.node.get_closest_marker("k8s")
+    callspec = getattr(request.node, "callspec", None)
+    if marker is None or callspec is None or "control_plane" not in callspec.params:
+        return
+    version = callspec.params["control_plane"]
+    minor = ".".join(version.split(".")[:2])
+    if minor not in marker.args:
+        pytest.skip(f"Kubernetes {minor}: {marker.kwargs.get('reason', 'not for this version')}")

@@ -607,11 +607,19 @@ def test_namespace_enforces_restricted_pod_security() -> None:
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
-def test_upstream_scheduler_image_is_new_enough_for_the_config() -> None:
+def test_upstream_scheduler_image_is_the_newest_version_the_e2e_suite_runs() -> None:
+    """deploy/ ships the kube-scheduler the suite proves: bumping one without the other fails."""
+    from releases import K8S_VERSIONS, NEWEST_K8S_VERSION  # tests/e2e, on sys.path (conftest)
+
     image = container(deployment(), "kube-scheduler")["image"]
-    m = re.fullmatch(r"registry\.k8s\.io/kube-scheduler:v1\.(\d+)\.(\d+)", image)
+    m = re.fullmatch(r"registry\.k8s\.io/kube-scheduler:v(\d+\.\d+\.\d+)", image)
     assert m, image
-    assert int(m[1]) >= 27, "profile-level percentageOfNodesToScore needs kube-scheduler >= 1.27"
+    assert (
+        m[1] == NEWEST_K8S_VERSION == max(K8S_VERSIONS, key=lambda v: tuple(map(int, v.split("."))))
+    )
+    assert tuple(map(int, m[1].split(".")))[:2] >= (1, 27), (
+        "profile-level percentageOfNodesToScore needs kube-scheduler >= 1.27"
+    )
 
 
 def test_two_replicas_behind_a_disruption_budget() -> None:
@@ -1107,8 +1115,8 @@ def test_deploy_docs_name_only_files_that_exist() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # End to end: the extender, started with the Deployment's arguments and holding nothing but the
-# deploy RBAC, binds pods for the shipped scheduler config on a real kube-apiserver (1.20, built
-# by scripts/control-plane/build.sh; the extender wire protocol is unchanged since).
+# deploy RBAC, binds pods for the shipped scheduler config on a real kube-apiserver and
+# kube-scheduler, on every version the e2e suite runs (tests/conftest.py).
 
 E2E_GPU_LABELS = {  # a time-sliced A100-80GB as GFD labels it (deploy/examples/time-slicing-config.yaml)
     "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB-SHARED",

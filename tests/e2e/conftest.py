@@ -13,12 +13,14 @@ from controlplane import ControlPlane
 def cluster(control_plane: ControlPlane) -> Iterator[ControlPlane]:
     """The session control plane, left clean for the next test.
 
-    Teardown: restart the apiserver if the test stopped it, stop the scheduler, delete every
-    pod in non-system namespaces (grace 0: no kubelet will confirm) and every node.
+    Teardown: restart the apiserver if the test stopped it, stop the scheduler and the controller
+    manager, delete every pod in non-system namespaces (grace 0: no kubelet will confirm) and
+    every node.
     """
     yield control_plane
     control_plane.start_apiserver()
     control_plane.stop_scheduler()
+    control_plane.stop_controller_manager()
     with control_plane.api_client() as client:
         core = kubernetes.client.CoreV1Api(client)
         for pod in core.list_pod_for_all_namespaces().items:

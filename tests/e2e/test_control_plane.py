@@ -1,4 +1,5 @@
-"""Tests of the e2e harness itself: a real etcd + kube-apiserver + kube-scheduler 1.20."""
+"""Tests of the e2e harness itself: a real etcd + kube-apiserver + kube-scheduler, every version
+the suite runs (and, on 1.36, kube-controller-manager and the credentials a kubelet uses)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +17,14 @@ import pytest
 import yaml
 from controlplane import (
     NOT_READY_TAINT,
+    SCHEDULER_API_V1,
     SCHEDULER_API_V1BETA1,
     ControlPlane,
-    ControlPlaneError,
+    SchedulerConfigError,
+    overlay_v1,
     to_v1beta1,
 )
+from fake_extender import FakeExtender
 
 GPU = "nvidia.com/gpu"
 
@@ -53,7 +55,7 @@ def test_api_answers_with_version_and_default_namespaces(cluster: ControlPlane) 
         namespaces = {
             ns.metadata.name for ns in kubernetes.client.CoreV1Api(client).list_namespace().items
         }
-    assert version.git_version == "v1.20.2"
+    assert version.git_version == f"v{cluster.version}"
     assert {"default", "kube-system"} <= namespaces
     assert cluster.server_url.startswith("https://127.0.0.1:")
     kubeconfig = yaml.safe_load(Path(cluster.kubeconfig_path).read_text())
@@ -121,91 +123,27 @@ def test_apiserver_restart_keeps_etcd_data(cluster: ControlPlane) -> None:
     assert node.status.allocatable[GPU] == "2"
 
 
-class RecordingExtender:
-    """A minimal extender on a loopback port that records what the scheduler sends.
-
-    filter passes every node, prioritize gives no scores, bind creates the Binding (the
-    extender's job when it is the binder). It only proves the harness wiring
-    (urlPrefix -> scheduler -> HTTP); vramsched's own extender has its own e2e tests.
-    """
-
-    def __init__(self, cp: ControlPlane) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.api = cp.api_client()
-        recorder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                recorder.calls.append((self.path, body))
-                data = json.dumps(recorder.reply(self.path.rsplit("/", 1)[-1], body)).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/scheduler"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def reply(self, verb: str, body: dict[str, Any]) -> Any:
-        if verb == "filter":
-            return {
-                "Nodes": body.get("Nodes"),
-                "NodeNames": body.get("NodeNames"),
-                "FailedNodes": {},
-                "FailedAndUnresolvableNodes": {},
-                "Error": "",
-            }
-        if verb == "prioritize":
-            return []
-        if verb == "bind":
-            kubernetes.client.CoreV1Api(self.api).create_namespaced_binding(
-                body["PodNamespace"],
-                {
-                    "metadata": {"name": body["PodName"], "uid": body["PodUID"]},
-                    "target": {"kind": "Node", "name": body["Node"]},
-                },
-                _preload_content=False,  # the server answers a Status, not a Binding
-            )
-            return {"Error": ""}
-        return {"Error": f"unexpected verb {verb}"}
-
-    def verbs_for(self, pod: str) -> list[str]:
-        return [
-            path.rsplit("/", 1)[-1]
-            for path, body in self.calls
-            if body.get("Pod", {}).get("metadata", {}).get("name", body.get("PodName")) == pod
-        ]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.api.close()
-
-
 @pytest.fixture
-def recording_extender(cluster: ControlPlane) -> Iterator[RecordingExtender]:
-    ext = RecordingExtender(cluster)
+def recording_extender(cluster: ControlPlane) -> Iterator[FakeExtender]:
+    """A permissive extender that records what the scheduler sends (harness wiring only:
+    urlPrefix -> scheduler -> HTTP; vramsched's own extender has its own e2e tests)."""
+    ext = FakeExtender(cluster)
     yield ext
     ext.close()
 
 
 @pytest.mark.e2e
 def test_scheduler_calls_extender_at_url_prefix_for_gpu_pods_only(
-    cluster: ControlPlane, recording_extender: RecordingExtender
+    cluster: ControlPlane, recording_extender: FakeExtender
 ) -> None:
     cluster.create_gpu_node("gpu-d", {}, {GPU: 1})
     config = ControlPlane.scheduler_config(
         "vramsched", extender_url=recording_extender.url, prioritize_verb=None
     )
     written = yaml.safe_load(cluster.start_scheduler(config).read_text())
-    assert written["apiVersion"] == SCHEDULER_API_V1BETA1
+    # 1.20 reads v1beta1 (the harness translates); 1.36 loads the v1 document as given.
+    expected_api = SCHEDULER_API_V1 if cluster.release.scheduler_reads_v1 else SCHEDULER_API_V1BETA1
+    assert written["apiVersion"] == expected_api
     with cluster.api_client() as client:
         core = kubernetes.client.CoreV1Api(client)
         core.create_namespaced_pod("default", pod_body("no-gpu", "vramsched"))
@@ -213,11 +151,11 @@ def test_scheduler_calls_extender_at_url_prefix_for_gpu_pods_only(
         assert cluster.wait_for(lambda: bound_node(core, "one-gpu"), timeout=60) == "gpu-d"
         assert cluster.wait_for(lambda: bound_node(core, "no-gpu"), timeout=60) == "gpu-d"
 
-    paths = [path for path, _ in recording_extender.calls]
-    pods = [body["Pod"]["metadata"]["name"] for _, body in recording_extender.calls]
-    assert paths == ["/scheduler/filter"]  # one feasible node: no prioritize call
+    verbs = [c.verb for c in recording_extender.calls]
+    pods = [c.pod for c in recording_extender.calls]
+    assert verbs == ["filter"]  # one feasible node: no prioritize call
     assert pods == ["one-gpu"]  # managedResources: the GPU-less pod never reaches it
-    sent_nodes = recording_extender.calls[0][1]["Nodes"]["items"]
+    sent_nodes = recording_extender.calls[0].body["Nodes"]["items"]
     assert [n["metadata"]["name"] for n in sent_nodes] == ["gpu-d"]
 
 
@@ -226,7 +164,7 @@ SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "config" / "KubeScheduler
 
 @pytest.mark.e2e
 def test_shipped_scheduler_config_runs_with_leader_election_and_extender_binding(
-    cluster: ControlPlane, recording_extender: RecordingExtender
+    cluster: ControlPlane, recording_extender: FakeExtender
 ) -> None:
     config = yaml.safe_load(SHIPPED_CONFIG.read_text())
     election = config["leaderElection"]
@@ -253,9 +191,98 @@ def test_shipped_scheduler_config_runs_with_leader_election_and_extender_binding
     assert node in {"gpu-e", "gpu-f"}
     verbs = recording_extender.verbs_for("gpu-pod")
     assert verbs == ["filter", "prioritize", "bind"]  # two feasible nodes: prioritize runs
-    filter_args = recording_extender.calls[0][1]
+    filter_args = recording_extender.calls[0].body
     assert filter_args["Nodes"] is None  # nodeCacheCapable: names only
     assert sorted(filter_args["NodeNames"]) == ["gpu-e", "gpu-f"]
+
+
+def _leaves(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(path, value) of every scalar in a parsed YAML/JSON document."""
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            yield from _leaves(value, (*path, i))
+    else:
+        yield path, doc
+
+
+def _lookup(doc: Any, path: tuple[Any, ...], zero: Any) -> Any:
+    """The value at ``path``, or ``zero`` where Go's ``omitempty`` left a zero value out."""
+    for key in path:
+        try:
+            doc = doc[key]
+        except (KeyError, IndexError, TypeError):
+            return type(zero)()
+    return doc
+
+
+def test_overlay_changes_only_the_url_prefix_line_and_appends_the_kubeconfig() -> None:
+    shipped = SHIPPED_CONFIG.read_text()
+    out = overlay_v1(shipped, kubeconfig="/tmp/x/scheduler.kubeconfig", extender_url="http://h:1")
+    old, new = shipped.splitlines(), out.splitlines()
+    removed = [line for line in old if line not in new]
+    added = [line for line in new if line not in old]
+    assert removed == ['  - urlPrefix: "http://127.0.0.1:8888"']
+    assert added == [
+        '  - urlPrefix: "http://h:1"',
+        "clientConnection:",
+        '  kubeconfig: "/tmp/x/scheduler.kubeconfig"',
+    ]
+    assert new[: len(old)] == [added[0] if line == removed[0] else line for line in old]
+    with pytest.raises(SchedulerConfigError, match="clientConnection"):
+        overlay_v1(out, kubeconfig="/tmp/y", extender_url=None)  # only ever applied once
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s(
+    "1.36",
+    reason="kube-scheduler 1.20 reads kubescheduler.config.k8s.io/v1beta1: the harness "
+    "translates the shipped v1 file there, so it cannot load it as shipped",
+)
+def test_kube_scheduler_loads_the_shipped_file_as_shipped_plus_the_overlay(
+    cluster: ControlPlane, recording_extender: FakeExtender
+) -> None:
+    """The file kube-scheduler reads is the shipped bytes with only the overlay's lines changed,
+    and /configz (what it parsed) holds every shipped value, the overlay's two fields aside."""
+    shipped_text = SHIPPED_CONFIG.read_text()
+    path = cluster.start_scheduler(
+        shipped_text, extender_url=recording_extender.url, leader_elect=True
+    )
+    loaded_text = path.read_text()
+    assert loaded_text == overlay_v1(
+        shipped_text,
+        kubeconfig=cluster.scheduler_kubeconfig_path,
+        extender_url=recording_extender.url,
+    )
+    assert f"--config={path}" in cluster.scheduler.argv
+    loaded = json.loads(cluster.scheduler_get("/configz"))["componentconfig"]
+    overlay = {
+        ("clientConnection", "kubeconfig"): str(cluster.scheduler_kubeconfig_path),
+        **{
+            ("extenders", i, "urlPrefix"): recording_extender.url
+            for i in range(len(yaml.safe_load(shipped_text)["extenders"]))
+        },
+    }
+    compared = 0
+    for leaf, value in _leaves(yaml.safe_load(shipped_text)):
+        if leaf in overlay:
+            continue
+        assert _lookup(loaded, leaf, value) == value, leaf
+        compared += 1
+    for leaf, value in overlay.items():
+        assert _lookup(loaded, leaf, value) == value, leaf
+    assert compared > 50  # every managed resource, verb, election and profile field
+    assert loaded["leaderElection"]["leaderElect"] is True
+    election = loaded["leaderElection"]
+    assert cluster.wait_for(
+        lambda: cluster.scheduler_lease_holder(
+            election["resourceNamespace"], election["resourceName"]
+        ),
+        timeout=60,
+        message="the scheduler holds the shipped config's lease",
+    )
 
 
 @pytest.mark.e2e
@@ -298,7 +325,7 @@ def test_service_account_kubeconfig_carries_rbac_of_that_account(cluster: Contro
 
 @pytest.mark.e2e
 def test_stop_leaves_no_process_behind(tmp_path: Path, control_plane: ControlPlane) -> None:
-    cp = ControlPlane(tmp_path / "cp", bin_dir=control_plane.bin_dir)
+    cp = ControlPlane(tmp_path / "cp", version=control_plane.version, bin_dir=control_plane.bin_dir)
     cp.start()
     try:
         cp.start_scheduler(ControlPlane.scheduler_config("vramsched"))
@@ -314,7 +341,7 @@ CRASHING_SESSION = """
 import os, sys, time
 sys.path.insert(0, {here!r})
 from controlplane import ControlPlane
-cp = ControlPlane({workdir!r}, bin_dir={bin_dir!r}).start()
+cp = ControlPlane({workdir!r}, version={version!r}, bin_dir={bin_dir!r}).start()
 print(cp.etcd.proc.pid, cp.apiserver.proc.pid, flush=True)
 time.sleep(600)
 """
@@ -327,6 +354,7 @@ def test_components_die_with_a_killed_test_process(
     script = CRASHING_SESSION.format(
         here=str(Path(__file__).parent),
         workdir=str(tmp_path / "cp"),
+        version=control_plane.version,
         bin_dir=str(control_plane.bin_dir),
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -367,7 +395,7 @@ def test_v1_config_that_1_20_cannot_express_is_refused() -> None:
         "apiVersion": "kubescheduler.config.k8s.io/v1",
         "profiles": [{"schedulerName": "a", "plugins": {"multiPoint": {}}}],
     }
-    with pytest.raises(ControlPlaneError, match="multiPoint"):
+    with pytest.raises(SchedulerConfigError, match="multiPoint"):
         to_v1beta1(multipoint)
     disagree = {
         "profiles": [
@@ -375,5 +403,5 @@ def test_v1_config_that_1_20_cannot_express_is_refused() -> None:
             {"schedulerName": "b", "percentageOfNodesToScore": 100},
         ]
     }
-    with pytest.raises(ControlPlaneError, match="percentageOfNodesToScore"):
+    with pytest.raises(SchedulerConfigError, match="percentageOfNodesToScore"):
         to_v1beta1(disagree)

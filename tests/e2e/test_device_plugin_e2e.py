@@ -32,7 +32,13 @@ import pytest
 import yaml
 from controlplane import REPO_ROOT, Component, free_port
 from kubelet import BUSYBOX_IMAGE, ControlPlane136, KubeletNode
-from test_extender_e2e import Extender, _grant_extender_rbac, add_node, gpu_labels, scheduler_config
+from test_extender_e2e import (
+    SHIPPED_CONFIG,
+    Extender,
+    _grant_extender_rbac,
+    add_node,
+    gpu_labels,
+)
 
 from extender.device_plugin.gpus import fake_uuid
 from extender.device_plugin.kubelet import PodResources
@@ -256,7 +262,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         plugin.start()
         ext = Extender(cp, _grant_extender_rbac(cp), [])
         ext.start()
-        cp.start_scheduler(scheduler_config(ext.url))
+        cp.start_scheduler(SHIPPED_CONFIG.read_text(), extender_url=ext.url)
         s = Stack(cp, node, ext, plugin)
         s.wait_serving()
         yield s

@@ -1,7 +1,9 @@
-"""vramsched against a real control plane: etcd + kube-apiserver + kube-scheduler 1.20.
+"""vramsched against a real control plane: etcd + kube-apiserver + kube-scheduler, on every
+Kubernetes version the suite runs (1.20 and 1.36: the `control_plane` fixture is parametrised).
 
-The secondary kube-scheduler runs with a copy of config/KubeSchedulerConfiguration.yaml (urlPrefix
-pointed at a `vramsched serve --kubeconfig` subprocess, apiVersion translated to v1beta1). The
+The secondary kube-scheduler runs config/KubeSchedulerConfiguration.yaml with leader election on
+(urlPrefix pointed at a `vramsched serve --kubeconfig` subprocess; 1.36 loads the file as shipped
+plus that overlay, 1.20 reads it translated to v1beta1). The
 extender runs as a ServiceAccount bound to the ClusterRoles of deploy/rbac.yaml (and
 deploy/pin-gpus/rbac.yaml), so these tests also prove the manifests grant enough and no more is
 needed. Nodes are fake (labels + status, no kubelet): binding only writes spec.nodeName.
@@ -119,12 +121,16 @@ def _grant_extender_rbac(cp: ControlPlane) -> Path:
     return kubeconfig
 
 
-def scheduler_config(extender_url: str) -> dict[str, Any]:
-    """config/KubeSchedulerConfiguration.yaml as deployed, pointed at our extender."""
-    doc = yaml.safe_load((REPO_ROOT / "config" / "KubeSchedulerConfiguration.yaml").read_text())
-    (ext,) = doc["extenders"]
-    ext["urlPrefix"] = extender_url
-    return doc  # ControlPlane.start_scheduler translates v1 -> v1beta1 and sets addresses/election
+SHIPPED_CONFIG = REPO_ROOT / "config" / "KubeSchedulerConfiguration.yaml"
+
+
+def start_shipped_scheduler(cp: ControlPlane, extender_url: str) -> Path:
+    """kube-scheduler running config/KubeSchedulerConfiguration.yaml as deployed (leader election
+    on, its own lease), pointed at our extender. 1.36 loads the file as shipped plus the harness's
+    overlay (urlPrefix, kubeconfig); 1.20 gets it translated to v1beta1."""
+    return cp.start_scheduler(
+        SHIPPED_CONFIG.read_text(), extender_url=extender_url, leader_elect=True
+    )
 
 
 class Extender:
@@ -212,7 +218,7 @@ def stack(
     kubeconfig = _grant_extender_rbac(cluster)
     ext = Extender(cluster, kubeconfig, extender_args)
     ext.start()
-    cluster.start_scheduler(scheduler_config(ext.url))
+    start_shipped_scheduler(cluster, ext.url)
     try:
         yield cluster, ext
     finally:
@@ -583,7 +589,7 @@ def test_a_standby_replica_tracks_the_active_one_and_takes_over(
         cp.wait_for(lambda: held(standby) == expected, timeout=30, message="standby saw every bind")
         assert standby.get("/state")["nodes"] == active.get("/state")["nodes"]
         # Failover: the standby's scheduler takes the lead, the old replica dies.
-        cp.start_scheduler(scheduler_config(standby.url))
+        start_shipped_scheduler(cp, standby.url)
         active.kill9()
         second = [f"ha-{i}" for i in range(6, 10)]
         for name in second:

@@ -41,8 +41,8 @@ from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     core,
     extender_args,
     gpu_pod,
-    scheduler_config,
     stack,
+    start_shipped_scheduler,
     wait_bound,
 )
 
@@ -331,7 +331,7 @@ def proxied(cluster: ControlPlane) -> Iterator[tuple[ControlPlane, Extender, Pro
     via_proxy.write_text(yaml.safe_dump(doc))
     ext = Extender(cluster, via_proxy, [])
     ext.start()
-    cluster.start_scheduler(scheduler_config(ext.url))
+    start_shipped_scheduler(cluster, ext.url)
     try:
         yield cluster, ext, proxy
     finally:
