@@ -476,8 +476,10 @@ class ControlPlane:
     ) -> None:
         """Run kube-controller-manager (1.36) with ``controllers`` (its ``--controllers`` names).
 
-        It runs as ``system:kube-controller-manager`` (static token), leader election off, signs
-        with the control plane's CA and service-account key; returns once ``/healthz`` answers.
+        It authenticates as ``system:kube-controller-manager`` (static token) and runs each
+        controller with its own service account and bootstrap role (as in a cluster; tokens via
+        TokenRequest), leader election off, signing with the control plane's CA and
+        service-account key; returns once ``/healthz`` answers.
         Stopped by :meth:`stop_controller_manager` or :meth:`stop` (the e2e ``cluster`` fixture
         stops it after each test).
         """
@@ -502,7 +504,8 @@ class ControlPlane:
             f"--root-ca-file={self.ca_path}",
             f"--cluster-signing-cert-file={self.ca_path}",
             f"--cluster-signing-key-file={self.pki.ca_key}",
-            "--use-service-account-credentials=false",
+            # each controller with its own service account and bootstrap role, as in a cluster
+            "--use-service-account-credentials=true",
             "--v=1",
             *extra_args,
         ]

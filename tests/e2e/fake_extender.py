@@ -29,13 +29,13 @@ Handler = Callable[[dict[str, Any]], tuple[int, Any]]
 """A verb's script: request body -> (HTTP status, JSON answer)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Call:
     at: float  # time.monotonic() when the request arrived
     verb: str
     body: dict[str, Any]
-    status: int
-    answer: Any
+    status: int = 0  # 0 while the answer is being worked out
+    answer: Any = None
 
     @property
     def pod(self) -> str | None:
@@ -65,16 +65,19 @@ class FakeExtender:
             def do_POST(self) -> None:
                 at = time.monotonic()
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                verb = self.path.rsplit("/", 1)[-1]
-                status, answer = fake.answer(verb, body)
-                with fake._lock:
-                    fake.calls.append(Call(at, verb, body, status, answer))
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                call = Call(at, self.path.rsplit("/", 1)[-1], body)
+                with fake._lock:  # recorded on arrival: a slow answer may never be read
+                    fake.calls.append(call)
+                call.status, call.answer = fake.answer(call.verb, body)
+                data = json.dumps(call.answer).encode()
+                try:
+                    self.send_response(call.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # kube-scheduler gave up waiting (its httpTimeout)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -324,6 +324,58 @@ def test_service_account_kubeconfig_carries_rbac_of_that_account(cluster: Contro
 
 
 @pytest.mark.e2e
+@pytest.mark.k8s(
+    "1.36", reason="build.sh builds no kube-controller-manager and no kubelet for 1.20"
+)
+def test_controller_manager_recreates_pods_and_kubelet_credentials_name_the_node(
+    cluster: ControlPlane,
+) -> None:
+    """What the kubelet and Deployment tests build on: a kubelet's kubeconfig authenticates as
+    system:node:<name> in system:nodes, and a Deployment re-creates a deleted pod."""
+    creds = cluster.kubelet_credentials("node-x")
+    with kubernetes.config.new_client_from_config(config_file=str(creds.kubeconfig)) as client:
+        review = kubernetes.client.AuthenticationV1Api(client).create_self_subject_review(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+        )
+    assert review.status.user_info.username == "system:node:node-x"
+    assert "system:nodes" in review.status.user_info.groups
+    assert creds.serving_cert.exists() and creds.ca == cluster.ca_path
+
+    cluster.start_controller_manager()
+    labels = {"app": "kcm-e2e"}
+    with cluster.api_client() as client:
+        kubernetes.client.AppsV1Api(client).create_namespaced_deployment(
+            "default",
+            {
+                "metadata": {"name": "kcm-e2e"},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        # nobody schedules it: the pod only has to exist
+                        "spec": {**pod_body("x", "nobody")["spec"]},
+                    },
+                },
+            },
+        )
+        core = kubernetes.client.CoreV1Api(client)
+
+        def pod_uids() -> set[str]:
+            pods = core.list_namespaced_pod("default", label_selector="app=kcm-e2e").items
+            return {p.metadata.uid for p in pods if not p.metadata.deletion_timestamp}
+
+        (first,) = cluster.wait_for(pod_uids, timeout=60, message="the ReplicaSet creates a pod")
+        (pod,) = core.list_namespaced_pod("default", label_selector="app=kcm-e2e").items
+        core.delete_namespaced_pod(pod.metadata.name, "default", grace_period_seconds=0)
+        (second,) = cluster.wait_for(
+            lambda: pod_uids() - {first}, timeout=60, message="the deleted pod is re-created"
+        )
+        kubernetes.client.AppsV1Api(client).delete_namespaced_deployment("kcm-e2e", "default")
+    assert second != first
+
+
+@pytest.mark.e2e
 def test_stop_leaves_no_process_behind(tmp_path: Path, control_plane: ControlPlane) -> None:
     cp = ControlPlane(tmp_path / "cp", version=control_plane.version, bin_dir=control_plane.bin_dir)
     cp.start()
