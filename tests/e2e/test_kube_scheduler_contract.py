@@ -46,7 +46,10 @@ def by_version(cp: ControlPlane, **values: Any) -> Any:
 
 
 def failed_scheduling(api: kubernetes.client.CoreV1Api, pod: str) -> list[str]:
-    events = api.list_namespaced_event(NS, field_selector=f"involvedObject.name={pod}").items
+    """This pod's FailedScheduling messages (by UID: events outlive a deleted pod of that name)."""
+    uid = api.read_namespaced_pod(pod, NS).metadata.uid
+    selector = f"involvedObject.name={pod},involvedObject.uid={uid}"
+    events = api.list_namespaced_event(NS, field_selector=selector).items
     return [e.message or "" for e in events if e.reason == "FailedScheduling"]
 
 
