@@ -124,6 +124,15 @@ def _grant_extender_rbac(cp: ControlPlane) -> Path:
 SHIPPED_CONFIG = REPO_ROOT / "config" / "KubeSchedulerConfiguration.yaml"
 
 
+def scheduler_config(extender_url: str) -> dict[str, Any]:
+    """config/KubeSchedulerConfiguration.yaml parsed and pointed at our extender (a dict for
+    ``start_scheduler``; :func:`start_shipped_scheduler` hands kube-scheduler the file's text)."""
+    doc = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    for ext in doc["extenders"]:
+        ext["urlPrefix"] = extender_url
+    return doc
+
+
 def start_shipped_scheduler(cp: ControlPlane, extender_url: str) -> Path:
     """kube-scheduler running config/KubeSchedulerConfiguration.yaml as deployed (leader election
     on, its own lease), pointed at our extender. 1.36 loads the file as shipped plus the harness's

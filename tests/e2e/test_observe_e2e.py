@@ -159,7 +159,7 @@ def test_top_why_and_leader_on_a_real_cluster(elected: tuple[ControlPlane, Exten
         lambda: cp.scheduler_lease_holder("vramsched", "vramsched"), timeout=60, message="lease"
     )
     cp.wait_for(lambda: metric(ext, "vramsched_leader") == 1, timeout=30, message="leader 1")
-    cp.stop_scheduler()
+    cp.stop_scheduler(keep_lease=True)  # the Lease stays, as after a replica's crash
     with cp.api_client() as client:
         coord = kubernetes.client.CoordinationV1Api(client)
         coord.patch_namespaced_lease(
