@@ -21,7 +21,7 @@ import time
 import orjson
 
 from extender.cluster import ClusterState
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 from extender.namelists import NameLists
 from extender.server import decode_args, encode_names_result
 from extender.service import EmbeddedBinder, ExtenderService

@@ -11,8 +11,8 @@ from collections.abc import Mapping  # the typing alias makes isinstance() 5x sl
 from dataclasses import dataclass
 from typing import Any
 
-from extender.deviceplugin import references_pin_configmap
 from extender.inventory import GPU_RESOURCE, MIG_RESOURCE_PREFIX, is_gpu_resource
+from extender.pinning import references_pin_configmap
 from extender.quantity import QuantityError, format_bytes, parse_bytes, parse_milli, parse_quantity
 
 __all__ = [
@@ -84,7 +84,7 @@ class Demand:
     memory_bytes: int = 0
     allowed_products: frozenset[str] | None = None
     model_memory: int | None = None
-    #: the pod takes the GPU pin: envFrom its pin ConfigMap (extender.deviceplugin) or
+    #: the pod takes the GPU pin: envFrom its pin ConfigMap (extender.pinning) or
     #: NVIDIA_VISIBLE_DEVICES from the gpu-index annotation (`pin_annotation`)
     pin_configmap: bool = False
     #: every GPU container reads NVIDIA_VISIBLE_DEVICES from the gpu-index annotation, so it sees

@@ -65,7 +65,7 @@ class Sharing(StrEnum):
 
 class ReplicaPolicy(StrEnum):
     """How the physical GPU of a time-sliced replica is chosen on the nodes (the node side's
-    device plugin; extender.deviceplugin has the rules and the bound that follow from it).
+    device plugin; extender.stock_plugin has the rules and the bound that follow from it).
 
     `distributed`/`packed`: by the stock device plugin with that policy; vramsched keeps the
     node-level worst-case bound. `pinned`: by vramsched, handed to the container through the

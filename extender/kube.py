@@ -49,19 +49,19 @@ from extender.demand import (
     pod_ref,
     reads_pin_annotation,
 )
-from extender.deviceplugin import (
-    ReplicaPolicy,
-    annotation_pin_refusal,
-    is_time_sliced,
+from extender.inventory import ReplicaPolicy
+from extender.ledger import Reservation
+from extender.pin_rule import unpinnable
+from extender.pinning import (
     pin_configmap_name,
     pin_environment,
     references_pin_configmap,
 )
-from extender.ledger import Reservation
 from extender.placement import FilterOutcome, filter_nodes
 from extender.quantity import format_bytes
 from extender.service import BindError, ExtenderService
 from extender.sizing.handoff import FRACTION_ANNOTATION, bind_fraction
+from extender.stock_plugin import is_time_sliced
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -1115,7 +1115,7 @@ class LiveService(ExtenderService):
         out = super()._filter_outcome(pod, demand, names)
         if not reads_pin_annotation(pod):
             return out
-        refused = self._unpinnable(demand, out.feasible)
+        refused = unpinnable(self.ledger, demand, out.feasible)
         if not refused:
             return out
         keep = [n for n in out.feasible if n not in refused]
@@ -1125,20 +1125,6 @@ class LiveService(ExtenderService):
         if keep and not out.explain_all:
             return out
         out.unresolvable = {**out.unresolvable, **refused}
-        return out
-
-    def _unpinnable(self, demand: Demand, names: list[str]) -> dict[str, str]:
-        """Nodes where a pod reading NVIDIA_VISIBLE_DEVICES from the gpu-index annotation would get
-        no index, hence no GPU (extender.deviceplugin.annotation_pin_refusal), with the reason."""
-        ledger, policy = self.ledger, self.ledger.replica_policy
-        out: dict[str, str] = {}
-        for name in names:
-            inv = ledger.node(name)
-            why = annotation_pin_refusal(
-                inv.devices if inv is not None else (), demand.resource, policy
-            )
-            if why is not None:
-                out[name] = why
         return out
 
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
@@ -1178,7 +1164,7 @@ class LiveService(ExtenderService):
                 demand = self._demand(args.Pod)
             except DemandError:
                 return result
-            refused = self._unpinnable(demand, list(result.NodeNameToMetaVictims))
+            refused = unpinnable(self.ledger, demand, list(result.NodeNameToMetaVictims))
             result.NodeNameToMetaVictims = {
                 n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused
             }

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 from loadtest.gen_cluster import generate, nodes_file, write_cluster
 
 ROOT = Path(__file__).resolve().parent.parent

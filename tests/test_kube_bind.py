@@ -15,9 +15,10 @@ from kube_fakes import FakeApi
 
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
-from extender.deviceplugin import PIN_MISSING, ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 from extender.kube import ApiError, EventRecorder, LiveService, LiveSource
 from extender.ledger import check_invariant
+from extender.pin_rule import PIN_MISSING
 from extender.server import METRICS_KEY, create_app
 from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderPreemptionArgs
 

@@ -15,7 +15,7 @@ from kube_fakes import FakeApi
 
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 from extender.kube import NOT_SYNCED, ApiError, Informer, LiveService, LiveSource
 from extender.ledger import check_invariant
 from extender.wire import ExtenderArgs, ExtenderBindingArgs

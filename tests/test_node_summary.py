@@ -469,7 +469,7 @@ def test_filter_under_a_replica_policy_fast_path_equals_per_device(
                         got.failed[name].startswith("all GPU replicas in use") and "free" in reason
                     ), (step, name)
             assert got.failed.keys() == want.failed.keys()
-    # the fast path answered one-GPU and multi-GPU pods (test_deviceplugin covers the per-device
+    # the fast path answered one-GPU and multi-GPU pods (test_stock_plugin covers the per-device
     # path it gives way to: a fleet of one resource has no per-resource view)
     assert {k > 1 for ok, k in taken if ok} == {False, True}
 

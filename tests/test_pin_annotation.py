@@ -15,8 +15,9 @@ from builders import cluster, gpu_node, mig_mixed_node, pod
 
 from extender.bind_event import REASON, bind_event, bind_message
 from extender.demand import PIN_FIELD_PATH, PodRef, pod_demand, reads_pin_annotation
-from extender.deviceplugin import ReplicaPolicy, annotation_pin_refusal
+from extender.inventory import ReplicaPolicy
 from extender.ledger import Reservation
+from extender.pin_rule import annotation_pin_refusal
 
 GIB = 1024**3
 FROM_ANNOTATION = {

@@ -12,7 +12,7 @@ import time
 from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 from extender.source_file import ClusterFileError, read_cluster_file
 
 __all__ = [

@@ -19,8 +19,8 @@ from typing import Literal, NamedTuple, TypeVar
 import numpy as np
 
 from extender.arrays import DeviceArrays
-from extender.deviceplugin import BoundView, SharedFit
 from extender.placement.outcome import SharedReasons
+from extender.stock_plugin import BoundView, SharedFit
 
 __all__ = [
     "ArraysCache",

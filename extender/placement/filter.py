@@ -9,7 +9,6 @@ import numpy as np
 
 from extender.arrays import DeviceArrays, NodeSummary
 from extender.demand import Demand
-from extender.deviceplugin import bounds_resource, refused_per_node
 from extender.ledger import Ledger
 from extender.placement.fit import (
     Fit,
@@ -32,6 +31,7 @@ from extender.placement.views import (
     row_counts,
     segment_max,
 )
+from extender.stock_plugin import bounds_resource, refused_per_node
 
 
 def filter_nodes(

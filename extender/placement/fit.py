@@ -9,10 +9,10 @@ import numpy as np
 
 from extender.arrays import DeviceArrays, NodeSummary
 from extender.demand import Demand
-from extender.deviceplugin import BoundView, SharedFit, bound_view, bounds_resource, shared_fit
 from extender.ledger import Ledger
 from extender.placement.cache import StaticFit, cache_of
 from extender.placement.views import node_arrays, uniform_labels
+from extender.stock_plugin import BoundView, SharedFit, bound_view, bounds_resource, shared_fit
 
 
 @dataclass(slots=True)

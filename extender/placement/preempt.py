@@ -6,9 +6,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import combinations
 
 from extender.demand import Demand
-from extender.deviceplugin import allowed_without
 from extender.ledger import Ledger, Reservation
 from extender.placement.fit import Fit, demand_fit, plugin_view
+from extender.stock_plugin import allowed_without
 
 _MAX_COMBINATIONS = 4096
 

@@ -11,9 +11,9 @@ import numpy as np
 
 from extender.arrays import DeviceArrays, run_starts
 from extender.demand import Demand
-from extender.deviceplugin import PIN_MISSING, SharedFit
 from extender.inventory import MigSlice
 from extender.ledger import Ledger
+from extender.pin_rule import PIN_MISSING
 from extender.placement.cache import FIXED_REASONS_KEPT, StaticFit, cache_of
 from extender.placement.fit import Fit, static_fit
 from extender.placement.outcome import (
@@ -24,6 +24,7 @@ from extender.placement.outcome import (
 )
 from extender.placement.views import node_kinds, per_node
 from extender.quantity import format_bytes
+from extender.stock_plugin import SharedFit
 
 
 class ReasonKind(IntEnum):
@@ -275,7 +276,7 @@ def _explain_shared(
     out: FilterOutcome,
     books_short: bool = False,
 ) -> np.ndarray:
-    """Reasons owed to the device plugin's choice of GPU (extender.deviceplugin) for the failing
+    """Reasons owed to the device plugin's choice of GPU (extender.stock_plugin) for the failing
     nodes `rows`, in vector form; returns the rows it gave none (they fail on memory).
 
     A node whose matching devices the pod can only use with a pin it does not take is

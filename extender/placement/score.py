@@ -9,7 +9,6 @@ import numpy as np
 
 from extender.arrays import DeviceArrays
 from extender.demand import Demand
-from extender.deviceplugin import bounds_resource
 from extender.ledger import Ledger
 from extender.placement.cache import KeptScores, ShapeCache, cache_of
 from extender.placement.choose import best_fit_devices
@@ -22,6 +21,7 @@ from extender.placement.views import (
     resource_arrays,
     row_counts,
 )
+from extender.stock_plugin import bounds_resource
 
 MAX_SCORE = 10
 

@@ -42,8 +42,9 @@ from test_extender_e2e import (
 
 from extender.device_plugin.gpus import fake_uuid
 from extender.device_plugin.kubelet import PodResources
-from extender.deviceplugin import ReplicaPolicy, worst_case_load
+from extender.inventory import ReplicaPolicy
 from extender.plugin_state import STATE_ANNOTATION, decode_state
+from extender.stock_plugin import worst_case_load
 
 NS = "default"
 GIB = 1024**3

@@ -10,7 +10,7 @@ needed. Nodes are fake (labels + status, no kubelet): binding only writes spec.n
 
 Every test checks the invariant on the API's own state: the ledger rebuilt from the pods'
 annotations (extender.cluster + check_invariant) and, for time-sliced GPUs, the worst case the
-device plugin could produce (extender.deviceplugin).
+device plugin could produce (extender.stock_plugin).
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ from controlplane import REPO_ROOT, Component, ControlPlane, free_port
 
 from extender.bind_event import REASON
 from extender.cluster import ClusterState
-from extender.deviceplugin import PIN_MISSING, ReplicaPolicy, is_time_sliced, worst_case_load
+from extender.inventory import ReplicaPolicy
 from extender.ledger import check_invariant
+from extender.pin_rule import PIN_MISSING
+from extender.stock_plugin import is_time_sliced, worst_case_load
 
 GPU = "nvidia.com/gpu"
 GIB = 1024**3

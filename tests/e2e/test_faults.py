@@ -46,7 +46,7 @@ from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     wait_bound,
 )
 
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 
 GIB = 1024**3
 

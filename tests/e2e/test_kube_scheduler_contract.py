@@ -34,7 +34,7 @@ from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     wait_bound,
 )
 
-from extender.deviceplugin import ReplicaPolicy
+from extender.inventory import ReplicaPolicy
 
 GPU = "nvidia.com/gpu"
 

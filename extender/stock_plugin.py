@@ -31,11 +31,7 @@ lower both sides.
 
 from __future__ import annotations
 
-from collections.abc import (
-    Iterable,
-    Mapping,
-    Sequence,
-)  # not the typing aliases: isinstance() per pod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,13 +43,6 @@ if TYPE_CHECKING:
     from extender.ledger import DeviceArrays, Ledger, Reservation
 
 __all__ = [
-    "ReplicaPolicy",
-    "PIN_PREFIX",
-    "pin_configmap_name",
-    "references_pin_configmap",
-    "PIN_MISSING",
-    "annotation_pin_refusal",
-    "pin_environment",
     "is_time_sliced",
     "stack_depth",
     "worst_case_load",
@@ -66,82 +55,6 @@ __all__ = [
     "refused_per_node",
     "allowed_without",
 ]
-
-PIN_PREFIX = "vramsched-"
-#: Why pinned mode refuses a time-sliced node to a pod that takes no pin (either form).
-PIN_MISSING = (
-    f"GPUs here are pinned: pod takes no pin (envFrom ConfigMap {PIN_PREFIX}<pod-name>"
-    " or NVIDIA_VISIBLE_DEVICES from annotation vramsched.io/gpu-index)"
-)
-_FROM_ANNOTATION = "pod reads NVIDIA_VISIBLE_DEVICES from annotation vramsched.io/gpu-index"
-
-
-# ----- the pinning hand-off ---------------------------------------------------------------------
-
-
-def pin_configmap_name(pod_name: str) -> str:
-    """The ConfigMap a pod references with `envFrom` to receive its GPU pin."""
-    return PIN_PREFIX + pod_name
-
-
-def references_pin_configmap(pod: Mapping[str, Any]) -> bool:
-    """Whether any container of the pod takes its environment from its pin ConfigMap."""
-    meta = pod.get("metadata") if isinstance(pod, Mapping) else None
-    spec = pod.get("spec") if isinstance(pod, Mapping) else None
-    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
-        return False
-    name = meta.get("name")
-    if not isinstance(name, str):
-        return False
-    want = pin_configmap_name(name)
-    for group in ("containers", "initContainers"):
-        for c in spec.get(group) or []:
-            if not isinstance(c, Mapping):
-                continue
-            for src in c.get("envFrom") or []:
-                ref = src.get("configMapRef") if isinstance(src, Mapping) else None
-                if isinstance(ref, Mapping) and ref.get("name") == want:
-                    return True
-    return False
-
-
-def annotation_pin_refusal(
-    devices: Iterable[Any], resource: str, policy: ReplicaPolicy | str | None
-) -> str | None:
-    """Why a node cannot take a pod that reads its GPUs from the gpu-index annotation, or None.
-
-    Such a container sees exactly the GPUs named there, and none when the annotation is absent
-    (kubelet then sets the variable to "", which the NVIDIA runtime reads as no GPU). The binder
-    writes an index only where the pin is real: pinned mode, whole time-sliced GPUs. Elsewhere the
-    pod would start without a GPU, so it must not go there at all.
-    """
-    devices = list(devices)
-    matching = [d for d in devices if d.resource == resource]
-    if matching and all(getattr(d, "plugin_served", False) for d in matching):
-        return None  # vramsched's device plugin: the index written is the GPU the pod gets
-    if policy is None or ReplicaPolicy(policy) is not ReplicaPolicy.PINNED:
-        return f"{_FROM_ANNOTATION}: GPUs are pinned only with --replica-policy pinned"
-    if matching and not all(isinstance(d, Gpu) and is_time_sliced(d) for d in matching):
-        return f"{_FROM_ANNOTATION}: GPUs here cannot be pinned (only whole time-sliced GPUs are)"
-    return None
-
-
-def pin_environment(
-    reservation: Reservation, pinned: bool, time_sliced: bool = True
-) -> dict[str, str]:
-    """The ConfigMap data for a pod: `NVIDIA_VISIBLE_DEVICES` only when the pin is real.
-
-    Real = pinned mode, whole GPUs (MIG devices are addressed by UUID, not index), time-sliced
-    (an exclusive GPU's identity does not matter to VRAM accounting, and pinning only some pods
-    of an exclusive node would let the plugin hand a pinned GPU to another pod). Otherwise the
-    ConfigMap still exists, so a pod that references it starts, with the plugin's choice.
-    """
-    whole = all(":" not in d for d in reservation.device_ids) and bool(reservation.device_ids)
-    if pinned and whole and time_sliced:
-        indices = sorted({int(d) for d in reservation.device_ids})
-        return {"NVIDIA_VISIBLE_DEVICES": ",".join(map(str, indices)), "VRAMSCHED_PINNED": "true"}
-    return {"VRAMSCHED_PINNED": "false"}
-
 
 # ----- the device plugin's choice, and the bound -------------------------------------------------
 

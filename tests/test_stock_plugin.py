@@ -13,15 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extender.demand import PodRef, pod_demand
-from extender.deviceplugin import (
-    ReplicaPolicy,
-    pin_environment,
-    plugin_candidates,
-    references_pin_configmap,
-    stack_depth,
-    worst_case_load,
-)
+from extender.inventory import ReplicaPolicy
 from extender.ledger import Reservation, check_invariant
+from extender.pinning import pin_environment, references_pin_configmap
 from extender.placement import (
     FilterOutcome,
     choose_devices,
@@ -29,6 +23,7 @@ from extender.placement import (
     plugin_allows,
     preempt_victims,
 )
+from extender.stock_plugin import plugin_candidates, stack_depth, worst_case_load
 
 GIB = 1024**3
 D, P = ReplicaPolicy.DISTRIBUTED, ReplicaPolicy.PACKED
@@ -241,8 +236,8 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
     group by group, including groups holding more replicas than they have (recorded from the API:
     up to 40 on a node of 12), and groups with no pod (ts-big). Half the pods arrive after the
     view was first built, so its per-group keys are also kept up to date node by node."""
-    from extender.deviceplugin import shared_fit
     from extender.placement.fit import plugin_view
+    from extender.stock_plugin import shared_fit
 
     c = cluster(
         *(gpu_node(f"ts{i}", count=3, memory_mib=40 * 1024, replicas=4) for i in range(3)),
@@ -274,7 +269,7 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
 def _explain_one_node(fit, demand, r: int) -> str | None:
     """The per-node rule `placement.reasons._explain_shared` applies in vector form (its code before it
     was vectorised): the reason the device plugin is owed for node row `r`, or None (memory)."""
-    from extender.deviceplugin import PIN_MISSING
+    from extender.pin_rule import PIN_MISSING
     from extender.quantity import format_bytes
 
     a, s = fit.a, fit.shared
@@ -332,7 +327,7 @@ def _policy_case(policy: str, holds, gib: int, gpus: int, pinned_pod: bool):
 def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(
     policy, holds, gib, gpus, pinned_pod
 ) -> None:
-    from extender.deviceplugin import PIN_MISSING
+    from extender.pin_rule import PIN_MISSING
     from extender.placement.fit import demand_fit
 
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
@@ -387,8 +382,8 @@ def test_the_bound_over_the_cluster_is_each_nodes_bound(
     and keeps its label-only masks with the view; node by node (bind's slices) or for several
     nodes' rows (kept scores) it works them all out: all give the same rows, asked once or again
     after more pods."""
-    from extender.deviceplugin import shared_fit
     from extender.placement.fit import plugin_view
+    from extender.stock_plugin import shared_fit
 
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
     for extra in range(2):
