@@ -28,7 +28,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,20 +44,17 @@ from extender.demand import (
     ASSIGNMENT,
     GPU_INDEX,
     PIN_ENV,
-    Demand,
     DemandError,
     pod_ref,
     reads_pin_annotation,
 )
 from extender.inventory import ReplicaPolicy
 from extender.ledger import Reservation
-from extender.pin_rule import unpinnable
 from extender.pinning import (
     pin_configmap_name,
     pin_environment,
     references_pin_configmap,
 )
-from extender.placement import FilterOutcome, filter_nodes
 from extender.quantity import format_bytes
 from extender.service import BindError, ExtenderService
 from extender.sizing.handoff import FRACTION_ANNOTATION, bind_fraction
@@ -1107,26 +1104,6 @@ class LiveService(ExtenderService):
             return ExtenderFilterResult(Error=NOT_SYNCED)
         return super().filter(args)
 
-    def _filter_outcome(
-        self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]
-    ) -> FilterOutcome:
-        """Also refuse, as unresolvable (no eviction makes a node pinnable), the nodes where a pod
-        reading NVIDIA_VISIBLE_DEVICES from the gpu-index annotation would get no GPU."""
-        out = super()._filter_outcome(pod, demand, names)
-        if not reads_pin_annotation(pod):
-            return out
-        refused = unpinnable(self.ledger, demand, out.feasible)
-        if not refused:
-            return out
-        keep = [n for n in out.feasible if n not in refused]
-        if not keep and not out.explain_all:  # none passes now: every refused node needs its reason
-            out = filter_nodes(self.ledger, demand, names, explain_all=True)
-        out.feasible = keep  # a new list: the one handed out is shared (FilterOutcome)
-        if keep and not out.explain_all:
-            return out
-        out.unresolvable = {**out.unresolvable, **refused}
-        return out
-
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
         if not self.source.synced:
             names = args.NodeNames or [
@@ -1157,18 +1134,7 @@ class LiveService(ExtenderService):
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
         if not self.source.synced:
             return ExtenderPreemptionResult(NodeNameToMetaVictims={})
-        result = super().preempt(args)
-        if reads_pin_annotation(args.Pod) and result.NodeNameToMetaVictims:
-            # Evicting anyone on a node that cannot pin the pod would free nothing it can use.
-            try:
-                demand = self._demand(args.Pod)
-            except DemandError:
-                return result
-            refused = unpinnable(self.ledger, demand, list(result.NodeNameToMetaVictims))
-            result.NodeNameToMetaVictims = {
-                n: v for n, v in result.NodeNameToMetaVictims.items() if n not in refused
-            }
-        return result
+        return super().preempt(args)
 
 
 def needs_legacy_failed_nodes(version: Mapping[str, Any] | None) -> bool:

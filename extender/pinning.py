@@ -5,7 +5,7 @@ only name one (`--replica-policy pinned`, `extender.inventory.ReplicaPolicy`) th
 the container's environment (`NVIDIA_VISIBLE_DEVICES`): from a per-pod ConfigMap the binder writes
 (`envFrom`), or from the `vramsched.io/gpu-index` annotation through the downward API (see
 `extender.demand.reads_pin_annotation`). These names and helpers are shared by the demand parser,
-the pin rule (`extender.pin_rule`) and the live binder, so they live in
+the pin rule (`extender.placement.pin_rule`) and the live binder, so they live in
 this leaf module, which imports no other part of vramsched: nothing here can close an import cycle.
 """
 

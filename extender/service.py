@@ -24,7 +24,6 @@ from extender.observe.pending import PendingReasons, outcome_class
 from extender.observe.usage import state_nodes, usage_from_ledger
 from extender.placement import (
     MAX_SCORE,
-    FilterOutcome,
     choose_devices,
     filter_nodes,
     plugin_allows,
@@ -254,7 +253,7 @@ class ExtenderService:
             names = args.NodeNames or []
         self._remember(args.Pod)
         self.ledger.expire()
-        outcome = self._filter_outcome(args.Pod, demand, names)
+        outcome = filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
         self.pending_reasons.note(
             demand.pod.key,
             "fits" if outcome.feasible else outcome_class(False, outcome.failed.values()),
@@ -278,12 +277,6 @@ class ExtenderService:
             FailedNodes=failed,
             FailedAndUnresolvableNodes=outcome.unresolvable,
         )
-
-    def _filter_outcome(
-        self, pod: Mapping[str, Any], demand: Demand, names: Sequence[str]
-    ) -> FilterOutcome:
-        """The core's answer; a subclass may refuse more nodes (see LiveService)."""
-        return filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
 
     # ----- prioritize --------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> Sequence[HostPriority]:

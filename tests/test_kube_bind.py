@@ -18,7 +18,7 @@ from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
 from extender.inventory import ReplicaPolicy
 from extender.kube import ApiError, EventRecorder, LiveService, LiveSource
 from extender.ledger import check_invariant
-from extender.pin_rule import PIN_MISSING
+from extender.placement.pin_rule import PIN_MISSING
 from extender.server import METRICS_KEY, create_app
 from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderPreemptionArgs
 

@@ -11,13 +11,13 @@ import copy
 from typing import Any
 
 import pytest
-from builders import cluster, gpu_node, mig_mixed_node, pod
+from builders import cluster, gpu_node, mig_mixed_node, pod, service
 
 from extender.bind_event import REASON, bind_event, bind_message
 from extender.demand import PIN_FIELD_PATH, PodRef, pod_demand, reads_pin_annotation
 from extender.inventory import ReplicaPolicy
 from extender.ledger import Reservation
-from extender.pin_rule import annotation_pin_refusal
+from extender.placement.pin_rule import annotation_pin_refusal
 
 GIB = 1024**3
 FROM_ANNOTATION = {
@@ -140,6 +140,46 @@ def test_only_pinned_whole_time_sliced_gpus_take_it() -> None:
         assert "only with --replica-policy pinned" in (
             annotation_pin_refusal(ts, "nvidia.com/gpu", policy) or ""
         )
+
+
+def test_filter_and_preemption_apply_the_rule_in_every_mode() -> None:
+    """The rule is placement's, not an adapter's: the embedded server (and anything else calling
+    the core) keeps such a pod off nodes that cannot pin it, as live mode does."""
+    from extender.placement import filter_nodes, preempt_victims
+    from extender.placement.pin_rule import unpinnable
+    from extender.wire import ExtenderArgs
+
+    web = with_env(pod("web", "12Gi"), FROM_ANNOTATION)
+    nodes = (gpu_node("ts", count=2, memory_mib=23034, replicas=4), gpu_node("whole", count=1))
+    c = cluster(*nodes, web)
+    demand = pod_demand(web)
+    svc = service(c)  # embedded: EmbeddedBinder, no API server
+    # no policy (a cluster file's exact books): no index is ever written, so no node will do
+    out = svc.filter(ExtenderArgs(Pod=web, NodeNames=["ts", "whole"]))
+    assert out.NodeNames == [] and set(out.FailedAndUnresolvableNodes) == {"ts", "whole"}
+    assert all("--replica-policy pinned" in m for m in out.FailedAndUnresolvableNodes.values())
+    c = cluster(*nodes, web, replica_policy=ReplicaPolicy.PINNED)  # `serve --replica-policy pinned`
+    svc = service(c)
+    out = svc.filter(ExtenderArgs(Pod=web, NodeNames=["ts", "whole"]))
+    assert out.NodeNames == ["ts"]
+    explained = filter_nodes(c.ledger, demand, ["ts", "whole"], explain_all=True)
+    assert explained.feasible == ["ts"]
+    assert "cannot be pinned" in explained.unresolvable["whole"]
+    assert unpinnable(c.ledger, demand, ["ts", "whole"]) == {
+        "whole": explained.unresolvable["whole"]
+    }
+    # the same pod without the env var may use the exclusive GPU (and takes no pin, so not the
+    # pinned ones): the rule is the pod's form
+    plain = pod_demand(pod("plain", "12Gi"))
+    assert filter_nodes(c.ledger, plain, ["ts", "whole"]).feasible == ["whole"]
+    assert unpinnable(c.ledger, plain, ["ts", "whole"]) == {}
+    # preemption evicts no one where the pod could not be pinned
+    victim = pod("victim", "70Gi", node="whole", priority=0)
+    c.upsert_pod(victim)
+    urgent = pod_demand(with_env(pod("urgent", "70Gi", priority=100), FROM_ANNOTATION))
+    uids = {"whole": [victim["metadata"]["uid"]]}
+    assert preempt_victims(c.ledger, urgent, uids) == {}
+    assert preempt_victims(c.ledger, pod_demand(pod("u2", "70Gi", priority=100)), uids) == uids
 
 
 # ----- the bind event ---------------------------------------------------------------------------------

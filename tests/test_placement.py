@@ -236,8 +236,8 @@ def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_add
     """Live mode (a replica policy) shares the label-only reasons too; a pod that then needs a
     reason of its own (a time-sliced node it cannot be pinned on) gets a copy holding both,
     and the shared dict stays as it was for every other answer."""
-    from extender.pin_rule import PIN_MISSING
     from extender.placement import SharedReasons
+    from extender.placement.pin_rule import PIN_MISSING
 
     c = cluster(
         mig_mixed_node("mig", {"1g.10gb": (7, 9984)}),

@@ -112,7 +112,7 @@ def test_bind_refuses_a_served_node_whose_plugin_is_down() -> None:
 
 
 def test_pods_reading_the_gpu_index_may_go_to_served_nodes() -> None:
-    from extender.pin_rule import annotation_pin_refusal
+    from extender.placement.pin_rule import annotation_pin_refusal
 
     served = node_inventory(served_node())
     assert annotation_pin_refusal(served.devices, "nvidia.com/gpu", "distributed") is None

@@ -269,7 +269,7 @@ def test_the_bound_for_a_multi_gpu_pod_is_worst_case_load_of_each_group(
 def _explain_one_node(fit, demand, r: int) -> str | None:
     """The per-node rule `placement.reasons._explain_shared` applies in vector form (its code before it
     was vectorised): the reason the device plugin is owed for node row `r`, or None (memory)."""
-    from extender.pin_rule import PIN_MISSING
+    from extender.placement.pin_rule import PIN_MISSING
     from extender.quantity import format_bytes
 
     a, s = fit.a, fit.shared
@@ -327,8 +327,8 @@ def _policy_case(policy: str, holds, gib: int, gpus: int, pinned_pod: bool):
 def test_filter_words_the_plugin_reasons_node_by_node_as_the_per_node_rule(
     policy, holds, gib, gpus, pinned_pod
 ) -> None:
-    from extender.pin_rule import PIN_MISSING
     from extender.placement.fit import demand_fit
+    from extender.placement.pin_rule import PIN_MISSING
 
     c, d = _policy_case(policy, holds, gib, gpus, pinned_pod)
     out = filter_nodes(c.ledger, d, list(_POLICY_NODES))

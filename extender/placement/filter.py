@@ -21,6 +21,7 @@ from extender.placement.fit import (
     static_fit,
 )
 from extender.placement.outcome import FilterOutcome, mutable_unresolvable
+from extender.placement.pin_rule import unpinnable
 from extender.placement.reasons import explain, explain_blocked
 from extender.placement.views import (
     candidate_rows,
@@ -42,7 +43,39 @@ def filter_nodes(
     `explain_all=False`: reasons only when no node passes. kube-scheduler reads an extender's
     reasons only then (for the pod's FitError event and for preemption); when some node passes
     it drops them unread, so working them out, sending and decoding them is wasted on the
-    scheduling path. The answer is then all-or-nothing: every refused node explained, or none."""
+    scheduling path. The answer is then all-or-nothing: every refused node explained, or none.
+
+    The pin rule (`extender.placement.pin_rule`) applies last, to a pod reading its GPUs from the
+    gpu-index annotation only: see `_refuse_unpinnable`."""
+    out = _filter_nodes(ledger, demand, names, explain_all)
+    if demand.pin_annotation:
+        out = _refuse_unpinnable(ledger, demand, names, out)
+    return out
+
+
+def _refuse_unpinnable(
+    ledger: Ledger, demand: Demand, names: Sequence[str], out: FilterOutcome
+) -> FilterOutcome:
+    """Of the nodes that passed, those where the pod would get no GPU index (hence no GPU) become
+    unresolvable: no eviction makes a node pinnable. When none is left, every refused node owes
+    its reason, as whenever no node passes."""
+    refused = unpinnable(ledger, demand, out.feasible)
+    if not refused:
+        return out
+    keep = [n for n in out.feasible if n not in refused]
+    if not keep and not out.explain_all:
+        out = _filter_nodes(ledger, demand, names, explain_all=True)
+    out.feasible = keep  # a new list: the one handed out is shared (FilterOutcome)
+    if keep and not out.explain_all:
+        return out
+    out.unresolvable = {**out.unresolvable, **refused}
+    return out
+
+
+def _filter_nodes(
+    ledger: Ledger, demand: Demand, names: Sequence[str], explain_all: bool
+) -> FilterOutcome:
+    """`filter_nodes` before the pin rule."""
     out = FilterOutcome(explain_all=explain_all)
     if not demand.wants_gpu:
         out.feasible = list(names)

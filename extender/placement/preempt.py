@@ -8,6 +8,7 @@ from itertools import combinations
 from extender.demand import Demand
 from extender.ledger import Ledger, Reservation
 from extender.placement.fit import Fit, demand_fit, plugin_view
+from extender.placement.pin_rule import unpinnable
 from extender.stock_plugin import allowed_without
 
 _MAX_COMBINATIONS = 4096
@@ -20,15 +21,18 @@ def preempt_victims(
 
     `candidates` maps node -> UIDs kube-scheduler proposes. Victims we hold no GPUs for are kept
     (the scheduler needed them for other resources); ours are cut to the smallest set that frees
-    enough VRAM and replicas. Nodes where even all victims would not make room are dropped.
+    enough VRAM and replicas. Nodes where even all victims would not make room are dropped, and
+    so are the nodes the pin rule refuses (`extender.placement.pin_rule`): evicting anyone there
+    would free nothing the pod can use.
     """
     result: dict[str, list[str]] = {}
     fit = demand_fit(ledger, demand)
     a = fit.a
+    refused = unpinnable(ledger, demand, list(candidates))
     for node, uids in candidates.items():
         uids = list(dict.fromkeys(uids))
         r = ledger.node_row(node)
-        if r is None or not demand.wants_gpu:
+        if r is None or not demand.wants_gpu or node in refused:
             continue
         lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
         held = {res.pod.uid: res for res in ledger.pods_on(node) if res.pod.uid}

@@ -13,7 +13,6 @@ from extender.arrays import DeviceArrays, run_starts
 from extender.demand import Demand
 from extender.inventory import MigSlice
 from extender.ledger import Ledger
-from extender.pin_rule import PIN_MISSING
 from extender.placement.cache import FIXED_REASONS_KEPT, StaticFit, cache_of
 from extender.placement.fit import Fit, static_fit
 from extender.placement.outcome import (
@@ -22,6 +21,7 @@ from extender.placement.outcome import (
     add_shared_reasons,
     mutable_unresolvable,
 )
+from extender.placement.pin_rule import PIN_MISSING
 from extender.placement.views import node_kinds, per_node
 from extender.quantity import format_bytes
 from extender.stock_plugin import SharedFit

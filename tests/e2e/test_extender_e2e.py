@@ -38,7 +38,7 @@ from extender.bind_event import REASON
 from extender.cluster import ClusterState
 from extender.inventory import ReplicaPolicy
 from extender.ledger import check_invariant
-from extender.pin_rule import PIN_MISSING
+from extender.placement.pin_rule import PIN_MISSING
 from extender.stock_plugin import is_time_sliced, worst_case_load
 
 GPU = "nvidia.com/gpu"

@@ -4,7 +4,7 @@ A pod that reads `NVIDIA_VISIBLE_DEVICES` from the `vramsched.io/gpu-index` anno
 the GPUs written there, and none when nothing is (kubelet then sets the variable to "", which the
 NVIDIA runtime reads as no GPU). An index is written only where the pin is real: pinned mode, whole
 time-sliced GPUs. So such a pod must never be placed anywhere else, whichever server places it
-(live, embedded, the simulator): `extender.placement.filter_nodes` refuses those nodes as
+(live, embedded, the simulator): `filter_nodes` refuses those nodes as
 unresolvable, and `preempt_victims` evicts no one there. The other half of the rule, that pinned
 mode refuses its time-sliced GPUs to a pod taking no pin at all (`PIN_MISSING`), is applied by the
 stock device plugin's model with the node-level bound (`extender.stock_plugin.shared_fit`).
