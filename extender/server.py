@@ -26,7 +26,7 @@ from extender.namelists import NameLists
 from extender.observe.collector import HealthCollector
 from extender.observe.gpu_metrics import GpuExposition
 from extender.placement import SharedReasons
-from extender.service import ExtenderService
+from extender.service import Extender
 from extender.wire import (
     VERBS,
     ExtenderArgs,
@@ -57,7 +57,7 @@ DEFAULT_MAX_BODY_BYTES = 128 * 1024 * 1024
 # Requests in flight at once; with the body limit it bounds the memory a flood can pin
 # (256 x a few KiB in normal use). kube-scheduler itself sends a few at a time.
 DEFAULT_MAX_CONCURRENCY = 256
-SERVICE_KEY = web.AppKey("service", ExtenderService)
+SERVICE_KEY = web.AppKey("service", Extender)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 NAMES_KEY = web.AppKey("names", NameLists)
 HOSTS_KEY = web.AppKey("hosts", HostTables)
@@ -369,7 +369,7 @@ def create_probe_app(main: web.Application) -> web.Application:
 
 def _observe(
     metrics: Metrics,
-    service: ExtenderService,
+    service: Extender,
     ready: Callable[[], tuple[bool, dict[str, Any]]],
     leader: Callable[[], bool | None],
 ) -> None:
@@ -381,7 +381,7 @@ def _observe(
 
 
 def create_app(
-    service: ExtenderService,
+    service: Extender,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
@@ -399,9 +399,7 @@ def create_app(
     app[METRICS_KEY] = Metrics(lambda: service.ledger, service.planner_state)
     app[NAMES_KEY] = NameLists()
     app[HOSTS_KEY] = HostTables()
-    for collector in getattr(
-        service, "metric_collectors", lambda: []
-    )():  # live mode: bind event counters
+    for collector in service.metric_collectors():  # live mode: bind event counters
         app[METRICS_KEY].registry.register(collector)
     app[READY_KEY] = ready or (lambda: (True, {"source": "embedded"}))
     _observe(app[METRICS_KEY], service, app[READY_KEY], leader or (lambda: True))

@@ -1,8 +1,11 @@
 """The extender's use cases: filter, prioritize, bind, preempt, state.
 
 Adapters hand in decoded wire objects and get wire objects back; this layer turns them
-into calls on the pure core (demand, placement, ledger) and on a `Binder`, the only
-thing that differs between the embedded cluster and a live one.
+into calls on the pure core (demand, placement, ledger). What differs between the embedded
+cluster and a live one is composed in, never a flag: the `Binder` that makes a placement real
+and the `PodFeed` that tells the cluster about pods (`EmbeddedBinder` and `LearnedPods` here;
+`extender.live.binder` and `extender.live.source.WatchedPods` in live mode, which also wraps
+the service in its sync gate, `extender.live.gate`).
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import orjson
+from prometheus_client.registry import Collector
 
 from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
@@ -45,7 +49,16 @@ from extender.wire import (
     ScoredHosts,
 )
 
-__all__ = ["Binder", "BindError", "EmbeddedBinder", "PlanSource", "ExtenderService"]
+__all__ = [
+    "Binder",
+    "BindError",
+    "EmbeddedBinder",
+    "PlanSource",
+    "PodFeed",
+    "LearnedPods",
+    "Extender",
+    "ExtenderService",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +87,47 @@ class PlanSource(Protocol):
     def notify_filtered(self, pod_key: str, fits: bool) -> None: ...
 
     def state(self) -> dict[str, Any]: ...
+
+
+class PodFeed(Protocol):
+    """How the cluster hears of pods: from the API server's watch (live mode), or, with no API to
+    list them, from the bodies kube-scheduler sends to filter (embedded mode, `LearnedPods`)."""
+
+    def learn(self, pod: Mapping[str, Any]) -> None:
+        """A pod sent to filter, with a demand that parsed."""
+
+    async def fetch(self, namespace: str, name: str) -> str | None:
+        """Bind of a pod the cluster does not know: read it into the cluster if this feed can.
+        The error to answer with when that failed, else None."""
+
+    def delete(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """`DELETE /pods/...`: None when done, else (why: "live" | "unknown" | "binding", message)."""
+
+
+class Extender(Protocol):
+    """What the HTTP adapter (`extender.server`) serves: `ExtenderService`, or a wrapper of it."""
+
+    @property
+    def ledger(self) -> Any: ...
+
+    @property
+    def pending_reasons(self) -> PendingReasons: ...
+
+    def filter(self, args: ExtenderArgs) -> ExtenderFilterResult: ...
+
+    def prioritize(self, args: ExtenderArgs) -> Sequence[HostPriority]: ...
+
+    async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult: ...
+
+    def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult: ...
+
+    def delete_pod(self, namespace: str, name: str) -> tuple[str, str] | None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def planner_state(self) -> dict[str, Any] | None: ...
+
+    def metric_collectors(self) -> list[Collector]: ...
 
 
 class EmbeddedBinder:
@@ -121,8 +175,86 @@ DEMANDS_CACHED = 4096
 CHOSEN_TTL = 2.0
 
 
+class LearnedPods:
+    """Embedded mode's `PodFeed`: pending pods learned from filter bodies, deleted on request.
+
+    Only pending pods are learned: kube-scheduler never filters a bound or finished one, and
+    taking a `nodeName` (or a terminal phase) from a request body would let any caller write the
+    ledger. At most MAX_LEARNED_PENDING of them are kept (see `_forget`).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterState,
+        planner: PlanSource | None = None,
+        binding: Callable[[str], bool] = lambda key: False,
+    ) -> None:
+        self.cluster = cluster
+        self.planner = planner
+        #: whether a bind of the pod (by key) is waiting on the binder: such a pod stays
+        self.binding = binding
+        #: the pending pods learned, oldest first
+        self._learned: dict[str, None] = {}
+
+    def learn(self, pod: Mapping[str, Any]) -> None:
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        if not isinstance(status, Mapping) or spec.get("nodeName"):
+            return
+        phase = status.get("phase")
+        if phase is not None and (not isinstance(phase, str) or phase in TERMINAL_PHASES):
+            return
+        try:
+            key = pod_ref(pod).key
+        except DemandError:
+            return
+        known = self.cluster.pod(key)
+        if known is None or not (known.get("spec") or {}).get("nodeName"):
+            self.cluster.upsert_pod(pod)
+            if self.planner is not None:
+                self.planner.notify_pending(key)
+            self._learned.pop(key, None)
+            self._learned[key] = None
+            while len(self._learned) > MAX_LEARNED_PENDING:
+                self._forget(next(iter(self._learned)))
+
+    def _forget(self, key: str) -> None:
+        """Nothing ever deletes a pod in embedded mode: without a bound, a long-running server would
+        keep every unschedulable pod it was ever asked about. The oldest still-pending one goes;
+        if kube-scheduler binds it after all, bind says it is unknown and the pod is retried."""
+        del self._learned[key]
+        pod = self.cluster.pod(key)
+        if pod is None or (pod.get("spec") or {}).get("nodeName"):
+            return  # bound since (or gone): the cluster keeps it as it should
+        if self.binding(key) or self.cluster.ledger.reservation(key) is not None:
+            return
+        self.cluster.delete_pod(key)
+
+    async def fetch(self, namespace: str, name: str) -> str | None:
+        """Nothing to read a pod from: bind answers that it is unknown."""
+        return None
+
+    def delete(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """Embedded mode's `kubectl delete pod`: the pod leaves the cluster and what it held is
+        free again. A cluster file has no API server to delete through, yet the demo and the soak
+        need churn (without it every bind is for good and a cluster only fills up)."""
+        key = f"{namespace}/{name}"
+        if self.cluster.pod(key) is None:
+            return "unknown", f"pod {key} is unknown to vramsched"
+        if self.binding(key):
+            return "binding", f"pod {key} is being bound; delete it once the bind has answered"
+        self.cluster.delete_pod(key)
+        self._learned.pop(key, None)
+        return None
+
+
 class ExtenderService:
-    """One instance per server; every method runs on the event loop that owns the cluster."""
+    """One instance per server; every method runs on the event loop that owns the cluster.
+
+    A reservation bind takes is held as assumed (it lapses after `assume_ttl` seconds) until the
+    cluster sees the pod bound: at once with the embedded binder, which updates the cluster
+    itself; from the watch in live mode, whose binder also keeps a hold from lapsing once the API
+    accepted its Binding (`extender.live.binder`).
+    """
 
     def __init__(
         self,
@@ -130,8 +262,8 @@ class ExtenderService:
         binder: Binder,
         *,
         planner: PlanSource | None = None,
+        pods: PodFeed | None = None,
         assume_ttl: float = 60.0,
-        live: bool = False,
         legacy_failed_nodes: bool = True,
         explain_all: bool = False,
     ) -> None:
@@ -142,7 +274,6 @@ class ExtenderService:
         #: device plugin's bound): with the planner's own counts, how often plans are of use
         self.plan_refused_at_bind = 0
         self.assume_ttl = assume_ttl
-        self.live = live
         #: also list unresolvable nodes in FailedNodes: kube-scheduler < 1.21 has no
         #: FailedAndUnresolvableNodes and would drop those reasons from the pod's event. Newer ones
         #: read both maps (the unresolvable entry wins), so there it only doubles the answer.
@@ -161,8 +292,11 @@ class ExtenderService:
         #: meanwhile shares that outcome (same node) or is refused (another node), so a pod never
         #: has two Bindings racing, nor one call releasing what a concurrent one is confirming.
         self._in_flight: dict[str, tuple[str, str, asyncio.Future[ExtenderBindingResult]]] = {}
-        #: pending pods embedded mode learned from filter, oldest first (see _remember)
-        self._learned: dict[str, None] = {}
+        self.pods: PodFeed = (
+            pods
+            if pods is not None
+            else LearnedPods(cluster, planner, binding=lambda key: key in self._in_flight)
+        )
         #: demands by the pod's JSON (see _demand)
         self._demands: dict[bytes, tuple[float, Demand]] = {}
         #: each pending pod's class from its last filter answer (`vramsched_pods_pending`)
@@ -196,46 +330,6 @@ class ExtenderService:
         except DemandError:
             pass
 
-    def _remember(self, pod: Mapping[str, Any]) -> None:
-        """Embedded mode learns pending pods from filter (there is no API to list them).
-
-        Only pending pods: kube-scheduler never filters a bound or finished one, and taking a
-        `nodeName` (or a terminal phase) from a request body would let any caller write the ledger.
-        """
-        if self.live:
-            return
-        spec, status = pod.get("spec") or {}, pod.get("status") or {}
-        if not isinstance(status, Mapping) or spec.get("nodeName"):
-            return
-        phase = status.get("phase")
-        if phase is not None and (not isinstance(phase, str) or phase in TERMINAL_PHASES):
-            return
-        try:
-            key = pod_ref(pod).key
-        except DemandError:
-            return
-        known = self.cluster.pod(key)
-        if known is None or not (known.get("spec") or {}).get("nodeName"):
-            self.cluster.upsert_pod(pod)
-            if self.planner is not None:
-                self.planner.notify_pending(key)
-            self._learned.pop(key, None)
-            self._learned[key] = None
-            while len(self._learned) > MAX_LEARNED_PENDING:
-                self._forget_learned(next(iter(self._learned)))
-
-    def _forget_learned(self, key: str) -> None:
-        """Nothing ever deletes a pod in embedded mode: without a bound, a long-running server would
-        keep every unschedulable pod it was ever asked about. The oldest still-pending one goes;
-        if kube-scheduler binds it after all, bind says it is unknown and the pod is retried."""
-        del self._learned[key]
-        pod = self.cluster.pod(key)
-        if pod is None or (pod.get("spec") or {}).get("nodeName"):
-            return  # bound since (or gone): the cluster keeps it as it should
-        if key in self._in_flight or self.ledger.reservation(key) is not None:
-            return
-        self.cluster.delete_pod(key)
-
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         try:
             demand = self._demand(args.Pod)
@@ -251,7 +345,7 @@ class ExtenderService:
             names = [_node_name(n) for n in args.Nodes.items]
         else:
             names = args.NodeNames or []
-        self._remember(args.Pod)
+        self.pods.learn(args.Pod)
         self.ledger.expire()
         outcome = filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
         self.pending_reasons.note(
@@ -316,6 +410,11 @@ class ExtenderService:
     # ----- bind ----------------------------------------------------------------------------------
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
         key = f"{args.PodNamespace}/{args.PodName}"
+        if self.cluster.pod(key) is None:
+            # live mode: kube-scheduler can be faster than the pod watch
+            error = await self.pods.fetch(args.PodNamespace, args.PodName)
+            if error is not None:
+                return ExtenderBindingResult(Error=error)
         self._chosen.pop(key, None)
         pod = self.cluster.pod(key)
         if pod is None:
@@ -420,30 +519,15 @@ class ExtenderService:
             candidate = choose_devices(self.ledger, demand, node)
         if isinstance(candidate, str):
             raise LedgerError(candidate)
-        if self.live:
-            candidate.assumed = True
-            candidate.expires_at = time.monotonic() + self.assume_ttl
+        candidate.assumed = True
+        candidate.expires_at = time.monotonic() + self.assume_ttl
         return self.ledger.reserve(candidate)
 
-    # ----- delete (embedded mode) ------------------------------------------------------------------
+    # ----- delete --------------------------------------------------------------------------------
     def delete_pod(self, namespace: str, name: str) -> tuple[str, str] | None:
-        """Embedded mode's `kubectl delete pod`: the pod leaves the cluster and what it held is
-        free again. A cluster file has no API server to delete through, yet the demo and the soak
-        need churn (without it every bind is for good and a cluster only fills up).
-        None when done, else (why: "live" | "unknown" | "binding", message)."""
-        key = f"{namespace}/{name}"
-        if self.live:
-            return (
-                "live",
-                f"pods are deleted through the Kubernetes API (kubectl delete pod -n {namespace} {name}); vramsched follows the watch",
-            )
-        if self.cluster.pod(key) is None:
-            return "unknown", f"pod {key} is unknown to vramsched"
-        if key in self._in_flight:
-            return "binding", f"pod {key} is being bound; delete it once the bind has answered"
-        self.cluster.delete_pod(key)
-        self._learned.pop(key, None)
-        return None
+        """`kubectl delete pod` for the embedded cluster (`PodFeed.delete`): None when done, else
+        (why: "live" | "unknown" | "binding", message)."""
+        return self.pods.delete(namespace, name)
 
     # ----- preempt ---------------------------------------------------------------------------------
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
@@ -484,6 +568,10 @@ class ExtenderService:
             "pending": sorted(self.cluster.pending),
             "planner": self.planner_state(),
         }
+
+    def metric_collectors(self) -> list[Collector]:
+        """Extra /metrics collectors; a wrapper adds its own (live mode: bind events)."""
+        return []
 
     def planner_state(self) -> dict[str, Any] | None:
         """The background planner's counters (None when it is off): plans made, entries held,

@@ -1,6 +1,6 @@
 """A scripted stand-in for the Kubernetes API, for the informer and binder unit tests.
 
-It implements `extender.kube.KubeApi`: `list`/`watch` replay scripted answers (a watch script is
+It implements `extender.live.api_client.KubeApi`: `list`/`watch` replay scripted answers (a watch script is
 a list of events or an exception to raise), and the write calls keep the pods in a dict the way
 the API server would (merge-patch of annotations, Binding sets nodeName, 409 when bound; events
 are kept in `events`).
@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from extender.kube import ApiError
+from extender.live.api_client import ApiError
 
 
 class FakeApi:

@@ -8,7 +8,7 @@ from typing import Any
 from builders import gpu_node, mig_single_node, pod
 from test_kube_bind import bind_args, live
 
-from extender.kube import ApiError
+from extender.live.api_client import ApiError
 from extender.sizing.handoff import FRACTION_ANNOTATION
 
 

@@ -16,8 +16,11 @@ from kube_fakes import FakeApi
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
 from extender.inventory import ReplicaPolicy
-from extender.kube import ApiError, EventRecorder, LiveService, LiveSource
 from extender.ledger import check_invariant
+from extender.live.api_client import ApiError
+from extender.live.events import EventRecorder
+from extender.live.gate import SyncGate, live_service
+from extender.live.source import LiveSource
 from extender.placement.pin_rule import PIN_MISSING
 from extender.server import METRICS_KEY, create_app
 from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderPreemptionArgs
@@ -42,7 +45,7 @@ def downward_pod(name: str, memory: str, **kw: Any) -> dict[str, Any]:
 
 def live(
     nodes: list[dict[str, Any]], pods: list[dict[str, Any]], **kw: Any
-) -> tuple[LiveService, FakeApi, ClusterState]:
+) -> tuple[SyncGate, FakeApi, ClusterState]:
     """A synced live service whose API is the fake; the pods exist in both."""
     api = FakeApi()
     c = ClusterState(replica_policy=kw.pop("replica_policy", ReplicaPolicy.DISTRIBUTED))
@@ -51,7 +54,7 @@ def live(
     src.apply("pods", "replace", pods)
     for p in pods:
         api.add_pod(p)
-    return LiveService(c, src, assume_ttl=kw.pop("assume_ttl", 60.0)), api, c
+    return live_service(c, src, assume_ttl=kw.pop("assume_ttl", 60.0)), api, c
 
 
 def bind_args(p: dict[str, Any], node: str) -> ExtenderBindingArgs:
@@ -241,7 +244,7 @@ async def test_pinned_policy_refuses_time_sliced_nodes_to_pods_that_cannot_be_pi
     assert (
         result.FailedNodes == result.FailedAndUnresolvableNodes == {}
     )  # a node passes: no reasons by default
-    service.explain_all = True
+    service.service.explain_all = True
     result = service.filter(filter_args(plain, ["ts", "whole"]))
     assert result.NodeNames == ["whole"]
     assert result.FailedAndUnresolvableNodes == {"ts": PIN_MISSING}
@@ -324,7 +327,7 @@ async def test_a_downward_api_pod_is_kept_where_no_index_would_be_written() -> N
     result = service.filter(filter_args(p, ["ts", "whole"]))
     assert result.NodeNames == ["ts"]
     assert result.FailedNodes == result.FailedAndUnresolvableNodes == {}
-    service.explain_all = True
+    service.service.explain_all = True
     result = service.filter(filter_args(p, ["ts", "whole"]))
     assert result.NodeNames == ["ts"]
     assert "cannot be pinned" in result.FailedAndUnresolvableNodes["whole"]

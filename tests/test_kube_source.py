@@ -16,8 +16,11 @@ from kube_fakes import FakeApi
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT
 from extender.inventory import ReplicaPolicy
-from extender.kube import NOT_SYNCED, ApiError, Informer, LiveService, LiveSource
 from extender.ledger import check_invariant
+from extender.live.api_client import ApiError
+from extender.live.gate import NOT_SYNCED, live_service
+from extender.live.informer import Informer
+from extender.live.source import LiveSource
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
 
@@ -306,7 +309,7 @@ def test_informers_feed_the_loop_and_pods_wait_for_the_first_node_list() -> None
 
 async def test_verbs_are_refused_until_the_first_sync() -> None:
     src, c = source()
-    service = LiveService(c, src)
+    service = live_service(c, src)
     p = pod("p", "10Gi")
     result = service.filter(ExtenderArgs.model_validate({"Pod": p, "NodeNames": ["n1"]}))
     assert result.Error == NOT_SYNCED

@@ -33,6 +33,7 @@ from extender.assignment import encode_assignment
 from extender.cluster import ClusterState, check_cluster
 from extender.demand import pod_ref
 from extender.ledger import Reservation, check_invariant
+from extender.live.source import WatchedPods
 from extender.server import create_app
 from extender.service import BindError, EmbeddedBinder, ExtenderService
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
@@ -236,7 +237,7 @@ async def live_round(seed: int) -> dict[str, int]:
     watch = asyncio.ensure_future(api.watch())
     for n in nodes.objects():
         state.upsert_node(n)
-    service = ExtenderService(state, ApiBinder(api, rng), live=True, assume_ttl=3600)
+    service = ExtenderService(state, ApiBinder(api, rng), pods=WatchedPods(state), assume_ttl=3600)
     watcher = Watcher(lambda: state.ledger)
     uids = iter(f"{seed}-uid-{i}" for i in range(10**6))
     names = [f"p{i}" for i in range(60)]
@@ -417,7 +418,7 @@ def gated_service() -> tuple[ExtenderService, GatedBinder, ClusterState]:
     state.upsert_pod(pod("p", "60Gi", uid="u1"))
     state.upsert_pod(pod("q", "60Gi", uid="u2"))
     binder = GatedBinder()
-    return ExtenderService(state, binder, live=True, assume_ttl=3600), binder, state
+    return ExtenderService(state, binder, pods=WatchedPods(state), assume_ttl=3600), binder, state
 
 
 def bind_args(name: str, node: str, uid: str = "") -> ExtenderBindingArgs:

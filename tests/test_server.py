@@ -371,7 +371,7 @@ async def test_refused_nodes_are_explained_when_none_passes_or_when_asked(aiohtt
 
 
 def test_which_control_planes_need_unresolvable_nodes_in_failed_nodes():
-    from extender.kube import needs_legacy_failed_nodes
+    from extender.live.versions import needs_legacy_failed_nodes
 
     assert needs_legacy_failed_nodes({"major": "1", "minor": "20"})
     assert not needs_legacy_failed_nodes({"major": "1", "minor": "21"})
@@ -438,9 +438,10 @@ async def test_delete_frees_what_a_bound_pod_held_and_refuses_what_it_cannot_do(
 async def test_delete_is_refused_in_live_mode_and_during_a_bind(aiohttp_client, state):
     import asyncio
 
+    from extender.live.source import WatchedPods
     from extender.service import ExtenderService
 
-    live = ExtenderService(state, None, live=True)  # type: ignore[arg-type]
+    live = ExtenderService(state, None, pods=WatchedPods(state))  # type: ignore[arg-type]
     c = await aiohttp_client(create_app(live))
     state.upsert_pod(fixture("003-filter.json")["Pod"])  # live mode learns pods from the watch
     resp = await c.delete("/pods/default/gpu-pod-2")

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from extender.device_plugin.pods import NodeApi, NodePods
     from extender.device_plugin.server import DevicePluginService, PluginRunner
     from extender.device_plugin.specs import parse_strategies
-    from extender.kube import ApiError, ClientApi
+    from extender.live.api_client import ApiError, ClientApi
 
     if not args.node_name:
         return _fail("--node-name (or $NODE_NAME) is required")

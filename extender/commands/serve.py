@@ -22,7 +22,7 @@ from extender.server import (
     create_app,
     create_probe_app,
 )
-from extender.service import EmbeddedBinder, ExtenderService
+from extender.service import EmbeddedBinder, Extender, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
 from extender.webhook import launch as webhook
 
@@ -212,23 +212,24 @@ async def _serve(args: argparse.Namespace) -> int:
             legacy_failed_nodes=args.legacy_failed_nodes is not False,
             explain_all=args.explain_all,
         )
+        served: Extender = service
         ready = None
         source = None
         leader = None
     else:
-        from extender.kube import (
-            LiveService,
-            LiveSource,
-        )  # only live mode needs the Kubernetes client
+        # only live mode needs the Kubernetes client
+        from extender.live.gate import live_service
+        from extender.live.source import LiveSource
 
         source = LiveSource(cluster, kubeconfig=args.kubeconfig)
-        service = LiveService(
+        served = gate = live_service(
             cluster,
             source,
             assume_ttl=args.assume_ttl,
             planner=_planner(args, cluster),
             explain_all=args.explain_all,
         )
+        service = gate.service
         ready = source.ready
         await source.start()
         leader = _leader(args, source)
@@ -242,7 +243,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # Before the verbs: once /readyz answers, the webhook serves too.
     webhook_runner = await webhook.start_webhook(args, cluster)
     app = create_app(
-        service,
+        served,
         max_body_bytes=args.max_body_bytes,
         max_concurrency=args.max_concurrency,
         ready=ready,
@@ -291,7 +292,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 async def _legacy_failed_nodes(source) -> bool:
     """From the API server's version (kube-scheduler runs the control plane's); on when unreadable."""
-    from extender.kube import needs_legacy_failed_nodes
+    from extender.live.versions import needs_legacy_failed_nodes
 
     try:
         version = await asyncio.to_thread(source.api.server_version)

@@ -14,7 +14,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from extender.kube import ApiError, ClientApi, Informer
+from extender.live.api_client import ApiError, ClientApi
+from extender.live.informer import Informer
 from extender.plugin_state import STATE_ANNOTATION, PluginState, encode_state
 
 __all__ = ["NodeApi", "NodePods"]

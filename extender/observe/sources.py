@@ -106,7 +106,8 @@ def cluster_from_kube(
     replica_policy: str | None = None,
 ) -> ClusterState:
     """One list of nodes, then of pods, applied as the informers' first sync applies them."""
-    from extender.kube import ApiError, ClientApi, LiveSource
+    from extender.live.api_client import ApiError, ClientApi
+    from extender.live.source import LiveSource
 
     where = kubeconfig or "the in-cluster ServiceAccount"
     try:

@@ -1,0 +1,266 @@
+"""The few Kubernetes API calls live mode makes, and the client that makes them.
+
+`KubeApi` is the seam: `ClientApi` talks to a server through the official `kubernetes` client on
+raw JSON; the tests hand the informers and the binder a scripted fake instead.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import orjson
+
+__all__ = ["ApiError", "KubeApi", "ClientApi", "LIST_PAGE"]
+
+LIST_PAGE = 500
+
+
+class ApiError(Exception):
+    """An API answer that is not 2xx, or no answer at all (`status` 0: connection, timeout)."""
+
+    def __init__(self, status: int, reason: str = "", message: str = "") -> None:
+        super().__init__(f"{status} {reason}: {message}".strip(": "))
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying as is: no answer, throttled, or a server-side failure."""
+        return self.status == 0 or self.status == 429 or self.status >= 500
+
+
+class KubeApi(Protocol):
+    """The few API calls vramsched makes; `ClientApi` talks to a server, tests use a fake."""
+
+    def list(self, kind: str) -> tuple[list[dict[str, Any]], str]: ...
+
+    def watch(
+        self, kind: str, resource_version: str, timeout_s: int
+    ) -> Iterator[dict[str, Any]]: ...
+
+    def abort_watches(self) -> None: ...
+
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None: ...
+
+    def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> None: ...
+
+    def server_version(self) -> dict[str, Any]: ...
+
+
+_PATHS = {"nodes": "/api/v1/nodes", "pods": "/api/v1/pods"}
+
+
+class ClientApi:
+    """`KubeApi` over the official `kubernetes` client, on raw JSON (no model objects).
+
+    The generated models cost more to build than everything vramsched does with a pod, and
+    `ClusterState` wants plain dicts with the API's own keys, so responses are parsed with
+    orjson and requests go through the client's serializer, auth and TLS only.
+    """
+
+    def __init__(
+        self,
+        kubeconfig: str | None = None,
+        *,
+        request_timeout: float = 10.0,
+        write_timeout: tuple[float, float] = (2.0, 2.5),
+    ) -> None:
+        import kubernetes.client
+        import kubernetes.config
+
+        if kubeconfig:
+            self.client = kubernetes.config.new_client_from_config(config_file=kubeconfig)
+        else:
+            config = kubernetes.client.Configuration()
+            kubernetes.config.load_incluster_config(client_configuration=config)
+            self.client = kubernetes.client.ApiClient(config)
+        # A watch and a few binds run at the same time: one pooled connection each.
+        self.client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 16
+        self.request_timeout = request_timeout
+        # Bind is two or three writes inside kube-scheduler's 5 s: give up on each well before.
+        self.write_timeout = write_timeout
+        self._watch_lock = threading.Lock()
+        self._watches: set[Any] = set()
+
+    # ----- plumbing ------------------------------------------------------------------------------
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: Any = None,
+    ) -> Any:
+        import urllib3
+
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        params = [(k, v) for k, v in (query or {}).items() if v is not None]
+        try:
+            req = self.client.param_serialize(
+                method=method,
+                resource_path=path,
+                query_params=params,
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            resp = self.client.call_api(*req, _request_timeout=timeout or self.request_timeout)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiError(0, type(exc).__name__, str(exc)[:300]) from None
+        except Exception as exc:  # kubernetes.client.ApiException and friends
+            status = getattr(exc, "status", None)
+            if status:
+                raise ApiError(
+                    int(status),
+                    str(getattr(exc, "reason", "")),
+                    str(getattr(exc, "body", ""))[:300],
+                ) from None
+            raise
+        return resp.response
+
+    @staticmethod
+    def _error(resp: Any) -> ApiError:
+        raw = resp.data
+        try:
+            body = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError:
+            body = {}
+        return ApiError(
+            int(resp.status),
+            str(body.get("reason") or resp.reason or ""),
+            str(body.get("message") or "")[:300],
+        )
+
+    def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        import urllib3
+
+        resp = self._request(method, path, **kw)
+        try:
+            data = resp.data
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiError(0, type(exc).__name__, str(exc)[:300]) from None
+        if not 200 <= resp.status < 300:
+            raise self._error(resp)
+        return orjson.loads(data) if data else {}
+
+    # ----- informers -----------------------------------------------------------------------------
+    def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
+        """A consistent list in pages; 410 on an expired continue token is the caller's relist."""
+        items: list[dict[str, Any]] = []
+        cont: str | None = None
+        while True:
+            page = self._json(
+                "GET", _PATHS[kind], query={"limit": LIST_PAGE, "continue": cont}, timeout=60
+            )
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            cont = meta.get("continue") or None
+            if not cont:
+                return items, str(meta.get("resourceVersion") or "")
+
+    def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
+        """Opens the watch now (so the caller knows the API answered), then streams its events."""
+        resp = self._request(
+            "GET",
+            _PATHS[kind],
+            query={
+                "watch": "true",
+                "resourceVersion": resource_version,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": timeout_s,
+            },
+            timeout=(10, timeout_s + 30),
+        )
+        if not 200 <= resp.status < 300:
+            raise self._error(resp)
+        return self._stream(resp)
+
+    def _stream(self, resp: Any) -> Iterator[dict[str, Any]]:
+        import urllib3
+        from kubernetes.watch.watch import iter_resp_lines
+
+        with self._watch_lock:
+            self._watches.add(resp)
+        try:
+            for line in iter_resp_lines(resp):
+                if line:
+                    yield orjson.loads(line)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiError(0, type(exc).__name__, str(exc)[:300]) from None
+        finally:
+            with self._watch_lock:
+                self._watches.discard(resp)
+            resp.release_conn()
+
+    def abort_watches(self) -> None:
+        """Unblock the informer threads' reads (used at shutdown)."""
+        with self._watch_lock:
+            watches = list(self._watches)
+        for resp in watches:
+            sock = getattr(getattr(resp, "connection", None), "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    # ----- binder ----------------------------------------------------------------------------------
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self._json(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            body=dict(patch),
+            content_type="application/merge-patch+json",
+            timeout=self.write_timeout,
+        )
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._json(
+            "GET", f"/api/v1/namespaces/{namespace}/pods/{name}", timeout=self.write_timeout
+        )
+
+    def server_version(self) -> dict[str, Any]:
+        """GET /version (readable by anyone: the system:public-info-viewer role)."""
+        return self._json("GET", "/version", timeout=self.write_timeout)
+
+    def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        self._json(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/pods/{name}/binding",
+            body=dict(body),
+            timeout=self.write_timeout,
+        )
+
+    def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self._json(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/configmaps",
+            body=dict(body),
+            timeout=self.write_timeout,
+        )
+
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._json("GET", f"/api/v1/namespaces/{namespace}/configmaps/{name}")
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
+        # core/v1, not events.k8s.io: the same call works from 1.20 to today.
+        self._json(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/events",
+            body=dict(body),
+            timeout=self.write_timeout,
+        )

@@ -1,0 +1,297 @@
+"""Live mode's `Binder`: the assignment annotations, the pin ConfigMap, then the Binding.
+
+The API calls run in a thread pool; the reservation was already taken synchronously by the
+service before the first await. After a bind it hands one `VramschedAssigned` Event to the
+`EventRecorder`, which posts it later: an event never delays or fails a bind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from extender.assignment import encode_assignment
+from extender.bind_event import bind_event, bind_message
+from extender.cluster import ClusterState
+from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, pod_ref, reads_pin_annotation
+from extender.ledger import Reservation
+from extender.live.api_client import ApiError, KubeApi
+from extender.live.events import EventRecorder
+from extender.pinning import pin_configmap_name, pin_environment, references_pin_configmap
+from extender.quantity import format_bytes
+from extender.service import BindError
+from extender.sizing.handoff import FRACTION_ANNOTATION, bind_fraction
+from extender.stock_plugin import is_time_sliced
+
+__all__ = ["BindUncertain", "KubeBinder"]
+
+log = logging.getLogger(__name__)
+
+
+class BindUncertain(BindError):
+    """The Binding may or may not have landed (timeout, 5xx): keep the reservation as assumed;
+    its TTL or the watch settles it, and kube-scheduler's retry finds the pod already bound."""
+
+    keep_reservation = True
+
+
+class KubeBinder:
+    """Annotations first, then (optionally) the pinning ConfigMap, then the Binding.
+
+    Annotations first, so that whoever sees the pod bound also sees which devices it holds:
+    a restart rebuilds the ledger from them. Idempotent: kube-scheduler calls bind again when
+    its 5 s timeout expired although the Binding landed; a 409 on the Binding is success
+    when the pod is bound to the same node. No lock is held: the reservation was made by the
+    service before this is awaited, and every API call runs in the thread pool.
+    """
+
+    def __init__(
+        self,
+        api: KubeApi,
+        *,
+        pinned: bool = False,
+        workers: int = 8,
+        cluster: ClusterState | None = None,
+        events: EventRecorder | None = None,
+    ) -> None:
+        self.api = api
+        self.cluster = cluster
+        self.pinned = pinned
+        self.events = events if events is not None else EventRecorder(api)
+        self.instance = socket.gethostname()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bind")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.events.close()
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking client call in the binder's pool, never on the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    def annotations(
+        self, pod: Mapping[str, Any], reservation: Reservation
+    ) -> dict[str, str | None]:
+        """The assignment always; `gpu-index` only when the GPU choice is really enforced (pinned).
+
+        Without pinning the device plugin, not vramsched, picks the physical GPU: the devices in
+        the assignment are the ledger's accounting slots, and a GPU index would be a false claim.
+        """
+        out: dict[str, str | None] = dict(encode_assignment(reservation))
+        if not self._pins(pod, reservation):
+            out[GPU_INDEX] = None
+        inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None
+        out[FRACTION_ANNOTATION] = bind_fraction(
+            pod, reservation.device_ids, inv.devices if inv else ()
+        )
+        return out
+
+    def _pins(self, pod: Mapping[str, Any], reservation: Reservation) -> bool:
+        """The pod takes a pin (either form) and this reservation gets a real one, or vramsched's
+        device plugin serves the node (the index is then the GPU the container gets)."""
+        if self._plugin_served(reservation):
+            return True
+        env = pin_environment(reservation, self.pinned, self._time_sliced(reservation))
+        return PIN_ENV in env and (references_pin_configmap(pod) or reads_pin_annotation(pod))
+
+    def _plugin_served(self, reservation: Reservation) -> bool:
+        inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None
+        ids = set(reservation.device_ids)
+        held = [d for d in inv.devices if d.device_id in ids] if inv is not None else []
+        return bool(held) and all(getattr(d, "plugin_served", False) for d in held)
+
+    def _time_sliced(self, reservation: Reservation) -> bool:
+        inv = self.cluster.ledger.node(reservation.node) if self.cluster is not None else None
+        if inv is None:
+            return False
+        ids = set(reservation.device_ids)
+        return any(is_time_sliced(d) for d in inv.devices if d.device_id in ids)
+
+    async def bind(
+        self, pod: Mapping[str, Any], node: str, reservation: Reservation | None
+    ) -> None:
+        ref = pod_ref(pod)
+        started = time.monotonic()
+        if (
+            reservation is not None
+            and reads_pin_annotation(pod)
+            and not self._pins(pod, reservation)
+        ):
+            # Its containers would start with NVIDIA_VISIBLE_DEVICES="" (no GPU at all). Filter
+            # keeps such pods off unpinnable nodes; this guards any other way in. Nothing written.
+            raise BindError(
+                f"pod {ref.key} reads {PIN_ENV} from annotation {GPU_INDEX}, "
+                f"but its GPUs on {node} cannot be pinned; it would start without a GPU"
+            )
+        if reservation is not None:
+            patch = {
+                "metadata": {
+                    "uid": ref.uid or None,
+                    "annotations": self.annotations(pod, reservation),
+                }
+            }
+            if not ref.uid:
+                del patch["metadata"]["uid"]
+            try:
+                await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
+            except ApiError as exc:
+                raise _definite(exc, f"cannot annotate pod {ref.key}") from None
+            if references_pin_configmap(pod):
+                await self._configmap(pod, reservation)
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {
+                "name": ref.name,
+                "namespace": ref.namespace,
+                **({"uid": ref.uid} if ref.uid else {}),
+            },
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        try:
+            await self.call(self.api.create_binding, ref.namespace, ref.name, binding)
+        except ApiError as exc:
+            if exc.status == 409:
+                await self._already_bound(ref, node, exc)
+            elif exc.transient:
+                log.warning(
+                    "bind outcome unknown",
+                    extra={"fields": {"pod": ref.key, "node": node, "error": str(exc)}},
+                )
+                raise BindUncertain(
+                    f"Binding to {node} may not have landed ({exc.status or exc.reason}); will retry"
+                ) from None
+            else:
+                if reservation is not None:
+                    await self._unannotate(ref)
+                raise _definite(exc, f"Binding to {node} rejected") from None
+        if reservation is not None:
+            # The API accepted the Binding: the hold is now the truth, not a guess that may lapse.
+            # It stays `assumed` until the watch shows the pod, but no TTL can free it meanwhile:
+            # a watch lagging or reconnecting for longer than the TTL must not double-book.
+            # (A relist drops it if the pod was deleted in the meantime.)
+            reservation.expires_at = None
+            self._record_event(pod, reservation)
+        log.info(
+            "bound",
+            extra={
+                "fields": {
+                    "pod": ref.key,
+                    "node": node,
+                    "devices": list(reservation.device_ids) if reservation else [],
+                    "bytes": reservation.total_bytes if reservation else 0,
+                    "ms": round((time.monotonic() - started) * 1000, 1),
+                }
+            },
+        )
+
+    def _record_event(self, pod: Mapping[str, Any], reservation: Reservation) -> None:
+        """One `VramschedAssigned` Event per bind, queued: never delays or fails the bind."""
+        try:
+            if self.cluster is not None:
+                message = bind_message(
+                    self.cluster.ledger, reservation, self._pins(pod, reservation)
+                )
+            else:
+                message = f"reserved {format_bytes(reservation.total_bytes)} on {reservation.node}"
+            ref = pod_ref(pod)
+            self.events.emit(ref.namespace, bind_event(ref, message, time.time(), self.instance))
+        except Exception:  # the bind succeeded; an event must not turn it into a failure
+            log.exception("cannot build the bind event")
+            self.events.failed += 1
+
+    async def _already_bound(self, ref: Any, node: str, exc: ApiError) -> None:
+        try:
+            current = await self.call(self.api.read_pod, ref.namespace, ref.name)
+        except ApiError as read_exc:
+            raise BindUncertain(
+                f"Binding conflict and pod unreadable ({read_exc.status})"
+            ) from None
+        meta = current.get("metadata") or {}
+        if ref.uid and meta.get("uid") and meta.get("uid") != ref.uid:
+            raise BindError(f"pod {ref.key} was re-created (UID {meta.get('uid')})")
+        bound = (current.get("spec") or {}).get("nodeName")
+        if bound == node:
+            return  # a retried bind whose first Binding landed: success
+        if bound:
+            raise BindError(f"pod {ref.key} is already bound to {bound}")
+        raise BindUncertain(
+            f"Binding conflict ({exc.message or exc.reason}) but pod is not bound yet"
+        )
+
+    async def _configmap(self, pod: Mapping[str, Any], reservation: Reservation) -> None:
+        ref = pod_ref(pod)
+        name = pin_configmap_name(ref.name)
+        data = pin_environment(reservation, self.pinned, self._time_sliced(reservation))
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": ref.namespace,
+                "labels": {"app.kubernetes.io/managed-by": "vramsched"},
+                # No blockOwnerDeletion: that would need update on pods/finalizers.
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": ref.name, "uid": ref.uid}
+                ],
+            },
+            "data": data,
+        }
+        try:
+            await self.call(self.api.create_configmap, ref.namespace, body)
+            return
+        except ApiError as exc:
+            if exc.status != 409:
+                raise _definite(exc, f"cannot create ConfigMap {name}") from None
+        try:
+            existing = await self.call(self.api.read_configmap, ref.namespace, name)
+        except ApiError as exc:
+            raise _definite(exc, f"ConfigMap {name} exists but is unreadable") from None
+        owners = [
+            o.get("uid") for o in (existing.get("metadata") or {}).get("ownerReferences") or []
+        ]
+        if ref.uid not in owners:
+            raise BindError(
+                f"ConfigMap {name} exists and belongs to another pod (garbage collection pending?)"
+            )
+        if (existing.get("data") or {}) != data:
+            raise BindError(
+                f"ConfigMap {name} pins other GPUs ({(existing.get('data') or {}).get('NVIDIA_VISIBLE_DEVICES')})"
+            )
+
+    async def _unannotate(self, ref: Any) -> None:
+        """Best effort after a definite failure: a pending pod should not carry a stale assignment."""
+        try:
+            await self.call(
+                self.api.patch_pod,
+                ref.namespace,
+                ref.name,
+                {
+                    "metadata": {
+                        "annotations": {
+                            ASSIGNMENT: None,
+                            GPU_INDEX: None,
+                            FRACTION_ANNOTATION: None,
+                        }
+                    }
+                },
+            )
+        except ApiError:
+            pass
+
+
+def _definite(exc: ApiError, what: str) -> BindError:
+    detail = exc.message or exc.reason or "no answer"
+    if exc.status == 404:
+        return BindError(f"{what}: pod no longer exists")
+    if exc.status == 403:
+        return BindError(f"{what}: forbidden by RBAC ({detail})")
+    if exc.status == 0:
+        return BindError(f"{what}: API server unreachable ({detail})")
+    return BindError(f"{what}: {exc.status} {detail}")
