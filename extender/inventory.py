@@ -35,6 +35,8 @@ __all__ = [
     "SHARED_GPU_RESOURCE",
     "MIG_RESOURCE_PREFIX",
     "is_gpu_resource",
+    "MigLabels",
+    "read_mig_labels",
 ]
 
 LABEL = "nvidia.com/"
@@ -43,6 +45,7 @@ SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 _MIG_LABEL = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb(?:\+me|\.me)?(?:\.[a-z0-9+]+)?)\.count$")
 _MIG_SINGLE_PRODUCT = re.compile(r"-MIG-(\d+g\.\d+gb(?:\+me)?)$")
+_MIG_COUNT_OR_MEMORY = re.compile(r"^nvidia\.com/(mig-.+)\.(count|memory)$")
 # Guards against a label typo turning one node into millions of devices.
 MAX_DEVICES_PER_NODE = 512
 MAX_REPLICAS = 1024
@@ -439,3 +442,78 @@ def _layout_slices(
         per_gpu = _mig_gpu_slots(product, profile)
         out[profile] = [i // per_gpu for i in range(count)]
     return out
+
+
+# ----- MIG labels as they are, for planning geometries ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MigLabels:
+    """A node's MIG labels read as they are, without judging them: what `vramsched plan-mig`
+    plans new geometries from. `node_inventory` is stricter (it needs every profile's memory to
+    place pods); a planner takes what is missing from the MIG tables instead."""
+
+    product: str
+    #: `nvidia.com/mig.strategy`, None when the node has no such label
+    strategy: str | None
+    #: `nvidia.com/gpu.count`: GPUs (mixed), MIG devices (single), 0 when absent
+    gpu_count: int
+    #: mixed strategy: slices labelled per profile
+    counts: Mapping[str, int]
+    #: bytes of one slice per profile, where labelled (single: the product's profile, from
+    #: `nvidia.com/gpu.memory`)
+    memory: Mapping[str, int]
+    #: single strategy: the profile of the product's `-MIG-<profile>` suffix, when the MIG tables
+    #: know it for that product
+    single_profile: str | None
+    #: `nvidia.com/mig.config` as mig-manager applies it, and its state
+    config: str | None
+    config_state: str
+
+
+def _label_int(labels: Mapping[str, Any], key: str, default: str | None = None) -> int:
+    raw = labels.get(key, default)
+    try:
+        return int(str(raw))
+    except ValueError:
+        raise ValueError(f"label {key}={raw!r} is not an integer") from None
+
+
+def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
+    """The MIG facts in a node's labels, None for a node without MIG labels; ValueError (naming
+    the label) for a number that is not one. Profiles are spelled as the MIG tables spell them
+    (`1g.10gb+me`, `extender.mig`)."""
+    from extender import mig  # local, as above
+
+    counts: dict[str, int] = {}
+    memory: dict[str, int] = {}
+    for key in labels:
+        m = _MIG_COUNT_OR_MEMORY.match(key)
+        profile = mig.profile_from_resource(LABEL + m[1]) if m else None
+        if m is None or profile is None:
+            continue
+        if m[2] == "count":
+            counts[profile] = _label_int(labels, key)
+        else:
+            memory[profile] = _label_int(labels, key) * MIB
+    strategy = labels.get(LABEL + "mig.strategy")
+    if strategy is None and not counts:
+        return None
+    product = str(labels.get(LABEL + "gpu.product", ""))
+    single = _MIG_SINGLE_PRODUCT.search(product)
+    model = mig.model_for_product(product) if single else None
+    single_profile = (
+        single[1] if single and model is not None and model.has_profile(single[1]) else None
+    )
+    if strategy == "single" and single_profile and labels.get(LABEL + "gpu.memory"):
+        memory[single_profile] = _label_int(labels, LABEL + "gpu.memory") * MIB
+    return MigLabels(
+        product=product,
+        strategy=str(strategy) if strategy is not None else None,
+        gpu_count=_label_int(labels, LABEL + "gpu.count", "0"),
+        counts=counts,
+        memory=memory,
+        single_profile=single_profile,
+        config=labels.get(LABEL + "mig.config"),
+        config_state=str(labels.get(LABEL + "mig.config.state", "success")),
+    )

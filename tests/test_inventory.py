@@ -89,3 +89,54 @@ def test_mig_mixed_strategy_uses_labelled_memory():
 def test_bad_mig_strategy():
     node = gpu_node("n", extra_labels={"nvidia.com/mig.strategy": "weird"})
     assert "mig.strategy='weird'" in node_inventory(node).problem
+
+
+def test_mig_labels_are_read_as_they_are_for_planning():
+    """`read_mig_labels` (plan-mig's reader) keeps what `node_inventory` would refuse: a profile
+    without its memory label still counts, the planner takes its memory from the MIG tables."""
+    import pytest
+
+    from extender.inventory import read_mig_labels
+
+    assert (
+        read_mig_labels({"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "1"})
+        is None
+    )
+    labels = {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "nvidia.com/gpu.count": "2",
+        "nvidia.com/mig.strategy": "mixed",
+        "nvidia.com/mig-1g.10gb.count": "7",
+        "nvidia.com/mig-1g.10gb.me.count": "1",
+        "nvidia.com/mig-3g.40gb.count": "2",
+        "nvidia.com/mig-3g.40gb.memory": "40448",
+        "nvidia.com/mig.config": "all-balanced",
+    }
+    found = read_mig_labels(labels)
+    assert found is not None and found.strategy == "mixed" and found.gpu_count == 2
+    assert found.counts == {"1g.10gb": 7, "1g.10gb+me": 1, "3g.40gb": 2}
+    assert found.memory == {"3g.40gb": 40448 * MIB}
+    assert (found.config, found.config_state, found.single_profile) == (
+        "all-balanced",
+        "success",
+        None,
+    )
+    assert "memory" in (node_inventory({"metadata": {"name": "n", "labels": labels}}).problem or "")
+    single = read_mig_labels(
+        {
+            "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb",
+            "nvidia.com/gpu.count": "14",
+            "nvidia.com/gpu.memory": "4864",
+            "nvidia.com/mig.strategy": "single",
+        }
+    )
+    assert single is not None and single.single_profile == "1g.5gb"
+    assert single.gpu_count == 14 and single.memory == {"1g.5gb": 4864 * MIB}
+    unknown = read_mig_labels(
+        {"nvidia.com/gpu.product": "X-MIG-1g.5gb", "nvidia.com/mig.strategy": "single"}
+    )
+    assert unknown is not None and unknown.single_profile is None  # no MIG table for product X
+    with pytest.raises(
+        ValueError, match=r"label nvidia.com/mig-1g.10gb.count='seven' is not an integer"
+    ):
+        read_mig_labels({**labels, "nvidia.com/mig-1g.10gb.count": "seven"})

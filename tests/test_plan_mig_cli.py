@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -253,3 +254,17 @@ def test_register_adds_subcommand(cluster: Path) -> None:
     plan_mig.register(sub)
     ns = parser.parse_args(["plan-mig", "--cluster", str(cluster), "--time-limit", "3"])
     assert ns.run is plan_mig.run and ns.time_limit == 3.0 and not ns.apply_labels
+
+
+def test_the_cluster_file_is_read_as_serve_reads_it(cluster: Path, tmp_path: Path) -> None:
+    """One reader (extender.source_file): `kubectl get -o json` works too, and a bad file is one
+    clear error."""
+    as_json = tmp_path / "cluster.json"
+    as_json.write_text(json.dumps(yaml.safe_load(cluster.read_text())))
+    assert plan_mig.read_cluster(as_json) == plan_mig.read_cluster(cluster)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert plan_mig.run(args(bad), out=io.StringIO()) == 1
+    assert err.getvalue().startswith("plan-mig: expected a Kubernetes object, got int")

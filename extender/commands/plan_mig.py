@@ -1,14 +1,14 @@
 """``vramsched plan-mig``: plan MIG geometries for a cluster snapshot (dry-run; prints table + YAML).
 
-The cluster file is what ``kubectl get nodes,pods -A -o yaml`` prints (a ``List``). The small
-label/annotation reader below (section "cluster file reading") is deliberately isolated: it will
-be replaced by ``extender.inventory`` / ``extender.quantity`` once those exist.
+The cluster file is what ``kubectl get nodes,pods -A -o yaml`` (or ``-o json``) prints, read by
+``extender.source_file`` as ``vramsched serve --cluster`` reads it; each node's MIG labels are read
+by ``extender.inventory.read_mig_labels`` and the pods' annotations are ``extender.demand``'s.
+What is left here is the planner's view: per-GPU layouts and their occupancy, pending MIG demand.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
@@ -19,7 +19,8 @@ import yaml
 
 from extender import mig
 from extender.assignment import AssignmentError, decode_assignment
-from extender.demand import pod_ref
+from extender.demand import ASSIGNMENT, MODEL_MEMORY, pod_ref
+from extender.inventory import GPU_RESOURCE, read_mig_labels
 from extender.planner.mig_geometry import (
     MIG_CONFIG_LABEL,
     MigGpuState,
@@ -32,13 +33,10 @@ from extender.planner.mig_geometry import (
 )
 from extender.quantity import QuantityError
 from extender.quantity import parse_bytes as _parse_bytes
-
-MODEL_MEMORY_ANNOTATION = "vramsched.io/model-memory"
-ASSIGNMENT_ANNOTATION = "vramsched.io/assignment"
-WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
+from extender.source_file import read_cluster_file
 
 # ---------------------------------------------------------------------------------------------
-# cluster file reading (to be replaced by extender.inventory / extender.quantity)
+# the cluster as the MIG planner sees it
 
 
 def parse_bytes(q: object) -> int:
@@ -51,26 +49,6 @@ class ClusterSnapshot:
     gpus: list[MigGpuState]
     pending: list[PendingPod]
     notes: list[str] = field(default_factory=list)  # nodes left out, and why
-
-
-def load_objects(path: Path) -> list[dict[str, Any]]:
-    """Objects of a Kubernetes ``List`` (or a multi-document YAML of objects)."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml is ~10x faster on big dumps
-    with open(path, encoding="utf-8") as f:
-        docs = [d for d in yaml.load_all(f, Loader=loader) if d]
-    out: list[dict[str, Any]] = []
-    for d in docs:
-        if (
-            isinstance(d, dict)
-            and (d.get("kind") == "List" or d.get("kind", "").endswith("List"))
-            and "items" in d
-        ):
-            out.extend(d.get("items") or [])
-        elif isinstance(d, dict):
-            out.append(d)
-        else:
-            raise ValueError(f"{path}: expected Kubernetes objects, got {type(d).__name__}")
-    return out
 
 
 def _pod_key(pod: dict) -> str:
@@ -95,7 +73,7 @@ def _gpu_requests(pod: dict) -> int:
     for ctr in (pod.get("spec") or {}).get("containers") or []:
         res = ctr.get("resources") or {}
         req = {**(res.get("limits") or {}), **(res.get("requests") or {})}
-        n += int(req.get(WHOLE_GPU_RESOURCE, 0))
+        n += int(req.get(GPU_RESOURCE, 0))
     return n
 
 
@@ -108,7 +86,7 @@ def _pending_pod(pod: dict) -> PendingPod | None:
     """
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     reqs = _mig_requests(pod)
-    mem = ann.get(MODEL_MEMORY_ANNOTATION)
+    mem = ann.get(MODEL_MEMORY)
     if mem is None and not reqs:
         return None
     if sum(reqs.values()) > 1 or len(reqs) > 1 or _gpu_requests(pod) > 1:
@@ -123,52 +101,37 @@ def _is_pending(pod: dict) -> bool:
     spec = pod.get("spec") or {}
     phase = (pod.get("status") or {}).get("phase", "Pending")
     ann = (pod.get("metadata") or {}).get("annotations") or {}
-    return not spec.get("nodeName") and phase == "Pending" and ASSIGNMENT_ANNOTATION not in ann
+    return not spec.get("nodeName") and phase == "Pending" and ASSIGNMENT not in ann
 
 
 def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuState]:
     md = node.get("metadata") or {}
     name = md.get("name", "?")
-    labels = md.get("labels") or {}
-    product = labels.get("nvidia.com/gpu.product", "")
-    strategy = labels.get("nvidia.com/mig.strategy")
-    counts: dict[str, int] = {}
-    mem: dict[str, int] = {}
-    for k, v in labels.items():
-        m = re.match(r"^nvidia\.com/(mig-.+)\.(count|memory)$", k)
-        if not m:
-            continue
-        prof = mig.profile_from_resource("nvidia.com/" + m[1])
-        if prof is None:
-            continue
-        if m[2] == "count":
-            counts[prof] = int(v)
-        else:
-            mem[prof] = int(v) * mig.MIB
-    if strategy is None and not counts:
+    try:
+        found = read_mig_labels(md.get("labels") or {})
+    except ValueError as e:
+        raise ValueError(f"node {name}: {e}") from None
+    if found is None:
         return []  # not a MIG node
+    product, strategy = found.product, found.strategy
+    counts, mem = dict(found.counts), dict(found.memory)
     model = mig.model_for_product(product)
     frozen: str | None = None
     if strategy == "single":
         # gpu.count counts MIG devices; one profile everywhere. Layout changes would have to
         # stay single-profile per node, so the planner leaves these nodes alone.
-        m2 = re.search(r"-MIG-(.+)$", product)
-        prof = m2[1] if m2 else None
-        n_dev = int(labels.get("nvidia.com/gpu.count", "0"))
-        if model is None or prof is None or not model.has_profile(prof):
+        prof = found.single_profile
+        if model is None or prof is None:
             notes.append(
                 f"{name}: mig.strategy=single with product {product!r}: not understood, skipped"
             )
             return []
         per_gpu = mig.max_uniform_count(model, prof)
-        counts = {prof: n_dev}
-        gpu_count = -(-n_dev // per_gpu)
-        mem_b = labels.get("nvidia.com/gpu.memory")
-        if mem_b:
-            mem[prof] = int(mem_b) * mig.MIB
+        counts = {prof: found.gpu_count}
+        gpu_count = -(-found.gpu_count // per_gpu)
         frozen = "mig.strategy=single: layouts must stay single-profile; switch the node to mixed to plan it"
     else:
-        gpu_count = int(labels.get("nvidia.com/gpu.count", "0"))
+        gpu_count = found.gpu_count
     if not counts:
         notes.append(
             f"{name}: MIG strategy {strategy} but no MIG slices labelled (MIG disabled or empty), skipped"
@@ -182,7 +145,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
         ann = (pod.get("metadata") or {}).get("annotations") or {}
-        raw = ann.get(ASSIGNMENT_ANNOTATION)
+        raw = ann.get(ASSIGNMENT)
         on_node = (pod.get("spec") or {}).get("nodeName") == name
         if raw is None:
             if on_node and _mig_requests(pod):
@@ -228,8 +191,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
     layouts: list[list[str]] | None = None
     layout_known = gpu_count == 1
     if model_ok:
-        cfg = labels.get(MIG_CONFIG_LABEL)
-        state = labels.get("nvidia.com/mig.config.state", "success")
+        cfg, state = found.config, found.config_state
         g = mig.geometry_for_config_name(model, cfg) if cfg and state == "success" else None
         if (
             g is not None
@@ -295,7 +257,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
 
 
 def read_cluster(cluster: Path, pending: Path | None = None) -> ClusterSnapshot:
-    objs = load_objects(cluster)
+    objs = [dict(o) for o in read_cluster_file(cluster)]
     nodes = [o for o in objs if o.get("kind") == "Node"]
     pods = [o for o in objs if o.get("kind") == "Pod"]
     notes: list[str] = []
@@ -303,7 +265,7 @@ def read_cluster(cluster: Path, pending: Path | None = None) -> ClusterSnapshot:
     for n in sorted(nodes, key=lambda n: (n.get("metadata") or {}).get("name", "")):
         gpus.extend(_node_states(n, pods, notes))
     if pending is not None:
-        src = [o for o in load_objects(pending) if o.get("kind", "Pod") == "Pod"]
+        src = [dict(o) for o in read_cluster_file(pending) if o.get("kind") == "Pod"]
     else:
         src = [p for p in pods if _is_pending(p)]
     pend = []
