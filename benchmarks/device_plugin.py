@@ -227,7 +227,8 @@ def _run_live(cp: Any, core: Any, pods: list, served: bool, quiet: float, timeou
 
 def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
     from extender.cluster import ClusterState
-    from extender.service import EmbeddedBinder, ExtenderService
+    from extender.embedded import EmbeddedBinder
+    from extender.service import ExtenderService
     from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
     nodes = [

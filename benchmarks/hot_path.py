@@ -21,10 +21,11 @@ import time
 import orjson
 
 from extender.cluster import ClusterState
+from extender.embedded import EmbeddedBinder
 from extender.inventory import ReplicaPolicy
 from extender.namelists import NameLists
 from extender.server import decode_args, encode_names_result
-from extender.service import EmbeddedBinder, ExtenderService
+from extender.service import ExtenderService
 from extender.wire import ExtenderBindingArgs, HostTables, ScoredHosts
 from loadtest.gen_cluster import generate
 from loadtest.pods import make_pod

@@ -3,7 +3,7 @@
 Adapters hand in decoded wire objects and get wire objects back; this layer turns them
 into calls on the pure core (demand, placement, ledger). What differs between the embedded
 cluster and a live one is composed in, never a flag: the `Binder` that makes a placement real
-and the `PodFeed` that tells the cluster about pods (`EmbeddedBinder` and `LearnedPods` here;
+and the `PodFeed` that tells the cluster about pods (`extender.embedded` by default;
 `extender.live.binder` and `extender.live.source.WatchedPods` in live mode, which also wraps
 the service in its sync gate, `extender.live.gate`).
 """
@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import orjson
 from prometheus_client.registry import Collector
 
-from extender.assignment import encode_assignment
-from extender.cluster import TERMINAL_PHASES, ClusterState
+from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand, pod_ref
-from extender.ledger import LedgerError, Reservation
+from extender.embedded import LearnedPods
+from extender.ledger import Ledger, LedgerError, Reservation
 from extender.observe.pending import PendingReasons, outcome_class
 from extender.observe.usage import state_nodes, usage_from_ledger
 from extender.placement import (
@@ -52,10 +52,8 @@ from extender.wire import (
 __all__ = [
     "Binder",
     "BindError",
-    "EmbeddedBinder",
     "PlanSource",
     "PodFeed",
-    "LearnedPods",
     "Extender",
     "ExtenderService",
 ]
@@ -91,7 +89,7 @@ class PlanSource(Protocol):
 
 class PodFeed(Protocol):
     """How the cluster hears of pods: from the API server's watch (live mode), or, with no API to
-    list them, from the bodies kube-scheduler sends to filter (embedded mode, `LearnedPods`)."""
+    list them, from the bodies kube-scheduler sends to filter (embedded mode, `extender.embedded.LearnedPods`)."""
 
     def learn(self, pod: Mapping[str, Any]) -> None:
         """A pod sent to filter, with a demand that parsed."""
@@ -108,7 +106,7 @@ class Extender(Protocol):
     """What the HTTP adapter (`extender.server`) serves: `ExtenderService`, or a wrapper of it."""
 
     @property
-    def ledger(self) -> Any: ...
+    def ledger(self) -> Ledger: ...
 
     @property
     def pending_reasons(self) -> PendingReasons: ...
@@ -130,27 +128,6 @@ class Extender(Protocol):
     def metric_collectors(self) -> list[Collector]: ...
 
 
-class EmbeddedBinder:
-    """Binds by updating the in-memory cluster, as the API server would after a Binding."""
-
-    def __init__(self, cluster: ClusterState) -> None:
-        self.cluster = cluster
-
-    async def bind(
-        self, pod: Mapping[str, Any], node: str, reservation: Reservation | None
-    ) -> None:
-        meta = dict(pod.get("metadata") or {})
-        annotations = dict(meta.get("annotations") or {})
-        if reservation is not None:
-            annotations.update(encode_assignment(reservation))
-        meta["annotations"] = annotations
-        spec = dict(pod.get("spec") or {})
-        spec["nodeName"] = node
-        status = dict(pod.get("status") or {})
-        status["phase"] = status.get("phase") or "Pending"
-        self.cluster.upsert_pod({**pod, "metadata": meta, "spec": spec, "status": status})
-
-
 def _node_name(node: Mapping[str, Any]) -> str:
     """A sent Node's name; "" for a malformed one (it is then reported as unknown, not a 500)."""
     meta = node.get("metadata")
@@ -164,87 +141,12 @@ def _pod_uid(pod: Mapping[str, Any]) -> str:
     return uid if isinstance(uid, str) else ""
 
 
-#: pending pods learned from filter bodies that embedded mode keeps (kube-scheduler binds a pod
-#: right after filtering it, so only unschedulable ones ever reach this many).
-MAX_LEARNED_PENDING = 4096
 #: pods whose parsed demand is kept (kube-scheduler sends each pod to filter, prioritize and bind
 #: in a row; a few thousand cover any burst), emptied when full so odd pods cannot grow it
 DEMANDS_CACHED = 4096
 #: seconds a node given 10 stays avoided for other pods while the pod it was chosen for is not
 #: bound: a bind normally follows within milliseconds (live mode: one API round trip)
 CHOSEN_TTL = 2.0
-
-
-class LearnedPods:
-    """Embedded mode's `PodFeed`: pending pods learned from filter bodies, deleted on request.
-
-    Only pending pods are learned: kube-scheduler never filters a bound or finished one, and
-    taking a `nodeName` (or a terminal phase) from a request body would let any caller write the
-    ledger. At most MAX_LEARNED_PENDING of them are kept (see `_forget`).
-    """
-
-    def __init__(
-        self,
-        cluster: ClusterState,
-        planner: PlanSource | None = None,
-        binding: Callable[[str], bool] = lambda key: False,
-    ) -> None:
-        self.cluster = cluster
-        self.planner = planner
-        #: whether a bind of the pod (by key) is waiting on the binder: such a pod stays
-        self.binding = binding
-        #: the pending pods learned, oldest first
-        self._learned: dict[str, None] = {}
-
-    def learn(self, pod: Mapping[str, Any]) -> None:
-        spec, status = pod.get("spec") or {}, pod.get("status") or {}
-        if not isinstance(status, Mapping) or spec.get("nodeName"):
-            return
-        phase = status.get("phase")
-        if phase is not None and (not isinstance(phase, str) or phase in TERMINAL_PHASES):
-            return
-        try:
-            key = pod_ref(pod).key
-        except DemandError:
-            return
-        known = self.cluster.pod(key)
-        if known is None or not (known.get("spec") or {}).get("nodeName"):
-            self.cluster.upsert_pod(pod)
-            if self.planner is not None:
-                self.planner.notify_pending(key)
-            self._learned.pop(key, None)
-            self._learned[key] = None
-            while len(self._learned) > MAX_LEARNED_PENDING:
-                self._forget(next(iter(self._learned)))
-
-    def _forget(self, key: str) -> None:
-        """Nothing ever deletes a pod in embedded mode: without a bound, a long-running server would
-        keep every unschedulable pod it was ever asked about. The oldest still-pending one goes;
-        if kube-scheduler binds it after all, bind says it is unknown and the pod is retried."""
-        del self._learned[key]
-        pod = self.cluster.pod(key)
-        if pod is None or (pod.get("spec") or {}).get("nodeName"):
-            return  # bound since (or gone): the cluster keeps it as it should
-        if self.binding(key) or self.cluster.ledger.reservation(key) is not None:
-            return
-        self.cluster.delete_pod(key)
-
-    async def fetch(self, namespace: str, name: str) -> str | None:
-        """Nothing to read a pod from: bind answers that it is unknown."""
-        return None
-
-    def delete(self, namespace: str, name: str) -> tuple[str, str] | None:
-        """Embedded mode's `kubectl delete pod`: the pod leaves the cluster and what it held is
-        free again. A cluster file has no API server to delete through, yet the demo and the soak
-        need churn (without it every bind is for good and a cluster only fills up)."""
-        key = f"{namespace}/{name}"
-        if self.cluster.pod(key) is None:
-            return "unknown", f"pod {key} is unknown to vramsched"
-        if self.binding(key):
-            return "binding", f"pod {key} is being bound; delete it once the bind has answered"
-        self.cluster.delete_pod(key)
-        self._learned.pop(key, None)
-        return None
 
 
 class ExtenderService:
@@ -295,7 +197,11 @@ class ExtenderService:
         self.pods: PodFeed = (
             pods
             if pods is not None
-            else LearnedPods(cluster, planner, binding=lambda key: key in self._in_flight)
+            else LearnedPods(
+                cluster,
+                planner.notify_pending if planner is not None else None,
+                binding=lambda key: key in self._in_flight,
+            )
         )
         #: demands by the pod's JSON (see _demand)
         self._demands: dict[bytes, tuple[float, Demand]] = {}
@@ -303,7 +209,7 @@ class ExtenderService:
         self.pending_reasons = PendingReasons(cluster.pending)
 
     @property
-    def ledger(self):
+    def ledger(self) -> Ledger:
         return self.cluster.ledger
 
     # ----- filter ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from extender.cluster import ClusterState
-from extender.service import EmbeddedBinder, ExtenderService
+from extender.embedded import EmbeddedBinder
+from extender.service import ExtenderService
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kube-scheduler-1.20"
 _uid = itertools.count(1)

@@ -32,10 +32,11 @@ from extender import mig
 from extender.cli import build_parser
 from extender.cluster import ClusterState
 from extender.demand import MODEL_MEMORY, pod_demand
+from extender.embedded import EmbeddedBinder
 from extender.inventory import GPU_RESOURCE, SHARED_GPU_RESOURCE, is_gpu_resource, node_inventory
 from extender.quantity import MIB, parse_bytes
 from extender.server import create_app, create_probe_app, route_paths
-from extender.service import EmbeddedBinder, ExtenderService
+from extender.service import ExtenderService
 from extender.sizing.engines import FLAGS, outside
 from extender.sizing.handoff import FRACTION_ENV, FRACTION_FIELD_PATH, pod_engine, pod_fraction
 from extender.webhook.admission import decide

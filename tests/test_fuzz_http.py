@@ -685,10 +685,10 @@ def test_preempt_full_victims_with_malformed_metadata(driver: Driver) -> None:
 
 async def test_embedded_mode_keeps_a_bounded_number_of_learned_pending_pods(monkeypatch) -> None:
     """A long-running embedded server is asked about endless unschedulable pods: it must not keep them all."""
-    import extender.service as svc
+    import extender.embedded as embedded
     from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
-    monkeypatch.setattr(svc, "MAX_LEARNED_PENDING", 50)
+    monkeypatch.setattr(embedded, "MAX_LEARNED_PENDING", 50)
     state = cluster(gpu_node("n0", count=1), pod("from-file", "16Gi"))
     s = service(state)
     for i in range(200):

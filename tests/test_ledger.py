@@ -84,7 +84,7 @@ def test_invariant_checker_detects_overcommit_and_ghosts():
 
 
 def test_cluster_rebuild_from_annotations_is_identical():
-    from extender.service import EmbeddedBinder
+    from extender.embedded import EmbeddedBinder
 
     objs = [
         gpu_node("n", count=2, replicas=4),

@@ -333,7 +333,8 @@ def test_race_mark_is_what_a_lost_bind_says():
     import asyncio
 
     from extender.cluster import ClusterState
-    from extender.service import EmbeddedBinder, ExtenderService
+    from extender.embedded import EmbeddedBinder
+    from extender.service import ExtenderService
     from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
     nodes, _ = generate(7, 1, 0.0, seed=3)  # one node of each kind, one GPU each, empty

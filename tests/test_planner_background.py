@@ -7,10 +7,11 @@ import asyncio
 from builders import cluster, gpu_node, pod
 
 from extender.demand import PodRef
+from extender.embedded import EmbeddedBinder
 from extender.ledger import Reservation, check_invariant
 from extender.planner.background import BackgroundPlanner
 from extender.quantity import GIB
-from extender.service import EmbeddedBinder, ExtenderService
+from extender.service import ExtenderService
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
 NODES = ["a", "b", "c"]

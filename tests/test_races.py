@@ -32,10 +32,11 @@ from builders import gpu_node, mig_mixed_node, pod
 from extender.assignment import encode_assignment
 from extender.cluster import ClusterState, check_cluster
 from extender.demand import pod_ref
+from extender.embedded import EmbeddedBinder
 from extender.ledger import Reservation, check_invariant
 from extender.live.source import WatchedPods
 from extender.server import create_app
-from extender.service import BindError, EmbeddedBinder, ExtenderService
+from extender.service import BindError, ExtenderService
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
 SEEDS = range(30)

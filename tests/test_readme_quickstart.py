@@ -9,8 +9,9 @@ from pathlib import Path
 import orjson
 
 from extender.cluster import ClusterState
+from extender.embedded import EmbeddedBinder
 from extender.server import create_app
-from extender.service import EmbeddedBinder, ExtenderService
+from extender.service import ExtenderService
 from extender.source_file import read_cluster_file
 
 ROOT = Path(__file__).resolve().parents[1]

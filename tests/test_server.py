@@ -221,8 +221,9 @@ async def test_health_metrics_state(client, state):
 
 
 async def test_state_and_metrics_count_what_the_planner_did(aiohttp_client):
+    from extender.embedded import EmbeddedBinder
     from extender.planner.background import BackgroundPlanner
-    from extender.service import EmbeddedBinder, ExtenderService
+    from extender.service import ExtenderService
 
     c = cluster(
         gpu_node("a", count=2, memory_mib=80 * 1024, replicas=4), pod("p", "40Gi"), pod("q", "20Gi")

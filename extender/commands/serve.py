@@ -12,6 +12,7 @@ import time
 from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
+from extender.embedded import EmbeddedBinder
 from extender.inventory import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
@@ -22,7 +23,7 @@ from extender.server import (
     create_app,
     create_probe_app,
 )
-from extender.service import EmbeddedBinder, Extender, ExtenderService
+from extender.service import Extender, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
 from extender.webhook import launch as webhook
 

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.registry import Collector
 
 from extender.cluster import ClusterState
+from extender.ledger import Ledger
 from extender.live.source import LiveSource
 from extender.observe.pending import PendingReasons
 from extender.service import ExtenderService
@@ -44,7 +45,7 @@ class SyncGate:
         self.source = source
 
     @property
-    def ledger(self) -> Any:
+    def ledger(self) -> Ledger:
         return self.service.ledger
 
     @property
