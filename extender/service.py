@@ -244,11 +244,11 @@ class ExtenderService:
             return ExtenderFilterResult(
                 Error=str(exc)
             )  # before any change: an Error changes nothing
-        by_nodes = args.Nodes is not None
-        if by_nodes:
-            for node in args.Nodes.items:
+        sent = args.Nodes.items if args.Nodes is not None else None
+        if sent is not None:
+            for node in sent:
                 self.cluster.upsert_node(node)
-            names = [_node_name(n) for n in args.Nodes.items]
+            names = [_node_name(n) for n in sent]
         else:
             names = args.NodeNames or []
         self.pods.learn(args.Pod)
@@ -263,9 +263,9 @@ class ExtenderService:
         failed = outcome.failed
         if self.legacy_failed_nodes:  # see __init__; this call's own dict: merged in place
             failed.update(outcome.unresolvable)
-        if by_nodes:
+        if sent is not None:
             keep = set(outcome.feasible)
-            items = [n for n in args.Nodes.items if _node_name(n) in keep]
+            items = [n for n in sent if _node_name(n) in keep]
             return ExtenderFilterResult(
                 Nodes=NodeList(items=items),
                 FailedNodes=failed,
@@ -386,8 +386,8 @@ class ExtenderService:
                         Error=f"pod {key} does not fit on {args.Node}: {exc}"
                     )
                 created = True
-        outcome: asyncio.Future[ExtenderBindingResult] = asyncio.get_running_loop().create_future()
-        self._in_flight[key] = (args.Node, ref.uid, outcome)
+        settled: asyncio.Future[ExtenderBindingResult] = asyncio.get_running_loop().create_future()
+        self._in_flight[key] = (args.Node, ref.uid, settled)
         result = ExtenderBindingResult(Error=f"binding {key} to {args.Node} was interrupted")
         try:
             await self.binder.bind(pod, args.Node, reservation)
@@ -402,7 +402,7 @@ class ExtenderService:
             result = ExtenderBindingResult(Error=f"binding {key} to {args.Node} failed: {exc}")
         finally:
             del self._in_flight[key]
-            outcome.set_result(result)
+            settled.set_result(result)
         return result
 
     def _reserve(self, demand: Demand, node: str) -> Reservation:
@@ -443,13 +443,13 @@ class ExtenderService:
         candidates: dict[str, list[str]] = {}
         pdb: dict[str, int] = {}
         if args.NodeNameToMetaVictims is not None:
-            for node, victims in args.NodeNameToMetaVictims.items():
-                candidates[node] = [p.UID for p in victims.Pods]
-                pdb[node] = victims.NumPDBViolations
+            for node, meta in args.NodeNameToMetaVictims.items():
+                candidates[node] = [p.UID for p in meta.Pods]
+                pdb[node] = meta.NumPDBViolations
         elif args.NodeNameToVictims is not None:
-            for node, victims in args.NodeNameToVictims.items():
-                candidates[node] = [_pod_uid(p) for p in victims.Pods]
-                pdb[node] = victims.NumPDBViolations
+            for node, full in args.NodeNameToVictims.items():
+                candidates[node] = [_pod_uid(p) for p in full.Pods]
+                pdb[node] = full.NumPDBViolations
         chosen = preempt_victims(self.ledger, demand, candidates)
         return ExtenderPreemptionResult(
             NodeNameToMetaVictims={

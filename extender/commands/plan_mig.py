@@ -190,7 +190,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
     # per-GPU layouts
     layouts: list[list[str]] | None = None
     layout_known = gpu_count == 1
-    if model_ok:
+    if model_ok and model is not None:  # (model_ok says it is not None)
         cfg, state = found.config, found.config_state
         g = mig.geometry_for_config_name(model, cfg) if cfg and state == "success" else None
         if (

@@ -8,6 +8,7 @@ import gc
 import logging
 import ssl
 import time
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -26,6 +27,9 @@ from extender.server import (
 from extender.service import Extender, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
 from extender.webhook import launch as webhook
+
+if TYPE_CHECKING:
+    from extender.planner.background import BackgroundPlanner
 
 log = logging.getLogger("extender.serve")
 
@@ -191,6 +195,7 @@ async def _serve(args: argparse.Namespace) -> int:
         headroom=args.headroom,
         replica_policy=_replica_policy(args),
     )
+    planner = _planner(args, cluster)
     if args.cluster:
         try:
             # A 100,000-pod file is millions of objects that live as long as the server: collecting
@@ -209,7 +214,7 @@ async def _serve(args: argparse.Namespace) -> int:
         service = ExtenderService(
             cluster,
             EmbeddedBinder(cluster),
-            planner=_planner(args, cluster),
+            planner=planner,
             legacy_failed_nodes=args.legacy_failed_nodes is not False,
             explain_all=args.explain_all,
         )
@@ -227,7 +232,7 @@ async def _serve(args: argparse.Namespace) -> int:
             cluster,
             source,
             assume_ttl=args.assume_ttl,
-            planner=_planner(args, cluster),
+            planner=planner,
             explain_all=args.explain_all,
         )
         service = gate.service
@@ -239,8 +244,8 @@ async def _serve(args: argparse.Namespace) -> int:
             if args.legacy_failed_nodes is not None
             else await _legacy_failed_nodes(source)
         )
-    if service.planner is not None:
-        await service.planner.start()
+    if planner is not None:
+        await planner.start()
     # Before the verbs: once /readyz answers, the webhook serves too.
     webhook_runner = await webhook.start_webhook(args, cluster)
     app = create_app(
@@ -278,8 +283,8 @@ async def _serve(args: argparse.Namespace) -> int:
         while True:
             await asyncio.sleep(3600)
     finally:
-        if service.planner is not None:
-            await service.planner.stop()
+        if planner is not None:
+            await planner.stop()
         if leader is not None:
             leader.stop()
         if source is not None:
@@ -323,7 +328,7 @@ def _leader(args: argparse.Namespace, source) -> LeaseLeader | None:
     return leader
 
 
-def _planner(args: argparse.Namespace, cluster: ClusterState):
+def _planner(args: argparse.Namespace, cluster: ClusterState) -> BackgroundPlanner | None:
     if not args.planner:
         return None
     from extender.planner.background import (
