@@ -10,6 +10,11 @@ Memory figures are bytes. Where a real ``nvidia-smi mig -lgip`` figure is known 
 used (``memory_measured=True``); otherwise the figure is a deliberately conservative
 estimate (see ``_ESTIMATE_RATIO``) and the node label ``nvidia.com/mig-<p>.memory``
 should override it (``MigModel.with_memory``).
+
+Why one module of about 700 lines: the per-GPU profile tables, the slot placement rules and the
+geometry enumeration are one piece of knowledge (each table is built by the rules, each rule
+reads the tables), and every caller needs all three; split apart they would only import each
+other's private structures.
 """
 
 from __future__ import annotations
