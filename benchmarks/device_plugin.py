@@ -370,8 +370,12 @@ def _plugin_process(kind: str, root: str, gpus: int, replicas: int, pods: int) -
     times: list[tuple[float, float]] = []
 
     def done(*_: Any) -> None:
-        (root_path / "times.json").write_text(json.dumps(times))
+        # once: a daemon child can get a second SIGTERM at interpreter exit, after the parent
+        # has read the file and removed the folder
+        if stop.is_set():
+            return
         stop.set()
+        (root_path / "times.json").write_text(json.dumps(times))
 
     signal.signal(signal.SIGTERM, done)
     if kind == "vramsched":
