@@ -9,13 +9,16 @@ import ssl
 from typing import Any
 
 import aiohttp
+import builders
 import pytest
 from aiohttp import web
 from builders import apply_json_patch
 
 from extender.demand import DemandError, pod_demand
+from extender.ledger import check_invariant
 from extender.webhook.admission import ReviewError, decide, review
 from extender.webhook.certs import cert_covers, make_serving_cert, service_hosts
+from extender.webhook.launch import largest_device
 from extender.webhook.server import create_webhook_app, ssl_context
 
 GIB = 1 << 30
@@ -174,6 +177,36 @@ def test_model_that_fits_no_gpu_in_the_cluster_warns() -> None:
     )
     d = decide(p, largest_device=lambda: 80 * GIB)
     assert any("fits no GPU" in w for w in d.warnings)
+
+
+def test_largest_device_follows_nodes_added_relabelled_and_removed() -> None:
+    c = builders.cluster(builders.gpu_node("a", count=2, memory_mib=24 * 1024))
+    largest = largest_device(c)
+    assert largest() == 24 * GIB
+    assert largest() == 24 * GIB  # kept: the same arrays, the same answer
+    c.upsert_node(builders.gpu_node("b", count=8, memory_mib=80 * 1024))
+    assert largest() == 80 * GIB
+    c.upsert_node(builders.gpu_node("b", count=8, memory_mib=40 * 1024))  # relabelled smaller
+    assert largest() == 40 * GIB
+    c.delete_node("b")
+    assert largest() == 24 * GIB
+    c.delete_node("a")
+    assert largest() is None
+    assert check_invariant(c.ledger) == []
+
+
+def test_largest_device_reads_the_arrays_not_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-admission cost: no Python loop over the ledger's nodes, even after a change."""
+    c = builders.cluster(*(builders.gpu_node(f"n{i}", count=8) for i in range(3)))
+    largest = largest_device(c)
+
+    def no_loop() -> None:
+        raise AssertionError("largest_device looped over the ledger's nodes")
+
+    monkeypatch.setattr(c.ledger, "nodes", no_loop)
+    assert largest() == 80 * GIB
+    c.upsert_node(builders.gpu_node("big", count=1, memory_mib=141 * 1024))
+    assert largest() == 141 * GIB
 
 
 def test_engine_args_inject_appends_the_engine_flag() -> None:

@@ -10,6 +10,7 @@ import ssl
 from aiohttp import web
 
 from extender.cluster import ClusterState
+from extender.webhook.admission import LargestDevice
 from extender.webhook.certs import service_hosts
 from extender.webhook.server import create_webhook_app, ssl_context
 
@@ -88,14 +89,35 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise SystemExit(f"--webhook-service: {exc}") from None
 
 
-def largest_device(cluster: ClusterState):
+class _LargestDevice:
+    """The largest memory one pod may hold on a device of the ledger now (None before any GPU
+    node), for the webhook's "fits no GPU" warning.
+
+    Called on every GPU pod created, on the extender's event loop: a loop over every device cost
+    ~18 ms at 5,000 nodes x 8 GPUs. The answer depends on labels only, and the ledger replaces its
+    device arrays whenever a node's devices change (added, removed, relabelled), so it is kept
+    with the arrays it was read from and recomputed, with one numpy max, only for new ones.
+    """
+
+    __slots__ = ("_cluster", "_arrays", "_answer")
+
+    def __init__(self, cluster: ClusterState) -> None:
+        self._cluster = cluster
+        self._arrays: object = None
+        self._answer: int | None = None
+
+    def __call__(self) -> int | None:
+        a = self._cluster.ledger.arrays
+        if a is not self._arrays:
+            cap = a.per_pod_cap
+            self._answer = int(cap.max()) if len(cap) else None
+            self._arrays = a
+        return self._answer
+
+
+def largest_device(cluster: ClusterState) -> LargestDevice:
     """A callable: the largest device memory in the ledger now (None before any GPU node)."""
-
-    def largest() -> int | None:
-        sizes = [d.per_pod_cap_bytes for inv in cluster.ledger.nodes() for d in inv.devices]
-        return max(sizes) if sizes else None
-
-    return largest
+    return _LargestDevice(cluster)
 
 
 async def _bootstrap(args: argparse.Namespace) -> ssl.SSLContext:
