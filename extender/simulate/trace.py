@@ -25,6 +25,9 @@ __all__ = [
     "DEFAULT_REPLICAS",
     "read_trace_nodes",
     "read_trace_pods",
+    "TraceError",
+    "TRACE_POD_REQUIRED",
+    "TRACE_POD_DEFAULTS",
     "read_yaml",
     "read_inputs",
     "inflate",
@@ -56,8 +59,19 @@ def _is_trace(path: str | Path) -> bool:
 def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> list[dict[str, Any]]:
     nodes = []
     with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
-            gpus = int(row["gpu"])
+        reader = csv.DictReader(fh)
+        missing = [c for c in TRACE_NODE_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise TraceError(
+                f"{path}: not a node list: no column {', '.join(missing)} "
+                f"(columns: {', '.join(reader.fieldnames or ()) or 'none'})"
+            )
+        for line, row in enumerate(reader, start=2):
+            try:
+                gpus = _int(row, "gpu", 0)
+                cpu, mem = _int(row, "cpu_milli", 0), _int(row, "memory_mib", 0)
+            except ValueError as exc:
+                raise TraceError(f"{path}, line {line}: {exc}") from None
             labels = {
                 "kubernetes.io/hostname": row["sn"],
                 "nvidia.com/gpu.present": "true",
@@ -68,8 +82,8 @@ def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> l
                 "nvidia.com/gpu.sharing-strategy": "time-slicing" if replicas > 1 else "none",
             }
             alloc = {
-                "cpu": f"{int(row['cpu_milli'])}m",
-                "memory": f"{int(row['memory_mib'])}Mi",
+                "cpu": f"{cpu}m",
+                "memory": f"{mem}Mi",
                 GPU_RESOURCE: str(gpus * replicas),
             }
             nodes.append(
@@ -82,33 +96,103 @@ def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> l
     return nodes
 
 
+#: columns a node list must have (the dataset's node lists have exactly these).
+TRACE_NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
+#: columns a pod list must have; every other column is optional (`TRACE_POD_DEFAULTS`).
+TRACE_POD_REQUIRED = ("name", "num_gpu")
+#: what a missing (or empty) optional column means. The dataset's lists differ: the `multigpu`
+#: lists carry only `name, cpu_milli, memory_mib, num_gpu, gpu_milli`.
+TRACE_POD_DEFAULTS: dict[str, str] = {
+    "cpu_milli": "0: the task asks no CPU",
+    "memory_mib": "0: the task asks no host memory",
+    "gpu_milli": "1000 (a whole GPU) for a single-GPU task; unused for 0 or several GPUs",
+    "gpu_spec": "empty: no GPU type constraint",
+    "creation_time": "file order: the n-th task arrives alone, at time n",
+    "deletion_time": "empty: the task never leaves, even with churn",
+}
+
+
+class TraceError(ValueError):
+    """A pod or node list that cannot be replayed; the message names the file, row and column."""
+
+
 def read_trace_pods(path: str | Path, *, skip_cpu_only: bool = False) -> list[Task]:
+    """A pod list of the dataset in arrival order (`creation_time`, ties by name; file order for a
+    list without times). Missing optional columns take `TRACE_POD_DEFAULTS`."""
     tasks = []
     with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
-            n = int(row["num_gpu"])
-            if n == 0 and skip_cpu_only:
+        reader = csv.DictReader(fh)
+        columns = set(reader.fieldnames or ())
+        missing = [c for c in TRACE_POD_REQUIRED if c not in columns]
+        if missing:
+            raise TraceError(
+                f"{path}: not a pod list: no column {', '.join(missing)} "
+                f"(columns: {', '.join(reader.fieldnames or ()) or 'none'})"
+            )
+        timed = "creation_time" in columns
+        for line, row in enumerate(reader, start=2):
+            try:
+                task = _trace_task(row, line - 2, timed)
+            except ValueError as exc:
+                raise TraceError(f"{path}, line {line}: {exc}") from None
+            if task.demand.gpu_count == 0 and skip_cpu_only:
                 continue
-            milli = int(row["gpu_milli"] or 0)
-            spec = row.get("gpu_spec") or ""
-            per_gpu = milli * MIB if n == 1 else None
-            demand = Demand(
-                pod=PodRef("trace", row["name"]),
-                gpu_count=n,
-                bytes_per_gpu=per_gpu,
-                resource=GPU_RESOURCE,
-                priority=0,
-                cpu_milli=int(row["cpu_milli"]),
-                memory_bytes=int(row["memory_mib"]) * MIB,
-                allowed_products=frozenset(s for s in spec.split("|") if s) or None,
-                model_memory=per_gpu,
-            )
-            dep = row.get("deletion_time") or ""
-            tasks.append(
-                Task(demand, float(row["creation_time"] or 0), float(dep) if dep else None)
-            )
-    tasks.sort(key=lambda t: (t.arrival, t.demand.pod.name))
+            tasks.append(task)
+    tasks.sort(key=lambda t: (t.arrival, t.demand.pod.name) if timed else t.arrival)
     return tasks
+
+
+def _int(row: Mapping[str, str | None], column: str, default: int) -> int:
+    value = (row.get(column) or "").strip()
+    if not value:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{column} {value!r} is not a whole number") from None
+    if n < 0:
+        raise ValueError(f"{column} {value!r} is negative")
+    return n
+
+
+def _time(row: Mapping[str, str | None], column: str) -> float | None:
+    value = (row.get(column) or "").strip()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{column} {value!r} is not a number of seconds") from None
+
+
+def _trace_task(row: Mapping[str, str | None], index: int, timed: bool) -> Task:
+    name = (row.get("name") or "").strip()
+    if not name:
+        raise ValueError("name is empty")
+    n = _int(row, "num_gpu", 0)
+    if n > 64:
+        raise ValueError(f"num_gpu {n} is more GPUs than any node has")
+    milli = _int(row, "gpu_milli", TRACE_GPU_MIB if n == 1 else 0)
+    if n == 1 and not 0 < milli <= TRACE_GPU_MIB:
+        raise ValueError(f"gpu_milli {milli} is not a share of one GPU (1..{TRACE_GPU_MIB})")
+    spec = row.get("gpu_spec") or ""
+    per_gpu = milli * MIB if n == 1 else None
+    demand = Demand(
+        pod=PodRef("trace", name),
+        gpu_count=n,
+        bytes_per_gpu=per_gpu,
+        resource=GPU_RESOURCE,
+        priority=0,
+        cpu_milli=_int(row, "cpu_milli", 0),
+        memory_bytes=_int(row, "memory_mib", 0) * MIB,
+        allowed_products=frozenset(s for s in spec.split("|") if s) or None,
+        model_memory=per_gpu,
+    )
+    created = _time(row, "creation_time") if timed else None
+    # A list without times arrives in file order, one task at a time; a blank time in a timed
+    # list counts as the trace's start, as before.
+    arrival = float(index) if not timed else (created or 0.0)
+    return Task(demand, arrival, _time(row, "deletion_time"))
 
 
 def read_yaml(
