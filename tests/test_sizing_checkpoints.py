@@ -64,6 +64,59 @@ def test_deepseek_v3_fp8_block_scales_match_the_published_files_less_their_heade
     assert 0 < 688_586_727_753 - tensors < 12_000_000
 
 
+def test_deepseek_v3_tensor_bytes_counted_again_by_hand() -> None:
+    """The same figure from the checkpoint's tensor list written out here, apart from
+    tensors.py: FP8 projections with a float32 [ceil(out/128), ceil(in/128)] weight_scale_inv,
+    bf16 norms, routers, embeddings and heads, float32 e_score_correction_bias; 3 dense layers,
+    58 MoE layers (256 routed + 1 shared expert), and the multi-token-prediction layer 61
+    (a MoE layer plus its own embed_tokens, enorm, hnorm, eh_proj, shared_head)."""
+
+    def fp8(out: int, inp: int) -> int:
+        return out * inp + -(-out // 128) * -(-inp // 128) * 4
+
+    norm = 2 * 7168
+    attention = (
+        fp8(1536, 7168)  # q_a_proj
+        + 2 * 1536  # q_a_layernorm
+        + fp8(128 * 192, 1536)  # q_b_proj
+        + fp8(512 + 64, 7168)  # kv_a_proj_with_mqa
+        + 2 * 512  # kv_a_layernorm
+        + fp8(128 * 256, 512)  # kv_b_proj
+        + fp8(7168, 128 * 128)  # o_proj
+        + 2 * norm  # input and post-attention layernorms
+    )
+    dense = 2 * fp8(18432, 7168) + fp8(7168, 18432)
+    expert = 2 * fp8(2048, 7168) + fp8(7168, 2048)
+    moe = 2 * 256 * 7168 + 4 * 256 + 257 * expert  # router, bias, routed + shared experts
+    vocab = 2 * 129280 * 7168
+    mtp = attention + moe + 2 * vocab + 3 * norm + 2 * 7168 * 14336
+    by_hand = 3 * (attention + dense) + 58 * (attention + moe) + 2 * vocab + norm + mtp
+    assert by_hand == 688_574_839_360
+    assert _checkpoint_bytes(catalogue.lookup("deepseek-ai/DeepSeek-V3")) == by_hand
+
+
+# The Hub's file listings of AWQ/GPTQ releases: sizes in decimal GB to 3 significant digits, the
+# only published figures found for them (no model.safetensors.index.json total_size). They bound
+# the derived bytes to +-0.005 GB per file, not to the byte; dropping the scales (-0.11 GB on
+# Llama-3.1-8B) or the zero points (-0.03 GB) would break them. Headers add under 0.1 MB.
+HUB_LISTINGS = [
+    # hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4: model-0000{1,2}-of-00002.safetensors
+    ("hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4", [4.68, 1.05]),
+    # Qwen/Qwen2.5-7B-Instruct-AWQ: model-0000{1,2}-of-00002.safetensors
+    ("Qwen/Qwen2.5-7B-Instruct-AWQ", [4.0, 1.57]),
+]
+
+
+@pytest.mark.parametrize(("model", "files_gb"), HUB_LISTINGS, ids=[m for m, _ in HUB_LISTINGS])
+def test_awq_checkpoints_agree_with_the_hubs_rounded_file_sizes(
+    model: str, files_gb: list[float]
+) -> None:
+    derived = _checkpoint_bytes(catalogue.lookup(model))
+    assert catalogue.lookup(model).checkpoint_bytes is None  # no byte-exact figure published
+    slack = 0.005e9 * len(files_gb) + 100_000 * len(files_gb)
+    assert abs(derived - sum(files_gb) * 1e9) <= slack
+
+
 def test_deepseek_v3_serving_leaves_out_the_multi_token_prediction_layer() -> None:
     e = estimate(
         resolve_model("deepseek-v3"), EngineSettings(tp=8, max_model_len=4096), list_devices=False
