@@ -209,6 +209,8 @@ def test_format_quantity() -> None:
         ("llama-3-8b", EngineSettings(max_model_len=100000), "longer than the 8192 tokens"),
         ("llama-3.1-8b", EngineSettings(tp=3), "does not divide the 32 attention heads"),
         ("qwen2.5-7b-awq", EngineSettings(quantization="gptq"), "quantized with awq"),
+        ("qwen2.5-7b-awq", EngineSettings(dtype="fp8"), "--dtype fp8 does not apply"),
+        ("gpt-oss-20b", EngineSettings(dtype="int8"), "--dtype int8 does not apply"),
     ],
 )
 def test_bad_input_is_one_line(model: str, settings: EngineSettings, message: str) -> None:
@@ -216,6 +218,20 @@ def test_bad_input_is_one_line(model: str, settings: EngineSettings, message: st
         estimate(resolve_model(model), settings)
     assert message in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", None])
+def test_a_16_bit_dtype_on_a_quantized_checkpoint_changes_nothing(dtype: str | None) -> None:
+    e = estimate(resolve_model("qwen2.5-7b-awq"), EngineSettings(dtype=dtype), list_devices=False)
+    assert e.weights_bytes == 5_570_747_392
+
+
+def test_fp8_dtype_on_an_fp8_checkpoint_is_the_checkpoint_itself() -> None:
+    plain = estimate(resolve_model("llama-3.3-70b-fp8"), EngineSettings(), list_devices=False)
+    fp8 = estimate(
+        resolve_model("llama-3.3-70b-fp8"), EngineSettings(dtype="fp8"), list_devices=False
+    )
+    assert fp8.weights_bytes == plain.weights_bytes
 
 
 def test_config_missing_fields_are_named(tmp_path: Path) -> None:
@@ -297,6 +313,7 @@ def test_cli_yaml_and_text(capsys: pytest.CaptureFixture[str]) -> None:
         ["estimate", "llama-3.1-8b", "--gpu", "Z100"],
         ["estimate", "llama-3.1-8b", "--max-num-seqs", "0"],
         ["estimate", "/nonexistent/model"],
+        ["estimate", "qwen2.5-7b-awq", "--dtype", "fp8"],
         # Printed, but a model that fits no GPU is still an error.
         ["estimate", "llama-3.1-70b", "--max-model-len", "8192", "--gpu", "L4"],
         ["estimate", "llama-3.1-405b", "--max-model-len", "8192"],

@@ -154,6 +154,11 @@ def runtime_format(
             raise SizingError(
                 f"the checkpoint is quantized with {stored.method}; --quantization {q} does not apply to it"
             )
+        if dtype in ("fp8", "int8") and not (dtype == "fp8" and family == "fp8"):
+            raise SizingError(
+                f"the checkpoint is quantized with {stored.method}; --dtype {dtype} does not apply "
+                "to it (its weights are served as stored: leave --dtype out, or bf16/fp16)"
+            )
         if stored.method == "mxfp4":
             pad = 256 if hidden % 256 else 0
             return WeightFormat("mxfp4", 4, 32, experts_only=True, pad_to=pad), None
@@ -168,7 +173,7 @@ def runtime_format(
         )
         return fmt, None
     if q == "none":
-        if dtype in ("fp8", "int8"):
+        if dtype in ("fp8", "int8") and not (dtype == "fp8" and family == "fp8"):
             return WeightFormat(
                 "fp8" if dtype == "fp8" else "int8", 8
             ), f"weights quantised to {dtype} at load"
