@@ -32,10 +32,15 @@ from extender.planner.mig_geometry import evaluate_uniform, plan_mig_geometry
 GIB = mig.GIB
 MIB = mig.MIB
 
-# --- demand: vLLM serving memory from ../shared/reference/llm-memory.md --------------------------
-# slice memory needed = (weights + overhead + KV for KV_TOKENS tokens) / gpu_memory_utilization
+# --- demand: vLLM serving memory ------------------------------------------------------------------
+# slice memory needed = (weights + overhead + KV for KV_TOKENS tokens) / gpu_memory_utilization:
+# vLLM's budget (vllm/v1/worker/gpu_worker.py, determine_available_memory), its default
+# gpu_memory_utilization 0.92 (vllm/config/cache.py). KV bytes/token = 2 x num_hidden_layers x
+# num_key_value_heads x head_dim x 2 (bf16), weights = parameters x bytes each, from each model's
+# config.json and checkpoint on Hugging Face.
 UTIL = 0.92
-OVERHEAD_GIB = 1.5  # activations + CUDA graphs + non-torch; the reference says 2-4 GiB (unverified) on full GPUs
+# activations + CUDA graphs + non-torch: vLLM measures it at start-up; an assumption here
+OVERHEAD_GIB = 1.5
 KV_TOKENS = 8192  # e.g. one 8k sequence or four 2k ones
 LLMS = [
     # name, weights GiB, KV bytes/token, share of pending pods

@@ -244,8 +244,9 @@ def flag_value(args: list[str], flag: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # KubeSchedulerConfiguration
 
-# Field names per level (staging/src/k8s.io/kube-scheduler/config/v1/types.go and
-# component-base leader election), see /work/shared/reference/scheduler-config.md.
+# Field names per level: kubernetes/kubernetes staging/src/k8s.io/kube-scheduler/config/v1/types.go
+# and, for leaderElection, staging/src/k8s.io/component-base/config/v1alpha1/types.go
+# (LeaderElectionConfiguration).
 _SCHEMA: dict[str, set[str]] = {
     "": {
         "apiVersion",

@@ -3,7 +3,11 @@
 #
 # Why a build: only Debian bookworm's `kubernetes` SOURCE package carries kube-apiserver and
 # kube-scheduler (v1.20.2, with vendor/); no binary package or download is reachable here.
-# Facts behind each step: /work/shared/reference/real-control-plane.md and docs/control-plane.md.
+# Facts behind each step (docs/control-plane.md explains them): the source is Debian bookworm's
+# `kubernetes` package (https://packages.debian.org/source/bookworm/kubernetes); the vendored
+# reflect2 1.0.1 crashes on Go >= 1.18 (https://github.com/modern-go/reflect2/issues/24, fixed in
+# v1.0.2); the openapi and version steps follow upstream v1.20.2's build/root/Makefile.generated_files
+# and hack/lib/version.sh (https://github.com/kubernetes/kubernetes/tree/v1.20.2).
 #
 # Idempotent and non-interactive; run as root. Installs what is missing (golang-go, etcd-server,
 # reflect2 1.0.2, dpkg-dev, openssl, kubectl), fetches the source, builds, and caches the
