@@ -1,0 +1,381 @@
+"""Repacking by migration (`extender.planner.repack`) against a brute force on small clusters.
+
+The brute force tries every set of movable pods by size, removes them, and searches every way to
+place them back together with the blocked pod (every k-subset of fitting devices of every node):
+the first size that works is the fewest moves. The model must find exactly that many, prove it,
+and its plan, applied through the ledger, must leave no device, node CPU or node memory
+overcommitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+from builders import gpu_node
+
+from extender.demand import Demand, PodRef
+from extender.ledger import LedgerError, Reservation, check_invariant
+from extender.planner.capacity import Capacity
+from extender.planner.move_model import need_bytes, reservation_for
+from extender.planner.repack import (
+    Neighbourhood,
+    apply_plan,
+    final_state_fits,
+    plan_repack,
+    search_repack,
+)
+from extender.quantity import GIB
+from extender.simulate.engine import build_capacity
+
+Running = list[tuple[Demand, Reservation]]
+
+
+def demand(name: str, gib: int | None, *, gpus: int = 1, cpu: int = 0, prio: int = 0) -> Demand:
+    """A pod asking `gpus` devices with `gib` GiB each (None: whole devices), `cpu` millicores."""
+    return Demand(
+        PodRef("default", name),
+        gpus,
+        None if gib is None else gib * GIB,
+        cpu_milli=cpu,
+        memory_bytes=GIB if cpu else 0,
+        priority=prio,
+    )
+
+
+def placements(cap: Capacity, d: Demand) -> list[tuple[int, tuple[int, ...]]]:
+    """Every way to place `d` now: (node row, device rows), every k-subset of fitting devices."""
+    a = cap.arrays
+    need = need_bytes(cap, d)
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for n in range(len(a.node_names)):
+        if cap.cpu_free[n] < d.cpu_milli or cap.mem_free[n] < d.memory_bytes:
+            continue
+        if d.gpu_count == 0:
+            out.append((n, ()))
+            continue
+        lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+        ok = [
+            r
+            for r in range(lo, hi)
+            if cap.matches(d.resource, d.allowed_products)[r]
+            and a.used_replicas[r] < a.replicas[r]
+            and a.capacity[r] - a.used[r] >= need[r]
+            and a.per_pod_cap[r] >= need[r]
+        ]
+        out += [(n, rows) for rows in itertools.combinations(ok, d.gpu_count)]
+    return out
+
+
+def place_all(cap: Capacity, pods: Sequence[Demand]) -> bool:
+    """Whether `pods` can all be placed together now (exhaustive, capacity restored)."""
+    if not pods:
+        return True
+    d, rest = pods[0], pods[1:]
+    for n, rows in placements(cap, d):
+        res = reservation_for(cap, d, n, rows) if rows else None
+        cap.apply(d, res, n)
+        try:
+            if place_all(cap, rest):
+                return True
+        finally:
+            cap.remove(d, n)
+    return False
+
+
+def brute_force(
+    cap: Capacity, pod: Demand, running: Running, movable: Callable[[Demand], bool] | None = None
+) -> int | None:
+    """The fewest running pods to move so that they and `pod` all fit again; None: no number."""
+    ledger = cap.ledger
+    pool = [(d, r) for d, r in running if movable is None or movable(d)]
+    for size in range(len(pool) + 1):
+        for subset in itertools.combinations(pool, size):
+            for d, r in subset:
+                cap.remove(d, ledger.node_row(r.node) or 0)
+            try:
+                ok = place_all(cap, [pod, *(d for d, _ in subset)])
+            finally:
+                for d, r in subset:
+                    cap.apply(d, r if r.device_ids else None, ledger.node_row(r.node) or 0)
+            if ok:
+                return size
+    return None
+
+
+def random_case(seed: int) -> tuple[Capacity, Demand, Running]:
+    """2-3 nodes of 1-3 GPUs of 80 GiB (2-4 replicas, 8-16 cores), filled first-fit with random
+    pods (one or two GPUs, or none; 10-70 GiB; 0-6 cores); the blocked pod is one more that
+    does not fit now (when one of a few draws does not)."""
+    rng = random.Random(seed)
+    nodes = [
+        gpu_node(
+            f"n{i}",
+            count=rng.choice([1, 2, 3]),
+            memory_mib=80 * 1024,
+            replicas=rng.choice([2, 3, 4]),
+            cpu=str(rng.choice([8, 16])),
+        )
+        for i in range(rng.choice([2, 3]))
+    ]
+    _, cap = build_capacity(nodes)
+    running: Running = []
+    for i in range(rng.randint(5, 9)):
+        gpus = rng.choice([0, 1, 1, 1, 2])
+        d = demand(
+            f"r{i}",
+            rng.choice([10, 20, 30, 40, 50, 70]) if gpus else None,
+            gpus=gpus,
+            cpu=rng.choice([0, 2000, 4000, 6000]) if gpus else rng.choice([2000, 6000]),
+        )
+        options = placements(cap, d)
+        if not options:
+            continue
+        n, rows = options[rng.randrange(len(options))]
+        res = reservation_for(cap, d, n, rows)
+        cap.apply(d, res if rows else None, n)
+        running.append((d, res))
+    for _ in range(6):  # a pod that does not fit now, when a few draws find one
+        pod = demand(
+            "blocked",
+            rng.choice([30, 40, 50, 60, 70, 80]),
+            gpus=rng.choice([1, 1, 1, 2]),
+            cpu=rng.choice([0, 2000, 4000]),
+        )
+        if not placements(cap, pod):
+            break
+    return cap, pod, running
+
+
+def ledger_state(cap: Capacity) -> tuple[object, ...]:
+    res = sorted(
+        (r.key, r.node, r.device_ids, r.bytes_per_device) for r in cap.ledger.reservations()
+    )
+    return (res, cap.cpu_free.tolist(), cap.mem_free.tolist())
+
+
+def assert_plan_is_sound(cap: Capacity, plan, running: Running) -> None:
+    """The plan applied through the ledger: invariant holds, CPU and memory not overcommitted,
+    every pod on k distinct devices of one node, of its resource."""
+    apply_plan(cap, plan)
+    assert check_invariant(cap.ledger) == []
+    assert (cap.cpu_free >= 0).all() and (cap.mem_free >= 0).all()
+    a = cap.arrays
+    for d, res in [*((m.demand, m.target) for m in plan.moves), (plan.pod, plan.placement)]:
+        assert len(set(res.device_ids)) == d.gpu_count
+        for dev in res.device_ids:
+            r = cap.ledger.row(res.node, dev)  # one node: every device is looked up on it
+            assert r is not None and a.resource_id[r] == a.resources[d.resource]
+        if d.gpu_count:
+            assert cap.ledger.reservation(d.pod.key).same_placement(res)
+    keys = {d.pod.key for d, _ in running}
+    assert {m.pod.key for m in plan.moves} <= keys
+
+
+SEEDS = range(80)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fewest_moves_is_the_brute_force_minimum_and_never_overcommits(seed):
+    cap, pod, running = random_case(seed)
+    best = brute_force(cap, pod, running)
+    found = search_repack(cap, pod, running, time_limit=10, num_workers=1)
+    if best is None:
+        assert found.plan is None and found.proven
+        return
+    plan = found.plan
+    assert plan is not None, found
+    assert len(plan.moves) == best
+    assert plan.optimal and found.proven
+    before = ledger_state(cap)
+    assert final_state_fits(cap, plan)
+    assert_plan_is_sound(cap, plan, running)
+    assert ledger_state(cap) != before or best == 0
+
+
+def test_the_random_cases_exercise_moves():
+    """The cases above are worth running: many need moves, several need two or more, some
+    have no plan at all, and multi-GPU and GPU-less pods move."""
+    need: list[int | None] = []
+    multi_moved = cpu_only_moved = 0
+    for seed in SEEDS:
+        cap, pod, running = random_case(seed)
+        need.append(brute_force(cap, pod, running))
+        plan = plan_repack(cap, pod, running, time_limit=10, num_workers=1)
+        if plan:
+            multi_moved += any(m.demand.gpu_count > 1 for m in plan.moves)
+            cpu_only_moved += any(m.demand.gpu_count == 0 for m in plan.moves)
+    assert sum(1 for n in need if n and n >= 1) >= 30
+    assert sum(1 for n in need if n and n >= 2) >= 10
+    assert need.count(None) >= 10
+    assert multi_moved >= 3 and cpu_only_moved >= 3
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_max_moves_is_respected_and_proven(seed):
+    cap, pod, running = random_case(seed)
+    best = brute_force(cap, pod, running)
+    if best is None:  # no number of moves is enough
+        assert plan_repack(cap, pod, running, max_moves=len(running), num_workers=1) is None
+        return
+    if best == 0:
+        plan = plan_repack(cap, pod, running, max_moves=0)
+        assert plan is not None and plan.moves == ()
+        return
+    short = search_repack(cap, pod, running, max_moves=best - 1, time_limit=10, num_workers=1)
+    assert short.plan is None and short.proven
+    enough = plan_repack(cap, pod, running, max_moves=best, time_limit=10, num_workers=1)
+    assert enough is not None and len(enough.moves) == best
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pods_that_may_not_move_never_move(seed):
+    cap, pod, running = random_case(seed)
+    frozen = {d.pod.key for d, _ in running[::2]}
+
+    def movable(d: Demand) -> bool:
+        return d.pod.key not in frozen
+
+    best = brute_force(cap, pod, running, movable)
+    plan = plan_repack(cap, pod, running, movable=movable, time_limit=10, num_workers=1)
+    if best is None:
+        assert plan is None
+        return
+    assert plan is not None and len(plan.moves) == best
+    assert not {m.pod.key for m in plan.moves} & frozen
+    assert_plan_is_sound(cap, plan, running)
+
+
+def _two_gpus_half_full() -> tuple[Capacity, Running]:
+    """n0: two 80 GiB GPUs, each holding one 50 GiB pod; n1: one GPU holding 20 GiB."""
+    _, cap = build_capacity(
+        [
+            gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4),
+            gpu_node("n1", count=1, memory_mib=80 * 1024, replicas=4),
+        ]
+    )
+    running: Running = []
+    for name, node, dev, gib in (("a", 0, 0, 50), ("b", 0, 1, 50), ("c", 1, 2, 20)):
+        d = demand(name, gib)
+        res = reservation_for(cap, d, node, [dev])
+        cap.apply(d, res, node)
+        running.append((d, res))
+    return cap, running
+
+
+def test_a_whole_gpu_pod_gets_a_gpu_emptied_by_one_move():
+    cap, running = _two_gpus_half_full()
+    pod = demand("big", 80)
+    plan = plan_repack(cap, pod, running, num_workers=1)
+    assert plan is not None and len(plan.moves) == 1 and plan.optimal
+    (mv,) = plan.moves
+    assert mv.target.node == "n1"  # the only GPU with room for 50 GiB
+    assert_plan_is_sound(cap, plan, running)
+
+
+def test_a_two_gpu_pod_stays_on_one_node():
+    # two 60 GiB devices on one node: n0 after one move, n1 after two
+    _, bigger = build_capacity(
+        [
+            gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4),
+            gpu_node("n1", count=2, memory_mib=80 * 1024, replicas=4),
+        ]
+    )
+    running = []
+    for name, node, dev, gib in (("a", 0, 0, 30), ("b", 1, 2, 30), ("c", 1, 3, 30)):
+        d = demand(name, gib)
+        res = reservation_for(bigger, d, node, [dev])
+        bigger.apply(d, res, node)
+        running.append((d, res))
+    pod = demand("pair", 60, gpus=2)
+    plan = plan_repack(bigger, pod, running, num_workers=1)
+    assert plan is not None and len(plan.moves) == 1  # a leaves n0: 2 x 80 GiB free there
+    assert plan.placement.node == "n0" and len(set(plan.placement.device_ids)) == 2
+    assert_plan_is_sound(bigger, plan, running)
+
+
+def test_none_when_no_node_could_ever_hold_the_pod():
+    cap, running = _two_gpus_half_full()
+    found = search_repack(cap, demand("huge", 90), running)  # more than any GPU has
+    assert found.plan is None and found.proven and "even if every movable pod left" in found.reason
+    found = search_repack(cap, demand("big", 80), running, movable=lambda d: False)
+    assert found.plan is None and found.proven
+
+
+def test_a_pod_that_fits_needs_no_move():
+    cap, running = _two_gpus_half_full()
+    plan = plan_repack(cap, demand("small", 20), running, max_moves=0)
+    assert plan is not None and plan.moves == () and plan.status == "FITS"
+    assert plan.placement.node == "n0"  # best fit: 30 GiB free there, 60 on n1
+
+
+def test_a_gpu_less_pod_moves_out_to_make_cpu_room():
+    """n0 and n1: 6 of 8 cores taken by a GPU-less pod; n2: cores free, its GPU full."""
+    _, cap = build_capacity([gpu_node(f"n{i}", count=1, cpu="8") for i in range(3)])
+    running: Running = []
+    for name, node in (("cpu0", 0), ("cpu1", 1)):
+        d = demand(name, None, gpus=0, cpu=6000)
+        cap.apply(d, None, node)
+        running.append((d, Reservation(d.pod, f"n{node}", (), ())))
+    full = demand("full", None)
+    res = reservation_for(cap, full, 2, [2])
+    cap.apply(full, res, 2)
+    running.append((full, res))
+    pod = demand("gpu", 40, cpu=4000)
+    plan = plan_repack(cap, pod, running, num_workers=1)
+    assert plan is not None and [m.pod.name for m in plan.moves] in (["cpu0"], ["cpu1"])
+    assert plan.moves[0].target.node == "n2" and plan.moves[0].target.device_ids == ()
+    assert_plan_is_sound(cap, plan, running)
+    # 6 + 6 cores cannot share an 8-core node, and the full GPU may not move: no plan, proven
+    _, cap = build_capacity([gpu_node(f"n{i}", count=1, cpu="8") for i in range(2)])
+    for d, r in running[:2]:
+        cap.apply(d, None, int(r.node[1]))
+    found = search_repack(cap, pod, running[:2], num_workers=1)
+    assert found.plan is None and found.proven
+
+
+def test_apply_plan_is_all_or_nothing():
+    cap, running = _two_gpus_half_full()
+    plan = plan_repack(cap, demand("big", 80), running, num_workers=1)
+    assert plan is not None and len(plan.moves) == 1
+    # someone takes the moved pod's target first: the plan must not half-happen
+    thief = demand("thief", 40)
+    target = plan.moves[0].target
+    cap.apply(thief, Reservation(thief.pod, target.node, target.device_ids, (40 * GIB,)), 1)
+    before = ledger_state(cap)
+    with pytest.raises(LedgerError):
+        apply_plan(cap, plan)
+    assert ledger_state(cap) == before
+    assert check_invariant(cap.ledger) == []
+
+
+def test_a_large_cluster_is_searched_in_a_neighbourhood():
+    """40 nodes (beyond the exact size): each GPU holds 70 GiB except one that holds a lone
+    10 GiB pod; a whole-GPU pod needs that pod moved next to a 70 GiB one, and the search finds
+    that single move, optimal by the per-node bound."""
+    _, cap = build_capacity(
+        [gpu_node(f"n{i:02d}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(40)]
+    )
+    running: Running = []
+    a = cap.arrays
+    for r in range(len(a.capacity)):
+        d = demand(f"p{r}", 10 if r == 37 else 70)
+        n = int(a.node_of[r])
+        res = reservation_for(cap, d, n, [r])
+        cap.apply(d, res, n)
+        running.append((d, res))
+    assert np.count_nonzero(cap.arrays.used == 70 * GIB) == 79
+    found = search_repack(cap, demand("big", 80), running, neighbourhood=Neighbourhood())
+    assert found.plan is not None and len(found.plan.moves) == 1 and found.proven
+    assert found.nodes < 40  # a neighbourhood, not the whole cluster
+    # p37 joins a 70 GiB pod, or a 70 GiB pod joins p37: both free a whole GPU
+    (mv,) = found.plan.moves
+    p37 = running[37][1]
+    assert mv.pod.name == "p37" or (mv.target.node, mv.target.device_ids) == (
+        p37.node,
+        p37.device_ids,
+    )
+    assert_plan_is_sound(cap, found.plan, running)
