@@ -1,6 +1,6 @@
 """One real control plane per Kubernetes version per pytest session, shared by the end-to-end
 suite (tests/e2e) and the deploy tests that bind with nothing but the shipped RBAC
-(tests/test_deploy.py).
+(tests/test_deploy_e2e.py).
 
 Every test that uses the ``control_plane`` fixture (directly or through ``cluster``) runs once per
 version in ``K8S_VERSIONS`` (ids ``k8s-1.20``, ``k8s-1.36``). Tests are grouped by version

@@ -2,7 +2,7 @@
 
 One table so that every place that names a version reads it from here: the session fixture
 parametrised by version (tests/conftest.py), the harness (controlplane.py) and the test that keeps
-deploy/'s kube-scheduler image on the newest tested release (tests/test_deploy.py).
+deploy/'s kube-scheduler image on the newest tested release (tests/test_deploy_image.py).
 
 - 1.20.2: kube-apiserver and kube-scheduler built from Debian's source package by
   scripts/control-plane/build.sh; etcd is Debian's ``etcd-server`` (3.4).
@@ -26,7 +26,7 @@ SCRIPTS = REPO_ROOT / "scripts" / "control-plane"
 K8S_VERSIONS: tuple[str, ...] = ("1.20.2", "1.36.3")
 """Every version the e2e suite runs, oldest first; the supported range is built on it."""
 NEWEST_K8S_VERSION = K8S_VERSIONS[-1]
-"""deploy/deployment.yaml runs registry.k8s.io/kube-scheduler:v<this> (tests/test_deploy.py)."""
+"""deploy/deployment.yaml runs registry.k8s.io/kube-scheduler:v<this> (tests/test_deploy_image.py)."""
 
 
 class ReleaseError(RuntimeError):
