@@ -15,6 +15,7 @@ from extender.assignment import encode_assignment
 from extender.cluster import TERMINAL_PHASES, ClusterState
 from extender.demand import DemandError, pod_ref
 from extender.ledger import Reservation
+from extender.sizing.handoff import FRACTION_ANNOTATION, bind_fraction
 
 __all__ = ["EmbeddedBinder", "LearnedPods", "MAX_LEARNED_PENDING"]
 
@@ -24,7 +25,12 @@ MAX_LEARNED_PENDING = 4096
 
 
 class EmbeddedBinder:
-    """Binds by updating the in-memory cluster, as the API server would after a Binding."""
+    """Binds by updating the in-memory cluster, as the API server would after a Binding.
+
+    It writes the annotations live mode's binder writes that derive from the reservation: the
+    assignment and the engine's `gpu-memory-fraction` (docs/sizing.md). Nothing runs the pod
+    here, but `GET /state`, the demo and the simulator then show what a live bind would hand
+    the engine. `gpu-index` is left out: it is a pin only the live binder can enforce."""
 
     def __init__(self, cluster: ClusterState) -> None:
         self.cluster = cluster
@@ -34,8 +40,13 @@ class EmbeddedBinder:
     ) -> None:
         meta = dict(pod.get("metadata") or {})
         annotations = dict(meta.get("annotations") or {})
+        annotations.pop(FRACTION_ANNOTATION, None)
         if reservation is not None:
             annotations.update(encode_assignment(reservation))
+            inv = self.cluster.ledger.node(reservation.node)
+            share = bind_fraction(pod, reservation.device_ids, inv.devices if inv else ())
+            if share is not None:
+                annotations[FRACTION_ANNOTATION] = share
         meta["annotations"] = annotations
         spec = dict(pod.get("spec") or {})
         spec["nodeName"] = node

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from builders import gpu_node, mig_single_node, pod
+from builders import cluster, gpu_node, mig_single_node, pod, service
 from test_kube_bind import bind_args, live
 
+from extender.ledger import check_invariant
 from extender.live.api_client import ApiError
 from extender.sizing.handoff import FRACTION_ANNOTATION
 
@@ -61,3 +62,23 @@ async def test_a_refused_binding_takes_the_fraction_back() -> None:
     assert (await service.bind(bind_args(p, "n1"))).Error
     undo = api.calls[-1][3]["metadata"]["annotations"]
     assert undo[FRACTION_ANNOTATION] is None
+
+
+# ----- embedded mode writes the same annotation (parity with the live binder) ---------------------
+
+
+async def test_embedded_bind_writes_the_fraction_as_the_live_binder_does() -> None:
+    p = _vllm(pod("p", "20Gi"))
+    c = cluster(gpu_node("n1", memory_mib=81920), p)
+    assert (await service(c).bind(bind_args(p, "n1"))).Error == ""
+    annotations = c.pod("default/p")["metadata"]["annotations"]
+    assert annotations[FRACTION_ANNOTATION] == "0.22"  # as the live test above
+    assert "vramsched.io/assignment" in annotations
+    assert check_invariant(c.ledger) == []
+
+
+async def test_embedded_bind_of_a_whole_device_pod_drops_a_stale_fraction() -> None:
+    p = pod("p", None, annotations={FRACTION_ANNOTATION: "0.99"})
+    c = cluster(gpu_node("n1"), p)
+    assert (await service(c).bind(bind_args(p, "n1"))).Error == ""
+    assert FRACTION_ANNOTATION not in c.pod("default/p")["metadata"]["annotations"]
