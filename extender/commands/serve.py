@@ -29,6 +29,7 @@ from extender.source_file import ClusterFileError, read_cluster_file
 from extender.webhook import launch as webhook
 
 if TYPE_CHECKING:
+    from extender.live.source import LiveSource
     from extender.planner.background import BackgroundPlanner
 
 log = logging.getLogger("extender.serve")
@@ -296,7 +297,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
 
 
-async def _legacy_failed_nodes(source) -> bool:
+async def _legacy_failed_nodes(source: LiveSource) -> bool:
     """From the API server's version (kube-scheduler runs the control plane's); on when unreadable."""
     from extender.live.versions import needs_legacy_failed_nodes
 
@@ -318,7 +319,7 @@ async def _legacy_failed_nodes(source) -> bool:
     return legacy
 
 
-def _leader(args: argparse.Namespace, source) -> LeaseLeader | None:
+def _leader(args: argparse.Namespace, source: LiveSource) -> LeaseLeader | None:
     """Polls the leader Lease (extender.observe.leader) through the live source's client."""
     client = getattr(source.api, "client", None)
     if not args.leader_lease or client is None:
