@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class NodeApi:
-    """The few calls the plugin makes, on `ClientApi`'s raw-JSON plumbing: pods of one node,
-    one node, and a merge patch of one node annotation."""
+    """The few calls the plugin makes: the pods of one node (`ClientApi.list_paged` and
+    `watch_stream` with a field selector), that node, and a merge patch of one annotation on it
+    (`ClientApi`'s raw-JSON requests: it has no public node calls)."""
 
     def __init__(self, client: ClientApi, node: str) -> None:
         self.client = client
@@ -34,37 +35,12 @@ class NodeApi:
 
     # the Informer's KubeApi subset, scoped to this node's pods
     def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
-        items: list[dict[str, Any]] = []
-        cont: str | None = None
-        while True:
-            page = self.client._json(
-                "GET",
-                "/api/v1/pods",
-                query={"fieldSelector": self._selector, "limit": 500, "continue": cont},
-                timeout=60,
-            )
-            items.extend(page.get("items") or [])
-            meta = page.get("metadata") or {}
-            cont = meta.get("continue") or None
-            if not cont:
-                return items, str(meta.get("resourceVersion") or "")
+        return self.client.list_paged("/api/v1/pods", {"fieldSelector": self._selector})
 
     def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
-        resp = self.client._request(
-            "GET",
-            "/api/v1/pods",
-            query={
-                "watch": "true",
-                "fieldSelector": self._selector,
-                "resourceVersion": resource_version,
-                "allowWatchBookmarks": "true",
-                "timeoutSeconds": timeout_s,
-            },
-            timeout=(10, timeout_s + 30),
+        return self.client.watch_stream(
+            "/api/v1/pods", resource_version, timeout_s, {"fieldSelector": self._selector}
         )
-        if not 200 <= resp.status < 300:
-            raise self.client._error(resp)
-        return self.client._stream(resp)
 
     def abort_watches(self) -> None:
         self.client.abort_watches()

@@ -158,13 +158,19 @@ class ClientApi:
         return orjson.loads(data) if data else {}
 
     # ----- informers -----------------------------------------------------------------------------
-    def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
-        """A consistent list in pages; 410 on an expired continue token is the caller's relist."""
+    def list_paged(
+        self, path: str, query: Mapping[str, Any] | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """Every item of the collection at `path` (extra `query`, e.g. a fieldSelector), read in
+        pages of LIST_PAGE, and the list's resourceVersion to watch from."""
         items: list[dict[str, Any]] = []
         cont: str | None = None
         while True:
             page = self._json(
-                "GET", _PATHS[kind], query={"limit": LIST_PAGE, "continue": cont}, timeout=60
+                "GET",
+                path,
+                query={**(query or {}), "limit": LIST_PAGE, "continue": cont},
+                timeout=60,
             )
             items.extend(page.get("items") or [])
             meta = page.get("metadata") or {}
@@ -172,12 +178,21 @@ class ClientApi:
             if not cont:
                 return items, str(meta.get("resourceVersion") or "")
 
-    def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
-        """Opens the watch now (so the caller knows the API answered), then streams its events."""
+    def watch_stream(
+        self,
+        path: str,
+        resource_version: str,
+        timeout_s: int,
+        query: Mapping[str, Any] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Watch the collection at `path` from `resource_version` (extra `query`, e.g. a
+        fieldSelector): opens the watch now, raising ApiError when the API refuses it, then
+        yields its events; `abort_watches` ends it."""
         resp = self._request(
             "GET",
-            _PATHS[kind],
+            path,
             query={
+                **(query or {}),
                 "watch": "true",
                 "resourceVersion": resource_version,
                 "allowWatchBookmarks": "true",
@@ -188,6 +203,14 @@ class ClientApi:
         if not 200 <= resp.status < 300:
             raise self._error(resp)
         return self._stream(resp)
+
+    def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
+        """A consistent list in pages; 410 on an expired continue token is the caller's relist."""
+        return self.list_paged(_PATHS[kind])
+
+    def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
+        """Opens the watch now (so the caller knows the API answered), then streams its events."""
+        return self.watch_stream(_PATHS[kind], resource_version, timeout_s)
 
     def _stream(self, resp: Any) -> Iterator[dict[str, Any]]:
         import urllib3
