@@ -392,19 +392,27 @@ class Node:
         self.published: list[PluginState] = []
         self.source = FakeGpus(NODE, gpus, 1000)
         self.kubelet = SimKubelet(root / "dp", root / "pr" / "kubelet.sock", GPU).start()
+        self.replicas, self.strategies = replicas, parse_strategies(strategy)
+        self._plugin()
+
+    def admit(self, p: dict[str, Any]) -> Any:
+        self.pods[f"ns/{p['metadata']['name']}"] = p
+        return self.kubelet.admit(p)
+
+    def _plugin(self) -> None:
         from extender.device_plugin.kubelet import PodResources
 
         self.service = DevicePluginService(
             node=NODE,
             gpus=self.source.gpus(),
-            replicas=replicas,
-            strategies=parse_strategies(strategy),
-            kubelet_pods=PodResources(root / "pr" / "kubelet.sock", GPU).list,
+            replicas=self.replicas,
+            strategies=self.strategies,
+            kubelet_pods=PodResources(self.root / "pr" / "kubelet.sock", GPU).list,
             lookup=lambda keys: {k: self.pods[k] for k in keys if k in self.pods},
         )
         self.runner = PluginRunner(
             self.service,
-            plugin_dir=root / "dp",
+            plugin_dir=self.root / "dp",
             socket_name="vramsched.sock",
             source=self.source,
             publish=self.published.append,
@@ -412,11 +420,17 @@ class Node:
         )
         self.thread = threading.Thread(target=self.runner.run, daemon=True)
         self.thread.start()
-        self.kubelet.wait_devices(gpus * replicas)
+        deadline = time.monotonic() + 10
+        while not self.runner.registrations and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.runner.registrations, "the plugin did not register"
+        self.kubelet.wait_devices(len(self.source.gpus()) * self.replicas)
 
-    def admit(self, p: dict[str, Any]) -> Any:
-        self.pods[f"ns/{p['metadata']['name']}"] = p
-        return self.kubelet.admit(p)
+    def restart_plugin(self) -> None:
+        """A new plugin process: a fresh service registers with the same kubelet."""
+        self.runner.stop()
+        self.thread.join(5)
+        self._plugin()
 
     def close(self) -> None:
         self.runner.stop()
@@ -512,3 +526,215 @@ def test_stopping_unpublishes(tmp_path):
     n.close()
     assert n.published[-1].registered is False
     assert not (tmp_path / "dp" / "vramsched.sock").exists()
+
+
+# ----- pods that ended, init containers, restarts ------------------------------------------------------
+
+
+def ended_pod(name: str, gpus: list[int] | None, phase: str) -> dict[str, Any]:
+    p = pod(name, gpus)
+    p["status"] = {"phase": phase}
+    return p
+
+
+@pytest.mark.parametrize("phase", ["Failed", "Succeeded"])
+def test_pods_that_ended_are_never_candidates(phase):
+    """Kubelets before 1.34 still list ended pods (KubeletPodResourcesListUseActivePods)."""
+    refused, stranger = ended_pod("refused", [5], phase), ended_pod("stranger", None, phase)
+    waiting = pod("waiting", [2])
+    listed = [kp("refused"), kp("stranger"), kp("waiting")]
+    got = identify(1, listed, index(refused, stranger, waiting), {}, GPU, NODE)
+    assert isinstance(got, Match) and got.pod == "ns/waiting" and got.slot.gpus == (2,)
+    # the same pods still Pending in the API: the plugin cannot tell, and says so
+    refused["status"]["phase"] = "Pending"
+    got = identify(1, listed[::2], index(refused, waiting), {}, GPU, NODE)
+    assert isinstance(got, Refusal) and got.ambiguous
+
+
+def admitted_status(p: dict[str, Any]) -> dict[str, Any]:
+    """What the kubelet writes once it admitted the pod and started its init container."""
+    init = [c["name"] for c in p["spec"]["initContainers"]]
+    p["status"] = {
+        "phase": "Pending",
+        "initContainerStatuses": [{"name": n, "state": {"running": {}}} for n in init],
+    }
+    return p
+
+
+def service_over(listed: list[KubeletPod], pods: dict[str, dict[str, Any]]) -> DevicePluginService:
+    return DevicePluginService(
+        node=NODE,
+        gpus=FakeGpus(NODE, 4, 1000).gpus(),
+        replicas=2,
+        strategies=("envvar",),
+        kubelet_pods=lambda: listed,
+        lookup=lambda keys: {k: pods[k] for k in keys if k in pods},
+    )
+
+
+def test_rebuild_knows_which_init_containers_were_served():
+    inits = [("warmup", 1, False)]
+    # admitted, GPU only in its init container: PodResources shows no device for it
+    only_init = admitted_status(pod("only-init", [1], containers=[("main", 0)], inits=inits))
+    # admitted, its app container holds devices
+    with_app = pod("with-app", [2], containers=[("main", 1)], inits=inits)
+    # listed, not admitted yet (no status): its Allocate calls are still to come
+    waiting = pod("waiting", [3], containers=[("main", 0)], inits=inits)
+    # refused earlier, still listed by an older kubelet
+    failed = ended_pod("failed", [0], "Failed")
+    failed["spec"]["initContainers"] = with_app["spec"]["initContainers"]
+    listed = [
+        kp("only-init", main=()),
+        kp("with-app", main=("x::0",)),
+        kp("waiting", main=()),
+        kp("failed", main=()),
+    ]
+    service = service_over(listed, index(only_init, with_app, waiting, failed))
+    assert service.rebuild() == 2
+    assert service.served_init == {
+        "uid-only-init": frozenset({"warmup"}),
+        "uid-with-app": frozenset({"warmup"}),
+    }
+    # so the next Allocate of one device is for the pod that waits, on its GPU
+    got, _ = service._identify(1, {})
+    assert isinstance(got, Match) and got.pod == "ns/waiting" and got.slot.gpus == (3,)
+
+
+@pytest.mark.parametrize(
+    "containers",
+    [[("main", 0)], [("main", 1)]],
+    ids=["gpu-only-in-init-container", "gpu-in-init-and-app-container"],
+)
+def test_after_a_plugin_restart_a_served_init_container_is_not_served_again(node, containers):
+    first = pod("first", [1], containers=containers, inits=[("warmup", 1, False)])
+    got = node.admit(first)
+    assert got.responses["warmup"].envs["VRAMSCHED_GPU_INDEX"] == "1"
+    admitted_status(first)  # the kubelet started it
+    node.restart_plugin()  # a new process: nothing remembered but what rebuild finds
+    assert node.service.served_init == {"uid-first": frozenset({"warmup"})}
+    # another pod on another GPU: without the rebuild, `first` would look like it waits for
+    # one device too, and the plugin would refuse both as ambiguous
+    got = node.admit(pod("second", [3]))
+    assert got.responses["main"].envs["VRAMSCHED_GPU_INDEX"] == "3"
+    assert node.service.metrics.allocations.labels("ambiguous")._value.get() == 0
+
+
+def test_served_init_containers_are_forgotten_when_the_kubelet_drops_the_pod(node):
+    first = pod("first", [1], containers=[("main", 0)], inits=[("warmup", 1, False)])
+    node.admit(first)
+    assert "uid-first" in node.service.served_init
+    node.admit(pod("second", [2]))
+    assert "uid-first" in node.service.served_init  # still listed: kept
+    node.kubelet.remove("ns/first")
+    node.admit(pod("third", [0]))
+    assert node.service.served_init == {}
+    # a new pod under the same name is a new pod
+    again = pod("first", [2], containers=[("main", 0)], inits=[("warmup", 1, False)], uid="u2")
+    got = node.admit(again)
+    assert got.responses["warmup"].envs["VRAMSCHED_GPU_INDEX"] == "2"
+    assert node.service.served_init == {"u2": frozenset({"warmup"})}
+
+
+# ----- the API client's paging and watch, as the plugin's pod informer uses them ----------------------
+
+
+class FakeApiServer:
+    """Answers GET /api/v1/pods in two pages, and a watch with two events; records queries."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlparse
+
+        self.queries: list[dict[str, list[str]]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
+                outer.queries.append(query)
+                if url.path != "/api/v1/pods":
+                    body: Any = {"kind": "Status", "reason": "NotFound", "message": "no"}
+                    code = 404
+                elif query.get("watch") == ["true"]:
+                    lines = b"".join(
+                        orjson.dumps({"type": t, "object": {"metadata": {"name": n}}}) + b"\n"
+                        for t, n in (("ADDED", "c"), ("DELETED", "a"))
+                    )
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(lines)))
+                    self.end_headers()
+                    self.wfile.write(lines)
+                    return
+                elif "continue" not in query:
+                    body = {"metadata": {"continue": "page2", "resourceVersion": "5"}}
+                    body["items"] = [{"metadata": {"name": "a"}}]
+                    code = 200
+                else:
+                    body = {"metadata": {"resourceVersion": "7"}}
+                    body["items"] = [{"metadata": {"name": "b"}}]
+                    code = 200
+                raw = orjson.dumps(body)
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def kubeconfig(self, path: Path) -> Path:
+        port = self.server.server_address[1]
+        path.write_text(
+            orjson.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            ).decode()
+        )
+        return path
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_node_informer_lists_in_pages_and_watches_its_node_only(tmp_path):
+    from extender.device_plugin.pods import NodeApi
+    from extender.live.api_client import ApiError, ClientApi
+
+    server = FakeApiServer()
+    try:
+        client = ClientApi(str(server.kubeconfig(tmp_path / "kc")))
+        api = NodeApi(client, NODE)
+        items, version = api.list("pods")
+        assert [i["metadata"]["name"] for i in items] == ["a", "b"] and version == "7"
+        first, second = server.queries
+        assert first["fieldSelector"] == second["fieldSelector"] == [f"spec.nodeName={NODE}"]
+        assert "continue" not in first and second["continue"] == ["page2"]
+        assert first["limit"] == ["500"]
+        events = list(api.watch("pods", version, 5))
+        assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [
+            ("ADDED", "c"),
+            ("DELETED", "a"),
+        ]
+        watch = server.queries[-1]
+        assert watch["watch"] == ["true"] and watch["resourceVersion"] == ["7"]
+        assert watch["fieldSelector"] == [f"spec.nodeName={NODE}"]
+        # the extender's own informers: the same calls, without a selector
+        assert client.list("pods")[1] == "7" and "fieldSelector" not in server.queries[-1]
+        with pytest.raises(ApiError) as err:
+            list(client.watch_stream("/api/v1/nodes", "1", 5))
+        assert err.value.status == 404
+    finally:
+        server.close()

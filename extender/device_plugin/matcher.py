@@ -15,6 +15,10 @@ One candidate (or several carrying the same GPUs) is the answer: exactly the GPU
 events (`UnexpectedAdmissionError`): no candidate, candidates with different GPUs, a pod vramsched
 did not place, an assignment for another node, a GPU that is unhealthy or unknown. Never a guess.
 
+Kubelets before 1.34 (or with the KubeletPodResourcesListUseActivePods gate off) also list pods
+that ended, Failed ones among them, with no devices: a pod whose API phase is Failed or Succeeded
+waits for nothing and is never a candidate (`ENDED`).
+
 Non-restartable init containers are not in PodResources `List`; the plugin remembers the ones it
 served (`served_init`). Their devices are the pod's first GPUs (the kubelet hands an init
 container's devices on to the app containers); app containers take consecutive slices of the
@@ -43,7 +47,12 @@ __all__ = [
     "replica_id",
     "gpu_of",
     "gpu_limit",
+    "ended",
+    "admitted",
 ]
+
+#: API phases of pods the kubelet will never allocate devices for again
+ENDED = frozenset({"Failed", "Succeeded"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,23 @@ class Refusal:
 
     reason: str
     ambiguous: bool = False
+
+
+def ended(pod: Mapping[str, Any]) -> bool:
+    """The pod's API phase says it ended (older kubelets still list such pods)."""
+    return (pod.get("status") or {}).get("phase") in ENDED
+
+
+def admitted(pod: Mapping[str, Any]) -> bool:
+    """The API shows the kubelet admitted the pod, and so allocated all its devices: it wrote
+    container statuses, or a phase past Pending. The kubelet writes a pod's first status only
+    after admission (a refused pod gets Failed)."""
+    status = pod.get("status") or {}
+    return bool(
+        status.get("initContainerStatuses")
+        or status.get("containerStatuses")
+        or status.get("phase") in ("Running", *ENDED)
+    )
 
 
 def gpu_limit(container: Mapping[str, Any], resource: str) -> int:
@@ -189,15 +215,16 @@ def identify(
 ) -> Match | Refusal:
     """The pod and container an Allocate of `count` devices is for (module docstring).
 
-    `pods`: the API's pods by namespace/name (every pod the kubelet lists must be there; the
-    caller reads missing ones first); `served_init`: per pod UID, the init containers already
-    allocated."""
+    `kubelet_pods` name pods by namespace/name only (PodResources v1 carries no UID); `pods`:
+    the API's pods by namespace/name (every pod the kubelet lists must be there; the caller
+    reads missing ones first), which give the UID; `served_init`: per pod UID, the init
+    containers already allocated. Pods whose API phase is Failed or Succeeded are skipped."""
     candidates: list[Match] = []
     refusals: list[str] = []
     waiting: list[str] = []
     for kp in kubelet_pods:
         pod = pods.get(kp.key)
-        if pod is None:
+        if pod is None or ended(pod):
             continue
         slots = slots_of(pod, resource, node)
         if not slots:

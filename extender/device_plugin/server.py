@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,9 @@ from extender.device_plugin.matcher import (
     Match,
     Refusal,
     SlotCache,
+    admitted,
     container_slots,
+    ended,
     gpu_of,
     identify,
     preferred_devices,
@@ -110,6 +112,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._known = frozenset(i for i, _ in self._device_ids())
         #: pod UID -> non-restartable init containers served (PodResources does not list them)
         self.served_init: dict[str, frozenset[str]] = {}
+        self._served_pod: dict[str, str] = {}  # pod UID -> namespace/name, to prune by
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 0
@@ -217,6 +220,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             kubelet_pods = [_with_taken(kp, taken.get(kp.key)) for kp in kubelet_pods]
         pods = self.lookup([kp.key for kp in kubelet_pods])
         with self._lock:
+            self._prune_served(kubelet_pods, pods)
             served = dict(self.served_init)
         return (
             identify(count, kubelet_pods, pods, served, self.resource, self.node, self._slots),
@@ -249,6 +253,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 self.served_init[decision.uid] = self.served_init.get(decision.uid, frozenset()) | {
                     slot.container
                 }
+                self._served_pod[decision.uid] = decision.pod
         taken.setdefault(decision.pod, set()).add(slot.container)
         uuids = [self.gpus[i].uuid for i in slot.gpus]
         spec = container_spec(self.strategies, uuids, slot.gpus, str(uuid.uuid4()))
@@ -274,31 +279,55 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             cdi_devices=[dp.CDIDevice(name=n) for n in spec.cdi_devices],
         )
 
+    def _prune_served(
+        self, kubelet_pods: Iterable[KubeletPod], pods: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """Forget the init containers of pods the kubelet no longer lists (it lists every pod it
+        holds, the one being admitted included), or whose name now belongs to another pod (a
+        new UID). The kubelet's list decides, not the API: an API outage forgets nothing.
+        Call under the lock."""
+        if not self.served_init:
+            return
+        listed = {kp.key for kp in kubelet_pods}
+        for uid, key in list(self._served_pod.items()):
+            pod = pods.get(key)
+            if key not in listed or (pod is not None and _uid(pod) != uid):
+                self.served_init.pop(uid, None)
+                del self._served_pod[uid]
+
     def rebuild(self) -> int:
-        """After a (re)start or re-registration: every plain init container of a pod whose other
-        containers hold devices was served (the kubelet allocates init containers first).
-        Returns how many pods the kubelet holds with our devices."""
+        """After a (re)start or re-registration, which init containers were served: PodResources
+        does not list plain init containers, so a pod the kubelet lists has had its init
+        containers allocated when its other containers hold devices, or when the API shows the
+        kubelet admitted it (a pod whose only GPU container is an init container holds no
+        listed device). Returns how many listed pods were admitted with our devices."""
         try:
             kubelet_pods = self.kubelet_pods()
         except grpc.RpcError as exc:
             log.warning("cannot read PodResources to rebuild the record: %s", _code(exc))
             return 0
-        holding = [kp for kp in kubelet_pods if any(kp.devices.values())]
-        pods = self.lookup([kp.key for kp in holding])
+        pods = self.lookup([kp.key for kp in kubelet_pods])
         served: dict[str, frozenset[str]] = {}
-        for kp in holding:
+        served_pod: dict[str, str] = {}
+        held = 0
+        for kp in kubelet_pods:
             pod = pods.get(kp.key)
-            if pod is None:
+            if pod is None or ended(pod):
                 continue
             slots = container_slots(pod, self.resource, self.node)
-            if isinstance(slots, Refusal):
+            if not slots or isinstance(slots, Refusal):
                 continue
+            if not (any(kp.devices.values()) or admitted(pod)):
+                continue  # not admitted yet: its Allocate calls are still to come
+            held += 1
             inits = frozenset(s.container for s in slots if s.init)
             if inits:
-                served[str((pod.get("metadata") or {}).get("uid") or "")] = inits
+                served[_uid(pod)] = inits
+                served_pod[_uid(pod)] = kp.key
         with self._lock:
             self.served_init = served
-        return len(holding)
+            self._served_pod = served_pod
+        return held
 
     def state(self, registered: bool) -> PluginState:
         with self._lock:
@@ -319,6 +348,10 @@ def _with_taken(kp: KubeletPod, containers: set[str] | None) -> KubeletPod:
     for c in containers:
         devices[c] = devices.get(c) or ("(this request)",)
     return KubeletPod(kp.namespace, kp.name, devices)
+
+
+def _uid(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid") or "")
 
 
 def _code(exc: grpc.RpcError) -> str:
@@ -391,6 +424,9 @@ class PluginRunner:
             self._server = None
 
     def _register(self) -> bool:
+        # the record first: once registered, the kubelet may call Allocate at once, and an init
+        # container served before the restart would look like one still waiting
+        held = self.service.rebuild()
         try:
             register(self.plugin_dir, self.socket.name, self.service.resource)
         except grpc.RpcError as exc:
@@ -400,7 +436,6 @@ class PluginRunner:
         self.registered = True
         self.registrations += 1
         self.service.metrics.registered.set(1)
-        held = self.service.rebuild()
         log.info(
             "registered with the kubelet",
             extra={

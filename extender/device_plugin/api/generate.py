@@ -1,6 +1,6 @@
 """Regenerate the Python gRPC stubs of the kubelet APIs from the .proto files beside this module.
 
-`make protos` runs `python -m extender.device_plugin.api.generate`; `tests/test_device_plugin_api.py`
+`make protos` runs `python -m extender.device_plugin.api.generate`; `tests/test_device_plugin.py`
 regenerates into a temporary folder and fails when the committed stubs differ (someone edited a
 .proto, or the pinned grpcio-tools changed). To take a newer upstream file (Kubernetes
 `staging/src/k8s.io/kubelet/pkg/apis/{deviceplugin/v1beta1,podresources/v1}/api.proto`):
