@@ -528,22 +528,15 @@ def check_invariant(ledger: Ledger, live_pods: Iterable[str] | None = None) -> l
         out.append(
             Violation("derived totals disagree with reservations", f"{d.node}/GPU {d.device_id}")
         )
-    for i in np.flatnonzero(used > a.capacity).tolist():
-        d = a.devices[i]
-        out.append(
-            Violation(
-                f"VRAM oversubscribed: {int(used[i])} > {int(a.capacity[i])}",
-                f"{d.node}/GPU {d.device_id}",
+    for what, held, limit in (("VRAM", used, a.capacity), ("replicas", used_replicas, a.replicas)):
+        for i in np.flatnonzero(held > limit).tolist():
+            d = a.devices[i]
+            out.append(
+                Violation(
+                    f"{what} oversubscribed: {int(held[i])} > {int(limit[i])}",
+                    f"{d.node}/GPU {d.device_id}",
+                )
             )
-        )
-    for i in np.flatnonzero(used_replicas > a.replicas).tolist():
-        d = a.devices[i]
-        out.append(
-            Violation(
-                f"replicas oversubscribed: {int(used_replicas[i])} > {int(a.replicas[i])}",
-                f"{d.node}/GPU {d.device_id}",
-            )
-        )
     for rid, name in {rid: name for name, rid in a.resources.items()}.items():
         if rid in ledger._summaries:  # the invariant checks derived state too
             for r in ledger.summary(rid).same_as(summary_of(a, rid)).tolist():

@@ -172,37 +172,19 @@ def _filter_plugin(
     short = rows[~room]
     if not len(short):
         return True
+    n_ok = np.zeros(n, np.int64)
+    by_largest: tuple[np.ndarray | None, np.ndarray] | None = None
+    by_summary: tuple[np.ndarray, np.ndarray] | None = None
     if one:
         assert largest is not None  # set above when `one`
-        explain(
-            ledger,
-            fit,
-            demand,
-            short,
-            out,
-            np.zeros(n, np.int64),
-            rows,
-            (None, largest),
-            books_short=True,
-        )
+        by_largest = (None, largest)
     else:  # as `_filter_summary` explains
-        n_ok = np.zeros(n, np.int64)
         open_ = short[ok[short]]
         n_ok[open_] = (
             row_counts(top[open_] >= need_at[open_, None]) * every[open_]
         )  # devices the bound admits
-        explain(
-            ledger,
-            fit,
-            demand,
-            short,
-            out,
-            n_ok,
-            rows,
-            None,
-            (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1)),
-            books_short=True,
-        )
+        by_summary = (np.where(ok, summary.slots, 0), np.where(ok, summary.largest, -1))
+    explain(ledger, fit, demand, short, out, n_ok, rows, by_largest, by_summary, books_short=True)
     return True
 
 
