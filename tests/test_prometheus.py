@@ -30,6 +30,9 @@ import pytest
 import yaml
 from demo_server import ROOT, DemoServer, free_port, gpu_pod
 
+# starts vramsched and Prometheus as processes: `make unit` leaves it out, `make test` runs it
+pytestmark = pytest.mark.integration
+
 DASHBOARD = ROOT / "deploy" / "grafana" / "vramsched.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "rules.test.yaml"
@@ -85,6 +88,13 @@ def substitute(expr: str) -> str:
         expr = expr.replace(var, value)
     assert "$" not in expr.replace("$1", ""), f"unknown Grafana variable in {expr}"
     return expr
+
+
+def _scrapes(prom: Prometheus) -> float:
+    """How many scrapes of the job the last minute holds (0 before the first one): a number,
+    since PromQL answers values as strings and "10" < "5" as strings."""
+    result = prom.query('count_over_time(up{job="vramsched"}[1m])')
+    return float(result[0]["value"][1]) if len(result) == 1 else 0.0
 
 
 class Prometheus:
@@ -183,10 +193,7 @@ def stack() -> Iterator[tuple[Prometheus, DemoServer]]:
         threading.Thread(target=traffic, daemon=True).start()
         prom = Prometheus(workdir, f"127.0.0.1:{server.port}")
         prom.wait(
-            lambda: (
-                len(prom.query('count_over_time(up{job="vramsched"}[1m])')) == 1
-                and prom.query('count_over_time(up{job="vramsched"}[1m])')[0]["value"][1] >= "5"
-            ),
+            lambda: _scrapes(prom) >= 5,
             "five scrapes",
         )
         yield prom, server
