@@ -1,11 +1,21 @@
-"""Trace packing benchmark: every policy on the Alibaba GPU-sharing trace (../shared/traces).
+"""Trace packing benchmark: every policy on the Alibaba GPU-sharing trace.
 
-    .venv/bin/python benchmarks/trace_packing.py                       # all pod lists, inflate 1.3 and none
+    .venv/bin/python benchmarks/trace_packing.py                       # every pod list, inflate 1.3 and none
     .venv/bin/python benchmarks/trace_packing.py --lists default --inflate 1.3
+    .venv/bin/python benchmarks/trace_packing.py --inflate 1.3 --budgets  # + planner+repack by move budget
+
+The trace is not in this repository: download `openb_node_list_gpu_node.csv` and the
+`openb_pod_list_*.csv` files from the public alibaba/clusterdata repository, folder
+cluster-trace-gpu-v2023/csv, into one directory and set VRAMSCHED_TRACES to it (default: a
+shared/traces directory beside the repository checkout). Every pod list found there is run
+unless --lists names some.
 
 Each run is what `vramsched simulate --nodes <node list> --pods <pod list> --inflate F --json`
-prints for the same inputs (same code path). Results, margins of the planner over every
-baseline, and the command line go to benchmarks/results/trace_packing.json.
+prints for the same inputs (same code path). Results, margins of the planner (and of
+planner+repack) over every baseline, the bounds on GPU memory allocated (runs without churn)
+and the command line go to benchmarks/results/trace_packing.json; a summary table per list and
+per policy (allocated % of capacity, pods failed, moves, margin over the best baseline) is
+printed at the end, and by --summary from an existing file.
 """
 
 from __future__ import annotations
@@ -25,7 +35,11 @@ sys.path.insert(0, str(ROOT))
 from extender.planner.capacity import Workload
 from extender.simulate.engine import (
     ALL_POLICIES,
+    MOVE_BUDGET,
+    REPACK_TIME_LIMIT,
     all_fit_line,
+    allocation_bounds,
+    bound_line,
     overcommit_text,
     run_policy,
     while_all_fit,
@@ -33,14 +47,34 @@ from extender.simulate.engine import (
 from extender.simulate.trace import inflate, read_inputs
 
 TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "traces"))
-LISTS = ["default", "gpushare40", "gpuspec10"]
+NODE_LIST = "openb_node_list_gpu_node.csv"
+#: the baselines the planner's margin is taken over (spread is left out: it overcommits VRAM)
+BASELINES = ("best-fit", "first-fit", "fgd", "hot-path")
+#: ours: the policies whose margins are reported
+OURS = ("planner", "planner+repack")
+#: the move budgets --budgets replays planner+repack with, when it names none
+BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.05)
+GPU_MIB = 1000 * 2**20
+
+
+def trace_lists() -> list[str]:
+    """Every pod list in the traces directory (`openb_pod_list_<name>.csv` -> name), sorted; a
+    missing directory or node list is an error that says where to get the trace."""
+    if not (TRACES / NODE_LIST).is_file():
+        raise SystemExit(
+            f"trace_packing: no {NODE_LIST} in {TRACES}. Download the node list and the "
+            "openb_pod_list_*.csv files from the public alibaba/clusterdata repository, folder "
+            "cluster-trace-gpu-v2023/csv, into one directory and set VRAMSCHED_TRACES to it."
+        )
+    found = sorted(p.name[len("openb_pod_list_") : -4] for p in TRACES.glob("openb_pod_list_*.csv"))
+    if not found:
+        raise SystemExit(f"trace_packing: no openb_pod_list_*.csv in {TRACES}")
+    return found
 
 
 def load(pod_list: str, factor: float, shuffle: int | None = None):
     """(nodes, tasks, bound pods, GPU count, workload of the list before inflation) of a replay."""
-    nodes, tasks, bound = read_inputs(
-        TRACES / "openb_node_list_gpu_node.csv", TRACES / f"openb_pod_list_{pod_list}.csv"
-    )
+    nodes, tasks, bound = read_inputs(TRACES / NODE_LIST, TRACES / f"openb_pod_list_{pod_list}.csv")
     if shuffle is not None:
         # another node order: every policy's lowest-index tie-break lands elsewhere (a robustness check)
         random.Random(shuffle).shuffle(nodes)
@@ -51,6 +85,36 @@ def load(pod_list: str, factor: float, shuffle: int | None = None):
     return nodes, tasks, bound, gpus, workload
 
 
+def margins(policies: dict, ours: str) -> dict:
+    """`ours` minus every other policy: GPU memory (GPUs of 1000 MiB, % of theirs, points of
+    capacity), GPUs fully free, usable free GPUs, pods placed."""
+    pl = policies[ours]
+    return {
+        p: {
+            "allocatedGpus": round(
+                (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"]) / GPU_MIB, 2
+            ),
+            "allocatedPct": round(
+                100
+                * (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"])
+                / max(1, r["allocatedMemoryBytes"]),
+                3,
+            ),
+            "allocatedPoints": round(
+                100
+                * (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"])
+                / max(1, r["capacityMemoryBytes"]),
+                3,
+            ),
+            "gpusFree": pl["gpusFree"] - r["gpusFree"],
+            "gpusFreeUsable": round(pl["gpusFreeUsable"] - r["gpusFreeUsable"], 2),
+            "placed": pl["placed"] - r["placed"],
+        }
+        for p, r in policies.items()
+        if p != ours
+    }
+
+
 def run(
     pod_list: str,
     factor: float,
@@ -59,6 +123,9 @@ def run(
     churn: bool,
     accept: str | None = None,
     shuffle: int | None = None,
+    move_budget: float = MOVE_BUDGET,
+    repack_time_limit: float = REPACK_TIME_LIMIT,
+    budgets: list[float] | None = None,
 ) -> dict:
     nodes, tasks, bound, gpus, workload = load(pod_list, factor, shuffle)
     out = {
@@ -71,6 +138,8 @@ def run(
     }
     if shuffle is not None:
         out["shuffleNodes"] = shuffle
+    if "planner+repack" in policies:
+        out["moveBudget"] = move_budget
     results = []
     for p in policies:
         r = run_policy(
@@ -82,15 +151,22 @@ def run(
             workload=workload,
             time_limit=time_limit,
             accept=accept,
+            move_budget=move_budget,
+            repack_time_limit=repack_time_limit,
         )
         results.append(r)
         out["policies"][p] = r.to_json()
         print(
-            f"  {pod_list} inflate={factor} churn={churn} {p}: placed {r.placed} alloc {r.allocatedMemoryBytes / 2**20 / 1000:.2f} GPUs "
+            f"  {pod_list} inflate={factor} churn={churn} {p}: placed {r.placed} alloc {r.allocatedMemoryBytes / GPU_MIB:.2f} GPUs "
             f"free {r.gpusFree} over {r.overcommittedGpus} {r.seconds:.1f}s"
             + (
                 f" solver {r.solverRuns}/{r.solverBatches} improved {r.solverImproved}"
-                if p == "planner"
+                if p in OURS
+                else ""
+            )
+            + (
+                f" moves {r.moves} searches {r.repackSearches} repacked {r.repackPlaced}"
+                if p == "planner+repack"
                 else ""
             ),
             flush=True,
@@ -101,31 +177,49 @@ def run(
         out["whileAllFit"] = (
             all_fit if churn else {**all_fit, "curve": free_curve(results, all_fit)}
         )
-    pl = out["policies"].get("planner")
-    if pl:
-        out["planner margins"] = {
-            p: {
-                "allocatedGpus": round(
-                    (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"]) / (1000 * 2**20), 2
-                ),
-                "allocatedPct": round(
-                    100
-                    * (pl["allocatedMemoryBytes"] - r["allocatedMemoryBytes"])
-                    / max(1, r["allocatedMemoryBytes"]),
-                    3,
-                ),
-                "gpusFree": pl["gpusFree"] - r["gpusFree"],
-                "gpusFreeUsable": round(pl["gpusFreeUsable"] - r["gpusFreeUsable"], 2),
-                "placed": pl["placed"] - r["placed"],
-            }
-            for p, r in out["policies"].items()
-            if p != "planner"
-        }
-        if all_fit:
-            free = all_fit["gpusFree"]
-            for p, m in out["planner margins"].items():
-                if p in free:  # not spread: it overcommits
-                    m["gpusFreeWhileAllFit"] = free["planner"] - free[p]
+    for ours in OURS:
+        if ours in out["policies"]:
+            key = "planner margins" if ours == "planner" else f"{ours} margins"
+            out[key] = margins(out["policies"], ours)
+            if all_fit and ours in all_fit["gpusFree"]:
+                free = all_fit["gpusFree"]
+                for p, m in out[key].items():
+                    if p in free:  # not spread: it overcommits
+                        m["gpusFreeWhileAllFit"] = free[ours] - free[p]
+    if not churn:
+        out["bound"] = allocation_bounds(nodes, bound, tasks, results)
+        print(f"  {pod_list} inflate={factor}: {bound_line(out['bound'])}", flush=True)
+    if budgets and not churn:
+        out["budgetCurve"] = []
+        for b in budgets:
+            r = run_policy(
+                "planner+repack",
+                nodes,
+                tasks,
+                bound,
+                workload=workload,
+                time_limit=time_limit,
+                accept=accept,
+                move_budget=b,
+                repack_time_limit=repack_time_limit,
+            )
+            out["budgetCurve"].append(
+                {
+                    "moveBudget": b,
+                    "allocatedMemoryBytes": r.allocatedMemoryBytes,
+                    "allocatedPct": round(100 * r.allocatedMemoryBytes / r.capacityMemoryBytes, 3),
+                    "placed": r.placed,
+                    "moves": r.moves,
+                    "repackPlaced": r.repackPlaced,
+                    "repackSearches": r.repackSearches,
+                    "seconds": round(r.seconds, 1),
+                }
+            )
+            print(
+                f"  {pod_list} inflate={factor} planner+repack budget {b:g}: "
+                f"{out['budgetCurve'][-1]['allocatedPct']:.3f}% moves {r.moves} {r.seconds:.1f}s",
+                flush=True,
+            )
     return out
 
 
@@ -142,37 +236,139 @@ def free_curve(results, all_fit: dict, points: int = 40) -> dict:
     }
 
 
-def markdown(body: dict) -> str:
-    lines = []
+def _pct(r: dict) -> float:
+    return 100 * r["allocatedMemoryBytes"] / max(1, r["capacityMemoryBytes"])
+
+
+def best_baseline(run: dict) -> tuple[str, float] | None:
+    """The baseline that allocated the most GPU memory in a run, and its % of capacity."""
+    base = [(p, _pct(r)) for p, r in run["policies"].items() if p in BASELINES]
+    return max(base, key=lambda t: t[1]) if base else None
+
+
+def run_title(run: dict) -> str:
+    return f"{run['podList']}, inflate {run['inflate'] or 'none'}" + (
+        ", churn" if run["churn"] else ""
+    )
+
+
+def summary_rows(body: dict) -> list[list[str]]:
+    """Per run and per policy: allocated %, pods failed, moves, and for ours the margin over the
+    best baseline (points of GPU memory capacity); the bound on runs without churn."""
+    rows = []
     for run in body["runs"]:
-        title = f"{run['podList']}, inflate {run['inflate'] or 'none'}" + (
-            ", churn" if run["churn"] else ""
-        )
+        best = best_baseline(run)
+        b = run.get("bound") or {}
+        first = b.get("fromFirstFailure")
+        for p, r in run["policies"].items():
+            margin = ""
+            if p in OURS and best:
+                margin = f"{_pct(r) - best[1]:+.2f} ({best[0]})"
+            bound = ""
+            if p == "planner+repack" and first:
+                bound = f"{first['pct']:.2f}"
+            elif p == "planner+repack" and b:
+                bound = f"{b['anyPolicyPct']:.2f}"
+            rows.append(
+                [
+                    run["podList"],
+                    f"{run['inflate'] or 'none'}" + (" churn" if run["churn"] else ""),
+                    p,
+                    f"{_pct(r):.2f}",
+                    str(r["failed"]),
+                    str(r.get("moves", 0)),
+                    margin,
+                    bound,
+                ]
+            )
+    return rows
+
+
+SUMMARY_HEAD = [
+    "pod list",
+    "inflate",
+    "policy",
+    "allocated %",
+    "failed",
+    "moves",
+    "margin over best baseline (points)",
+    "bound %",
+]
+
+
+def summary(body: dict) -> str:
+    """The summary as a plain table (what `make bench-packing` prints)."""
+    rows = summary_rows(body)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(SUMMARY_HEAD)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(SUMMARY_HEAD, widths))]
+    last = None
+    for r in rows:
+        shown = list(r)
+        if last is not None and r[:2] == last[:2]:
+            shown[0] = shown[1] = ""
+        last = r
+        lines.append("  ".join(c.ljust(w) for c, w in zip(shown, widths)).rstrip())
+    lines += [
+        "",
+        "allocated %: GPU memory allocated at the end, % of the cluster's; margin: ours minus the "
+        f"best of {', '.join(BASELINES)}; moves: pods moved by repacking",
+        "bound %: no policy that places like the planner until a GPU pod first fits nowhere "
+        "(planner+repack at any move budget) allocates more, whatever it moves",
+    ]
+    return "\n".join(lines)
+
+
+def summary_markdown(body: dict) -> str:
+    rows = summary_rows(body)
+    out = [
+        "| " + " | ".join(SUMMARY_HEAD) + " |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def markdown(body: dict) -> str:
+    lines = ["**Summary**", "", summary_markdown(body), ""]
+    for run in body["runs"]:
         lines += [
-            f"**{title}** ({run['tasks']} tasks, {run['gpus']} GPUs)",
+            f"**{run_title(run)}** ({run['tasks']} tasks, {run['gpus']} GPUs)",
             "",
-            "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | usable free | frag. rate | overcommitted GPUs (peak) | seconds |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| policy | placed | failed | GPU memory allocated (GPUs) | GPUs in use | GPUs fully free | mean free | usable free | frag. rate | overcommitted GPUs (peak) | moves | seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, r in run["policies"].items():
             lines.append(
-                f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / (1000 * 2**20):.2f} | {r['gpusInUse']} | "
+                f"| {name} | {r['placed']} | {r['failed']} | {r['allocatedMemoryBytes'] / GPU_MIB:.2f} | {r['gpusInUse']} | "
                 f"{r['gpusFree']} | {r['gpusFreeMean']:.0f} | {r.get('gpusFreeUsable', float('nan')):.2f} | {r['fragmentationRate']:.3f} | "
                 f"{overcommit_text(r['overcommittedGpus'], r.get('overcommittedGpusPeak', r['overcommittedGpus']))} | "
-                f"{r['seconds']:.1f} |"
+                f"{r.get('moves', 0)} | {r['seconds']:.1f} |"
             )
         fit = run.get("whileAllFit")
         if fit:
             lines += ["", all_fit_line(fit)]
-        m = run.get("planner margins")
-        if m:
+        if run.get("bound"):
+            lines += ["", bound_line(run["bound"])]
+        for ours in OURS:
+            m = run.get("planner margins" if ours == "planner" else f"{ours} margins")
+            if m:
+                lines += [
+                    "",
+                    f"{ours} minus baseline: "
+                    + "; ".join(
+                        f"{p}: {v['allocatedGpus']:+.2f} GPUs of memory ({v['allocatedPct']:+.3f}%), {v['gpusFree']:+d} free GPUs "
+                        f"({v.get('gpusFreeUsable', float('nan')):+.2f} usable), {v['placed']:+d} pods"
+                        for p, v in m.items()
+                    ),
+                ]
+        curve = run.get("budgetCurve")
+        if curve:
             lines += [
                 "",
-                "planner minus baseline: "
-                + "; ".join(
-                    f"{p}: {v['allocatedGpus']:+.2f} GPUs of memory ({v['allocatedPct']:+.3f}%), {v['gpusFree']:+d} free GPUs "
-                    f"({v.get('gpusFreeUsable', float('nan')):+.2f} usable), {v['placed']:+d} pods"
-                    for p, v in m.items()
+                "planner+repack by move budget: "
+                + ", ".join(
+                    f"{c['moveBudget']:.1%}: {c['allocatedPct']:.2f}% ({c['moves']} moves)"
+                    for c in curve
                 ),
             ]
         lines.append("")
@@ -183,7 +379,7 @@ def plots(body: dict, where: Path) -> None:
     from dataclasses import fields
 
     from extender.simulate.engine import PolicyResult
-    from extender.simulate.plot import plot_free_curve, plot_results
+    from extender.simulate.plot import plot_budget_curves, plot_free_curve, plot_results
 
     known = {f.name for f in fields(PolicyResult)}
     for run in body["runs"]:
@@ -207,13 +403,26 @@ def plots(body: dict, where: Path) -> None:
             + (", churn" if run["churn"] else "")
             + f" ({run['tasks']} tasks, {run['gpus']} GPUs)",
         )
+    curves = {}
+    for run in body["runs"]:
+        if run.get("budgetCurve"):
+            fgd = run["policies"].get("fgd")
+            curves[run_title(run)] = {
+                "budgetCurve": run["budgetCurve"],
+                "fgdPct": _pct(fgd) if fgd else None,
+                "bound": run.get("bound"),
+            }
+    if curves:
+        plot_budget_curves(curves, where / "trace_packing_budget.png", title="Alibaba trace")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--lists", nargs="*", default=LISTS)
+    ap.add_argument(
+        "--lists", nargs="*", default=None, help="pod lists (default: every one in the traces)"
+    )
     ap.add_argument("--inflate", type=float, nargs="*", default=[1.3, 0.0])
     ap.add_argument(
         "--churn", action="store_true", help="also run every list without inflation with churn"
@@ -229,6 +438,26 @@ def main() -> int:
         help="planner: goals on which a solver plan must beat FGD's sequential plan (default: extender.planner.model.ACCEPT)",
     )
     ap.add_argument(
+        "--move-budget",
+        type=float,
+        default=MOVE_BUDGET,
+        help=f"planner+repack: moves as a fraction of pods placed (default {MOVE_BUDGET})",
+    )
+    ap.add_argument(
+        "--repack-time-limit",
+        type=float,
+        default=REPACK_TIME_LIMIT,
+        help=f"planner+repack: seconds per repack search (default {REPACK_TIME_LIMIT:g})",
+    )
+    ap.add_argument(
+        "--budgets",
+        type=float,
+        nargs="*",
+        default=None,
+        help="also replay planner+repack at these move budgets on every run without churn "
+        f"(no value: {' '.join(f'{b:g}' for b in BUDGETS)}); --plots draws them",
+    )
+    ap.add_argument(
         "--shuffle-nodes",
         type=int,
         default=None,
@@ -242,44 +471,50 @@ def main() -> int:
         help="print the tables of an existing --out file and exit",
     )
     ap.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the summary table of an existing --out file and exit",
+    )
+    ap.add_argument(
         "--plots",
         action="store_true",
-        help="draw one PNG per run of an existing --out file and exit",
+        help="draw one PNG per run of an existing --out file (and the budget curves) and exit",
     )
     args = ap.parse_args()
     if args.markdown:
         print(markdown(json.loads(Path(args.out).read_text())))
         return 0
+    if args.summary:
+        print(summary(json.loads(Path(args.out).read_text())))
+        return 0
     if args.plots:
         plots(json.loads(Path(args.out).read_text()), Path(args.out).parent)
         return 0
+    lists = args.lists if args.lists else trace_lists()
+    budgets = None if args.budgets is None else (args.budgets or list(BUDGETS))
     started = time.time()
     runs = []
-    for pod_list in args.lists:
-        for f in args.inflate:
-            runs.append(
-                run(
-                    pod_list,
-                    f,
-                    args.policies,
-                    args.time_limit,
-                    False,
-                    args.accept,
-                    args.shuffle_nodes,
+    for pod_list in lists:
+        todo = [(f, False) for f in args.inflate] + ([(0.0, True)] if args.churn else [])
+        for f, churn in todo:
+            try:
+                runs.append(
+                    run(
+                        pod_list,
+                        f,
+                        args.policies,
+                        args.time_limit,
+                        churn,
+                        args.accept,
+                        args.shuffle_nodes,
+                        args.move_budget,
+                        args.repack_time_limit,
+                        budgets if f > 0 else None,
+                    )
                 )
-            )
-        if args.churn:
-            runs.append(
-                run(
-                    pod_list,
-                    0.0,
-                    args.policies,
-                    args.time_limit,
-                    True,
-                    args.accept,
-                    args.shuffle_nodes,
-                )
-            )
+            except (OSError, KeyError, ValueError) as exc:
+                print(f"trace_packing: cannot replay {pod_list}: {exc}", file=sys.stderr)
+                break
     body = {
         "command": " ".join(["benchmarks/trace_packing.py", *sys.argv[1:]]),
         "machine": platform.platform(),
@@ -289,6 +524,8 @@ def main() -> int:
         "runs": runs,
     }
     Path(args.out).write_text(json.dumps(body, indent=2) + "\n")
+    print()
+    print(summary(body))
     return 0
 
 

@@ -272,7 +272,8 @@ def test_a_whole_gpu_pod_gets_a_gpu_emptied_by_one_move():
     plan = plan_repack(cap, pod, running, num_workers=1)
     assert plan is not None and len(plan.moves) == 1 and plan.optimal
     (mv,) = plan.moves
-    assert mv.target.node == "n1"  # the only GPU with room for 50 GiB
+    # c (20 GiB) joins a or b, rather than a or b (50 GiB) joining c: the least memory moves
+    assert mv.pod.name == "c" and mv.target.node == "n0"
     assert_plan_is_sound(cap, plan, running)
 
 
@@ -342,9 +343,12 @@ def test_apply_plan_is_all_or_nothing():
     plan = plan_repack(cap, demand("big", 80), running, num_workers=1)
     assert plan is not None and len(plan.moves) == 1
     # someone takes the moved pod's target first: the plan must not half-happen
-    thief = demand("thief", 40)
     target = plan.moves[0].target
-    cap.apply(thief, Reservation(thief.pod, target.node, target.device_ids, (40 * GIB,)), 1)
+    r = cap.ledger.row(target.node, target.device_ids[0])
+    left = int(cap.arrays.capacity[r] - cap.arrays.used[r])
+    thief = Demand(PodRef("default", "thief"), 1, left)
+    node = cap.ledger.node_row(target.node)
+    cap.apply(thief, Reservation(thief.pod, target.node, target.device_ids, (left,)), node)
     before = ledger_state(cap)
     with pytest.raises(LedgerError):
         apply_plan(cap, plan)

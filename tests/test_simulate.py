@@ -418,3 +418,165 @@ async def test_hot_path_policy_places_each_pod_where_the_server_binds_it():
     assert {served[f"p{i}"][0] for i in range(3)} == {
         "n0"
     }  # and it packs: 30 + 60 + 10Gi on the first node
+
+
+# ----- planner+repack and the allocation bound ------------------------------------------------
+
+# two nodes of two 1000-MiB GPUs and 16 cores; the 2-GPU pod p3 finds no node with both GPUs
+# free after the planner spread p0-p2 by CPU, and one move makes one (found by a seeded search)
+REPACK_NODES = ["n0,16000,65536,2,T4", "n1,16000,65536,2,T4"]
+REPACK_PODS = [
+    task("p0", 1, 200, 0, cpu=8000),
+    task("p1", 1, 300, 1, cpu=4000),
+    task("p2", 1, 200, 2, cpu=4000),
+    task("p3", 2, 0, 3, cpu=8000),
+    task("p4", 1, 700, 4, cpu=4000),
+]
+
+
+def test_planner_repack_moves_a_pod_to_place_one_that_fits_nowhere(tmp_path):
+    nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
+    planner = run_policy("planner", nodes, tasks, bound)
+    assert planner.failed == 1 and planner.moves == 0  # p3
+    r = run_policy("planner+repack", nodes, tasks, bound, move_budget=0.5)
+    assert r.repackPlaced == 1 and r.moves == 1 and r.repackSearches >= 1
+    assert r.allocatedMemoryBytes == planner.allocatedMemoryBytes - 700 * MIB + 2000 * MIB
+    assert r.overcommittedGpusPeak == 0 and r.invariantViolations == 0
+    assert r.to_json()["moves"] == 1 and r.to_json()["moveBudget"] == 0.5
+    assert run_policy("fgd", nodes, tasks, bound).to_json()["moves"] == 0
+
+
+def test_the_move_budget_is_a_fraction_of_the_pods_placed(tmp_path):
+    # 3 pods are placed when p3 arrives: 0.3 x 3 allows no move, 0.34 x 3 allows one
+    nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
+    planner = run_policy("planner", nodes, tasks, bound)
+    for budget, moves in ((0.0, 0), (0.3, 0), (0.34, 1)):
+        r = run_policy("planner+repack", nodes, tasks, bound, move_budget=budget)
+        assert r.moves == moves, budget
+        if not moves:
+            assert r.repackSearches == 0 and r.repackSkipped >= 1
+            assert (r.placed, r.allocatedMemoryBytes) == (
+                planner.placed,
+                planner.allocatedMemoryBytes,
+            )
+
+
+def test_a_failed_repack_search_is_not_repeated_for_a_pod_asking_as_much():
+    from extender.demand import Demand, PodRef
+    from extender.simulate.engine import RepackSkips
+
+    def d(name, gib, cpu, allowed=None):
+        return Demand(PodRef("t", name), 1, gib * GIB, cpu_milli=cpu, allowed_products=allowed)
+
+    skips = RepackSkips()
+    skips.add(d("a", 40, 4000), 5)
+    assert skips.skip(d("b", 40, 4000), 5) and skips.skip(d("c", 50, 8000), 3)
+    assert not skips.skip(d("e", 30, 4000), 5)  # asks less memory: may fit
+    assert not skips.skip(d("f", 50, 8000), 6)  # more moves allowed than the failed search had
+    assert skips.skip(d("g", 50, 8000, frozenset({"T4"})), 5)  # fewer products: no better
+    skips.left()  # a pod left: everything may fit again
+    assert not skips.skip(d("b", 40, 4000), 5)
+
+
+def _best_packing(cap, demands, must=()) -> int:
+    """The most GPU memory a set of `demands` placed at once holds, every one of `must` among
+    them (exhaustive; -1: the `must` ones never fit together)."""
+    from test_planner_repack import placements
+
+    from extender.planner.move_model import reservation_for
+
+    best = -1
+
+    def go(i: int, held: int) -> None:
+        nonlocal best
+        if i == len(demands):
+            best = max(best, held)
+            return
+        d = demands[i]
+        if i not in must:
+            go(i + 1, held)
+        for n, rows in placements(cap, d):
+            res = reservation_for(cap, d, n, rows) if rows else None
+            cap.apply(d, res, n)
+            go(i + 1, held + (sum(res.bytes_per_device) if res else 0))
+            cap.remove(d, n)
+
+    go(0, 0)
+    return best
+
+
+def _trace_nodes(tmp_path, rows):
+    path = tmp_path / "nodes.csv"
+    path.write_text(NODE_HEAD + "".join(r + "\n" for r in rows))
+    return read_trace_nodes(path)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_allocation_bound_is_never_below_the_best_packing(tmp_path, seed):
+    """Small clusters (GPUs of 1000 MiB, few cores) and pods of the trace's shapes: the LP bound
+    is at least the most GPU memory any set of the pods holds at once, and with two pods forced
+    in, at least the most any set holding them does (and no more than without)."""
+    import random
+
+    from extender.demand import Demand, PodRef
+    from extender.simulate.bound import allocation_bound
+    from extender.simulate.engine import build_capacity
+
+    rng = random.Random(seed)
+    rows = [
+        f"n{i},{rng.choice([4000, 8000, 16000])},65536,{rng.choice([1, 2, 2])},T4" for i in range(2)
+    ]
+    _, cap = build_capacity(_trace_nodes(tmp_path, rows))
+    demands = [
+        Demand(
+            PodRef("t", f"p{i}"),
+            g,
+            None if g > 1 else rng.choice([200, 300, 500, 700, 1000]) * MIB,
+            cpu_milli=rng.choice([1000, 2000, 4000, 6000]),
+        )
+        for i, g in enumerate(rng.choice([1, 1, 1, 2]) for _ in range(6))
+    ]
+    best = _best_packing(cap, demands)
+    b = allocation_bound(cap, demands)
+    assert b.status == "OPTIMAL"
+    assert best - 1 <= b.bytes <= min(b.capacity_bytes, b.demand_bytes) + 1
+    keep = _best_packing(cap, demands, must={0, 1})
+    if keep >= 0:
+        forced = allocation_bound(cap, demands, placed=demands[:2])
+        assert keep - 1 <= forced.bytes <= b.bytes + 1
+
+
+def test_the_allocation_bound_packs_each_gpu_whole_and_sums_cpu(tmp_path):
+    from extender.demand import Demand, PodRef
+    from extender.simulate.bound import allocation_bound
+    from extender.simulate.engine import build_capacity
+
+    _, cap = build_capacity(_trace_nodes(tmp_path, ["n0,64000,65536,2,T4"]))
+    sizes = [600, 600, 300, 300, 300]  # 2100 MiB asked of 2000: 600+300 per GPU at most
+    demands = [Demand(PodRef("t", f"p{i}"), 1, m * MIB) for i, m in enumerate(sizes)]
+    assert allocation_bound(cap, demands).bytes == pytest.approx(1800 * MIB)
+    # 5 cores bound the GPU memory: 5/4 of a 4-core pod (the LP takes fractions of pods)
+    _, cap = build_capacity(_trace_nodes(tmp_path, ["n0,5000,65536,2,T4"]))
+    demands = [Demand(PodRef("t", f"q{i}"), 1, 500 * MIB, cpu_milli=4000) for i in range(3)]
+    assert allocation_bound(cap, demands).bytes == pytest.approx(625 * MIB)
+
+
+def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
+    n, p = write(tmp_path, REPACK_NODES, REPACK_PODS)
+    png = tmp_path / "budget.png"
+    args = ["simulate", "--nodes", str(n), "--pods", str(p), "--move-budget", "0.5"]
+    assert main([*args, "--json", "--bound", "--budget-curve", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["policies"]) == set(ALL_POLICIES)
+    assert out["policies"]["planner+repack"]["moves"] == 1
+    assert all(r["moves"] == 0 for name, r in out["policies"].items() if name != "planner+repack")
+    bound = out["bound"]
+    assert bound["fromFirstFailure"]["placedThen"] == 3
+    for r in out["policies"].values():
+        assert r["allocatedMemoryBytes"] <= bound["anyPolicyBytes"] + 1
+    assert [c["moveBudget"] for c in out["budgetCurve"]] == [0.0, 0.005, 0.01, 0.02, 0.05]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*args, "--policy", "planner+repack", "--bound"]) == 0
+    table = capsys.readouterr().out
+    assert "moves" in table.splitlines()[1] and "bound on GPU memory allocated" in table
+    assert main([*args, "--churn", "--bound"]) == 2

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import orjson
 
 __all__ = ["register", "run"]
 
-POLICY_CHOICES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd", "all")
+POLICY_CHOICES = (
+    "planner",
+    "planner+repack",
+    "hot-path",
+    "best-fit",
+    "first-fit",
+    "spread",
+    "fgd",
+    "all",
+)
+#: the move budgets `--budget-curve` replays `planner+repack` with
+BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.05)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,8 +48,37 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--policy",
         action="append",
         choices=POLICY_CHOICES,
-        help="policy to run (repeatable; default all): planner, hot-path (what the server does to a pod "
-        "placed at once), best-fit, first-fit, spread, fgd",
+        help="policy to run (repeatable; default all): planner, planner+repack (the planner, and "
+        "when a GPU pod fits nowhere, the fewest moves of running pods that make it fit), hot-path "
+        "(what the server does to a pod placed at once), best-fit, first-fit, spread, fgd",
+    )
+    p.add_argument(
+        "--move-budget",
+        type=float,
+        default=None,
+        metavar="F",
+        help="planner+repack: moves allowed, as a fraction of the pods placed so far (default 0.02); "
+        "in the replay every running pod may move",
+    )
+    p.add_argument(
+        "--repack-time-limit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="planner+repack: seconds per repack search (default 1)",
+    )
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also compute an upper bound on the GPU memory any policy can allocate (pods stay; "
+        "an LP over the arrived pods), and the bound for policies that place like the planner "
+        "until a GPU pod first fits nowhere (planner+repack at any budget)",
+    )
+    p.add_argument(
+        "--budget-curve",
+        metavar="FILE.png",
+        help="replay planner+repack at move budgets 0, 0.5%%, 1%%, 2%% and 5%% and plot GPU memory "
+        "allocated against the budget, with FGD's and the bound (needs no --churn)",
     )
     p.add_argument("--churn", action="store_true", help="pods leave at their deletion time")
     p.add_argument(
@@ -76,7 +117,15 @@ def _policies(chosen: list[str] | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from extender.planner.capacity import Workload
     from extender.quantity import MIB
-    from extender.simulate.engine import all_fit_line, build_capacity, run_policy, while_all_fit
+    from extender.simulate.engine import (
+        MOVE_BUDGET,
+        REPACK_TIME_LIMIT,
+        all_fit_line,
+        bound_line,
+        build_capacity,
+        run_policy,
+        while_all_fit,
+    )
     from extender.simulate.trace import DEFAULT_REPLICAS, TRACE_GPU_MIB, inflate, read_inputs
     from extender.source_file import ClusterFileError
 
@@ -100,6 +149,20 @@ def run(args: argparse.Namespace) -> int:
     gpu_count = len({(d.node, d.gpu_index) for d in a.devices})
     if args.inflate > 0:
         tasks = inflate(tasks, gpu_count, args.inflate, gpu_bytes)
+    if (args.budget_curve or args.bound) and args.churn:
+        print(
+            "vramsched simulate: --bound and --budget-curve are for replays without --churn",
+            file=sys.stderr,
+        )
+        return 2
+    move_budget = MOVE_BUDGET if args.move_budget is None else args.move_budget
+    repack_limit = REPACK_TIME_LIMIT if args.repack_time_limit is None else args.repack_time_limit
+    if move_budget < 0 or repack_limit <= 0:
+        print(
+            "vramsched simulate: --move-budget must be >= 0 and --repack-time-limit > 0",
+            file=sys.stderr,
+        )
+        return 2
     results = []
     for policy in _policies(args.policy):
         r = run_policy(
@@ -111,13 +174,37 @@ def run(args: argparse.Namespace) -> int:
             workload=workload,
             time_limit=args.time_limit,
             num_workers=args.workers,
+            move_budget=move_budget,
+            repack_time_limit=repack_limit,
         )
         results.append(r)
         if not args.json:
             print(f"  {policy}: done in {r.seconds:.1f}s", file=sys.stderr)
+    bounds = _bounds(nodes, bound, tasks, results) if args.bound or args.budget_curve else None
+    curve = None
+    if args.budget_curve:
+        curve = []
+        for budget in BUDGETS:
+            r = run_policy(
+                "planner+repack",
+                nodes,
+                tasks,
+                bound,
+                workload=workload,
+                time_limit=args.time_limit,
+                num_workers=args.workers,
+                move_budget=budget,
+                repack_time_limit=repack_limit,
+            )
+            curve.append(_curve_point(budget, r))
+            if not args.json:
+                print(
+                    f"  planner+repack at budget {budget:g}: done in {r.seconds:.1f}s",
+                    file=sys.stderr,
+                )
     all_fit = while_all_fit(results)
     if args.json:
-        body = {
+        body: dict[str, Any] = {
             "policies": {r.policy: r.to_json() for r in results},
             "input": {
                 "nodes": len(nodes),
@@ -128,29 +215,82 @@ def run(args: argparse.Namespace) -> int:
             },
             "whileAllFit": all_fit,
         }
+        if bounds is not None:
+            body["bound"] = bounds
+        if curve is not None:
+            body["budgetCurve"] = curve
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         _table(results, len(tasks), gpu_count)
         if all_fit:
             print(all_fit_line(all_fit))
+        if bounds is not None:
+            print(bound_line(bounds))
+        if curve is not None:
+            print(
+                "planner+repack by move budget: "
+                + ", ".join(
+                    f"{c['moveBudget']:.1%}: {c['allocatedPct']:.2f}% ({c['moves']} moves)"
+                    for c in curve
+                )
+            )
+    title = f"{len(nodes)} nodes, {gpu_count} GPUs, {len(tasks)} pods" + (
+        f", inflate {args.inflate}" if args.inflate else ""
+    )
     if args.plot:
         from extender.simulate.plot import plot_results
 
-        plot_results(
-            results,
-            args.plot,
-            title=f"{len(nodes)} nodes, {gpu_count} GPUs, {len(tasks)} pods"
-            + (f", inflate {args.inflate}" if args.inflate else ""),
+        plot_results(results, args.plot, title=title)
+    if curve is not None:
+        from extender.simulate.plot import plot_budget_curves
+
+        fgd = next((r for r in results if r.policy == "fgd"), None)
+        plot_budget_curves(
+            {
+                "": {
+                    "budgetCurve": curve,
+                    "fgdPct": _pct(fgd.allocatedMemoryBytes, fgd.capacityMemoryBytes)
+                    if fgd
+                    else None,
+                    "bound": bounds,
+                }
+            },
+            args.budget_curve,
+            title=title,
         )
     bad = [
         r.policy
         for r in results
-        if r.policy == "planner" and (r.overcommittedGpusPeak or r.invariantViolations)
+        if r.policy in ("planner", "planner+repack")
+        and (r.overcommittedGpusPeak or r.invariantViolations)
     ]
     if bad:
         print(f"vramsched simulate: INVARIANT BROKEN by {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _pct(part: float, whole: float) -> float:
+    return 100 * part / whole if whole else 0.0
+
+
+def _curve_point(budget: float, r) -> dict:
+    """One point of the budget curve: what planner+repack reached with this move budget."""
+    return {
+        "moveBudget": budget,
+        "allocatedMemoryBytes": r.allocatedMemoryBytes,
+        "allocatedPct": round(_pct(r.allocatedMemoryBytes, r.capacityMemoryBytes), 3),
+        "placed": r.placed,
+        "moves": r.moves,
+        "repackPlaced": r.repackPlaced,
+        "seconds": round(r.seconds, 1),
+    }
+
+
+def _bounds(nodes, bound, tasks, results) -> dict:
+    from extender.simulate.engine import allocation_bounds
+
+    return allocation_bounds(nodes, bound, tasks, results)
 
 
 def _table(results, n_tasks: int, gpus: int) -> None:
@@ -167,6 +307,7 @@ def _table(results, n_tasks: int, gpus: int) -> None:
         "usable",
         "frag",
         "overcommitted",
+        "moves",
         "seconds",
     ]
     rows = [
@@ -180,6 +321,7 @@ def _table(results, n_tasks: int, gpus: int) -> None:
             f"{r.gpusFreeUsable:.1f}",
             f"{r.fragmentationRate:.3f}",
             overcommit_text(r.overcommittedGpus, r.overcommittedGpusPeak),
+            str(r.moves),
             f"{r.seconds:.1f}",
         ]
         for r in results

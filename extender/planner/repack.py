@@ -54,6 +54,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -72,7 +73,9 @@ __all__ = [
     "plan_repack",
     "search_repack",
     "apply_plan",
+    "final_state_fits",
     "move_lower_bounds",
+    "dominates",
 ]
 
 #: "no plan on this node": larger than any move count
@@ -120,12 +123,23 @@ class RepackSearch:
 class Neighbourhood:
     """How much of the cluster one search models (see the module docstring)."""
 
+    #: nodes the greedy plan is tried on, lowest bound first, and how long a chain of moves it
+    #: may make to re-place a pod it moved (1: a moved pod may move one more)
+    greedy_nodes: int = 32
+    chain: int = 1
+    #: the greedy plans stop at this share of the time limit (CP-SAT gets the rest)
+    greedy_share: float = 0.6
+    #: candidate nodes for the pod per CP-SAT round, and rounds
     nodes: int = 4
     rounds: int = 2
+    #: destination nodes per kind of mover, and in all
     destinations: int = 6
     max_destinations: int = 32
+    #: a cluster up to this size is modelled whole
     exact_nodes: int = 24
     exact_movers: int = 96
+    #: no CP-SAT round starts with less time than this left
+    least_solve: float = 0.05
 
 
 Movable = Callable[[Demand], bool]
@@ -171,8 +185,10 @@ def search_repack(
         plan = RepackPlan(pod, now, (), "FITS", True, time.perf_counter() - start)
         return RepackSearch(plan, True, "FITS", "fits without moves", 0, seconds=plan.seconds)
     limit = INF if max_moves is None else max(0, max_moves)
-    movers = _movers(cap, pod, running, movable)
-    bounds, held = _bounds(cap, pod, movers)
+    pool = _Pool(cap, pod, running, movable)
+    everyone = np.ones(len(pool), bool)
+    valid = _bounds(cap, pod, pool, everyone)
+    bounds = valid[0]
     lowest = int(bounds.min(initial=INF))
     if lowest >= INF or lowest > limit:
         why = (
@@ -181,65 +197,74 @@ def search_repack(
             else f"every node needs at least {lowest} moves"
         )
         return _none(True, "INFEASIBLE", why, lowest, start)
-    ranked = [int(n) for n in np.lexsort((held, bounds)) if bounds[n] <= limit]
-    a = cap.arrays
+    # pods asking at least what the pod asks are left out of the ranking, the greedy plans and
+    # the neighbourhoods (moving one only to put the pod in its place is a pointless swap), but
+    # not out of the bound nor the exact model: with other moves around, such a move can count
+    keep = ~pool.dominating(pod)
+    rank, held, cost = _bounds(cap, pod, pool, keep) if not keep.all() else valid
+    ranked = [int(n) for n in np.lexsort((held, rank)) if rank[n] <= limit]
     nh = neighbourhood
-    exact = len(a.node_names) <= nh.exact_nodes and len(movers) <= nh.exact_movers
+    greedy_until = start + nh.greedy_share * time_limit
+    best = _greedy_best(
+        cap, pod, pool, keep, ranked[: nh.greedy_nodes], rank, cost, limit, nh.chain, greedy_until
+    )
+    if best is not None and len(best.moves) <= lowest:
+        return _found(best, "GREEDY", True, lowest, start, 0, 0, 0)
+    a = cap.arrays
+    exact = len(a.node_names) <= nh.exact_nodes and len(pool) <= nh.exact_movers
+    if exact:
+        ranked = [int(n) for n in np.lexsort((valid[1], bounds)) if bounds[n] <= limit]
     rounds: list[list[int]] = (
         [ranked]
         if exact
         else [ranked[i : i + nh.nodes] for i in range(0, len(ranked), nh.nodes)][: nh.rounds]
     )
+    # CP-SAT looks for a plan better than the greedy one (or any plan, when there is none)
+    better = limit if best is None else min(limit, len(best.moves) - 1)
     status, n_nodes, n_movers = "UNKNOWN", 0, 0
     for done, chosen in enumerate(rounds, start=1):
-        if done > 1 and time.perf_counter() >= deadline:
+        chosen = [n for n in chosen if bounds[n] <= better]
+        if not chosen or time.perf_counter() >= deadline - nh.least_solve:
             break
         if exact:
             nodes = list(range(len(a.node_names)))
-            active = movers
+            active = [pool.mover(j) for j in range(len(pool))]
         else:
             on = set(chosen)
-            active = [m for m in movers if m.node in on]
+            active = [pool.mover(j) for n in chosen for j in pool.on_node(n, keep)]
             nodes = sorted(on | _destinations(cap, active, on, nh))
         n_nodes, n_movers = len(nodes), len(active)
         found, status = _solve_round(
-            cap, pod, active, nodes, chosen, bounds, limit, deadline, num_workers
+            cap, pod, active, nodes, chosen, bounds, better, deadline, num_workers
         )
         if found is not None:
             optimal = len(found.moves) <= lowest or (exact and status == "OPTIMAL")
-            plan = RepackPlan(
-                pod,
-                found.placement,
-                found.moves,
-                status,
-                optimal,
-                time.perf_counter() - start,
-            )
-            why = f"{len(plan.moves)} moves" + (" (fewest possible)" if optimal else "")
-            return RepackSearch(
-                plan, optimal, status, why, lowest, n_nodes, n_movers, done, plan.seconds
-            )
+            return _found(found, status, optimal, lowest, start, n_nodes, n_movers, done)
         if exact and status == "INFEASIBLE":
-            return _none(
-                True,
-                status,
-                f"no plan within {max_moves} moves" if max_moves is not None else "no plan",
-                lowest,
-                start,
-                n_nodes,
-                n_movers,
-                done,
-            )
-    return _none(
-        False,
-        status,
-        "no plan found in the neighbourhood searched",
-        lowest,
-        start,
-        n_nodes,
-        n_movers,
-        len(rounds),
-    )
+            if best is not None:  # nothing better than the greedy plan exists: it is optimal
+                return _found(best, "GREEDY", True, lowest, start, n_nodes, n_movers, done)
+            why = f"no plan within {max_moves} moves" if max_moves is not None else "no plan"
+            return _none(True, status, why, lowest, start, n_nodes, n_movers, done)
+    if best is not None:
+        return _found(best, "GREEDY", False, lowest, start, n_nodes, n_movers, len(rounds))
+    why = "no plan found in the neighbourhood searched"
+    return _none(False, status, why, lowest, start, n_nodes, n_movers, len(rounds))
+
+
+def _found(
+    plan: RepackPlan,
+    status: str,
+    optimal: bool,
+    lowest: int,
+    start: float,
+    nodes: int,
+    movers: int,
+    rounds: int,
+) -> RepackSearch:
+    seconds = time.perf_counter() - start
+    plan = RepackPlan(plan.pod, plan.placement, plan.moves, status, optimal, seconds)
+    why = f"{len(plan.moves)} moves" + (" (fewest possible)" if optimal else "")
+    return RepackSearch(plan, optimal, status, why, lowest, nodes, movers, rounds, seconds)
 
 
 def _none(
@@ -267,36 +292,358 @@ def _fits_now(cap: Capacity, pod: Demand) -> Reservation | None:
     return reservation_for(cap, pod, int(c.node[best]), c.devices[best].tolist())
 
 
-def _movers(
+def dominates(d: Demand, f: Demand) -> bool:
+    """Whether `d` asks at least what `f` asks in every way (resource, GPUs, bytes per GPU, CPU,
+    memory), on no more products: wherever `d` fits, `f` fits."""
+    return (
+        d.resource == f.resource
+        and d.gpu_count >= f.gpu_count
+        and (
+            d.bytes_per_gpu is None
+            or (f.bytes_per_gpu is not None and d.bytes_per_gpu >= f.bytes_per_gpu)
+        )
+        and d.cpu_milli >= f.cpu_milli
+        and d.memory_bytes >= f.memory_bytes
+        and (
+            f.allowed_products is None
+            or (d.allowed_products is not None and d.allowed_products <= f.allowed_products)
+        )
+    )
+
+
+class _Pool:
+    """The running pods that may move, in columns (node, CPU, memory; one entry per device held:
+    row, bytes, owner), which the bounds read for every pod at once; `mover(j)` builds the
+    model's `Mover` only for the pods a plan looks at. Never the pod itself; never a pod whose
+    reservation the ledger does not hold exactly (moving it would give back memory that is not
+    held)."""
+
+    def __init__(
+        self,
+        cap: Capacity,
+        pod: Demand,
+        running: Sequence[tuple[Demand, Reservation]],
+        movable: Movable | None,
+    ) -> None:
+        ledger = cap.ledger
+        a = cap.arrays
+        node_row = {name: i for i, name in enumerate(a.node_names)}
+        dev_row = {(dv.node, dv.device_id): i for i, dv in enumerate(a.devices)}
+        held_by = ledger.reservation
+        me, my_name = pod.pod, pod.pod.name
+        self.demands: list[Demand] = []
+        self.sources: list[Reservation] = []
+        nodes: list[int] = []
+        erow: list[int] = []
+        ebytes: list[int] = []
+        estart: list[int] = []
+        for d, res in running:
+            if (movable is not None and not movable(d)) or (d.pod.name == my_name and d.pod == me):
+                continue
+            n = node_row.get(res.node)
+            if n is None:
+                continue
+            ids = res.device_ids
+            if ids:
+                held = held_by(res.pod.key)
+                if held is not res and (held is None or not held.same_placement(res)):
+                    continue
+                if len(ids) == 1:
+                    rows = [dev_row.get((res.node, ids[0]), -1)]
+                else:
+                    rows = [dev_row.get((res.node, i), -1) for i in ids]
+                if -1 in rows:
+                    continue
+            elif d.gpu_count:
+                continue
+            else:
+                rows = []
+            estart.append(len(erow))
+            erow += rows
+            ebytes += res.bytes_per_device
+            self.demands.append(d)
+            self.sources.append(res)
+            nodes.append(n)
+        estart.append(len(erow))
+        self.node = np.asarray(nodes, np.int64)
+        self.cpu = np.fromiter((d.cpu_milli for d in self.demands), np.int64, len(nodes))
+        self.mem = np.fromiter((d.memory_bytes for d in self.demands), np.int64, len(nodes))
+        self.erow = np.asarray(erow, np.int64)
+        self.ebytes = np.asarray(ebytes, np.int64)
+        self.estart = np.asarray(estart, np.int64)
+        self.eowner = np.repeat(np.arange(len(nodes)), np.diff(self.estart))
+        self._by_node: dict[int, list[int]] | None = None
+        self._movers: dict[int, Mover] = {}
+
+    def __len__(self) -> int:
+        return len(self.demands)
+
+    def dominating(self, pod: Demand) -> np.ndarray:
+        """Which pods `dominates` the pod."""
+        return np.fromiter((dominates(d, pod) for d in self.demands), bool, len(self.demands))
+
+    def on_node(self, n: int, keep: np.ndarray) -> list[int]:
+        """The pods running on node row n (among `keep`)."""
+        if self._by_node is None:
+            self._by_node = {}
+            for j, m in enumerate(self.node.tolist()):
+                self._by_node.setdefault(m, []).append(j)
+        return [j for j in self._by_node.get(n, ()) if keep[j]]
+
+    def mover(self, j: int) -> Mover:
+        m = self._movers.get(j)
+        if m is None:
+            lo, hi = int(self.estart[j]), int(self.estart[j + 1])
+            m = self._movers[j] = Mover(
+                self.demands[j],
+                int(self.node[j]),
+                tuple(self.erow[lo:hi].tolist()),
+                tuple(self.ebytes[lo:hi].tolist()),
+            )
+        return m
+
+
+def _greedy_best(
     cap: Capacity,
     pod: Demand,
-    running: Sequence[tuple[Demand, Reservation]],
-    movable: Movable | None,
-) -> list[Mover]:
-    """The running pods that may move, as the model's movers (the pod itself never; a pod whose
-    reservation the ledger does not hold exactly never: moving it would give back memory that
-    is not held)."""
-    ledger = cap.ledger
-    out: list[Mover] = []
-    for d, res in running:
-        if d.pod.key == pod.pod.key or (movable is not None and not movable(d)):
-            continue
-        n = ledger.node_row(res.node)
-        if n is None:
-            continue
-        if res.device_ids:
-            held = ledger.reservation(d.pod.key)
-            if held is None or not held.same_placement(res):
-                continue
-            rows = [ledger.row(res.node, dev) for dev in res.device_ids]
-            if any(r is None for r in rows):
-                continue
-            out.append(
-                Mover(d, n, tuple(int(r) for r in rows if r is not None), res.bytes_per_device)
+    pool: _Pool,
+    keep: np.ndarray,
+    nodes: Sequence[int],
+    bounds: np.ndarray,
+    cost: np.ndarray,
+    limit: int,
+    depth: int,
+    deadline: float,
+) -> RepackPlan | None:
+    """The best greedy plan (`_Greedy`) over `nodes`, in order; stops once a node's bound
+    cannot beat the best plan so far, or at the deadline."""
+    best: RepackPlan | None = None
+    ranks: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for n in nodes:
+        if best is not None and bounds[n] >= len(best.moves):
+            break
+        if time.perf_counter() >= deadline:
+            break
+        cap_moves = limit if best is None else min(limit, len(best.moves) - 1)
+        plan = _Greedy(cap, pool, depth, deadline, ranks).plan(pod, keep, n, cost, cap_moves)
+        if plan is not None and (best is None or len(plan.moves) < len(best.moves)):
+            best = plan
+    return best
+
+
+class _Greedy:
+    """A greedy plan, made on `cap` and undone: the pod on node n, on its k cheapest devices;
+    from each, the movable pods holding most there are evicted until it fits, then from the
+    node GPU-less pods, then others, holding most CPU, then memory, until the node has room;
+    the pod is placed, then every evicted pod (most GPUs and bytes first) at its best fit. An
+    evicted pod with no place anywhere, at `depth` > 0, gets the same treatment on the nodes
+    where it needs fewest moves (a chain of moves), with what is left of the move cap."""
+
+    def __init__(
+        self,
+        cap: Capacity,
+        pool: _Pool,
+        depth: int,
+        deadline: float,
+        ranks: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray, np.ndarray]],
+    ) -> None:
+        #: per kind of moved pod, its bounds on the cluster as the search began: they only
+        #: order the nodes a chained move tries, each try is checked by placing it
+        self.ranks = ranks
+        self.cap = cap
+        self.pool = pool
+        self.depth = depth
+        self.deadline = deadline
+        self.undo: list[Callable[[], None]] = []
+        self.gone = np.zeros(len(pool), bool)
+        self.moves: list[Move] = []
+
+    def plan(
+        self, pod: Demand, keep: np.ndarray, n: int, cost: np.ndarray, limit: int
+    ) -> RepackPlan | None:
+        try:
+            placement = self._make_room(pod, keep, n, cost, limit, self.depth)
+            if placement is None:
+                return None
+            plan = RepackPlan(pod, placement, tuple(sorted(self.moves, key=_by_pod)), "", False, 0)
+        finally:
+            self._rollback(0)
+        return plan if final_state_fits(self.cap, plan) else None
+
+    def _rollback(self, mark: int) -> None:
+        while len(self.undo) > mark:
+            self.undo.pop()()
+
+    def _make_room(
+        self, pod: Demand, keep: np.ndarray, n: int, cost: np.ndarray, limit: int, depth: int
+    ) -> Reservation | None:
+        """Evict on node n what the pod needs, place it, re-place the evicted pods; the pod's
+        reservation, or None (with the changes it made still to undo)."""
+        cap, a = self.cap, self.cap.arrays
+        k = pod.gpu_count
+        lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+        need = need_bytes(cap, pod)
+        chosen: list[int] = []
+        if k:
+            order = np.lexsort((a.used[lo:hi], cost[lo:hi]))[:k] + lo
+            if len(order) < k or (cost[order] >= INF).any():
+                return None
+            chosen = sorted(int(r) for r in order)
+        here = [j for j in self.pool.on_node(n, keep) if not self.gone[j]]
+        movers = [self.pool.mover(j) for j in here]
+        evicted: list[int] = []
+        taken: set[int] = set()
+        for r in chosen:
+            free = int(a.capacity[r] - a.used[r])
+            rep = int(a.replicas[r] - a.used_replicas[r])
+            on_r = []
+            for i, m in enumerate(movers):
+                if r in m.rows:
+                    b = m.held[m.rows.index(r)]
+                    if i in taken:
+                        free, rep = free + b, rep + 1
+                    else:
+                        on_r.append((b, i))
+            for b, i in sorted(on_r, key=lambda t: (-t[0], t[1])):
+                if free >= need[r] and rep >= 1:
+                    break
+                taken.add(i)
+                evicted.append(i)
+                free, rep = free + b, rep + 1
+            if free < need[r] or rep < 1:
+                return None
+        host: tuple[tuple[int, int, Callable[[Demand], int]], ...] = (
+            (int(cap.cpu_free[n]), pod.cpu_milli, _cpu),
+            (int(cap.mem_free[n]), pod.memory_bytes, _mem),
+        )
+        for room0, want, amount in host:
+            room = room0 + sum(amount(movers[i].demand) for i in evicted)
+            rest = [i for i in range(len(movers)) if i not in taken]
+            # GPU-less pods first: they need CPU and memory elsewhere, not a GPU
+            for i in sorted(
+                rest, key=lambda i: (movers[i].demand.gpu_count > 0, -amount(movers[i].demand), i)
+            ):
+                if room >= want:
+                    break
+                taken.add(i)
+                evicted.append(i)
+                room += amount(movers[i].demand)
+            if room < want:
+                return None
+        if len(evicted) > limit:
+            return None
+        for i in evicted:
+            m = movers[i]
+            assert m.node is not None
+            cap.remove(m.demand, m.node)
+            self.gone[here[i]] = True
+            self.undo.append(
+                partial(cap.apply, m.demand, _source(cap, m) if m.rows else None, m.node)
             )
-        elif d.gpu_count == 0:
-            out.append(Mover(d, n))
-    return out
+            self.undo.append(partial(self.gone.__setitem__, here[i], False))
+        placement = reservation_for(cap, pod, n, chosen)
+        if not self._place(pod, placement, n):
+            return None
+        left = limit - len(evicted)
+        for i in sorted(evicted, key=lambda i: _size_key(movers[i].demand)):
+            m = movers[i]
+            spent = self._relocate(m, left, depth)
+            if spent is None:
+                return None
+            left -= spent
+        return placement
+
+    def _place(self, d: Demand, res: Reservation, n: int) -> bool:
+        cap = self.cap
+        if cap.cpu_free[n] < d.cpu_milli or cap.mem_free[n] < d.memory_bytes:
+            return False
+        try:
+            cap.apply(d, res if res.device_ids else None, n)
+        except LedgerError:
+            return False
+        self.undo.append(partial(cap.remove, d, n))
+        return True
+
+    def _relocate(self, m: Mover, left: int, depth: int) -> int | None:
+        """Place an evicted pod: at its best fit now, else (depth > 0) where it needs fewest
+        moves; the extra moves it took (None: no place)."""
+        cap, a = self.cap, self.cap.arrays
+        d = m.demand
+        c = candidates(cap, d)
+        if len(c):
+            key = c.leftover(a) if d.gpu_count else cap.cpu_free[c.node]
+            i = int(np.lexsort((c.node, key))[0])
+            to = int(c.node[i])
+            target = reservation_for(cap, d, to, c.devices[i].tolist())
+            if not self._place(d, target, to):
+                return None
+            self._record(m, target, to)
+            return 0
+        if depth <= 0 or left <= 0 or time.perf_counter() >= self.deadline:
+            return None
+        kind = demand_kind(d)
+        if kind not in self.ranks:
+            self.ranks[kind] = _bounds(cap, d, self.pool, ~self.pool.dominating(d))
+        rank, held, cost = self.ranks[kind]
+        keep = ~self.pool.dominating(d) & ~self.gone
+        for n in [int(x) for x in np.lexsort((held, rank))[:_CHAIN_NODES]]:
+            if rank[n] > left:
+                break
+            mark, moves_before = len(self.undo), len(self.moves)
+            made = self._make_room(d, keep, n, cost, left, depth - 1)
+            if made is not None:
+                self._record(m, made, n)
+                return len(self.moves) - moves_before - 1
+            self._rollback(mark)
+            del self.moves[moves_before:]
+        return None
+
+    def _record(self, m: Mover, target: Reservation, to: int) -> None:
+        if to != m.node or tuple(sorted(m.rows)) != tuple(sorted(self._rows(target))):
+            self.moves.append(Move(m.demand.pod, m.demand, _source(self.cap, m), target))
+
+    def _rows(self, res: Reservation) -> list[int]:
+        ledger = self.cap.ledger
+        return [r for r in (ledger.row(res.node, dev) for dev in res.device_ids) if r is not None]
+
+
+#: nodes a chained move is tried on, fewest moves first
+_CHAIN_NODES = 4
+
+
+def _by_pod(m: Move) -> str:
+    return m.pod.key
+
+
+def _source(cap: Capacity, m: Mover) -> Reservation:
+    """Where a mover runs now, as a reservation (a GPU-less pod: one naming its node)."""
+    a = cap.arrays
+    assert m.node is not None
+    return Reservation(
+        pod=m.demand.pod,
+        node=a.node_names[m.node],
+        device_ids=tuple(a.devices[r].device_id for r in m.rows),
+        bytes_per_device=m.held,
+        priority=m.demand.priority,
+        declared=m.demand.bytes_per_gpu is not None,
+    )
+
+
+def _cpu(d: Demand) -> int:
+    return d.cpu_milli
+
+
+def _mem(d: Demand) -> int:
+    return d.memory_bytes
+
+
+def _size_key(d: Demand) -> tuple[int, int, int]:
+    """Most GPUs, then most bytes per GPU, then most CPU first: the hardest to place first."""
+    return (
+        -d.gpu_count,
+        -(d.bytes_per_gpu if d.bytes_per_gpu is not None else 1 << 60),
+        -d.cpu_milli,
+    )
 
 
 def _cover_counts(group: np.ndarray, value: np.ndarray, deficit: np.ndarray) -> np.ndarray:
@@ -318,34 +665,40 @@ def _cover_counts(group: np.ndarray, value: np.ndarray, deficit: np.ndarray) -> 
     return out
 
 
-def move_lower_bounds(cap: Capacity, pod: Demand, movers: Sequence[Mover]) -> np.ndarray:
+def move_lower_bounds(
+    cap: Capacity,
+    pod: Demand,
+    running: Sequence[tuple[Demand, Reservation]],
+    movable: Movable | None = None,
+) -> np.ndarray:
     """Per node row, a lower bound on the moves any plan placing `pod` there needs (INF: it
     cannot go there whatever moves); see the module docstring."""
-    return _bounds(cap, pod, movers)[0]
+    pool = _Pool(cap, pod, running, movable)
+    return _bounds(cap, pod, pool, np.ones(len(pool), bool))[0]
 
 
-def _bounds(cap: Capacity, pod: Demand, movers: Sequence[Mover]) -> tuple[np.ndarray, np.ndarray]:
-    """`move_lower_bounds`, and per node the memory held on the devices that bound counts
-    (the cheapest ones): among nodes with the same bound, the one where less must move first."""
+def _bounds(
+    cap: Capacity, pod: Demand, pool: _Pool, keep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`move_lower_bounds` counting the pods of `keep` only; per node the memory held on the
+    devices that bound counts (the cheapest ones: among nodes with the same bound, the one
+    where less must move first); and per device the fewest pods to move off it for the pod to
+    fit there (INF: never)."""
     a = cap.arrays
     n_nodes = len(a.node_names)
-    moving = [m for m in movers if m.node is not None]
-    node_of_mover = np.asarray([m.node for m in moving], np.int64)
-    cpu = np.asarray([m.demand.cpu_milli for m in moving], np.int64)
-    mem = np.asarray([m.demand.memory_bytes for m in moving], np.int64)
     host = np.maximum(
-        _cover_counts(node_of_mover, cpu, pod.cpu_milli - cap.cpu_free),
-        _cover_counts(node_of_mover, mem, pod.memory_bytes - cap.mem_free),
+        _cover_counts(pool.node[keep], pool.cpu[keep], pod.cpu_milli - cap.cpu_free),
+        _cover_counts(pool.node[keep], pool.mem[keep], pod.memory_bytes - cap.mem_free),
     )
     held = np.zeros(n_nodes, np.int64)
     k = pod.gpu_count
     if k == 0:
-        return host, held
+        return host, held, np.full(len(a.capacity), INF, np.int64)
     need = need_bytes(cap, pod)
     ok = cap.matches(pod.resource, pod.allowed_products)
     ok &= (a.per_pod_cap >= need) & (a.capacity >= need) & (a.replicas >= 1)
-    er = np.asarray([r for m in moving for r in m.rows], np.int64)
-    eb = np.asarray([b for m in moving for b in m.held], np.int64)
+    ekeep = keep[pool.eowner] if len(pool.eowner) else np.zeros(0, bool)
+    er, eb = pool.erow[ekeep], pool.ebytes[ekeep]
     dev_bytes = _cover_counts(er, eb, need - (a.capacity - a.used))
     short_rep = 1 - (a.replicas - a.used_replicas).astype(np.int64)
     n_on = np.bincount(er, minlength=len(a.capacity)).astype(np.int64)
@@ -359,7 +712,8 @@ def _bounds(cap: Capacity, pod: Demand, movers: Sequence[Mover]) -> tuple[np.nda
         gpu[a.node_of[first]] = cost[first]
         held[a.node_of[first]] = used[first]
     else:
-        multi = {m.node for m in moving if len(m.rows) > 1}
+        spans = np.diff(pool.estart) > 1
+        multi = set(pool.node[spans & keep].tolist())
         for n in np.flatnonzero(a.per_node_sum(cost < INF, np.int64) >= k).tolist():
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
             best = np.lexsort((used[lo:hi], cost[lo:hi]))[:k] + lo
@@ -367,7 +721,7 @@ def _bounds(cap: Capacity, pod: Demand, movers: Sequence[Mover]) -> tuple[np.nda
             gpu[n] = int(c[-1]) if n in multi else int(c.sum())
             held[n] = int(used[best].sum())
     out: np.ndarray = np.minimum(np.maximum(gpu, host), INF)
-    return out, held
+    return out, held, cost
 
 
 def _destinations(
@@ -478,22 +832,13 @@ def _read_back(
     if landing is None:
         return None
     placement = reservation_for(cap, pod, landing[0], landing[1])
-    a = cap.arrays
     moves: list[Move] = []
     for i in range(1, len(mm.movers)):
         to = mm.landing(values, i)
         if to is None or mm.stays(i, to):
             continue
         mv = mm.movers[i]
-        assert mv.node is not None
-        source = Reservation(
-            pod=mv.demand.pod,
-            node=a.node_names[mv.node],
-            device_ids=tuple(a.devices[r].device_id for r in mv.rows),
-            bytes_per_device=mv.held,
-            priority=mv.demand.priority,
-            declared=mv.demand.bytes_per_gpu is not None,
-        )
+        source = _source(cap, mv)
         target = reservation_for(cap, mv.demand, to[0], to[1])
         moves.append(Move(mv.demand.pod, mv.demand, source, target))
     moves.sort(key=lambda m: m.pod.key)

@@ -5,20 +5,28 @@ them one by one, the planner plans them as one batch, exactly as for a burst of 
 alone gets the planner's plan of a batch of one: FGD's rule, `model.SEQUENTIAL_RULE`).
 Every vramsched policy places through `Ledger.reserve`, so an overcommit would raise; `spread`
 records what the device plugin would do, overcommit included, and the metrics count it.
+
+`planner+repack` is the planner, and when a GPU pod then fits nowhere, repacking by migration
+(`planner.repack`): the fewest moves of running pods that make it fit, applied at once, within a
+budget of `move_budget` x the pods placed so far (moves spent count against it). In the replay
+every running pod may move (the trace says nothing about which could not); the live mode's
+per-pod and per-minute caps and its movable label are `serve --repack`'s. Attempts that cannot
+succeed are skipped (`RepackSkips`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import groupby
 from typing import Any
 
 import numpy as np
 
 from extender.cluster import ClusterState
-from extender.ledger import LedgerError, check_invariant
+from extender.demand import Demand
+from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.simulate.trace import Task
@@ -31,13 +39,19 @@ __all__ = [
     "while_all_fit",
     "all_fit_line",
     "overcommit_text",
+    "allocation_bounds",
+    "bound_line",
     "ALL_POLICIES",
     "VRAMSCHED_POLICIES",
 ]
 
-ALL_POLICIES = ("planner", "hot-path", "best-fit", "first-fit", "spread", "fgd")
+ALL_POLICIES = ("planner", "planner+repack", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies that must never overcommit (they are vramsched's own).
-VRAMSCHED_POLICIES = ("planner", "hot-path", "vramsched")
+VRAMSCHED_POLICIES = ("planner", "planner+repack", "hot-path", "vramsched")
+#: `planner+repack`'s default move budget: moves as a fraction of the pods placed so far.
+MOVE_BUDGET = 0.02
+#: seconds one repack search may take (`planner.repack.search_repack`'s time limit)
+REPACK_TIME_LIMIT = 1.0
 
 
 @dataclass
@@ -76,15 +90,28 @@ class PolicyResult:
     #: the replay stays in the regime where every pod fits
     allFitBatches: int = 0
     allFitArrivals: int = 0
+    #: pods moved by repacking (`planner+repack`; 0 for the others), the budget they were spent
+    #: from (a fraction of the pods placed), repack searches run, pods they placed, pods that
+    #: failed without a search (`RepackSkips`), and the searches' wall time
+    moves: int = 0
+    moveBudget: float = 0.0
+    repackSearches: int = 0
+    repackPlaced: int = 0
+    repackSkipped: int = 0
+    repackSeconds: float = 0.0
     #: (pods arrived, GPUs fully free) after each batch; not in the JSON (one pair per batch)
     freeSeries: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    #: the pods placed when a GPU pod first found no place (before any repack), without churn;
+    #: they stay to the end, so `bound.allocation_bound(..., placed=...)` bounds this policy's
+    #: result and any policy's that agrees with it up to there (`planner+repack` at every
+    #: budget agrees with `planner`). Not in the JSON.
+    placedAtFirstFailure: list[Demand] | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("policy")
-        d.pop("freeSeries")
-        d.update(d.pop("extra"))
+        skip = ("policy", "freeSeries", "placedAtFirstFailure", "extra")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        d.update(self.extra)
         return d
 
 
@@ -109,6 +136,8 @@ def run_policy(
     time_limit: float = 1.0,
     num_workers: int = 2,
     accept: str | None = None,
+    move_budget: float = MOVE_BUDGET,
+    repack_time_limit: float = REPACK_TIME_LIMIT,
 ) -> PolicyResult:
     cluster, cap = build_capacity(nodes, bound)
     workload = workload or Workload.from_demands(t.demand for t in tasks)
@@ -117,7 +146,11 @@ def run_policy(
         if policy in ("first-fit", "best-fit", "spread", "hot-path")
         else FragIndex(cap, workload)
     )
-    out = PolicyResult(policy)
+    repack = policy == "planner+repack"
+    base = "planner" if repack else policy
+    out = PolicyResult(policy, moveBudget=move_budget if repack else 0.0)
+    running: dict[str, tuple[Demand, Reservation]] = {}
+    skips = RepackSkips()
     start = time.perf_counter()
     where: dict[str, int] = {}
     demands_of: dict[str, Task] = {}
@@ -133,14 +166,16 @@ def run_policy(
             di += 1
             if key in where:
                 n = where.pop(key)
+                running.pop(key, None)
                 cap.remove(demands_of[key].demand, n)
+                skips.left()
                 if frag is not None:
                     frag.refresh([n])
         out.batches += 1
-        if policy == "planner" and len(batch) > 1:
+        if base == "planner" and len(batch) > 1:
             placed = _plan_batch(cap, frag, batch, out, time_limit, num_workers, accept)
         else:
-            rule = _planner_rule() if policy == "planner" else policy
+            rule = _planner_rule() if base == "planner" else policy
             placed = []
             for t in batch:
                 ch = choose(rule, cap, t.demand, frag)
@@ -154,6 +189,27 @@ def run_policy(
         for t, n in placed:
             where[t.key] = n
             demands_of[t.key] = t
+            if repack:
+                running[t.key] = (t.demand, _held(cap, t.demand, n))
+        if out.placedAtFirstFailure is None and not churn and len(placed) < len(batch):
+            if any(t.demand.wants_gpu and t.key not in where for t in batch):
+                out.placedAtFirstFailure = [demands_of[k].demand for k in where]
+        if repack:
+            placed += _repack_failed(
+                cap,
+                frag,
+                batch,
+                len(placed),
+                running,
+                where,
+                demands_of,
+                out,
+                skips,
+                nowhere,
+                repack_time_limit,
+                num_workers,
+                move_budget,
+            )
         a = cap.arrays
         in_use = int((a.used_replicas > 0).sum())
         out.overcommittedGpusPeak = max(out.overcommittedGpusPeak, int(_overcommitted(a).sum()))
@@ -176,6 +232,170 @@ def run_policy(
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
     return out
+
+
+@dataclass
+class RepackSkips:
+    """Repack searches that cannot succeed, skipped: a demand that asks at least what a failed
+    search asked (`repack.dominates`), with no more moves allowed than that search had, until a pod
+    leaves. Sound when the failure was proven (a pod added only takes capacity, and a move only
+    re-arranges it), a cut otherwise: a search in a neighbourhood that found nothing is not
+    repeated for the same or a bigger pod until something changes beyond arrivals. The
+    replay at inflate 1.3 fails thousands of pods; without this, thousands of searches."""
+
+    failed: list[tuple[Demand, int]] = field(default_factory=list)
+
+    def left(self) -> None:
+        self.failed.clear()
+
+    def skip(self, d: Demand, max_moves: int) -> bool:
+        from extender.planner.repack import dominates
+
+        return any(m >= max_moves and dominates(d, f) for f, m in self.failed)
+
+    def add(self, d: Demand, max_moves: int) -> None:
+        from extender.planner.repack import dominates
+
+        self.failed = [(f, m) for f, m in self.failed if not (m <= max_moves and dominates(f, d))]
+        self.failed.append((d, max_moves))
+
+
+def _held(cap: Capacity, d: Demand, node: int) -> Reservation:
+    """What a placed pod holds, as repacking reads it: its reservation, or for a GPU-less pod
+    one with no devices that names its node."""
+    return cap.ledger.reservation(d.pod.key) or Reservation(
+        d.pod, cap.arrays.node_names[node], (), ()
+    )
+
+
+def _repack_failed(
+    cap: Capacity,
+    frag: FragIndex | None,
+    batch: Sequence[Task],
+    placed_now: int,
+    running: dict[str, tuple[Demand, Reservation]],
+    where: dict[str, int],
+    demands_of: dict[str, Task],
+    out: PolicyResult,
+    skips: RepackSkips,
+    nowhere: set[tuple],
+    time_limit: float,
+    num_workers: int,
+    move_budget: float,
+) -> list[tuple[Task, int]]:
+    """Repack for every GPU pod of the batch left out, in order, while the budget lasts; the
+    pods it places, indexed like the others."""
+    from extender.planner.repack import apply_plan, search_repack
+
+    more: list[tuple[Task, int]] = []
+    for t in batch:
+        d = t.demand
+        if t.key in where or not d.wants_gpu:
+            continue
+        allowed = int(move_budget * (out.placed + placed_now + len(more))) - out.moves
+        if allowed < 1 or demand_kind(d) in nowhere or skips.skip(d, allowed):
+            out.repackSkipped += 1
+            continue
+        found = search_repack(
+            cap,
+            d,
+            list(running.values()),
+            max_moves=allowed,
+            time_limit=time_limit,
+            num_workers=num_workers,
+        )
+        out.repackSearches += 1
+        out.repackSeconds += found.seconds
+        plan = found.plan
+        if plan is None:
+            skips.add(d, allowed)
+            continue
+        try:
+            apply_plan(cap, plan)
+        except LedgerError:  # cannot happen for a plan read back and checked; counted as failed
+            skips.add(d, allowed)
+            continue
+        touched = set()
+        for mv in plan.moves:
+            n = cap.ledger.node_row(mv.target.node)
+            assert n is not None
+            touched |= {where[mv.pod.key], n}
+            where[mv.pod.key] = n
+            running[mv.pod.key] = (mv.demand, _held(cap, mv.demand, n))
+        n = cap.ledger.node_row(plan.placement.node)
+        assert n is not None
+        touched.add(n)
+        if frag is not None:
+            frag.refresh(sorted(touched))
+        out.moves += len(plan.moves)
+        out.repackPlaced += 1
+        where[t.key] = n
+        demands_of[t.key] = t
+        running[t.key] = (d, _held(cap, d, n))
+        more.append((t, n))
+    return more
+
+
+def allocation_bounds(
+    nodes: Sequence[Mapping[str, Any]],
+    bound: Sequence[Mapping[str, Any]],
+    tasks: Sequence[Task],
+    results: Sequence[PolicyResult] = (),
+) -> dict[str, Any]:
+    """Upper bounds on GPU memory allocated at the end of a replay without churn
+    (`bound.allocation_bound`), as bytes and % of GPU memory, next to the capacity and what
+    the pods ask: `anyPolicy`, whatever any policy does (any moves, every arrival known);
+    `fromFirstFailure`, for a policy that places what the first of `results` (planner+repack
+    preferred, then planner) had placed when a GPU pod first found no place. `planner+repack`
+    places like `planner` until then, at every move budget."""
+    from extender.simulate.bound import allocation_bound
+
+    _, cap = build_capacity(nodes, bound)
+    a = cap.arrays
+    total = int(a.capacity.sum())
+    held = int(np.minimum(a.used, a.capacity).sum())  # pods bound before the replay
+    demands = [t.demand for t in tasks]
+    anyb = allocation_bound(cap, demands)
+
+    def pct(b: float) -> float:
+        return round(100 * (b + held) / total, 3) if total else 0.0
+
+    out: dict[str, Any] = {
+        "capacityBytes": total,
+        "demandBytes": anyb.demand_bytes,
+        "anyPolicyBytes": round(anyb.bytes + held),
+        "anyPolicyPct": pct(anyb.bytes),
+        "status": anyb.status,
+        "seconds": round(anyb.seconds, 2),
+    }
+    order = {"planner+repack": 0, "planner": 1}
+    ref = sorted(
+        (r for r in results if r.placedAtFirstFailure is not None),
+        key=lambda r: order.get(r.policy, 2),
+    )
+    if ref:
+        r = ref[0]
+        b = allocation_bound(cap, demands, placed=r.placedAtFirstFailure or ())
+        out["fromFirstFailure"] = {
+            "policy": r.policy,
+            "placedThen": len(r.placedAtFirstFailure or ()),
+            "bytes": round(b.bytes + held),
+            "pct": pct(b.bytes),
+            "status": b.status,
+        }
+    return out
+
+
+def bound_line(b: Mapping[str, Any]) -> str:
+    """`allocation_bounds` in one line, as the simulator and the trace benchmark print it."""
+    line = f"bound on GPU memory allocated: any policy {b['anyPolicyPct']:.2f}%"
+    f = b.get("fromFirstFailure")
+    if f:
+        line += (
+            f"; placing like {f['policy']} until a GPU pod first fits nowhere "
+            f"({f['placedThen']} pods then): {f['pct']:.2f}%"
+        )
+    return line
 
 
 def fit_nowhere(cap: Capacity, tasks: Sequence[Task]) -> set[tuple]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from extender.simulate.engine import PolicyResult
 
-__all__ = ["plot_results", "plot_free_curve"]
+__all__ = ["plot_results", "plot_free_curve", "plot_budget_curves"]
 
 _PANELS = [
     ("placed", "pods placed", 1),
@@ -16,7 +16,10 @@ _PANELS = [
     ("gpusFree", "GPUs fully free", 1),
     ("fragmentationRate", "fragmentation (share of free VRAM)", 1),
     ("overcommittedGpus", "GPUs with VRAM overcommitted", 1),
+    ("failed", "pods failed", 1),
+    ("moves", "pods moved (repacking)", 1),
 ]
+_OURS = ("planner", "planner+repack", "vramsched")
 
 
 def plot_results(results: Sequence[PolicyResult], path: str | Path, title: str = "") -> None:
@@ -25,9 +28,9 @@ def plot_results(results: Sequence[PolicyResult], path: str | Path, title: str =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7))
     names = [r.policy for r in results]
-    colors = ["#2b6cb0" if n in ("planner", "vramsched") else "#a0aec0" for n in names]
+    colors = ["#2b6cb0" if n in _OURS else "#a0aec0" for n in names]
     for ax, (key, label, scale) in zip(axes.flat, _PANELS):
         values = [getattr(r, key) / scale for r in results]
         bars = ax.bar(names, values, color=colors)
@@ -79,5 +82,68 @@ def plot_free_curve(
     ax.legend(fontsize=8)
     ax.set_title(title or "GPUs fully free while every pod fits", fontsize=10)
     fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_budget_curves(
+    runs: dict[str, dict], path: str | Path, title: str = "", cols: int = 4
+) -> None:
+    """GPU memory allocated (% of capacity) by `planner+repack` against its move budget, one
+    panel per pod list: FGD's allocation and the bounds as horizontal lines.
+
+    `runs` maps a panel title to {"budgetCurve": [{"moveBudget", "allocatedPct", "moves"}...],
+    "fgdPct": float | None, "bound": `engine.allocation_bounds` | None}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(runs))
+    cols = min(cols, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, (name, run) in zip(axes.flat, runs.items()):
+        curve = run["budgetCurve"]
+        x = [100 * c["moveBudget"] for c in curve]
+        y = [c["allocatedPct"] for c in curve]
+        ax.plot(x, y, "o-", color="#2b6cb0", lw=2, label="planner+repack")
+        for xi, yi, c in zip(x, y, curve):
+            ax.annotate(
+                f"{c['moves']}",
+                (xi, yi),
+                textcoords="offset points",
+                xytext=(0, 5),
+                ha="center",
+                fontsize=7,
+                color="#2b6cb0",
+            )
+        if run.get("fgdPct") is not None:
+            ax.axhline(run["fgdPct"], color="#718096", lw=1.2, label="FGD")
+            ax.axhline(run["fgdPct"] + 3, color="#718096", lw=0.8, ls=":", label="FGD + 3 points")
+        b = run.get("bound") or {}
+        first = b.get("fromFirstFailure")
+        if first:
+            ax.axhline(
+                first["pct"],
+                color="#c53030",
+                lw=1.2,
+                ls="--",
+                label="bound: placing like the planner until a pod fits nowhere",
+            )
+        ax.set_title(name or "planner+repack by move budget", fontsize=9)
+        ax.set_xlabel("move budget (% of pods placed)", fontsize=8)
+        ax.set_ylabel("GPU memory allocated (%)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(
+        (title + ": " if title else "")
+        + "GPU memory allocated against the move budget (labels: pods moved)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
