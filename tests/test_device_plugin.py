@@ -551,6 +551,24 @@ def test_pods_that_ended_are_never_candidates(phase):
     assert isinstance(got, Refusal) and got.ambiguous
 
 
+def test_after_a_kubelet_restart_init_containers_the_plugin_never_saw_are_not_waiting():
+    """A restarted kubelet lists the pods it admitted before; the plugin may have registered
+    before they were listed, so its record of served init containers can miss them."""
+    inits = [("warmup", 1, False)]
+    init_app = pod("init-app", [0], containers=[("main", 1)], inits=inits)
+    init_only = admitted_status(pod("init-only", [1], containers=[("main", 0)], inits=inits))
+    waiting = pod("waiting", [3])
+    listed = [kp("init-app", main=("x::0",)), kp("init-only", main=()), kp("waiting")]
+    got = identify(1, listed, index(init_app, init_only, waiting), {}, GPU, NODE)
+    assert isinstance(got, Match) and got.pod == "ns/waiting" and got.slot.gpus == (3,)
+    # a plain init container after a sidecar that holds devices is still to come
+    side = pod(
+        "side", [2, 5], containers=[("main", 1)], inits=[("sidecar", 1, True), ("warmup", 1, False)]
+    )
+    got = identify(1, [kp("side", sidecar=("x::2",), main=())], index(side), {}, GPU, NODE)
+    assert isinstance(got, Match) and got.slot.container == "warmup" and got.slot.gpus == (2,)
+
+
 def admitted_status(p: dict[str, Any]) -> dict[str, Any]:
     """What the kubelet writes once it admitted the pod and started its init container."""
     init = [c["name"] for c in p["spec"]["initContainers"]]

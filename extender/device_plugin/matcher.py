@@ -20,7 +20,8 @@ that ended, Failed ones among them, with no devices: a pod whose API phase is Fa
 waits for nothing and is never a candidate (`ENDED`).
 
 Non-restartable init containers are not in PodResources `List`; the plugin remembers the ones it
-served (`served_init`). Their devices are the pod's first GPUs (the kubelet hands an init
+served (`served_init`), and takes one as allocated also when a container after it holds devices
+or the API shows the pod admitted (a kubelet restart lists pods admitted before). Their devices are the pod's first GPUs (the kubelet hands an init
 container's devices on to the app containers); app containers take consecutive slices of the
 assignment in spec order.
 """
@@ -235,15 +236,7 @@ def identify(
             if not any(kp.devices.values()):
                 refusals.append(slots.reason)
             continue
-        done = served_init.get(uid, frozenset())
-        nxt = next(
-            (
-                s
-                for s in slots
-                if not (s.container in done if s.init else kp.devices.get(s.container))
-            ),
-            None,
-        )
+        nxt = _next_slot(slots, kp, served_init.get(uid, frozenset()), admitted(pod))
         if nxt is None:
             continue
         if nxt.count != count:
@@ -270,6 +263,27 @@ def identify(
             ambiguous=True,
         )
     return candidates[0]
+
+
+def _next_slot(
+    slots: Sequence[Slot], kp: KubeletPod, served: frozenset[str], was_admitted: bool
+) -> Slot | None:
+    """The first slot still without devices. A plain init container (never listed) counts as
+    allocated when the plugin served it, when a slot after it holds devices (the kubelet
+    allocates in order), or when the API shows the pod admitted: after a kubelet restart the
+    kubelet lists pods it admitted before, whose init containers this plugin may never have
+    seen (it restarted too, or registered before the kubelet listed them)."""
+    for i, s in enumerate(slots):
+        if not s.init:
+            if not kp.devices.get(s.container):
+                return s
+            continue
+        if s.container in served or was_admitted:
+            continue
+        if any(not t.init and kp.devices.get(t.container) for t in slots[i + 1 :]):
+            continue
+        return s
+    return None
 
 
 def _indices(gpus: Sequence[int]) -> str:
