@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from extender.observe.sources import SourceError, add_source_args, load_cluster
+
 __all__ = ["register", "run"]
 
 
@@ -12,17 +14,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan-defrag",
         help="propose pod moves that free whole GPUs (dry run, nothing is evicted)",
-        description="Reads a cluster (Nodes and bound Pods with vramsched assignments) and proposes the "
-        "fewest moves of GPU-sharing pods that free the most whole GPUs. Every move's target "
-        "has room before any other move, so they can be done one by one in any order. "
-        "Nothing is evicted.",
+        description="Reads a cluster (Nodes and bound Pods with vramsched assignments) from the API "
+        "server (--kubeconfig, $KUBECONFIG, ~/.kube/config, else in-cluster, as `vramsched top`) "
+        "or a cluster file (--cluster) and proposes the fewest moves of GPU-sharing pods that "
+        "free the most whole GPUs. Every move's target has room before any other move, so they "
+        "can be done one by one in any order. Nothing is evicted.",
     )
-    p.add_argument(
-        "--cluster",
-        required=True,
-        metavar="FILE",
-        help="Kubernetes List of Nodes and Pods (YAML or JSON)",
-    )
+    add_source_args(p, server=False)
     p.add_argument("--max-moves", type=int, default=None, help="at most N moves in total")
     p.add_argument(
         "--max-per-namespace",
@@ -50,21 +48,25 @@ def run(args: argparse.Namespace) -> int:
     import orjson
 
     from extender.demand import DemandError, pod_demand
+    from extender.planner.capacity import Capacity
     from extender.planner.defrag import Limits, plan_defrag
     from extender.quantity import format_bytes
-    from extender.simulate.engine import build_capacity
-    from extender.source_file import ClusterFileError, read_cluster_file
 
-    try:
-        objs = read_cluster_file(args.cluster)
-    except (OSError, ClusterFileError) as exc:
-        print(f"vramsched plan-defrag: cannot load {args.cluster}: {exc}", file=sys.stderr)
+    if args.kubeconfig and args.cluster:
+        print(
+            "vramsched plan-defrag: choose one source: --kubeconfig or --cluster", file=sys.stderr
+        )
         return 2
-    nodes = [o for o in objs if o.get("kind") == "Node"]
-    bound = [o for o in objs if o.get("kind") == "Pod" and (o.get("spec") or {}).get("nodeName")]
-    _, cap = build_capacity(nodes, bound)
+    try:
+        cluster = load_cluster(args)
+    except SourceError as exc:
+        print(f"vramsched plan-defrag: {exc}", file=sys.stderr)
+        return 2
+    cap = Capacity.from_ledger(cluster.ledger, cluster.cpu_used, cluster.memory_used)
     demands = {}
-    for pod in bound:
+    for pod in cluster.pods.values():
+        if not (pod.get("spec") or {}).get("nodeName"):
+            continue
         try:
             d = pod_demand(pod)
         except DemandError:

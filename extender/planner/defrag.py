@@ -6,8 +6,11 @@ have room *now*, without counting memory that other moves would release, so the 
 carried out one by one in any order (evict, the pod is recreated and lands on its target) and
 the ledger never overcommits in between. Disruption limits stand in for PodDisruptionBudgets:
 at most N moves in total, per namespace, per node, and namespaces that must not be touched.
-Only pods holding a declared share of one GPU (`vramsched.io/model-memory`, one GPU) move; a
-pod holding whole devices or several GPUs stays where it is.
+Only pods holding a declared share of one GPU (`vramsched.io/model-memory`, one GPU) move, and
+only to a GPU of the same product; a pod holding whole devices or several GPUs stays where it is.
+
+The variables "pod i lands on device h" and the capacity rules are `move_model.MoveModel`'s, in
+its room-now sense (`release=False`), the same model `repack` builds in its final-state sense.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
+from extender.demand import Demand
 from extender.ledger import Reservation
-from extender.planner.capacity import Capacity, device_matches
+from extender.planner.capacity import Capacity
+from extender.planner.move_model import MoveModel, Mover
 from extender.planner.staged import Settings, Stage, staged_solve
 
 __all__ = ["Limits", "Move", "DefragPlan", "plan_defrag"]
@@ -55,6 +61,47 @@ class DefragPlan:
     gpus_free_before: int
 
 
+def _movers(
+    cap: Capacity,
+    demands: Mapping[str, tuple[int, int, str | None]],
+    limits: Limits,
+) -> tuple[list[Mover], list[Reservation], dict[int, list[str]]]:
+    """The pods that may move (one declared share of one GPU, namespace not excluded) as the
+    model's movers, their reservations, and per device row the pods holding it."""
+    ledger, a = cap.ledger, cap.arrays
+    holders: dict[int, list[str]] = defaultdict(list)
+    movers: list[Mover] = []
+    sources: list[Reservation] = []
+    for res in ledger.reservations():
+        rows = [ledger.row(res.node, d) for d in res.device_ids]
+        for g in rows:
+            if g is not None:
+                holders[g].append(res.key)
+        n = ledger.node_row(res.node)
+        if (
+            len(rows) != 1
+            or rows[0] is None
+            or n is None
+            or not res.declared
+            or res.pod.namespace in limits.exclude_namespaces
+        ):
+            continue
+        g = rows[0]
+        cpu, mem, resource = demands.get(res.key, (0, 0, None))
+        d = Demand(
+            res.pod,
+            1,
+            res.bytes_per_device[0],
+            resource=resource or a.devices[g].resource,
+            priority=res.priority,
+            cpu_milli=cpu,
+            memory_bytes=mem,
+        )
+        movers.append(Mover(d, n, (g,), res.bytes_per_device))
+        sources.append(res)
+    return movers, sources, holders
+
+
 def plan_defrag(
     cap: Capacity,
     demands: Mapping[str, tuple[int, int, str | None]],
@@ -65,113 +112,58 @@ def plan_defrag(
 ) -> DefragPlan:
     """`demands` maps pod key -> (cpu milli, memory bytes, resource) of every bound pod we hold."""
     start = time.perf_counter()
-    ledger = cap.ledger
     a = cap.arrays
     free_before = int((a.used_replicas == 0).sum())
-    by_dev: dict[int, list[Reservation]] = defaultdict(list)
-    movable: list[tuple[Reservation, int]] = []
-    for res in ledger.reservations():
-        rows = [ledger.row(res.node, d) for d in res.device_ids]
-        for g in rows:
-            if g is not None:
-                by_dev[g].append(res)
-        ns = res.pod.namespace
-        if (
-            len(rows) == 1
-            and rows[0] is not None
-            and res.declared
-            and ns not in limits.exclude_namespaces
-        ):
-            movable.append((res, rows[0]))
-    m = cp_model.CpModel()
-    x: dict[tuple[int, int], cp_model.IntVar] = {}
-    moved: list[tuple[cp_model.IntVar, Reservation]] = []
-    incoming_b: dict[int, list[cp_model.LinearExprT]] = defaultdict(list)
-    incoming_n: dict[int, list[cp_model.IntVar]] = defaultdict(list)
-    incoming_cpu: dict[int, list[cp_model.LinearExprT]] = defaultdict(list)
-    incoming_mem: dict[int, list[cp_model.LinearExprT]] = defaultdict(list)
-    per_ns: dict[str, list[cp_model.IntVar]] = defaultdict(list)
-    per_node: dict[str, list[cp_model.IntVar]] = defaultdict(list)
-    free = a.capacity - a.used
-    rep = a.replicas - a.used_replicas
-    moved_of: dict[str, cp_model.IntVar] = {}
-    for i, (res, g) in enumerate(movable):
-        nbytes = res.bytes_per_device[0]
-        cpu, mem, resource = demands.get(res.key, (0, 0, None))
-        dev = a.devices[g]
-        ok = (
-            device_matches(a, resource or dev.resource, None)
-            & (free >= nbytes)
-            & (rep > 0)
-            & (a.per_pod_cap >= nbytes)
-        )
-        ok &= (
-            a.product_id == a.product_id[g]
-        )  # stay on the same GPU product (the pod may depend on it)
-        targets = [int(h) for h in ok.nonzero()[0] if int(h) != g]
-        if not targets:
-            continue
-        mv = m.new_bool_var(f"mv{i}")
-        terms = []
-        for h in targets:
-            n_to = int(a.node_of[h])
-            if a.node_names[n_to] != res.node and (
-                cap.cpu_free[n_to] < cpu or cap.mem_free[n_to] < mem
-            ):
-                continue
-            v = m.new_bool_var(f"x{i}_{h}")
-            x[i, h] = v
-            terms.append(v)
-            incoming_b[h].append(nbytes * v)
-            incoming_n[h].append(v)
-            if a.node_names[n_to] != res.node:
-                incoming_cpu[n_to].append(cpu * v)
-                incoming_mem[n_to].append(mem * v)
-        if not terms:
-            continue
-        m.add(sum(terms) == mv)
-        moved.append((mv, res))
-        moved_of[res.key] = mv
-        per_ns[res.pod.namespace].append(mv)
-        per_node[res.node].append(mv)
-    for h, bytes_in in incoming_b.items():
-        m.add(sum(bytes_in) <= int(free[h]))
-        m.add(sum(incoming_n[h]) <= int(rep[h]))
-    for n, cpu_in in incoming_cpu.items():
-        m.add(sum(cpu_in) <= int(cap.cpu_free[n]))
-        m.add(sum(incoming_mem[n]) <= int(cap.mem_free[n]))
-    freed = []
-    for g, holders in by_dev.items():
-        if any(r.key not in moved_of for r in holders):
+    movers, sources, holders = _movers(cap, demands, limits)
+
+    def restrict(i: int, rows: np.ndarray) -> np.ndarray:
+        """The same GPU product (the pod may depend on it), never the device it is on."""
+        g = movers[i].rows[0]
+        kept: np.ndarray = (a.product_id[rows] == a.product_id[g]) & (rows != g)
+        return kept
+
+    mm = MoveModel(cap, range(len(a.node_names)), movers, release=False, restrict=restrict)
+    m = mm.model
+    moved_of = {mv.demand.pod.key: mm.placed[i] for i, mv in enumerate(movers)}
+    freed: list[tuple[cp_model.IntVar, int]] = []
+    for g, keys in holders.items():
+        if any(k not in moved_of for k in keys):
             continue
         f = m.new_bool_var(f"free{g}")
-        for r in holders:
-            m.add_implication(f, moved_of[r.key])
-        if incoming_n.get(g):
-            m.add(sum(incoming_n[g]) == 0).only_enforce_if(f)
+        for k in keys:
+            m.add_implication(f, moved_of[k])
+        incoming = mm.incoming(g)
+        if incoming:
+            m.add(sum(incoming) == 0).only_enforce_if(f)
         freed.append((f, g))
+    if not freed:
+        return DefragPlan([], [], "NOTHING_TO_FREE", 0, time.perf_counter() - start, free_before)
+    per_ns: dict[str, list[cp_model.IntVar]] = defaultdict(list)
+    per_node: dict[str, list[cp_model.IntVar]] = defaultdict(list)
+    for i, res in enumerate(sources):
+        per_ns[res.pod.namespace].append(mm.placed[i])
+        per_node[res.node].append(mm.placed[i])
     if limits.max_moves is not None:
-        m.add(sum(mv for mv, _ in moved) <= limits.max_moves)
+        m.add(sum(mm.placed) <= limits.max_moves)
     if limits.max_per_namespace is not None:
         for terms in per_ns.values():
             m.add(sum(terms) <= limits.max_per_namespace)
     if limits.max_per_node is not None:
         for terms in per_node.values():
             m.add(sum(terms) <= limits.max_per_node)
-    if not freed:
-        return DefragPlan([], [], "NOTHING_TO_FREE", 0, time.perf_counter() - start, free_before)
-    W = (len(moved) + 1) * 2
-    max_prio = max((r.priority for _, r in moved), default=0)
+    W = (len(movers) + 1) * 2
+    max_prio = max((r.priority for r in sources), default=0)
     # one goal: GPUs freed weigh more than all moves together; moves cost 2, plus 1 when the pod
     # is of the highest priority among the movable ones
     goal = W * sum(f for f, _ in freed) - sum(
-        (2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mv for mv, r in moved
+        (2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mm.placed[i]
+        for i, r in enumerate(sources)
     )
     result = staged_solve(
         m,
         [Stage("freed", goal, maximize=True, least=0.0)],
         time.perf_counter() + time_limit,
-        variables=[*x.values(), *(f for f, _ in freed)],
+        variables=[*mm.decisions(), *(f for f, _ in freed)],
         settings=Settings(num_workers),
     )
     stage = result.stages[0]
@@ -179,20 +171,22 @@ def plan_defrag(
     if not stage.solved or values is None:
         return DefragPlan([], [], stage.status, 0, time.perf_counter() - start, free_before)
     moves = []
-    for (i, h), v in x.items():
-        if values[v.index]:
-            res, g = movable[i]
-            moves.append(
-                Move(
-                    res.key,
-                    res.node,
-                    a.devices[g].device_id,
-                    a.node_names[int(a.node_of[h])],
-                    a.devices[h].device_id,
-                    res.bytes_per_device[0],
-                    res.priority,
-                )
+    for i, res in enumerate(sources):
+        landing = mm.landing(values, i)
+        if landing is None:
+            continue
+        g, h = movers[i].rows[0], landing[1][0]
+        moves.append(
+            Move(
+                res.key,
+                res.node,
+                a.devices[g].device_id,
+                a.node_names[landing[0]],
+                a.devices[h].device_id,
+                res.bytes_per_device[0],
+                res.priority,
             )
+        )
     # a moved pod whose GPU is not freed would be a wasted move; the objective never wants one
     moves.sort(key=lambda mv: (mv.from_node, mv.from_device, mv.pod))
     return DefragPlan(

@@ -1,0 +1,126 @@
+"""`vramsched plan-defrag` reads a live cluster through the API, as `vramsched top` does.
+
+A stub API server (plain HTTP, the two list calls the informers' first sync makes) serves the
+same Nodes and Pods as a cluster file; the plan read through `--kubeconfig` (the kubernetes
+client, `LiveSource`) must be the plan read from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from builders import gpu_node, pod
+
+from extender.assignment import encode_assignment
+from extender.cli import main
+from extender.demand import PodRef
+from extender.ledger import Reservation
+from extender.quantity import GIB
+
+
+def bound_pod(name: str, node: str, dev: str, gib: int, namespace: str = "default"):
+    res = Reservation(PodRef(namespace, name), node, (dev,), (gib * GIB,))
+    p = pod(
+        name,
+        f"{gib}Gi",
+        node=node,
+        namespace=namespace,
+        phase="Running",
+        annotations=encode_assignment(res),
+        scheduler="vramsched",
+    )
+    p["metadata"].setdefault("uid", f"uid-{name}")
+    p["metadata"]["resourceVersion"] = "1"
+    return p
+
+
+def cluster_objects() -> list[dict]:
+    return [
+        gpu_node("g0", count=2, memory_mib=80 * 1024, replicas=4),
+        gpu_node("g1", count=1, memory_mib=80 * 1024, replicas=4),
+        bound_pod("a", "g0", "0", 20),
+        bound_pod("b", "g0", "1", 20),
+        bound_pod("c", "g1", "0", 30, namespace="prod"),
+    ]
+
+
+class StubApi(BaseHTTPRequestHandler):
+    """GET /api/v1/nodes and /api/v1/pods: the objects as one page of a List."""
+
+    objects: list[dict] = []
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        kinds = {"/api/v1/nodes": "Node", "/api/v1/pods": "Pod"}
+        if path not in kinds:
+            self.send_error(404)
+            return
+        items = [o for o in self.objects if o["kind"] == kinds[path]]
+        body = json.dumps(
+            {"kind": kinds[path] + "List", "metadata": {"resourceVersion": "7"}, "items": items}
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def api_server(tmp_path: Path):
+    StubApi.objects = cluster_objects()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubApi)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}
+                ],
+                "users": [{"name": "u", "user": {"token": "x"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    yield kubeconfig
+    server.shutdown()
+
+
+def plan(capsys, *argv: str) -> dict:
+    assert main(["plan-defrag", *argv, "--json", "--workers", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    out.pop("seconds")
+    return out
+
+
+def test_the_api_and_a_cluster_file_give_the_same_plan(api_server, tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": cluster_objects()}))
+    from_file = plan(capsys, "--cluster", str(f))
+    assert from_file["gpusFreed"] == 2 and len(from_file["moves"]) == 2
+    assert plan(capsys, "--kubeconfig", str(api_server)) == from_file
+    limited = plan(capsys, "--kubeconfig", str(api_server), "--max-moves", "1")
+    assert limited["gpusFreed"] == 1 and len(limited["moves"]) == 1
+
+
+def test_a_bad_source_is_one_line(tmp_path, capsys):
+    assert main(["plan-defrag", "--kubeconfig", "/no/such/kubeconfig"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vramsched plan-defrag: cannot load Kubernetes config from /no/such")
+    assert err.count("\n") == 1
+    assert main(["plan-defrag", "--cluster", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vramsched plan-defrag: cannot read") and err.count("\n") == 1
