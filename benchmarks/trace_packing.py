@@ -191,18 +191,25 @@ def run(
         print(f"  {pod_list} inflate={factor}: {bound_line(out['bound'])}", flush=True)
     if budgets and not churn:
         out["budgetCurve"] = []
+        done = {r.policy: r for r in results}
         for b in budgets:
-            r = run_policy(
-                "planner+repack",
-                nodes,
-                tasks,
-                bound,
-                workload=workload,
-                time_limit=time_limit,
-                accept=accept,
-                move_budget=b,
-                repack_time_limit=repack_time_limit,
-            )
+            # budget 0 is the planner (no move is ever allowed), the run's own budget was run
+            if b == 0 and "planner" in done:
+                r = done["planner"]
+            elif b == move_budget and "planner+repack" in done:
+                r = done["planner+repack"]
+            else:
+                r = run_policy(
+                    "planner+repack",
+                    nodes,
+                    tasks,
+                    bound,
+                    workload=workload,
+                    time_limit=time_limit,
+                    accept=accept,
+                    move_budget=b,
+                    repack_time_limit=repack_time_limit,
+                )
             out["budgetCurve"].append(
                 {
                     "moveBudget": b,
@@ -480,6 +487,13 @@ def main() -> int:
         action="store_true",
         help="draw one PNG per run of an existing --out file (and the budget curves) and exit",
     )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        help="write the runs of these result files (e.g. one per pod list) into --out, print "
+        "the summary and exit",
+    )
     args = ap.parse_args()
     if args.markdown:
         print(markdown(json.loads(Path(args.out).read_text())))
@@ -489,6 +503,19 @@ def main() -> int:
         return 0
     if args.plots:
         plots(json.loads(Path(args.out).read_text()), Path(args.out).parent)
+        return 0
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        body = {
+            "command": "; ".join(p["command"] for p in parts),
+            "machine": parts[0]["machine"],
+            "cpus": parts[0]["cpus"],
+            "python": parts[0]["python"],
+            "wallSeconds": round(sum(p["wallSeconds"] for p in parts), 1),
+            "runs": [r for p in parts for r in p["runs"]],
+        }
+        Path(args.out).write_text(json.dumps(body, indent=2) + "\n")
+        print(summary(body))
         return 0
     lists = args.lists if args.lists else trace_lists()
     budgets = None if args.budgets is None else (args.budgets or list(BUDGETS))
