@@ -383,3 +383,17 @@ def test_a_large_cluster_is_searched_in_a_neighbourhood():
         p37.device_ids,
     )
     assert_plan_is_sound(cap, found.plan, running)
+
+
+def test_apply_plan_refuses_a_node_whose_cpu_went_meanwhile():
+    cap, running = _two_gpus_half_full()
+    plan = plan_repack(cap, demand("big", 80, cpu=2000), running, num_workers=1)
+    assert plan is not None and len(plan.moves) == 1
+    n = cap.ledger.node_row(plan.placement.node)
+    hog = Demand(PodRef("default", "hog"), 0, None, cpu_milli=int(cap.cpu_free[n]) - 1000)
+    cap.apply(hog, None, n)  # 1 core left where the pod was to go: it needs 2
+    before = ledger_state(cap)
+    with pytest.raises(LedgerError, match="CPU or memory"):
+        apply_plan(cap, plan)
+    assert ledger_state(cap) == before
+    assert check_invariant(cap.ledger) == []

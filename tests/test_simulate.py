@@ -574,6 +574,9 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     assert bound["fromFirstFailure"]["placedThen"] == 3
     for r in out["policies"].values():
         assert r["allocatedMemoryBytes"] <= bound["anyPolicyBytes"] + 1
+    for policy in ("fgd", "planner+repack"):  # its own end state, moves allowed: no less
+        mine = out["policies"][policy]["allocatedMemoryBytes"]
+        assert mine - 1 <= bound["fromEnd"][policy]["bytes"] <= bound["anyPolicyBytes"] + 1
     assert [c["moveBudget"] for c in out["budgetCurve"]] == [0.0, 0.005, 0.01, 0.02, 0.05]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([*args, "--policy", "planner+repack", "--bound"]) == 0

@@ -106,10 +106,13 @@ class PolicyResult:
     #: result and any policy's that agrees with it up to there (`planner+repack` at every
     #: budget agrees with `planner`). Not in the JSON.
     placedAtFirstFailure: list[Demand] | None = field(default=None, repr=False)
+    #: the pods placed at the end (without churn): `allocation_bound(..., placed=...)` is then
+    #: the most any number of moves could make of this end state. Not in the JSON.
+    placedAtEnd: list[Demand] | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        skip = ("policy", "freeSeries", "placedAtFirstFailure", "extra")
+        skip = ("policy", "freeSeries", "placedAtFirstFailure", "placedAtEnd", "extra")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d.update(self.extra)
         return d
@@ -228,6 +231,8 @@ def run_policy(
             out.allFitBatches, out.allFitArrivals = out.batches, arrived
     out.seconds = time.perf_counter() - start
     out.gpusFreeMean = free_sum / max(1, out.batches)
+    if not churn:
+        out.placedAtEnd = [demands_of[k].demand for k in where]
     _measure(out, cap, workload, [demands_of[k].demand for k in where])
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
@@ -346,8 +351,10 @@ def allocation_bounds(
     (`bound.allocation_bound`), as bytes and % of GPU memory, next to the capacity and what
     the pods ask: `anyPolicy`, whatever any policy does (any moves, every arrival known);
     `fromFirstFailure`, for a policy that places what the first of `results` (planner+repack
-    preferred, then planner) had placed when a GPU pod first found no place. `planner+repack`
-    places like `planner` until then, at every move budget."""
+    preferred, then planner) had placed when a GPU pod first found no place (`planner+repack`
+    places like `planner` until then, at every move budget); `fromEnd`, per policy (fgd,
+    planner+repack), the most any number of moves could make of its end state, its pods kept
+    and the pods that failed free to join."""
     from extender.simulate.bound import allocation_bound
 
     _, cap = build_capacity(nodes, bound)
@@ -383,6 +390,13 @@ def allocation_bounds(
             "pct": pct(b.bytes),
             "status": b.status,
         }
+    ends = {}
+    for r in results:
+        if r.placedAtEnd is not None and r.policy in ("fgd", "planner+repack"):
+            b = allocation_bound(cap, demands, placed=r.placedAtEnd)
+            ends[r.policy] = {"bytes": round(b.bytes + held), "pct": pct(b.bytes)}
+    if ends:
+        out["fromEnd"] = ends
     return out
 
 
@@ -395,6 +409,8 @@ def bound_line(b: Mapping[str, Any]) -> str:
             f"; placing like {f['policy']} until a GPU pod first fits nowhere "
             f"({f['placedThen']} pods then): {f['pct']:.2f}%"
         )
+    for policy, e in (b.get("fromEnd") or {}).items():
+        line += f"; {policy}'s end state with any moves: {e['pct']:.2f}%"
     return line
 
 
