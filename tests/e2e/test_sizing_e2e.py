@@ -1,16 +1,17 @@
 """The admission webhook and the bind-time fraction against a real kube-apiserver and scheduler.
 
-kube-apiserver 1.20 calls `vramsched serve --webhook-port` over TLS (clientConfig.url on
-loopback with the caBundle), registered from deploy/webhook.yaml; the scheduler binds through
-the extender. No kubelet runs here: "what kubelet would see" is the bound pod from the API with
-its downward-API env var and `$(VAR)` arguments expanded the way kubelet expands them.
+kube-apiserver calls `vramsched serve --webhook-port` over TLS (clientConfig.url on loopback with
+the caBundle), registered from deploy/webhook.yaml; the scheduler binds through the extender.
+On the session control planes no kubelet runs: there the bound pod from the API must carry the
+annotation, the env entry and the `$(VAR)` argument. The last test runs the device-plugin
+e2e's stack (tests/e2e/test_device_plugin_e2e.py: a real kubelet with containerd, 1.36.3), where
+a busybox container prints what the kubelet really expanded.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import re
 import ssl
 import urllib.error
 import urllib.request
@@ -22,6 +23,8 @@ import kubernetes.client
 import pytest
 import yaml
 from controlplane import REPO_ROOT, ControlPlane, free_port
+from kubelet import BUSYBOX_IMAGE
+from test_device_plugin_e2e import Stack, stack  # noqa: F401 (stack: the kubelet node's fixture)
 from test_extender_e2e import (
     Extender,
     _grant_extender_rbac,
@@ -32,7 +35,12 @@ from test_extender_e2e import (
 
 from extender.sizing.engines import EngineSettings
 from extender.sizing.estimate import estimate, resolve_model
-from extender.sizing.handoff import FRACTION_ANNOTATION, FRACTION_ENV, pod_fraction
+from extender.sizing.handoff import (
+    FRACTION_ANNOTATION,
+    FRACTION_ENV,
+    FRACTION_FIELD_PATH,
+    pod_fraction,
+)
 from extender.webhook.certs import make_serving_cert
 
 NS = "default"
@@ -185,29 +193,6 @@ def webhook_stack(cluster: ControlPlane) -> Iterator[tuple[ControlPlane, Extende
         ext.stop()
 
 
-def _expand(text: str, env: dict[str, str]) -> str:
-    """kubelet's $(VAR) expansion of command/args (undefined references stay as written)."""
-    return re.sub(
-        r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text
-    )
-
-
-def _kubelet_view(pod: Any) -> tuple[dict[str, str], list[str]]:
-    """The container's env and args as kubelet would start them: downward-API references to
-    annotations resolved from the bound pod, then $(VAR) expanded."""
-    (c,) = pod.spec.containers
-    annotations = pod.metadata.annotations or {}
-    env: dict[str, str] = {}
-    for e in c.env or []:
-        if e.value_from is not None and e.value_from.field_ref is not None:
-            m = re.fullmatch(r"metadata\.annotations\['(.+)'\]", e.value_from.field_ref.field_path)
-            assert m, e.value_from.field_ref.field_path
-            env[e.name] = annotations.get(m.group(1), "")
-        else:
-            env[e.name] = e.value or ""
-    return env, [_expand(a, env) for a in c.args or []]
-
-
 @pytest.mark.e2e
 def test_bad_annotation_is_refused_at_create(webhook_stack: tuple[ControlPlane, Extender]) -> None:
     cp, _ = webhook_stack
@@ -254,9 +239,12 @@ def test_named_model_gets_its_annotation_and_a_warning_and_the_bound_fraction(
     raw = api.api_client.sanitize_for_serialization(bound)
     assert value == pod_fraction(raw, [(expected.reservation_per_gpu, 81920 * 2**20)])
     assert 0.1 < float(value) < 0.5
-    env, args = _kubelet_view(bound)
-    assert env[FRACTION_ENV] == value
-    assert f"--gpu-memory-utilization={value}" in args
+    # What the kubelet resolves: the webhook's env entry reads the annotation bind wrote, and
+    # the argument refers to the env var (the kubelet test below runs that expansion for real).
+    (container,) = bound.spec.containers
+    (entry,) = [e for e in container.env or [] if e.name == FRACTION_ENV]
+    assert entry.value_from.field_ref.field_path == FRACTION_FIELD_PATH
+    assert f"--gpu-memory-utilization=$({FRACTION_ENV})" in container.args
 
 
 @pytest.mark.e2e
@@ -378,3 +366,106 @@ def test_deployed_configuration_on_kubernetes_1_36_keeps_its_match_conditions(
             ext.stop()
     finally:
         cp.stop()
+
+
+# ----- the fraction through a real kubelet ------------------------------------------------------
+
+#: Prints the expanded argument and the env var as the container got them; `-unset` tells an
+#: undefined variable from an empty one. `${...}` is the shell's: the kubelet expands `$(...)` only.
+PRINT_FRACTION = (
+    "trap 'exit 0' TERM; "
+    f'echo "ARG=$1"; echo "ENV=${{{FRACTION_ENV}-unset}}"; echo END; sleep 3600 & wait'
+)
+
+
+def _printing_pod(name: str, annotations: dict[str, str]) -> dict[str, Any]:
+    """busybox on the kubelet node, its args written as an engine's would be."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "schedulerName": "vramsched",
+            "nodeSelector": {"vramsched.io/device-plugin": "true"},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": BUSYBOX_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", PRINT_FRACTION, "sh"],
+                    "args": [f"--gpu-memory-utilization=$({FRACTION_ENV})"],
+                    "resources": {
+                        "requests": {"cpu": "10m", "memory": "8Mi"},
+                        "limits": {"nvidia.com/gpu": "1"},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def _printed(stack: Stack, name: str) -> dict[str, str]:
+    (p,) = stack.settle({name}).values()
+    assert p.status.phase == "Running", p.status
+    text = stack.output(p)
+    return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+
+
+@pytest.mark.e2e
+def test_the_kubelet_hands_the_container_its_bound_gpus_fraction(stack: Stack) -> None:
+    """The webhook (a second `vramsched serve`, over TLS) adds the env entry, the extender's bind
+    writes the annotation, and the real kubelet resolves the downward API and expands `$(VAR)`
+    in the args: the container prints the bound GPU's fraction twice. Then, with the webhook
+    down (failurePolicy: Ignore), a pod that left its sizing to the webhook starts with the
+    literal `$(VAR)` in its args, as deploy/examples/sglang-sizing.yaml warns."""
+    cp = stack.cp
+    cert = make_serving_cert(["127.0.0.1"])
+    certs = Path(cp.workdir) / "webhook-cert"
+    certs.mkdir(exist_ok=True)
+    (certs / "tls.crt").write_bytes(cert.cert_pem)
+    (certs / "tls.key").write_bytes(cert.key_pem)
+    port = free_port()
+    webhook = Extender(
+        cp,
+        _grant_extender_rbac(cp),
+        ["--webhook-port", str(port), "--webhook-host", "127.0.0.1"]
+        + ["--webhook-cert", str(certs / "tls.crt"), "--webhook-key", str(certs / "tls.key")],
+    )
+    webhook.start()
+    name = _register(cp, port, cert.ca_pem)
+    try:
+        _wait_webhook_active(cp)
+        status, body, _ = _raw_create(
+            cp, _printing_pod("wired", {"vramsched.io/model-memory": "20Gi"})
+        )
+        assert status == 201, body
+        (container,) = body["spec"]["containers"]
+        env = {e["name"]: e for e in container.get("env") or []}  # the pod came without env
+        assert env[FRACTION_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == FRACTION_FIELD_PATH
+        printed = _printed(stack, "wired")
+        bound = stack.core.read_namespaced_pod("wired", NS)
+        value = (bound.metadata.annotations or {})[FRACTION_ANNOTATION]
+        raw = stack.core.api_client.sanitize_for_serialization(bound)
+        assert value == pod_fraction(raw, [(20 * GIB, 81920 * 2**20)]) == "0.25"
+        assert printed["ENV"] == value
+        assert printed["ARG"] == f"--gpu-memory-utilization={value}"
+
+        webhook.stop()  # kube-apiserver cannot reach it: failurePolicy Ignore admits as is
+        status, body, _ = _raw_create(
+            cp, _printing_pod("unwired", {"vramsched.io/model": "Qwen/Qwen2.5-7B-Instruct"})
+        )
+        assert status == 201, body
+        assert "vramsched.io/model-memory" not in body["metadata"]["annotations"]
+        printed = _printed(stack, "unwired")
+        bound = stack.core.read_namespaced_pod("unwired", NS)
+        assert FRACTION_ANNOTATION not in (bound.metadata.annotations or {})  # a whole GPU
+        assert printed["ENV"] == "unset"
+        assert printed["ARG"] == f"--gpu-memory-utilization=$({FRACTION_ENV})"
+    finally:
+        with cp.api_client() as client:
+            kubernetes.client.AdmissionregistrationV1Api(
+                client
+            ).delete_mutating_webhook_configuration(name)
+        webhook.stop()
+        stack.delete_all()
