@@ -35,6 +35,7 @@ from extender.placement import (
     score_rows,
 )
 from extender.plugin_state import is_plugin_served
+from extender.repack_policy import nominated_outcome
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -52,6 +53,7 @@ from extender.wire import (
 __all__ = [
     "Binder",
     "BindError",
+    "Nominations",
     "PlanSource",
     "PodFeed",
     "Extender",
@@ -85,6 +87,13 @@ class PlanSource(Protocol):
     def notify_filtered(self, pod_key: str, fits: bool) -> None: ...
 
     def state(self) -> dict[str, Any]: ...
+
+
+class Nominations(Protocol):
+    """Pods a running repack freed GPUs for (`extender.live.repack`): filter offers each its
+    nominated node alone (`repack_policy.nominated_outcome`), so nobody else takes that room."""
+
+    def nominated(self, pod_key: str) -> Reservation | None: ...
 
 
 class PodFeed(Protocol):
@@ -168,8 +177,10 @@ class ExtenderService:
         assume_ttl: float = 60.0,
         legacy_failed_nodes: bool = True,
         explain_all: bool = False,
+        nominations: Nominations | None = None,
     ) -> None:
         self.cluster = cluster
+        self.nominations = nominations
         self.binder = binder
         self.planner = planner
         #: planned reservations bind was handed but did not take (no longer free, or refused by the
@@ -253,7 +264,15 @@ class ExtenderService:
             names = args.NodeNames or []
         self.pods.learn(args.Pod)
         self.ledger.expire()
-        outcome = filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
+        nominated = (
+            self.nominations.nominated(demand.pod.key)
+            if self.nominations is not None and demand.wants_gpu
+            else None
+        )
+        if nominated is not None:
+            outcome = nominated_outcome(self.ledger, demand, names, nominated)
+        else:
+            outcome = filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
         self.pending_reasons.note(
             demand.pod.key,
             "fits" if outcome.feasible else outcome_class(False, outcome.failed.values()),

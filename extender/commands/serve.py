@@ -29,6 +29,8 @@ from extender.source_file import ClusterFileError, read_cluster_file
 from extender.webhook import launch as webhook
 
 if TYPE_CHECKING:
+    from extender.live.nominating import NominatingPlanSource
+    from extender.live.repack import Repacker
     from extender.live.source import LiveSource
     from extender.planner.background import BackgroundPlanner
 
@@ -138,6 +140,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resourceNamespace/resourceName); vramsched_leader is 1 on the replica whose "
         "kube-scheduler holds it (default vramsched/vramsched, as deploy/; '' = always 1)",
     )
+    p.add_argument(
+        "--repack",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="live mode: when a pod fits nowhere only because free VRAM is split, evict the fewest "
+        'pods annotated vramsched.io/movable: "true" (owned by a ReplicaSet or StatefulSet) through '
+        "the Eviction API and hold the freed GPUs for it and for their re-created pods "
+        "(default off; docs/repack-live.md)",
+    )
+    p.add_argument(
+        "--repack-max-moves-per-pod",
+        type=int,
+        default=3,
+        metavar="N",
+        help="at most N pods evicted to place one pod (default 3)",
+    )
+    p.add_argument(
+        "--repack-max-moves-per-minute",
+        type=int,
+        default=6,
+        metavar="N",
+        help="at most N pods evicted by repacking in any 60 seconds (default 6)",
+    )
     p.add_argument("--log-level", default="info")
     webhook.add_arguments(p)
     p.set_defaults(run=run)
@@ -156,6 +181,12 @@ def run(args: argparse.Namespace) -> int:
             parse_lease_name(args.leader_lease)
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
+    if args.repack and args.cluster:
+        raise SystemExit("--repack needs live mode (--kubeconfig, or in-cluster): it evicts pods")
+    if args.repack_max_moves_per_pod < 1 or args.repack_max_moves_per_minute < 1:
+        raise SystemExit(
+            "--repack-max-moves-per-pod and --repack-max-moves-per-minute must be at least 1"
+        )
     webhook.check_arguments(args)
     try:
         return _run_loop(_serve(args))
@@ -197,6 +228,7 @@ async def _serve(args: argparse.Namespace) -> int:
         replica_policy=_replica_policy(args),
     )
     planner = _planner(args, cluster)
+    repacker: Repacker | None = None
     if args.cluster:
         try:
             # A 100,000-pod file is millions of objects that live as long as the server: collecting
@@ -229,17 +261,26 @@ async def _serve(args: argparse.Namespace) -> int:
         from extender.live.source import LiveSource
 
         source = LiveSource(cluster, kubeconfig=args.kubeconfig)
+        nominating: NominatingPlanSource | None = None
+        if args.repack:
+            from extender.live.nominating import NominatingPlanSource
+
+            repacker = _repacker(args, cluster, source)
+            nominating = NominatingPlanSource(repacker, planner)
         served = gate = live_service(
             cluster,
             source,
             assume_ttl=args.assume_ttl,
-            planner=planner,
+            planner=nominating or planner,
             explain_all=args.explain_all,
+            nominations=nominating,
         )
         service = gate.service
         ready = source.ready
         await source.start()
         leader = _leader(args, source)
+        if repacker is not None:
+            await _start_repacker(repacker, source, leader)
         service.legacy_failed_nodes = (
             args.legacy_failed_nodes
             if args.legacy_failed_nodes is not None
@@ -256,6 +297,11 @@ async def _serve(args: argparse.Namespace) -> int:
         ready=ready,
         leader=leader.value if leader is not None else None,
     )
+    if repacker is not None:
+        from extender.live.repack import RepackCollector
+        from extender.server import METRICS_KEY
+
+        app[METRICS_KEY].registry.register(RepackCollector(repacker))
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, ssl_context=_ssl_context(args), backlog=1024)
@@ -286,6 +332,8 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         if planner is not None:
             await planner.stop()
+        if repacker is not None:
+            await repacker.stop()
         if leader is not None:
             leader.stop()
         if source is not None:
@@ -337,3 +385,33 @@ def _planner(args: argparse.Namespace, cluster: ClusterState) -> BackgroundPlann
     )  # imports OR-Tools only when asked for
 
     return BackgroundPlanner(cluster, time_limit=args.planner_time_limit)
+
+
+def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSource) -> Repacker:
+    """Live repacking (`--repack`), started once the source runs (`_start_repacker`)."""
+    from extender.live.evictions import KubeEvictions
+    from extender.live.repack import Repacker
+    from extender.planner.repack import plan_repack  # OR-Tools: only when asked for
+    from extender.repack_policy import MoveBudget
+
+    return Repacker(
+        cluster,
+        source.api,
+        KubeEvictions(source.api),
+        plan=plan_repack,
+        budget=MoveBudget(args.repack_max_moves_per_pod, args.repack_max_moves_per_minute),
+        time_limit=args.planner_time_limit,
+    )
+
+
+async def _start_repacker(
+    repacker: Repacker, source: LiveSource, leader: LeaseLeader | None
+) -> None:
+    """Plans run on the replica whose kube-scheduler leads (always, without a leader Lease), with
+    the Eviction version the API server serves."""
+    from extender.live.evictions import eviction_version
+
+    if leader is not None:
+        repacker.leader = leader.value
+    repacker.eviction_version = await asyncio.to_thread(eviction_version, source.api)
+    await repacker.start()

@@ -1,0 +1,608 @@
+"""Live repacking (`vramsched serve --repack`): evict a few movable pods so that a pod that fits
+nowhere gets the GPUs they free, and their controllers' new pods go where the plan said.
+
+The adapter of the pure pieces: `extender.planner.repack` finds the fewest moves,
+`extender.repack_policy` says which pods may move, what the budget allows and whether a plan
+still holds, `extender.repack_holds` keeps the freed GPUs held while the plan runs. This module
+makes the API calls (Evictions, Events, one annotation) and runs one plan at a time:
+
+1. **Trigger.** A pod filter found no node for (`notify_filtered`) that has waited `after`
+   seconds, highest priority first, when the budget allows a move, this replica's
+   kube-scheduler leads, and the pod was not tried in the last `retry` seconds.
+2. **Plan** in a worker thread on a copy of the ledger, at most `allowance` moves, only pods
+   `repack_policy.movable` accepts. Checked back on the event loop against the live ledger
+   (`final_state_fits`, `final_state_problem`: the device plugin's bound, the pin rule) and
+   kube-scheduler's own rules for every target (`schedulable_on`).
+3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
+   changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
+   pod, up to `attempts` plans; nothing has been evicted yet.
+4. **Evict** through the Eviction API, one pod at a time (PodDisruptionBudgets hold), with an
+   Event on each evicted pod. A 429 that the dry run did not predict (two moved pods under one
+   budget, or it changed meanwhile) is retried for `eviction_retry` seconds; then the plan is
+   **abandoned**: the holds are released, the blocked pod gets a Warning Event and the log says
+   how many pods were evicted, so a half-done plan is never silent. The evicted pods are
+   re-created by their controllers and placed as usual.
+5. **Hold** (`RepackRun`): the targets and the blocked pod's placement are held in the ledger as
+   soon as they fit, filter offers each pod its held node alone, bind reserves exactly the held
+   devices. Each pod whose hold is taken is annotated `vramsched.io/nominated-node` (an update,
+   so kube-scheduler retries it at once). Holds lapse `hold_ttl` seconds after the moved pods
+   had to be gone.
+
+Only the leader's plans run (`leader`: the replica whose kube-scheduler holds the Lease). State
+is in memory: a restart mid-plan drops its holds, and the re-created pods are placed as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extender.cluster import ClusterState
+from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
+from extender.ledger import Reservation
+from extender.live.api_client import ApiError, KubeApi
+from extender.live.events import EventRecorder
+from extender.live.evictions import Evict
+from extender.planner.capacity import Capacity
+from extender.planner.repack import final_state_fits
+from extender.repack_holds import RepackRun, TargetState
+from extender.repack_policy import (
+    ABANDONED_REASON,
+    NOMINATED,
+    Controller,
+    MoveBudget,
+    PlannedMove,
+    abandoned_message,
+    eviction_body,
+    eviction_message,
+    final_state_problem,
+    movable,
+    nominated_message,
+    repack_event,
+    schedulable_on,
+)
+
+__all__ = ["Repacker", "RepackCollector"]
+
+log = logging.getLogger(__name__)
+
+
+class PlanFn(Protocol):
+    """`extender.planner.repack.plan_repack`'s signature (tests hand in a scripted one)."""
+
+    def __call__(
+        self,
+        cap: Capacity,
+        pod: Demand,
+        running: Sequence[tuple[Demand, Reservation]],
+        *,
+        movable: Callable[[Demand], bool] | None = None,
+        max_moves: int | None = None,
+        time_limit: float = 1.0,
+        num_workers: int = 2,
+    ) -> Any: ...
+
+
+@dataclass
+class RepackStats:
+    moves: int = 0
+    started: int = 0
+    done: int = 0
+    abandoned: int = 0
+    #: a dry run refused every plan found (PodDisruptionBudgets), or a target was unusable
+    refused: int = 0
+    #: no plan within the budget
+    none: int = 0
+    #: the plan no longer held on the live ledger when it came back
+    stale: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Repacker:
+    """Runs live repacking; owned by the event loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        cluster: ClusterState,
+        api: KubeApi,
+        evict: Evict,
+        *,
+        plan: PlanFn,
+        budget: MoveBudget,
+        events: EventRecorder | None = None,
+        leader: Callable[[], bool | None] = lambda: True,
+        after: float = 5.0,
+        retry: float = 15.0,
+        hold_ttl: float = 120.0,
+        eviction_retry: float = 30.0,
+        retry_interval: float = 2.0,
+        release_slack: float = 60.0,
+        attempts: int = 3,
+        time_limit: float = 1.0,
+        num_workers: int = 2,
+        tick: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        eviction_version: str = "policy/v1",
+    ) -> None:
+        self.cluster = cluster
+        self.api = api
+        self.evict = evict
+        self.plan = plan
+        self.budget = budget
+        self.events = events if events is not None else EventRecorder(api)
+        self.leader = leader
+        self.after = after
+        self.retry = retry
+        self.hold_ttl = hold_ttl
+        self.eviction_retry = eviction_retry
+        self.retry_interval = retry_interval
+        self.release_slack = release_slack
+        self.attempts = attempts
+        self.time_limit = time_limit
+        self.num_workers = num_workers
+        self.tick = tick
+        self.clock = clock
+        self.eviction_version = eviction_version
+        self.instance = socket.gethostname()
+        self.stats = RepackStats()
+        self.run: RepackRun | None = None
+        self.last: dict[str, Any] | None = None
+        #: pods filter found no node for: when first seen so
+        self._blocked: dict[str, float] = {}
+        #: pods not to try again before this time
+        self._retry_at: dict[str, float] = {}
+        #: the last "no plan now" message per pod: an Event only when it changes
+        self._told: dict[str, str] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="repack")
+
+    # ----- what the verbs tell it and ask it ------------------------------------------------------
+    def notify_filtered(self, pod_key: str, fits: bool) -> None:
+        if fits:
+            self._blocked.pop(pod_key, None)
+            return
+        if pod_key not in self._blocked:
+            self._blocked[pod_key] = self.clock()
+            if self._wake is not None:
+                self._wake.set()
+
+    def nominated(self, pod_key: str) -> Reservation | None:
+        """The placement a running plan holds (or will hold) for this pod, after settling."""
+        run = self.run
+        if run is None:
+            return None
+        res = run.nominated(pod_key, self.clock())
+        if run.pokes and self._wake is not None:
+            self._wake.set()
+        return res
+
+    def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
+        """For bind when the pod holds nothing yet: the nominated devices, under its own key."""
+        res = self.nominated(pod_key)
+        pod = self.cluster.pod(pod_key)
+        if res is None or res.node != node or pod is None:
+            return None
+        return replace(res, pod=pod_ref(pod), assumed=False, expires_at=None)
+
+    # ----- the loop -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._loop(), name="vramsched-repack")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.events.close()
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.tick)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.step()
+            except Exception:  # repacking is an optimisation: never stop the server
+                self.stats.errors += 1
+                log.exception("repack step failed")
+
+    async def step(self) -> None:
+        """One turn: move the running plan on, or start one."""
+        now = self.clock()
+        self.cluster.ledger.expire(now)
+        if self.run is not None:
+            await self._progress(now)
+            return
+        if self.leader() is not True:
+            return
+        key = self._candidate(now)
+        if key is not None:
+            await self._attempt(key, now)
+
+    def _candidate(self, now: float) -> str | None:
+        pending = self.cluster.pending
+        for key in [k for k in self._blocked if k not in pending]:
+            del self._blocked[key]
+            self._told.pop(key, None)
+        for key in [k for k, t in self._retry_at.items() if t <= now]:
+            del self._retry_at[key]
+        if self.budget.allowance() <= 0:
+            return None
+        best: tuple[int, float, str] | None = None
+        for key, since in self._blocked.items():
+            if now - since < self.after or key in self._retry_at:
+                continue
+            pod = self.cluster.pod(key)
+            if pod is None:
+                continue
+            rank = (-int((pod.get("spec") or {}).get("priority") or 0), since, key)
+            if best is None or rank < best:
+                best = rank
+        return best[2] if best is not None else None
+
+    # ----- one attempt: plan, check, dry-run, evict ---------------------------------------------
+    async def _attempt(self, key: str, now: float) -> None:
+        pod = self.cluster.pod(key)
+        self._retry_at[key] = now + self.retry
+        try:
+            demand = pod_demand(pod or {}, headroom=self.cluster.headroom)
+        except DemandError:
+            return
+        if not demand.wants_gpu:
+            return
+        excluded: dict[str, str] = {}
+        for _ in range(self.attempts):
+            allowance = self.budget.allowance()
+            if allowance <= 0:
+                return
+            cap = Capacity.from_ledger(
+                self.cluster.ledger.clone(), self.cluster.cpu_used, self.cluster.memory_used
+            )
+            pods = dict(self.cluster.pods)
+            loop = asyncio.get_running_loop()
+            found, controllers = await loop.run_in_executor(
+                self._pool, self._solve, cap, demand, pods, frozenset(excluded), allowance
+            )
+            if found is None:
+                # no plan at all, or none without the pods that refused (a budget, a rule)
+                if excluded:
+                    self.stats.refused += 1
+                else:
+                    self.stats.none += 1
+                self._tell(demand.pod, self._none_message(allowance, excluded))
+                return
+            if not found.moves:
+                return  # it fits now: kube-scheduler's next try places it
+            moves = [
+                PlannedMove(m.pod, m.demand, m.source, m.target, controllers[m.pod.key])
+                for m in found.moves
+            ]
+            problem = self._check(demand, found, moves)
+            if problem is not None:
+                kind, what, who = problem
+                if kind == "stale":
+                    self.stats.stale += 1
+                    self._retry_at[key] = now + min(self.retry, 2.0)
+                    log.info("repack plan stale", extra={"fields": {"pod": key, "why": what}})
+                    return
+                if who is None:
+                    self.stats.refused += 1
+                    self._tell(demand.pod, f"no repack now: {what}")
+                    return
+                excluded[who] = what
+                continue
+            refused = await self._dry_run(moves)
+            if refused:
+                excluded.update(refused)
+                continue
+            await self._execute(demand, found.placement, moves)
+            return
+        self.stats.refused += 1
+        self._tell(demand.pod, self._none_message(self.budget.allowance(), excluded))
+
+    def _solve(
+        self,
+        cap: Capacity,
+        blocked: Demand,
+        pods: Mapping[str, Mapping[str, Any]],
+        excluded: frozenset[str],
+        allowance: int,
+    ) -> tuple[Any, dict[str, Controller]]:
+        """In a worker thread, on private copies: the running pods, which may move, the plan."""
+        running: list[tuple[Demand, Reservation]] = []
+        controllers: dict[str, Controller] = {}
+        for res in cap.ledger.reservations():
+            pod = pods.get(res.key)
+            if pod is None:
+                continue
+            try:
+                d = pod_demand(pod, headroom=self.cluster.headroom)
+            except DemandError:
+                continue
+            running.append((d, res))
+            if res.key in excluded or res.key == blocked.pod.key or not d.wants_gpu:
+                continue
+            c = movable(pod)
+            if isinstance(c, Controller):
+                controllers[res.key] = c
+        found = self.plan(
+            cap,
+            blocked,
+            running,
+            movable=lambda d: d.pod.key in controllers,
+            max_moves=allowance,
+            time_limit=self.time_limit,
+            num_workers=self.num_workers,
+        )
+        return found, controllers
+
+    def _check(
+        self, blocked: Demand, found: Any, moves: Sequence[PlannedMove]
+    ) -> tuple[str, str, str | None] | None:
+        """Whether the plan still holds now and kube-scheduler would let every pod where it goes:
+        None, or (kind, why, the moved pod to leave out next time or None)."""
+        c = self.cluster
+        cap = Capacity.from_ledger(c.ledger.clone(), c.cpu_used, c.memory_used)
+        if not final_state_fits(cap, found):
+            return "stale", "the cluster changed while planning", None
+        why = final_state_problem(c.ledger, blocked, found.placement, moves)
+        if why is not None:
+            return "stale", why, None
+        pod = c.pod(blocked.pod.key)
+        node = c.nodes.get(found.placement.node)
+        if pod is None or node is None:
+            return "stale", "the pod or its node is gone", None
+        refusal = schedulable_on(pod, node)
+        if refusal is not None:
+            return "refused", f"the plan puts it where it may not run ({refusal})", None
+        for m in moves:
+            moved, target = c.pod(m.pod.key), c.nodes.get(m.target.node)
+            if moved is None or target is None:
+                return "stale", f"pod {m.pod.key} or node {m.target.node} is gone", None
+            refusal = schedulable_on(moved, target)
+            if refusal is not None:
+                return "refused", f"pod {m.pod.key} may not move there: {refusal}", m.pod.key
+        return None
+
+    async def _dry_run(self, moves: Sequence[PlannedMove]) -> dict[str, str]:
+        """Ask the API server whether each eviction would be accepted now; nothing changes."""
+        refused: dict[str, str] = {}
+        for m in moves:
+            try:
+                await self._call(self._evict, m.pod, True)
+            except ApiError as exc:
+                refused[m.pod.key] = _refusal(exc)
+        if refused:
+            log.info("repack dry run refused", extra={"fields": {"pods": refused, "evicted": 0}})
+        return refused
+
+    async def _execute(
+        self, blocked: Demand, placement: Reservation, moves: Sequence[PlannedMove]
+    ) -> None:
+        now = self.clock()
+        grace = max(_grace(self.cluster.pod(m.pod.key)) for m in moves)
+        run = RepackRun(
+            self.cluster,
+            blocked,
+            placement,
+            [TargetState(m) for m in moves],
+            deadline=now + len(moves) * self.eviction_retry + grace + self.release_slack,
+            ttl=self.hold_ttl,
+            known_pending=frozenset(self.cluster.pending),
+        )
+        self.run = run
+        self.stats.started += 1
+        log.info("repack plan", extra={"fields": run.summary()})
+        run.settle(now)
+        for i, t in enumerate(run.targets, start=1):
+            t.evicted = True  # before the call: the controller's new pod may show up first
+            error = await self._evict_retrying(t.move.pod)
+            if error is not None:
+                t.evicted = False
+                self._abandon(run, f"eviction of {t.move.pod.key} refused: {error}")
+                return
+            self.budget.spend(1)
+            self.stats.moves += 1
+            message = eviction_message(blocked, placement, t.move, i, len(run.targets))
+            self.events.emit(
+                t.move.pod.namespace, repack_event(t.move.pod, message, time.time(), self.instance)
+            )
+            log.info(
+                "repack evicted",
+                extra={"fields": {"pod": t.move.pod.key, "for": blocked.pod.key, "move": i}},
+            )
+        run.phase = "releasing"
+        run.settle(self.clock())
+        await self._progress(self.clock())
+
+    async def _evict_retrying(self, pod: PodRef) -> str | None:
+        """Evict; a 429 is asked again every `retry_interval` for `eviction_retry` seconds. None
+        when the pod is evicted (or already gone), else why not."""
+        give_up = self.clock() + self.eviction_retry
+        while True:
+            try:
+                await self._call(self._evict, pod, False)
+                return None
+            except ApiError as exc:
+                if exc.status == 404:
+                    return None
+                if exc.status != 429 or self.clock() >= give_up:
+                    return _refusal(exc)
+            await asyncio.sleep(self.retry_interval)
+
+    def _evict(self, pod: PodRef, dry_run: bool) -> None:
+        self.evict(pod.namespace, pod.name, eviction_body(pod, self.eviction_version), dry_run)
+
+    # ----- a running plan ---------------------------------------------------------------------------
+    async def _progress(self, now: float) -> None:
+        run = self.run
+        if run is None:
+            return
+        run.settle(now)
+        await self._pokes(run)
+        if run.phase == "releasing" and now >= run.deadline:
+            leaving = ", ".join(run.leaving()) or "none"
+            self._abandon(run, f"the moved pods were not all gone in time (still there: {leaving})")
+        if self.run is run and not run.active:
+            self._finish(run)
+
+    async def _pokes(self, run: RepackRun) -> None:
+        """The blocked pod's Event once its GPUs are held, and the annotation on every pod whose
+        hold was taken while it waits (kube-scheduler then tries it again at once)."""
+        while run.pokes:
+            ref = run.pokes.pop(0)
+            if ref.key == run.blocked.pod.key:
+                res = run.placement
+                message = nominated_message(run.placement, [t.move for t in run.targets])
+                self.events.emit(
+                    ref.namespace, repack_event(ref, message, time.time(), self.instance)
+                )
+            else:
+                held = [t.move.target for t in run.targets if t.replacement == ref]
+                if not held:
+                    continue
+                res = held[0]
+            pod = self.cluster.pod(ref.key)
+            if pod is None or (pod.get("spec") or {}).get("nodeName"):
+                continue  # bound already: nothing to try again
+            patch: dict[str, Any] = {"metadata": {"annotations": {NOMINATED: res.node}}}
+            if ref.uid:
+                patch["metadata"]["uid"] = ref.uid
+            try:
+                await self._call(self.api.patch_pod, ref.namespace, ref.name, patch)
+            except ApiError as exc:
+                log.info("cannot annotate %s: %s", ref.key, exc)
+
+    def _abandon(self, run: RepackRun, why: str) -> None:
+        evicted = run.abandon(self.clock())
+        self.stats.abandoned += 1
+        message = abandoned_message(evicted, len(run.targets), why)
+        log.warning(
+            "repack abandoned",
+            extra={
+                "fields": {
+                    "pod": run.blocked.pod.key,
+                    "evicted": [p.key for p in evicted],
+                    "moves": len(run.targets),
+                    "why": why,
+                }
+            },
+        )
+        self.events.emit(
+            run.blocked.pod.namespace,
+            repack_event(
+                run.blocked.pod,
+                message,
+                time.time(),
+                self.instance,
+                reason=ABANDONED_REASON,
+                warning=True,
+            ),
+        )
+        run.outcome = why
+        self._finish(run)
+
+    def _finish(self, run: RepackRun) -> None:
+        if run.phase == "done":
+            self.stats.done += 1
+            log.info("repack done", extra={"fields": run.summary()})
+        self.last = run.summary()
+        self.run = None
+
+    # ----- helpers ----------------------------------------------------------------------------------
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    def _tell(self, pod: PodRef, message: str) -> None:
+        """A Normal Event on the blocked pod saying why no repack runs, once per distinct reason."""
+        if self._told.get(pod.key) == message:
+            return
+        self._told[pod.key] = message
+        log.info("repack not possible", extra={"fields": {"pod": pod.key, "why": message}})
+        self.events.emit(pod.namespace, repack_event(pod, message, time.time(), self.instance))
+
+    @staticmethod
+    def _none_message(allowance: int, excluded: Mapping[str, str]) -> str:
+        text = f"no repack now: no plan within {allowance} move(s) of movable pods"
+        if excluded:
+            left_out = "; ".join(f"{k}: {v}" for k, v in sorted(excluded.items()))
+            text += f" (left out: {left_out})"
+        return text
+
+    def state(self) -> dict[str, Any]:
+        """For /state (under `planner.repack`)."""
+        return {
+            **self.stats.as_dict(),
+            "budget": {
+                "perPod": self.budget.per_pod,
+                "perMinute": self.budget.per_minute,
+                "lastMinute": self.budget.recent(),
+            },
+            "blocked": sorted(self._blocked),
+            "running": self.run.summary() if self.run is not None else None,
+            "last": self.last,
+            "events": self.events.stats(),
+        }
+
+
+def _refusal(exc: ApiError) -> str:
+    if exc.status == 429:
+        return f"a PodDisruptionBudget allows no disruption now ({exc.message or exc.reason})"
+    if exc.status == 403:
+        return (
+            f"forbidden: the extender needs create on pods/eviction ({exc.message or exc.reason})"
+        )
+    return f"{exc.status} {exc.message or exc.reason or 'no answer'}"
+
+
+def _grace(pod: Mapping[str, Any] | None) -> float:
+    spec = (pod or {}).get("spec") or {}
+    value = spec.get("terminationGracePeriodSeconds")
+    return float(value) if isinstance(value, int) and value >= 0 else 30.0
+
+
+class RepackCollector(Collector):
+    """Live repacking's counters for /metrics, read at scrape time."""
+
+    def __init__(self, repacker: Repacker) -> None:
+        self._repacker = repacker
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._repacker.stats
+        yield CounterMetricFamily(
+            "vramsched_repack_moves", "Pods evicted by repack plans", value=s.moves
+        )
+        plans = CounterMetricFamily(
+            "vramsched_repack_plans", "Repack attempts by outcome", labels=["outcome"]
+        )
+        for outcome in ("started", "done", "abandoned", "refused", "none", "stale"):
+            plans.add_metric([outcome], getattr(s, outcome))
+        yield plans
+        yield GaugeMetricFamily(
+            "vramsched_repack_running",
+            "1 while a repack plan runs",
+            value=1 if self._repacker.run is not None else 0,
+        )

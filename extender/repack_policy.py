@@ -1,0 +1,445 @@
+"""Live repacking's rules, pure (no I/O, no await): which running pods may be moved, how many
+moves the budget allows, whether a plan still holds on the live ledger, what filter answers for a
+pod a repack holds GPUs for, and what the Events say.
+
+`extender.live.repack` makes the API calls (evictions, events) and `extender.repack_holds` keeps a
+plan's GPUs held while it runs; what either of them decides is decided here, so it is tested on
+plain objects.
+
+A pod is *movable* only when its owner asked for it and something will bring it back: the
+annotation `vramsched.io/movable: "true"` and a controller that re-creates an evicted pod from
+the same template. A ReplicaSet (a Deployment's too) does, under a new name; a StatefulSet does
+under the same name, once the old pod is gone, and only a pod without PersistentVolumeClaims
+is moved (its volume may be tied to its node or zone, which no plan here knows about). Bare pods,
+Jobs (an evicted pod counts as a failure against `backoffLimit`), DaemonSets (one pod per node,
+nowhere else to go) and anything else are never moved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from extender.bind_event import bind_event
+from extender.demand import ANNOTATION_PREFIX, Demand, PodRef
+from extender.ledger import Ledger, LedgerError, Reservation
+from extender.placement import FilterOutcome, plugin_allows
+from extender.placement.pin_rule import unpinnable
+from extender.quantity import format_bytes
+
+__all__ = [
+    "MOVABLE",
+    "NOMINATED",
+    "REASON",
+    "ABANDONED_REASON",
+    "Controller",
+    "PlannedMove",
+    "MoveBudget",
+    "movable",
+    "replaces",
+    "same_shape",
+    "schedulable_on",
+    "final_state_problem",
+    "nominated_outcome",
+    "eviction_body",
+    "eviction_api_version",
+    "eviction_message",
+    "nominated_message",
+    "abandoned_message",
+    "repack_event",
+]
+
+#: the owner's consent: only pods annotated exactly "true" are ever moved
+MOVABLE = ANNOTATION_PREFIX + "movable"
+#: written on a pod once the GPUs a repack freed for it are held: the node, for people, and an
+#: update of the pod, which makes kube-scheduler try it again at once instead of waiting for its
+#: next cluster event
+NOMINATED = ANNOTATION_PREFIX + "nominated-node"
+#: Events on every evicted pod and on the pod the room is made for
+REASON = "VramschedRepack"
+#: Warning Event on the blocked pod when a started plan cannot be finished
+ABANDONED_REASON = "VramschedRepackAbandoned"
+
+_TEMPLATE_HASH = "pod-template-hash"
+_RECREATING = frozenset({"ReplicaSet", "StatefulSet"})
+_TERMINAL = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True, slots=True)
+class Controller:
+    """The controller that re-creates a moved pod, and how its new pod is recognised."""
+
+    kind: str  # "ReplicaSet" | "StatefulSet"
+    name: str
+    uid: str
+    #: a Deployment's ReplicaSet labels its pods with their template's hash ("" for others)
+    template_hash: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedMove:
+    """One move of a plan as the live side carries it out: evict `pod` from `source`; its
+    re-created pod takes `target`."""
+
+    pod: PodRef
+    demand: Demand
+    source: Reservation
+    target: Reservation
+    controller: Controller
+
+
+def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = pod.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _controller_ref(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    for ref in _meta(pod).get("ownerReferences") or ():
+        if isinstance(ref, Mapping) and ref.get("controller") is True:
+            return ref
+    return None
+
+
+def movable(pod: Mapping[str, Any]) -> Controller | str:
+    """The controller that will re-create this running pod if it is evicted, or why it may not
+    be moved (a short phrase for logs)."""
+    meta = _meta(pod)
+    annotations = meta.get("annotations") or {}
+    if not isinstance(annotations, Mapping) or annotations.get(MOVABLE) != "true":
+        return f"not annotated {MOVABLE}: true"
+    if meta.get("deletionTimestamp"):
+        return "terminating"
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    if not spec.get("nodeName") or status.get("phase") in _TERMINAL:
+        return "not running"
+    ref = _controller_ref(pod)
+    if ref is None:
+        return "no controller re-creates it (bare pod)"
+    kind = str(ref.get("kind") or "")
+    if kind not in _RECREATING or not str(ref.get("apiVersion") or "").startswith("apps/"):
+        return f"its controller ({kind or '?'}) does not re-create it elsewhere"
+    if kind == "StatefulSet" and any(
+        isinstance(v, Mapping) and v.get("persistentVolumeClaim") for v in spec.get("volumes") or ()
+    ):
+        return "StatefulSet pod with a PersistentVolumeClaim (its volume may be tied to its node)"
+    labels = meta.get("labels") or {}
+    return Controller(
+        kind,
+        str(ref.get("name") or ""),
+        str(ref.get("uid") or ""),
+        str(labels.get(_TEMPLATE_HASH) or "") if kind == "ReplicaSet" else "",
+    )
+
+
+def replaces(controller: Controller, moved: PodRef, pod: Mapping[str, Any]) -> bool:
+    """Whether `pod` is what `controller` created to replace `moved`: same controller (by UID)
+    and template (a Deployment's hash label); a StatefulSet's pod also keeps its name, under a
+    new UID."""
+    ref = _controller_ref(pod)
+    if ref is None or str(ref.get("uid") or "") != controller.uid or not controller.uid:
+        return False
+    meta = _meta(pod)
+    if controller.kind == "StatefulSet":
+        return (
+            meta.get("name") == moved.name
+            and (meta.get("namespace") or "default") == moved.namespace
+            and str(meta.get("uid") or "") != moved.uid
+        )
+    labels = meta.get("labels") or {}
+    return str(labels.get(_TEMPLATE_HASH) or "") == controller.template_hash
+
+
+def same_shape(a: Demand, b: Demand) -> bool:
+    """The re-created pod needs what the moved one held (a template change would break the plan)."""
+    return (a.gpu_count, a.bytes_per_gpu, a.resource, a.allowed_products) == (
+        b.gpu_count,
+        b.bytes_per_gpu,
+        b.resource,
+        b.allowed_products,
+    )
+
+
+# ----- will kube-scheduler's own filters let the re-created pod onto the target node? -------------
+
+
+def _expression_holds(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    key, op = str(expr.get("key") or ""), expr.get("operator")
+    values = [str(v) for v in expr.get("values") or ()]
+    has = key in labels
+    if op == "In":
+        return has and labels[key] in values
+    if op == "NotIn":
+        return not has or labels[key] not in values
+    if op == "Exists":
+        return has
+    if op == "DoesNotExist":
+        return not has
+    if op in ("Gt", "Lt") and has and len(values) == 1:
+        try:
+            left, right = int(labels[key]), int(values[0])
+        except ValueError:
+            return False
+        return left > right if op == "Gt" else left < right
+    return False
+
+
+def _tolerated(taint: Mapping[str, Any], tolerations: Iterable[Any]) -> bool:
+    for t in tolerations:
+        if not isinstance(t, Mapping):
+            continue
+        if t.get("effect") and t.get("effect") != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists":
+            if not t.get("key") or t.get("key") == taint.get("key"):
+                return True
+        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (
+            taint.get("value") or ""
+        ):
+            return True
+    return False
+
+
+def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
+    """Why kube-scheduler would keep a pod with this spec off `node`, or None. The rules a plan
+    cannot see, checked for a move's target: nodeSelector, required node affinity, taints that
+    repel new pods (NoSchedule, NoExecute) and cordoned nodes. A move that fails them would
+    leave its re-created pod waiting for a node it may not use."""
+    spec = pod.get("spec") or {}
+    node_meta = _meta(node)
+    labels = {str(k): str(v) for k, v in (node_meta.get("labels") or {}).items()}
+    name = str(node_meta.get("name") or "?")
+    for key, value in (spec.get("nodeSelector") or {}).items():
+        if labels.get(str(key)) != str(value):
+            return f"node {name} does not match nodeSelector {key}={value}"
+    required = (
+        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        or {}
+    ).get("nodeSelectorTerms") or []
+    terms = [t for t in required if isinstance(t, Mapping)]
+    if terms and not any(
+        all(_expression_holds(e, labels) for e in t.get("matchExpressions") or ())
+        and not t.get("matchFields")
+        for t in terms
+    ):
+        return f"node {name} does not match the pod's required node affinity"
+    node_spec = node.get("spec") or {}
+    if node_spec.get("unschedulable"):
+        return f"node {name} is cordoned"
+    for taint in node_spec.get("taints") or ():
+        if not isinstance(taint, Mapping) or taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue
+        if not _tolerated(taint, spec.get("tolerations") or ()):
+            return f"node {name} has taint {taint.get('key')} the pod does not tolerate"
+    return None
+
+
+# ----- the budget ----------------------------------------------------------------------------------
+
+
+class MoveBudget:
+    """Caps evictions: at most `per_pod` moves to place one pod, and at most `per_minute` in any
+    60 seconds. `clock` is injectable (tests); moves are counted when the eviction is accepted."""
+
+    def __init__(
+        self,
+        per_pod: int,
+        per_minute: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        window: float = 60.0,
+    ) -> None:
+        if per_pod < 0 or per_minute < 0:
+            raise ValueError("move budgets cannot be negative")
+        self.per_pod = per_pod
+        self.per_minute = per_minute
+        self.window = window
+        self.clock = clock
+        self.spent = 0
+        self._times: deque[float] = deque()
+
+    def recent(self) -> int:
+        """Moves in the last `window` seconds."""
+        now = self.clock()
+        while self._times and now - self._times[0] >= self.window:
+            self._times.popleft()
+        return len(self._times)
+
+    def allowance(self) -> int:
+        """How many moves the next plan may make (0: no plan now)."""
+        return max(0, min(self.per_pod, self.per_minute - self.recent()))
+
+    def next_move_in(self) -> float:
+        """Seconds until the per-minute cap lets one more move (0 when it does now)."""
+        if self.recent() < self.per_minute or not self._times:
+            return 0.0
+        return max(0.0, self._times[0] + self.window - self.clock())
+
+    def spend(self, moves: int = 1) -> None:
+        now = self.clock()
+        self._times.extend([now] * moves)
+        self.spent += moves
+
+
+# ----- does a plan still hold on the live ledger? ------------------------------------------------
+
+
+def final_state_problem(
+    ledger: Ledger,
+    blocked: Demand,
+    placement: Reservation,
+    moves: Sequence[PlannedMove],
+) -> str | None:
+    """Why the plan's final state does not hold on `ledger` as it is now, or None.
+
+    Played on a copy with the live rules: every moved pod still holds exactly its source, then
+    (all of them gone) the targets and the blocked pod's placement are reserved one by one, each
+    checked by `Ledger.reserve` and the device plugin's bound (`plugin_allows`: plans are made on
+    per-GPU books) and, for a pod that reads its GPU from the annotation, the pin rule. Every
+    intermediate state of the execution holds a subset of this final one, and every rule only
+    tightens as pods are added, so none of them can overcommit either."""
+    copy = ledger.clone()
+    for move in moves:
+        held = copy.reservation(move.pod.key)
+        if held is None or not held.same_placement(move.source):
+            return f"pod {move.pod.key} no longer holds what the plan moves"
+        if move.pod.uid and held.pod.uid and held.pod.uid != move.pod.uid:
+            return f"pod {move.pod.key} was re-created since the plan"
+        copy.release(move.pod.key)
+    if copy.reservation(blocked.pod.key) is not None:
+        return f"pod {blocked.pod.key} already holds GPUs"
+    wanted = [(m.demand, m.target) for m in moves] + [(blocked, placement)]
+    for i, (demand, res) in enumerate(wanted):
+        # under a key no pod has, so a target may sit where its own pod was
+        trial = replace(res, pod=PodRef(res.pod.namespace, f"{res.pod.name}~plan{i}"))
+        if not plugin_allows(copy, demand, trial):
+            return f"device plugin's bound refuses {res.pod.key} on {res.node}"
+        pin = unpinnable(copy, demand, [res.node])
+        if pin:
+            return f"{res.pod.key} on {res.node}: {pin[res.node]}"
+        try:
+            copy.reserve(trial)
+        except LedgerError as exc:
+            return f"{res.pod.key} does not fit on {res.node}: {exc}"
+    return None
+
+
+# ----- filter for a pod a repack holds GPUs for ------------------------------------------------------
+
+
+def nominated_outcome(
+    ledger: Ledger, demand: Demand, names: Sequence[str], nominated: Reservation
+) -> FilterOutcome:
+    """Filter's answer for a pod a running repack freed GPUs for: the nominated node alone, once
+    the pod holds that placement or it is free (the bind then reserves exactly it), else no node
+    while the moved pods are still leaving. Never another node: anywhere else it would take room
+    the plan counts on. Refusals are unresolvable, so kube-scheduler does not preempt for it."""
+    node = nominated.node
+    held = ledger.reservation(demand.pod.key)
+    if held is not None:
+        ready = held.same_placement(nominated)
+    else:
+        trial = replace(nominated, pod=demand.pod)
+        ready = ledger.fits(trial) is None and plugin_allows(ledger, demand, trial)
+    out = FilterOutcome(explain_all=True)
+    if ready and node in names:
+        out.feasible = [node]
+    waiting = f"vramsched repack: waiting for GPUs being freed on {node}"
+    elsewhere = f"vramsched repack: GPUs are held for this pod on {node}"
+    out.unresolvable = {
+        n: (waiting if n == node else elsewhere) for n in names if n not in out.feasible
+    }
+    return out
+
+
+# ----- the API's Eviction and the Events ------------------------------------------------------------
+
+
+def eviction_api_version(version: Mapping[str, Any] | None) -> str:
+    """policy/v1 Eviction from Kubernetes 1.22; policy/v1beta1 before (1.20, 1.21)."""
+    try:
+        major = int(str((version or {}).get("major") or "1").rstrip("+"))
+        minor = int(str((version or {}).get("minor") or "99").rstrip("+"))
+    except ValueError:
+        return "policy/v1"
+    return "policy/v1" if (major, minor) >= (1, 22) else "policy/v1beta1"
+
+
+def eviction_body(pod: PodRef, api_version: str = "policy/v1") -> dict[str, Any]:
+    """An Eviction of exactly this pod (UID precondition: never a re-created one of the same
+    name). The pod's own grace period applies: its VRAM is counted until it is gone."""
+    body: dict[str, Any] = {
+        "apiVersion": api_version,
+        "kind": "Eviction",
+        "metadata": {"name": pod.name, "namespace": pod.namespace},
+    }
+    if pod.uid:
+        body["deleteOptions"] = {"preconditions": {"uid": pod.uid}}
+    return body
+
+
+def _where(res: Reservation) -> str:
+    """`device 0 of gpu-b`, `devices 0, 1 of gpu-b` (device ids as the assignment names them)."""
+    plural = "devices" if len(res.device_ids) > 1 else "device"
+    return f"{plural} {', '.join(res.device_ids)} of {res.node}"
+
+
+def _needs(demand: Demand) -> str:
+    """`16Gi on 1 GPU`, `40Gi on each of 2 GPUs`, `2 GPUs, whole`."""
+    gpus = "1 GPU" if demand.gpu_count == 1 else f"each of {demand.gpu_count} GPUs"
+    if demand.bytes_per_gpu is None:
+        return f"{demand.gpu_count} whole GPU(s)"
+    return f"{format_bytes(demand.bytes_per_gpu)} on {gpus}"
+
+
+def eviction_message(
+    blocked: Demand, placement: Reservation, move: PlannedMove, index: int, total: int
+) -> str:
+    """The evicted pod's Event: for whom, why, and where its re-created pod goes."""
+    again = "under the same name" if move.controller.kind == "StatefulSet" else "from its template"
+    return (
+        f"evicted by vramsched (move {index} of {total}) to make room for pod {blocked.pod.key} "
+        f"({_needs(blocked)}), which fits on no node while free VRAM is split; it gets "
+        f"{_where(placement)}. {move.controller.kind} {move.controller.name} re-creates this pod "
+        f"{again}, and vramsched holds {_where(move.target)} for the new one"
+    )
+
+
+def nominated_message(placement: Reservation, moves: Sequence[PlannedMove]) -> str:
+    """The blocked pod's Event once its GPUs are held."""
+    moved = ", ".join(m.pod.key for m in moves)
+    return (
+        f"vramsched moved {len(moves)} pod(s) ({moved}) to free room for this pod and holds "
+        f"{_where(placement)} for it"
+    )
+
+
+def abandoned_message(moves_done: Sequence[PodRef], total: int, why: str) -> str:
+    """The blocked pod's Warning when a started plan stops part way."""
+    done = ", ".join(p.key for p in moves_done) or "none"
+    return (
+        f"vramsched repack abandoned after evicting {len(moves_done)} of {total} pod(s) "
+        f"({done}): {why}; this pod still does not fit, and the evicted pods' controllers "
+        f"re-create them, placed as usual"
+    )
+
+
+def repack_event(
+    pod: PodRef,
+    message: str,
+    now: float,
+    instance: str = "",
+    *,
+    reason: str = REASON,
+    warning: bool = False,
+) -> dict[str, Any]:
+    """A core/v1 Event on `pod`, shaped like the bind's (`extender.bind_event`)."""
+    body = bind_event(pod, message, now, instance)
+    body["reason"] = reason
+    body["type"] = "Warning" if warning else "Normal"
+    return body

@@ -1,0 +1,603 @@
+"""Live repacking against a scripted API (tests/kube_fakes.py) and the real repack planner: which
+pods may move, the move budget, the plan checked on the live ledger, evictions (dry run first,
+PodDisruptionBudget refusals, a refusal part way), the Events, and the holds that keep the freed
+GPUs for the blocked pod and the re-created ones, with the ledger's invariant after every step.
+
+The clusters are two single-GPU time-sliced nodes (24Gi, 4 replicas): with one GPU per node the
+device plugin's bound equals per-GPU books, so what fits is plain arithmetic in each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from builders import assigned, gpu_node, pod
+from kube_fakes import FakeApi
+from prometheus_client import CollectorRegistry, generate_latest
+
+from extender.cli import build_parser
+from extender.cluster import ClusterState, check_cluster
+from extender.demand import PodRef, pod_demand
+from extender.inventory import ReplicaPolicy
+from extender.ledger import Reservation, check_invariant
+from extender.live.api_client import ApiError
+from extender.live.gate import live_service
+from extender.live.nominating import NominatingPlanSource
+from extender.live.repack import RepackCollector, Repacker
+from extender.live.source import LiveSource
+from extender.planner.repack import plan_repack
+from extender.repack_holds import HOLD_SUFFIX
+from extender.repack_policy import (
+    ABANDONED_REASON,
+    MOVABLE,
+    NOMINATED,
+    REASON,
+    Controller,
+    MoveBudget,
+    final_state_problem,
+    movable,
+    nominated_outcome,
+    replaces,
+    schedulable_on,
+)
+from extender.wire import ExtenderArgs, ExtenderBindingArgs
+
+GIB = 1 << 30
+NODES = ["a", "b"]
+
+
+# ----- pods ---------------------------------------------------------------------------------------
+
+
+def owned(p: dict[str, Any], kind: str, name: str, uid: str, hash_: str = "") -> dict[str, Any]:
+    p["metadata"]["ownerReferences"] = [
+        {"apiVersion": "apps/v1", "kind": kind, "name": name, "uid": uid, "controller": True}
+    ]
+    if hash_:
+        p["metadata"]["labels"] = {"pod-template-hash": hash_}
+    return p
+
+
+def bound(name: str, gib: int, node: str, *, consent: bool = False) -> dict[str, Any]:
+    ann = {**assigned(node, "0", gib), **({MOVABLE: "true"} if consent else {})}
+    return pod(name, f"{gib}Gi", node=node, uid=name, annotations=ann, phase="Running")
+
+
+def web(name: str, gib: int, node: str | None, *, consent: bool = True) -> dict[str, Any]:
+    """A pod of Deployment web (ReplicaSet web-abc)."""
+    if node is None:
+        p = pod(name, f"{gib}Gi", uid=name, annotations={MOVABLE: "true"} if consent else {})
+    else:
+        p = bound(name, gib, node, consent=consent)
+    return owned(p, "ReplicaSet", "web-abc", "rs-web", "abc")
+
+
+def fragmented(consent: bool = True) -> list[dict[str, Any]]:
+    """a: 12 fixed + 4 movable (8 free); b: 6 fixed + 4 movable (14 free). A 16Gi pod fits
+    nowhere; moving b's 4Gi pod to a (then 4 free) makes b's 18Gi free: one move, the only one."""
+    return [
+        bound("f1", 12, "a"),
+        web("m1", 4, "a", consent=consent),
+        bound("f2", 6, "b"),
+        web("m2", 4, "b", consent=consent),
+        pod("p", "16Gi", uid="p"),
+    ]
+
+
+def two_moves() -> list[dict[str, Any]]:
+    """a: 14 fixed (10 free); b: 4 fixed + two movable 5Gi (10 free). An 18Gi pod needs both
+    movable pods of b moved to a."""
+    return [
+        bound("f1", 14, "a"),
+        bound("f2", 4, "b"),
+        web("m2", 5, "b"),
+        web("m3", 5, "b"),
+        pod("p", "18Gi", uid="p"),
+    ]
+
+
+# ----- a live cluster on the scripted API ----------------------------------------------------------
+
+
+class Evictions:
+    """The Eviction API: records (name, dry run); `refuse[name]` answers that status to every call
+    for the pod, `refuse_real[name]` to the real (not dry-run) ones only. An accepted eviction
+    marks the pod terminating in the API, as a graceful deletion does."""
+
+    def __init__(self, api: FakeApi) -> None:
+        self.api = api
+        self.calls: list[tuple[str, bool]] = []
+        self.bodies: list[dict[str, Any]] = []
+        self.refuse: dict[str, int] = {}
+        self.refuse_real: dict[str, int] = {}
+
+    def __call__(self, namespace: str, name: str, body: Any, dry_run: bool) -> None:
+        self.calls.append((name, dry_run))
+        self.bodies.append(copy.deepcopy(dict(body)))
+        status = self.refuse.get(name) or (None if dry_run else self.refuse_real.get(name))
+        if status:
+            raise ApiError(
+                status,
+                "TooManyRequests",
+                "Cannot evict pod as it would violate the pod's disruption budget.",
+            )
+        if not dry_run:
+            self.api.pods[f"{namespace}/{name}"]["metadata"]["deletionTimestamp"] = "now"
+
+    def real(self) -> list[str]:
+        return [n for n, dry in self.calls if not dry]
+
+
+class World:
+    """Nodes a and b, the pods, a synced live service with repacking on, and a clock to move."""
+
+    def __init__(
+        self,
+        pods: list[dict[str, Any]],
+        *,
+        per_pod: int = 3,
+        per_minute: int = 6,
+        leader: Callable[[], bool | None] = lambda: True,
+    ) -> None:
+        self.api = FakeApi()
+        self.cluster = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
+        self.source = LiveSource(self.cluster, api=self.api)
+        self.source.apply(
+            "nodes",
+            "replace",
+            [gpu_node(n, count=1, memory_mib=24 * 1024, replicas=4) for n in NODES],
+        )
+        self.source.apply("pods", "replace", copy.deepcopy(pods))
+        for p in pods:
+            self.api.add_pod(p)
+        self.base, self.offset = time.monotonic(), 0.0
+        self.evictions = Evictions(self.api)
+        self.planned = 0
+        self.repacker = Repacker(
+            self.cluster,
+            self.api,
+            self.evictions,
+            plan=self._plan,
+            budget=MoveBudget(per_pod, per_minute, clock=self.clock),
+            leader=leader,
+            clock=self.clock,
+            after=1.0,
+            retry=10.0,
+            eviction_retry=0.0,
+            retry_interval=0.0,
+            hold_ttl=30.0,
+            release_slack=10.0,
+        )
+        self.plans = NominatingPlanSource(self.repacker)
+        self.service = live_service(
+            self.cluster, self.source, planner=self.plans, nominations=self.plans
+        ).service
+
+    def _plan(self, *args: Any, **kw: Any) -> Any:
+        self.planned += 1
+        return plan_repack(*args, **kw)
+
+    def clock(self) -> float:
+        """time.monotonic() moved by `offset`: the ledger's own expiry reads time.monotonic()."""
+        return self.base + self.offset
+
+    def filter(self, key: str) -> tuple[list[str], dict[str, str]]:
+        out = self.service.filter(ExtenderArgs(Pod=self.cluster.pod(key), NodeNames=NODES))
+        return list(out.NodeNames or []), dict(out.FailedAndUnresolvableNodes or {})
+
+    async def bind(self, key: str, node: str) -> str:
+        p = self.cluster.pod(key)
+        assert p is not None
+        meta = p["metadata"]
+        args = ExtenderBindingArgs(
+            PodName=meta["name"], PodNamespace="default", PodUID=meta["uid"], Node=node
+        )
+        result = await self.service.bind(args)
+        self.watch(key)  # the watch brings the bound pod back
+        return result.Error or ""
+
+    def watch(self, key: str) -> None:
+        self.source.apply("pods", "MODIFIED", copy.deepcopy(self.api.pods[key]))
+
+    def gone(self, key: str) -> None:
+        """The moved pod's kubelet finished: the pod leaves the API (and the ledger)."""
+        p = self.api.pods.pop(key)
+        self.source.apply("pods", "DELETED", p)
+
+    def recreate(self, moved: str, name: str) -> str:
+        """The controller's new pod for `moved`: its template, no node, no assignment."""
+        p = copy.deepcopy(self.api.pods[moved])
+        p["metadata"].update(name=name, uid=name)
+        p["metadata"].pop("deletionTimestamp", None)
+        p["metadata"]["annotations"].pop("vramsched.io/assignment", None)
+        p["spec"].pop("nodeName", None)
+        p["status"] = {"phase": "Pending"}
+        self.api.add_pod(p)
+        self.source.apply("pods", "ADDED", copy.deepcopy(p))
+        return f"default/{name}"
+
+    def held(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        return {r.key: (r.node, r.device_ids) for r in self.cluster.ledger.reservations()}
+
+    def assert_sound(self) -> None:
+        """The invariant, with the plan's holds counted as the pods they stand for."""
+        run = self.repacker.run
+        live = self.cluster.live_pod_keys() | (run.hold_keys() if run is not None else set())
+        assert check_invariant(self.cluster.ledger, live) == []
+
+    async def events(self) -> list[dict[str, Any]]:
+        await self.repacker.events.drain()
+        return self.api.events
+
+    async def step(self, advance: float = 0.0) -> None:
+        self.offset += advance
+        await self.repacker.step()
+        self.assert_sound()
+
+
+@pytest.fixture
+async def world() -> Any:
+    made: list[World] = []
+
+    def make(*args: Any, **kw: Any) -> World:
+        w = World(*args, **kw)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        await w.repacker.stop()
+
+
+# ----- the rules -----------------------------------------------------------------------------------
+
+
+def test_only_consenting_pods_whose_controller_recreates_them_are_movable() -> None:
+    assert movable(web("m", 4, "a")) == Controller("ReplicaSet", "web-abc", "rs-web", "abc")
+    sts = owned(bound("db-0", 4, "a", consent=True), "StatefulSet", "db", "sts-db")
+    assert movable(sts) == Controller("StatefulSet", "db", "sts-db")
+    refused = {
+        "no consent": web("m", 4, "a", consent=False),
+        "consent not exactly true": owned(
+            pod("x", "4Gi", node="a", annotations={MOVABLE: "True"}), "ReplicaSet", "r", "u"
+        ),
+        "bare pod": bound("x", 4, "a", consent=True),
+        "job": owned(bound("x", 4, "a", consent=True), "Job", "j", "u"),
+        "daemonset": owned(bound("x", 4, "a", consent=True), "DaemonSet", "d", "u"),
+        "pending": web("m", 4, None),
+    }
+    terminating = web("m", 4, "a")
+    terminating["metadata"]["deletionTimestamp"] = "now"
+    refused["terminating"] = terminating
+    with_claim = copy.deepcopy(sts)
+    with_claim["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "d"}}]
+    refused["statefulset with a claim"] = with_claim
+    for what, p in refused.items():
+        assert isinstance(movable(p), str), what
+
+
+def test_a_recreated_pod_is_recognised_by_controller_and_template_or_name() -> None:
+    rs = Controller("ReplicaSet", "web-abc", "rs-web", "abc")
+    moved = PodRef("default", "m2", "m2")
+    assert replaces(rs, moved, web("web-new", 4, None))
+    other_template = owned(pod("n", "4Gi"), "ReplicaSet", "web-def", "rs-web", "def")
+    assert not replaces(rs, moved, other_template)
+    assert not replaces(rs, moved, owned(pod("n", "4Gi"), "ReplicaSet", "x", "rs-other", "abc"))
+    sts = Controller("StatefulSet", "db", "sts-db")
+    same_name = owned(pod("m2", "4Gi", uid="new"), "StatefulSet", "db", "sts-db")
+    assert replaces(sts, moved, same_name)
+    assert not replaces(
+        sts, moved, owned(pod("m2", "4Gi", uid="m2"), "StatefulSet", "db", "sts-db")
+    )
+    assert not replaces(sts, moved, owned(pod("db-1", "4Gi"), "StatefulSet", "db", "sts-db"))
+
+
+def test_the_budget_caps_moves_per_pod_and_per_minute() -> None:
+    now = [0.0]
+    budget = MoveBudget(3, 5, clock=lambda: now[0])
+    assert budget.allowance() == 3
+    budget.spend(3)
+    assert budget.allowance() == 2 and budget.next_move_in() == 0
+    now[0] = 30.0
+    budget.spend(2)
+    assert budget.allowance() == 0
+    assert budget.next_move_in() == pytest.approx(30.0)
+    now[0] = 60.0  # the first three leave the window
+    assert budget.recent() == 2 and budget.allowance() == 3
+    assert budget.spent == 5
+    with pytest.raises(ValueError):
+        MoveBudget(-1, 1)
+
+
+def test_a_target_must_pass_kube_schedulers_own_rules() -> None:
+    node = gpu_node("a", count=1)
+    p = web("m", 4, "b")
+    assert schedulable_on(p, node) is None
+    p["spec"]["nodeSelector"] = {"pool": "big"}
+    assert "nodeSelector" in (schedulable_on(p, node) or "")
+    node["metadata"]["labels"]["pool"] = "big"
+    assert schedulable_on(p, node) is None
+    p["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["x"]}]}
+                ]
+            }
+        }
+    }
+    assert "affinity" in (schedulable_on(p, node) or "")
+    node["metadata"]["labels"]["zone"] = "x"
+    assert schedulable_on(p, node) is None
+    node["spec"] = {"taints": [{"key": "gpu", "value": "big", "effect": "NoSchedule"}]}
+    assert "taint" in (schedulable_on(p, node) or "")
+    p["spec"]["tolerations"] = [{"key": "gpu", "operator": "Exists"}]
+    assert schedulable_on(p, node) is None
+    node["spec"]["unschedulable"] = True
+    assert "cordoned" in (schedulable_on(p, node) or "")
+
+
+def test_a_plan_is_checked_against_the_device_plugins_bound() -> None:
+    """Per-GPU books would put the 16Gi pod on GPU 1 beside GPU 0's 12+8; the stock plugin
+    (distributed) may stack any two of three pods on one GPU: 16+12 > 24."""
+    c = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
+    c.load(
+        [
+            gpu_node("n", count=2, memory_mib=24 * 1024, replicas=4),
+            bound("x", 12, "n"),
+            pod("y", "8Gi", node="n", uid="y", annotations=assigned("n", "0", 8)),
+            pod("p", "16Gi", uid="p"),
+        ]
+    )
+    demand = pod_demand(c.pod("default/p") or {})
+    on_gpu1 = Reservation(demand.pod, "n", ("1",), (16 * GIB,))
+    assert "device plugin" in (final_state_problem(c.ledger, demand, on_gpu1, []) or "")
+    exact = ClusterState()
+    exact.load(list(c.nodes.values()) + list(c.pods.values()))
+    assert final_state_problem(exact.ledger, demand, on_gpu1, []) is None
+
+
+def test_a_nominated_pod_is_offered_its_node_only_once_the_room_is_there() -> None:
+    c = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
+    c.load([gpu_node(n, count=1, memory_mib=24 * 1024, replicas=4) for n in NODES])
+    c.load(fragmented())
+    demand = pod_demand(c.pod("default/p") or {})
+    placement = Reservation(demand.pod, "b", ("0",), (16 * GIB,))
+    waiting = nominated_outcome(c.ledger, demand, NODES, placement)
+    assert waiting.feasible == [] and "waiting" in waiting.unresolvable["b"]
+    assert "held for this pod on b" in waiting.unresolvable["a"]
+    c.delete_pod("default/m2")
+    ready = nominated_outcome(c.ledger, demand, NODES, placement)
+    assert ready.feasible == ["b"] and list(ready.unresolvable) == ["a"]
+
+
+# ----- the live loop ---------------------------------------------------------------------------------
+
+
+async def test_repack_evicts_holds_the_freed_gpus_and_places_everyone_as_planned(
+    world: Any,
+) -> None:
+    w = world(fragmented())
+    assert w.filter("default/p")[0] == []  # filter found no node: the repacker hears of it
+    await w.step()
+    assert w.evictions.calls == []  # not before it waited `after` seconds
+    await w.step(advance=1.5)
+    # dry run, then the eviction, of the one pod the plan moves
+    assert w.evictions.calls == [("m2", True), ("m2", False)]
+    body = w.evictions.bodies[-1]
+    assert body["kind"] == "Eviction" and body["deleteOptions"] == {"preconditions": {"uid": "m2"}}
+    run = w.repacker.run
+    assert run is not None and run.phase == "releasing"
+    # a's free room was held for m2's new pod before anything else could take it
+    assert w.held()[f"default/m2{HOLD_SUFFIX}"] == ("a", ("0",))
+    # m2 is terminating and still holds b: the blocked pod waits, nowhere else
+    assert w.filter("default/p") == (
+        [],
+        {
+            "a": "vramsched repack: GPUs are held for this pod on b",
+            "b": "vramsched repack: waiting for GPUs being freed on b",
+        },
+    )
+    new = w.recreate("default/m2", "web-new")
+    assert w.filter(new)[0] == ["a"]  # the hold moved to the new pod's key
+    assert w.held()[new] == ("a", ("0",)) and f"default/m2{HOLD_SUFFIX}" not in w.held()
+    assert await w.bind(new, "a") == ""
+    w.assert_sound()
+    w.gone("default/m2")
+    w.assert_sound()
+    # the freed GPU is the blocked pod's at once: another 16Gi pod cannot take it
+    w.source.apply("pods", "ADDED", pod("other", "16Gi", uid="other"))
+    assert w.filter("default/other")[0] == []
+    assert w.held()["default/p"] == ("b", ("0",))
+    await w.step()  # the loop annotates the pod: kube-scheduler retries it at once
+    assert w.api.pods["default/p"]["metadata"]["annotations"][NOMINATED] == "b"
+    assert w.filter("default/p")[0] == ["b"]
+    assert await w.bind("default/p", "b") == ""
+    await w.step()
+    assert w.repacker.run is None
+    last = w.repacker.last
+    assert last is not None and last["phase"] == "done"
+    assert last["outcome"] == "blocked pod placed; 1 of 1 re-created pods placed as planned"
+    assert check_cluster(w.cluster) == []
+    assert w.repacker.stats.moves == 1 and w.repacker.budget.spent == 1
+    events = await w.events()
+    repack = [e for e in events if e["reason"] == REASON]
+    on_m2 = [e for e in repack if e["involvedObject"]["name"] == "m2"]
+    assert len(on_m2) == 1 and on_m2[0]["involvedObject"]["uid"] == "m2"
+    assert "to make room for pod default/p" in on_m2[0]["message"]
+    assert "holds device 0 of a for the new one" in on_m2[0]["message"]
+    assert [e["involvedObject"]["name"] for e in repack] == ["m2", "p"]
+    assert "holds device 0 of b for it" in repack[1]["message"]
+
+
+async def test_a_pod_disruption_budget_refusing_the_dry_run_evicts_nothing(world: Any) -> None:
+    w = world(fragmented())
+    w.evictions.refuse["m2"] = 429
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == [] and w.repacker.run is None
+    # planned again without m2: no other plan exists
+    assert w.planned == 2 and w.repacker.stats.refused == 1
+    events = await w.events()
+    assert len(events) == 1 and events[0]["involvedObject"]["name"] == "p"
+    assert "PodDisruptionBudget allows no disruption now" in events[0]["message"]
+    assert w.held() == {k: v for k, v in w.held().items() if HOLD_SUFFIX not in k}
+    await w.step(advance=11)  # tried again after `retry`; the same reason is not repeated
+    assert w.planned == 4 and len(await w.events()) == 1
+    del w.evictions.refuse["m2"]  # the budget allows it now
+    await w.step(advance=11)
+    assert w.evictions.real() == ["m2"]
+
+
+async def test_an_eviction_refused_part_way_abandons_the_plan_and_says_so(world: Any) -> None:
+    w = world(two_moves())
+    w.evictions.refuse_real["m3"] = 429  # the dry runs pass, the second eviction does not
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["m2", "m3"]  # m3's refusal is final: eviction_retry is 0 here
+    assert w.repacker.run is None and w.repacker.stats.abandoned == 1
+    assert not [k for k in w.held() if HOLD_SUFFIX in k]  # the targets' holds are released
+    events = await w.events()
+    warning = [e for e in events if e["reason"] == ABANDONED_REASON]
+    assert len(warning) == 1 and warning[0]["type"] == "Warning"
+    assert warning[0]["involvedObject"]["name"] == "p"
+    assert "abandoned after evicting 1 of 2 pod(s) (default/m2)" in warning[0]["message"]
+    assert "still does not fit" in warning[0]["message"]
+    # the evicted pod's controller re-creates it; it is placed as usual, anywhere it fits
+    new = w.recreate("default/m2", "web-new")
+    w.gone("default/m2")
+    assert sorted(w.filter(new)[0]) == ["a", "b"]
+    assert check_cluster(w.cluster) == []
+
+
+async def test_pods_without_consent_are_never_evicted(world: Any) -> None:
+    w = world(fragmented(consent=False))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.repacker.stats.none == 1
+    (event,) = await w.events()
+    assert event["message"].startswith("no repack now: no plan within 3 move(s)")
+
+
+async def test_the_per_minute_budget_holds_back_the_next_plan(world: Any) -> None:
+    w = world(two_moves(), per_pod=3, per_minute=1)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.planned == 1 and w.evictions.real() == []  # two moves needed, one allowed
+    w.repacker.budget.spend(1)
+    await w.step(advance=11)
+    assert w.planned == 1  # nothing left this minute: not even a plan is made
+    await w.step(advance=60)
+    assert w.planned == 2
+
+
+async def test_only_the_leader_repacks(world: Any) -> None:
+    w = world(fragmented(), leader=lambda: None)  # Lease not read yet: not known to lead
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.planned == 0 and w.evictions.calls == []
+
+
+async def test_unused_holds_lapse_and_the_plan_ends(world: Any) -> None:
+    w = world(fragmented())
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    w.gone("default/m2")
+    w.filter("default/p")  # holds taken; nobody binds
+    assert "default/p" in w.held() and f"default/m2{HOLD_SUFFIX}" in w.held()
+    run = w.repacker.run
+    assert run is not None
+    await w.step(advance=run.deadline - w.clock() + run.ttl + 1)
+    assert w.repacker.run is None
+    assert w.repacker.last is not None and w.repacker.last["blockedOutcome"] == "lapsed"
+    assert not [k for k in w.held() if HOLD_SUFFIX in k or k == "default/p"]
+    assert check_cluster(w.cluster) == []
+
+
+async def test_a_statefulset_pod_is_held_its_target_under_its_own_name(world: Any) -> None:
+    pods = fragmented()
+    pods[3] = owned(bound("db-0", 4, "b", consent=True), "StatefulSet", "db", "sts-db")
+    w = world(pods)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["db-0"]
+    w.gone("default/db-0")  # a StatefulSet re-creates only once the old pod is gone
+    p = owned(
+        pod("db-0", "4Gi", uid="db-0-new", annotations={MOVABLE: "true"}),
+        "StatefulSet",
+        "db",
+        "sts-db",
+    )
+    w.api.add_pod(p)
+    w.source.apply("pods", "ADDED", copy.deepcopy(p))
+    assert w.filter("default/db-0")[0] == ["a"]
+    held = w.cluster.ledger.reservation("default/db-0")
+    assert held is not None and held.pod.uid == "db-0-new" and held.node == "a"
+    assert await w.bind("default/db-0", "a") == ""
+    assert await w.bind("default/p", "b") == ""
+    await w.step()
+    assert w.repacker.last is not None and w.repacker.last["phase"] == "done"
+
+
+async def test_repack_metrics_and_state(world: Any) -> None:
+    w = world(fragmented())
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    registry = CollectorRegistry()
+    registry.register(RepackCollector(w.repacker))
+    text = generate_latest(registry).decode()
+    assert "vramsched_repack_moves_total 1.0" in text
+    assert 'vramsched_repack_plans_total{outcome="started"} 1.0' in text
+    assert "vramsched_repack_running 1.0" in text
+    state = w.service.planner_state()
+    assert state is not None and state["plans"] == 0  # no background planner here
+    assert state["repack"]["running"]["moves"][0]["pod"] == "default/m2"
+    assert state["repack"]["budget"] == {"perPod": 3, "perMinute": 6, "lastMinute": 1}
+
+
+def test_serve_flags() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    assert args.repack is False
+    assert (args.repack_max_moves_per_pod, args.repack_max_moves_per_minute) == (3, 6)
+    args = parser.parse_args(["serve", "--repack", "--repack-max-moves-per-minute", "2"])
+    assert args.repack and args.repack_max_moves_per_minute == 2
+    with pytest.raises(SystemExit, match="needs live mode"):
+        args.run(parser.parse_args(["serve", "--cluster", "x.yaml", "--repack"]))
+    with pytest.raises(SystemExit, match="at least 1"):
+        args.run(parser.parse_args(["serve", "--repack-max-moves-per-pod", "0"]))
+
+
+def test_repack_leaves_the_service_alone_when_off() -> None:
+    """Without nominations the service filters as before (the seam is optional)."""
+    c = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
+    c.load([gpu_node(n, count=1, memory_mib=24 * 1024, replicas=4) for n in NODES])
+    c.load(fragmented())
+    api = FakeApi()
+    src = LiveSource(c, api=api)
+    service = live_service(c, src).service
+    out = service.filter(ExtenderArgs(Pod=c.pod("default/p"), NodeNames=NODES))
+    assert not out.NodeNames and set(out.FailedNodes or {}) == {"a", "b"}
+    assert asyncio.iscoroutinefunction(service.bind)
+
+
+async def test_a_moved_pod_that_never_leaves_abandons_the_plan(world: Any) -> None:
+    """A kubelet that never confirms the deletion: the blocked pod never gets the GPU, and the
+    plan is abandoned, saying which pod is still there, once the moved pods had to be gone."""
+    w = world(fragmented())
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    run = w.repacker.run
+    assert run is not None and run.leaving() == ["default/m2"]
+    await w.step(advance=run.deadline - w.clock() - 1)
+    assert w.repacker.run is run  # not yet
+    await w.step(advance=2)
+    assert w.repacker.run is None and w.repacker.stats.abandoned == 1
+    assert not [k for k in w.held() if HOLD_SUFFIX in k]
+    (warning,) = [e for e in await w.events() if e["reason"] == ABANDONED_REASON]
+    assert "not all gone in time (still there: default/m2)" in warning["message"]
