@@ -1,0 +1,59 @@
+"""deploy/repack grants live repacking exactly the one right it adds (create Evictions) to the
+pods' ServiceAccount, the base role does not, and its Deployment patch only adds `--repack`."""
+
+from __future__ import annotations
+
+from deploy_objects import (
+    DEPLOY,
+    SA,
+    base_objects,
+    check_object,
+    container,
+    deployment,
+    kustomize,
+    load,
+    one,
+    serve_args,
+)
+from test_deploy_rbac import rules_of
+
+REPACK = DEPLOY / "repack"
+
+
+def test_repack_role_only_creates_evictions() -> None:
+    objs = load(REPACK / "rbac.yaml")
+    assert rules_of(objs, "ClusterRole", "vramsched-extender-repack") == {
+        ("", "pods/eviction", "create", None),
+    }
+    binding = one(objs, "ClusterRoleBinding", "vramsched-extender-repack")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "vramsched-extender-repack",
+    }
+    namespace, name = SA
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
+
+
+def test_the_base_role_cannot_evict() -> None:
+    """Repacking is off by default: without the overlay the extender can evict nothing."""
+    for obj in base_objects():
+        if obj["kind"] in ("ClusterRole", "Role"):
+            assert "pods/eviction" not in str(obj["rules"]), obj["metadata"]["name"]
+
+
+def test_kustomize_renders_the_repack_rbac() -> None:
+    docs = kustomize(REPACK)
+    for doc in docs:
+        check_object(doc)
+    assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_repack_patch_only_adds_the_flag() -> None:
+    patch = load(REPACK / "extender-args.patch.yaml")[0]
+    (patched,) = patch["spec"]["template"]["spec"]["containers"]
+    assert set(patched) == {"name", "args"}
+    base = container(deployment(), patched["name"])
+    assert patched["args"] == base["args"] + ["--repack"]
+    parsed = serve_args(patched["args"])
+    assert parsed.repack is True and parsed.kubeconfig is None  # in-cluster: live mode
