@@ -9,6 +9,12 @@ over a small cluster that already holds reservations. After every request:
 - the server still answers `/healthz`.
 
 The examples are derandomized and use no database, so every run sends the same inputs.
+
+Why one module of over 600 lines: a fuzz failure is read against the strategy that drew its
+input. The strategies (adversarial pods, corruptions, garbage nodes), the driver and the
+properties each test checks sit together so that the shrunk example, what could be drawn and
+what must hold are on one page; the fixed cases at the end (regressions and limits) use the same
+driver.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ needed. Nodes are fake (labels + status, no kubelet): binding only writes spec.n
 Every test checks the invariant on the API's own state: the ledger rebuilt from the pods'
 annotations (extender.cluster + check_invariant) and, for time-sliced GPUs, the worst case the
 device plugin could produce (extender.stock_plugin).
+
+Why one module of over 600 lines: its first half (cluster objects, the `Extender` process, the
+`stack` fixture, the checks on the API's own state) is the deployed stack's harness, which the
+other e2e modules (test_faults, test_kube_scheduler_contract, test_observe_e2e, test_sizing_e2e,
+test_device_plugin_e2e) and benchmarks/device_plugin.py import from here by name; the tests below
+it are the stack's own, and are where a change to the harness shows first.
 """
 
 from __future__ import annotations
