@@ -1,5 +1,5 @@
-"""The planner's one-pod rule is FGD's: what that choice is on the case that explains the trace's
-churn result (docs/packing.md, "The churn replay: why the planner keeps FGD's rule")."""
+"""The planner's one-pod rule: FGD's measure with a tolerance, then the lowest node (`fgd-packed`);
+what FGD and the other rules choose on the cases that explain the trace's results (docs/packing.md)."""
 
 from __future__ import annotations
 
@@ -56,15 +56,53 @@ def test_fgd_fills_the_roomier_gpu_of_a_cpu_starved_node_where_best_fit_takes_th
     assert greedy.vramsched(cap, pod, frag)[1] == 0
 
 
-def test_the_planner_follows_fgd_for_one_pod_and_for_the_reference_plan():
+def near_tie_case(rare_weight: float) -> tuple[Capacity, FragIndex, Demand]:
+    """n0 holds 40 GiB and n1 45 GiB of one 80 GiB GPU each, n2 is idle; a 20 GiB pod arrives. Most
+    pods of the workload need 10 GiB, a share `rare_weight` needs 38 GiB. On n1 the pod fills 20 of
+    35 GiB that no 38 GiB pod could use (FGD's measure falls by 20 x weight); on n0 it leaves 20 GiB
+    that no 38 GiB pod can use (it rises by 20 x weight); n2 stays usable by both (0)."""
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=1, memory_mib=80 * 1024, replicas=4) for i in range(3)]
+    )
+    place_on(cap, demand("a", 40), 0)
+    place_on(cap, demand("b", 45), 1)
+    w = [demand(f"small{i}", 10) for i in range(round(100 * (1 - rare_weight)))]
+    w += [demand(f"rare{i}", 38) for i in range(round(100 * rare_weight))]
+    return cap, FragIndex(cap, Workload.from_demands(w)), demand("p", 20)
+
+
+def test_fgd_packed_takes_the_lowest_node_among_near_equal_fgd_choices():
+    # weight 0.08: n1 -1.6 GiB, n2 0, n0 +1.6 GiB: within 5% of an 80 GiB GPU (4 GiB) of each other
+    cap, frag, pod = near_tie_case(0.08)
+    c = candidates(cap, pod, dedupe=False)
+    delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
+    assert np.allclose([delta[0], delta[1], delta[2]], [1.6, -1.6, 0.0])
+    assert greedy.fgd(cap, pod, frag)[1] == 1  # the least increase, by 3.2 GiB of expectation
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 0  # near-equal: the lowest node
+    assert greedy.first_fit(cap, pod, frag)[1] == 0
+
+
+def test_fgd_packed_keeps_fgd_choice_when_the_difference_is_beyond_the_tolerance():
+    # weight 0.2: n1 -4 GiB, n2 0, n0 +4 GiB: n0 is 8 GiB worse than n1, beyond 4 GiB; n1 and n2
+    # are within it, and n1 is the lower of the two
+    cap, frag, pod = near_tie_case(0.2)
+    assert greedy.fgd(cap, pod, frag)[1] == 1
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 1
+    assert greedy.FGD_TOLERANCE == 0.05
+
+
+def test_the_planner_follows_its_rule_for_one_pod_and_for_the_reference_plan():
     cap, frag, pod = cpu_starved_case()
-    assert model.SEQUENTIAL_RULE == "fgd"
+    assert model.SEQUENTIAL_RULE == "fgd-packed"
+    assert greedy.fgd_packed(cap, pod, frag)[1] == greedy.fgd(cap, pod, frag)[1] == 0
     plan = solve_batch(cap, [pod], frag, time_limit=1, num_workers=1)
     assert plan.choices[0][1] == 0
     # a batch whose FGD sequential plan places every pod keeps that plan: both pods go where FGD puts them
     other = demand("q", 15, cpu=0)
     plan = solve_batch(cap, [pod, other], frag, time_limit=1, num_workers=1)
-    sequential = greedy.greedy_batch(cap, [pod, other], frag, order="arrival", rule="fgd")
+    sequential = greedy.greedy_batch(
+        cap, [pod, other], frag, order="arrival", rule=model.SEQUENTIAL_RULE
+    )
     assert not plan.improved and {i: ch[1] for i, ch in plan.choices.items()} == {
         i: ch[1] for i, ch in sequential.items()
     }

@@ -12,6 +12,7 @@ from extender.assignment import encode_assignment
 from extender.cli import main
 from extender.demand import PodRef
 from extender.ledger import Reservation
+from extender.planner import model
 from extender.quantity import GIB, MIB
 from extender.simulate.engine import ALL_POLICIES, PolicyResult, run_policy, while_all_fit
 from extender.simulate.trace import inflate, read_inputs, read_trace_nodes, read_trace_pods
@@ -101,9 +102,9 @@ def test_pods_arriving_together_are_planned_as_one_batch(tmp_path):
     assert planner.allocatedMemoryBytes == 2000 * MIB
 
 
-def test_planner_follows_fgd_when_no_batch_plan_places_more(tmp_path):
+def test_planner_follows_its_rule_when_no_batch_plan_places_more(tmp_path):
     # pods alone and in pairs on four nodes, everything fits: the planner's plan of each batch is
-    # FGD's sequential plan, so the replay ends in exactly FGD's state
+    # its one-pod rule's sequential plan, so the replay ends in exactly that rule's state
     rows = [
         task(
             f"p{i}", 1 if i % 5 else 2, (150 * i) % 900 + 50 if i % 5 else 0, i // 2 if i % 3 else i
@@ -123,7 +124,7 @@ def test_planner_follows_fgd_when_no_batch_plan_places_more(tmp_path):
     )
     nodes, tasks, bound = read_inputs(n, p)
     planner = run_policy("planner", nodes, tasks, bound, time_limit=2, num_workers=1)
-    fgd = run_policy("fgd", nodes, tasks, bound)
+    fgd = run_policy(model.SEQUENTIAL_RULE, nodes, tasks, bound)
     assert planner.solverBatches > 0 and planner.solverImproved == 0 and planner.failed == 0
     for key in (
         "placed",

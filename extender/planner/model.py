@@ -76,9 +76,9 @@ SMALL_EXACT = 24
 #: allocation by noise ("stranded": -10 to +13 GPUs over node orders) or lost memory ("all": 2 to
 #: 51 GPUs in every run); so by default the solver's plan is used when it places more pods.
 ACCEPT = "placed"
-#: the one-pod rule of the reference plan (and of a batch of one pod): FGD. Consolidating rules
-#: (best-fit-like, load-adaptive) were measured against it: see `greedy`'s docstring and docs/packing.md.
-SEQUENTIAL_RULE = "fgd"
+#: the one-pod rule of the reference plan (and of a batch of one pod): FGD's measure with a
+#: tolerance, then the lowest node (`greedy.fgd_packed`; why: its docstring and docs/packing.md).
+SEQUENTIAL_RULE = "fgd-packed"
 #: further greedy plans (order, rule) tried against the reference before the solver, when the
 #: reference leaves pods out; the best is the solver's hint. Smallest first places the most pods:
 #: on `make bench-planner`'s 100-node batch it places the proven optimum (481 of 500) where the
