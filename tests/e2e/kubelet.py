@@ -12,7 +12,10 @@ a bridge CNI network in a folder of our own. Everything the kubelet and containe
 one work folder, except what the kubelet insists on: the device-plugin folder
 /var/lib/kubelet/device-plugins (a constant in the kubelet), a few sysctls it sets
 (vm.overcommit_memory, kernel.panic, kernel.panic_on_oops; the bridge sets net.ipv4.ip_forward),
-cgroup folders and the bridge. `KubeletNode.stop` puts all of them back.
+cgroup folders and the bridge; containerd adds network namespaces (/run/netns/cni-*) with a veth
+pair each, runc state (/run/containerd/runc) and shim sockets (/run/containerd/s). `KubeletNode`
+records the host before it starts (`HostState`); `stop` removes what the run added and
+`check_host` raises when the host does not match the record.
 
 Binaries: scripts/control-plane/unpack.sh (cache ~/.cache/vramsched/k8s-1.36.3/bin), packages:
 scripts/node/deps.sh. This module does not import pytest.
@@ -29,6 +32,8 @@ import signal
 import subprocess
 import tarfile
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,9 @@ DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
 BRIDGE = "vramsched0"
 CNI_SUBNET = "10.223.0.0/24"
+NETNS_DIR = Path("/run/netns")  # containerd's CRI keeps each sandbox's netns here (cni-<uuid>)
+CONTAINERD_RUN = Path("/run/containerd")  # runc's state and the shims' sockets, whatever the config
+CHECKPOINT = DEVICE_PLUGIN_DIR / "kubelet_internal_checkpoint"
 
 
 def node_binaries(timeout: float = 900) -> Path:
@@ -140,6 +148,109 @@ def image_archive(path: Path) -> Path:
     return path
 
 
+# ----- what the node changes on the host ---------------------------------------------------------------
+
+
+def _links(*kind: str) -> frozenset[str]:
+    out = subprocess.run(
+        ["ip", "-o", "link", "show", *(("type", *kind) if kind else ())],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return frozenset(line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line)
+
+
+def _tree(root: Path) -> frozenset[str]:
+    if not root.exists():
+        return frozenset()
+    return frozenset([str(root), *(str(p) for p in root.rglob("*"))])
+
+
+def _mounts(prefixes: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(
+        target
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if (target := line.split()[4]).startswith(prefixes)
+    )
+
+
+def _cgroups() -> frozenset[str]:
+    root = Path("/sys/fs/cgroup")
+    return frozenset(
+        str(controller / top)
+        for controller in (root.iterdir() if root.exists() else ())
+        for top in ("kubepods", "kubepods.slice", "k8s.io")
+        if (controller / top).is_dir()
+    )
+
+
+def _pod_processes() -> frozenset[str]:
+    """Processes in a pod's cgroup: containers that outlived their node."""
+    out = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cgroup = (proc / "cgroup").read_text()
+            comm = (proc / "comm").read_text().strip()
+        except OSError:
+            continue
+        if "/kubepods" in cgroup:
+            out.add(f"{proc.name} ({comm})")
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class HostState:
+    """What a kubelet node run may change on the host, as one record to compare."""
+
+    netns: frozenset[str]
+    veths: frozenset[str]
+    links: frozenset[str]
+    containerd_run: frozenset[str]
+    mounts: frozenset[str]
+    cgroups: frozenset[str]
+    pod_processes: frozenset[str]
+    device_plugin_dir: frozenset[str]
+    sysctls: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def capture(cls, workdir: Path) -> HostState:
+        sysctls = []
+        for key in SYSCTLS:
+            path = Path("/proc/sys") / key
+            if path.exists():
+                sysctls.append((key, path.read_text().strip()))
+        return cls(
+            netns=_tree(NETNS_DIR),
+            veths=_links("veth"),
+            links=_links(),
+            containerd_run=_tree(CONTAINERD_RUN),
+            mounts=_mounts(
+                (str(NETNS_DIR), str(CONTAINERD_RUN), str(DEVICE_PLUGIN_DIR.parent), str(workdir))
+            ),
+            cgroups=_cgroups(),
+            pod_processes=_pod_processes(),
+            device_plugin_dir=_tree(DEVICE_PLUGIN_DIR.parent),
+            sysctls=tuple(sysctls),
+        )
+
+    def differences(self, now: HostState) -> list[str]:
+        """One line per field that differs: what `now` has that this record has not, and back."""
+        out = []
+        for name in self.__dataclass_fields__:
+            before, after = getattr(self, name), getattr(now, name)
+            if before == after:
+                continue
+            if isinstance(before, frozenset):
+                added, gone = sorted(after - before), sorted(before - after)
+                out.append(f"{name}: added {added[:12]}, removed {gone[:12]}")
+            else:
+                out.append(f"{name}: was {before}, now {after}")
+        return out
+
+
 # ----- the node ----------------------------------------------------------------------------------------
 
 
@@ -148,7 +259,16 @@ class KubeletNode:
     `workdir`. `start()` returns once the node is Ready and schedulable; `stop()` undoes what
     the kubelet changed on the host (module docstring)."""
 
-    def __init__(self, cp: ControlPlane, workdir: Path, name: str = "kubelet-node") -> None:
+    def __init__(
+        self,
+        cp: ControlPlane,
+        workdir: Path,
+        name: str = "kubelet-node",
+        *,
+        read_only_port: bool = False,
+    ) -> None:
+        """`read_only_port`: also serve the kubelet's unauthenticated read-only port on
+        127.0.0.1 (`read_only_port` attribute), e.g. for its /metrics in a benchmark."""
         self.cp = cp
         self.workdir = Path(workdir).resolve()
         self.name = name
@@ -162,9 +282,13 @@ class KubeletNode:
         self._sysctls: dict[str, str] = {}
         self._made: list[Path] = []  # folders of the device-plugin path we created
         self.kubelet_port = 0
+        self.read_only_port = free_ports(1)[0] if read_only_port else 0
+        self.host_before: HostState | None = None  # the host before start()
+        self.host_problems: list[str] = []  # what stop() could not put back
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self, timeout: float = 120) -> KubeletNode:
+        self.host_before = HostState.capture(self.workdir)
         self._save_sysctls()
         for folder in (DEVICE_PLUGIN_DIR.parent, DEVICE_PLUGIN_DIR):
             if not folder.exists():
@@ -266,7 +390,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                     "failSwapOn": False,
                     "address": "127.0.0.1",
                     "port": port,
-                    "readOnlyPort": 0,
+                    "readOnlyPort": self.read_only_port,
                     "healthzBindAddress": "127.0.0.1",
                     "healthzPort": healthz,
                     "authentication": {
@@ -313,9 +437,28 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if self.kubelet is not None:
             self.kubelet.stop()
 
-    def restart_kubelet(self) -> None:
-        self.stop_kubelet()
+    def restart_kubelet(self, *, kill: bool = False) -> None:
+        """Stop the kubelet (SIGTERM; `kill`: SIGKILL, so no shutdown path runs) and start it
+        again on the same root: it keeps its device checkpoint, and clears the device-plugin
+        folder's sockets as it starts."""
+        if kill and self.kubelet is not None:
+            self.kubelet.kill()
+        else:
+            self.stop_kubelet()
         self.start_kubelet()
+
+    def device_checkpoint(self, resource: str) -> dict[tuple[str, str], list[str]]:
+        """The kubelet's own record of what it allocated (its device manager checkpoint, which
+        also holds plain init containers, unlike PodResources): (pod UID, container) -> IDs."""
+        data = json.loads(CHECKPOINT.read_text())["Data"]
+        out: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for entry in data.get("PodDeviceEntries") or []:
+            if entry.get("ResourceName") != resource:
+                continue
+            ids = entry.get("DeviceIDs") or {}
+            for per_numa in ids.values() if isinstance(ids, dict) else [ids]:
+                out[(entry["PodUID"], entry["ContainerName"])] += per_numa
+        return dict(out)
 
     def wait_ready(self, timeout: float = 120) -> None:
         with self.cp.api_client() as client:
@@ -362,6 +505,46 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         for folder in self._made:
             try:
                 folder.rmdir()
+            except OSError:
+                pass
+        if self.host_before is not None:
+            self._remove_added(self.host_before)
+            self.host_problems = self.host_before.differences(HostState.capture(self.workdir))
+
+    def check_host(self) -> None:
+        """Raise when `stop()` left the host other than `start()` found it (call after stop)."""
+        if self.host_problems:
+            raise ControlPlaneError(
+                "the kubelet node left the host changed:\n  " + "\n  ".join(self.host_problems)
+            )
+
+    @staticmethod
+    def _remove_added(before: HostState) -> None:
+        """What containerd's sandboxes added and nobody tore down (the kubelet was stopped with
+        pods running, or killed): their network namespaces (each holds a veth pair), veths left
+        behind, runc state and shim sockets."""
+        for path in sorted(Path(p) for p in _tree(NETNS_DIR) - before.netns - {str(NETNS_DIR)}):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+            path.unlink(missing_ok=True)
+        for veth in sorted(_links("veth") - before.veths):
+            subprocess.run(["ip", "link", "delete", veth], capture_output=True, check=False)
+        for mount in sorted(_mounts((str(CONTAINERD_RUN),)) - before.mounts, key=len, reverse=True):
+            subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
+        for path in sorted(
+            (Path(p) for p in _tree(CONTAINERD_RUN) - before.containerd_run),
+            key=lambda p: len(p.parts),
+            reverse=True,
+        ):
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    path.rmdir()
+                else:
+                    path.unlink()
+            except OSError:
+                pass
+        if str(NETNS_DIR) not in before.netns:
+            try:
+                NETNS_DIR.rmdir()  # only when we made it and it is empty
             except OSError:
                 pass
 

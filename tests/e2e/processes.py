@@ -62,11 +62,13 @@ _LIVE: dict[int, subprocess.Popen[bytes]] = {}
 _LIVE_LOCK = threading.Lock()
 
 
-def _kill_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL it if it lingers."""
+def _kill_group(
+    proc: subprocess.Popen[bytes], grace: float = 10.0, first: int = signal.SIGTERM
+) -> None:
+    """Send `first` (SIGTERM) to the process group, then SIGKILL it if it lingers."""
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, first)
         except ProcessLookupError:
             pass
         try:
@@ -135,6 +137,14 @@ class Component:
             proc, self.proc = self.proc, None
         if proc is not None:
             _kill_group(proc)
+
+    def kill(self) -> None:
+        """SIGKILL the process group at once: no shutdown path runs (a crash, an OOM kill)."""
+        with self._lock:
+            self._supervised = False
+            proc, self.proc = self.proc, None
+        if proc is not None:
+            _kill_group(proc, grace=5.0, first=signal.SIGKILL)
 
     def supervise(self, delay: float = 1.0) -> None:
         """Start it again ``delay`` s after each exit of its own, as kubelet does for a container

@@ -8,26 +8,28 @@ shipped scheduler config, `vramsched serve` in live mode as the deploy RBAC allo
 `vramsched device-plugin --fake-gpus 8` (8 x 80 GiB, 4 replicas, as deploy/device-plugin's RBAC
 allows), and two API-only GPU nodes beside it (no kubelet: the stock plugin's worst case applies).
 Pods are busybox (built locally) printing what they were handed; what counts is what a container
-saw, read from its log, never what vramsched's books say.
+saw, read from its log, with the VRAM each pod declared (vramsched.io/model-memory over its
+GPUs), never what vramsched's books say; the kubelet's own record (its device checkpoint and
+PodResources) and vramsched's ledger (/state) must then agree with it. The module's teardown
+fails when the host is not as the node found it (KubeletNode.check_host).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
 import sys
 import threading
 import time
 import urllib.request
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes.client
+import kubernetes.utils
 import pytest
 import yaml
 from controlplane import REPO_ROOT, Component, free_port
@@ -97,10 +99,8 @@ class Plugin:
         self.component.start()
 
     def kill9(self) -> None:
-        assert self.component is not None and self.component.proc is not None
-        os.killpg(self.component.proc.pid, signal.SIGKILL)
-        self.component.proc.wait(timeout=10)
-        self.component.stop()
+        assert self.component is not None and self.component.running()
+        self.component.kill()
 
     def stop(self) -> None:
         if self.component is not None:
@@ -166,37 +166,41 @@ class Stack:
         )
 
     def create(
-        self, name: str, memory: str, gpus: int = 1, selector: dict[str, str] | None = None
+        self,
+        name: str,
+        memory: str,
+        gpus: int = 1,
+        selector: dict[str, str] | None = None,
+        init_gpus: int = 0,
     ) -> None:
-        script = (
-            "trap 'exit 0' TERM; "
-            'echo "GPUS=$NVIDIA_VISIBLE_DEVICES"; echo "INDEX=$VRAMSCHED_GPU_INDEX"; '
-            'for m in /var/run/nvidia-container-devices/*; do [ -e "$m" ] && echo "MOUNT=${m##*/}"; done; '
-            "echo END; sleep 3600 & wait"
-        )
+        """A pod printing what it was handed; `init_gpus`: an init container `warmup` asking
+        for that many GPUs runs first and prints the same (`gpus` 0: none for `main`)."""
+
+        def container(cname: str, count: int, script: str) -> dict[str, Any]:
+            limits = {GPU: str(count)} if count else {}
+            return {
+                "name": cname,
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["sh", "-c", script],
+                "resources": {"requests": {"cpu": "10m", "memory": "8Mi"}, "limits": limits},
+            }
+
+        spec: dict[str, Any] = {
+            "schedulerName": "vramsched",
+            "nodeSelector": selector
+            if selector is not None
+            else {"vramsched.io/device-plugin": "true"},
+            "terminationGracePeriodSeconds": 1,
+            "containers": [container("main", gpus, PRINT + "sleep 3600 & wait")],
+        }
+        if init_gpus:
+            spec["initContainers"] = [container("warmup", init_gpus, PRINT)]
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": name, "annotations": {"vramsched.io/model-memory": memory}},
-            "spec": {
-                "schedulerName": "vramsched",
-                "nodeSelector": selector
-                if selector is not None
-                else {"vramsched.io/device-plugin": "true"},
-                "terminationGracePeriodSeconds": 1,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": BUSYBOX_IMAGE,
-                        "imagePullPolicy": "Never",
-                        "command": ["sh", "-c", script],
-                        "resources": {
-                            "requests": {"cpu": "10m", "memory": "8Mi"},
-                            "limits": {GPU: str(gpus)},
-                        },
-                    }
-                ],
-            },
+            "spec": spec,
         }
         self.core.create_namespaced_pod(NS, body)
 
@@ -224,13 +228,52 @@ class Stack:
             settled, timeout=timeout, interval=1.0, message=f"pods {sorted(names)} settled"
         )
 
-    def output(self, p: Any) -> str:
-        return self.node.pod_log(NS, p.metadata.name, p.metadata.uid, "main")
+    def admitted(self, names: set[str], timeout: float = 120) -> dict[str, Any]:
+        """Wait until each pod runs with its output written or failed (kube-scheduler retries a
+        pod the extender refused while the node was not offered yet)."""
+
+        def done() -> dict[str, Any] | None:
+            out = {
+                p.metadata.name: p
+                for p in self.pods()
+                if p.metadata.name in names
+                and (
+                    p.status.phase == "Failed"
+                    or (p.status.phase == "Running" and "END" in self.output(p))
+                )
+            }
+            return out if set(out) == names else None
+
+        return self.cp.wait_for(
+            done, timeout=timeout, interval=1.0, message=f"pods {sorted(names)} admitted"
+        )
+
+    def output(self, p: Any, container: str = "main") -> str:
+        return self.node.pod_log(NS, p.metadata.name, p.metadata.uid, container)
+
+    def ledger(self) -> dict[int, set[str]]:
+        """vramsched's books for the kubelet node, from the extender's /state: GPU -> pods."""
+        state = self.ext.get("/state") or {}
+        node = next((n for n in state.get("nodes") or [] if n["name"] == NODE), None)
+        assert node is not None, state
+        return {
+            g["index"]: {h["pod"].partition("/")[2] for h in g["holders"]}
+            for g in node["gpus"]
+            if g["holders"]
+        }
 
     def delete_all(self) -> None:
         for p in self.pods():
             self.core.delete_namespaced_pod(p.metadata.name, NS, grace_period_seconds=0)
         self.cp.wait_for(lambda: not self.pods(), timeout=60, message="pods deleted")
+
+
+PRINT = (
+    "trap 'exit 0' TERM; "
+    'echo "GPUS=$NVIDIA_VISIBLE_DEVICES"; echo "INDEX=$VRAMSCHED_GPU_INDEX"; '
+    'for m in /var/run/nvidia-container-devices/*; do [ -e "$m" ] && echo "MOUNT=${m##*/}"; done; '
+    "echo END; "
+)
 
 
 def unschedulable(p: Any) -> bool:
@@ -274,14 +317,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ext.stop()
         node.stop()
         cp.stop()
+    # after the last test, pods still run: their sandboxes' netns and veths must go too
+    node.check_host()
 
 
 # ----- what containers saw ------------------------------------------------------------------------------
 
 
-def handed(stack: Stack, p: Any) -> tuple[list[int], list[str], list[str]]:
+def handed(stack: Stack, p: Any, container: str = "main") -> tuple[list[int], list[str], list[str]]:
     """(GPU indices vramsched's plugin said, UUIDs in NVIDIA_VISIBLE_DEVICES, mounted UUIDs)."""
-    text = stack.output(p)
+    text = stack.output(p, container)
     fields: dict[str, list[str]] = defaultdict(list)
     for line in text.splitlines():
         key, _, value = line.partition("=")
@@ -291,44 +336,126 @@ def handed(stack: Stack, p: Any) -> tuple[list[int], list[str], list[str]]:
     return index, gpus, fields["MOUNT"]
 
 
+def gpu_containers(p: Any) -> list[tuple[str, int, bool]]:
+    """(container, GPUs it asks for, is a plain init container) in the kubelet's order."""
+    out = []
+    for group, init in ((p.spec.init_containers or [], True), (p.spec.containers, False)):
+        for c in group:
+            count = int(((c.resources and c.resources.limits) or {}).get(GPU, "0"))
+            if count:
+                out.append((c.name, count, init))
+    return out
+
+
+def booked(p: Any) -> list[int]:
+    """The GPUs vramsched assigned the pod (its annotation)."""
+    return [
+        int(d) for d in json.loads(p.metadata.annotations["vramsched.io/assignment"])["devices"]
+    ]
+
+
 def check_running_pods(stack: Stack, strategy: str = "envvar") -> dict[int, list[tuple[str, int]]]:
-    """Every running pod on the node saw exactly its assigned GPUs; per physical GPU (by what
-    the containers received) the declared VRAM never exceeds 80 GiB and the pods never exceed
-    the replicas. Returns GPU -> [(pod, bytes)]."""
+    """Every GPU container of every running pod on the node saw exactly its slice of the pod's
+    booked GPUs (an init container: the first ones). Then, per physical GPU by what the
+    containers received, with the bytes each pod declared (its vramsched.io/model-memory over
+    its GPU count, not vramsched's own bytesPerDevice), the sum never exceeds the GPU's memory
+    and the pods never exceed its replicas. Returns GPU -> [(pod, bytes)]."""
     uuid_to_index = {fake_uuid(NODE, i): i for i in range(GPUS)}
     on_gpu: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for p in stack.pods():
         if p.spec.node_name != NODE or p.status.phase != "Running":
             continue
-        assignment = json.loads(p.metadata.annotations["vramsched.io/assignment"])
-        booked = [int(d) for d in assignment["devices"]]
-        index, gpus, mounts = handed(stack, p)
-        if strategy == "envvar":
-            got = [uuid_to_index[u] for u in gpus]
-        else:
-            assert gpus == ["/var/run/nvidia-container-devices"], gpus
-            got = [uuid_to_index[u] for u in mounts]
-        assert sorted(got) == sorted(booked), (p.metadata.name, got, booked)
-        assert index == booked
+        want = booked(p)
+        got_pod: set[int] = set()
+        at = 0
+        for container, count, init in gpu_containers(p):
+            index, gpus, mounts = handed(stack, p, container)
+            if strategy == "envvar":
+                got = [uuid_to_index[u] for u in gpus]
+            else:
+                assert gpus == ["/var/run/nvidia-container-devices"], gpus
+                got = [uuid_to_index[u] for u in mounts]
+            slot = want[:count] if init else want[at : at + count]
+            at += 0 if init else count
+            assert sorted(got) == sorted(slot), (p.metadata.name, container, got, want)
+            assert index == slot, (p.metadata.name, container, index, slot)
+            got_pod.update(got)
+        assert got_pod == set(want), (p.metadata.name, got_pod, want)
         assert p.metadata.annotations.get("vramsched.io/gpu-index") == ",".join(
-            map(str, sorted(booked))
+            map(str, sorted(want))
         )
-        for gpu, nbytes in zip(got, [assignment["bytesPerDevice"][booked.index(g)] for g in got]):
-            on_gpu[gpu].append((p.metadata.name, nbytes))
+        declared = int(
+            kubernetes.utils.parse_quantity(p.metadata.annotations["vramsched.io/model-memory"])
+        )
+        count = max(
+            sum(n for _, n, init in gpu_containers(p) if not init),
+            max((n for _, n, init in gpu_containers(p) if init), default=0),
+        )
+        for gpu in got_pod:
+            on_gpu[gpu].append((p.metadata.name, declared // count))
     for gpu, held in on_gpu.items():
         assert sum(b for _, b in held) <= MEMORY_MIB * 1024**2, (gpu, held)
         assert len(held) <= REPLICAS, (gpu, held)
     return on_gpu
 
 
-def kubelet_record(stack: Stack) -> dict[str, set[str]]:
-    """The kubelet's own record (PodResources): pod -> GPU UUIDs of its device IDs."""
-    out = {}
-    for kp in PodResources(stack.node.root / "pod-resources" / "kubelet.sock", GPU).list():
-        ids = {d.split("::")[0] for ids in kp.devices.values() for d in ids}
-        if ids:
-            out[kp.name] = ids
-    return out
+def kubelet_record(stack: Stack) -> dict[str, dict[str, list[str]]]:
+    """The kubelet's own record, running pod -> container -> device IDs: PodResources List (by
+    namespace/name: v1 carries no UID), and for plain init containers, which List leaves out,
+    the kubelet's device checkpoint (by pod UID). Where both name a container they must agree."""
+    # List first: answering it, the kubelet frees what ended pods held (UpdateAllocatedDevices)
+    listed = PodResources(stack.node.root / "pod-resources" / "kubelet.sock", GPU).list()
+    checkpoint = stack.node.device_checkpoint(GPU)
+    record: dict[str, dict[str, list[str]]] = defaultdict(dict)
+    for kp in listed:
+        for container, ids in kp.devices.items():
+            if ids:
+                record[kp.name][container] = sorted(ids)
+    running = {
+        p.metadata.uid: p.metadata.name
+        for p in stack.pods()
+        if p.spec.node_name == NODE and p.status.phase == "Running"
+    }
+    for (uid, container), ids in checkpoint.items():
+        name = running.get(uid)
+        if name is None:  # the file keeps ended pods until the kubelet next writes it
+            continue
+        if container in record[name]:
+            assert record[name][container] == sorted(ids), (name, container, ids)
+        else:
+            record[name][container] = sorted(ids)
+    return {name: containers for name, containers in record.items() if containers}
+
+
+def check_books(stack: Stack, on_gpu: dict[int, list[tuple[str, int]]]) -> None:
+    """What the kubelet recorded, what vramsched booked, and what the containers received
+    (`on_gpu`, from check_running_pods) agree: per running pod its recorded devices are replicas
+    of exactly its booked GPUs; no device ID is recorded for two pods, nor for a pod that does
+    not run; and vramsched's ledger holds on each GPU exactly the pods running there."""
+    running = {
+        p.metadata.name: p
+        for p in stack.pods()
+        if p.spec.node_name == NODE and p.status.phase == "Running" and gpu_containers(p)
+    }
+    record = kubelet_record(stack)
+    uuid = {i: fake_uuid(NODE, i) for i in range(GPUS)}
+    assert set(record) == set(running), (sorted(record), sorted(running))
+    owner: dict[str, str] = {}
+    for name, containers in record.items():
+        ids = {i for got in containers.values() for i in got}
+        assert {i.split("::")[0] for i in ids} == {uuid[g] for g in booked(running[name])}, (
+            name,
+            containers,
+            booked(running[name]),
+        )
+        for i in ids:  # a pod's init and app containers may share IDs; two pods never do
+            assert owner.setdefault(i, name) == name, (i, owner[i], name)
+    # vramsched's ledger: Failed pods released (its pod watch may take a moment)
+    received = {gpu: {name for name, _ in held} for gpu, held in on_gpu.items()}
+    deadline = time.monotonic() + 30
+    while (books := stack.ledger()) != received and time.monotonic() < deadline:
+        time.sleep(1)
+    assert books == received, (books, received)
 
 
 def check_api_only_nodes(stack: Stack) -> None:
@@ -395,80 +522,13 @@ def test_each_container_gets_exactly_the_gpu_vramsched_booked(stack: Stack) -> N
     on_gpu = check_running_pods(stack)
     # exact books packed models onto shared GPUs: more pods than GPUs, several per GPU
     assert max(len(v) for v in on_gpu.values()) >= 2 and len(running) > GPUS
-    # the kubelet's own record names the same physical GPUs (GetPreferredAllocation)
-    record = kubelet_record(stack)
-    uuid = {i: fake_uuid(NODE, i) for i in range(GPUS)}
-    for name in running:
-        p = pods[name]
-        booked = {
-            uuid[int(d)]
-            for d in json.loads(p.metadata.annotations["vramsched.io/assignment"])["devices"]
-        }
-        assert record[name] == booked, (name, record.get(name), booked)
+    # the kubelet's own record names the same physical GPUs (GetPreferredAllocation), and
+    # vramsched's ledger holds what the containers received
+    check_books(stack, on_gpu)
     check_api_only_nodes(stack)
     assert stack.plugin.metric("ambiguous") == 0
     assert stack.plugin.metric("served") == len(names)
     assert stack.plugin.metric("refused") == 1  # the stranger
-    stack.delete_all()
-
-
-def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> None:
-    rng = random.Random(20)
-    sizes = [rng.randint(7, 60) for _ in range(24)]
-    names: set[str] = set()
-    errors: list[BaseException] = []
-
-    def stream() -> None:
-        try:
-            for i, gib in enumerate(sizes):
-                stack.create(f"r{i}", f"{gib}Gi", gpus=2 if i % 7 == 6 else 1)
-                names.add(f"r{i}")
-                time.sleep(0.7)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    def registrations() -> int:
-        return stack.plugin.log().count('"registered with the kubelet"')
-
-    before = registrations()
-    creator = threading.Thread(target=stream)
-    creator.start()
-    time.sleep(3)
-    stack.plugin.kill9()  # mid-stream: no shutdown path runs
-    time.sleep(2)
-    stack.plugin.start()
-    stack.cp.wait_for(lambda: registrations() == before + 1, timeout=60, message="plugin back")
-    time.sleep(2)
-    stack.node.restart_kubelet()  # deletes every socket in the device-plugin folder
-    stack.cp.wait_for(
-        lambda: registrations() == before + 2, timeout=60, message="registered with the new kubelet"
-    )
-    creator.join()
-    assert not errors, errors
-    stack.wait_serving()
-    pods = stack.settle(names, timeout=240)
-    # pods bound while the plugin or the kubelet was away may fail admission, visibly; none may
-    # run on a GPU it was not booked, and none may be handed out twice
-    for name, p in pods.items():
-        if p.status.phase == "Failed":
-            assert p.status.reason == "UnexpectedAdmissionError", (
-                name,
-                p.status.reason,
-                p.status.message,
-            )
-    running = [n for n, p in pods.items() if p.status.phase == "Running"]
-    assert running, {n: (p.status.phase, p.status.message) for n, p in pods.items()}
-    check_running_pods(stack)
-    # every running pod holds exactly one allocation in the kubelet's record, on its GPUs
-    record = kubelet_record(stack)
-    assert set(record) >= set(running)
-    assert stack.plugin.metric("ambiguous") == 0
-    # what failed is released: a fresh ledger from the API counts only running pods here
-    counted = Counter()
-    for p in stack.pods():
-        if p.spec.node_name == NODE and p.status.phase not in ("Failed", "Succeeded"):
-            counted[p.metadata.name] += 1
-    assert set(counted) == set(running)
     stack.delete_all()
 
 
@@ -493,3 +553,115 @@ def test_volume_mounts_and_an_unhealthy_gpu(stack: Stack) -> None:
     stack.plugin.stop()
     stack.plugin.start()
     stack.wait_serving()
+
+
+def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> None:
+    """While pods keep arriving: the plugin is SIGKILLed and started again, then the kubelet is
+    stopped (SIGTERM) and started, then SIGKILLed and started. Pods running before keep their
+    GPUs (but for the kubelet's own bug with finished GPU init containers, below), every pod
+    created after a re-registration runs, and the kubelet's record, the containers and
+    vramsched's ledger agree. Runs last: it leaves its pods running for the teardown's host
+    check."""
+    # before: one plain pod, one with a GPU init container and a GPU app container, and one
+    # whose only GPU container is an init container (PodResources never lists its devices: a
+    # restarted plugin must learn from the API that it was admitted, or it would take it for
+    # a pod waiting for a GPU and refuse the next ones as ambiguous)
+    stack.create("b-plain", "40Gi")
+    stack.create("b-init-app", "30Gi", gpus=1, init_gpus=1)
+    stack.create("b-init-only", "20Gi", gpus=0, init_gpus=1)
+    early = {"b-plain", "b-init-app", "b-init-only"}
+    first = stack.settle(early)
+    assert all(p.status.phase == "Running" for p in first.values()), {
+        n: (p.status.phase, p.status.message) for n, p in first.items()
+    }
+    uids = {n: p.metadata.uid for n, p in first.items()}
+
+    rng = random.Random(20)
+    names: list[str] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def stream() -> None:  # a pod every 2 s until the restarts are over (14 at most)
+        try:
+            for i in range(14):
+                if done.is_set():
+                    return
+                stack.create(f"r{i}", f"{rng.randint(7, 24)}Gi", gpus=2 if i % 6 == 5 else 1)
+                names.append(f"r{i}")
+                done.wait(2)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def registrations() -> int:
+        return stack.plugin.log().count('"registered with the kubelet"')
+
+    def registered(count: int, what: str) -> None:
+        stack.cp.wait_for(
+            lambda: registrations() == count, timeout=90, message=f"{what}\n{stack.node.describe()}"
+        )
+
+    seen = registrations()
+    creator = threading.Thread(target=stream)
+    creator.start()
+    try:
+        time.sleep(3)
+        stack.plugin.kill9()  # mid-stream: no shutdown path runs
+        time.sleep(2)
+        stack.plugin.start()
+        registered(seen + 1, "plugin back")
+        # a pod too big for b-init-only's GPU: had the restarted plugin taken that pod's init
+        # container for one still waiting for a GPU, this one would be refused as ambiguous
+        stack.wait_serving()  # the node offered again: allocatable and state back
+        stack.create("m-after-plugin", "65Gi")
+        mid = stack.admitted({"m-after-plugin"})["m-after-plugin"]
+        assert mid.status.phase == "Running", (mid.status.phase, mid.status.message)
+        assert booked(mid) != booked(first["b-init-only"])
+        stack.node.restart_kubelet()  # SIGTERM: deletes every socket in the device-plugin folder
+        registered(seen + 2, "registered with the restarted kubelet")
+        time.sleep(2)
+        stack.node.restart_kubelet(kill=True)  # SIGKILL: nothing of its shutdown runs
+        registered(seen + 3, "registered with the kubelet started after SIGKILL")
+    finally:
+        done.set()
+        creator.join()
+    assert not errors, errors
+    stack.wait_serving()
+    # after the last re-registration every new pod runs, GPU init containers included
+    stack.create("a-plain-0", "8Gi")
+    stack.create("a-plain-1", "12Gi")
+    stack.create("a-init-app", "10Gi", gpus=1, init_gpus=1)
+    stack.create("a-init-only", "9Gi", gpus=0, init_gpus=1)
+    late = {"a-plain-0", "a-plain-1", "a-init-app", "a-init-only"}
+    stack.admitted(late)
+    pods = stack.settle(early | late | {"m-after-plugin"} | set(names), timeout=240)
+    phases = {n: (p.status.phase, p.status.reason, p.status.message) for n, p in pods.items()}
+    for name in late | {"b-plain", "m-after-plugin"}:
+        assert pods[name].status.phase == "Running", (name, phases)
+    for name in ("b-init-app", "b-init-only"):
+        # the kubelet's own bug, whatever the plugin (kubernetes#124345, #138446): started again,
+        # it re-admits running pods and checks device health for containers that do not run,
+        # such as a finished init container; before the plugin registered again there is no
+        # healthy device, and it fails the running pod
+        p = pods[name]
+        if p.status.phase != "Running":
+            assert p.status.phase == "Failed", (name, phases[name])
+            assert "no healthy devices present" in (p.status.message or ""), phases[name]
+    for name in early:  # the same pod, its containers never restarted: they kept their GPUs
+        p = pods[name]
+        assert p.metadata.uid == uids[name]
+        if p.status.phase == "Running":
+            assert all(c.restart_count == 0 for c in p.status.container_statuses or []), name
+    # pods bound while the plugin or the kubelet was away may fail admission, visibly
+    for name in names:
+        p = pods[name]
+        if p.status.phase == "Failed":
+            assert p.status.reason == "UnexpectedAdmissionError", (name, phases[name])
+    # exactly the booked GPUs in every container; no GPU over its memory or replicas by what
+    # the containers received and the pods declared; the kubelet's record, vramsched's ledger
+    # and the containers agree; no device recorded for two pods
+    on_gpu = check_running_pods(stack)
+    check_books(stack, on_gpu)
+    refusals = [line for line in stack.plugin.log().splitlines() if '"allocation refused"' in line]
+    assert stack.plugin.metric("ambiguous") == 0, refusals
+    # since its last start (before the kubelet restarts) the plugin refused nothing
+    assert stack.plugin.metric("refused") == 0, refusals
