@@ -6,6 +6,7 @@ on a shared machine; they are never asserted anywhere.
 
     .venv/bin/python -m benchmarks.hot_path --nodes 100 1000 5000 --cycles 300
     .venv/bin/python -m benchmarks.hot_path --replica-policy distributed   # as live mode serves
+    .venv/bin/python -m benchmarks.hot_path --explain-all   # reasons on every filter answer
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def _pct(v: list[float], q: float) -> float:
 
 
 def bench(
-    nodes: int, cycles: int, occupancy: float, seed: int, replica_policy: str | None = None
+    nodes: int,
+    cycles: int,
+    occupancy: float,
+    seed: int,
+    replica_policy: str | None = None,
+    explain_all: bool = False,
 ) -> dict:
     node_objs, pods = generate(nodes, 8, occupancy, seed)
     gc.disable()
@@ -49,7 +55,9 @@ def bench(
     gc.freeze()
     gc.enable()
     # as the load test serves it: a current kube-scheduler reads FailedAndUnresolvableNodes
-    svc = ExtenderService(cluster, EmbeddedBinder(cluster), legacy_failed_nodes=False)
+    svc = ExtenderService(
+        cluster, EmbeddedBinder(cluster), legacy_failed_nodes=False, explain_all=explain_all
+    )
     lists = NameLists()  # what the server keeps: the all-nodes list, filter's answers
     tables = HostTables()  # and prioritize's per-node entries
     names_json = orjson.dumps([n["metadata"]["name"] for n in node_objs])
@@ -121,6 +129,7 @@ def bench(
                 "calls": len(cpu[v]),
                 "p50_ms": round(_pct(cpu[v], 0.5) * 1e3, 3),
                 "p99_ms": round(_pct(cpu[v], 0.99) * 1e3, 3),
+                "mean_ms": round(sum(cpu[v]) / len(cpu[v]) * 1e3, 3) if cpu[v] else 0.0,
             }
             for v in VERBS
         },
@@ -139,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the device plugin's replica policy, as in live mode (default: none, exact per-GPU books)",
     )
+    p.add_argument(
+        "--explain-all",
+        action="store_true",
+        help="a reason for every refused node on every filter answer, as `serve --explain-all` "
+        "(default: only when no node passes)",
+    )
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     rows = []
@@ -147,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         + "  ".join(f"{v + ' p50/p99 ms':>24}" for v in VERBS)
     )
     for n in args.nodes:
-        r = bench(n, args.cycles, args.occupancy, args.seed, args.replica_policy)
+        r = bench(n, args.cycles, args.occupancy, args.seed, args.replica_policy, args.explain_all)
         rows.append(r)
         print(
             f"{r['nodes']:>6} {r['pods']:>7} {r['devices']:>8}  "
