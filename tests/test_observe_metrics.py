@@ -79,6 +79,58 @@ def test_scrape_after_changes_equals_a_fresh_render() -> None:
     )
 
 
+def _big_cluster(gpus: int = 8):
+    """One node of `gpus` exclusive GPUs, a 10Gi pod on each."""
+    return cluster(
+        gpu_node("n", count=gpus),
+        *(
+            pod(f"p{i}", "10Gi", node="n", annotations=assigned("n", str(i), 10))
+            for i in range(gpus)
+        ),
+    )
+
+
+def test_changed_lines_are_written_a_chunk_at_a_time() -> None:
+    """Thousands of devices change between two scrapes under churn: their lines are written
+    `step` at a time, with a pause (an empty piece: the server serves requests there) between."""
+    c = _big_cluster()
+    exp = GpuExposition(lambda: c.ledger, step=4)  # 2 devices (4 lines) per pause
+    exp.render()
+    for i in range(8):
+        c.delete_pod(f"default/p{i}")
+    pieces = list(exp.pieces())
+    first_header = next(i for i, p in enumerate(pieces) if p.startswith(b"# HELP"))
+    assert pieces[:first_header] == [b""] * 4  # 8 changed devices, 2 per step
+    assert b"".join(pieces) == GpuExposition(lambda: c.ledger).render()
+
+
+def test_two_interleaved_scrapes_end_with_the_latest_values() -> None:
+    """Two scrapers (an HA pair of Prometheus servers) whose refreshes interleave while the
+    ledger keeps changing: each scrape is whole, and the next one shows the ledger as it is."""
+    c = _big_cluster()
+    exp = GpuExposition(lambda: c.ledger, step=2)  # one device per step
+    exp.render()
+    for i in range(4):
+        c.delete_pod(f"default/p{i}")
+    one = exp.pieces()
+    next(one)  # the first scrape wrote one device of four...
+    c.delete_pod("default/p6")  # ...the ledger changes...
+    two = b"".join(exp.pieces())  # ...a second scrape runs whole in between...
+    c.upsert_pod(pod("q", "30Gi", node="n", annotations=assigned("n", "1", 30)))
+    rest = b"".join(one)  # ...and the first one finishes
+    fresh = GpuExposition(lambda: c.ledger).render()
+    for text in (two, rest):
+        assert len(_samples(text.decode())["vramsched_gpu_memory_allocated_bytes"]) == 8
+    # the second scrape wrote what the first had not reached: no line older than it
+    seen = _samples(two.decode())["vramsched_gpu_memory_allocated_bytes"]
+    for i in (0, 1, 2, 3, 6):
+        assert seen[_gpu("n", str(i), "NVIDIA-A100-SXM4-80GB", "exclusive")] == 0, i
+    assert exp.render() == fresh
+    got = _samples(fresh.decode())["vramsched_gpu_memory_allocated_bytes"]
+    assert got[_gpu("n", "1", "NVIDIA-A100-SXM4-80GB", "exclusive")] == 30 * GIB
+    assert got[_gpu("n", "6", "NVIDIA-A100-SXM4-80GB", "exclusive")] == 0
+
+
 def test_label_values_are_escaped() -> None:
     assert escape_label('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
 
