@@ -1,0 +1,296 @@
+"""Live repacking (`vramsched serve --repack`) on the real control plane, with
+kube-controller-manager re-creating evicted pods.
+
+The deployed stack of test_extender_e2e (kube-scheduler with the shipped configuration and
+leader election, `vramsched serve --kubeconfig` as the deploy ServiceAccount with the roles of
+deploy/rbac.yaml, its leader-election Role, and deploy/repack/rbac.yaml: nothing more), plus
+kube-controller-manager with Deployments, ReplicaSets, the garbage collector and the disruption
+controller (controller_manager.py). The nodes are API objects without a kubelet:
+`controller_manager.PodLifecycle` marks their pods Running and Ready and finishes graceful
+deletions after a second, as a kubelet would once the containers stopped. An eviction of a pod
+on such a node is a graceful deletion like any other: the pod keeps its GPU in vramsched's
+ledger while it is Terminating, and the blocked pod gets it only once the pod is gone.
+
+1.36 only: build.sh builds no kube-controller-manager for 1.20 (and policy/v1 Evictions need
+1.22; vramsched sends policy/v1beta1 to older servers).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes.client
+import pytest
+import yaml
+from controller_manager import PodLifecycle, start_controllers
+from controlplane import REPO_ROOT, ControlPlane
+from test_extender_e2e import (
+    GPU,
+    NS,
+    Extender,
+    _grant_extender_rbac,
+    assert_sound,
+    core,
+    gpu_labels,
+    gpu_pod,
+    start_shipped_scheduler,
+    wait_bound,
+)
+from test_observe_e2e import _grant_lease_role
+
+from extender.inventory import ReplicaPolicy
+
+GIB = 1 << 30
+NODES = ("gpu-a", "gpu-b")
+APP = {"app": "web"}
+REPACK_RBAC = REPO_ROOT / "deploy" / "repack" / "rbac.yaml"
+
+
+def _grant_repack_rbac(cp: ControlPlane) -> list[tuple[str, str]]:
+    """deploy/repack/rbac.yaml as shipped; returns what to delete after the test."""
+    docs = [d for d in yaml.safe_load_all(REPACK_RBAC.read_text()) if d]
+    with cp.api_client() as client:
+        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+        for doc in docs:
+            create = (
+                rbac.create_cluster_role
+                if doc["kind"] == "ClusterRole"
+                else rbac.create_cluster_role_binding
+            )
+            try:
+                create(doc)
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+    return [(d["kind"], d["metadata"]["name"]) for d in docs]
+
+
+def _revoke(cp: ControlPlane, objects: list[tuple[str, str]]) -> None:
+    with cp.api_client() as client:
+        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+        for kind, name in objects:
+            delete = (
+                rbac.delete_cluster_role
+                if kind == "ClusterRole"
+                else rbac.delete_cluster_role_binding
+            )
+            try:
+                delete(name)
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
+def web_deployment(replicas: int) -> dict[str, Any]:
+    """4Gi per pod, movable: vramsched may evict them, their ReplicaSet re-creates them."""
+    template = gpu_pod("unused", "4Gi")
+    template["metadata"] = {
+        "labels": dict(APP),
+        "annotations": {"vramsched.io/model-memory": "4Gi", "vramsched.io/movable": "true"},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(APP)},
+            "template": {"metadata": template["metadata"], "spec": template["spec"]},
+        },
+    }
+
+
+def cordon(api: kubernetes.client.CoreV1Api, node: str, on: bool) -> None:
+    api.patch_node(node, {"spec": {"unschedulable": on}})
+
+
+def web_pods(api: kubernetes.client.CoreV1Api) -> list[Any]:
+    return api.list_namespaced_pod(NS, label_selector="app=web").items
+
+
+def assignment(pod: Any) -> dict[str, Any]:
+    return json.loads((pod.metadata.annotations or {})["vramsched.io/assignment"])
+
+
+def events_of(api: kubernetes.client.CoreV1Api, uid: str, reason: str) -> list[str]:
+    items = api.list_namespaced_event(NS, field_selector=f"involvedObject.uid={uid}").items
+    return [e.message or "" for e in items if e.reason == reason]
+
+
+@pytest.fixture
+def repack_stack(cluster: ControlPlane) -> Iterator[tuple[ControlPlane, Extender, PodLifecycle]]:
+    """Extender with --repack (leader election as deployed), kube-scheduler, the controllers,
+    the fake nodes and their pods' lifecycle. Teardown deletes the Deployment and its
+    ReplicaSets through the garbage collector while it still runs, and the repack role."""
+    kubeconfig = _grant_extender_rbac(cluster)
+    _grant_lease_role(cluster)
+    granted = _grant_repack_rbac(cluster)
+    start_controllers(cluster)
+    for name in NODES:
+        cluster.create_gpu_node(
+            name,
+            {**gpu_labels("NVIDIA-L4", 1, 24 * 1024, replicas=4), "kubernetes.io/hostname": name},
+            {GPU: "4"},
+        )
+    ext = Extender(cluster, kubeconfig, ["--repack"])
+    ext.start()
+    start_shipped_scheduler(cluster, ext.url)
+    try:
+        with PodLifecycle(cluster, NODES) as lifecycle:
+            yield cluster, ext, lifecycle
+            with cluster.api_client() as client:
+                apps = kubernetes.client.AppsV1Api(client)
+                policy = kubernetes.client.PolicyV1Api(client)
+                api = kubernetes.client.CoreV1Api(client)
+                apps.delete_namespaced_deployment("web", NS, propagation_policy="Foreground")
+                for pdb in policy.list_namespaced_pod_disruption_budget(NS).items:
+                    policy.delete_namespaced_pod_disruption_budget(pdb.metadata.name, NS)
+                cluster.wait_for(
+                    lambda: (
+                        not apps.list_namespaced_replica_set(NS).items
+                        and not apps.list_namespaced_deployment(NS).items
+                        and not web_pods(api)
+                    ),
+                    timeout=60,
+                    message="the web Deployment, its ReplicaSets and pods deleted",
+                )
+    finally:
+        ext.stop()
+        _revoke(cluster, granted)
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
+def test_repack_evicts_through_the_api_and_places_everyone_where_the_plan_said(
+    repack_stack: tuple[ControlPlane, Extender, PodLifecycle],
+) -> None:
+    cp, ext, lifecycle = repack_stack
+    api = core(cp)
+    with cp.api_client() as client:
+        apps = kubernetes.client.AppsV1Api(client)
+        policy = kubernetes.client.PolicyV1Api(client)
+
+        # Fragment the two 24Gi time-sliced GPUs, one node cordoned at a time:
+        # gpu-a: f1 12Gi + a web pod 4Gi (8 free); gpu-b: f2 6Gi + a web pod 4Gi (14 free).
+        cordon(api, "gpu-b", True)
+        api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
+        apps.create_namespaced_deployment(NS, web_deployment(1))
+        wait_bound(cp, api, ["f1"])
+        cp.wait_for(
+            lambda: [p for p in web_pods(api) if p.spec.node_name == "gpu-a"],
+            timeout=60,
+            message="the first web pod bound to gpu-a",
+        )
+        cordon(api, "gpu-b", False)
+        cordon(api, "gpu-a", True)
+        api.create_namespaced_pod(NS, gpu_pod("f2", "6Gi"))
+        apps.patch_namespaced_deployment_scale("web", NS, {"spec": {"replicas": 2}})
+        wait_bound(cp, api, ["f2"])
+        cp.wait_for(
+            lambda: [p for p in web_pods(api) if p.spec.node_name == "gpu-b"],
+            timeout=60,
+            message="the second web pod bound to gpu-b",
+        )
+        cordon(api, "gpu-a", False)
+        before = {p.metadata.name: p for p in web_pods(api)}
+        (on_a,) = [p for p in before.values() if p.spec.node_name == "gpu-a"]
+        (on_b,) = [p for p in before.values() if p.spec.node_name == "gpu-b"]
+        assert {api.read_namespaced_pod(n, NS).spec.node_name for n in ("f1", "f2")} == set(NODES)
+
+        # A budget that allows no disruption: both web pods must stay available.
+        policy.create_namespaced_pod_disruption_budget(
+            NS,
+            {
+                "metadata": {"name": "web"},
+                "spec": {"minAvailable": 2, "selector": {"matchLabels": dict(APP)}},
+            },
+        )
+        cp.wait_for(
+            lambda: (
+                (s := policy.read_namespaced_pod_disruption_budget("web", NS).status) is not None
+                and s.current_healthy == 2
+                and s.disruptions_allowed == 0
+            ),
+            timeout=60,
+            message="the PodDisruptionBudget counts both web pods healthy",
+        )
+
+        # 16Gi fits on neither GPU; moving gpu-b's web pod to gpu-a makes 18Gi free on gpu-b.
+        api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+        p_uid = api.read_namespaced_pod("p", NS).metadata.uid
+        refused = cp.wait_for(
+            lambda: [m for m in events_of(api, p_uid, "VramschedRepack") if "no repack now" in m],
+            timeout=90,
+            message="vramsched says the budget refuses the move",
+        )
+        assert "PodDisruptionBudget allows no disruption now" in refused[0], refused
+        assert on_b.metadata.name in refused[0]
+        # the dry run changed nothing: both web pods are the same, none is terminating
+        assert {p.metadata.uid for p in web_pods(api)} == {p.metadata.uid for p in before.values()}
+        assert lifecycle.terminated == {}
+        assert api.read_namespaced_pod("p", NS).spec.node_name is None
+
+        # The budget now allows one disruption: the next attempt moves gpu-b's web pod.
+        policy.patch_namespaced_pod_disruption_budget("web", NS, {"spec": {"minAvailable": 1}})
+        assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
+
+        def replaced() -> list[Any]:
+            pods = [p for p in web_pods(api) if p.metadata.name not in before]
+            return [p for p in pods if p.spec.node_name and not p.metadata.deletion_timestamp]
+
+        (new,) = cp.wait_for(replaced, timeout=60, message="the re-created web pod bound")
+
+    # Evicted through the Eviction API (DisruptionTarget), only gpu-b's web pod, gone since.
+    assert set(lifecycle.terminated) == {on_b.metadata.name}, lifecycle.terminated
+    gone = lifecycle.terminated[on_b.metadata.name]
+    assert ("DisruptionTarget", "EvictionByEvictionAPI") in gone.conditions, gone
+    assert on_b.metadata.name not in {p.metadata.name for p in web_pods(api)}
+    assert api.read_namespaced_pod(on_a.metadata.name, NS).metadata.uid == on_a.metadata.uid
+
+    # Placed where the plan said: the plan, as vramsched logged and keeps it in /state.
+    state = cp.wait_for(
+        lambda: (s := ext.get("/state")) and s["planner"]["repack"]["last"] and s,
+        timeout=30,
+        message="the repack plan ended",
+    )
+    repack = state["planner"]["repack"]
+    last = repack["last"]
+    assert last["phase"] == "done", last
+    assert last["outcome"] == "blocked pod placed; 1 of 1 re-created pods placed as planned"
+    (move,) = last["moves"]
+    assert move["pod"] == f"{NS}/{on_b.metadata.name}" and move["from"] == "gpu-b/0"
+    assert move["to"] == "gpu-a/0" and move["replacement"] == f"{NS}/{new.metadata.name}"
+    assert last["placement"] == "gpu-b/0"
+    assert repack["moves"] == 1 and repack["done"] == 1 and repack["refused"] >= 1
+    p = api.read_namespaced_pod("p", NS)
+    assert assignment(p) == {"node": "gpu-b", "devices": ["0"], "bytesPerDevice": [16 * GIB]}
+    assert assignment(new) == {"node": "gpu-a", "devices": ["0"], "bytesPerDevice": [4 * GIB]}
+    assert new.metadata.owner_references[0].kind == "ReplicaSet"
+
+    # Events: on the evicted pod (naming the pod it made room for) and on the blocked pod.
+    (evicted,) = events_of(api, on_b.metadata.uid, "VramschedRepack")
+    assert "to make room for pod default/p" in evicted
+    assert "holds device 0 of gpu-a for the new one" in evicted
+    assert any(
+        "holds device 0 of gpu-b for it" in m for m in events_of(api, p_uid, "VramschedRepack")
+    )
+
+    # The ledger: no hold left over, every GPU within its memory, equal to the API's pods.
+    held = {h["pod"] for n in state["nodes"] for g in n["gpus"] for h in g["holders"]}
+    bound = {
+        f"{NS}/{q.metadata.name}" for q in api.list_namespaced_pod(NS).items if q.spec.node_name
+    }
+    assert held == bound
+    for node in state["nodes"]:
+        for gpu in node["gpus"]:
+            assert gpu["usedBytes"] == sum(h["bytes"] for h in gpu["holders"])
+            assert gpu["usedBytes"] <= gpu["memoryBytes"], gpu
+            assert gpu["usedReplicas"] <= gpu["replicas"], gpu
+    assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+    with urllib.request.urlopen(ext.url + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert "vramsched_repack_moves_total 1.0" in metrics
+    assert 'vramsched_repack_plans_total{outcome="done"} 1.0' in metrics
