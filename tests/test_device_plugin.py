@@ -756,3 +756,30 @@ def test_the_node_informer_lists_in_pages_and_watches_its_node_only(tmp_path):
         assert err.value.status == 404
     finally:
         server.close()
+
+
+def test_identification_time_is_measured_in_parts(node):
+    node.admit(pod("timed", [2]))
+    m = node.service.metrics
+    # GetPreferredAllocation and Allocate: one PodResources List and one lookup each
+    assert m.pod_resources_seconds._sum.get() > 0
+    listed = [s for s in m.pod_resources_seconds.collect()[0].samples if s.name.endswith("_count")]
+    looked = [s for s in m.lookup_seconds.collect()[0].samples if s.name.endswith("_count")]
+    assert listed[0].value == looked[0].value == 2
+
+
+def test_pods_the_watch_has_not_delivered_are_read_from_the_api_and_counted():
+    from extender.device_plugin.pods import NodePods
+
+    class Api:
+        node = NODE
+
+        def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+            return pod(name, [1])
+
+    pods = NodePods(Api())  # type: ignore[arg-type]
+    reads: list[int] = []
+    pods.on_api_read = lambda: reads.append(1)
+    assert set(pods.snapshot(["ns/late"])) == {"ns/late"}
+    assert set(pods.snapshot(["ns/late"])) == {"ns/late"}  # now in the cache
+    assert reads == [1]

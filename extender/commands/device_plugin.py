@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         lookup=pods.snapshot,
         resource=args.resource_name,
     )
+    pods.on_api_read = service.metrics.api_reads.inc
     runner = PluginRunner(
         service,
         plugin_dir=Path(args.device_plugin_dir),

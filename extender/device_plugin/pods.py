@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from extender.live.api_client import ApiError, ClientApi
@@ -71,6 +71,8 @@ class NodePods:
         self._lock = threading.Lock()
         self._synced = threading.Event()
         self.informer = Informer("pods", api, self._deliver, backoff_max=backoff_max)  # type: ignore[arg-type]
+        #: called once per pod read from the API because the watch had not delivered it yet
+        self.on_api_read: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         self.informer.start()
@@ -105,6 +107,7 @@ class NodePods:
             if key in out:
                 continue
             namespace, _, name = key.partition("/")
+            self.on_api_read()
             try:
                 pod = self.api.read_pod(namespace, name)
             except ApiError as exc:

@@ -81,6 +81,25 @@ class Metrics:
             "GPUs marked unhealthy",
             registry=self.registry,
         )
+        # where an identification's time goes (Allocate and GetPreferredAllocation)
+        self.pod_resources_seconds = Histogram(
+            "vramsched_device_plugin_podresources_list_seconds",
+            "Time the kubelet's PodResources List took to answer",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.lookup_seconds = Histogram(
+            "vramsched_device_plugin_pod_lookup_seconds",
+            "Time to find the listed pods' API objects (the pod watch's cache, or an API read "
+            "for a pod the watch has not delivered yet)",
+            buckets=(0.0001, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.api_reads = Counter(
+            "vramsched_device_plugin_pods_read_from_api",
+            "Pods the kubelet listed before the plugin's pod watch delivered them, read from the API",
+            registry=self.registry,
+        )
 
 
 class DevicePluginService(dp_grpc.DevicePluginServicer):
@@ -212,13 +231,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     def _identify(
         self, count: int, taken: dict[str, set[str]]
     ) -> tuple[Match | Refusal, list[KubeletPod]]:
+        started = time.perf_counter()
         try:
             kubelet_pods = self.kubelet_pods()
         except grpc.RpcError as exc:
             return Refusal(f"cannot read the kubelet's PodResources API ({_code(exc)})"), []
+        listed = time.perf_counter()
+        self.metrics.pod_resources_seconds.observe(listed - started)
         if taken:
             kubelet_pods = [_with_taken(kp, taken.get(kp.key)) for kp in kubelet_pods]
         pods = self.lookup([kp.key for kp in kubelet_pods])
+        self.metrics.lookup_seconds.observe(time.perf_counter() - listed)
         with self._lock:
             self._prune_served(kubelet_pods, pods)
             served = dict(self.served_init)
