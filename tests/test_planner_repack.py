@@ -397,3 +397,40 @@ def test_apply_plan_refuses_a_node_whose_cpu_went_meanwhile():
         apply_plan(cap, plan)
     assert ledger_state(cap) == before
     assert check_invariant(cap.ledger) == []
+
+
+def _rule_case() -> tuple[Capacity, Running]:
+    """n0: GPU 0 holds 30 GiB (50 free), GPU 1 holds 55 (25 free); n1: one GPU holding 20 GiB."""
+    _, cap = build_capacity(
+        [
+            gpu_node("n0", count=2, memory_mib=80 * 1024, replicas=4),
+            gpu_node("n1", count=1, memory_mib=80 * 1024, replicas=4),
+        ]
+    )
+    running: Running = []
+    for name, node, dev, gib in (("a", 0, 0, 30), ("b", 0, 1, 55), ("c", 1, 2, 20)):
+        d = demand(name, gib)
+        res = reservation_for(cap, d, node, [dev])
+        cap.apply(d, res, node)
+        running.append((d, res))
+    return cap, running
+
+
+def test_moved_pods_land_where_the_given_rule_puts_them():
+    """c (20 GiB) leaves n1's GPU for an 80 GiB pod: best fit (the default) puts it on GPU 1
+    (25 free), first-fit on GPU 0; with FGD's rule on a FragIndex, the index is as it was after
+    the search (every change the search made, and undid, was followed)."""
+    from extender.planner.capacity import FragIndex, Workload
+
+    cap, running = _rule_case()
+    big = demand("big", 80)
+    for rule, device in ((None, "1"), ("first-fit", "0")):
+        plan = plan_repack(cap, big, running, place_rule=rule, num_workers=1)
+        assert plan is not None and [m.pod.name for m in plan.moves] == ["c"]
+        assert (plan.moves[0].target.node, plan.moves[0].target.device_ids) == ("n0", (device,))
+    frag = FragIndex(cap, Workload.from_demands([big, demand("x", 20)]))
+    plan = plan_repack(cap, big, running, place_rule="fgd", frag=frag, num_workers=1)
+    assert plan is not None and len(plan.moves) == 1
+    fresh = FragIndex(cap, frag.w)
+    assert np.array_equal(frag.A, fresh.A) and np.array_equal(frag.okc, fresh.okc)
+    assert_plan_is_sound(cap, plan, running)

@@ -61,7 +61,7 @@ from ortools.sat.python import cp_model
 
 from extender.demand import Demand, PodRef
 from extender.ledger import LedgerError, Reservation
-from extender.planner.capacity import Capacity, candidates, demand_kind
+from extender.planner.capacity import Capacity, FragIndex, candidates, demand_kind
 from extender.planner.move_model import MoveModel, Mover, need_bytes, reservation_for
 from extender.planner.staged import Settings, Stage, staged_solve
 
@@ -154,6 +154,8 @@ def plan_repack(
     max_moves: int | None = None,
     time_limit: float = 1.0,
     num_workers: int = 2,
+    place_rule: str | None = None,
+    frag: FragIndex | None = None,
 ) -> RepackPlan | None:
     """The fewest moves that make `pod` fit (see the module docstring), or None."""
     return search_repack(
@@ -164,6 +166,8 @@ def plan_repack(
         max_moves=max_moves,
         time_limit=time_limit,
         num_workers=num_workers,
+        place_rule=place_rule,
+        frag=frag,
     ).plan
 
 
@@ -177,10 +181,13 @@ def search_repack(
     time_limit: float = 1.0,
     num_workers: int = 2,
     neighbourhood: Neighbourhood = Neighbourhood(),
+    place_rule: str | None = None,
+    frag: FragIndex | None = None,
 ) -> RepackSearch:
     start = time.perf_counter()
     deadline = start + time_limit
-    now = _fits_now(cap, pod)
+    rule = Rule(place_rule, frag)
+    now = rule.choose(cap, pod)
     if now is not None:
         plan = RepackPlan(pod, now, (), "FITS", True, time.perf_counter() - start)
         return RepackSearch(plan, True, "FITS", "fits without moves", 0, seconds=plan.seconds)
@@ -206,7 +213,17 @@ def search_repack(
     nh = neighbourhood
     greedy_until = start + nh.greedy_share * time_limit
     best = _greedy_best(
-        cap, pod, pool, keep, ranked[: nh.greedy_nodes], rank, cost, limit, nh.chain, greedy_until
+        cap,
+        pod,
+        pool,
+        keep,
+        ranked[: nh.greedy_nodes],
+        rank,
+        cost,
+        limit,
+        nh.chain,
+        greedy_until,
+        rule,
     )
     if best is not None and len(best.moves) <= lowest:
         return _found(best, "GREEDY", True, lowest, start, 0, 0, 0)
@@ -282,14 +299,42 @@ def _none(
     )
 
 
-def _fits_now(cap: Capacity, pod: Demand) -> Reservation | None:
-    """The pod's best fit now (least memory left on its devices, then lowest node), or None."""
-    c = candidates(cap, pod, dedupe=False)
-    if len(c) == 0:
-        return None
-    a = cap.arrays
-    best = int(np.lexsort((c.node, c.leftover(a)))[0])
-    return reservation_for(cap, pod, int(c.node[best]), c.devices[best].tolist())
+@dataclass(frozen=True)
+class Rule:
+    """Where a pod that fits goes (the pod when it fits without moves, a moved pod at its new
+    place): by default its best fit (least memory left on its devices, then lowest node; a
+    GPU-less pod: least CPU left); with `name`, one of `greedy.POLICIES` (the simulator passes
+    the planner's, so moved pods land where the planner would put them), on `frag` kept
+    current as the search changes the capacity and undoes it."""
+
+    name: str | None = None
+    frag: FragIndex | None = None
+
+    def choose(self, cap: Capacity, d: Demand) -> Reservation | None:
+        if self.name is not None:
+            from extender.planner.greedy import choose
+
+            ch = choose(self.name, cap, d, self.frag)
+            if ch is None:
+                return None
+            res, n, _ = ch
+            return res if res is not None else reservation_for(cap, d, n, ())
+        c = candidates(cap, d)
+        if len(c) == 0:
+            return None
+        key = c.leftover(cap.arrays) if d.gpu_count else cap.cpu_free[c.node]
+        i = int(np.lexsort((c.node, key))[0])
+        return reservation_for(cap, d, int(c.node[i]), c.devices[i].tolist())
+
+    def apply(self, cap: Capacity, d: Demand, res: Reservation | None, n: int) -> None:
+        cap.apply(d, res, n)
+        if self.frag is not None:
+            self.frag.refresh([n])
+
+    def remove(self, cap: Capacity, d: Demand, n: int) -> None:
+        cap.remove(d, n)
+        if self.frag is not None:
+            self.frag.refresh([n])
 
 
 def dominates(d: Demand, f: Demand) -> bool:
@@ -414,6 +459,7 @@ def _greedy_best(
     limit: int,
     depth: int,
     deadline: float,
+    rule: Rule,
 ) -> RepackPlan | None:
     """The best greedy plan (`_Greedy`) over `nodes`, in order; stops once a node's bound
     cannot beat the best plan so far, or at the deadline."""
@@ -425,7 +471,7 @@ def _greedy_best(
         if time.perf_counter() >= deadline:
             break
         cap_moves = limit if best is None else min(limit, len(best.moves) - 1)
-        plan = _Greedy(cap, pool, depth, deadline, ranks).plan(pod, keep, n, cost, cap_moves)
+        plan = _Greedy(cap, pool, depth, deadline, ranks, rule).plan(pod, keep, n, cost, cap_moves)
         if plan is not None and (best is None or len(plan.moves) < len(best.moves)):
             best = plan
     return best
@@ -446,10 +492,12 @@ class _Greedy:
         depth: int,
         deadline: float,
         ranks: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray, np.ndarray]],
+        rule: Rule,
     ) -> None:
         #: per kind of moved pod, its bounds on the cluster as the search began: they only
         #: order the nodes a chained move tries, each try is checked by placing it
         self.ranks = ranks
+        self.rule = rule
         self.cap = cap
         self.pool = pool
         self.depth = depth
@@ -535,10 +583,10 @@ class _Greedy:
         for i in evicted:
             m = movers[i]
             assert m.node is not None
-            cap.remove(m.demand, m.node)
+            self.rule.remove(cap, m.demand, m.node)
             self.gone[here[i]] = True
             self.undo.append(
-                partial(cap.apply, m.demand, _source(cap, m) if m.rows else None, m.node)
+                partial(self.rule.apply, cap, m.demand, _source(cap, m) if m.rows else None, m.node)
             )
             self.undo.append(partial(self.gone.__setitem__, here[i], False))
         placement = reservation_for(cap, pod, n, chosen)
@@ -558,24 +606,21 @@ class _Greedy:
         if cap.cpu_free[n] < d.cpu_milli or cap.mem_free[n] < d.memory_bytes:
             return False
         try:
-            cap.apply(d, res if res.device_ids else None, n)
+            self.rule.apply(cap, d, res if res.device_ids else None, n)
         except LedgerError:
             return False
-        self.undo.append(partial(cap.remove, d, n))
+        self.undo.append(partial(self.rule.remove, cap, d, n))
         return True
 
     def _relocate(self, m: Mover, left: int, depth: int) -> int | None:
-        """Place an evicted pod: at its best fit now, else (depth > 0) where it needs fewest
-        moves; the extra moves it took (None: no place)."""
-        cap, a = self.cap, self.cap.arrays
+        """Place an evicted pod: where the rule places it now, else (depth > 0) where it needs
+        fewest moves; the extra moves it took (None: no place)."""
+        cap = self.cap
         d = m.demand
-        c = candidates(cap, d)
-        if len(c):
-            key = c.leftover(a) if d.gpu_count else cap.cpu_free[c.node]
-            i = int(np.lexsort((c.node, key))[0])
-            to = int(c.node[i])
-            target = reservation_for(cap, d, to, c.devices[i].tolist())
-            if not self._place(d, target, to):
+        target = self.rule.choose(cap, d)
+        if target is not None:
+            to = cap.ledger.node_row(target.node)
+            if to is None or not self._place(d, target, to):
                 return None
             self._record(m, target, to)
             return 0

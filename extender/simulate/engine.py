@@ -308,6 +308,8 @@ def _repack_failed(
             max_moves=allowed,
             time_limit=time_limit,
             num_workers=num_workers,
+            place_rule=_planner_rule(),  # moved pods land where the planner would put them
+            frag=frag,
         )
         out.repackSearches += 1
         out.repackSeconds += found.seconds
