@@ -236,7 +236,8 @@ def identify(
             if not any(kp.devices.values()):
                 refusals.append(slots.reason)
             continue
-        nxt = _next_slot(slots, kp, served_init.get(uid, frozenset()), admitted(pod))
+        plain_init = any(s.init for s in slots)  # admitted() only matters for those
+        nxt = _next_slot(slots, kp, served_init.get(uid, frozenset()), plain_init and admitted(pod))
         if nxt is None:
             continue
         if nxt.count != count:
