@@ -1,28 +1,46 @@
-"""What vramsched's device plugin buys, and what it costs the kubelet. Two benchmarks:
+"""What vramsched's device plugin buys, and what it costs the kubelet. Three benchmarks:
 
 **packing** (on a real control plane: etcd 3.5 + kube-apiserver + kube-scheduler 1.36.3 running
 the shipped scheduler config, and `vramsched serve` in live mode): four time-sliced 8 x
-A100-80GB nodes (4 replicas per GPU, API-only nodes) and one seeded stream of inference pods
-(7 to 60 GiB on one GPU, every tenth on two GPUs). The same stream, in the same run:
+A100-80GB nodes (4 replicas per GPU) and one seeded stream of 140 inference pods created at
+once: 7 to 60 GiB (uniform) on one GPU, every tenth pod on two GPUs with 7 to 60 GiB on each.
+The same stream, in the same run:
 
-- `live-stock`: live mode, nodes under NVIDIA's plugin (the `distributed` worst case);
-- `live-plugin`: live mode, the same nodes labelled vramsched.io/device-plugin=true with the
-  plugin's state annotation (exact per-GPU books);
+- `live-stock`: live mode, the nodes under NVIDIA's plugin (vramsched books its `distributed`
+  worst case); API-only nodes: nothing is admitted, the worst case is all that is known;
+- `live-plugin`: live mode, the nodes labelled vramsched.io/device-plugin=true and each served
+  by a real `vramsched device-plugin --fake-gpus 8 --replicas 4` process, registered with a
+  stand-in for the node's kubelet (`StandInKubelet`: SimKubelet's device-manager and
+  PodResources gRPC) that admits every pod bound to its node one at a time, calling
+  GetPreferredAllocation and Allocate, and writes Running or Failed (UnexpectedAdmissionError)
+  to the pod's status as the kubelet does. Real: the plugin process, its API informer, its
+  PodResources client, the gRPC, the extender's exact books and its reaction to statuses.
+  Simulated: the kubelet (no containers; admission in creation order);
 - `embedded`: the same stream through filter, prioritize and bind of an in-process embedded
   ExtenderService (exact books, no API server).
 
-Placed pods, VRAM booked, and GPUs over their VRAM counted independently: from the pods'
-assignment annotations alone (per-GPU sums for the exact modes; for live-stock, the most any
-choice of NVIDIA's plugin could stack on one GPU), with no ledger code.
+The last count is independent of vramsched's books: bytes are each pod's declared
+vramsched.io/model-memory over its GPU count; for live-plugin the GPUs are the ones the plugin's
+Allocate answers named (NVIDIA_VISIBLE_DEVICES), per (node, GPU); embedded mode has only the
+assignment; for live-stock no one knows the GPU, so the count is of nodes where some choice of
+NVIDIA's plugin could put more than 80 GiB on one GPU.
 
 **allocate**: `Allocate` latency on a node with 16 GPUs x 4 replicas = 64 replicas, called over
-gRPC as the kubelet's device manager calls it (SimKubelet: GetPreferredAllocation, then Allocate,
-the kubelet's PodResources List answering from the pods it holds), the node holding 0 to 63 pods;
-beside it, in the same run, the floor: a plugin that answers Allocate at once without identifying
-the pod (what NVIDIA's plugin does).
+gRPC as the kubelet's device manager calls it by SimKubelet (simulated kubelet: Python), the
+plugin's service in a process of its own, the node holding 0 to 63 pods; beside it, in the same
+run, the floor: a plugin that answers Allocate at once without identifying the pod (what
+NVIDIA's plugin does). Exact percentiles and the plugin's CPU time.
 
-    .venv/bin/python benchmarks/device_plugin.py            # both; make bench-device-plugin
-    .venv/bin/python benchmarks/device_plugin.py --only allocate
+**kubelet**: the same 64 replicas under a real kubelet 1.36.3 (containerd, runc, busybox pods,
+the e2e suite's node) served by a real `vramsched device-plugin --fake-gpus 16 --replicas 4`,
+pods placed by vramsched through kube-scheduler until every replica is taken, then a random share
+deleted, 3 times, in a burst (each fill created at once) and paced (one pod at a time); the
+kubelet's own Allocate histogram (buckets 5 ms, 10 ms, ...) and the plugin's, with the kubelet's
+PodResources List and the plugin's pod lookup apart. Needs root and the node packages
+(`make node-deps`).
+
+    .venv/bin/python benchmarks/device_plugin.py            # all three; make bench-device-plugin
+    .venv/bin/python benchmarks/device_plugin.py --only packing|allocate|kubelet
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -48,15 +67,17 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 import grpc
 import kubernetes.client
+import kubernetes.utils
 import orjson
+from processes import Component, free_port
 
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
-from extender.device_plugin.gpus import FakeGpus
+from extender.device_plugin.gpus import FakeGpus, fake_uuid
 from extender.device_plugin.kubelet import PodResources
 from extender.device_plugin.server import DevicePluginService, PluginRunner
-from extender.device_plugin.simkubelet import SimKubelet
-from extender.plugin_state import STATE_ANNOTATION, PluginState, encode_state
+from extender.device_plugin.simkubelet import AdmissionError, SimKubelet
+from extender.plugin_state import STATE_ANNOTATION, decode_state
 
 GIB = 1024**3
 NODES, GPUS, MEMORY_MIB, REPLICAS = 4, 8, 81920, 4
@@ -115,44 +136,203 @@ def node_labels(served: bool) -> dict[str, str]:
     return labels
 
 
-SERVED_STATE = {STATE_ANNOTATION: encode_state(PluginState(True, GPUS, REPLICAS))}
-
-
 # ----- the independent count ---------------------------------------------------------------------------
 
+#: one pod's hold as counted independently: (node, GPU indices it received, bytes per GPU)
+Hold = tuple[str, list[int], int]
 
-def independent_count(pods: list[dict[str, Any]], exact: bool) -> dict[str, Any]:
-    """From assignment annotations only. Exact: per (node, GPU) sums and replicas. Stock plugin:
-    the worst any tie-break could stack on one GPU of a node (the `ceil(U/n)` largest)."""
-    per_gpu: dict[tuple[str, str], list[int]] = defaultdict(list)
-    per_node: dict[str, list[int]] = defaultdict(list)
-    for p in pods:
-        raw = (p["metadata"].get("annotations") or {}).get("vramsched.io/assignment")
-        node = (p.get("spec") or {}).get("nodeName")
-        if not raw or not node:
-            continue
-        a = json.loads(raw)
-        sizes = a["bytesPerDevice"]
-        sizes = sizes if isinstance(sizes, list) else [sizes] * len(a["devices"])
-        for dev, b in zip(a["devices"], sizes):
-            per_gpu[(node, dev)].append(int(b))
-            per_node[node].append(int(b))
+
+def declared_per_gpu(pod: dict[str, Any]) -> int:
+    """The pod's own declaration, not vramsched's books: its vramsched.io/model-memory over
+    the GPUs its container asks for."""
+    declared = kubernetes.utils.parse_quantity(
+        pod["metadata"]["annotations"]["vramsched.io/model-memory"]
+    )
+    gpus = int(pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    return int(declared) // gpus
+
+
+def exact_count(holds: list[Hold]) -> dict[str, Any]:
+    """Per (node, GPU) sums of what the pods declared, and the pods per GPU, on the GPUs the
+    pods received; GPUs over their VRAM or their replicas."""
+    per_gpu: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for node, gpus, nbytes in holds:
+        for gpu in gpus:
+            per_gpu[(node, gpu)].append(nbytes)
     cap = MEMORY_MIB * 1024**2
-    if exact:
-        over = sum(1 for v in per_gpu.values() if sum(v) > cap or len(v) > REPLICAS)
-    else:
-        over = 0
-        for sizes in per_node.values():
-            depth = min(REPLICAS, -(-len(sizes) // GPUS))
-            if sum(sorted(sizes, reverse=True)[:depth]) > cap:
-                over += 1  # a whole node's worth of GPUs the plugin could overfill
     booked = sum(sum(v) for v in per_gpu.values())
     return {
-        "gpusOverVram": over,
+        "gpusOverVram": sum(1 for v in per_gpu.values() if sum(v) > cap or len(v) > REPLICAS),
         "bookedGiB": round(booked / GIB, 1),
         "bookedPercent": round(100 * booked / (NODES * GPUS * cap), 1),
         "gpusUsed": len(per_gpu),
     }
+
+
+def stock_worst_case(holds: list[Hold]) -> dict[str, Any]:
+    """Under NVIDIA's plugin no one knows the GPU: per node, whether some choice its
+    `distributed` policy can make stacks more than a GPU's memory on one GPU (the
+    `ceil(pods/GPUs)` largest pods on one GPU). Counts nodes, not GPUs."""
+    per_node: dict[str, list[int]] = defaultdict(list)
+    for node, gpus, nbytes in holds:
+        per_node[node] += [nbytes] * len(gpus)
+    cap = MEMORY_MIB * 1024**2
+    at_risk = 0
+    for sizes in per_node.values():
+        depth = min(REPLICAS, -(-len(sizes) // GPUS))
+        at_risk += sum(sorted(sizes, reverse=True)[:depth]) > cap
+    booked = sum(sum(v) for v in per_node.values())
+    return {
+        "nodesWhereAGpuCouldGoOverVram": at_risk,
+        "bookedGiB": round(booked / GIB, 1),
+        "bookedPercent": round(100 * booked / (NODES * GPUS * cap), 1),
+    }
+
+
+def assigned_holds(pods: list[dict[str, Any]]) -> list[Hold]:
+    """Bound pods with the GPUs of their vramsched.io/assignment (embedded mode and NVIDIA's
+    plugin: nothing else says which GPU a pod has)."""
+    out = []
+    for p in pods:
+        raw = (p["metadata"].get("annotations") or {}).get("vramsched.io/assignment")
+        node = (p.get("spec") or {}).get("nodeName")
+        if raw and node:
+            gpus = [int(d) for d in json.loads(raw)["devices"]]
+            out.append((node, gpus, declared_per_gpu(p)))
+    return out
+
+
+def two_gpu(pods: list[dict[str, Any]]) -> int:
+    return sum(
+        1
+        for p in pods
+        if p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    )
+
+
+# ----- the kubelet's part on API-only nodes ------------------------------------------------------------
+
+
+class StandInKubelet:
+    """The kubelet's device manager for one API-only node, as far as vramsched's device plugin
+    can tell: SimKubelet (extender.device_plugin.simkubelet: the Registration and PodResources
+    gRPC servers, ListAndWatch, GetPreferredAllocation then Allocate per container), fed by the
+    pods bound to the node, admitted one at a time in creation order as the kubelet admits a
+    batch, each outcome written to the pod's status as the kubelet writes it (Running, or
+    Failed with UnexpectedAdmissionError and the plugin's reason). No containers run."""
+
+    def __init__(self, node: str, root: Path, core: Any) -> None:
+        self.node, self.root, self.core = node, root, core
+        self.sim = SimKubelet(root / "dp", root / "pr" / "kubelet.sock", "nvidia.com/gpu")
+        self.admitted: dict[str, tuple[dict[str, Any], list[str]]] = {}  # pod -> (pod, UUIDs)
+        self.refused: dict[str, str] = {}
+        self.allocate_seconds: list[float] = []
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kubelet-{node}", daemon=True)
+
+    def start(self) -> StandInKubelet:
+        self.sim.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sim.stop()
+
+    def settled(self) -> bool:
+        """Every pod bound here so far has been admitted or refused."""
+        return self._pending() == []
+
+    def _pending(self) -> list[dict[str, Any]]:
+        raw = self.core.list_namespaced_pod(
+            "default", field_selector=f"spec.nodeName={self.node}", _preload_content=False
+        ).data
+        items = orjson.loads(raw)["items"]
+        fresh = [p for p in items if p["metadata"]["uid"] not in self._seen]
+        return sorted(
+            fresh, key=lambda p: (p["metadata"]["creationTimestamp"], p["metadata"]["name"])
+        )
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pending = self._pending() if self.sim.registrations else []
+            except Exception as exc:  # the API may be busy: next round
+                print(f"stand-in kubelet {self.node}: {exc}", file=sys.stderr)
+                pending = []
+            for pod in pending:
+                self._admit(pod)
+            self._stop.wait(0.2)
+
+    def _admit(self, pod: dict[str, Any]) -> None:
+        """Admit one pod; it counts as seen (settled) once its status is written (or given up)."""
+        name = pod["metadata"]["name"]
+        try:
+            got = self.sim.admit(pod)
+        except (AdmissionError, grpc.RpcError) as exc:
+            reason = exc.reason if isinstance(exc, AdmissionError) else str(exc)
+            self.refused[name] = reason
+            status = {
+                "phase": "Failed",
+                "reason": "UnexpectedAdmissionError",
+                "message": f"Allocate failed due to {reason}",
+            }
+        else:
+            env = got.responses["main"].envs
+            self.admitted[name] = (pod, env["NVIDIA_VISIBLE_DEVICES"].split(","))
+            self.allocate_seconds += got.allocate_seconds
+            status = {"phase": "Running"}
+        for attempt in range(5):  # the API may be busy; a pod is admitted once, whatever
+            try:
+                self.core.patch_namespaced_pod_status(name, "default", {"status": status})
+                break
+            except Exception as exc:
+                print(f"stand-in kubelet {self.node}: status of {name}: {exc}", file=sys.stderr)
+                time.sleep(1 + attempt)
+        self._seen.add(pod["metadata"]["uid"])
+
+
+def plugin_process(
+    node: str,
+    kubeconfig: Path,
+    logs: Path,
+    *,
+    pod_resources: Path,
+    plugin_dir: Path | None = None,
+    gpus: int = GPUS,
+    extra: tuple[str, ...] = (),
+) -> Component:
+    """`vramsched device-plugin` as a process of its own, as the DaemonSet runs it on a node,
+    with fake GPUs; `plugin_dir` None: the kubelet's own /var/lib/kubelet/device-plugins."""
+    boot = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+        "from extender.cli import main; sys.exit(main())"
+    )
+    argv = [
+        sys.executable,
+        "-c",
+        boot,
+        "device-plugin",
+        "--node-name",
+        node,
+        "--kubeconfig",
+        str(kubeconfig),
+        "--fake-gpus",
+        str(gpus),
+        "--fake-memory-mib",
+        str(MEMORY_MIB),
+        "--replicas",
+        str(REPLICAS),
+        "--pod-resources-socket",
+        str(pod_resources),
+        "--log-level",
+        "warning",
+        *(("--device-plugin-dir", str(plugin_dir)) if plugin_dir else ()),
+        *extra,
+    ]
+    return Component(f"device-plugin-{node}", argv, logs / f"device-plugin-{node}.log")
 
 
 # ----- live mode on the real control plane -------------------------------------------------------------
@@ -176,20 +356,9 @@ def live(pods: list[tuple[str, int, int]], quiet: float, timeout: float) -> dict
             ext.start()
             cp.start_scheduler(scheduler_config(ext.url))
             core = kubernetes.client.CoreV1Api(cp.api_client())
-            for mode, served in (("live-stock", False), ("live-plugin", True)):
-                for i in range(NODES):
-                    meta: dict[str, Any] = {"labels": node_labels(served)}
-                    meta["annotations"] = SERVED_STATE if served else {STATE_ANNOTATION: None}
-                    if not served:
-                        meta["labels"]["vramsched.io/device-plugin"] = None
-                    core.patch_node(f"a100-{i}", {"metadata": meta})
-                time.sleep(2)  # the extender's node watch
-                out[mode] = _run_live(cp, core, pods, served, quiet, timeout)
-                print(f"{mode}: {out[mode]}", file=sys.stderr)
-                for p in core.list_namespaced_pod("default").items:
-                    core.delete_namespaced_pod(p.metadata.name, "default", grace_period_seconds=0)
-                cp.wait_for(lambda: not core.list_namespaced_pod("default").items, timeout=60)
-                time.sleep(2)
+            out["live-stock"] = _live_stock(cp, core, pods, quiet, timeout)
+            _clear(cp, core)
+            out["live-plugin"] = _live_plugin(cp, core, pods, Path(tmp), quiet, timeout)
         finally:
             if ext is not None:
                 ext.stop()
@@ -197,32 +366,122 @@ def live(pods: list[tuple[str, int, int]], quiet: float, timeout: float) -> dict
     return out
 
 
-def _run_live(cp: Any, core: Any, pods: list, served: bool, quiet: float, timeout: float) -> dict:
+def _clear(cp: Any, core: Any) -> None:
+    for p in core.list_namespaced_pod("default").items:
+        core.delete_namespaced_pod(p.metadata.name, "default", grace_period_seconds=0)
+    cp.wait_for(lambda: not core.list_namespaced_pod("default").items, timeout=60)
+    time.sleep(2)
+
+
+def _items(core: Any) -> list[dict[str, Any]]:
+    return list(
+        orjson.loads(core.list_namespaced_pod("default", _preload_content=False).data)["items"]
+    )
+
+
+def _stream_until_quiet(
+    core: Any, pods: list, quiet: float, timeout: float, settled: Any = lambda: True
+) -> tuple[list[dict[str, Any]], float]:
+    """Create the stream at once, then wait until no pod was bound for `quiet` seconds and
+    `settled()` holds; the pods, and the seconds until the last binding."""
     started = time.monotonic()
     for name, gib, gpus in pods:
         core.create_namespaced_pod("default", pod_body(name, gib, gpus))
     last_change, bound = time.monotonic(), -1
     while time.monotonic() - started < timeout:
-        items = orjson.loads(core.list_namespaced_pod("default", _preload_content=False).data)[
-            "items"
-        ]
+        items = _items(core)
         now = sum(1 for p in items if (p.get("spec") or {}).get("nodeName"))
         if now != bound:
             bound, last_change = now, time.monotonic()
-        elif time.monotonic() - last_change > quiet:
+        elif time.monotonic() - last_change > quiet and settled():
             break
         time.sleep(1)
-    return {
-        "placed": bound,
-        "placedTwoGpu": sum(
-            1
-            for p in items
-            if (p.get("spec") or {}).get("nodeName")
-            and p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
-        ),
-        "seconds": round(last_change - started, 1),
-        **independent_count(items, exact=served),
+    return _items(core), round(last_change - started, 1)
+
+
+def _live_stock(cp: Any, core: Any, pods: list, quiet: float, timeout: float) -> dict[str, Any]:
+    """NVIDIA's plugin (nothing runs on the nodes: vramsched books its worst case)."""
+    items, seconds = _stream_until_quiet(core, pods, quiet, timeout)
+    bound = [p for p in items if (p.get("spec") or {}).get("nodeName")]
+    result = {
+        "placed": len(bound),
+        "placedTwoGpu": two_gpu(bound),
+        "seconds": seconds,
+        **stock_worst_case(assigned_holds(bound)),
     }
+    print(f"live-stock: {result}", file=sys.stderr)
+    return result
+
+
+def _live_plugin(
+    cp: Any, core: Any, pods: list, tmp: Path, quiet: float, timeout: float
+) -> dict[str, Any]:
+    """vramsched's plugin serving every node: one `vramsched device-plugin` process per node,
+    registered with the node's stand-in kubelet, which admits every pod bound there."""
+    kubelets, plugins = [], []
+    try:
+        for i in range(NODES):
+            node = f"a100-{i}"
+            core.patch_node(node, {"metadata": {"labels": node_labels(True)}})
+            kubelet = StandInKubelet(node, tmp / node, core).start()
+            plugin = plugin_process(
+                node,
+                cp.kubeconfig_path,
+                cp.logs_dir,
+                pod_resources=tmp / node / "pr" / "kubelet.sock",
+                plugin_dir=tmp / node / "dp",
+            )
+            plugin.start()
+            kubelets.append(kubelet)
+            plugins.append(plugin)
+        for kubelet in kubelets:
+            kubelet.sim.wait_devices(GPUS * REPLICAS, timeout=60)
+
+        def published() -> bool:
+            for i in range(NODES):
+                ann = core.read_node(f"a100-{i}").metadata.annotations or {}
+                raw = ann.get(STATE_ANNOTATION)
+                if not raw or not decode_state(raw).registered:
+                    return False
+            return True
+
+        cp.wait_for(published, timeout=60, message="plugins published their state")
+        time.sleep(2)  # the extender's node watch
+        items, seconds = _stream_until_quiet(
+            core, pods, quiet, timeout, lambda: all(k.settled() for k in kubelets)
+        )
+    finally:
+        for plugin in plugins:
+            plugin.stop()
+        for kubelet in kubelets:
+            kubelet.stop()
+    bound = [p for p in items if (p.get("spec") or {}).get("nodeName")]
+    admitted = [pod for k in kubelets for pod, _ in k.admitted.values()]
+    # the independent count: the GPUs named in the Allocate answers the containers would get
+    # (NVIDIA_VISIBLE_DEVICES), with the bytes the pods declared
+    holds: list[Hold] = []
+    other_gpu = 0
+    for k in kubelets:
+        index = {fake_uuid(k.node, i): i for i in range(GPUS)}
+        for pod, uuids in k.admitted.values():
+            got = [index[u] for u in uuids]
+            holds.append((k.node, got, declared_per_gpu(pod)))
+            booked = json.loads(pod["metadata"]["annotations"]["vramsched.io/assignment"])
+            other_gpu += sorted(got) != sorted(int(d) for d in booked["devices"])
+    seconds_all = [s for k in kubelets for s in k.allocate_seconds]
+    result = {
+        "bound": len(bound),
+        "placed": len(admitted),
+        "placedTwoGpu": two_gpu(admitted),
+        "refusedAtAdmission": sum(len(k.refused) for k in kubelets),
+        "refusals": sorted({r for k in kubelets for r in k.refused.values()})[:5],
+        "givenOtherGpuThanBooked": other_gpu,
+        "seconds": seconds,
+        "allocateCalls": _summary(seconds_all) if seconds_all else None,
+        **exact_count(holds),
+    }
+    print(f"live-plugin: {result}", file=sys.stderr)
+    return result
 
 
 def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
@@ -270,16 +529,11 @@ def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
             )
         )
     loop.close()
-    items = list(c.pods.values())
+    bound = [p for p in c.pods.values() if (p.get("spec") or {}).get("nodeName")]
     return {
-        "placed": sum(1 for p in items if (p.get("spec") or {}).get("nodeName")),
-        "placedTwoGpu": sum(
-            1
-            for p in items
-            if (p.get("spec") or {}).get("nodeName")
-            and p["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
-        ),
-        **independent_count(items, exact=True),
+        "placed": len(bound),
+        "placedTwoGpu": two_gpu(bound),
+        **exact_count(assigned_holds(bound)),
     }
 
 
@@ -479,14 +733,181 @@ def allocate(rounds: int, gpus: int = 16, replicas: int = 4) -> dict[str, Any]:
     return out
 
 
+# ----- Allocate latency under a real kubelet -------------------------------------------------------------
+
+
+def _histogram(text: str, name: str) -> list[tuple[float, float]]:
+    """A Prometheus histogram's cumulative buckets (le, count) from a /metrics page."""
+    out = []
+    for m in re.finditer(rf'^{name}_bucket{{(?:[^}}]*,)?le="([^"]+)"[^}}]*}} (\S+)$', text, re.M):
+        out.append((float(m.group(1)), float(m.group(2))))
+    return sorted(out)
+
+
+def _share_within(buckets: list[tuple[float, float]]) -> dict[str, Any]:
+    total = buckets[-1][1] if buckets else 0.0
+    within = dict(buckets)
+    p99 = next((le for le, n in buckets if total and n >= 0.99 * total), None)
+    return {
+        "calls": int(total),
+        "within5ms": round(within.get(0.005, 0.0) / total, 4) if total else None,
+        "within10ms": round(within.get(0.01, 0.0) / total, 4) if total else None,
+        "p99AtMostMs": None if p99 is None else round(1000 * p99, 1),
+    }
+
+
+def _running(core: Any, names: list[str]) -> Any:
+    def check() -> bool:
+        phases = {
+            p.metadata.name: p.status.phase for p in core.list_namespaced_pod("default").items
+        }
+        bad = [n for n in names if phases.get(n) == "Failed"]
+        assert not bad, f"pods failed admission: {bad}"
+        return all(phases.get(n) == "Running" for n in names)
+
+    return check
+
+
+def _pods_left(core: Any, count: int) -> Any:
+    return lambda: len(core.list_namespaced_pod("default").items) == count
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
+
+
+def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7) -> dict[str, Any]:
+    """Allocate as a real kubelet 1.36.3 waits on it: the e2e suite's node (containerd, runc,
+    busybox pods) served by `vramsched device-plugin --fake-gpus 16 --replicas 4` (64 replicas),
+    pods placed by vramsched through kube-scheduler until every replica is taken, then a random
+    share deleted, `rounds` times; `paced`: one pod at a time, each running before the next
+    is created (a node admitting a pod now and then), else each fill at once (a burst: the
+    kubelet admits while it starts dozens of containers). The kubelet's own histogram
+    (kubelet_device_plugin_alloc_duration_seconds, buckets 5 ms, 10 ms, ...) and the plugin's
+    (vramsched_device_plugin_allocate_seconds) say how many calls took how long."""
+    from kubelet import BUSYBOX_IMAGE, ControlPlane136, KubeletNode
+    from test_extender_e2e import Extender, _grant_extender_rbac, gpu_labels, scheduler_config
+
+    name = "bench-kubelet"
+    slots = gpus * REPLICAS
+    rng = random.Random(seed)
+    out: dict[str, Any] = {"replicas": slots, "gpus": gpus, "rounds": rounds, "paced": paced}
+    out["loadAverageAtStart"] = [round(x, 1) for x in os.getloadavg()]
+    with tempfile.TemporaryDirectory(prefix="bench-dp-kubelet-") as tmp:
+        cp = ControlPlane136(Path(tmp) / "cp")
+        cp.start()
+        node = KubeletNode(cp, Path(tmp) / "node", name, read_only_port=True)
+        plugin = ext = None
+        try:
+            node.start()
+            core = kubernetes.client.CoreV1Api(cp.api_client())
+            labels = gpu_labels("NVIDIA-A100-SXM4-80GB", gpus, MEMORY_MIB, REPLICAS)
+            core.patch_node(
+                name, {"metadata": {"labels": {**labels, "vramsched.io/device-plugin": "true"}}}
+            )
+            probe = free_port()
+            plugin = plugin_process(
+                name,
+                cp.kubeconfig_path,
+                cp.logs_dir,
+                pod_resources=node.root / "pod-resources" / "kubelet.sock",
+                gpus=gpus,
+                extra=("--probe-port", str(probe), "--probe-host", "127.0.0.1"),
+            )
+            plugin.start()
+            ext = Extender(cp, _grant_extender_rbac(cp), [])
+            ext.start()
+            cp.start_scheduler(scheduler_config(ext.url))
+
+            def serving() -> bool:
+                n = core.read_node(name)
+                raw = (n.metadata.annotations or {}).get(STATE_ANNOTATION)
+                alloc = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+                return bool(raw and decode_state(raw).registered and alloc == slots)
+
+            cp.wait_for(serving, timeout=90, message=f"plugin serving\n{plugin.describe()}")
+            held: list[str] = []
+            made = 0
+            for _ in range(rounds):
+                fresh = []
+                while len(held) + len(fresh) < slots:
+                    pod = pod_body(f"k{made:04d}", rng.randint(7, 20), 1)
+                    pod["spec"]["nodeSelector"] = {"vramsched.io/device-plugin": "true"}
+                    pod["spec"]["terminationGracePeriodSeconds"] = 0
+                    c = pod["spec"]["containers"][0]
+                    c.update(
+                        image=BUSYBOX_IMAGE,
+                        imagePullPolicy="Never",
+                        command=["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+                    )
+                    c["resources"]["requests"] = {"cpu": "1m", "memory": "4Mi"}
+                    core.create_namespaced_pod("default", pod)
+                    fresh.append(pod["metadata"]["name"])
+                    made += 1
+                    if paced:
+                        cp.wait_for(_running(core, fresh[-1:]), timeout=120, message="pod running")
+                cp.wait_for(_running(core, fresh), timeout=600, interval=2, message="pods running")
+                held += fresh
+                for _ in range(rng.randint(slots // 4, 3 * slots // 4)):
+                    gone = held.pop(rng.randrange(len(held)))
+                    core.delete_namespaced_pod(gone, "default", grace_period_seconds=0)
+                cp.wait_for(
+                    _pods_left(core, len(held)),
+                    timeout=300,
+                    interval=2,
+                    message="pods deleted",
+                )
+            kubelet_metrics = _get(f"http://127.0.0.1:{node.read_only_port}/metrics")
+            plugin_metrics = _get(f"http://127.0.0.1:{probe}/metrics")
+            out["kubelet"] = _share_within(
+                _histogram(kubelet_metrics, "kubelet_device_plugin_alloc_duration_seconds")
+            )
+            out["plugin"] = _share_within(
+                _histogram(plugin_metrics, "vramsched_device_plugin_allocate_seconds")
+            )
+            # where the plugin's time goes: GetPreferredAllocation and Allocate each list the
+            # kubelet's PodResources and look the pods up
+            out["pluginPodResourcesList"] = _share_within(
+                _histogram(plugin_metrics, "vramsched_device_plugin_podresources_list_seconds")
+            )
+            out["pluginPodLookup"] = _share_within(
+                _histogram(plugin_metrics, "vramsched_device_plugin_pod_lookup_seconds")
+            )
+
+            def counter(series: str) -> int:
+                m = re.search(rf"^{re.escape(series)} (\S+)$", plugin_metrics, re.M)
+                return int(float(m.group(1))) if m else 0
+
+            out["served"] = counter('vramsched_device_plugin_allocations_total{outcome="served"}')
+            out["podsReadFromApi"] = counter("vramsched_device_plugin_pods_read_from_api_total")
+            out["podsCreated"] = made
+            out["loadAverageAtEnd"] = [round(x, 1) for x in os.getloadavg()]
+            print(f"kubelet allocate: {out}", file=sys.stderr)
+        finally:
+            if plugin is not None:
+                plugin.stop()
+            if ext is not None:
+                ext.stop()
+            node.stop()
+            cp.stop()
+        node.check_host()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["packing", "allocate"])
+    parser.add_argument("--only", choices=["packing", "allocate", "kubelet"])
     parser.add_argument("--pods", type=int, default=140)
     parser.add_argument("--seed", type=int, default=20)
     parser.add_argument("--quiet", type=float, default=20.0, help="seconds without a new binding")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--rounds", type=int, default=40, help="allocate: fill-and-drain rounds")
+    parser.add_argument(
+        "--kubelet-rounds", type=int, default=3, help="kubelet: fill-and-drain rounds"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -506,6 +927,11 @@ def main() -> int:
         results["packing"] = packing
     if args.only in (None, "allocate"):
         results["allocate"] = allocate(args.rounds)
+    if args.only in (None, "kubelet"):
+        results["allocateUnderKubelet"] = {
+            "burst": kubelet_allocate(args.kubelet_rounds, paced=False),
+            "paced": kubelet_allocate(args.kubelet_rounds, paced=True),
+        }
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0
