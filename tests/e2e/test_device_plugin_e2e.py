@@ -558,10 +558,9 @@ def test_volume_mounts_and_an_unhealthy_gpu(stack: Stack) -> None:
 def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> None:
     """While pods keep arriving: the plugin is SIGKILLed and started again, then the kubelet is
     stopped (SIGTERM) and started, then SIGKILLed and started. Pods running before keep their
-    GPUs (but for the kubelet's own bug with finished GPU init containers, below), every pod
-    created after a re-registration runs, and the kubelet's record, the containers and
-    vramsched's ledger agree. Runs last: it leaves its pods running for the teardown's host
-    check."""
+    GPUs, every pod created after a re-registration runs, and the kubelet's record, the
+    containers and vramsched's ledger agree. Runs last: it leaves its pods running for the
+    teardown's host check."""
     # before: one plain pod, one with a GPU init container and a GPU app container, and one
     # whose only GPU container is an init container (PodResources never lists its devices: a
     # restarted plugin must learn from the API that it was admitted, or it would take it for
@@ -616,6 +615,19 @@ def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> Non
         mid = stack.admitted({"m-after-plugin"})["m-after-plugin"]
         assert mid.status.phase == "Running", (mid.status.phase, mid.status.message)
         assert booked(mid) != booked(first["b-init-only"])
+        # the pods with GPU init containers go before the kubelet restarts: a restarted kubelet
+        # fails such running pods itself, whatever the plugin (kubernetes#124345, #138446: it
+        # checks device health for their finished init containers before the plugin registered
+        # again), and killed again mid-way it lists the pod it refused as active, without
+        # devices, and starts it anew (seen with 1.36.3). Pods created after the restarts
+        # cover init containers below.
+        for name in ("b-init-app", "b-init-only"):
+            stack.core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+        stack.cp.wait_for(
+            lambda: not {"b-init-app", "b-init-only"} & {p.metadata.name for p in stack.pods()},
+            timeout=60,
+            message="pods with GPU init containers deleted",
+        )
         stack.node.restart_kubelet()  # SIGTERM: deletes every socket in the device-plugin folder
         registered(seen + 2, "registered with the restarted kubelet")
         time.sleep(2)
@@ -633,24 +645,15 @@ def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> Non
     stack.create("a-init-only", "9Gi", gpus=0, init_gpus=1)
     late = {"a-plain-0", "a-plain-1", "a-init-app", "a-init-only"}
     stack.admitted(late)
-    pods = stack.settle(early | late | {"m-after-plugin"} | set(names), timeout=240)
+    kept = {"b-plain", "m-after-plugin"}
+    pods = stack.settle(kept | late | set(names), timeout=240)
     phases = {n: (p.status.phase, p.status.reason, p.status.message) for n, p in pods.items()}
-    for name in late | {"b-plain", "m-after-plugin"}:
+    for name in late | kept:
         assert pods[name].status.phase == "Running", (name, phases)
-    for name in ("b-init-app", "b-init-only"):
-        # the kubelet's own bug, whatever the plugin (kubernetes#124345, #138446): started again,
-        # it re-admits running pods and checks device health for containers that do not run,
-        # such as a finished init container; before the plugin registered again there is no
-        # healthy device, and it fails the running pod
+    for name in kept:  # the same pods, their containers never restarted: they kept their GPUs
         p = pods[name]
-        if p.status.phase != "Running":
-            assert p.status.phase == "Failed", (name, phases[name])
-            assert "no healthy devices present" in (p.status.message or ""), phases[name]
-    for name in early:  # the same pod, its containers never restarted: they kept their GPUs
-        p = pods[name]
-        assert p.metadata.uid == uids[name]
-        if p.status.phase == "Running":
-            assert all(c.restart_count == 0 for c in p.status.container_statuses or []), name
+        assert p.metadata.uid == (uids.get(name) or mid.metadata.uid), name
+        assert all(c.restart_count == 0 for c in p.status.container_statuses or []), name
     # pods bound while the plugin or the kubelet was away may fail admission, visibly
     for name in names:
         p = pods[name]
