@@ -512,6 +512,10 @@ def test_plugin_registers_again_after_a_kubelet_restart(node):
     node.kubelet.allocated.update(held)
     node.kubelet.active.update(active)
     node.kubelet.wait_devices(8)
+    # the kubelet may list the devices before the plugin's Register call has returned to it
+    deadline = time.monotonic() + 5
+    while node.runner.registrations < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert node.runner.registrations == 2
     got = node.admit(pod("after", [2]))
     assert got.responses["main"].envs["VRAMSCHED_GPU_INDEX"] == "2"
