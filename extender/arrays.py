@@ -21,6 +21,7 @@ __all__ = [
     "NodeSummary",
     "summary_of",
     "slot_free_of",
+    "sole_share",
     "run_starts",
     "run_ranks",
     "first_k_per_node",
@@ -98,16 +99,41 @@ class DeviceArrays:
 _PAD = np.int64(-(1 << 62))  # "no such device" in NodeSummary.top: below any real free VRAM
 
 
+def sole_share(
+    capacity: np.ndarray,
+    used: np.ndarray,
+    per_pod_cap: np.ndarray,
+    replicas: np.ndarray,
+    used_replicas: np.ndarray,
+) -> np.ndarray:
+    """Per device with a free replica: the part of its free VRAM that only the next pod placed
+    there can use, `min(free - (replicas left - 1) * per-pod cap, per-pod cap)`: the other free
+    replicas cannot reach it (each takes at most the per-pod cap). A pod of `need` bytes placed
+    there makes `max(0, sole - need)` bytes unusable (`stranded`): the rest of an exclusive GPU
+    or a MIG slice, a time-sliced GPU's memory behind its last replica (on a time-sliced GPU with
+    replicas to spare it is 0 or below), and on an MPS GPU the rest of the pod's own share of
+    `memory / replicas`, which no other client may use."""
+    left = (replicas - used_replicas).astype(np.int64)
+    cap = per_pod_cap.astype(np.int64)
+    sole: np.ndarray = np.minimum(capacity - used - (left - 1) * cap, cap)
+    return sole
+
+
 @dataclass(slots=True)
 class NodeSummary:
-    """One resource's devices per node row, as filter needs them.
+    """One resource's devices per node row, as filter and prioritize need them.
 
     `top[r]`: `(free + 1) * has_slot - 1` of node r's devices of the resource (free VRAM where a
     replica is free, -1 or below where not), largest first, padded with `_PAD`; so a node has k
     devices with `need` bytes and a free replica iff `top[r, k - 1] >= need`. `slots[r]`: how
     many of them have a free replica. `largest`: `top[:, 0]`, -1 for a node without any.
     `busy[r]` / `idle[r]`: free VRAM of those with a free replica and some / no pod, largest
-    first, padded with `_PAD` (best fit: the smallest one that covers the pod).
+    first (ties: larger `sole` first), padded with `_PAD` (best fit: the smallest one that covers
+    the pod). `busy_sole[r]` / `idle_sole[r]`: the `sole_share` of the same devices, entry for
+    entry (`_PAD` beside padding): what a pod placed there would strand (prioritize's charge).
+    `sole_high[r]`: the most `sole_share` of all of them (`_PAD` without any); `sole_mixed[r]`
+    the same where their sole shares differ, else `_PAD`: prioritize works the choice out
+    device by device only on the nodes where one device would strand more than another.
     """
 
     top: np.ndarray
@@ -115,20 +141,52 @@ class NodeSummary:
     largest: np.ndarray
     busy: np.ndarray
     idle: np.ndarray
+    busy_sole: np.ndarray
+    idle_sole: np.ndarray
+    sole_high: np.ndarray
+    sole_mixed: np.ndarray
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.top, self.slots, self.largest, self.busy, self.idle)
+        return (
+            self.top,
+            self.slots,
+            self.largest,
+            self.busy,
+            self.idle,
+            self.busy_sole,
+            self.idle_sole,
+            self.sole_high,
+            self.sole_mixed,
+        )
 
     def set_row(
-        self, r: int, values: np.ndarray, slots: int, busy: np.ndarray, idle: np.ndarray
+        self,
+        r: int,
+        values: np.ndarray,
+        slots: int,
+        busy: np.ndarray,
+        idle: np.ndarray,
+        busy_sole: np.ndarray,
+        idle_sole: np.ndarray,
     ) -> None:
         for arr in self._arrays():
             arr.flags.writeable = True
-        for dst, v in ((self.top, values), (self.busy, busy), (self.idle, idle)):
-            dst[r] = _PAD
-            dst[r, : len(v)] = np.sort(v)[::-1]
+        self.top[r] = _PAD
+        self.top[r, : len(values)] = np.sort(values)[::-1]
+        for dst, dst_sole, v, sole in (
+            (self.busy, self.busy_sole, busy, busy_sole),
+            (self.idle, self.idle_sole, idle, idle_sole),
+        ):
+            order = np.lexsort((-sole, -v))  # largest free first, then largest sole
+            dst[r] = dst_sole[r] = _PAD
+            dst[r, : len(v)] = v[order]
+            dst_sole[r, : len(v)] = sole[order]
         self.slots[r] = slots
         self.largest[r] = values.max() if len(values) else -1
+        sole = np.concatenate((busy_sole, idle_sole))
+        high = sole.max() if len(sole) else _PAD
+        self.sole_high[r] = high
+        self.sole_mixed[r] = high if len(sole) and sole.min() != high else _PAD
         for arr in self._arrays():
             arr.flags.writeable = False
 
@@ -138,8 +196,12 @@ class NodeSummary:
             (self.top != other.top).any(axis=1)
             | (self.busy != other.busy).any(axis=1)
             | (self.idle != other.idle).any(axis=1)
+            | (self.busy_sole != other.busy_sole).any(axis=1)
+            | (self.idle_sole != other.idle_sole).any(axis=1)
             | (self.slots != other.slots)
             | (self.largest != other.largest)
+            | (self.sole_high != other.sole_high)
+            | (self.sole_mixed != other.sole_mixed)
         )
 
 
@@ -153,14 +215,28 @@ def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
     has_slot = a.used_replicas[rows] < a.replicas[rows]
     idle = a.used_replicas[rows] == 0
     free = (a.capacity[rows] - a.used[rows] + 1) * has_slot - 1
+    sole = sole_share(
+        a.capacity[rows],
+        a.used[rows],
+        a.per_pod_cap[rows],
+        a.replicas[rows],
+        a.used_replicas[rows],
+    )
     np.add.at(slots, nodes, has_slot)
-    top, busy, idle = (
-        _sorted_per_node(n, width, nodes[keep], free[keep])
-        for keep in (np.ones(len(rows), bool), has_slot & ~idle, has_slot & idle)
+    top = _sorted_per_node(n, width, nodes, free)[0]
+    busy, busy_sole = _sorted_per_node(
+        n, width, nodes[has_slot & ~idle], free[has_slot & ~idle], sole[has_slot & ~idle]
+    )
+    idle_, idle_sole = _sorted_per_node(
+        n, width, nodes[has_slot & idle], free[has_slot & idle], sole[has_slot & idle]
     )
     largest = top[:, 0].copy() if width else np.full(n, -1, np.int64)
     largest[largest == _PAD] = -1
-    out = NodeSummary(top, slots, largest, busy, idle)
+    low, high = np.full(n, -_PAD, np.int64), np.full(n, _PAD, np.int64)
+    np.minimum.at(low, nodes[has_slot], sole[has_slot])
+    np.maximum.at(high, nodes[has_slot], sole[has_slot])
+    mixed = np.where(low < high, high, _PAD)
+    out = NodeSummary(top, slots, largest, busy, idle_, busy_sole, idle_sole, high, mixed)
     for arr in out._arrays():
         arr.flags.writeable = False
     return out
@@ -193,14 +269,22 @@ _TRUE = np.ones(1, bool)
 _ZERO = np.zeros(1, np.int64)
 
 
-def _sorted_per_node(n: int, width: int, nodes: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """(n, width) array: row r holds the `values` of node r, largest first, padded with `_PAD`."""
+def _sorted_per_node(
+    n: int, width: int, nodes: np.ndarray, values: np.ndarray, beside: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(n, width) arrays: row r holds the `values` of node r, largest first (ties: largest
+    `beside` first), padded with `_PAD`; and `beside` in the same places (`_PAD` too)."""
     out = np.full((n, width), _PAD, np.int64)
+    out_beside = np.full((n, width), _PAD, np.int64)
     if len(nodes):
-        order = np.lexsort((-values, nodes))  # by node, largest first
+        tie = np.zeros(len(nodes), np.int64) if beside is None else -beside
+        order = np.lexsort((tie, -values, nodes))  # by node, largest first
         nodes, values = nodes[order], values[order]
-        out[nodes, run_ranks(nodes)] = values
-    return out
+        ranks = run_ranks(nodes)
+        out[nodes, ranks] = values
+        if beside is not None:
+            out_beside[nodes, ranks] = beside[order]
+    return out, out_beside
 
 
 def slot_free_of(a: DeviceArrays, resource_id: int) -> np.ndarray:

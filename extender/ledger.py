@@ -25,6 +25,7 @@ from extender.arrays import (
     offsets,
     run_starts,
     slot_free_of,
+    sole_share,
     summary_of,
 )
 from extender.demand import PodRef
@@ -475,6 +476,13 @@ class Ledger:
             has_slot = a.used_replicas[lo:hi] < a.replicas[lo:hi]
             idle = a.used_replicas[lo:hi] == 0
             free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * has_slot - 1
+            sole = sole_share(
+                a.capacity[lo:hi],
+                a.used[lo:hi],
+                a.per_pod_cap[lo:hi],
+                a.replicas[lo:hi],
+                a.used_replicas[lo:hi],
+            )
             rids = a.resource_id[lo:hi]
             for rid in set(
                 rids.tolist()
@@ -483,12 +491,15 @@ class Ledger:
                 if s is None:
                     continue
                 mine = rids == rid
+                busy, spare = mine & has_slot & ~idle, mine & has_slot & idle
                 s.set_row(
                     r,
                     free[mine],
                     int(np.count_nonzero(has_slot & mine)),
-                    free[mine & has_slot & ~idle],
-                    free[mine & has_slot & idle],
+                    free[busy],
+                    free[spare],
+                    sole[busy],
+                    sole[spare],
                 )
 
     # ----- totals ----    # ----- totals ---------------------------------------------------------------------------

@@ -261,3 +261,92 @@ def test_shared_reasons_under_a_replica_policy_are_copied_before_anything_is_add
     assert plain.feasible == ["x"]
     again = filter_nodes(c.ledger, pod_demand(pinned), names)
     assert again.unresolvable is second.unresolvable and again.unresolvable == mig_only
+
+
+# ----- a placement is charged for the memory nobody else can use after it -----------------------
+
+
+def test_among_placements_that_strand_the_one_that_strands_least_wins():
+    # every GPU is exclusive: any pod strands the rest of one; a 7 GiB model on a 16 GB T4
+    # strands 8 GiB, on an 80 GB H100 73 GiB. The H100 node comes first in the list.
+    c = cluster(
+        gpu_node("a-h100", count=2, product="NVIDIA-H100-80GB-HBM3"),
+        gpu_node("b-t4", count=2, memory_mib=15360, product="Tesla-T4"),
+    )
+    d = pod_demand(pod("p", "7Gi"))
+    assert dict(score_nodes(c.ledger, d, ["a-h100", "b-t4"])) == {"a-h100": 0, "b-t4": 10}
+    # a model too big for a T4 still gets the H100
+    big = pod_demand(pod("q", "20Gi"))
+    assert dict(score_nodes(c.ledger, big, ["a-h100", "b-t4"])) == {"a-h100": 10, "b-t4": 0}
+
+
+def test_a_mig_slice_strands_less_than_a_whole_gpu_and_more_than_a_shared_one():
+    c = cluster(
+        gpu_node("a-h100", count=1, product="NVIDIA-H100-80GB-HBM3"),
+        mig_single_node("b-mig", "1g.10gb", slices=7, memory_mib=9984),
+        gpu_node("c-ts", count=1, replicas=4),
+    )
+    d = pod_demand(pod("p", "7Gi"))
+    assert dict(score_nodes(c.ledger, d, ["a-h100", "b-mig"]))["b-mig"] == 10
+    assert dict(score_nodes(c.ledger, d, ["a-h100", "b-mig", "c-ts"])) == {
+        "a-h100": 0,
+        "b-mig": 0,
+        "c-ts": 10,
+    }
+
+
+def test_a_time_sliced_gpus_last_replica_goes_to_the_pod_that_strands_least():
+    c = cluster(gpu_node("n", count=2, replicas=2))
+    place(c, pod("a", "10Gi"), "n")  # GPU 0: one replica left, 70 GiB free
+    # 20 GiB there would leave 50 GiB behind its last replica: the empty GPU takes it
+    assert choose_devices(c.ledger, pod_demand(pod("p", "20Gi")), "n").device_ids == ("1",)
+    # 70 GiB fills it exactly: nothing stranded, and no GPU opened
+    assert choose_devices(c.ledger, pod_demand(pod("q", "70Gi")), "n").device_ids == ("0",)
+    # across nodes: a GPU with replicas to spare beats one whose last replica the pod would take
+    c = cluster(gpu_node("a", count=1, replicas=2), gpu_node("b", count=1, replicas=4))
+    place(c, pod("x", "10Gi"), "a")
+    place(c, pod("y", "10Gi"), "b")
+    scores = dict(score_nodes(c.ledger, pod_demand(pod("p", "20Gi")), ["a", "b"]))
+    assert scores == {"a": 0, "b": 10}
+    assert check_invariant(c.ledger) == []
+
+
+def test_an_mps_share_strands_its_unused_rest():
+    # MPS caps each client at memory / replicas: a 7 GiB model strands the rest of its share,
+    # 13 GiB of a 20 GiB share, 33 GiB of a 40 GiB one; a time-sliced GPU strands nothing
+    c = cluster(
+        gpu_node("a-mps2", count=1, replicas=2, strategy="mps"),
+        gpu_node("b-mps4", count=1, replicas=4, strategy="mps"),
+        gpu_node("c-ts", count=1, replicas=4),
+    )
+    d = pod_demand(pod("p", "7Gi"))
+    assert dict(score_nodes(c.ledger, d, ["a-mps2", "b-mps4"])) == {"a-mps2": 0, "b-mps4": 10}
+    assert dict(score_nodes(c.ledger, d, ["a-mps2", "b-mps4", "c-ts"]))["c-ts"] == 10
+    # a pod that fills its share strands nothing
+    full = pod_demand(pod("q", "20Gi"))
+    assert dict(score_nodes(c.ledger, full, ["a-mps2", "b-mps4"])) == {"a-mps2": 0, "b-mps4": 10}
+
+
+def test_answer_bands():
+    # placements that strand nothing keep best fit's bands: 9..5 partly used GPUs, 4..2 an empty
+    # GPU on a node in use, 1..0 an idle node; one that strands memory scores 0, as does a node
+    # the pod does not fit. The one node at 10 is chosen by the finer order.
+    c = cluster(
+        gpu_node("busy", count=1, replicas=4),
+        gpu_node("room", count=2, replicas=4),
+        gpu_node("idle", count=1, replicas=4, memory_mib=24576),
+        gpu_node("excl", count=1),
+        gpu_node("small", count=1, memory_mib=10240),
+        gpu_node("t4", count=1, memory_mib=15360, product="Tesla-T4"),
+    )
+    place(c, pod("x", "60Gi"), "busy")
+    place(c, pod("y", "70Gi"), "room")
+    names = ["busy", "room", "idle", "excl", "small", "t4"]
+    scores = dict(score_nodes(c.ledger, pod_demand(pod("p", "16Gi")), names))
+    assert scores["busy"] == 10  # the best band's first node
+    assert 2 <= scores["room"] <= 4 and scores["idle"] == 1  # 16 of 24 GiB: tight
+    assert scores["excl"] == scores["small"] == scores["t4"] == 0
+    # among placements that all strand, the least stranding one still stands out: 3 GiB of a T4
+    # rather than 68 GiB of an exclusive 80 GB GPU
+    only = dict(score_nodes(c.ledger, pod_demand(pod("q", "12Gi")), ["excl", "t4"]))
+    assert only == {"excl": 0, "t4": 10}

@@ -37,8 +37,9 @@ V = TypeVar("V")
 
 #: demand shapes kept per `ShapeCache` (labels-only masks and counts)
 SHAPES_KEPT = 256
-#: demand shapes whose scores are kept (10 KB each at 5,000 nodes): the load test's pod mix has
-#: ~480, and emptying the cache every 256 new shapes threw away the frequent ones too
+#: demand shapes whose scores are kept (30 KB each at 5,000 nodes: keys, fits, answers): the load
+#: test's pod mix has ~480, and emptying the cache every 256 new shapes threw away the frequent
+#: ones too
 SCORE_SHAPES_KEPT = 1024
 #: candidate lists remembered with their rows (`views.candidate_rows`)
 CANDIDATE_LISTS_KEPT = 8
@@ -85,12 +86,14 @@ Candidates = tuple[list[str], np.ndarray, list[str]]
 
 @dataclass(slots=True)
 class KeptScores:
-    """A demand shape's scores and fits for every node of the arrays, as of the ledger's log
-    position `position` (`score._kept_scores` patches them on the nodes touched since)."""
+    """A demand shape's order keys (int32), fits and answers (int8, 0..9) for every node of the
+    arrays, as of the ledger's log position `position` (`score._kept_scores` patches them on
+    the nodes touched since)."""
 
     position: int
     scores: np.ndarray
     placed: np.ndarray
+    answers: np.ndarray
 
 
 @dataclass(slots=True, eq=False)

@@ -1,5 +1,5 @@
-"""Choose: the best-fit devices on a node (partly used first, then least leftover), for bind and
-for prioritize's scores."""
+"""Choose: the devices on a node that strand the least memory, then best fit (partly used first,
+then least leftover), for bind and for prioritize's scores."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from math import ceil, log2
 
 import numpy as np
 
-from extender.arrays import first_k_per_node, run_starts
+from extender.arrays import first_k_per_node, run_starts, sole_share
 from extender.demand import Demand
 from extender.ledger import Ledger, Reservation
 from extender.placement.cache import cache_of
@@ -16,9 +16,24 @@ from extender.placement.fit import Fit, fit_on_node, product_allowed
 from extender.placement.outcome import FilterOutcome
 
 
+def stranded(fit: Fit, rows: np.ndarray) -> np.ndarray:
+    """Bytes a pod placed on each of the device rows `rows` makes unusable for any other pod:
+    `max(0, sole share - need)` (`sole_share`): the rest of an exclusive GPU or MIG slice, of a
+    time-sliced GPU whose last replica it takes, of its own share of an MPS GPU."""
+    a = fit.a
+    sole = sole_share(
+        a.capacity[rows], a.used[rows], a.per_pod_cap[rows], a.replicas[rows], a.used_replicas[rows]
+    )
+    out: np.ndarray = np.maximum(sole - fit.need[rows], 0)
+    return out
+
+
 def best_fit_devices(fit: Fit, k: int, rows: np.ndarray) -> np.ndarray:
-    """Device rows chosen on each node in `rows`: k best-fit devices (partly used first,
-    then least leftover, then lowest index). Nodes with fewer than k fitting devices get none."""
+    """Device rows chosen on each node in `rows`: the k devices that strand the least memory
+    (`stranded`), then best fit (partly used first, then least leftover), then lowest index.
+    Nodes with fewer than k fitting devices get none. Where the device plugin spreads replicas
+    (`fit.shared.distributed`) the order is the plugin's, least used first: the books must show
+    the GPU it will pick."""
     a = fit.a
     if len(rows) == 1:  # one node: its rows are a slice, no mask over every device
         lo, hi = int(a.node_start[rows[0]]), int(a.node_start[rows[0] + 1])
@@ -39,12 +54,27 @@ def best_fit_devices(fit: Fit, k: int, rows: np.ndarray) -> np.ndarray:
         # The plugin spreads these replicas: book each on a least-used GPU, as it will count it.
         empty = np.where(fit.shared.distributed[cand], a.used_replicas[cand], empty)
     leftover = a.capacity[cand] - a.used[cand] - fit.need[cand]
+    strand = stranded(fit, cand)
+    if fit.shared is not None:
+        strand = np.where(fit.shared.distributed[cand], 0, strand)
+    node = a.node_of[cand]
+    if strand.any():
+        if k != 1:
+            order = np.lexsort((np.arange(len(cand)), leftover, empty, strand, node))
+            cand = cand[order]
+            chosen = cand[first_k_per_node(a.node_of[cand], k, len(a.node_names))]
+            return chosen
+        # one device: only those that strand the least on their node compete on best fit
+        starts = np.flatnonzero(run_starts(node))
+        least = np.minimum.reduceat(strand, starts)
+        keep = strand == np.repeat(least, np.diff(np.append(starts, len(cand))))
+        cand, empty, leftover, node = cand[keep], empty[keep], leftover[keep], node[keep]
     if k == 1:
-        best = _first_best_per_node(a.node_of[cand], empty, leftover)
+        best = _first_best_per_node(node, empty, leftover)
         if best is not None:
             chosen = cand[best]
             return chosen
-    cand = cand[_best_fit_order(a.node_of[cand], empty, leftover)]
+    cand = cand[_best_fit_order(node, empty, leftover)]
     chosen = cand[first_k_per_node(a.node_of[cand], k, len(a.node_names))]
     return chosen
 
@@ -132,8 +162,8 @@ def choose_devices(ledger: Ledger, demand: Demand, node: str) -> Reservation | s
 def _choose_on_node(ledger: Ledger, demand: Demand, node: str, r: int) -> Reservation | None:
     """`choose_devices` for one node's few devices in plain Python (bind's common case: numpy's
     per-call cost dominates on 8 rows): the same fit test (`static_fit`, `demand_fit`) and the same
-    best-fit order (`best_fit_devices`: partly used first, then least leftover, then device order).
-    None when the pod does not fit there: the vector path then words the reason."""
+    order (`best_fit_devices`: least stranded, then partly used first, then least leftover, then
+    device order). None when the pod does not fit there: the vector path then words the reason."""
     a = ledger.arrays
     lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
     rid = a.resources.get(demand.resource, -1)
@@ -162,16 +192,17 @@ def _choose_on_node(ledger: Ledger, demand: Demand, node: str, r: int) -> Reserv
             continue
         if per_pod < need or used_reps >= reps or cap - used < need:
             continue
-        cand.append((int(used_reps == 0), cap - used - need, j, need))
+        sole = min(cap - used - (reps - used_reps - 1) * per_pod, per_pod)  # `sole_share`
+        cand.append((max(sole - need, 0), int(used_reps == 0), cap - used - need, j, need))
     if len(cand) < demand.gpu_count:
         return None
     chosen = sorted(cand)[: demand.gpu_count]
-    chosen.sort(key=lambda c: c[2])
+    chosen.sort(key=lambda c: c[3])
     return Reservation(
         pod=demand.pod,
         node=node,
-        device_ids=tuple(a.devices[lo + c[2]].device_id for c in chosen),
-        bytes_per_device=tuple(c[3] for c in chosen),
+        device_ids=tuple(a.devices[lo + c[3]].device_id for c in chosen),
+        bytes_per_device=tuple(c[4] for c in chosen),
         priority=demand.priority,
         declared=declared is not None,
     )

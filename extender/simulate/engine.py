@@ -72,6 +72,10 @@ class PolicyResult:
     overcommittedBytes: int = 0
     fragmentationBytes: float = 0.0
     fragmentationRate: float = 0.0
+    #: memory nobody can use at the end: on every GPU, the free memory its free replicas cannot
+    #: reach, each taking at most the per-pod cap (the rest of an exclusive GPU or MIG slice in
+    #: use, a time-sliced GPU's memory behind its last replica, the unused rest of MPS shares)
+    strandedBytes: int = 0
     failedGpuPods: int = 0
     seconds: float = 0.0
     batches: int = 0
@@ -511,6 +515,8 @@ def _measure(out: PolicyResult, cap: Capacity, workload: Workload, placed) -> No
     out.gpusFreeUsable = usable_free_gpus(f)
     free = float(np.maximum(a.capacity - used, 0).sum())
     out.fragmentationRate = out.fragmentationBytes / free if free else 0.0
+    left = np.maximum(a.replicas - a.used_replicas, 0).astype(np.int64)
+    out.strandedBytes = int(np.maximum(a.capacity - used - left * a.per_pod_cap, 0).sum())
 
 
 def _overcommitted(a) -> np.ndarray:
