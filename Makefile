@@ -10,7 +10,7 @@ PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
 
-.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-planner bench-metrics loadtest loadtest-scrape soak clean
+.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
 venv: $(STAMP)
 
@@ -102,6 +102,11 @@ bench-packing: venv
 # The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
 bench-kube-scoring: venv
 	$(PY) benchmarks/kube_scoring.py
+
+# Every simulator policy on a heterogeneous LLM cluster (exclusive, time-sliced, MPS, MIG, T4;
+# config/scenarios/llm-mixed.yaml): GPUs used and memory stranded (~1 minute); docs/benchmarks/llm-mixed.md.
+bench-llm-mixed: venv
+	$(PY) benchmarks/llm_mixed.py
 
 # vramsched's device plugin: the packing it buys in live mode (a 1.36.3 control plane, four
 # time-sliced 8 x A100 nodes, one pod stream, stock plugin vs vramsched's vs embedded) and

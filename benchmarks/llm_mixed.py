@@ -1,0 +1,294 @@
+"""Heterogeneous LLM scenario: every simulator policy on exclusive, time-sliced, MPS and MIG pools.
+
+    .venv/bin/python benchmarks/llm_mixed.py                # make bench-llm-mixed
+    .venv/bin/python benchmarks/llm_mixed.py --write        # regenerate the scenario file
+
+The cluster and the pod stream are in config/scenarios/llm-mixed.yaml (a List of Nodes and Pods,
+as `vramsched simulate --nodes F --pods F` reads it). Nodes are named so that, listed in name
+order as an informer lists them, the exclusive H100 nodes come first. Pod sizes are the
+`vramsched estimate` figures of catalogue models (vLLM, 8,192-token context); `--write` asks the
+sizing module again, so a catalogue change shows up in the file's diff. Per policy the table
+has the pods placed and failed, the GPUs in use, the memory stranded (on every GPU, the free
+memory its free replicas cannot reach: the rest of an exclusive GPU or MIG slice in use, a
+time-sliced GPU's memory behind its last replica, the unused rest of MPS shares) and the GPUs
+overcommitted; `--json FILE` also writes every figure of each policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml
+
+from extender.planner.capacity import Workload
+from extender.quantity import GIB, parse_bytes
+from extender.simulate.engine import ALL_POLICIES, PolicyResult, overcommit_text, run_policy
+from extender.simulate.trace import read_inputs
+from extender.sizing.engines import EngineSettings
+from extender.sizing.estimate import estimate, resolve_model
+
+SCENARIO = ROOT / "config" / "scenarios" / "llm-mixed.yaml"
+
+H100 = ("NVIDIA-H100-80GB-HBM3", 81559)
+A100 = ("NVIDIA-A100-SXM4-80GB", 81920)
+T4 = ("Tesla-T4", 15360)
+#: one A100's MIG layout on the MIG nodes (mixed strategy): 3+2+1+1 compute slices of 7
+MIG_LAYOUT = {"3g.40gb": (1, 40192), "2g.20gb": (1, 19968), "1g.10gb": (2, 9984)}
+
+#: (prefix, nodes, GPUs per node, (product, MiB), sharing, replicas); names sort in this order
+POOLS: list[tuple[str, int, int, tuple[str, int], str, int]] = [
+    ("ex-h100", 4, 8, H100, "none", 1),
+    ("mig-a100", 2, 8, A100, "mig", 1),
+    ("mps-h100", 2, 8, H100, "mps", 4),
+    ("t4", 4, 4, T4, "none", 1),
+    ("ts-a100", 6, 8, A100, "time-slicing", 4),
+]
+
+#: deployments: (model or None for a whole GPU without annotation, tensor parallel GPUs,
+#: resource, weight); each arrives with 1-4 replicas at once
+DEPLOYMENTS: list[tuple[str | None, int, str, int]] = [
+    ("Qwen/Qwen2.5-0.5B-Instruct", 1, "nvidia.com/gpu", 7),
+    ("Qwen/Qwen3-0.6B", 1, "nvidia.com/gpu", 7),
+    ("Qwen/Qwen2.5-1.5B-Instruct", 1, "nvidia.com/gpu", 6),
+    ("Qwen/Qwen2.5-7B-Instruct-AWQ", 1, "nvidia.com/gpu", 12),
+    ("meta-llama/Llama-3.1-8B-Instruct", 1, "nvidia.com/gpu", 15),
+    ("Qwen/Qwen2.5-7B-Instruct", 1, "nvidia.com/gpu", 8),
+    ("Qwen/Qwen2.5-14B-Instruct-AWQ", 1, "nvidia.com/gpu", 6),
+    ("Qwen/Qwen2.5-14B-Instruct", 1, "nvidia.com/gpu", 8),
+    ("Qwen/Qwen2.5-32B-Instruct-AWQ", 1, "nvidia.com/gpu", 8),
+    ("hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4", 2, "nvidia.com/gpu", 5),
+    ("mistralai/Mixtral-8x7B-Instruct-v0.1", 2, "nvidia.com/gpu", 3),
+    ("meta-llama/Llama-3.1-70B-Instruct", 4, "nvidia.com/gpu", 2),
+    ("Qwen/Qwen2.5-0.5B-Instruct", 1, "nvidia.com/mig-1g.10gb", 4),
+    ("Qwen/Qwen2.5-7B-Instruct-AWQ", 1, "nvidia.com/mig-2g.20gb", 3),
+    ("Qwen/Qwen2.5-32B-Instruct-AWQ", 1, "nvidia.com/mig-3g.40gb", 2),
+    (None, 1, "nvidia.com/gpu", 4),  # a whole GPU: a notebook, a fine-tuning job
+]
+CONTEXT = 8192
+SEED = 7
+#: the stream stops once the model memory asked reaches this share of the cluster's GPU memory
+FILL = 0.9
+
+
+def _node(name: str, gpus: int, gpu: tuple[str, int], sharing: str, replicas: int) -> dict:
+    product, mib = gpu
+    labels = {
+        "kubernetes.io/hostname": name,
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.count": str(gpus),
+        "nvidia.com/gpu.memory": str(mib),
+    }
+    alloc: dict[str, str] = {"cpu": "192", "memory": "2Ti", "pods": "110"}
+    if sharing == "mig":
+        labels.update(
+            {
+                "nvidia.com/gpu.product": product,
+                "nvidia.com/gpu.replicas": "0",
+                "nvidia.com/mig.capable": "true",
+                "nvidia.com/mig.strategy": "mixed",
+            }
+        )
+        for profile, (per_gpu, slice_mib) in MIG_LAYOUT.items():
+            labels[f"nvidia.com/mig-{profile}.count"] = str(per_gpu * gpus)
+            labels[f"nvidia.com/mig-{profile}.memory"] = str(slice_mib)
+            labels[f"nvidia.com/mig-{profile}.replicas"] = "1"
+            alloc[f"nvidia.com/mig-{profile}"] = str(per_gpu * gpus)
+    else:
+        shared = replicas > 1
+        labels.update(
+            {
+                "nvidia.com/gpu.product": product + ("-SHARED" if shared else ""),
+                "nvidia.com/gpu.replicas": str(replicas),
+                "nvidia.com/gpu.sharing-strategy": sharing,
+            }
+        )
+        alloc["nvidia.com/gpu"] = str(gpus * replicas)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": alloc, "capacity": dict(alloc)},
+    }
+
+
+def _model_memory(model: str, tp: int) -> str:
+    """`vramsched estimate MODEL --max-model-len 8192 -tp TP`'s annotation value."""
+    settings = EngineSettings(max_model_len=CONTEXT, tp=tp)
+    return estimate(resolve_model(model), settings).model_memory
+
+
+def _pod(
+    name: str, app: str, when: datetime, tp: int, resource: str, memory: str | None
+) -> dict[str, Any]:
+    annotations = {} if memory is None else {"vramsched.io/model-memory": memory}
+    limits = {resource: str(tp), "cpu": "4", "memory": "32Gi"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "llm",
+            "uid": f"uid-{name}",
+            "creationTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "labels": {"app": app},
+            "annotations": annotations,
+        },
+        "spec": {
+            "schedulerName": "vramsched",
+            "containers": [
+                {"name": "server", "image": "vllm/vllm-openai", "resources": {"limits": limits}}
+            ],
+        },
+    }
+
+
+def scenario() -> dict[str, Any]:
+    """The cluster and the pod stream (deterministic: `SEED`)."""
+    nodes = [
+        _node(f"{prefix}-{i}", gpus, gpu, sharing, replicas)
+        for prefix, count, gpus, gpu, sharing, replicas in POOLS
+        for i in range(count)
+    ]
+    names = [n["metadata"]["name"] for n in nodes]
+    assert names == sorted(names), "nodes are listed in name order"
+    capacity = sum(
+        count * gpus * gpu[1] * 2**20 for _, count, gpus, gpu, _, _ in POOLS
+    )  # the MIG GPUs counted whole
+    sizes = {(m, tp): _model_memory(m, tp) for m, tp, _, _ in DEPLOYMENTS if m is not None}
+    rng = random.Random(SEED)
+    when = datetime(2025, 1, 1, tzinfo=UTC)
+    pods: list[dict] = []
+    asked = 0
+    weights = [w for *_, w in DEPLOYMENTS]
+    while asked < FILL * capacity:
+        model, tp, resource, _ = rng.choices(DEPLOYMENTS, weights)[0]
+        when += timedelta(seconds=rng.randint(1, 30))
+        memory = sizes[(model, tp)] if model is not None else None
+        app = (model or "whole-gpu").split("/")[-1].lower().replace(".", "-")
+        if resource != "nvidia.com/gpu":
+            app += "-" + resource.removeprefix("nvidia.com/")
+        for _ in range(rng.randint(1, 4)):
+            pods.append(_pod(f"{app}-{len(pods):03d}", app, when, tp, resource, memory))
+            asked += parse_bytes(memory) if memory else 80 * GIB * tp
+    return {
+        "apiVersion": "v1",
+        "kind": "List",
+        "items": nodes + pods,
+    }
+
+
+HEADER = """\
+# Heterogeneous LLM scenario for `vramsched simulate` (benchmarks/llm_mixed.py; regenerate with
+# `benchmarks/llm_mixed.py --write`). Nodes in name order, exclusive H100 first; pod sizes are
+# `vramsched estimate MODEL --max-model-len 8192 [-tp N]` of catalogue models; MIG pods ask for
+# a profile, whole-GPU pods carry no model-memory annotation.
+"""
+
+
+def write() -> Path:
+    SCENARIO.parent.mkdir(parents=True, exist_ok=True)
+    SCENARIO.write_text(HEADER + yaml.safe_dump(scenario(), sort_keys=False, width=100))
+    return SCENARIO
+
+
+def run(policies: list[str], time_limit: float, pods: int | None = None) -> list[PolicyResult]:
+    """Every policy on the scenario, or on its first `pods` pods (the same stream, stopped
+    earlier: a lighter load)."""
+    nodes, tasks, bound = read_inputs(SCENARIO, SCENARIO)
+    tasks = tasks[:pods]
+    workload = Workload.from_demands(t.demand for t in tasks)
+    out = []
+    for policy in policies:
+        r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=time_limit)
+        print(f"  {policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
+        out.append(r)
+    return out
+
+
+def table(results: list[PolicyResult]) -> str:
+    lines = [
+        "| policy | pods placed | failed | GPUs in use (a MIG slice is one) "
+        "| memory stranded (GiB) | GPU memory allocated (GiB) | overcommitted GPUs |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.policy} | {r.placed} | {r.failed} | {r.gpusInUse} "
+            f"| {r.strandedBytes / GIB:.1f} | {r.allocatedMemoryBytes / GIB:.1f} "
+            f"| {overcommit_text(r.overcommittedGpus, r.overcommittedGpusPeak)} |"
+        )
+    return "\n".join(lines)
+
+
+def by_load(runs: dict[int, list[PolicyResult]]) -> str:
+    """GPUs in use / memory stranded (GiB) per policy after the first N pods of the stream,
+    with the pods that failed."""
+    loads = sorted(runs)
+    lines = [
+        "| policy | " + " | ".join(f"first {n} pods" for n in loads) + " |",
+        "|---|" + "---:|" * len(loads),
+    ]
+    for i, policy in enumerate(r.policy for r in runs[loads[0]]):
+        cells = []
+        for n in loads:
+            r = runs[n][i]
+            failed = f", {r.failed} failed" if r.failed else ""
+            over = f", {r.overcommittedGpusPeak} overcommitted" if r.overcommittedGpusPeak else ""
+            cells.append(f"{r.gpusInUse} / {r.strandedBytes / GIB:.0f}{failed}{over}")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--write", action="store_true", help="regenerate the scenario file and stop")
+    p.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
+    p.add_argument("--time-limit", type=float, default=0.25, help="planner: seconds per batch")
+    p.add_argument(
+        "--loads",
+        type=int,
+        nargs="*",
+        default=[100, 150, 200, 250],
+        help="also replay the first N pods of the stream (default 100 150 200 250)",
+    )
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.write:
+        print(f"wrote {write().relative_to(ROOT)}")
+        return 0
+    nodes, tasks, _ = read_inputs(SCENARIO, SCENARIO)
+    print(f"{len(nodes)} nodes, {len(tasks)} pods ({SCENARIO.relative_to(ROOT)})")
+    results = run(args.policies, args.time_limit)
+    print(table(results))
+    if args.loads:
+        runs = {n: run(args.policies, args.time_limit, n) for n in args.loads}
+        print()
+        print("GPUs in use / memory stranded (GiB), by load:")
+        print(by_load({**runs, len(tasks): results}))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["benchmarks/llm_mixed.py", *(argv or sys.argv[1:])]),
+                    "python": platform.python_version(),
+                    "results": {r.policy: r.to_json() for r in results},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
