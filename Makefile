@@ -9,6 +9,10 @@ HOST ?= 127.0.0.1
 PORT ?= 8888
 # more `vramsched serve` flags for `make run`, e.g. `make run ARGS=--explain-all`
 ARGS ?=
+# Bytecode (and pytest's rewritten test modules) cached outside the tree, even where the
+# environment sets PYTHONDONTWRITEBYTECODE: recompiling every test module cost 11 s per run.
+export PYTHONDONTWRITEBYTECODE :=
+export PYTHONPYCACHEPREFIX ?= $(HOME)/.cache/vramsched/pycache
 
 .PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
@@ -63,10 +67,10 @@ lint: venv
 test: venv deps control-plane node-deps
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# The fast tests, while changing code: no control plane, and none of the tests that run
+# The fast tests, while changing code (on every core, pytest-xdist): no control plane, and none of the tests that run
 # vramsched or locust as a process or fuzz the HTTP API (markers in pyproject.toml).
 unit: venv
-	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not integration"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not integration" -n auto
 
 # Only the tests that run against the real control planes (etcd, kube-apiserver, kube-scheduler),
 # each once per Kubernetes version (tests/e2e/releases.py); `-k k8s-1.36` picks one version.
