@@ -8,5 +8,8 @@
 - `events`: `EventRecorder` posts one `VramschedAssigned` Event per bind, off the bind path;
 - `gate`: `SyncGate` holds the service's verbs until the first sync (`live_service` composes
   service, source and gate);
-- `versions`: what differs with the control plane's version.
+- `versions`: what differs with the control plane's version;
+- with `serve --repack`: `repack` (evict a few movable pods so a blocked pod fits, one plan at a
+  time), `evictions` (the Eviction API, so PodDisruptionBudgets hold), `nominating` (the plan
+  source that follows a running repack plan).
 """
