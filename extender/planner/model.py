@@ -5,14 +5,15 @@ Goals, lexicographic (`batch_goals.evaluate` measures them exactly):
   2. least stranded VRAM (FGD's expected fragmentation over the most common pending types: free
      memory a type cannot use, or all of a node's free memory when the type cannot run there),
      then fewest empty GPUs opened, then fewest nodes touched.
-(The issue asked for "fewest empty GPUs" before "stranded VRAM"; measured on the Alibaba trace
-that order loses to FGD, see docs/packing.md, so stranded VRAM comes first.)
-The reference plan is FGD's rule pod by pod in queue order (what a sequential scheduler does; for
-one pod it is FGD's choice); when it leaves pods out, a largest-first plan by vramsched's rule and a
-smallest-first plan by FGD's compete with it. The best is the hint of stage 1 and the fallback. The solver's plan replaces it only when it is better on
+("Fewest empty GPUs" before "stranded VRAM" loses memory to FGD on the Alibaba trace, see
+docs/packing.md, so stranded VRAM comes first.)
+The reference plan is the one-pod rule `SEQUENTIAL_RULE` (FGD's measure, its near-ties packed onto
+the lowest node: `greedy.fgd_packed`) pod by pod in queue order, what a sequential scheduler does;
+when it leaves pods out, a largest-first plan by vramsched's rule and a smallest-first plan by the
+same one-pod rule compete with it. The best is the hint of stage 1 and the fallback. The solver's plan replaces it only when it is better on
 the goals named by `accept` (default ACCEPT = "placed": more pods placed; then there is nothing to
 gain when the reference places every pod and the solver does not run), so the result is never worse
-than FGD's sequential plan on the goals that decide.
+than the sequential plan on the goals that decide.
 Batches whose model would exceed MAX_COPIES node copies are solved over a candidate subset
 (small batches) or by large-neighbourhood search; their stage 1 bound then comes from a class
 relaxation of the whole cluster, which is valid for the full problem.
@@ -138,8 +139,8 @@ def solve_batch(
         raise ValueError(f"accept must be one of {sorted(ACCEPT_GOALS)}")
     if frag is None:
         frag = FragIndex(cap, workload or Workload.from_demands(demands))
-    # the reference: FGD's rule pod by pod in queue order (priority, then arrival), what a sequential
-    # scheduler would do; a batch of one pod gets exactly FGD's choice
+    # the reference: the one-pod rule pod by pod in queue order (priority, then arrival), what a
+    # sequential scheduler would do; a batch of one pod gets exactly that rule's choice
     greedy = greedy_batch(cap, demands, frag, order="arrival", rule=SEQUENTIAL_RULE)
     # what the flow plan needs: about half the reference's time (0.22 s against 0.44 s at 5,000 nodes)
     flow_by = start + time_limit - 0.6 * (time.perf_counter() - start)
@@ -310,11 +311,11 @@ def flow_plan(
     time_limit: float,
     num_workers: int = 2,
 ) -> dict[int, Choice]:
-    """A plan steered by the arc-flow relaxation's solution: pods of several GPUs first by FGD's
-    rule in queue order (they need GPUs of one node, which the relaxation drops), then single-GPU
-    pods onto the GPUs the relaxed solution gives them (where the node's CPU and memory still
-    allow), then whatever is left by FGD's rule. Capacity is restored after.
-    Why: FGD's one-pod-at-a-time rule cannot see that filling a GPU with two small pods strands
+    """A plan steered by the arc-flow relaxation's solution: pods of several GPUs first by the
+    one-pod rule in queue order (they need GPUs of one node, which the relaxation drops), then
+    single-GPU pods onto the GPUs the relaxed solution gives them (where the node's CPU and memory
+    still allow), then whatever is left by the one-pod rule. Capacity is restored after.
+    Why: a one-pod-at-a-time rule cannot see that filling a GPU with two small pods strands
     less than one larger pod would; on `make bench-planner` its plan was 10% from the bound."""
     deadline = time.perf_counter() + time_limit
     a = cap.arrays
@@ -330,7 +331,7 @@ def flow_plan(
         done.append((demands[i], ch[1]))
         return True
 
-    def by_fgd(indices: list[int]) -> None:
+    def by_rule(indices: list[int]) -> None:
         sub = [demands[i] for i in indices]
         for j, ch in greedy_batch(
             cap, sub, frag, order="arrival", rule=SEQUENTIAL_RULE, apply=True
@@ -339,7 +340,7 @@ def flow_plan(
             done.append((demands[indices[j]], ch[1]))
 
     try:
-        by_fgd([i for i, d in enumerate(demands) if d.gpu_count >= 2])
+        by_rule([i for i, d in enumerate(demands) if d.gpu_count >= 2])
         if time.perf_counter() >= deadline:
             choices.clear()  # out of time: no plan, the caller keeps its own
             return choices
@@ -382,7 +383,7 @@ def flow_plan(
                     )
                     if not place(i, (one.reservation(a, 0, demands[i]), n, False)):
                         pools[p].append(i)
-        by_fgd([i for i in range(len(demands)) if i not in choices])
+        by_rule([i for i in range(len(demands)) if i not in choices])
     finally:
         for d, n in reversed(done):
             cap.remove(d, n)

@@ -2,7 +2,7 @@
 
 Pods that arrive together (same arrival time) are pending together: the greedy policies place
 them one by one, the planner plans them as one batch, exactly as for a burst of pending pods (a pod
-alone gets the planner's plan of a batch of one: FGD's rule, `model.SEQUENTIAL_RULE`).
+alone gets the planner's plan of a batch of one: its one-pod rule, `model.SEQUENTIAL_RULE`).
 Every vramsched policy places through `Ledger.reserve`, so an overcommit would raise; `spread`
 records what the device plugin would do, overcommit included, and the metrics count it.
 
