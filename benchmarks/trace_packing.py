@@ -335,6 +335,46 @@ def summary_markdown(body: dict) -> str:
     return "\n".join(out)
 
 
+def repack_table(body: dict) -> str:
+    """Per run with a budget curve (markdown): FGD, the best baseline, planner+repack at each move
+    budget (pods moved), its gain over FGD at the run's own budget, and the bounds: from the
+    first failure (planner+repack at any budget) and FGD's end state with any moves."""
+    runs = [r for r in body["runs"] if r.get("budgetCurve")]
+    if not runs:
+        return ""
+    budgets = [c["moveBudget"] for c in runs[0]["budgetCurve"]]
+    head = (
+        ["pod list", "FGD %", "best baseline %"]
+        + [f"planner+repack {b:.1%} (moves)" for b in budgets]
+        + ["gain over FGD at 2%", "bound % (gain at most)", "FGD's end state, any moves %"]
+    )
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for run in runs:
+        fgd = _pct(run["policies"]["fgd"]) if "fgd" in run["policies"] else float("nan")
+        best = best_baseline(run)
+        curve = {c["moveBudget"]: c for c in run["budgetCurve"]}
+        at2 = curve.get(0.02)
+        b = run.get("bound") or {}
+        first = b.get("fromFirstFailure")
+        end = (b.get("fromEnd") or {}).get("fgd")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    run_title(run).replace(", inflate 1.3", ""),
+                    f"{fgd:.2f}",
+                    f"{best[1]:.2f} ({best[0]})" if best else "",
+                    *(f"{curve[x]['allocatedPct']:.2f} ({curve[x]['moves']})" for x in budgets),
+                    f"**{at2['allocatedPct'] - fgd:+.2f}**" if at2 else "",
+                    f"{first['pct']:.2f} ({first['pct'] - fgd:+.2f})" if first else "",
+                    f"{end['pct']:.2f}" if end else "",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(body: dict) -> str:
     lines = ["**Summary**", "", summary_markdown(body), ""]
     for run in body["runs"]:
@@ -478,6 +518,11 @@ def main() -> int:
         help="print the tables of an existing --out file and exit",
     )
     ap.add_argument(
+        "--repack-table",
+        action="store_true",
+        help="print the move-budget table of an existing --out file (markdown) and exit",
+    )
+    ap.add_argument(
         "--summary",
         action="store_true",
         help="print the summary table of an existing --out file and exit",
@@ -500,6 +545,9 @@ def main() -> int:
         return 0
     if args.summary:
         print(summary(json.loads(Path(args.out).read_text())))
+        return 0
+    if args.repack_table:
+        print(repack_table(json.loads(Path(args.out).read_text())))
         return 0
     if args.plots:
         plots(json.loads(Path(args.out).read_text()), Path(args.out).parent)
