@@ -99,9 +99,11 @@ soak: venv
 bench-mig: venv
 	$(PY) benchmarks/mig_geometry.py
 
-# Alibaba GPU-sharing trace replay, every policy (about 2 minutes on 2 cores); docs/packing.md.
+# Alibaba GPU-sharing trace replay: every pod list found, every policy, at 1.3x, without inflation
+# and with churn, and planner+repack at move budgets 0-5% (about 75 minutes on 2 cores; one list:
+# ARGS="--lists default"); docs/packing.md and docs/repack.md.
 bench-packing: venv
-	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25
+	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25 --budgets $(ARGS)
 
 # The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
 bench-kube-scoring: venv
