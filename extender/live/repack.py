@@ -46,6 +46,7 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
 from extender.ledger import Reservation
@@ -166,7 +167,7 @@ class Repacker:
         #: the last "no plan now" message per pod: an Event only when it changes
         self._told: dict[str, str] = {}
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("vramsched-repack", self._loop)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="repack")
 
     # ----- what the verbs tell it and ask it ------------------------------------------------------
@@ -199,18 +200,12 @@ class Repacker:
 
     # ----- the loop -------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._task is None:
+        if self._task.task is None:
             self._wake = asyncio.Event()
-            self._task = asyncio.create_task(self._loop(), name="vramsched-repack")
+            self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await self._task.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.events.close()
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
 from extender.ledger import LedgerError, Reservation
@@ -108,7 +109,7 @@ class BackgroundPlanner:
         self.entries: dict[str, PlanEntry] = {}
         self.stats = PlannerStats()
         self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask("vramsched-planner", self.run)
         #: (ledger generation, pods the plans since answer for, when) of the last full plan
         self._planned_from: tuple[int, frozenset[str], float] | None = None
         #: when the last plan, full or only for newly waiting pods, was installed
@@ -338,17 +339,10 @@ class BackgroundPlanner:
         return await self.replan(keys - keep.keys(), covers=waiting, keep=keep)
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name="vramsched-planner")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await self._task.stop()
 
     def state(self) -> dict[str, Any]:
         s = self.stats
