@@ -36,7 +36,9 @@ the e2e suite's node) served by a real `vramsched device-plugin --fake-gpus 16 -
 pods placed by vramsched through kube-scheduler until every replica is taken, then a random share
 deleted, 3 times, in a burst (each fill created at once) and paced (one pod at a time); the
 kubelet's own Allocate histogram (buckets 5 ms, 10 ms, ...) and the plugin's, with the kubelet's
-PodResources List and the plugin's pod lookup apart. Needs root and the node packages
+PodResources List and the plugin's pod lookup apart, and the plugin's GetPreferredAllocation
+(the kubelet waits on it too, just before Allocate, and keeps no histogram of it; it carries the
+admission's one List, whose answer Allocate reuses). Needs root and the node packages
 (`make node-deps`).
 
     .venv/bin/python benchmarks/device_plugin.py            # all three; make bench-device-plugin
@@ -756,6 +758,17 @@ def _share_within(buckets: list[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
+def _shares(out: dict[str, Any], key: str) -> str:
+    """`within 5 ms x%, within 10 ms y%, p99 <= z ms` of one histogram's summary."""
+    h = out[key]
+    if not h["calls"]:
+        return "no calls"
+    return (
+        f"within 5 ms {100 * h['within5ms']:.1f}%, within 10 ms {100 * h['within10ms']:.1f}%, "
+        f"p99 <= {h['p99AtMostMs']} ms"
+    )
+
+
 def _running(core: Any, names: list[str]) -> Any:
     def check() -> bool:
         phases = {
@@ -868,8 +881,13 @@ def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7)
             out["plugin"] = _share_within(
                 _histogram(plugin_metrics, "vramsched_device_plugin_allocate_seconds")
             )
-            # where the plugin's time goes: GetPreferredAllocation and Allocate each list the
-            # kubelet's PodResources and look the pods up
+            # the kubelet's other wait: GetPreferredAllocation, just before Allocate (the kubelet
+            # has no histogram of it), where the plugin lists the kubelet's PodResources
+            out["pluginPreferredAllocation"] = _share_within(
+                _histogram(plugin_metrics, "vramsched_device_plugin_preferred_allocation_seconds")
+            )
+            # where the plugin's time goes: real List calls (GetPreferredAllocation's, and an
+            # Allocate's without a fresh one to reuse), and the pod lookups of both
             out["pluginPodResourcesList"] = _share_within(
                 _histogram(plugin_metrics, "vramsched_device_plugin_podresources_list_seconds")
             )
@@ -883,9 +901,21 @@ def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7)
 
             out["served"] = counter('vramsched_device_plugin_allocations_total{outcome="served"}')
             out["podsReadFromApi"] = counter("vramsched_device_plugin_pods_read_from_api_total")
+            out["podResourcesListReused"] = counter(
+                "vramsched_device_plugin_podresources_list_reused_total"
+            )
             out["podsCreated"] = made
             out["loadAverageAtEnd"] = [round(x, 1) for x in os.getloadavg()]
             print(f"kubelet allocate: {out}", file=sys.stderr)
+            print(
+                f"kubelet allocate ({'paced' if paced else 'burst'}, load average at start "
+                f"{out['loadAverageAtStart'][0]}): {_shares(out, 'kubelet')} as the kubelet "
+                f"waits on Allocate; GetPreferredAllocation inside the plugin "
+                f"{_shares(out, 'pluginPreferredAllocation')}; "
+                f"{out['pluginPodResourcesList']['calls']} PodResources List calls, "
+                f"{out['podResourcesListReused']} reused",
+                file=sys.stderr,
+            )
         finally:
             if plugin is not None:
                 plugin.stop()

@@ -23,6 +23,7 @@ from extender.device_plugin.matcher import (
     Match,
     Refusal,
     container_slots,
+    gpu_of,
     identify,
     preferred_devices,
     replica_id,
@@ -762,14 +763,156 @@ def test_the_node_informer_lists_in_pages_and_watches_its_node_only(tmp_path):
         server.close()
 
 
+def _count(histogram: Any) -> float:
+    return next(s.value for s in histogram.collect()[0].samples if s.name.endswith("_count"))
+
+
 def test_identification_time_is_measured_in_parts(node):
     node.admit(pod("timed", [2]))
     m = node.service.metrics
-    # GetPreferredAllocation and Allocate: one PodResources List and one lookup each
+    # GetPreferredAllocation lists PodResources, Allocate reuses that list; each looks pods up
     assert m.pod_resources_seconds._sum.get() > 0
-    listed = [s for s in m.pod_resources_seconds.collect()[0].samples if s.name.endswith("_count")]
-    looked = [s for s in m.lookup_seconds.collect()[0].samples if s.name.endswith("_count")]
-    assert listed[0].value == looked[0].value == 2
+    assert _count(m.pod_resources_seconds) == 1 and m.list_reused._value.get() == 1
+    assert _count(m.lookup_seconds) == 2
+    assert _count(m.preferred_seconds) == _count(m.allocate_seconds) == 1
+
+
+# ----- one PodResources List per admission -------------------------------------------------------------
+
+
+def counting_lists(service: DevicePluginService) -> list[int]:
+    """Wrap the service's PodResources List; the returned list grows by one per call."""
+    calls: list[int] = []
+    inner = service.kubelet_pods
+
+    def listed() -> list[KubeletPod]:
+        calls.append(1)
+        return inner()
+
+    service.kubelet_pods = listed
+    return calls
+
+
+def waiting(node: Node, p: dict[str, Any], *, gone: str | None = None) -> str:
+    """`p` held by the kubelet without devices (as while it is admitted), `gone` dropped."""
+    key = f"ns/{p['metadata']['name']}"
+    node.pods[key] = p
+    with node.kubelet._lock:
+        node.kubelet.active[key] = [c["name"] for c in p["spec"]["containers"]]
+        node.kubelet.allocated[key] = {}
+        if gone:
+            node.kubelet.active.pop(gone, None)
+            node.kubelet.allocated.pop(gone, None)
+        node.kubelet._listing = None  # SimKubelet's List answers afresh
+    return key
+
+
+class Plugin:
+    """The kubelet's side of GetPreferredAllocation and Allocate, called one by one."""
+
+    def __init__(self, node: Node) -> None:
+        self.channel = grpc.insecure_channel(f"unix:{node.runner.socket}")
+        self.stub = dp_grpc.DevicePluginStub(self.channel)
+        self.ids = [d for d, _ in node.service.device_ids()]
+
+    def prefer(self, size: int) -> list[str]:
+        got = self.stub.GetPreferredAllocation(
+            dp.PreferredAllocationRequest(
+                container_requests=[
+                    dp.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=self.ids, allocation_size=size
+                    )
+                ]
+            ),
+            timeout=10,
+        )
+        return list(got.container_responses[0].deviceIDs)
+
+    def allocate(self, size: int) -> dict[str, str]:
+        got = self.stub.Allocate(
+            dp.AllocateRequest(
+                container_requests=[dp.ContainerAllocateRequest(devices_ids=self.ids[:size])]
+            ),
+            timeout=10,
+        )
+        return dict(got.container_responses[0].envs)
+
+
+@pytest.fixture
+def plugin(node):
+    p = Plugin(node)
+    yield p
+    p.channel.close()
+
+
+def test_an_admission_lists_the_kubelets_pods_once(node):
+    """SimKubelet calls GetPreferredAllocation then Allocate per container, as the kubelet does:
+    Allocate uses the list GetPreferredAllocation read."""
+    calls = counting_lists(node.service)
+    uuids = [g.uuid for g in node.source.gpus()]
+    for n, (name, gpus) in enumerate((("one", [2]), ("two", [0, 3]), ("three", [2])), 1):
+        got = node.admit(pod(name, gpus))
+        assert got.responses["main"].envs["VRAMSCHED_GPU_INDEX"] == ",".join(map(str, gpus))
+        assert sorted(gpu_of(d) for d in got.devices["main"]) == sorted(uuids[g] for g in gpus)
+        assert len(calls) == n  # one List per admission, not two
+    assert node.service.metrics.list_reused._value.get() == 3
+    assert _count(node.service.metrics.pod_resources_seconds) == 3
+
+
+def test_an_allocate_without_get_preferred_allocation_lists_the_pods(node, plugin):
+    """The kubelet skips GetPreferredAllocation when it has no choice to make (as many devices
+    free as needed): Allocate lists the pods itself. The list the admission before read served
+    its own Allocate only."""
+    node.admit(pod("before", [1]))  # GetPreferredAllocation, then Allocate took its list
+    calls = counting_lists(node.service)
+    waiting(node, pod("direct", [3]))
+    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "3"
+    assert len(calls) == 1 and node.service.metrics.list_reused._value.get() == 1
+
+
+def test_a_list_older_than_the_limit_is_not_reused(node, plugin):
+    """A GetPreferredAllocation whose Allocate never came: its list is not trusted for a later
+    Allocate, which would see `a` waiting and not `b`."""
+    from dataclasses import replace
+
+    from extender.device_plugin import server
+
+    calls = counting_lists(node.service)
+    a = waiting(node, pod("a", [1]))
+    plugin.prefer(1)
+    assert len(calls) == 1
+    listing = node.service._listing
+    assert listing is not None and [kp.key for kp in listing.pods] == [a]
+    node.service._listing = replace(listing, at=listing.at - server.LIST_REUSE_SECONDS - 0.1)
+    waiting(node, pod("b", [3]), gone=a)
+    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "3"
+    assert len(calls) == 2 and node.service.metrics.list_reused._value.get() == 0
+    assert node.service._listing is None
+
+
+def test_a_list_is_not_reused_for_another_request_size(node, plugin):
+    calls = counting_lists(node.service)
+    a = waiting(node, pod("a", [1]))
+    plugin.prefer(1)
+    waiting(node, pod("b", [0, 3]), gone=a)
+    # with `a`'s list no pod would wait for 2 devices: refused
+    assert plugin.allocate(2)["VRAMSCHED_GPU_INDEX"] == "0,3"
+    assert len(calls) == 2 and node.service.metrics.list_reused._value.get() == 0
+
+
+def test_a_list_serves_one_allocate_and_the_latest_get_preferred_allocation_decides(node, plugin):
+    calls = counting_lists(node.service)
+    waiting(node, pod("a", [1]))
+    plugin.prefer(1)
+    plugin.prefer(2)  # replaces the list of the first: its size is 2
+    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "1"
+    assert len(calls) == 3 and node.service.metrics.list_reused._value.get() == 0
+    plugin.prefer(2)
+    plugin.prefer(1)
+    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "1"
+    assert len(calls) == 5 and node.service.metrics.list_reused._value.get() == 1
+    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "1"  # the list was taken: List again
+    assert len(calls) == 6 and node.service.metrics.list_reused._value.get() == 1
 
 
 def test_pods_the_watch_has_not_delivered_are_read_from_the_api_and_counted():

@@ -3,9 +3,11 @@
 `DevicePluginService` answers the kubelet: it advertises `replicas` device IDs per healthy GPU
 (NVIDIA's `<uuid>::<replica>`, so pod specs do not change), and for each Allocate identifies the
 pod from the kubelet's PodResources (extender.device_plugin.matcher) and hands its container the
-GPUs of its vramsched assignment. `PluginRunner` serves the socket, registers, watches for kubelet
-restarts (re-serving and re-registering), watches GPU health and publishes the plugin's state on
-its node (extender.plugin_state), which the extender reads before booking GPUs there.
+GPUs of its vramsched assignment. An admission lists PodResources once: the list
+GetPreferredAllocation read serves the Allocate right after it. `PluginRunner` serves the socket,
+registers, watches for kubelet restarts (re-serving and re-registering), watches GPU health and
+publishes the plugin's state on its node (extender.plugin_state), which the extender reads before
+booking GPUs there.
 
 Threads: gRPC's worker pool, the pod informer, the health watcher and the runner's loop share
 `DevicePluginService` under one lock, held only for in-memory work.
@@ -19,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,24 @@ HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 #: kubelet pods (namespace/name) -> their API objects (`NodePods.snapshot`)
 PodLookup = Callable[[list[str]], dict[str, dict[str, Any]]]
 
+#: How old (seconds) the PodResources list read by GetPreferredAllocation may be for the next
+#: Allocate to use it instead of calling `List` again. The kubelet calls the two back to back for
+#: one container (pkg/kubelet/cm/devicemanager/manager.go: `devicesToAllocate` asks
+#: GetPreferredAllocation, then `allocateContainerResources` calls Allocate) while it admits one
+#: pod at a time, so in between no pod can join the list and the gap is milliseconds. An older
+#: list means something else happened in between (an Allocate that never came, a kubelet
+#: restart): it is dropped, never trusted.
+LIST_REUSE_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """The kubelet pods one GetPreferredAllocation read, for the Allocate that follows it."""
+
+    size: int  # the request's allocation_size
+    at: float  # time.monotonic() when List was called
+    pods: list[KubeletPod]
+
 
 class Metrics:
     """Prometheus series of one plugin (its own registry: tests run several in one process)."""
@@ -67,7 +88,8 @@ class Metrics:
         )
         self.allocate_seconds = Histogram(
             "vramsched_device_plugin_allocate_seconds",
-            "Time to answer Allocate (PodResources List included)",
+            "Time to answer Allocate (PodResources List included, unless its "
+            "GetPreferredAllocation's list was reused)",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
             registry=self.registry,
         )
@@ -81,11 +103,23 @@ class Metrics:
             "GPUs marked unhealthy",
             registry=self.registry,
         )
+        self.preferred_seconds = Histogram(
+            "vramsched_device_plugin_preferred_allocation_seconds",
+            "Time to answer GetPreferredAllocation (PodResources List included)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=self.registry,
+        )
         # where an identification's time goes (Allocate and GetPreferredAllocation)
         self.pod_resources_seconds = Histogram(
             "vramsched_device_plugin_podresources_list_seconds",
-            "Time the kubelet's PodResources List took to answer",
+            "Time the kubelet's PodResources List took to answer (real calls only)",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.list_reused = Counter(
+            "vramsched_device_plugin_podresources_list_reused",
+            "Allocate calls that used the PodResources list their GetPreferredAllocation read "
+            "instead of calling List",
             registry=self.registry,
         )
         self.lookup_seconds = Histogram(
@@ -132,6 +166,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         #: pod UID -> non-restartable init containers served (PodResources does not list them)
         self.served_init: dict[str, frozenset[str]] = {}
         self._served_pod: dict[str, str] = {}  # pod UID -> namespace/name, to prune by
+        #: the list the last GetPreferredAllocation read, for the next Allocate only
+        self._listing: _Listing | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 0
@@ -185,10 +221,24 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             self._changed.notify_all()
 
     def GetPreferredAllocation(self, request: Any, context: Any) -> dp.PreferredAllocationResponse:
+        """Prefer replicas of the pod's assigned GPUs. The kubelet list read here is kept for the
+        Allocate that follows (one container per call, as the kubelet asks), so an admission
+        costs the kubelet one PodResources List, not two."""
+        started = time.perf_counter()
         out = dp.PreferredAllocationResponse()
-        for req in request.container_requests:
+        requests = list(request.container_requests)
+        listing: _Listing | None = None
+        decision: Match | Refusal
+        for req in requests:
             size = int(req.allocation_size)
-            decision, _ = self._identify(size, {})
+            at = time.monotonic()
+            listed = self._list_pods()
+            if isinstance(listed, Refusal):
+                decision = listed
+            else:
+                decision = self._identify(size, {}, listed)[0]
+                if len(requests) == 1:
+                    listing = _Listing(size, at, listed)
             gpus = (
                 [self.gpus[i].uuid for i in decision.slot.gpus if i in self.gpus]
                 if isinstance(decision, Match)
@@ -201,15 +251,22 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     )
                 )
             )
+        with self._lock:
+            self._listing = listing  # replaces an unused one: only the latest is for the next
+        self.metrics.preferred_seconds.observe(time.perf_counter() - started)
         return out
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> dp.AllocateResponse:
         started = time.perf_counter()
         out = dp.AllocateResponse()
         taken: dict[str, set[str]] = {}  # earlier containers of this very request
-        for req in request.container_requests:
+        requests = list(request.container_requests)
+        # the list GetPreferredAllocation read for this container, if any: for the first only
+        reuse = self._take_listing(len(requests[0].devices_ids) if requests else 0)
+        for req in requests:
             ids = list(req.devices_ids)
-            answer = self._allocate_one(ids, taken)
+            answer = self._allocate_one(ids, taken, reuse)
+            reuse = None
             if isinstance(answer, Refusal):
                 self.metrics.allocations.labels(
                     "ambiguous" if answer.ambiguous else "refused"
@@ -228,20 +285,49 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         return dp.PreStartContainerResponse()
 
     # ----- the decision ---------------------------------------------------------------------------
-    def _identify(
-        self, count: int, taken: dict[str, set[str]]
-    ) -> tuple[Match | Refusal, list[KubeletPod]]:
+    def _list_pods(self) -> list[KubeletPod] | Refusal:
+        """The kubelet's PodResources List (the one place it is called while serving)."""
         started = time.perf_counter()
         try:
             kubelet_pods = self.kubelet_pods()
         except grpc.RpcError as exc:
-            return Refusal(f"cannot read the kubelet's PodResources API ({_code(exc)})"), []
-        listed = time.perf_counter()
-        self.metrics.pod_resources_seconds.observe(listed - started)
+            return Refusal(f"cannot read the kubelet's PodResources API ({_code(exc)})")
+        self.metrics.pod_resources_seconds.observe(time.perf_counter() - started)
+        return kubelet_pods
+
+    def _take_listing(self, size: int) -> list[KubeletPod] | None:
+        """The list the last GetPreferredAllocation read, if it asked for `size` devices and is
+        younger than LIST_REUSE_SECONDS; taken once (any Allocate clears it)."""
+        with self._lock:
+            listing, self._listing = self._listing, None
+        if (
+            listing is None
+            or listing.size != size
+            or time.monotonic() - listing.at > LIST_REUSE_SECONDS
+        ):
+            return None
+        self.metrics.list_reused.inc()
+        return listing.pods
+
+    def _identify(
+        self,
+        count: int,
+        taken: dict[str, set[str]],
+        listed: list[KubeletPod] | None = None,
+    ) -> tuple[Match | Refusal, list[KubeletPod]]:
+        """Which pod and container `count` devices are for. `listed`: a kubelet list already
+        read for this very request (else List is called); all the rest is computed afresh."""
+        if listed is None:
+            fresh = self._list_pods()
+            if isinstance(fresh, Refusal):
+                return fresh, []
+            listed = fresh
+        kubelet_pods = listed
+        looking = time.perf_counter()
         if taken:
             kubelet_pods = [_with_taken(kp, taken.get(kp.key)) for kp in kubelet_pods]
         pods = self.lookup([kp.key for kp in kubelet_pods])
-        self.metrics.lookup_seconds.observe(time.perf_counter() - listed)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - looking)
         with self._lock:
             self._prune_served(kubelet_pods, pods)
             served = dict(self.served_init)
@@ -251,14 +337,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         )
 
     def _allocate_one(
-        self, ids: list[str], taken: dict[str, set[str]]
+        self,
+        ids: list[str],
+        taken: dict[str, set[str]],
+        listed: list[KubeletPod] | None = None,
     ) -> dp.ContainerAllocateResponse | Refusal:
         unknown = [i for i in ids if i not in self._known]
         if unknown or not ids:
             return Refusal(
                 f"unknown device IDs {unknown or ids} for {self.resource} on {self.node}"
             )
-        decision, _ = self._identify(len(ids), taken)
+        decision, _ = self._identify(len(ids), taken, listed)
         if isinstance(decision, Refusal):
             return decision
         slot = decision.slot
@@ -350,6 +439,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         with self._lock:
             self.served_init = served
             self._served_pod = served_pod
+            self._listing = None  # read from a kubelet that may since have restarted
         return held
 
     def state(self, registered: bool) -> PluginState:
