@@ -619,7 +619,7 @@ def test_rebuild_knows_which_init_containers_were_served():
         "uid-with-app": frozenset({"warmup"}),
     }
     # so the next Allocate of one device is for the pod that waits, on its GPU
-    got, _ = service._identify(1, {})
+    got = service._identify(1, {})
     assert isinstance(got, Match) and got.pod == "ns/waiting" and got.slot.gpus == (3,)
 
 

@@ -236,7 +236,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             if isinstance(listed, Refusal):
                 decision = listed
             else:
-                decision = self._identify(size, {}, listed)[0]
+                decision = self._identify(size, {}, listed)
                 if len(requests) == 1:
                     listing = _Listing(size, at, listed)
             gpus = (
@@ -314,13 +314,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         count: int,
         taken: dict[str, set[str]],
         listed: list[KubeletPod] | None = None,
-    ) -> tuple[Match | Refusal, list[KubeletPod]]:
+    ) -> Match | Refusal:
         """Which pod and container `count` devices are for. `listed`: a kubelet list already
         read for this very request (else List is called); all the rest is computed afresh."""
         if listed is None:
             fresh = self._list_pods()
             if isinstance(fresh, Refusal):
-                return fresh, []
+                return fresh
             listed = fresh
         kubelet_pods = listed
         looking = time.perf_counter()
@@ -331,10 +331,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         with self._lock:
             self._prune_served(kubelet_pods, pods)
             served = dict(self.served_init)
-        return (
-            identify(count, kubelet_pods, pods, served, self.resource, self.node, self._slots),
-            kubelet_pods,
-        )
+        return identify(count, kubelet_pods, pods, served, self.resource, self.node, self._slots)
 
     def _allocate_one(
         self,
@@ -347,7 +344,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             return Refusal(
                 f"unknown device IDs {unknown or ids} for {self.resource} on {self.node}"
             )
-        decision, _ = self._identify(len(ids), taken, listed)
+        decision = self._identify(len(ids), taken, listed)
         if isinstance(decision, Refusal):
             return decision
         slot = decision.slot
