@@ -50,13 +50,14 @@ def best_fit_devices(fit: Fit, k: int, rows: np.ndarray) -> np.ndarray:
         return cand
     chosen: np.ndarray
     empty = (a.used_replicas[cand] == 0).astype(np.int64)
-    if fit.shared is not None:
-        # The plugin spreads these replicas: book each on a least-used GPU, as it will count it.
-        empty = np.where(fit.shared.distributed[cand], a.used_replicas[cand], empty)
     leftover = a.capacity[cand] - a.used[cand] - fit.need[cand]
     strand = stranded(fit, cand)
     if fit.shared is not None:
-        strand = np.where(fit.shared.distributed[cand], 0, strand)
+        # The plugin spreads these replicas: book each on a least-used GPU, as it will count it
+        # (it picks the GPU, so what is stranded there is not vramsched's choice).
+        spread = fit.shared.distributed[cand]
+        empty = np.where(spread, a.used_replicas[cand], empty)
+        strand = np.where(spread, 0, strand)
     node = a.node_of[cand]
     if strand.any():
         if k != 1:
