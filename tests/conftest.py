@@ -6,7 +6,8 @@ Every test that uses the ``control_plane`` fixture (directly or through ``cluste
 version in ``K8S_VERSIONS`` (ids ``k8s-1.20``, ``k8s-1.36``). Tests are grouped by version
 (pytest orders session-parametrised tests so), so only one control plane runs at a time: the one
 for 1.20 is stopped before 1.36's starts. A test that only makes sense on some versions says so
-with ``@pytest.mark.k8s("1.36", reason=...)``: on the others it is skipped with that reason.
+with ``@pytest.mark.k8s("1.36", reason=...)``: its runs for the other versions are deselected
+(not collected as tests at all) and the terminal summary lists them with that reason.
 
 The binaries (1.20: a Go build, minutes when cold; 1.36: unpacked, seconds) are prepared once,
 before the first test, in ``pytest_collection_finish`` so that is not charged to any test's
@@ -18,6 +19,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "k8s(*minors, reason): run only on these Kubernetes minors (e.g. '1.36'); "
-        "the reason says why the others are skipped",
+        "the reason says why the runs for the others are deselected",
     )
 
 
@@ -81,14 +83,40 @@ def control_plane(
         cp.stop()
 
 
-@pytest.fixture(autouse=True)
-def _only_on_marked_versions(request: pytest.FixtureRequest) -> None:
-    """Skip a ``@pytest.mark.k8s(...)`` test on the versions it does not name, with its reason."""
-    marker = request.node.get_closest_marker("k8s")
-    callspec = getattr(request.node, "callspec", None)
+def _not_for_its_version(item: pytest.Item) -> str | None:
+    """Why this run of a ``@pytest.mark.k8s(...)`` test is for a version it does not name, else
+    None."""
+    marker = item.get_closest_marker("k8s")
+    callspec = getattr(item, "callspec", None)
     if marker is None or callspec is None or "control_plane" not in callspec.params:
-        return
-    version = callspec.params["control_plane"]
-    minor = ".".join(version.split(".")[:2])
-    if minor not in marker.args:
-        pytest.skip(f"Kubernetes {minor}: {marker.kwargs.get('reason', 'not for this version')}")
+        return None
+    minor = ".".join(callspec.params["control_plane"].split(".")[:2])
+    if minor in marker.args:
+        return None
+    return f"Kubernetes {minor}: {marker.kwargs.get('reason', 'not for this version')}"
+
+
+_NOT_FOR_VERSION: list[tuple[str, str]] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the runs of version-marked tests on the versions they do not name: they are not
+    tests of those versions, so they are neither run nor reported as skipped."""
+    keep, drop = [], []
+    for item in items:
+        reason = _not_for_its_version(item)
+        if reason is None:
+            keep.append(item)
+        else:
+            drop.append(item)
+            _NOT_FOR_VERSION.append((item.nodeid, reason))
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _NOT_FOR_VERSION:
+        terminalreporter.section("not for this Kubernetes version (deselected)")
+        for nodeid, reason in _NOT_FOR_VERSION:
+            terminalreporter.write_line(f"{nodeid}: {reason}")
