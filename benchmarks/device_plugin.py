@@ -28,8 +28,9 @@ NVIDIA's plugin could put more than 80 GiB on one GPU.
 **allocate**: `Allocate` latency on a node with 16 GPUs x 4 replicas = 64 replicas, called over
 gRPC as the kubelet's device manager calls it by SimKubelet (simulated kubelet: Python), the
 plugin's service in a process of its own, the node holding 0 to 63 pods; beside it, in the same
-run, the floor: a plugin that answers Allocate at once without identifying the pod (what
-NVIDIA's plugin does). Exact percentiles and the plugin's CPU time.
+run, the floor: a plugin that answers GetPreferredAllocation and Allocate at once without
+identifying the pod (what NVIDIA's plugin does). Exact percentiles of Allocate and of
+GetPreferredAllocation + Allocate as the kubelet waits, and the plugin's CPU time of each.
 
 **kubelet**: the same 64 replicas under a real kubelet 1.36.3 (containerd, runc, busybox pods,
 the e2e suite's node) served by a real `vramsched device-plugin --fake-gpus 16 --replicas 4`,
@@ -38,8 +39,10 @@ deleted, 3 times, in a burst (each fill created at once) and paced (one pod at a
 kubelet's own Allocate histogram (buckets 5 ms, 10 ms, ...) and the plugin's, with the kubelet's
 PodResources List and the plugin's pod lookup apart, and the plugin's GetPreferredAllocation
 (the kubelet waits on it too, just before Allocate, and keeps no histogram of it; it carries the
-admission's one List, whose answer Allocate reuses). Needs root and the node packages
-(`make node-deps`).
+admission's one List, whose answer Allocate reuses). Beside it, the floor under the same kubelet
+and control plane; each plugin and pace 4 times (`--kubelet-repeats`), alternating which plugin
+goes first, each run on a settled machine, the kubelet's histogram pooled per plugin and pace.
+About 40 minutes. Needs root and the node packages (`make node-deps`).
 
     .venv/bin/python benchmarks/device_plugin.py            # all three; make bench-device-plugin
     .venv/bin/python benchmarks/device_plugin.py --only packing|allocate|kubelet
@@ -76,10 +79,10 @@ from processes import Component, free_port
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from extender.device_plugin.gpus import FakeGpus, fake_uuid
-from extender.device_plugin.kubelet import PodResources
+from extender.device_plugin.kubelet import DEVICE_PLUGIN_DIR, PodResources
 from extender.device_plugin.server import DevicePluginService, PluginRunner
 from extender.device_plugin.simkubelet import AdmissionError, SimKubelet
-from extender.plugin_state import STATE_ANNOTATION, decode_state
+from extender.plugin_state import STATE_ANNOTATION, PluginState, decode_state, encode_state
 
 GIB = 1024**3
 NODES, GPUS, MEMORY_MIB, REPLICAS = 4, 8, 81920, 4
@@ -600,30 +603,36 @@ def _bench_pod(n: int, gpus: int) -> dict[str, Any]:
     }
 
 
-def _timed(servicer: Any, times: list[tuple[float, float]]) -> None:
-    """Record each Allocate's wall time and CPU time in its own thread (the CPU time does not
-    grow when the machine is busy: the plugin's own cost, whatever else runs)."""
-    inner = servicer.Allocate
+def _timed(servicer: Any, times: dict[str, list[tuple[float, float]]]) -> None:
+    """Record each Allocate's and GetPreferredAllocation's wall time and CPU time in its own
+    thread (the CPU time does not grow when the machine is busy: the plugin's own cost, whatever
+    else runs), under `times["Allocate"]` and `times["GetPreferredAllocation"]`."""
+    for method in ("Allocate", "GetPreferredAllocation"):
+        inner = getattr(servicer, method)
+        kept = times.setdefault(method, [])
 
-    def allocate(request: Any, context: Any) -> Any:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        try:
-            return inner(request, context)
-        finally:
-            times.append((time.perf_counter() - wall, time.thread_time() - cpu))
+        def timed(request: Any, context: Any, inner: Any = inner, kept: Any = kept) -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return inner(request, context)
+            finally:
+                kept.append((time.perf_counter() - wall, time.thread_time() - cpu))
 
-    servicer.Allocate = allocate
+        setattr(servicer, method, timed)
 
 
-def _plugin_process(kind: str, root: str, gpus: int, replicas: int, pods: int) -> None:
+def _plugin_process(
+    kind: str, root: str, gpus: int, replicas: int, pods: int, plugin_dir: str | None = None
+) -> None:
     """The plugin under test, in a process of its own as on a node (the kubelet is another).
-    On SIGTERM it writes the times `_timed` kept to <root>/times.json."""
+    On SIGTERM it writes the times `_timed` kept to <root>/times.json. `plugin_dir`: where the
+    floor registers (a real kubelet's device-plugin folder), else <root>/dp."""
     import signal
 
     root_path = Path(root)
     source = FakeGpus("bench", gpus, MEMORY_MIB)
     stop = threading.Event()
-    times: list[tuple[float, float]] = []
+    times: dict[str, list[tuple[float, float]]] = {}
 
     def done(*_: Any) -> None:
         # once: a daemon child can get a second SIGTERM at interpreter exit, after the parent
@@ -664,10 +673,12 @@ def _plugin_process(kind: str, root: str, gpus: int, replicas: int, pods: int) -
     floor = _Floor(ids)
     _timed(floor, times)
     dp_grpc.add_DevicePluginServicer_to_server(floor, server)
-    server.add_insecure_port(f"unix:{root_path / 'dp' / 'p.sock'}")
+    folder = Path(plugin_dir) if plugin_dir else root_path / "dp"
+    server.add_insecure_port(f"unix:{folder / 'p.sock'}")
     server.start()
-    register(root_path / "dp", "p.sock", "nvidia.com/gpu")
+    register(folder, "p.sock", "nvidia.com/gpu")
     stop.wait()
+    server.stop(0)
 
 
 def _summary(seconds: list[float]) -> dict[str, Any]:
@@ -702,6 +713,7 @@ def allocate(rounds: int, gpus: int = 16, replicas: int = 4) -> dict[str, Any]:
             try:
                 kubelet.wait_devices(slots, timeout=60)
                 seconds: list[float] = []
+                both: list[float] = []  # GetPreferredAllocation + Allocate, per container
                 held: list[str] = []
                 load: list[int] = []
                 rng = random.Random(7)
@@ -717,6 +729,7 @@ def allocate(rounds: int, gpus: int = 16, replicas: int = 4) -> dict[str, Any]:
                         except Exception:  # its GPU has no free replica
                             continue
                         seconds += got.allocate_seconds
+                        both += map(sum, zip(got.preferred_seconds, got.allocate_seconds))
                         held.append(f"default/{body['metadata']['name']}")
                     for _ in range(rng.randint(1, slots)):
                         kubelet.remove(held.pop(rng.randrange(len(held))))
@@ -727,8 +740,11 @@ def allocate(rounds: int, gpus: int = 16, replicas: int = 4) -> dict[str, Any]:
             inside = json.loads((root / "times.json").read_text())
             out[kind] = {
                 "kubeletWall": _summary(seconds),
-                "pluginWall": _summary([w for w, _ in inside]),
-                "pluginCpu": _summary([c for _, c in inside]),
+                "kubeletWallWithPreferred": _summary(both),
+                "pluginWall": _summary([w for w, _ in inside["Allocate"]]),
+                "pluginCpu": _summary([c for _, c in inside["Allocate"]]),
+                "pluginPreferredWall": _summary([w for w, _ in inside["GetPreferredAllocation"]]),
+                "pluginPreferredCpu": _summary([c for _, c in inside["GetPreferredAllocation"]]),
                 "podsOnNodeMean": round(statistics.fmean(load), 1),
             }
             print(f"allocate {kind}: {out[kind]}", file=sys.stderr)
@@ -792,7 +808,45 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
-def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7) -> dict[str, Any]:
+def _plugin_split(out: dict[str, Any], metrics: str) -> str:
+    """Where vramsched's plugin spent the kubelet's wait, from its /metrics, into `out`; returns
+    a line saying so."""
+    out["pluginAllocate"] = _share_within(
+        _histogram(metrics, "vramsched_device_plugin_allocate_seconds")
+    )
+    # the kubelet's other wait: GetPreferredAllocation, just before Allocate (the kubelet has no
+    # histogram of it), where the plugin lists the kubelet's PodResources
+    preferred = _histogram(metrics, "vramsched_device_plugin_preferred_allocation_seconds")
+    out["pluginPreferredAllocation"] = _share_within(preferred)
+    out["pluginPreferredAllocationBuckets"] = preferred
+    # where the plugin's time goes: real List calls (GetPreferredAllocation's, and an Allocate's
+    # without a fresh one to reuse), and the pod lookups of both
+    out["pluginPodResourcesList"] = _share_within(
+        _histogram(metrics, "vramsched_device_plugin_podresources_list_seconds")
+    )
+    out["pluginPodLookup"] = _share_within(
+        _histogram(metrics, "vramsched_device_plugin_pod_lookup_seconds")
+    )
+
+    def counter(series: str) -> int:
+        m = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.M)
+        return int(float(m.group(1))) if m else 0
+
+    out["served"] = counter('vramsched_device_plugin_allocations_total{outcome="served"}')
+    out["podsReadFromApi"] = counter("vramsched_device_plugin_pods_read_from_api_total")
+    out["podResourcesListReused"] = counter(
+        "vramsched_device_plugin_podresources_list_reused_total"
+    )
+    return (
+        f"GetPreferredAllocation inside the plugin {_shares(out, 'pluginPreferredAllocation')}; "
+        f"{out['pluginPodResourcesList']['calls']} PodResources List calls, "
+        f"{out['podResourcesListReused']} reused"
+    )
+
+
+def kubelet_allocate(
+    rounds: int, *, paced: bool, floor: bool = False, gpus: int = 16, seed: int = 7
+) -> dict[str, Any]:
     """Allocate as a real kubelet 1.36.3 waits on it: the e2e suite's node (containerd, runc,
     busybox pods) served by `vramsched device-plugin --fake-gpus 16 --replicas 4` (64 replicas),
     pods placed by vramsched through kube-scheduler until every replica is taken, then a random
@@ -800,14 +854,28 @@ def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7)
     is created (a node admitting a pod now and then), else each fill at once (a burst: the
     kubelet admits while it starts dozens of containers). The kubelet's own histogram
     (kubelet_device_plugin_alloc_duration_seconds, buckets 5 ms, 10 ms, ...) and the plugin's
-    (vramsched_device_plugin_allocate_seconds) say how many calls took how long."""
+    (vramsched_device_plugin_allocate_seconds) say how many calls took how long.
+
+    `floor`: everything the same (control plane, vramsched placing the pods through
+    kube-scheduler, the same seeded pods, the kubelet, containerd) but the node served by `_Floor`,
+    a plugin that answers GetPreferredAllocation and Allocate at once without identifying the
+    pod; the benchmark writes the state annotation the real plugin would. What the kubelet
+    measures for it is what any plugin costs on this machine under this load."""
+    import multiprocessing
+
     from kubelet import BUSYBOX_IMAGE, ControlPlane136, KubeletNode
     from test_extender_e2e import Extender, _grant_extender_rbac, gpu_labels, scheduler_config
 
     name = "bench-kubelet"
     slots = gpus * REPLICAS
     rng = random.Random(seed)
-    out: dict[str, Any] = {"replicas": slots, "gpus": gpus, "rounds": rounds, "paced": paced}
+    out: dict[str, Any] = {
+        "plugin": "floor" if floor else "vramsched",
+        "replicas": slots,
+        "gpus": gpus,
+        "rounds": rounds,
+        "paced": paced,
+    }
     out["loadAverageAtStart"] = [round(x, 1) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="bench-dp-kubelet-") as tmp:
         cp = ControlPlane136(Path(tmp) / "cp")
@@ -822,15 +890,27 @@ def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7)
                 name, {"metadata": {"labels": {**labels, "vramsched.io/device-plugin": "true"}}}
             )
             probe = free_port()
-            plugin = plugin_process(
-                name,
-                cp.kubeconfig_path,
-                cp.logs_dir,
-                pod_resources=node.root / "pod-resources" / "kubelet.sock",
-                gpus=gpus,
-                extra=("--probe-port", str(probe), "--probe-host", "127.0.0.1"),
-            )
-            plugin.start()
+            if floor:
+                plugin = multiprocessing.get_context("spawn").Process(
+                    target=_plugin_process,
+                    args=("floor", tmp, gpus, REPLICAS, 0, str(DEVICE_PLUGIN_DIR)),
+                    daemon=True,
+                )
+                plugin.start()
+                state = PluginState(registered=True, gpus=gpus, replicas=REPLICAS)
+                core.patch_node(
+                    name, {"metadata": {"annotations": {STATE_ANNOTATION: encode_state(state)}}}
+                )
+            else:
+                plugin = plugin_process(
+                    name,
+                    cp.kubeconfig_path,
+                    cp.logs_dir,
+                    pod_resources=node.root / "pod-resources" / "kubelet.sock",
+                    gpus=gpus,
+                    extra=("--probe-port", str(probe), "--probe-host", "127.0.0.1"),
+                )
+                plugin.start()
             ext = Extender(cp, _grant_extender_rbac(cp), [])
             ext.start()
             cp.start_scheduler(scheduler_config(ext.url))
@@ -841,7 +921,7 @@ def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7)
                 alloc = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
                 return bool(raw and decode_state(raw).registered and alloc == slots)
 
-            cp.wait_for(serving, timeout=90, message=f"plugin serving\n{plugin.describe()}")
+            cp.wait_for(serving, timeout=90, message="plugin serving")
             held: list[str] = []
             made = 0
             for _ in range(rounds):
@@ -874,57 +954,92 @@ def kubelet_allocate(rounds: int, *, paced: bool, gpus: int = 16, seed: int = 7)
                     message="pods deleted",
                 )
             kubelet_metrics = _get(f"http://127.0.0.1:{node.read_only_port}/metrics")
-            plugin_metrics = _get(f"http://127.0.0.1:{probe}/metrics")
-            out["kubelet"] = _share_within(
-                _histogram(kubelet_metrics, "kubelet_device_plugin_alloc_duration_seconds")
-            )
-            out["plugin"] = _share_within(
-                _histogram(plugin_metrics, "vramsched_device_plugin_allocate_seconds")
-            )
-            # the kubelet's other wait: GetPreferredAllocation, just before Allocate (the kubelet
-            # has no histogram of it), where the plugin lists the kubelet's PodResources
-            out["pluginPreferredAllocation"] = _share_within(
-                _histogram(plugin_metrics, "vramsched_device_plugin_preferred_allocation_seconds")
-            )
-            # where the plugin's time goes: real List calls (GetPreferredAllocation's, and an
-            # Allocate's without a fresh one to reuse), and the pod lookups of both
-            out["pluginPodResourcesList"] = _share_within(
-                _histogram(plugin_metrics, "vramsched_device_plugin_podresources_list_seconds")
-            )
-            out["pluginPodLookup"] = _share_within(
-                _histogram(plugin_metrics, "vramsched_device_plugin_pod_lookup_seconds")
-            )
-
-            def counter(series: str) -> int:
-                m = re.search(rf"^{re.escape(series)} (\S+)$", plugin_metrics, re.M)
-                return int(float(m.group(1))) if m else 0
-
-            out["served"] = counter('vramsched_device_plugin_allocations_total{outcome="served"}')
-            out["podsReadFromApi"] = counter("vramsched_device_plugin_pods_read_from_api_total")
-            out["podResourcesListReused"] = counter(
-                "vramsched_device_plugin_podresources_list_reused_total"
-            )
+            buckets = _histogram(kubelet_metrics, "kubelet_device_plugin_alloc_duration_seconds")
+            out["kubelet"] = _share_within(buckets)
+            out["kubeletBuckets"] = buckets
             out["podsCreated"] = made
             out["loadAverageAtEnd"] = [round(x, 1) for x in os.getloadavg()]
+            if floor:
+                plugin.terminate()  # it writes the times it kept when told to stop
+                plugin.join(10)
+                plugin = None
+                inside = json.loads((Path(tmp) / "times.json").read_text())
+                out["floorAllocateInside"] = _summary([w for w, _ in inside["Allocate"]])
+                split = f"inside the floor {out['floorAllocateInside']}"
+            else:
+                split = _plugin_split(out, _get(f"http://127.0.0.1:{probe}/metrics"))
             print(f"kubelet allocate: {out}", file=sys.stderr)
             print(
-                f"kubelet allocate ({'paced' if paced else 'burst'}, load average at start "
-                f"{out['loadAverageAtStart'][0]}): {_shares(out, 'kubelet')} as the kubelet "
-                f"waits on Allocate; GetPreferredAllocation inside the plugin "
-                f"{_shares(out, 'pluginPreferredAllocation')}; "
-                f"{out['pluginPodResourcesList']['calls']} PodResources List calls, "
-                f"{out['podResourcesListReused']} reused",
+                f"kubelet allocate, {out['plugin']} ({'paced' if paced else 'burst'}, load average "
+                f"at start {out['loadAverageAtStart'][0]}): {_shares(out, 'kubelet')} as the "
+                f"kubelet waits on Allocate; {split}",
                 file=sys.stderr,
             )
         finally:
-            if plugin is not None:
+            if isinstance(plugin, Component):
                 plugin.stop()
+            elif plugin is not None:
+                plugin.terminate()
+                plugin.join(10)
             if ext is not None:
                 ext.stop()
             node.stop()
             cp.stop()
         node.check_host()
     return out
+
+
+def _settle(below: float = 3.0, limit: float = 180.0) -> float:
+    """Wait until the 1-minute load average is under `below` (or `limit` seconds passed), so
+    no run starts in the previous one's wake; returns the load average then."""
+    deadline = time.monotonic() + limit
+    while os.getloadavg()[0] >= below and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def _pooled(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One histogram's shares over several runs (bucket counts summed)."""
+    total: dict[float, float] = defaultdict(float)
+    for run in runs:
+        for le, n in run[key]:
+            total[le] += n
+    return _share_within(sorted(total.items()))
+
+
+def kubelet_pairs(rounds: int, repeats: int) -> dict[str, Any]:
+    """`kubelet_allocate` for vramsched's plugin and the floor, burst and paced, `repeats` times,
+    the two plugins alternating which goes first, each run on a settled machine; every run, and
+    the kubelet's histogram pooled per plugin and pace."""
+    runs: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        for paced in (False, True):
+            for floor in (False, True) if rep % 2 == 0 else (True, False):
+                _settle()
+                runs.append(kubelet_allocate(rounds, paced=paced, floor=floor))
+    pooled: dict[str, Any] = {}
+    for pace in ("burst", "paced"):
+        mine = [r for r in runs if r["paced"] == (pace == "paced")]
+        pooled[pace] = {
+            plugin: {
+                "kubeletAllocate": _pooled(
+                    [r for r in mine if r["plugin"] == plugin], "kubeletBuckets"
+                ),
+                "runs": sum(r["plugin"] == plugin for r in mine),
+            }
+            for plugin in ("vramsched", "floor")
+        }
+        pooled[pace]["vramsched"]["pluginPreferredAllocation"] = _pooled(
+            [r for r in mine if r["plugin"] == "vramsched"], "pluginPreferredAllocationBuckets"
+        )
+    for pace, both in pooled.items():
+        print(
+            f"kubelet allocate, {pace}, pooled over {repeats} runs each: "
+            f"vramsched {both['vramsched']['kubeletAllocate']}, "
+            f"floor {both['floor']['kubeletAllocate']}",
+            file=sys.stderr,
+        )
+    return {"repeats": repeats, "pooled": pooled, "runs": runs}
 
 
 def main() -> int:
@@ -937,6 +1052,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40, help="allocate: fill-and-drain rounds")
     parser.add_argument(
         "--kubelet-rounds", type=int, default=3, help="kubelet: fill-and-drain rounds"
+    )
+    parser.add_argument(
+        "--kubelet-repeats", type=int, default=4, help="kubelet: runs of each plugin and pace"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -958,10 +1076,7 @@ def main() -> int:
     if args.only in (None, "allocate"):
         results["allocate"] = allocate(args.rounds)
     if args.only in (None, "kubelet"):
-        results["allocateUnderKubelet"] = {
-            "burst": kubelet_allocate(args.kubelet_rounds, paced=False),
-            "paced": kubelet_allocate(args.kubelet_rounds, paced=True),
-        }
+        results["allocateUnderKubelet"] = kubelet_pairs(args.kubelet_rounds, args.kubelet_repeats)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0

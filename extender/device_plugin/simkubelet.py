@@ -44,12 +44,14 @@ class AdmissionError(Exception):
 @dataclass
 class Admission:
     """What a pod's containers received: per container, its device IDs and the plugin's answer,
-    and the time each Allocate took."""
+    and the time each Allocate took and each GetPreferredAllocation before it (the kubelet waits
+    on both while it admits the pod)."""
 
     pod: str
     devices: dict[str, list[str]] = field(default_factory=dict)
     responses: dict[str, dp.ContainerAllocateResponse] = field(default_factory=dict)
     allocate_seconds: list[float] = field(default_factory=list)
+    preferred_seconds: list[float] = field(default_factory=list)
 
 
 class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):
@@ -194,6 +196,7 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
             if len(available) < needed:
                 self._fail(key)
                 raise AdmissionError(key, f"requested {needed}, available {len(available)}")
+            started = time.perf_counter()
             preferred = self._plugin.GetPreferredAllocation(
                 dp.PreferredAllocationRequest(
                     container_requests=[
@@ -204,6 +207,7 @@ class SimKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerService
                 ),
                 timeout=10,
             ).container_responses[0]
+            out.preferred_seconds.append(time.perf_counter() - started)
             chosen = [d for d in preferred.deviceIDs if d in set(available)][:needed]
             chosen += [d for d in available if d not in chosen][: needed - len(chosen)]
             started = time.perf_counter()
