@@ -989,13 +989,12 @@ def kubelet_allocate(
     return out
 
 
-def _settle(below: float = 3.0, limit: float = 180.0) -> float:
+def _settle(below: float = 3.0, limit: float = 180.0) -> None:
     """Wait until the 1-minute load average is under `below` (or `limit` seconds passed), so
-    no run starts in the previous one's wake; returns the load average then."""
+    no run starts in the previous one's wake (each run records its load average at start)."""
     deadline = time.monotonic() + limit
     while os.getloadavg()[0] >= below and time.monotonic() < deadline:
         time.sleep(5)
-    return os.getloadavg()[0]
 
 
 def _pooled(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:

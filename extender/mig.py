@@ -11,10 +11,6 @@ used (``memory_measured=True``); otherwise the figure is a deliberately conserva
 estimate (see ``_ESTIMATE_RATIO``) and the node label ``nvidia.com/mig-<p>.memory``
 should override it (``MigModel.with_memory``).
 
-One module over 600 lines on purpose: profile names, placement rules, geometries and layout
-inference are one body of rules about one GPU, each part reading the others' tables; split, every
-piece would import every other.
-
 Why one module of about 700 lines: the per-GPU profile tables, the slot placement rules and the
 geometry enumeration are one piece of knowledge (each table is built by the rules, each rule
 reads the tables), and every caller needs all three; split apart they would only import each
