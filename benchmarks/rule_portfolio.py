@@ -1,0 +1,225 @@
+"""Can the planner pick its one-pod rule online? Two portfolios of FGD and `fgd-packed`, measured.
+
+    .venv/bin/python benchmarks/rule_portfolio.py                  # 12 lists, inflate 1.3, file order
+    .venv/bin/python benchmarks/rule_portfolio.py --lists default gpuspec05 --shuffle-nodes 1
+
+On the Alibaba trace FGD allocates the most memory on a few lists and `fgd-packed` (the planner's
+rule) on the rest (docs/packing.md). A scheduler that could tell which list it is on would never
+be behind either. This benchmark measures two ways to tell, with the information a live planner
+has (the pods seen so far), against both rules in the same run:
+
+- **rollout**: at checkpoints of allocated memory (`--checkpoints`, fractions of capacity), replay
+  the pods seen so far, in order and repeated until they ask `--depth` x the free GPUs, from the
+  current state under each rule, and follow the rule that allocated more until the next checkpoint
+  (the rollout is undone: `greedy_batch` without `apply`).
+- **prefix**: replay the first `--prefix` share of the list, inflated as the run is, on the empty
+  cluster under each rule, and report which rule wins there next to which wins on the whole list:
+  whether an early choice would be right.
+
+Results go to benchmarks/results/rule_portfolio.json and a table is printed. Why neither is the
+planner's rule: docs/packing.md, "What else was measured and not shipped".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import trace_packing as tp
+
+from extender.demand import Demand, PodRef
+from extender.planner.capacity import Capacity, FragIndex, Workload
+from extender.planner.greedy import POLICIES, Choice, greedy_batch
+from extender.simulate.engine import run_policy
+from extender.simulate.trace import inflate
+
+RULES = ("fgd-packed", "fgd")
+CHECKPOINTS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+OUT = ROOT / "benchmarks" / "results" / "rule_portfolio.json"
+
+
+def _gpus(d: Demand, gpu_bytes: float) -> float:
+    if d.bytes_per_gpu is None:
+        return float(d.gpu_count)
+    return d.gpu_count * min(1.0, d.bytes_per_gpu / gpu_bytes)
+
+
+@dataclass
+class RolloutPortfolio:
+    """A one-pod rule that follows whichever of `rules` did best in a rollout of the pods seen so
+    far from the current state, re-decided at each checkpoint of allocated memory."""
+
+    rules: Sequence[str] = RULES
+    checkpoints: Sequence[float] = CHECKPOINTS
+    depth: float = 1.3
+    rule: str = RULES[0]
+    seen: list[Demand] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    _next: int = 0
+
+    def rollout_stream(self, cap: Capacity) -> list[Demand]:
+        """The pods seen so far, repeated under new names until they ask `depth` x the free GPUs."""
+        a = cap.arrays
+        mean = float(a.capacity.mean())
+        target = self.depth * float(np.maximum(a.capacity - a.used, 0).sum()) / mean
+        out: list[Demand] = []
+        asked = 0.0
+        while self.seen and asked < target:
+            for d in self.seen:
+                if asked >= target:
+                    break
+                out.append(replace(d, pod=PodRef("rollout", f"r{len(out)}")))
+                asked += _gpus(d, mean)
+        return out
+
+    def decide(self, cap: Capacity, frag: FragIndex, at: float) -> None:
+        start = time.perf_counter()
+        stream = self.rollout_stream(cap)
+        allocated = {}
+        for r in self.rules:
+            placed = greedy_batch(cap, stream, frag, order="given", rule=r)
+            allocated[r] = sum(sum(res.bytes_per_device) for res, _, _ in placed.values() if res)
+        # a tie keeps the current rule
+        self.rule = max(self.rules, key=lambda r: (allocated[r], r == self.rule))
+        self.decisions.append(
+            {
+                "allocatedShare": round(at, 3),
+                "rule": self.rule,
+                "rolloutGpus": {r: round(b / tp.GPU_MIB, 2) for r, b in allocated.items()},
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+        )
+
+    def __call__(self, cap: Capacity, demand: Demand, frag: FragIndex | None) -> Choice | None:
+        assert frag is not None, "the portfolio's rules need a workload profile"
+        self.seen.append(demand)
+        if self._next < len(self.checkpoints):
+            a = cap.arrays
+            at = float(np.minimum(a.used, a.capacity).sum()) / float(a.capacity.sum())
+            if at >= self.checkpoints[self._next]:
+                self.decide(cap, frag, at)
+                while self._next < len(self.checkpoints) and at >= self.checkpoints[self._next]:
+                    self._next += 1
+        return POLICIES[self.rule](cap, demand, frag)
+
+
+def prefix_winner(pod_list: str, share: float, factor: float, shuffle: int | None) -> dict:
+    """Each rule on the first `share` of the list, inflated to `factor` x the GPUs, from empty."""
+    nodes, tasks, bound, gpus, _ = tp.load(pod_list, 0, shuffle)
+    head = tasks[: max(1, int(len(tasks) * share))]
+    workload = Workload.from_demands(t.demand for t in head)
+    stream = inflate(head, gpus, factor)
+    got = {
+        r: run_policy(r, nodes, stream, bound, workload=workload).allocatedMemoryBytes / tp.GPU_MIB
+        for r in RULES
+    }
+    return {
+        "share": share,
+        "allocatedGpus": {r: round(v, 2) for r, v in got.items()},
+        "winner": max(RULES, key=lambda r: got[r]),
+    }
+
+
+def one_list(
+    args: tuple[str, float, int | None, tuple[float, ...], tuple[float, ...], float],
+) -> dict:
+    pod_list, factor, shuffle, checkpoints, prefixes, depth = args
+    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
+    out: dict = {
+        "podList": pod_list,
+        "inflate": factor,
+        "shuffleNodes": shuffle,
+        "allocatedGpus": {},
+    }
+    for r in RULES:
+        res = run_policy(r, nodes, tasks, bound, workload=workload)
+        out["allocatedGpus"][r] = round(res.allocatedMemoryBytes / tp.GPU_MIB, 2)
+    portfolio = RolloutPortfolio(checkpoints=checkpoints, depth=depth)
+    POLICIES["rollout"] = portfolio  # this process's copy of the table; run_policy looks it up
+    start = time.perf_counter()
+    res = run_policy("rollout", nodes, tasks, bound, workload=workload)
+    out["allocatedGpus"]["rollout"] = round(res.allocatedMemoryBytes / tp.GPU_MIB, 2)
+    out["rolloutSeconds"] = round(time.perf_counter() - start, 1)
+    out["decisions"] = portfolio.decisions
+    out["winner"] = max(RULES, key=lambda r: out["allocatedGpus"][r])
+    out["prefix"] = [prefix_winner(pod_list, s, factor, shuffle) for s in prefixes]
+    return out
+
+
+def table(runs: list[dict]) -> str:
+    head = "pod list      fgd-packed      fgd  rollout  rollout-best  rules followed   prefix picks (winner)"
+    lines = [head]
+    for r in runs:
+        g = r["allocatedGpus"]
+        best = max(g[x] for x in RULES)
+        rules = "".join("P" if d["rule"] == "fgd-packed" else "F" for d in r["decisions"])
+        picks = " ".join(
+            f"{p['share']:g}:{'P' if p['winner'] == 'fgd-packed' else 'F'}" for p in r["prefix"]
+        )
+        lines.append(
+            f"{r['podList']:12s} {g['fgd-packed']:10.2f} {g['fgd']:8.2f} {g['rollout']:8.2f}"
+            f" {g['rollout'] - best:+13.2f}  {rules:15s}  {picks} ({'P' if r['winner'] == 'fgd-packed' else 'F'})"
+        )
+    lines.append(
+        "GPUs (1000 MiB) of memory allocated at the end; rollout-best: the rollout portfolio "
+        "minus the better rule; P fgd-packed, F FGD"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
+    ap.add_argument("--inflate", type=float, default=1.3)
+    ap.add_argument("--shuffle-nodes", type=int, default=None)
+    ap.add_argument("--checkpoints", type=float, nargs="*", default=list(CHECKPOINTS))
+    ap.add_argument("--depth", type=float, default=1.3, help="rollout length, x the free GPUs")
+    ap.add_argument("--prefix", type=float, nargs="*", default=[0.1, 0.25])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    lists = args.lists or tp.trace_lists()
+    jobs = [
+        (
+            x,
+            args.inflate,
+            args.shuffle_nodes,
+            tuple(args.checkpoints),
+            tuple(args.prefix),
+            args.depth,
+        )
+        for x in lists
+    ]
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.workers) as pool:
+        runs = list(pool.map(one_list, jobs))
+    print(table(runs))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "wallSeconds": round(time.perf_counter() - start, 1),
+                "runs": runs,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
