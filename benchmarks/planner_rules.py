@@ -1,12 +1,21 @@
-"""Can the planner pick its one-pod rule online? Two portfolios of FGD and `fgd-packed`, measured.
+"""The planner's one-pod rule against its alternatives: variants of the rule, and portfolios
+that pick FGD or `fgd-packed` online. Each is measured beside the shipped rule and FGD in the
+same run.
 
-    .venv/bin/python benchmarks/rule_portfolio.py                  # 12 lists, inflate 1.3, file order
-    .venv/bin/python benchmarks/rule_portfolio.py --lists default gpuspec05 --shuffle-nodes 1
+    .venv/bin/python benchmarks/planner_rules.py variants     # 12 lists x 3 node orders + llm-mixed
+    .venv/bin/python benchmarks/planner_rules.py portfolio    # 12 lists, inflate 1.3, file order
+    .venv/bin/python benchmarks/planner_rules.py portfolio --lists default gpuspec05 --shuffle-nodes 1
 
-On the Alibaba trace FGD allocates the most memory on a few lists and `fgd-packed` (the planner's
-rule) on the rest (docs/packing.md). A scheduler that could tell which list it is on would never
-be behind either. This benchmark measures two ways to tell, with the information a live planner
-has (the pods seen so far), against both rules in the same run:
+**variants** (`VARIANTS`): the planner (batches and all) with its one-pod rule replaced, on every
+trace list at inflate 1.3 in the file's node order and `--shuffle-orders` shuffled ones, and on
+the heterogeneous LLM scenario (benchmarks/llm_mixed.py), next to the shipped planner, FGD and
+first-fit. FGD is the only baseline the planner trails anywhere on the trace, so the table gives
+each rule's memory allocated minus FGD's.
+
+**portfolio**: on the Alibaba trace FGD allocates the most memory on a few lists and
+`fgd-packed` (the planner's rule) on the rest (docs/packing.md). A scheduler that could tell
+which list it is on would never be behind either. Two ways to tell, with the information a live
+planner has (the pods seen so far), against both rules in the same run:
 
 - **rollout**: at checkpoints of allocated memory (`--checkpoints`, fractions of capacity), replay
   the pods seen so far, in order and repeated until they ask `--depth` x the free GPUs, from the
@@ -16,8 +25,8 @@ has (the pods seen so far), against both rules in the same run:
   cluster under each rule, and report which rule wins there next to which wins on the whole list:
   whether an early choice would be right.
 
-Results go to benchmarks/results/rule_portfolio.json and a table is printed. Why neither is the
-planner's rule: docs/packing.md, "What else was measured and not shipped".
+Results go to benchmarks/results/planner_rules_<mode>.json and a table is printed. Why none of
+them is the planner's rule: docs/packing.md, "What else was measured and not shipped".
 """
 
 from __future__ import annotations
@@ -40,14 +49,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import trace_packing as tp
 
 from extender.demand import Demand, PodRef
-from extender.planner.capacity import Capacity, FragIndex, Workload
-from extender.planner.greedy import POLICIES, Choice, greedy_batch
+from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
+from extender.planner.greedy import FGD_TOLERANCE, POLICIES, Choice, _pick, greedy_batch
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import inflate
 
 RULES = ("fgd-packed", "fgd")
 CHECKPOINTS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-OUT = ROOT / "benchmarks" / "results" / "rule_portfolio.json"
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _gpus(d: Demand, gpu_bytes: float) -> float:
@@ -179,18 +188,150 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def in_use_band(tolerance: float):
+    """`fgd-packed` whose band holds only nodes already in use; when no near-best placement is on
+    one, FGD's own choice opens a node (which idle node to open by the measure, not the index)."""
+
+    def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+        assert frag is not None
+        c = candidates(cap, demand)
+        if len(c) == 0:
+            return None
+        a = cap.arrays
+        d = np.round(frag.delta(c, demand), 6)
+        near = d <= d.min() + tolerance * float(a.capacity.mean())
+        band = near & (a.node_used_replicas[c.node] > 0)
+        if not band.any():
+            return _pick(c, [d, c.node], demand, cap)
+        return _pick(c, [~band, c.node, d], demand, cap)
+
+    return rule
+
+
+#: one-pod rules measured in the planner's place
+VARIANTS = {
+    "in-use-band": in_use_band(FGD_TOLERANCE),
+    "in-use-band-10": in_use_band(0.10),
+}
+SHIPPED = POLICIES["fgd-packed"]
+
+
+def _with_rule(rule: str, run) -> object:
+    """`run()` with the planner's one-pod rule (its single pods, reference plans and repack
+    placements all look up "fgd-packed") replaced by `rule`."""
+    POLICIES["fgd-packed"] = SHIPPED if rule == "shipped" else VARIANTS[rule]
+    try:
+        return run()
+    finally:
+        POLICIES["fgd-packed"] = SHIPPED
+
+
+def variants_on_list(job: tuple[str, int | None]) -> dict:
+    pod_list, shuffle = job
+    nodes, tasks, bound, _, workload = tp.load(pod_list, 1.3, shuffle)
+
+    def alloc(policy: str, rule: str = "shipped") -> float:
+        r = _with_rule(
+            rule,
+            lambda: run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25),
+        )
+        return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
+
+    got = {"fgd": alloc("fgd"), "first-fit": alloc("first-fit"), "planner": alloc("planner")}
+    for v in VARIANTS:
+        got[f"planner/{v}"] = alloc("planner", v)
+    return {"podList": pod_list, "shuffleNodes": shuffle, "allocatedGpus": got}
+
+
+def variants_llm_mixed(_: object = None) -> dict:
+    import llm_mixed
+
+    out: dict = {"scenario": "llm-mixed", "placed": {}, "allocatedGiB": {}}
+    for label, policy, rule in [
+        ("fgd", "fgd", "shipped"),
+        ("first-fit", "first-fit", "shipped"),
+        ("planner", "planner", "shipped"),
+        *[(f"planner/{v}", "planner", v) for v in VARIANTS],
+    ]:
+        (r,) = _with_rule(rule, lambda p=policy: llm_mixed.run([p], 0.25))
+        out["placed"][label] = r.placed
+        out["allocatedGiB"][label] = round(r.allocatedMemoryBytes / 2**30, 1)
+    return out
+
+
+def variants_table(runs: list[dict], llm: dict) -> str:
+    rules = ["planner", *[f"planner/{v}" for v in VARIANTS]]
+    lines = ["trace, inflate 1.3: GPUs (1000 MiB) of memory allocated minus FGD's"]
+    lines.append(
+        f"{'pod list':12s} {'order':>5s} {'fgd':>8s} " + " ".join(f"{r:>26s}" for r in rules)
+    )
+    behind = {r: 0 for r in rules}
+    total = {r: 0.0 for r in rules}
+    worst = {r: float("inf") for r in rules}
+    for run in runs:
+        g = run["allocatedGpus"]
+        order = "file" if run["shuffleNodes"] is None else str(run["shuffleNodes"])
+        cells = []
+        for r in rules:
+            m = g[r] - g["fgd"]
+            behind[r] += m < 0
+            total[r] += m
+            worst[r] = min(worst[r], m)
+            cells.append(f"{m:+26.2f}")
+        lines.append(f"{run['podList']:12s} {order:>5s} {g['fgd']:8.2f} " + " ".join(cells))
+    lines.append(f"{'behind FGD on':18s} {'':8s}" + " ".join(f"{behind[r]:26d}" for r in rules))
+    lines.append(f"{'worst':18s} {'':8s}" + " ".join(f"{worst[r]:+26.2f}" for r in rules))
+    lines.append(f"{'sum':18s} {'':8s}" + " ".join(f"{total[r]:+26.2f}" for r in rules))
+    lines.append("")
+    lines.append("llm-mixed: pods placed / GiB allocated")
+    for label in llm["placed"]:
+        lines.append(f"  {label:28s} {llm['placed'][label]:4d} / {llm['allocatedGiB'][label]:8.1f}")
+    return "\n".join(lines)
+
+
+def _write(path: Path, start: float, body: dict) -> None:
+    body = {
+        "command": " ".join(["benchmarks/planner_rules.py", *sys.argv[1:]]),
+        "wallSeconds": round(time.perf_counter() - start, 1),
+        **body,
+    }
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    print(f"results: {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=["variants", "portfolio"])
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
-    ap.add_argument("--inflate", type=float, default=1.3)
-    ap.add_argument("--shuffle-nodes", type=int, default=None)
-    ap.add_argument("--checkpoints", type=float, nargs="*", default=list(CHECKPOINTS))
-    ap.add_argument("--depth", type=float, default=1.3, help="rollout length, x the free GPUs")
-    ap.add_argument("--prefix", type=float, nargs="*", default=[0.1, 0.25])
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument(
+        "--out", type=Path, help="default: benchmarks/results/planner_rules_<mode>.json"
+    )
+    ap.add_argument(
+        "--shuffle-orders", type=int, default=2, help="variants: shuffled node orders 1..N"
+    )
+    ap.add_argument("--inflate", type=float, default=1.3, help="portfolio")
+    ap.add_argument("--shuffle-nodes", type=int, default=None, help="portfolio")
+    ap.add_argument(
+        "--checkpoints", type=float, nargs="*", default=list(CHECKPOINTS), help="portfolio"
+    )
+    ap.add_argument(
+        "--depth", type=float, default=1.3, help="portfolio: rollout length, x the free GPUs"
+    )
+    ap.add_argument("--prefix", type=float, nargs="*", default=[0.1, 0.25], help="portfolio")
     args = ap.parse_args()
+    out = args.out or RESULTS / f"planner_rules_{args.mode}.json"
     lists = args.lists or tp.trace_lists()
+    start = time.perf_counter()
+    if args.mode == "variants":
+        orders: list[int | None] = [None, *range(1, args.shuffle_orders + 1)]
+        with ProcessPoolExecutor(args.workers) as pool:
+            llm = pool.submit(variants_llm_mixed)
+            runs = list(pool.map(variants_on_list, [(x, o) for o in orders for x in lists]))
+            llm_result = llm.result()
+        print(variants_table(runs, llm_result))
+        _write(out, start, {"runs": runs, "llmMixed": llm_result})
+        return 0
     jobs = [
         (
             x,
@@ -202,22 +343,10 @@ def main() -> int:
         )
         for x in lists
     ]
-    start = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         runs = list(pool.map(one_list, jobs))
     print(table(runs))
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(sys.argv),
-                "wallSeconds": round(time.perf_counter() - start, 1),
-                "runs": runs,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    print(f"results: {args.out}")
+    _write(out, start, {"runs": runs})
     return 0
 
 
