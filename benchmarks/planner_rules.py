@@ -52,17 +52,11 @@ from extender.demand import Demand, PodRef
 from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
 from extender.planner.greedy import FGD_TOLERANCE, POLICIES, Choice, _pick, greedy_batch
 from extender.simulate.engine import run_policy
-from extender.simulate.trace import inflate
+from extender.simulate.trace import gpu_units, inflate
 
 RULES = ("fgd-packed", "fgd")
 CHECKPOINTS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _gpus(d: Demand, gpu_bytes: float) -> float:
-    if d.bytes_per_gpu is None:
-        return float(d.gpu_count)
-    return d.gpu_count * min(1.0, d.bytes_per_gpu / gpu_bytes)
 
 
 @dataclass
@@ -90,7 +84,7 @@ class RolloutPortfolio:
                 if asked >= target:
                     break
                 out.append(replace(d, pod=PodRef("rollout", f"r{len(out)}")))
-                asked += _gpus(d, mean)
+                asked += gpu_units(d, int(mean))
         return out
 
     def decide(self, cap: Capacity, frag: FragIndex, at: float) -> None:
