@@ -21,6 +21,7 @@ import json
 import platform
 import random
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,13 @@ import yaml
 
 from extender.planner.capacity import Workload
 from extender.quantity import GIB, parse_bytes
-from extender.simulate.engine import ALL_POLICIES, PolicyResult, overcommit_text, run_policy
+from extender.simulate.engine import (
+    ALL_POLICIES,
+    REPACK_TIME_LIMIT,
+    PolicyResult,
+    overcommit_text,
+    run_policy,
+)
 from extender.simulate.trace import read_inputs
 from extender.sizing.engines import EngineSettings
 from extender.sizing.estimate import estimate, resolve_model
@@ -201,17 +208,35 @@ def write() -> Path:
     return SCENARIO
 
 
-def run(policies: list[str], time_limit: float, pods: int | None = None) -> list[PolicyResult]:
+def run(
+    policies: list[str],
+    time_limit: float,
+    pods: int | None = None,
+    repack_limits: list[float] | None = None,
+) -> list[PolicyResult]:
     """Every policy on the scenario, or on its first `pods` pods (the same stream, stopped
-    earlier: a lighter load)."""
+    earlier: a lighter load); `planner+repack` once per repack search time limit, labelled with
+    it unless it is the default."""
     nodes, tasks, bound = read_inputs(SCENARIO, SCENARIO)
     tasks = tasks[:pods]
     workload = Workload.from_demands(t.demand for t in tasks)
     out = []
     for policy in policies:
-        r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=time_limit)
-        print(f"  {policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
-        out.append(r)
+        repack = policy == "planner+repack"
+        for limit in (repack_limits or [REPACK_TIME_LIMIT]) if repack else [REPACK_TIME_LIMIT]:
+            r = run_policy(
+                policy,
+                nodes,
+                tasks,
+                bound,
+                workload=workload,
+                time_limit=time_limit,
+                repack_time_limit=limit,
+            )
+            if limit != REPACK_TIME_LIMIT:
+                r = replace(r, policy=f"{policy}, {limit:g} s per search")
+            print(f"  {r.policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
+            out.append(r)
     return out
 
 
@@ -255,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
     p.add_argument("--time-limit", type=float, default=0.25, help="planner: seconds per batch")
     p.add_argument(
+        "--repack-time-limits",
+        type=float,
+        nargs="*",
+        default=[REPACK_TIME_LIMIT, 5.0],
+        help="planner+repack: seconds per repack search, one row each (default 1 5)",
+    )
+    p.add_argument(
         "--loads",
         type=int,
         nargs="*",
@@ -268,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nodes, tasks, _ = read_inputs(SCENARIO, SCENARIO)
     print(f"{len(nodes)} nodes, {len(tasks)} pods ({SCENARIO.relative_to(ROOT)})")
-    results = run(args.policies, args.time_limit)
+    results = run(args.policies, args.time_limit, repack_limits=args.repack_time_limits)
     print(table(results))
     if args.loads:
-        runs = {n: run(args.policies, args.time_limit, n) for n in args.loads}
+        runs = {
+            n: run(args.policies, args.time_limit, n, args.repack_time_limits) for n in args.loads
+        }
         print()
         print("GPUs in use / memory stranded (GiB), by load:")
         print(by_load({**runs, len(tasks): results}))

@@ -434,3 +434,28 @@ def test_moved_pods_land_where_the_given_rule_puts_them():
     fresh = FragIndex(cap, frag.w)
     assert np.array_equal(frag.A, fresh.A) and np.array_equal(frag.okc, fresh.okc)
     assert_plan_is_sound(cap, plan, running)
+
+
+def test_the_whole_cluster_is_modelled_when_the_time_limit_allows_its_movers():
+    """A cluster of at most `exact_nodes` nodes is modelled whole only while its movable pods
+    are few for the time limit (the whole model's size is movers x devices): 100 movers on 20
+    nodes get a neighbourhood with 1 s and the whole cluster with 2 s."""
+    nh = Neighbourhood()
+    assert nh.whole(24, 96, 1.0) and not nh.whole(24, 97, 1.0)
+    assert nh.whole(24, 480, 5.0) and not nh.whole(25, 10, 5.0)
+    _, cap = build_capacity(
+        [gpu_node(f"n{i:02d}", count=1, memory_mib=80 * 1024, replicas=8) for i in range(20)]
+    )
+    running: Running = []
+    for n in range(20):
+        for j in range(5):  # 70 GiB held, 10 free: no 14 GiB pod fits anywhere else
+            d = demand(f"p{n}-{j}", 14)
+            res = reservation_for(cap, d, n, [n])
+            cap.apply(d, res, n)
+            running.append((d, res))
+    before = ledger_state(cap)
+    short = search_repack(cap, demand("blocked", 20), running, time_limit=1.0, num_workers=1)
+    long = search_repack(cap, demand("blocked", 20), running, time_limit=2.0, num_workers=1)
+    assert short.plan is None and long.plan is None  # no GPU can take a 14 GiB pod: no plan
+    assert 0 < short.nodes < 20 and long.nodes == 20 and long.movers == 100
+    assert ledger_state(cap) == before

@@ -47,10 +47,15 @@ How it searches (`Neighbourhood` holds the sizes):
    `dominates` the pod are left out of this step (moving one only to put the pod in its place
    is a swap), not out of the bound nor the exact model.
 4. CP-SAT (`staged.staged_solve`) for fewer moves than the greedy plan: a small cluster (up to
-   `exact_nodes` nodes and `exact_movers` movable pods) is modelled whole, so the fewest moves is
-   exact when CP-SAT proves it; otherwise rounds of `nodes` candidate nodes for the pod, every
-   movable pod on them free to land on those nodes or on the `destinations` best-fitting nodes
-   with room for its kind. Goals in order: fewest moves; then the lowest-priority pods moved;
+   `exact_nodes` nodes, and movable pods up to `exact_movers_per_second` per second of the time
+   limit: `Neighbourhood.whole`) is modelled whole, so the fewest moves is exact when CP-SAT
+   proves it; otherwise rounds of `nodes` candidate nodes for the pod, every movable pod on them
+   free to land on those nodes or on the `destinations` best-fitting nodes with room for its
+   kind. Only the whole model finds plans whose moves form a cycle through nodes where no mover
+   fits now, which is what a full cluster of mixed pools needs (on `make bench-llm-mixed`: a
+   28 GiB model leaves a time-sliced A100 for an exclusive H100, the whole-GPU pod there takes
+   an MPS share, and the 9 GiB model in that share takes the time-sliced GPU beside the blocked
+   pod). Goals in order: fewest moves; then the lowest-priority pods moved;
    then fewest moved pods landing on an idle GPU. The variables and capacity rules are
    `move_model.MoveModel`'s (final-state sense), shared with `defrag`.
 
@@ -129,11 +134,19 @@ class Neighbourhood:
     #: destination nodes per kind of mover, and in all
     destinations: int = 6
     max_destinations: int = 32
-    #: a cluster up to this size is modelled whole
+    #: a cluster up to this size is modelled whole (`whole`)
     exact_nodes: int = 24
-    exact_movers: int = 96
+    exact_movers_per_second: int = 96
     #: no CP-SAT round starts with less time than this left
     least_solve: float = 0.05
+
+    def whole(self, nodes: int, movers: int, time_limit: float) -> bool:
+        """Model the whole cluster? Up to `exact_nodes` nodes, and a number of movable pods that
+        grows with the time limit. Why: the whole model's size is movers x devices; on 18 nodes of
+        mixed pools (`make bench-llm-mixed`) it took 0.6 s to build for 250 movers, and CP-SAT
+        about 3 s more to find its 2-4-move plans, so a search of 1 s cannot use it there while
+        one of 5 s can."""
+        return nodes <= self.exact_nodes and movers <= self.exact_movers_per_second * time_limit
 
 
 def plan_repack(
@@ -219,7 +232,7 @@ def search_repack(
     if best is not None and len(best.moves) <= lowest:
         return _found(best, "GREEDY", True, lowest, start, 0, 0, 0)
     a = cap.arrays
-    exact = len(a.node_names) <= nh.exact_nodes and len(pool) <= nh.exact_movers
+    exact = nh.whole(len(a.node_names), len(pool), time_limit)
     if exact:
         ranked = [int(n) for n in np.lexsort((valid[1], bounds)) if bounds[n] <= limit]
     rounds: list[list[int]] = (
