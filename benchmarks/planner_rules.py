@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import trace_packing as tp
 
 from extender.demand import Demand, PodRef
-from extender.planner.capacity import Capacity, FragIndex, Workload, candidates
+from extender.planner.capacity import Candidates, Capacity, FragIndex, Workload, candidates
 from extender.planner.greedy import FGD_TOLERANCE, POLICIES, Choice, _pick, greedy_batch
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate
@@ -182,19 +182,29 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _near_ties(
+    cap: Capacity, demand: Demand, frag: FragIndex | None, tolerance: float
+) -> tuple[Candidates, np.ndarray, np.ndarray] | None:
+    """`fgd-packed`'s first step: the placements, FGD's measure of each, and which are within
+    `tolerance` of a GPU's memory (the cluster's mean) of the least."""
+    assert frag is not None
+    c = candidates(cap, demand)
+    if len(c) == 0:
+        return None
+    d = np.round(frag.delta(c, demand), 6)
+    return c, d, d <= d.min() + tolerance * float(cap.arrays.capacity.mean())
+
+
 def in_use_band(tolerance: float):
     """`fgd-packed` whose band holds only nodes already in use; when no near-best placement is on
     one, FGD's own choice opens a node (which idle node to open by the measure, not the index)."""
 
     def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
-        assert frag is not None
-        c = candidates(cap, demand)
-        if len(c) == 0:
+        ties = _near_ties(cap, demand, frag, tolerance)
+        if ties is None:
             return None
-        a = cap.arrays
-        d = np.round(frag.delta(c, demand), 6)
-        near = d <= d.min() + tolerance * float(a.capacity.mean())
-        band = near & (a.node_used_replicas[c.node] > 0)
+        c, d, near = ties
+        band = near & (cap.arrays.node_used_replicas[c.node] > 0)
         if not band.any():
             return _pick(c, [d, c.node], demand, cap)
         return _pick(c, [~band, c.node, d], demand, cap)
@@ -202,10 +212,39 @@ def in_use_band(tolerance: float):
     return rule
 
 
+def constrained_by_fgd(
+    cap: Capacity, demand: Demand, frag: FragIndex | None = None
+) -> Choice | None:
+    """FGD's own choice for a pod limited to some GPU models, `fgd-packed` for the others: a
+    rule that knows the type constraints (the constrained pods are where FGD's fine ranking of
+    the models' nodes should matter)."""
+    if demand.allowed_products is None:
+        return SHIPPED(cap, demand, frag)
+    assert frag is not None
+    c = candidates(cap, demand)
+    if len(c) == 0:
+        return None
+    return _pick(c, [np.round(frag.delta(c, demand), 6), c.node], demand, cap)
+
+
+def best_fit_band(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+    """`fgd-packed` whose near-ties go to the node with the least free GPU memory (best fit)
+    instead of the lowest node: packing by how full a node is, not by where it is listed."""
+    ties = _near_ties(cap, demand, frag, FGD_TOLERANCE)
+    if ties is None:
+        return None
+    c, d, near = ties
+    a = cap.arrays
+    node_free = np.add.reduceat(a.free, a.node_start[:-1])
+    return _pick(c, [~near, node_free[c.node], c.node, d], demand, cap)
+
+
 #: one-pod rules measured in the planner's place
 VARIANTS = {
     "in-use-band": in_use_band(FGD_TOLERANCE),
     "in-use-band-10": in_use_band(0.10),
+    "constrained-by-fgd": constrained_by_fgd,
+    "best-fit-band": best_fit_band,
 }
 SHIPPED = POLICIES["fgd-packed"]
 
