@@ -459,3 +459,25 @@ def test_the_whole_cluster_is_modelled_when_the_time_limit_allows_its_movers():
     assert short.plan is None and long.plan is None  # no GPU can take a 14 GiB pod: no plan
     assert 0 < short.nodes < 20 and long.nodes == 20 and long.movers == 100
     assert ledger_state(cap) == before
+
+
+def test_a_search_leaves_the_cached_device_masks_as_they_were():
+    """`Capacity.matches` is cached and read by every later placement on the same capacity (the
+    simulator's whole replay, the planner's candidates): a search for a 30 GiB pod must not
+    drop the 16 GiB GPU from the mask of `nvidia.com/gpu` devices, or no later pod could use it."""
+    _, cap = build_capacity(
+        [gpu_node("big", count=1, replicas=2), gpu_node("small", count=1, memory_mib=16 * 1024)]
+    )
+    running: Running = []
+    for name, gib, node in (("a", 40, "big"), ("b", 10, "big")):
+        d = demand(name, gib)
+        n = cap.ledger.node_row(node)
+        assert n is not None
+        res = reservation_for(cap, d, n, [int(cap.arrays.node_start[n])])
+        cap.apply(d, res, n)
+        running.append((d, res))
+    before = cap.matches("nvidia.com/gpu", None).copy()
+    assert before.all()
+    found = search_repack(cap, demand("blocked", 30), running, time_limit=2, num_workers=1)
+    assert found.plan is not None and [m.pod.name for m in found.plan.moves] == ["b"]
+    assert np.array_equal(cap.matches("nvidia.com/gpu", None), before)

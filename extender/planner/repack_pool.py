@@ -201,8 +201,10 @@ def node_bounds(
     if k == 0:
         return host, held, np.full(len(a.capacity), INF, np.int64)
     need = need_bytes(cap, pod)
-    ok = cap.matches(pod.resource, pod.allowed_products)
-    ok &= (a.per_pod_cap >= need) & (a.capacity >= need) & (a.replicas >= 1)
+    # a new array: `matches` is cached per resource and products and shared by every later
+    # placement on this capacity, so it is never changed in place
+    ok = cap.matches(pod.resource, pod.allowed_products) & (a.per_pod_cap >= need)
+    ok &= (a.capacity >= need) & (a.replicas >= 1)
     ekeep = keep[pool.eowner] if len(pool.eowner) else np.zeros(0, bool)
     er, eb = pool.erow[ekeep], pool.ebytes[ekeep]
     dev_bytes = cover_counts(er, eb, need - (a.capacity - a.used))
