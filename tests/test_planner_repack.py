@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -28,6 +29,8 @@ from extender.planner.repack import (
     plan_repack,
     search_repack,
 )
+from extender.planner.repack_counts import solve_counts
+from extender.planner.repack_pool import Pool
 from extender.quantity import GIB
 from extender.simulate.engine import build_capacity
 
@@ -459,6 +462,70 @@ def test_the_whole_cluster_is_modelled_when_the_time_limit_allows_its_movers():
     assert short.plan is None and long.plan is None  # no GPU can take a 14 GiB pod: no plan
     assert 0 < short.nodes < 20 and long.nodes == 20 and long.movers == 100
     assert ledger_state(cap) == before
+
+
+def _one_gpu(d: Demand) -> bool:
+    return d.gpu_count == 1
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_count_model_finds_the_fewest_moves_of_one_gpu_pods(seed):
+    """`repack_counts` moves only one-GPU pods (counts per kind and device): its plan has
+    exactly the brute force's fewest moves of one-GPU pods, and never overcommits."""
+    cap, pod, running = random_case(seed)
+    best = brute_force(cap, pod, running, _one_gpu)
+    pool = Pool(cap, pod, running, None)
+    before = ledger_state(cap)
+    plan, status = solve_counts(cap, pod, pool, len(running), time.perf_counter() + 10, 1)
+    assert ledger_state(cap) == before
+    if best is None:
+        assert plan is None and status in ("INFEASIBLE", "NO_MOVERS"), status
+        return
+    assert plan is not None, status
+    assert len(plan.moves) == best and status in ("OPTIMAL", "CONSTANT"), status
+    assert all(m.demand.gpu_count == 1 for m in plan.moves)
+    assert_plan_is_sound(cap, plan, running)
+
+
+def test_a_small_cluster_with_many_movers_is_repacked_by_counts():
+    """A cycle of three moves on a small cluster with more movable pods than the whole per-pod
+    model takes in 1 s: a 28 GiB pod leaves a time-sliced GPU for an exclusive one, whose
+    whole-GPU pod takes an MPS share, whose 9 GiB pod joins the blocked pod on the time-sliced
+    GPU. The blocked pod fits no MPS share and the exclusive node lacks its CPU; the greedy plans
+    cannot chain that far; the count model finds the three moves."""
+    mps = gpu_node("mps", count=1, replicas=4, strategy="mps")
+    nodes = [gpu_node("ex", count=1, cpu="4"), mps, gpu_node("ts", count=1, replicas=4)]
+    nodes += [gpu_node(f"fill{i:02d}", count=1, replicas=10) for i in range(10)]
+    _, cap = build_capacity(nodes)
+    running: Running = []
+
+    def put(d: Demand, node: str) -> None:
+        n = cap.ledger.node_row(node)
+        assert n is not None
+        res = reservation_for(cap, d, n, [int(cap.arrays.node_start[n])])
+        cap.apply(d, res, n)
+        running.append((d, res))
+
+    put(demand("whole", None), "ex")
+    for i in range(4):
+        put(demand(f"small{i}", 9), "mps")
+    put(demand("m28", 28), "ts")
+    put(demand("pinned", 40), "ts")
+    for i in range(10):
+        for j in range(10):
+            put(demand(f"fill{i}-{j}", 8), f"fill{i:02d}")
+    blocked = Demand(PodRef("default", "blocked"), 1, 21 * GIB, cpu_milli=8000)
+
+    def movable(d: Demand) -> bool:
+        return d.pod.name != "pinned"
+
+    assert not placements(cap, blocked) and not Neighbourhood().whole(13, len(running), 1.0)
+    found = search_repack(cap, blocked, running, movable=movable, time_limit=1.0, num_workers=1)
+    assert found.plan is not None, found
+    assert found.status != "GREEDY" and found.nodes == 13
+    assert sorted(m.pod.name for m in found.plan.moves) == ["m28", "small0", "whole"]
+    assert found.plan.placement.node == "ts"
+    assert_plan_is_sound(cap, found.plan, running)
 
 
 def test_a_search_leaves_the_cached_device_masks_as_they_were():

@@ -55,12 +55,15 @@ How it searches (`Neighbourhood` holds the sizes):
    fits now, which is what a full cluster of mixed pools needs (on `make bench-llm-mixed`: a
    28 GiB model leaves a time-sliced A100 for an exclusive H100, the whole-GPU pod there takes
    an MPS share, and the 9 GiB model in that share takes the time-sliced GPU beside the blocked
-   pod). Goals in order: fewest moves; then the lowest-priority pods moved;
+   pod). A small cluster with more movers than `whole` allows is first modelled whole by counts
+   of one-GPU pods per kind and device (`repack_counts`, `counts_share` of the time left), before
+   the neighbourhood rounds. Goals in order: fewest moves; then the lowest-priority pods moved;
    then fewest moved pods landing on an idle GPU. The variables and capacity rules are
    `move_model.MoveModel`'s (final-state sense), shared with `defrag`.
 
 The steps live in `repack_pool` (the running pods, the bounds, the greedy plan), `repack_model`
-(the CP-SAT round: model, solve, read-back) and `repack_plan` (the plan, its check, the rule);
+(the CP-SAT round: model, solve, read-back), `repack_counts` (the same by counts, for a small
+cluster) and `repack_plan` (the plan, its check, the rule);
 this module holds the API and the search that runs them.
 """
 
@@ -75,6 +78,7 @@ import numpy as np
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation
 from extender.planner.capacity import Capacity, FragIndex
+from extender.planner.repack_counts import solve_counts
 from extender.planner.repack_model import destinations, solve_round
 from extender.planner.repack_plan import Move, RepackPlan, Rule, final_state_fits
 from extender.planner.repack_pool import (
@@ -139,6 +143,9 @@ class Neighbourhood:
     exact_movers_per_second: int = 96
     #: no CP-SAT round starts with less time than this left
     least_solve: float = 0.05
+    #: a small cluster with too many movers for `whole`: the share of the time left given to
+    #: the model by counts (`repack_counts`) before the neighbourhood rounds
+    counts_share: float = 0.7
 
     def whole(self, nodes: int, movers: int, time_limit: float) -> bool:
         """Model the whole cluster? Up to `exact_nodes` nodes, and a number of movable pods that
@@ -242,6 +249,14 @@ def search_repack(
     )
     # CP-SAT looks for a plan better than the greedy one (or any plan, when there is none)
     better = limit if best is None else min(limit, len(best.moves) - 1)
+    if not exact and len(a.node_names) <= nh.exact_nodes and better >= 1:
+        # too many movers for the whole per-pod model in time: the whole cluster by counts
+        t = time.perf_counter()
+        until = t + nh.counts_share * (deadline - t)
+        counted, status = solve_counts(cap, pod, pool, better, until, num_workers)
+        if counted is not None:
+            optimal = len(counted.moves) <= lowest
+            return _found(counted, status, optimal, lowest, start, len(a.node_names), len(pool), 1)
     status, n_nodes, n_movers = "UNKNOWN", 0, 0
     for done, chosen in enumerate(rounds, start=1):
         chosen = [n for n in chosen if bounds[n] <= better]
