@@ -178,7 +178,9 @@ class Capacity:
         return self.ledger.arrays
 
     def matches(self, resource: str, allowed: frozenset[str] | None) -> np.ndarray:
-        """`device_matches`, cached: devices do not change while a plan or a replay runs."""
+        """`device_matches`, cached: devices do not change while a plan or a replay runs. The
+        array is read-only: every later placement on this capacity reads it, so a caller that
+        and-ed its own conditions into it in place would hide devices from all of them."""
         a = self.arrays
         cache: dict[tuple[int, str, frozenset[str] | None], np.ndarray]
         cache = self.__dict__.setdefault("_match_cache", {})
@@ -188,6 +190,7 @@ class Capacity:
             if len(cache) > 256:
                 cache.clear()
             m = cache[key] = device_matches(a, resource, allowed)
+            m.flags.writeable = False
         return m
 
     def signatures(self) -> np.ndarray:

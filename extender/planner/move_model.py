@@ -41,7 +41,15 @@ from extender.demand import Demand
 from extender.ledger import Reservation
 from extender.planner.capacity import Capacity
 
-__all__ = ["Mover", "MoveModel", "Restrict", "need_bytes", "reservation_for"]
+__all__ = [
+    "Mover",
+    "MoveModel",
+    "Restrict",
+    "device_fits",
+    "gcd_all",
+    "need_bytes",
+    "reservation_for",
+]
 
 #: an extra filter on a mover's candidate device rows: (mover index, rows) -> mask of rows kept
 Restrict = Callable[[int, np.ndarray], np.ndarray]
@@ -68,6 +76,15 @@ def need_bytes(cap: Capacity, demand: Demand) -> np.ndarray:
     return np.full(len(a.capacity), demand.bytes_per_gpu, np.int64)
 
 
+def device_fits(cap: Capacity, demand: Demand, need: np.ndarray) -> np.ndarray:
+    """Device rows that could ever hold one pod of `demand` taking `need` bytes there: its
+    resource and allowed products, a per-pod cap and memory that big, a replica. A new array."""
+    a = cap.arrays
+    ok: np.ndarray = cap.matches(demand.resource, demand.allowed_products) & (a.per_pod_cap >= need)
+    ok &= (a.capacity >= need) & (a.replicas >= 1)
+    return ok
+
+
 def reservation_for(cap: Capacity, demand: Demand, node: int, rows: Iterable[int]) -> Reservation:
     """The reservation of `demand` on device `rows` of node row `node` (no rows: a GPU-less pod,
     a reservation that only names its node)."""
@@ -84,7 +101,8 @@ def reservation_for(cap: Capacity, demand: Demand, node: int, rows: Iterable[int
     )
 
 
-def _gcd_all(values: Iterable[int]) -> int:
+def gcd_all(values: Iterable[int]) -> int:
+    """The gcd of `values` (1 when empty or all zero): the unit coefficients are divided by."""
     g = 0
     for v in values:
         g = gcd(g, int(v))
@@ -179,8 +197,7 @@ class MoveModel:
                     self.y[i, n] = self.y_vars[i, n] = yv0
                     terms.append(yv0)
             else:
-                ok = cap.matches(d.resource, d.allowed_products) & host[a.node_of]
-                ok &= (a.per_pod_cap >= need) & (a.capacity >= need) & (a.replicas >= 1)
+                ok = device_fits(cap, d, need) & host[a.node_of]
                 ok &= (free + d_rel_b >= need) & (rep_free + d_rel_n >= 1)
                 rows = np.flatnonzero(ok)
                 if restrict is not None and len(rows):
@@ -221,7 +238,7 @@ class MoveModel:
         coeffs = [int(self._need[i][r]) for (i, r) in self.x]
         if self.release:
             coeffs += [b for mv in self.movers for b in mv.held]
-        g = _gcd_all(coeffs)
+        g = gcd_all(coeffs)
         for r, movers in self._by_row.items():
             terms_b: list[cp_model.LinearExprT] = [
                 (int(self._need[i][r]) // g) * self.x[i, r] for i in movers
@@ -248,7 +265,7 @@ class MoveModel:
         coeffs = [c for terms in incoming.values() for c, _ in terms]
         if self.release:
             coeffs += [amount(mv.demand) for mv in self.movers if mv.node is not None]
-        g = _gcd_all(coeffs)
+        g = gcd_all(coeffs)
         for n, terms in incoming.items():
             if not terms:
                 continue

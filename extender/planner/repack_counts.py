@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from math import gcd
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from extender.demand import Demand
 from extender.planner.capacity import Capacity, demand_kind
-from extender.planner.move_model import need_bytes, reservation_for
+from extender.planner.move_model import device_fits, gcd_all, need_bytes, reservation_for
 from extender.planner.repack_plan import Move, RepackPlan, by_pod, final_state_fits
 from extender.planner.repack_pool import Pool
 from extender.planner.staged import Settings, Stage, staged_solve
@@ -45,11 +44,8 @@ Kind = tuple[object, ...]
 def _eligible(cap: Capacity, d: Demand, free: np.ndarray, rep_free: np.ndarray) -> np.ndarray:
     """Device rows where one more pod of `d` could be in the final state (given what leaving
     movers give back: `free` and `rep_free` count it)."""
-    a = cap.arrays
     need = need_bytes(cap, d)
-    # a new array: `matches` is cached per resource and products, never to be changed in place
-    ok: np.ndarray = cap.matches(d.resource, d.allowed_products) & (a.per_pod_cap >= need)
-    ok &= (a.capacity >= need) & (a.replicas >= 1)
+    ok = device_fits(cap, d, need)
     ok &= (free >= need) & (rep_free >= 1)
     return ok
 
@@ -147,7 +143,7 @@ class CountModel:
         for r, v in self.z.items():
             terms_b[r].append((int(pod_need[r]), v))
             terms_n[r].append((1, v))
-        g = _gcd([abs(c) for t in terms_b.values() for c, _ in t])
+        g = gcd_all(abs(c) for t in terms_b.values() for c, _ in t)
         for r, t in terms_b.items():
             self.model.add(sum((c // g) * v for c, v in t) <= int(self.free[r]) // g)
         for r, t in terms_n.items():
@@ -165,7 +161,7 @@ class CountModel:
             for n, v in self.y.items():
                 per_node[n].append((amount(self.pod), v))
             per_node = {n: [(c, v) for c, v in t if c] for n, t in per_node.items()}
-            g = _gcd([abs(c) for t in per_node.values() for c, _ in t])
+            g = gcd_all(abs(c) for t in per_node.values() for c, _ in t)
             for n, t in per_node.items():
                 if t:
                     self.model.add(sum((c // g) * v for c, v in t) <= int(room[n]) // g)
@@ -252,12 +248,3 @@ def _cpu(d: Demand) -> int:
 
 def _mem(d: Demand) -> int:
     return d.memory_bytes
-
-
-def _gcd(values: list[int]) -> int:
-    g = 0
-    for v in values:
-        g = gcd(g, v)
-        if g == 1:
-            break
-    return g or 1

@@ -12,7 +12,7 @@ import numpy as np
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation
 from extender.planner.capacity import Capacity, demand_kind
-from extender.planner.move_model import Mover, need_bytes, reservation_for
+from extender.planner.move_model import Mover, device_fits, need_bytes, reservation_for
 from extender.planner.repack_plan import (
     Move,
     RepackPlan,
@@ -201,10 +201,7 @@ def node_bounds(
     if k == 0:
         return host, held, np.full(len(a.capacity), INF, np.int64)
     need = need_bytes(cap, pod)
-    # a new array: `matches` is cached per resource and products and shared by every later
-    # placement on this capacity, so it is never changed in place
-    ok = cap.matches(pod.resource, pod.allowed_products) & (a.per_pod_cap >= need)
-    ok &= (a.capacity >= need) & (a.replicas >= 1)
+    ok = device_fits(cap, pod, need)
     ekeep = keep[pool.eowner] if len(pool.eowner) else np.zeros(0, bool)
     er, eb = pool.erow[ekeep], pool.ebytes[ekeep]
     dev_bytes = cover_counts(er, eb, need - (a.capacity - a.used))
