@@ -50,7 +50,7 @@ import trace_packing as tp
 
 from extender.demand import Demand, PodRef
 from extender.planner.capacity import Candidates, Capacity, FragIndex, Workload, candidates
-from extender.planner.greedy import FGD_TOLERANCE, POLICIES, Choice, _pick, greedy_batch
+from extender.planner.greedy import FGD_TOLERANCE, POLICIES, Choice, _pick, fgd, greedy_batch
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate
 
@@ -220,11 +220,7 @@ def constrained_by_fgd(
     the models' nodes should matter)."""
     if demand.allowed_products is None:
         return SHIPPED(cap, demand, frag)
-    assert frag is not None
-    c = candidates(cap, demand)
-    if len(c) == 0:
-        return None
-    return _pick(c, [np.round(frag.delta(c, demand), 6), c.node], demand, cap)
+    return fgd(cap, demand, frag)
 
 
 def best_fit_band(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
