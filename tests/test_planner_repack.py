@@ -548,3 +548,37 @@ def test_a_search_leaves_the_cached_device_masks_as_they_were():
     found = search_repack(cap, demand("blocked", 30), running, time_limit=2, num_workers=1)
     assert found.plan is not None and [m.pod.name for m in found.plan.moves] == ["b"]
     assert np.array_equal(cap.matches("nvidia.com/gpu", None), before)
+
+
+def test_nodes_where_a_gpu_less_pod_can_make_room_are_tried_first():
+    """61 one-GPU nodes of 8 cores. On 59, a 39 GiB pod holds 6 cores (GPU room, CPU short,
+    and no other node has room for that pod); on n59 (a 100 GiB GPU, half used) a GPU-less
+    pod holds the 6 cores; n60's GPU is full, its cores free. Every node needs one move by the
+    bound, and n59 is the last by memory held, beyond the nodes the greedy step and the
+    neighbourhoods look at; the one plan moves the GPU-less pod to n60."""
+    nodes = [gpu_node(f"n{i:02d}", count=1, cpu="8", replicas=4) for i in range(59)]
+    nodes += [
+        gpu_node("n59", count=1, cpu="8", replicas=4, memory_mib=100 * 1024),
+        gpu_node("n60", count=1, cpu="8", replicas=4),
+    ]
+    _, cap = build_capacity(nodes)
+    running: Running = []
+
+    def put(d: Demand, n: int) -> None:
+        res = reservation_for(cap, d, n, [n]) if d.gpu_count else Reservation(
+            d.pod, f"n{n:02d}", (), ()
+        )
+        cap.apply(d, res if d.gpu_count else None, n)
+        running.append((d, res))
+
+    for n in range(59):
+        put(demand(f"busy{n}", 39, cpu=6000), n)
+    put(demand("half", 50), 59)
+    put(demand("cpu-only", None, gpus=0, cpu=6000), 59)
+    put(demand("full", 80), 60)
+    pod = demand("gpu", 40, cpu=4000)
+    found = search_repack(cap, pod, running, max_moves=1, num_workers=1)
+    assert found.plan is not None and found.proven, found.reason
+    (mv,) = found.plan.moves
+    assert (mv.pod.name, mv.target.node, found.plan.placement.node) == ("cpu-only", "n60", "n59")
+    assert_plan_is_sound(cap, found.plan, running)

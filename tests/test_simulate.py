@@ -14,7 +14,14 @@ from extender.demand import PodRef
 from extender.ledger import Reservation
 from extender.planner import model
 from extender.quantity import GIB, MIB
-from extender.simulate.engine import ALL_POLICIES, PolicyResult, run_policy, while_all_fit
+from extender.simulate.engine import (
+    ALL_POLICIES,
+    MOVES_PER_POD,
+    PolicyResult,
+    RepackLimits,
+    run_policy,
+    while_all_fit,
+)
 from extender.simulate.trace import inflate, read_inputs, read_trace_nodes, read_trace_pods
 
 NODE_HEAD = "sn,cpu_milli,memory_mib,gpu,model\n"
@@ -462,6 +469,29 @@ def test_the_move_budget_is_a_fraction_of_the_pods_placed(tmp_path):
             )
 
 
+def test_a_search_may_spend_at_most_the_moves_per_pod(tmp_path, monkeypatch):
+    """A budget of 5 x 3 placed pods allows 15 moves, the cap per pod 2: the search for p3 is
+    asked for at most 2 (live mode's per-pod cap; one search must not spend the budget)."""
+    import extender.planner.repack as repack
+
+    asked: list[int] = []
+    search = repack.search_repack
+
+    def spy(*args, **kw):
+        asked.append(kw["max_moves"])
+        return search(*args, **kw)
+
+    monkeypatch.setattr(repack, "search_repack", spy)
+    nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
+    r = run_policy("planner+repack", nodes, tasks, bound, move_budget=5.0, moves_per_pod=2)
+    assert asked and max(asked) == 2 and r.moves == 1 and r.to_json()["movesPerPod"] == 2
+    asked.clear()
+    run_policy("planner+repack", nodes, tasks, bound, move_budget=0.5)  # budget left: 1
+    assert asked and max(asked) == 1
+    assert RepackLimits(budget=5.0).allowed(placed=3, moved=0) == MOVES_PER_POD
+    assert RepackLimits(budget=0.5, per_pod=3).allowed(placed=3, moved=1) == 0
+
+
 def test_a_failed_repack_search_is_not_repeated_for_a_pod_asking_as_much():
     from extender.demand import Demand, PodRef
     from extender.simulate.engine import RepackSkips
@@ -584,3 +614,5 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "moves" in table.splitlines()[1] and "bound on GPU memory allocated" in table
     assert main([*args, "--churn", "--bound"]) == 2
+    assert main([*args, "--max-moves-per-pod", "0"]) == 2
+    assert "--max-moves-per-pod must be >= 1" in capsys.readouterr().err

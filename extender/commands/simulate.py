@@ -61,6 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "in the replay every running pod may move",
     )
     p.add_argument(
+        "--max-moves-per-pod",
+        type=int,
+        default=None,
+        metavar="N",
+        help="planner+repack: at most N moves to place one pod (default 3, as "
+        "serve --repack-max-moves-per-pod)",
+    )
+    p.add_argument(
         "--repack-time-limit",
         type=float,
         default=None,
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from extender.quantity import MIB
     from extender.simulate.engine import (
         MOVE_BUDGET,
+        MOVES_PER_POD,
         REPACK_TIME_LIMIT,
         all_fit_line,
         bound_line,
@@ -157,11 +166,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     move_budget = MOVE_BUDGET if args.move_budget is None else args.move_budget
     repack_limit = REPACK_TIME_LIMIT if args.repack_time_limit is None else args.repack_time_limit
-    if move_budget < 0 or repack_limit <= 0:
-        print(
-            "vramsched simulate: --move-budget must be >= 0 and --repack-time-limit > 0",
-            file=sys.stderr,
+    per_pod = MOVES_PER_POD if args.max_moves_per_pod is None else args.max_moves_per_pod
+    wrong = [
+        text
+        for bad, text in (
+            (move_budget < 0, "--move-budget must be >= 0"),
+            (per_pod < 1, "--max-moves-per-pod must be >= 1"),
+            (repack_limit <= 0, "--repack-time-limit must be > 0"),
         )
+        if bad
+    ]
+    if wrong:
+        print(f"vramsched simulate: {'; '.join(wrong)}", file=sys.stderr)
         return 2
     results = []
     for policy in _policies(args.policy):
@@ -176,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             num_workers=args.workers,
             move_budget=move_budget,
             repack_time_limit=repack_limit,
+            moves_per_pod=per_pod,
         )
         results.append(r)
         if not args.json:
@@ -195,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
                 num_workers=args.workers,
                 move_budget=budget,
                 repack_time_limit=repack_limit,
+                moves_per_pod=per_pod,
             )
             curve.append(_curve_point(budget, r))
             if not args.json:

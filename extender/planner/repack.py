@@ -88,6 +88,7 @@ from extender.planner.repack_pool import (
     dominates,
     greedy_best,
     move_lower_bounds,
+    needs_gpu_movers,
     node_bounds,
 )
 
@@ -220,7 +221,8 @@ def search_repack(
     # not out of the bound nor the exact model: with other moves around, such a move can count
     keep = ~pool.dominating(pod)
     rank, held, cost = node_bounds(cap, pod, pool, keep) if not keep.all() else valid
-    ranked = [int(n) for n in np.lexsort((held, rank)) if rank[n] <= limit]
+    hard = needs_gpu_movers(cap, pod, pool, keep, rank)
+    ranked = [int(n) for n in np.lexsort((held, hard, rank)) if rank[n] <= limit]
     nh = neighbourhood
     greedy_until = start + nh.greedy_share * time_limit
     best = greedy_best(
@@ -241,7 +243,8 @@ def search_repack(
     a = cap.arrays
     exact = nh.whole(len(a.node_names), len(pool), time_limit)
     if exact:
-        ranked = [int(n) for n in np.lexsort((valid[1], bounds)) if bounds[n] <= limit]
+        hard = needs_gpu_movers(cap, pod, pool, everyone, bounds)
+        ranked = [int(n) for n in np.lexsort((valid[1], hard, bounds)) if bounds[n] <= limit]
     rounds: list[list[int]] = (
         [ranked]
         if exact

@@ -8,10 +8,11 @@ records what the device plugin would do, overcommit included, and the metrics co
 
 `planner+repack` is the planner, and when a GPU pod then fits nowhere, repacking by migration
 (`planner.repack`): the fewest moves of running pods that make it fit, applied at once, within a
-budget of `move_budget` x the pods placed so far (moves spent count against it). In the replay
+budget of `move_budget` x the pods placed so far (moves spent count against it) and at most
+`moves_per_pod` moves to place one pod (live mode's per-pod cap, same default). In the replay
 every running pod may move (the trace says nothing about which could not); the live mode's
-per-pod and per-minute caps and its movable label are `serve --repack`'s. Attempts that cannot
-succeed are skipped (`RepackSkips`).
+per-minute cap and its movable label are `serve --repack`'s. Attempts that cannot succeed are
+skipped (`RepackSkips`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from extender.simulate.trace import Task
 
 __all__ = [
     "PolicyResult",
+    "RepackLimits",
     "run_policy",
     "build_capacity",
     "fit_nowhere",
@@ -52,6 +54,10 @@ VRAMSCHED_POLICIES = ("planner", "planner+repack", "hot-path", "vramsched")
 MOVE_BUDGET = 0.02
 #: seconds one repack search may take (`planner.repack.search_repack`'s time limit)
 REPACK_TIME_LIMIT = 1.0
+#: at most this many moves to place one pod, as live mode's `serve --repack-max-moves-per-pod`
+#: (same default). Without it one search could spend the whole budget on a long chain for one
+#: small pod; on the trace, searches capped at 3 place more pods with the same budget
+MOVES_PER_POD = 3
 
 
 @dataclass
@@ -95,10 +101,11 @@ class PolicyResult:
     allFitBatches: int = 0
     allFitArrivals: int = 0
     #: pods moved by repacking (`planner+repack`; 0 for the others), the budget they were spent
-    #: from (a fraction of the pods placed), repack searches run, pods they placed, pods that
+    #: from (a fraction of the pods placed) and the cap per pod placed, repack searches run, pods they placed, pods that
     #: failed without a search (`RepackSkips`), and the searches' wall time
     moves: int = 0
     moveBudget: float = 0.0
+    movesPerPod: int = 0
     repackSearches: int = 0
     repackPlaced: int = 0
     repackSkipped: int = 0
@@ -145,6 +152,7 @@ def run_policy(
     accept: str | None = None,
     move_budget: float = MOVE_BUDGET,
     repack_time_limit: float = REPACK_TIME_LIMIT,
+    moves_per_pod: int = MOVES_PER_POD,
 ) -> PolicyResult:
     cluster, cap = build_capacity(nodes, bound)
     workload = workload or Workload.from_demands(t.demand for t in tasks)
@@ -155,7 +163,12 @@ def run_policy(
     )
     repack = policy == "planner+repack"
     base = "planner" if repack else policy
-    out = PolicyResult(policy, moveBudget=move_budget if repack else 0.0)
+    out = PolicyResult(
+        policy,
+        moveBudget=move_budget if repack else 0.0,
+        movesPerPod=moves_per_pod if repack else 0,
+    )
+    limits = RepackLimits(move_budget, moves_per_pod, repack_time_limit, num_workers)
     running: dict[str, tuple[Demand, Reservation]] = {}
     skips = RepackSkips()
     start = time.perf_counter()
@@ -213,9 +226,7 @@ def run_policy(
                 out,
                 skips,
                 nowhere,
-                repack_time_limit,
-                num_workers,
-                move_budget,
+                limits,
             )
         a = cap.arrays
         in_use = int((a.used_replicas > 0).sum())
@@ -241,6 +252,21 @@ def run_policy(
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
     return out
+
+
+@dataclass(frozen=True)
+class RepackLimits:
+    """What `planner+repack` may spend: moves as a fraction of the pods placed so far, moves
+    to place one pod, seconds per search, CP-SAT workers."""
+
+    budget: float = MOVE_BUDGET
+    per_pod: int = MOVES_PER_POD
+    time_limit: float = REPACK_TIME_LIMIT
+    num_workers: int = 2
+
+    def allowed(self, placed: int, moved: int) -> int:
+        """Moves the next search may make, after `moved` moves and `placed` pods placed."""
+        return min(self.per_pod, int(self.budget * placed) - moved)
 
 
 @dataclass
@@ -288,9 +314,7 @@ def _repack_failed(
     out: PolicyResult,
     skips: RepackSkips,
     nowhere: set[tuple],
-    time_limit: float,
-    num_workers: int,
-    move_budget: float,
+    limits: RepackLimits,
 ) -> list[tuple[Task, int]]:
     """Repack for every GPU pod of the batch left out, in order, while the budget lasts; the
     pods it places, indexed like the others."""
@@ -301,7 +325,7 @@ def _repack_failed(
         d = t.demand
         if t.key in where or not d.wants_gpu:
             continue
-        allowed = int(move_budget * (out.placed + placed_now + len(more))) - out.moves
+        allowed = limits.allowed(out.placed + placed_now + len(more), out.moves)
         if allowed < 1 or demand_kind(d) in nowhere or skips.skip(d, allowed):
             out.repackSkipped += 1
             continue
@@ -310,8 +334,8 @@ def _repack_failed(
             d,
             list(running.values()),
             max_moves=allowed,
-            time_limit=time_limit,
-            num_workers=num_workers,
+            time_limit=limits.time_limit,
+            num_workers=limits.num_workers,
             place_rule=_planner_rule(),  # moved pods land where the planner would put them
             frag=frag,
         )
