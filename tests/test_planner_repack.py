@@ -565,8 +565,10 @@ def test_nodes_where_a_gpu_less_pod_can_make_room_are_tried_first():
     running: Running = []
 
     def put(d: Demand, n: int) -> None:
-        res = reservation_for(cap, d, n, [n]) if d.gpu_count else Reservation(
-            d.pod, f"n{n:02d}", (), ()
+        res = (
+            reservation_for(cap, d, n, [n])
+            if d.gpu_count
+            else Reservation(d.pod, f"n{n:02d}", (), ())
         )
         cap.apply(d, res if d.gpu_count else None, n)
         running.append((d, res))
