@@ -101,8 +101,9 @@ class PolicyResult:
     allFitBatches: int = 0
     allFitArrivals: int = 0
     #: pods moved by repacking (`planner+repack`; 0 for the others), the budget they were spent
-    #: from (a fraction of the pods placed) and the cap per pod placed, repack searches run, pods they placed, pods that
-    #: failed without a search (`RepackSkips`), and the searches' wall time
+    #: from (a fraction of the pods placed) and the cap per pod placed, repack searches run,
+    #: pods they placed, pods that failed without a search (`RepackSkips`), and the searches'
+    #: wall time
     moves: int = 0
     moveBudget: float = 0.0
     movesPerPod: int = 0
