@@ -184,6 +184,15 @@ def move_lower_bounds(
     return node_bounds(cap, pod, pool, np.ones(len(pool), bool))[0]
 
 
+def host_moves(cap: Capacity, pod: Demand, pool: Pool, keep: np.ndarray) -> np.ndarray:
+    """Per node, the fewest pods of `keep` there (largest first) whose CPU, and whose memory,
+    cover what the pod lacks of each (INF: they cannot)."""
+    return np.maximum(
+        cover_counts(pool.node[keep], pool.cpu[keep], pod.cpu_milli - cap.cpu_free),
+        cover_counts(pool.node[keep], pool.mem[keep], pod.memory_bytes - cap.mem_free),
+    )
+
+
 def node_bounds(
     cap: Capacity, pod: Demand, pool: Pool, keep: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,10 +202,7 @@ def node_bounds(
     fit there (INF: never)."""
     a = cap.arrays
     n_nodes = len(a.node_names)
-    host = np.maximum(
-        cover_counts(pool.node[keep], pool.cpu[keep], pod.cpu_milli - cap.cpu_free),
-        cover_counts(pool.node[keep], pool.mem[keep], pod.memory_bytes - cap.mem_free),
-    )
+    host = host_moves(cap, pod, pool, keep)
     held = np.zeros(n_nodes, np.int64)
     k = pod.gpu_count
     if k == 0:
@@ -240,11 +246,7 @@ def needs_gpu_movers(
     (on the trace at inflate 1.3, every pod that fits nowhere has GPU room on hundreds of nodes
     whose CPU is short, and the few that hold a GPU-less pod are where one move places it)."""
     gpu_less = keep & (np.diff(pool.estart) == 0)
-    by_gpu_less = np.maximum(
-        cover_counts(pool.node[gpu_less], pool.cpu[gpu_less], pod.cpu_milli - cap.cpu_free),
-        cover_counts(pool.node[gpu_less], pool.mem[gpu_less], pod.memory_bytes - cap.mem_free),
-    )
-    return np.asarray(by_gpu_less > bounds)
+    return np.asarray(host_moves(cap, pod, pool, gpu_less) > bounds)
 
 
 def greedy_best(
