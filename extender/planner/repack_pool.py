@@ -187,10 +187,11 @@ def move_lower_bounds(
 def host_moves(cap: Capacity, pod: Demand, pool: Pool, keep: np.ndarray) -> np.ndarray:
     """Per node, the fewest pods of `keep` there (largest first) whose CPU, and whose memory,
     cover what the pod lacks of each (INF: they cannot)."""
-    return np.maximum(
+    out: np.ndarray = np.maximum(
         cover_counts(pool.node[keep], pool.cpu[keep], pod.cpu_milli - cap.cpu_free),
         cover_counts(pool.node[keep], pool.mem[keep], pod.memory_bytes - cap.mem_free),
     )
+    return out
 
 
 def node_bounds(
