@@ -242,6 +242,11 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
 # ----- the budget ----------------------------------------------------------------------------------
 
 
+#: the default cap on moves to place one pod: `serve --repack-max-moves-per-pod` and the
+#: simulator's `planner+repack` (`simulate --max-moves-per-pod`)
+MOVES_PER_POD = 3
+
+
 class MoveBudget:
     """Caps evictions: at most `per_pod` moves to place one pod, and at most `per_minute` in any
     60 seconds. `clock` is injectable (tests); moves are counted when the eviction is accepted."""

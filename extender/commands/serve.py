@@ -18,6 +18,7 @@ from extender.inventory import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm
+from extender.repack_policy import MOVES_PER_POD
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -152,9 +153,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repack-max-moves-per-pod",
         type=int,
-        default=3,
+        default=MOVES_PER_POD,
         metavar="N",
-        help="at most N pods evicted to place one pod (default 3)",
+        help=f"at most N pods evicted to place one pod (default {MOVES_PER_POD})",
     )
     p.add_argument(
         "--repack-max-moves-per-minute",

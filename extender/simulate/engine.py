@@ -30,9 +30,11 @@ from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
+from extender.repack_policy import MOVES_PER_POD
 from extender.simulate.trace import Task
 
 __all__ = [
+    "MOVES_PER_POD",
     "PolicyResult",
     "RepackLimits",
     "run_policy",
@@ -54,10 +56,6 @@ VRAMSCHED_POLICIES = ("planner", "planner+repack", "hot-path", "vramsched")
 MOVE_BUDGET = 0.02
 #: seconds one repack search may take (`planner.repack.search_repack`'s time limit)
 REPACK_TIME_LIMIT = 1.0
-#: at most this many moves to place one pod, as live mode's `serve --repack-max-moves-per-pod`
-#: (same default). Without it one search could spend the whole budget on a long chain for one
-#: small pod; on the trace, searches capped at 3 place more pods with the same budget
-MOVES_PER_POD = 3
 
 
 @dataclass
@@ -258,7 +256,9 @@ def run_policy(
 @dataclass(frozen=True)
 class RepackLimits:
     """What `planner+repack` may spend: moves as a fraction of the pods placed so far, moves
-    to place one pod, seconds per search, CP-SAT workers."""
+    to place one pod (live mode's default cap: without one, a search could spend the whole
+    budget on a long chain for one small pod; on the trace, searches capped at 3 place more
+    pods with the same budget), seconds per search, CP-SAT workers."""
 
     budget: float = MOVE_BUDGET
     per_pod: int = MOVES_PER_POD
