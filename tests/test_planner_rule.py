@@ -1,4 +1,5 @@
-"""The planner's one-pod rule: FGD's measure with a tolerance, then the lowest node (`fgd-packed`);
+"""The planner's one-pod rule: FGD's measure with a tolerance, then the lowest node, and GPU-less
+pods to the node with the least free GPU memory (`fgd-packed`);
 what FGD and the other rules choose on the cases that explain the trace's results (docs/packing.md)."""
 
 from __future__ import annotations
@@ -72,23 +73,70 @@ def near_tie_case(rare_weight: float) -> tuple[Capacity, FragIndex, Demand]:
 
 
 def test_fgd_packed_takes_the_lowest_node_among_near_equal_fgd_choices():
-    # weight 0.08: n1 -1.6 GiB, n2 0, n0 +1.6 GiB: within 5% of an 80 GiB GPU (4 GiB) of each other
-    cap, frag, pod = near_tie_case(0.08)
+    # weight 0.01: n1 -0.2 GiB, n2 0, n0 +0.2 GiB: within 1% of an 80 GiB GPU (0.8 GiB) of each other
+    cap, frag, pod = near_tie_case(0.01)
     c = candidates(cap, pod, dedupe=False)
     delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
-    assert np.allclose([delta[0], delta[1], delta[2]], [1.6, -1.6, 0.0])
-    assert greedy.fgd(cap, pod, frag)[1] == 1  # the least increase, by 3.2 GiB of expectation
+    assert np.allclose([delta[0], delta[1], delta[2]], [0.2, -0.2, 0.0])
+    assert greedy.fgd(cap, pod, frag)[1] == 1  # the least increase, by 0.4 GiB of expectation
     assert greedy.fgd_packed(cap, pod, frag)[1] == 0  # near-equal: the lowest node
     assert greedy.first_fit(cap, pod, frag)[1] == 0
 
 
 def test_fgd_packed_keeps_fgd_choice_when_the_difference_is_beyond_the_tolerance():
-    # weight 0.2: n1 -4 GiB, n2 0, n0 +4 GiB: n0 is 8 GiB worse than n1, beyond 4 GiB; n1 and n2
-    # are within it, and n1 is the lower of the two
-    cap, frag, pod = near_tie_case(0.2)
+    # weight 0.05: n1 -1 GiB, n2 0, n0 +1 GiB: n2 and n0 are 1 and 2 GiB worse than n1, beyond
+    # 0.8 GiB, so n1 alone is near the best
+    cap, frag, pod = near_tie_case(0.05)
     assert greedy.fgd(cap, pod, frag)[1] == 1
     assert greedy.fgd_packed(cap, pod, frag)[1] == 1
-    assert greedy.FGD_TOLERANCE == 0.05
+    assert greedy.first_fit(cap, pod, frag)[1] == 0
+    assert greedy.FGD_TOLERANCE == 0.01
+
+
+def gpuless_case() -> tuple[Capacity, FragIndex, Demand]:
+    """n0 and n1: one idle 80 GiB GPU each; n2: its GPU taken by a 78 GiB pod. Every node has 64
+    cores; the workload's GPU pods need 8 cores and 10 GiB. A GPU-less pod of 8 cores arrives."""
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=1, memory_mib=80 * 1024, replicas=8, cpu="64") for i in range(3)]
+    )
+    place_on(cap, demand("big", 78), 2)
+    frag = FragIndex(cap, Workload.from_demands([demand("w", 10, cpu=8000)]))
+    cpu_pod = Demand(PodRef("t", "cpu"), 0, None, cpu_milli=8000)
+    return cap, frag, cpu_pod
+
+
+def test_a_gpu_less_pod_goes_where_the_gpus_are_taken():
+    cap, frag, pod = gpuless_case()
+    c = candidates(cap, pod, dedupe=False)
+    # FGD's measure is flat: every node keeps 56 cores, enough for the workload's pods
+    assert np.allclose(frag.delta(c, pod), 0.0)
+    assert greedy.fgd(cap, pod, frag)[1] == 0 and greedy.first_fit(cap, pod, frag)[1] == 0
+    # the planner's rule: n2, whose GPU has 2 GiB left, over the idle GPUs of n0 and n1
+    res, node, _ = greedy.fgd_packed(cap, pod, frag)
+    assert res is None and node == 2
+
+
+def test_gpu_less_pods_keep_the_gpu_nodes_cpu_for_gpu_pods():
+    """Eight 8-core GPU-less pods, then 10 GiB GPU pods of 8 cores: FGD stacks the GPU-less pods on
+    n0 until one more would strand its GPU, and n0's GPU goes mostly unused; the planner's rule
+    puts them on n2, and n0 and n1 fill their GPUs."""
+    results = {}
+    for rule in ("fgd", "fgd-packed"):
+        cap, frag, _ = gpuless_case()
+        for i in range(8):
+            cpu_pod = Demand(PodRef("t", f"cpu{i}"), 0, None, cpu_milli=8000)
+            place_one(cap, cpu_pod, greedy.choose(rule, cap, cpu_pod, frag), frag)
+        placed = 0
+        for i in range(16):
+            gpu_pod = demand(f"g{i}", 10, cpu=8000)
+            choice = greedy.choose(rule, cap, gpu_pod, frag)
+            if choice is not None:
+                place_one(cap, gpu_pod, choice, frag)
+                placed += 1
+        results[rule] = placed
+    # FGD: 7 GPU-less pods on n0 (8 cores left: one GPU pod), the 8th on n1 (7 GPU pods), none on
+    # n2 (2 GiB left); the planner's rule: n2's 64 cores, then 8 GPU pods each on n0 and n1
+    assert results == {"fgd": 8, "fgd-packed": 16}
 
 
 def test_the_planner_follows_its_rule_for_one_pod_and_for_the_reference_plan():
