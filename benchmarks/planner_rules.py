@@ -8,9 +8,9 @@ same run.
 
 **variants** (`VARIANTS`): the planner (batches and all) with its one-pod rule replaced, on every
 trace list at inflate 1.3 in the file's node order and `--shuffle-orders` shuffled ones, and on
-the heterogeneous LLM scenario (benchmarks/llm_mixed.py), next to the shipped planner, FGD and
-first-fit. FGD is the only baseline the planner trails anywhere on the trace, so the table gives
-each rule's memory allocated minus FGD's.
+the heterogeneous LLM scenario (benchmarks/llm_mixed.py), next to the shipped planner and the
+baselines it must not trail (FGD, first-fit, best-fit, the hot path); the table gives each rule's
+memory allocated minus the best baseline's.
 
 **portfolio**: on the Alibaba trace FGD allocates the most memory on a few lists and
 `fgd-packed` (the planner's rule) on the rest (docs/packing.md). A scheduler that could tell
@@ -50,7 +50,15 @@ import trace_packing as tp
 
 from extender.demand import Demand, PodRef
 from extender.planner.capacity import Candidates, Capacity, FragIndex, Workload, candidates
-from extender.planner.greedy import FGD_TOLERANCE, POLICIES, Choice, _pick, fgd, greedy_batch
+from extender.planner.greedy import (
+    FGD_TOLERANCE,
+    GPULESS_TOLERANCE,
+    POLICIES,
+    Choice,
+    _pick,
+    fgd,
+    greedy_batch,
+)
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate
 
@@ -195,9 +203,32 @@ def _near_ties(
     return c, d, d <= d.min() + tolerance * float(cap.arrays.capacity.mean())
 
 
+def packed(tolerance: float, gpuless_to_taken_gpus: bool):
+    """`fgd-packed` with another band for GPU pods, and GPU-less pods sent either to the node with
+    the least free GPU memory among their near-ties (the shipped rule) or to the lowest node."""
+
+    def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+        if demand.gpu_count == 0 and gpuless_to_taken_gpus:
+            return SHIPPED(cap, demand, frag)
+        tol = GPULESS_TOLERANCE if demand.gpu_count == 0 else tolerance
+        ties = _near_ties(cap, demand, frag, tol)
+        if ties is None:
+            return None
+        c, d, near = ties
+        return _pick(c, [~near, c.node, d], demand, cap)
+
+    return rule
+
+
+#: the planner's one-pod rule before GPU-less pods were sent where the GPUs are taken: a 5% band
+#: for every pod, then the lowest node
+PREVIOUS = packed(0.05, gpuless_to_taken_gpus=False)
+
+
 def in_use_band(tolerance: float):
-    """`fgd-packed` whose band holds only nodes already in use; when no near-best placement is on
-    one, FGD's own choice opens a node (which idle node to open by the measure, not the index)."""
+    """The previous rule whose band holds only nodes already in use; when no near-best placement
+    is on one, FGD's own choice opens a node (which idle node to open by the measure, not the
+    index)."""
 
     def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
         ties = _near_ties(cap, demand, frag, tolerance)
@@ -215,18 +246,19 @@ def in_use_band(tolerance: float):
 def constrained_by_fgd(
     cap: Capacity, demand: Demand, frag: FragIndex | None = None
 ) -> Choice | None:
-    """FGD's own choice for a pod limited to some GPU models, `fgd-packed` for the others: a
+    """FGD's own choice for a pod limited to some GPU models, the previous rule for the others: a
     rule that knows the type constraints (the constrained pods are where FGD's fine ranking of
     the models' nodes should matter)."""
     if demand.allowed_products is None:
-        return SHIPPED(cap, demand, frag)
+        return PREVIOUS(cap, demand, frag)
     return fgd(cap, demand, frag)
 
 
 def best_fit_band(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
-    """`fgd-packed` whose near-ties go to the node with the least free GPU memory (best fit)
-    instead of the lowest node: packing by how full a node is, not by where it is listed."""
-    ties = _near_ties(cap, demand, frag, FGD_TOLERANCE)
+    """The previous rule whose near-ties go to the node with the least free GPU memory (best fit)
+    instead of the lowest node, for every pod: packing by how full a node is, not by where it is
+    listed."""
+    ties = _near_ties(cap, demand, frag, 0.05)
     if ties is None:
         return None
     c, d, near = ties
@@ -235,14 +267,22 @@ def best_fit_band(cap: Capacity, demand: Demand, frag: FragIndex | None = None) 
     return _pick(c, [~near, node_free[c.node], c.node, d], demand, cap)
 
 
+SHIPPED = POLICIES["fgd-packed"]
+
 #: one-pod rules measured in the planner's place
 VARIANTS = {
-    "in-use-band": in_use_band(FGD_TOLERANCE),
+    "previous": PREVIOUS,
+    "band-5": packed(0.05, gpuless_to_taken_gpus=True),
+    "band-0": packed(0.0, gpuless_to_taken_gpus=True),
+    "gpuless-lowest": packed(FGD_TOLERANCE, gpuless_to_taken_gpus=False),
+    "in-use-band": in_use_band(0.05),
     "in-use-band-10": in_use_band(0.10),
     "constrained-by-fgd": constrained_by_fgd,
     "best-fit-band": best_fit_band,
 }
-SHIPPED = POLICIES["fgd-packed"]
+
+#: the baselines the planner must not trail
+BASELINES = ("fgd", "first-fit", "best-fit", "hot-path")
 
 
 def _with_rule(rule: str, run) -> object:
@@ -266,7 +306,8 @@ def variants_on_list(job: tuple[str, int | None]) -> dict:
         )
         return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
 
-    got = {"fgd": alloc("fgd"), "first-fit": alloc("first-fit"), "planner": alloc("planner")}
+    got = {b: alloc(b) for b in BASELINES}
+    got["planner"] = alloc("planner")
     for v in VARIANTS:
         got[f"planner/{v}"] = alloc("planner", v)
     return {"podList": pod_list, "shuffleNodes": shuffle, "allocatedGpus": got}
@@ -277,8 +318,7 @@ def variants_llm_mixed(_: object = None) -> dict:
 
     out: dict = {"scenario": "llm-mixed", "placed": {}, "allocatedGiB": {}}
     for label, policy, rule in [
-        ("fgd", "fgd", "shipped"),
-        ("first-fit", "first-fit", "shipped"),
+        *[(b, b, "shipped") for b in BASELINES],
         ("planner", "planner", "shipped"),
         *[(f"planner/{v}", "planner", v) for v in VARIANTS],
     ]:
@@ -290,27 +330,32 @@ def variants_llm_mixed(_: object = None) -> dict:
 
 def variants_table(runs: list[dict], llm: dict) -> str:
     rules = ["planner", *[f"planner/{v}" for v in VARIANTS]]
-    lines = ["trace, inflate 1.3: GPUs (1000 MiB) of memory allocated minus FGD's"]
+    lines = [
+        "trace, inflate 1.3: GPUs (1000 MiB) of memory allocated minus the best of "
+        + ", ".join(BASELINES)
+    ]
     lines.append(
-        f"{'pod list':12s} {'order':>5s} {'fgd':>8s} " + " ".join(f"{r:>26s}" for r in rules)
+        f"{'pod list':12s} {'order':>5s} {'best':>8s} " + " ".join(f"{r:>12s}" for r in rules)
     )
     behind = {r: 0 for r in rules}
     total = {r: 0.0 for r in rules}
     worst = {r: float("inf") for r in rules}
     for run in runs:
         g = run["allocatedGpus"]
+        best = max(g[b] for b in BASELINES)
         order = "file" if run["shuffleNodes"] is None else str(run["shuffleNodes"])
         cells = []
         for r in rules:
-            m = g[r] - g["fgd"]
+            m = g[r] - best
             behind[r] += m < 0
             total[r] += m
             worst[r] = min(worst[r], m)
-            cells.append(f"{m:+26.2f}")
-        lines.append(f"{run['podList']:12s} {order:>5s} {g['fgd']:8.2f} " + " ".join(cells))
-    lines.append(f"{'behind FGD on':18s} {'':8s}" + " ".join(f"{behind[r]:26d}" for r in rules))
-    lines.append(f"{'worst':18s} {'':8s}" + " ".join(f"{worst[r]:+26.2f}" for r in rules))
-    lines.append(f"{'sum':18s} {'':8s}" + " ".join(f"{total[r]:+26.2f}" for r in rules))
+            cells.append(f"{m:+12.2f}")
+        lines.append(f"{run['podList']:12s} {order:>5s} {best:8.2f} " + " ".join(cells))
+    lines.append(f"{'behind in':27s}" + " ".join(f"{behind[r]:12d}" for r in rules))
+    lines.append(f"{'worst':27s}" + " ".join(f"{worst[r]:+12.2f}" for r in rules))
+    lines.append(f"{'sum':27s}" + " ".join(f"{total[r]:+12.2f}" for r in rules))
+    lines.append("(planner/X: the planner with one-pod rule X; columns cut to 12 characters)")
     lines.append("")
     lines.append("llm-mixed: pods placed / GiB allocated")
     for label in llm["placed"]:
