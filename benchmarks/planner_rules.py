@@ -335,7 +335,8 @@ def variants_table(runs: list[dict], llm: dict) -> str:
         + ", ".join(BASELINES)
     ]
     lines.append(
-        f"{'pod list':12s} {'order':>5s} {'best':>8s} " + " ".join(f"{r:>12s}" for r in rules)
+        f"{'pod list':12s} {'order':>5s} {'best':>8s} "
+        + " ".join(f"{r.removeprefix('planner/')[:12]:>12s}" for r in rules)
     )
     behind = {r: 0 for r in rules}
     total = {r: 0.0 for r in rules}
@@ -355,7 +356,7 @@ def variants_table(runs: list[dict], llm: dict) -> str:
     lines.append(f"{'behind in':27s}" + " ".join(f"{behind[r]:12d}" for r in rules))
     lines.append(f"{'worst':27s}" + " ".join(f"{worst[r]:+12.2f}" for r in rules))
     lines.append(f"{'sum':27s}" + " ".join(f"{total[r]:+12.2f}" for r in rules))
-    lines.append("(planner/X: the planner with one-pod rule X; columns cut to 12 characters)")
+    lines.append("(column X: the planner with one-pod rule X, its name cut to 12 characters)")
     lines.append("")
     lines.append("llm-mixed: pods placed / GiB allocated")
     for label in llm["placed"]:

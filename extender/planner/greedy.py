@@ -18,7 +18,7 @@ know memory and is therefore *recorded*, overcommit included, to show what it wo
   plan of a batch, and FGD's smallest first, against FGD's in queue order).
 
 Why the planner's one-pod rule is `fgd-packed` and not FGD's own (docs/packing.md, "Why the
-planner packs FGD's near-ties"): FGD orders placements by differences of expected stranded memory
+planner's rule differs from FGD's"): FGD orders placements by differences of expected stranded memory
 far below any pod's size, and on the Alibaba trace that scatter loses up to 56 GPUs of memory to
 first-fit and the hot path on the lists where most pods share a GPU. Taking the lowest node among
 FGD's near-equal choices keeps FGD's measure where it separates placements clearly and first-fit's
