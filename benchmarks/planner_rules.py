@@ -263,7 +263,7 @@ def best_fit_band(cap: Capacity, demand: Demand, frag: FragIndex | None = None) 
         return None
     c, d, near = ties
     a = cap.arrays
-    node_free = np.add.reduceat(a.free, a.node_start[:-1])
+    node_free = a.per_node_sum(a.free)
     return _pick(c, [~near, node_free[c.node], c.node, d], demand, cap)
 
 

@@ -137,7 +137,7 @@ def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> 
     cap_mean = float(a.capacity.mean()) if len(a.capacity) else 0.0
     if demand.gpu_count == 0:
         near = d <= d.min() + GPULESS_TOLERANCE * cap_mean
-        gpu_free = a.per_node_sum(a.capacity - a.used)[c.node]
+        gpu_free = a.per_node_sum(a.free)[c.node]
         return _pick(c, [~near, gpu_free, c.node, d], demand, cap)
     near = d <= d.min() + FGD_TOLERANCE * cap_mean
     return _pick(c, [~near, c.node, d], demand, cap)
