@@ -124,7 +124,7 @@ def run(n_nodes: int, n_pods: int, time_limit: float, workers: int, seed: int) -
     _, cap = build_capacity(nodes, bound)
     demands = batch(n_pods, seed)
     wl = Workload.from_demands(demands)
-    frag = FragIndex(cap, wl)
+    frag = FragIndex(cap, wl, count_foreign=False)
     t0 = time.perf_counter()
     greedy = greedy_batch(cap, demands, frag)
     t_greedy = time.perf_counter() - t0

@@ -378,5 +378,5 @@ def _solve(
         except LedgerError:
             continue  # no longer fits: that entry fails its own check when used
     cap.dedupe = len(demands) >= DEDUPE_FROM  # see Capacity.dedupe
-    frag = FragIndex(cap, Workload.from_demands(demands))
+    frag = FragIndex(cap, Workload.from_demands(demands), count_foreign=False)
     return solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)

@@ -23,6 +23,7 @@ import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import DeviceArrays, Ledger, Reservation, first_k_per_node, run_starts
+from extender.planner.pressure import ProductPressure
 
 __all__ = [
     "Capacity",
@@ -336,11 +337,31 @@ class Workload:
     weight: np.ndarray  # (T,) sums to 1
     resource: list[str] = field(default_factory=list)
     allowed: list[frozenset[str] | None] = field(default_factory=list)
+    #: every pod set limited to some GPU models (not only the common types): (resource, allowed
+    #: models, declared bytes, whole devices) of their GPU demand, for `pressure.ProductPressure`
+    limited: list[tuple[str, frozenset[str], int, int]] = field(default_factory=list)
+    #: declared bytes and whole devices of every GPU pod (what `limited` is a share of)
+    gpu_demand: tuple[int, int] = (0, 0)
 
     @classmethod
     def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> Workload:
-        """The most common demand types, weighted by how many pods have them (FGD's choice)."""
-        counts = Counter(demand_kind(d) for d in demands)
+        """The most common demand types, weighted by how many pods have them (FGD's choice), and
+        the GPU demand of every pod set limited to some models."""
+        counts: Counter[tuple[int, int, int, int, str, frozenset[str] | None]] = Counter()
+        limited: dict[tuple[str, frozenset[str]], list[int]] = {}
+        gpu_bytes = gpu_whole = 0
+        for d in demands:
+            counts[demand_kind(d)] += 1
+            if d.gpu_count == 0:
+                continue
+            declared = 0 if d.bytes_per_gpu is None else d.gpu_count * d.bytes_per_gpu
+            whole = d.gpu_count if d.bytes_per_gpu is None else 0
+            gpu_bytes += declared
+            gpu_whole += whole
+            if d.allowed_products is not None:
+                acc = limited.setdefault((d.resource, d.allowed_products), [0, 0])
+                acc[0] += declared
+                acc[1] += whole
         top = counts.most_common(max_types)
         if not top:
             top = [((1, -1, 0, 0, "nvidia.com/gpu", None), 1)]
@@ -353,6 +374,8 @@ class Workload:
             weight=np.asarray([c / total for _, c in top], np.float64),
             resource=[k[4] for k, _ in top],
             allowed=[k[5] for k, _ in top],
+            limited=[(r, al, b, w) for (r, al), (b, w) in limited.items()],
+            gpu_demand=(gpu_bytes, gpu_whole),
         )
 
     def __len__(self) -> int:
@@ -364,9 +387,15 @@ class FragIndex:
 
     For node n and type t: `A[n,t]` free bytes on devices a t pod cannot use, `okc[n,t]` devices it
     can use, `total[n]` all free bytes. Fragment of n for t is `A` if a t pod can run on n, else `total`.
+
+    `count_foreign=False` (the planner's rule): a node with the type's resource but none of the GPU
+    models it may use is no fragment for that type, rather than all its free memory. FGD's
+    count makes the models few types may use look the most fragmented, so filling them with pods
+    that could go anywhere looks like progress (`pressure` says why that loses). `pressure` is the
+    workload's `ProductPressure` on these devices.
     """
 
-    def __init__(self, cap: Capacity, workload: Workload) -> None:
+    def __init__(self, cap: Capacity, workload: Workload, *, count_foreign: bool = True) -> None:
         self.cap = cap
         self.w = workload
         a = cap.arrays
@@ -379,6 +408,17 @@ class FragIndex:
             self.match[:, t] = device_matches(a, workload.resource[t], workload.allowed[t])
             self.need[:, t] = a.per_pod_cap if workload.need[t] < 0 else workload.need[t]
         self.need_ok = self.need <= a.per_pod_cap[:, None]
+        #: (nodes, types) True where the node has the type's resource but none of its allowed
+        #: models; None: FGD's count
+        self.foreign: np.ndarray | None = None
+        if not count_foreign:
+            resource = np.stack(
+                [device_matches(a, r, None) for r in workload.resource], axis=1
+            ).reshape(len(a.capacity), T)
+            self.foreign = (a.per_node_sum(self.match, np.int64) == 0) & (
+                a.per_node_sum(resource, np.int64) > 0
+            )
+        self.pressure = ProductPressure(a, _limited_masks(a, workload))
         # A GPU-less type uses no GPU memory, so none of it is a fragment for it while it can run.
         self.gpuless = workload.gpu_count == 0
         self.A = np.zeros((n_nodes, T), np.float64)
@@ -432,6 +472,8 @@ class FragIndex:
         rows = slice(None) if node_rows is None else node_rows
         run = self.runnable(self.cap.cpu_free[rows], self.cap.mem_free[rows], self.okc[rows])
         frag = np.where(run, self.A[rows], self.total[rows][:, None])
+        if self.foreign is not None:
+            frag = np.where(self.foreign[rows], 0.0, frag)
         out: np.ndarray = frag @ self.w.weight
         return out
 
@@ -457,9 +499,27 @@ class FragIndex:
             total += (f2 - f1)[:, 0]
         cpu2 = self.cap.cpu_free[n] - demand.cpu_milli
         mem2 = self.cap.mem_free[n] - demand.memory_bytes
-        after = np.where(self.runnable(cpu2, mem2, okc), A, total[:, None]) @ self.w.weight
+        frag = np.where(self.runnable(cpu2, mem2, okc), A, total[:, None])
+        if self.foreign is not None:
+            frag = np.where(self.foreign[n], 0.0, frag)
+        after = frag @ self.w.weight
         out: np.ndarray = after - self.node_frag(n)
         return out
+
+
+def _limited_masks(a: DeviceArrays, workload: Workload) -> list[tuple[np.ndarray, float]]:
+    """Per pod set of `workload.limited`: the devices it may use and its share of the workload's
+    GPU memory (a whole device counts as the cluster's mean device memory)."""
+    if not workload.limited or not len(a.capacity):
+        return []
+    whole = float(a.capacity.mean())
+    total = workload.gpu_demand[0] + workload.gpu_demand[1] * whole
+    if total <= 0:
+        return []
+    return [
+        (device_matches(a, resource, allowed), (declared + devices * whole) / total)
+        for resource, allowed, declared, devices in workload.limited
+    ]
 
 
 @dataclass

@@ -11,7 +11,8 @@ know memory and is therefore *recorded*, overcommit included, to show what it wo
   only `nvidia.com/gpu` replicas; the device plugin hands out replicas of the least shared GPUs.
 - fgd: fragmentation gradient descent: the placement that least increases expected stranded VRAM.
 - fgd-packed: FGD's measure with a tolerance of 1% of a GPU, then the lowest node (first fit); a
-  GPU-less pod goes to the node with the least free GPU memory: the planner's one-pod rule.
+  GPU-less pod goes to the node with the least free GPU memory, and a pod with a choice of GPU
+  models to the models that pods limited to some models need least: the planner's one-pod rule.
 - hot-path: what the server answers a pod placed at once (prioritize's 10, bind's devices).
 - vramsched: least increase of stranded VRAM (FGD's measure), then fewest empty GPUs opened, then
   lowest index: the model's stage 2 goals restricted to one pod (the planner tries its largest-first
@@ -23,7 +24,8 @@ far below any pod's size, and on the Alibaba trace that scatter loses up to 56 G
 first-fit and the hot path on the lists where most pods share a GPU. Taking the lowest node among
 FGD's near-equal choices keeps FGD's measure where it separates placements clearly and first-fit's
 consolidation where it does not. GPU-less pods go where the GPUs are already taken, so the CPU
-they hold does not strand free GPUs.
+they hold does not strand free GPUs. Pods that may use any model stay off the models that limited
+pods will need (`pressure.py`), which FGD's measure fills first.
 """
 
 from __future__ import annotations
@@ -114,11 +116,21 @@ FGD_TOLERANCE = 0.01
 GPULESS_TOLERANCE = 0.05
 
 
+#: a pod that may use several GPU models skips the models whose pressure (`pressure.py`) exceeds
+#: the least pressed one's by more than this, when any other fits
+PRESSURE_SLACK = 0.5
+
+#: and among its near-ties, prefers the models within this pressure of the least pressed one
+PRESSURE_TIE = 0.05
+
+
 def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
     """FGD's measure with a tolerance, then first fit: among the placements whose increase of
     expected stranded VRAM is within `FGD_TOLERANCE` of a GPU's memory (the cluster's mean device
     memory) of the least, the lowest node; on that node, the least increase. A GPU-less pod: among
     those within `GPULESS_TOLERANCE`, the node with the least free GPU memory, then the lowest.
+    Where some pods of the workload are limited to some GPU models, a GPU pod with a choice of
+    models first leaves the models those pods will need (`PRESSURE_SLACK`, `PRESSURE_TIE`).
 
     Why the tolerance: FGD ranks placements by differences far smaller than any pod (a few MiB of
     *expected* stranded memory on 80 GiB GPUs), so its choice scatters pods over nodes whose
@@ -126,8 +138,9 @@ def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> 
     nodes whole. Why GPU-less pods differ: FGD's measure is flat for them while every node has
     CPU to spare, so FGD and first fit both stack them on the lowest nodes, whose GPUs are still
     free; the CPU they take there later strands those GPUs. On a node whose GPUs are taken they
-    strand nothing. On the Alibaba trace at 1.3x (docs/packing.md) the rule allocates more than
-    FGD, best-fit, first-fit and the hot path in 33 of 36 runs (12 lists, 3 node orders)."""
+    strand nothing. Why models: FGD's measure draws pods that may go anywhere onto the models few
+    pods may use (`pressure.py`), and the pods limited to those models then fail. The planner
+    builds `frag` with `count_foreign=False`. docs/packing.md has the measurements."""
     assert frag is not None, "fgd-packed needs a workload profile"
     c = candidates(cap, demand)
     if len(c) == 0:
@@ -139,8 +152,16 @@ def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> 
         near = d <= d.min() + GPULESS_TOLERANCE * cap_mean
         gpu_free = a.per_node_sum(a.free)[c.node]
         return _pick(c, [~near, gpu_free, c.node, d], demand, cap)
+    pressed = np.zeros(len(c), bool)
+    if frag.pressure.active:
+        rho = frag.pressure.per_product()[a.product_id[c.devices[:, 0]]]
+        keep = rho <= rho.min() + PRESSURE_SLACK
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            c, d, rho = c.take(idx), d[idx], rho[idx]
+        pressed = rho > rho.min() + PRESSURE_TIE
     near = d <= d.min() + FGD_TOLERANCE * cap_mean
-    return _pick(c, [~near, c.node, d], demand, cap)
+    return _pick(c, [~near, pressed, c.node, d], demand, cap)
 
 
 def vramsched(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:

@@ -138,7 +138,7 @@ def solve_batch(
     if accept not in ACCEPT_GOALS:
         raise ValueError(f"accept must be one of {sorted(ACCEPT_GOALS)}")
     if frag is None:
-        frag = FragIndex(cap, workload or Workload.from_demands(demands))
+        frag = FragIndex(cap, workload or Workload.from_demands(demands), count_foreign=False)
     # the reference: the one-pod rule pod by pod in queue order (priority, then arrival), what a
     # sequential scheduler would do; a batch of one pod gets exactly that rule's choice
     greedy = greedy_batch(cap, demands, frag, order="arrival", rule=SEQUENTIAL_RULE)

@@ -50,6 +50,11 @@ __all__ = [
 ]
 
 ALL_POLICIES = ("planner", "planner+repack", "hot-path", "best-fit", "first-fit", "spread", "fgd")
+#: policies whose one-pod rule is the planner's: they judge placements with its FragIndex
+PLANNER_POLICIES = ("planner", "planner+repack")
+#: whether the planner's FragIndex counts other GPU models' memory as stranded, as FGD does (it
+#: does not: `capacity.FragIndex`); benchmarks/planner_rules.py turns it on to measure the difference
+PLANNER_COUNTS_FOREIGN = False
 #: policies that must never overcommit (they are vramsched's own).
 VRAMSCHED_POLICIES = ("planner", "planner+repack", "hot-path", "vramsched")
 #: `planner+repack`'s default move budget: moves as a fraction of the pods placed so far.
@@ -158,7 +163,11 @@ def run_policy(
     frag = (
         None
         if policy in ("first-fit", "best-fit", "spread", "hot-path")
-        else FragIndex(cap, workload)
+        else FragIndex(
+            cap,
+            workload,
+            count_foreign=policy not in PLANNER_POLICIES or PLANNER_COUNTS_FOREIGN,
+        )
     )
     repack = policy == "planner+repack"
     base = "planner" if repack else policy
