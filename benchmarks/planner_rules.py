@@ -3,6 +3,7 @@ that pick FGD or `fgd-packed` online. Each is measured beside the shipped rule a
 same run.
 
     .venv/bin/python benchmarks/planner_rules.py variants     # 12 lists x 3 node orders + llm-mixed
+    .venv/bin/python benchmarks/planner_rules.py models       # lists with model-limited pods
     .venv/bin/python benchmarks/planner_rules.py portfolio    # 12 lists, inflate 1.3, file order
     .venv/bin/python benchmarks/planner_rules.py portfolio --lists default gpuspec05 --shuffle-nodes 1
 
@@ -11,6 +12,11 @@ trace list at inflate 1.3 in the file's node order and `--shuffle-orders` shuffl
 the heterogeneous LLM scenario (benchmarks/llm_mixed.py), next to the shipped planner and the
 baselines it must not trail (FGD, first-fit, best-fit, the hot path); the table gives each rule's
 memory allocated minus the best baseline's.
+
+**models** (`MODEL_VARIANTS`): on every list whose pods are partly limited to GPU models, at
+inflate 1.3 and without inflation, in the file's node order and `--shuffle-orders` shuffled ones,
+the planner with other ways of treating GPU models (`planner.pressure`), next to the shipped
+planner and the same baselines.
 
 **portfolio**: on the Alibaba trace FGD allocates the most memory on a few lists and
 `fgd-packed` (the planner's rule) on the rest (docs/packing.md). A scheduler that could tell
@@ -54,11 +60,14 @@ from extender.planner.greedy import (
     FGD_TOLERANCE,
     GPULESS_TOLERANCE,
     POLICIES,
+    PRESSURE_SLACK,
+    PRESSURE_TIE,
     Choice,
     _pick,
     fgd,
     greedy_batch,
 )
+from extender.simulate import engine
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate
 
@@ -267,7 +276,53 @@ def best_fit_band(cap: Capacity, demand: Demand, frag: FragIndex | None = None) 
     return _pick(c, [~near, node_free[c.node], c.node, d], demand, cap)
 
 
+def pressured(slack: float | None, tie: float | None, full: float | None = None):
+    """The shipped rule with other pressure settings for GPU pods (`planner.pressure`): drop the
+    models pressed more than `slack` above the least pressed one (None: none), or pressed `full`
+    or more (None: none), when another fits; then near-ties toward the models within `tie` of the
+    least pressed (None: the lowest node alone decides)."""
+
+    def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+        if demand.gpu_count == 0:
+            return SHIPPED(cap, demand, frag)
+        assert frag is not None
+        c = candidates(cap, demand)
+        if len(c) == 0:
+            return None
+        a = cap.arrays
+        pressed = np.zeros(len(c), bool)
+        if frag.pressure.active:
+            rho = frag.pressure.per_product()[a.product_id[c.devices[:, 0]]]
+            keep = np.ones(len(c), bool)
+            if slack is not None:
+                keep &= rho <= rho.min() + slack
+            if full is not None:
+                keep &= rho < full
+            if keep.any() and not keep.all():
+                c, rho = c.take(np.flatnonzero(keep)), rho[keep]
+            pressed = np.zeros(len(c), bool) if tie is None else rho > rho.min() + tie
+        d = np.round(frag.delta(c, demand), 6)
+        near = d <= d.min() + FGD_TOLERANCE * float(a.capacity.mean())
+        return _pick(c, [~near, pressed, c.node, d], demand, cap)
+
+    return rule
+
+
 SHIPPED = POLICIES["fgd-packed"]
+
+#: the planner's rule with other ways to treat GPU models: (one-pod rule, whether its measure
+#: counts other models' memory as stranded, as FGD's does). `before`: the rule before it knew GPU
+#: models; `tie`: near-ties toward the least pressed model only; `own`: the planner's own count;
+#: `full`: leave out models at pressure 1 or more; `0.25`, `slack-0.5`: leave out models pressed
+#: that much above the least pressed (the shipped rule: own count, tie and slack 0.5)
+MODEL_VARIANTS = {
+    "before": (pressured(None, None), True),
+    "tie": (pressured(None, PRESSURE_TIE), True),
+    "own+tie": (pressured(None, PRESSURE_TIE), False),
+    "own+tie+full": (pressured(None, PRESSURE_TIE, full=1.0), False),
+    "own+tie+0.25": (pressured(0.25, PRESSURE_TIE), False),
+    "slack-0.5": (pressured(PRESSURE_SLACK, None), True),
+}
 
 #: one-pod rules measured in the planner's place
 VARIANTS = {
@@ -311,6 +366,67 @@ def variants_on_list(job: tuple[str, int | None]) -> dict:
     for v in VARIANTS:
         got[f"planner/{v}"] = alloc("planner", v)
     return {"podList": pod_list, "shuffleNodes": shuffle, "allocatedGpus": got}
+
+
+def models_on_list(job: tuple[str, float, int | None]) -> dict:
+    """Baselines, the shipped planner and `MODEL_VARIANTS` on one list, inflation and node order."""
+    pod_list, factor, shuffle = job
+    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
+
+    def alloc(policy: str) -> float:
+        r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25)
+        return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
+
+    got = {b: alloc(b) for b in BASELINES}
+    got["planner"] = alloc("planner")
+    for name, (rule, counts_foreign) in MODEL_VARIANTS.items():
+        POLICIES["fgd-packed"], engine.PLANNER_COUNTS_FOREIGN = rule, counts_foreign
+        try:
+            got[f"planner/{name}"] = alloc("planner")
+        finally:
+            POLICIES["fgd-packed"], engine.PLANNER_COUNTS_FOREIGN = SHIPPED, False
+    return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
+
+
+def models_table(runs: list[dict]) -> str:
+    rules = ["planner", *[f"planner/{v}" for v in MODEL_VARIANTS]]
+    lines = [
+        "GPUs (1000 MiB) of memory allocated minus the best of " + ", ".join(BASELINES),
+        f"{'pod list':12s} {'inflate':>7s} {'order':>5s} {'best':>8s} "
+        + " ".join(f"{r.removeprefix('planner/')[-12:]:>12s}" for r in rules),
+    ]
+    for factor in sorted({r["inflate"] for r in runs}, reverse=True):
+        these = [r for r in runs if r["inflate"] == factor]
+        margins = {r: [] for r in rules}
+        for run in these:
+            g = run["allocatedGpus"]
+            best = max(g[b] for b in BASELINES)
+            order = "file" if run["shuffleNodes"] is None else str(run["shuffleNodes"])
+            for r in rules:
+                margins[r].append(g[r] - best)
+            lines.append(
+                f"{run['podList']:12s} {factor:7.1f} {order:>5s} {best:8.2f} "
+                + " ".join(f"{g[r] - best:+12.2f}" for r in rules)
+            )
+        label = f"inflate {factor}:"
+        lines.append(
+            f"{label + ' behind in':36s}"
+            + " ".join(f"{sum(m < 0 for m in margins[r]):12d}" for r in rules)
+        )
+        lines.append(f"{'worst':36s}" + " ".join(f"{min(margins[r]):+12.2f}" for r in rules))
+        lines.append(f"{'sum':36s}" + " ".join(f"{sum(margins[r]):+12.2f}" for r in rules))
+    lines.append("(column X: the planner with variant X, its name's last 12 characters)")
+    return "\n".join(lines)
+
+
+def limited_lists(lists: Sequence[str]) -> list[str]:
+    """The lists with pods limited to some GPU models (the only ones `MODEL_VARIANTS` change)."""
+    out = []
+    for x in lists:
+        _, tasks, _, _, workload = tp.load(x, 0.0)
+        if workload.limited:
+            out.append(x)
+    return out
 
 
 def variants_llm_mixed(_: object = None) -> dict:
@@ -376,14 +492,14 @@ def _write(path: Path, start: float, body: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["variants", "portfolio"])
+    ap.add_argument("mode", choices=["variants", "models", "portfolio"])
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument(
         "--out", type=Path, help="default: benchmarks/results/planner_rules_<mode>.json"
     )
     ap.add_argument(
-        "--shuffle-orders", type=int, default=2, help="variants: shuffled node orders 1..N"
+        "--shuffle-orders", type=int, default=2, help="variants, models: shuffled node orders 1..N"
     )
     ap.add_argument("--inflate", type=float, default=1.3, help="portfolio")
     ap.add_argument("--shuffle-nodes", type=int, default=None, help="portfolio")
@@ -398,6 +514,18 @@ def main() -> int:
     out = args.out or RESULTS / f"planner_rules_{args.mode}.json"
     lists = args.lists or tp.trace_lists()
     start = time.perf_counter()
+    if args.mode == "models":
+        jobs = [
+            (x, f, o)
+            for x in limited_lists(lists)
+            for f in (1.3, 0.0)
+            for o in [None, *range(1, args.shuffle_orders + 1)]
+        ]
+        with ProcessPoolExecutor(args.workers) as pool:
+            runs = list(pool.map(models_on_list, jobs))
+        print(models_table(runs))
+        _write(out, start, {"runs": runs})
+        return 0
     if args.mode == "variants":
         orders: list[int | None] = [None, *range(1, args.shuffle_orders + 1)]
         with ProcessPoolExecutor(args.workers) as pool:
