@@ -1,6 +1,7 @@
 """Pods limited to some GPU models: the pressure on each model (`planner.pressure`), the planner's
 measure that does not count other models' memory as stranded, and the rule that keeps pods with a
-choice off the models the limited pods need (docs/packing.md, "GPU models")."""
+choice off the models the limited pods need (docs/packing.md, "Why the planner's rule differs
+from FGD's")."""
 
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ The *pressure* on a model is what the workload's limited pods will ask of it aga
 the share of the workload's GPU memory asked by pods limited to a set of models, spread over the
 set's models in proportion to their free memory, times all free GPU memory, divided by the model's
 free memory. At 1 the limited pods, arriving in the workload's proportions until the cluster is
-full, would need all of it. The planner's one-pod rule (`greedy.fgd_packed`) keeps pods that have a
-choice off models at pressure 1 or more and breaks its near-ties toward the least pressed model.
+full, would need all of it. The planner's one-pod rule (`greedy.fgd_packed`) keeps a pod that has a
+choice off the models pressed well above its least pressed one and breaks its near-ties toward the
+least pressed (`PRESSURE_SLACK`, `PRESSURE_TIE`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,7 @@ import numpy as np
 
 from extender.ledger import DeviceArrays
 
-__all__ = ["ProductPressure", "FULL"]
-
-#: pressure at which the limited pods alone would need all of a model's free memory
-FULL = 1.0
+__all__ = ["ProductPressure"]
 
 
 class ProductPressure:
