@@ -64,10 +64,10 @@ from extender.planner.greedy import (
     PRESSURE_TIE,
     Choice,
     _pick,
+    by_pressure,
     fgd,
     greedy_batch,
 )
-from extender.simulate import engine
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate
 
@@ -289,20 +289,9 @@ def pressured(slack: float | None, tie: float | None, full: float | None = None)
         c = candidates(cap, demand)
         if len(c) == 0:
             return None
-        a = cap.arrays
-        pressed = np.zeros(len(c), bool)
-        if frag.pressure.active:
-            rho = frag.pressure.per_product()[a.product_id[c.devices[:, 0]]]
-            keep = np.ones(len(c), bool)
-            if slack is not None:
-                keep &= rho <= rho.min() + slack
-            if full is not None:
-                keep &= rho < full
-            if keep.any() and not keep.all():
-                c, rho = c.take(np.flatnonzero(keep)), rho[keep]
-            pressed = np.zeros(len(c), bool) if tie is None else rho > rho.min() + tie
+        c, pressed = by_pressure(c, cap, frag, slack=slack, tie=tie, full=full)
         d = np.round(frag.delta(c, demand), 6)
-        near = d <= d.min() + FGD_TOLERANCE * float(a.capacity.mean())
+        near = d <= d.min() + FGD_TOLERANCE * float(cap.arrays.capacity.mean())
         return _pick(c, [~near, pressed, c.node, d], demand, cap)
 
     return rule
@@ -373,18 +362,26 @@ def models_on_list(job: tuple[str, float, int | None]) -> dict:
     pod_list, factor, shuffle = job
     nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
 
-    def alloc(policy: str) -> float:
-        r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25)
+    def alloc(policy: str, count_foreign: bool | None = None) -> float:
+        r = run_policy(
+            policy,
+            nodes,
+            tasks,
+            bound,
+            workload=workload,
+            time_limit=0.25,
+            count_foreign=count_foreign,
+        )
         return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
 
     got = {b: alloc(b) for b in BASELINES}
     got["planner"] = alloc("planner")
     for name, (rule, counts_foreign) in MODEL_VARIANTS.items():
-        POLICIES["fgd-packed"], engine.PLANNER_COUNTS_FOREIGN = rule, counts_foreign
+        POLICIES["fgd-packed"] = rule
         try:
-            got[f"planner/{name}"] = alloc("planner")
+            got[f"planner/{name}"] = alloc("planner", counts_foreign)
         finally:
-            POLICIES["fgd-packed"], engine.PLANNER_COUNTS_FOREIGN = SHIPPED, False
+            POLICIES["fgd-packed"] = SHIPPED
     return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
 
 

@@ -412,9 +412,7 @@ class FragIndex:
         #: models; None: FGD's count
         self.foreign: np.ndarray | None = None
         if not count_foreign:
-            resource = np.stack(
-                [device_matches(a, r, None) for r in workload.resource], axis=1
-            ).reshape(len(a.capacity), T)
+            resource = np.stack([device_matches(a, r, None) for r in workload.resource], axis=1)
             self.foreign = (a.per_node_sum(self.match, np.int64) == 0) & (
                 a.per_node_sum(resource, np.int64) > 0
             )

@@ -145,23 +145,43 @@ def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> 
     c = candidates(cap, demand)
     if len(c) == 0:
         return None
-    d = np.round(frag.delta(c, demand), 6)
     a = cap.arrays
     cap_mean = float(a.capacity.mean()) if len(a.capacity) else 0.0
     if demand.gpu_count == 0:
+        d = np.round(frag.delta(c, demand), 6)
         near = d <= d.min() + GPULESS_TOLERANCE * cap_mean
         gpu_free = a.per_node_sum(a.free)[c.node]
         return _pick(c, [~near, gpu_free, c.node, d], demand, cap)
-    pressed = np.zeros(len(c), bool)
-    if frag.pressure.active:
-        rho = frag.pressure.per_product()[a.product_id[c.devices[:, 0]]]
-        keep = rho <= rho.min() + PRESSURE_SLACK
-        if not keep.all():
-            idx = np.flatnonzero(keep)
-            c, d, rho = c.take(idx), d[idx], rho[idx]
-        pressed = rho > rho.min() + PRESSURE_TIE
+    c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
+    d = np.round(frag.delta(c, demand), 6)
     near = d <= d.min() + FGD_TOLERANCE * cap_mean
     return _pick(c, [~near, pressed, c.node, d], demand, cap)
+
+
+def by_pressure(
+    c: Candidates,
+    cap: Capacity,
+    frag: FragIndex,
+    *,
+    slack: float | None,
+    tie: float | None,
+    full: float | None = None,
+) -> tuple[Candidates, np.ndarray]:
+    """GPU placements `c` without the models pressed more than `slack` above the least pressed
+    one, or `full` or more (None: no such limit), when any other remains; and which of those left
+    are pressed more than `tie` above the least pressed (all False without limited pods or `tie`).
+    The placements' first device names the model."""
+    if not frag.pressure.active:
+        return c, np.zeros(len(c), bool)
+    rho = frag.pressure.per_product()[cap.arrays.product_id[c.devices[:, 0]]]
+    keep = np.ones(len(c), bool)
+    if slack is not None:
+        keep &= rho <= rho.min() + slack
+    if full is not None:
+        keep &= rho < full
+    if keep.any() and not keep.all():
+        c, rho = c.take(np.flatnonzero(keep)), rho[keep]
+    return c, (np.zeros(len(c), bool) if tie is None else rho > rho.min() + tie)
 
 
 def vramsched(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:

@@ -52,9 +52,6 @@ __all__ = [
 ALL_POLICIES = ("planner", "planner+repack", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies whose one-pod rule is the planner's: they judge placements with its FragIndex
 PLANNER_POLICIES = ("planner", "planner+repack")
-#: whether the planner's FragIndex counts other GPU models' memory as stranded, as FGD does (it
-#: does not: `capacity.FragIndex`); benchmarks/planner_rules.py turns it on to measure the difference
-PLANNER_COUNTS_FOREIGN = False
 #: policies that must never overcommit (they are vramsched's own).
 VRAMSCHED_POLICIES = ("planner", "planner+repack", "hot-path", "vramsched")
 #: `planner+repack`'s default move budget: moves as a fraction of the pods placed so far.
@@ -157,17 +154,19 @@ def run_policy(
     move_budget: float = MOVE_BUDGET,
     repack_time_limit: float = REPACK_TIME_LIMIT,
     moves_per_pod: int = MOVES_PER_POD,
+    count_foreign: bool | None = None,
 ) -> PolicyResult:
+    """One policy over `tasks`. `count_foreign`: whether the fragmentation measure counts other
+    GPU models' memory as stranded (`capacity.FragIndex`); None: as FGD does, except for the
+    planner's policies."""
     cluster, cap = build_capacity(nodes, bound)
+    if count_foreign is None:
+        count_foreign = policy not in PLANNER_POLICIES
     workload = workload or Workload.from_demands(t.demand for t in tasks)
     frag = (
         None
         if policy in ("first-fit", "best-fit", "spread", "hot-path")
-        else FragIndex(
-            cap,
-            workload,
-            count_foreign=policy not in PLANNER_POLICIES or PLANNER_COUNTS_FOREIGN,
-        )
+        else FragIndex(cap, workload, count_foreign=count_foreign)
     )
     repack = policy == "planner+repack"
     base = "planner" if repack else policy
