@@ -1,5 +1,5 @@
-"""The planner's one-pod rule: FGD's measure with a tolerance, then the lowest node, and GPU-less
-pods to the node with the least free GPU memory (`fgd-packed`);
+"""The planner's one-pod rule: FGD's choice for GPU pods, the lowest node among equal ones, and
+GPU-less pods to the node with the least free GPU memory (`fgd-packed`);
 what FGD and the other rules choose on the cases that explain the trace's results (docs/packing.md)."""
 
 from __future__ import annotations
@@ -72,25 +72,28 @@ def near_tie_case(rare_weight: float) -> tuple[Capacity, FragIndex, Demand]:
     return cap, FragIndex(cap, Workload.from_demands(w)), demand("p", 20)
 
 
-def test_fgd_packed_takes_the_lowest_node_among_near_equal_fgd_choices():
-    # weight 0.01: n1 -0.2 GiB, n2 0, n0 +0.2 GiB: within 1% of an 80 GiB GPU (0.8 GiB) of each other
+def test_fgd_packed_keeps_fgd_choice_for_a_gpu_pod_however_near_the_others():
+    # weight 0.01: n1 -0.2 GiB, n2 0, n0 +0.2 GiB: a band of 1% of an 80 GiB GPU (0.8 GiB) would
+    # pack the pod onto the lowest node as first-fit does; the rule has no band (FGD_TOLERANCE 0)
     cap, frag, pod = near_tie_case(0.01)
     c = candidates(cap, pod, dedupe=False)
     delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
     assert np.allclose([delta[0], delta[1], delta[2]], [0.2, -0.2, 0.0])
     assert greedy.fgd(cap, pod, frag)[1] == 1  # the least increase, by 0.4 GiB of expectation
-    assert greedy.fgd_packed(cap, pod, frag)[1] == 0  # near-equal: the lowest node
-    assert greedy.first_fit(cap, pod, frag)[1] == 0
-
-
-def test_fgd_packed_keeps_fgd_choice_when_the_difference_is_beyond_the_tolerance():
-    # weight 0.05: n1 -1 GiB, n2 0, n0 +1 GiB: n2 and n0 are 1 and 2 GiB worse than n1, beyond
-    # 0.8 GiB, so n1 alone is near the best
-    cap, frag, pod = near_tie_case(0.05)
-    assert greedy.fgd(cap, pod, frag)[1] == 1
     assert greedy.fgd_packed(cap, pod, frag)[1] == 1
     assert greedy.first_fit(cap, pod, frag)[1] == 0
-    assert greedy.FGD_TOLERANCE == 0.01
+    assert greedy.FGD_TOLERANCE == 0.0
+
+
+def test_fgd_packed_takes_the_lowest_node_among_equal_fgd_choices():
+    # three idle nodes: every placement of the pod keeps its GPU usable by every type (0)
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=1, memory_mib=80 * 1024, replicas=4) for i in range(3)]
+    )
+    frag = FragIndex(cap, Workload.from_demands([demand("w", 10)]))
+    pod = demand("p", 20)
+    assert np.allclose(frag.delta(candidates(cap, pod, dedupe=False), pod), 0.0)
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 0
 
 
 def gpuless_case() -> tuple[Capacity, FragIndex, Demand]:
@@ -114,6 +117,35 @@ def test_a_gpu_less_pod_goes_where_the_gpus_are_taken():
     # the planner's rule: n2, whose GPU has 2 GiB left, over the idle GPUs of n0 and n1
     res, node, _ = greedy.fgd_packed(cap, pod, frag)
     assert res is None and node == 2
+
+
+def gpuless_short_of_cpu_case(used_gib: int) -> tuple[Capacity, FragIndex, Demand]:
+    """n0 and n1: one idle 80 GiB GPU and 64 cores each; n2: a GPU holding `used_gib` and 10 cores.
+    The workload's GPU pods need 8 cores and 1 GiB; a GPU-less pod of 8 cores arrives and would
+    leave n2 2 cores, stranding what n2's GPU has free."""
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=1, memory_mib=80 * 1024, replicas=8, cpu="64") for i in range(2)]
+        + [gpu_node("n2", count=1, memory_mib=80 * 1024, replicas=8, cpu="10")]
+    )
+    place_on(cap, demand("big", used_gib), 2)
+    frag = FragIndex(cap, Workload.from_demands([demand("w", 1, cpu=8000)]))
+    return cap, frag, Demand(PodRef("t", "cpu"), 0, None, cpu_milli=8000)
+
+
+def test_a_gpu_less_pod_strands_at_most_a_tenth_of_a_gpu_to_go_where_the_gpus_are_taken():
+    # n2 keeps 6 GiB free: the pod strands them (+6 GiB, 7.5% of a GPU, within GPULESS_TOLERANCE)
+    # and the rule takes n2 anyway, the node with the least free GPU memory
+    cap, frag, pod = gpuless_short_of_cpu_case(74)
+    c = candidates(cap, pod, dedupe=False)
+    delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
+    assert np.allclose([delta[0], delta[1], delta[2]], [0.0, 0.0, 6.0])
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 2
+    # n2 keeps 20 GiB free: stranding them (25% of a GPU) is beyond the band, so the lowest node
+    cap, frag, pod = gpuless_short_of_cpu_case(60)
+    c = candidates(cap, pod, dedupe=False)
+    assert np.isclose((frag.delta(c, pod) / GIB)[c.node == 2].min(), 20.0)
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 0
+    assert greedy.GPULESS_TOLERANCE == 0.1
 
 
 def test_gpu_less_pods_keep_the_gpu_nodes_cpu_for_gpu_pods():

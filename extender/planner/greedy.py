@@ -10,22 +10,21 @@ know memory and is therefore *recorded*, overcommit included, to show what it wo
 - spread: kube-scheduler's default NodeResourcesFit LeastAllocated on CPU and memory, counting
   only `nvidia.com/gpu` replicas; the device plugin hands out replicas of the least shared GPUs.
 - fgd: fragmentation gradient descent: the placement that least increases expected stranded VRAM.
-- fgd-packed: FGD's measure with a tolerance of 1% of a GPU, then the lowest node (first fit); a
-  GPU-less pod goes to the node with the least free GPU memory, and a pod with a choice of GPU
-  models to the models that pods limited to some models need least: the planner's one-pod rule.
+- fgd-packed: FGD's choice for a GPU pod (the lowest node among equal ones), except that a pod
+  with a choice of GPU models goes to the models that pods limited to some models need least; a
+  GPU-less pod goes to the node with the least free GPU memory: the planner's one-pod rule.
 - hot-path: what the server answers a pod placed at once (prioritize's 10, bind's devices).
 - vramsched: least increase of stranded VRAM (FGD's measure), then fewest empty GPUs opened, then
   lowest index: the model's stage 2 goals restricted to one pod (the planner tries its largest-first
   plan of a batch, and FGD's smallest first, against FGD's in queue order).
 
 Why the planner's one-pod rule is `fgd-packed` and not FGD's own (docs/packing.md, "Why the
-planner's rule differs from FGD's"): FGD orders placements by differences of expected stranded memory
-far below any pod's size, and on the Alibaba trace that scatter loses up to 56 GPUs of memory to
-first-fit and the hot path on the lists where most pods share a GPU. Taking the lowest node among
-FGD's near-equal choices keeps FGD's measure where it separates placements clearly and first-fit's
-consolidation where it does not. GPU-less pods go where the GPUs are already taken, so the CPU
-they hold does not strand free GPUs. Pods that may use any model stay off the models that limited
-pods will need (`pressure.py`), which FGD's measure fills first.
+planner's rule differs from FGD's"): FGD's measure is flat for a GPU-less pod while every node has
+CPU to spare, so FGD stacks GPU-less pods on the lowest nodes, whose GPUs are still free, and the
+CPU they hold strands those GPUs later; the rule sends them where the GPUs are already taken. Pods
+that may use any model stay off the models that limited pods will need (`pressure.py`), which
+FGD's measure fills first. For the rest of the GPU pods FGD's measure is kept as it is: packing
+its near-equal choices onto the lowest node trailed FGD on more lists than it led.
 """
 
 from __future__ import annotations
@@ -109,11 +108,13 @@ def fgd(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice 
 
 #: placements whose change of expected stranded VRAM is within this share of a GPU's memory of the
 #: best one count as equally good to `fgd_packed`, which then takes the lowest node among them.
-FGD_TOLERANCE = 0.01
+#: 0: FGD's own choice (bands of 0.1% to 2% trailed FGD on more of the 24 trace lists than none).
+FGD_TOLERANCE = 0.0
 
-#: the same band for a GPU-less pod, whose near-ties `fgd_packed` sends to the node with the least
-#: free GPU memory instead of the lowest one.
-GPULESS_TOLERANCE = 0.05
+#: the band for a GPU-less pod, whose near-ties `fgd_packed` sends to the node with the least free
+#: GPU memory instead of the lowest one: FGD's measure, where it is not flat, still vetoes a node
+#: whose CPU would strand more than a tenth of a GPU.
+GPULESS_TOLERANCE = 0.1
 
 
 #: a pod that may use several GPU models skips the models whose pressure (`pressure.py`) exceeds
@@ -125,22 +126,22 @@ PRESSURE_TIE = 0.05
 
 
 def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
-    """FGD's measure with a tolerance, then first fit: among the placements whose increase of
-    expected stranded VRAM is within `FGD_TOLERANCE` of a GPU's memory (the cluster's mean device
-    memory) of the least, the lowest node; on that node, the least increase. A GPU-less pod: among
-    those within `GPULESS_TOLERANCE`, the node with the least free GPU memory, then the lowest.
-    Where some pods of the workload are limited to some GPU models, a GPU pod with a choice of
-    models first leaves the models those pods will need (`PRESSURE_SLACK`, `PRESSURE_TIE`).
+    """FGD's measure, then the lowest node: among the placements whose increase of expected
+    stranded VRAM is within `FGD_TOLERANCE` of a GPU's memory (the cluster's mean device memory)
+    of the least (0: the least), the lowest node; on that node, the least increase. A GPU-less
+    pod: among those within `GPULESS_TOLERANCE`, the node with the least free GPU memory, then
+    the lowest. Where some pods of the workload are limited to some GPU models, a GPU pod with a
+    choice of models first leaves the models those pods will need (`PRESSURE_SLACK`,
+    `PRESSURE_TIE`).
 
-    Why the tolerance: FGD ranks placements by differences far smaller than any pod (a few MiB of
-    *expected* stranded memory on 80 GiB GPUs), so its choice scatters pods over nodes whose
-    measures differ by noise; packing the near-equal choices onto the lowest nodes keeps the other
-    nodes whole. Why GPU-less pods differ: FGD's measure is flat for them while every node has
-    CPU to spare, so FGD and first fit both stack them on the lowest nodes, whose GPUs are still
-    free; the CPU they take there later strands those GPUs. On a node whose GPUs are taken they
-    strand nothing. Why models: FGD's measure draws pods that may go anywhere onto the models few
-    pods may use (`pressure.py`), and the pods limited to those models then fail. The planner
-    builds `frag` with `count_foreign=False`. docs/packing.md has the measurements."""
+    Why GPU-less pods differ: FGD's measure is flat for them while every node has CPU to spare,
+    so FGD and first fit both stack them on the lowest nodes, whose GPUs are still free; the CPU
+    they take there later strands those GPUs. On a node whose GPUs are taken they strand nothing.
+    Why models: FGD's measure draws pods that may go anywhere onto the models few pods may use
+    (`pressure.py`), and the pods limited to those models then fail. The planner builds `frag`
+    with `count_foreign=False`. Why no band for GPU pods: once GPU-less pods are out of the way,
+    FGD's fine distinctions pay; bands of 0.1% to 2% of a GPU won on some lists and trailed FGD
+    on others. docs/packing.md has the measurements."""
     assert frag is not None, "fgd-packed needs a workload profile"
     c = candidates(cap, demand)
     if len(c) == 0:

@@ -77,8 +77,8 @@ SMALL_EXACT = 24
 #: allocation by noise ("stranded": -10 to +13 GPUs over node orders) or lost memory ("all": 2 to
 #: 51 GPUs in every run); so by default the solver's plan is used when it places more pods.
 ACCEPT = "placed"
-#: the one-pod rule of the reference plan (and of a batch of one pod): FGD's measure with a
-#: tolerance, then the lowest node (`greedy.fgd_packed`; why: its docstring and docs/packing.md).
+#: the one-pod rule of the reference plan (and of a batch of one pod): FGD's choice, with GPU-less
+#: pods where the GPUs are taken (`greedy.fgd_packed`; why: its docstring and docs/packing.md).
 SEQUENTIAL_RULE = "fgd-packed"
 #: further greedy plans (order, rule) tried against the reference before the solver, when the
 #: reference leaves pods out; the best is the solver's hint. Smallest first places the most pods:
