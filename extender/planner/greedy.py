@@ -24,7 +24,7 @@ CPU to spare, so FGD stacks GPU-less pods on the lowest nodes, whose GPUs are st
 CPU they hold strands those GPUs later; the rule sends them where the GPUs are already taken. Pods
 that may use any model stay off the models that limited pods will need (`pressure.py`), which
 FGD's measure fills first. For the rest of the GPU pods FGD's measure is kept as it is: packing
-its near-equal choices onto the lowest node trailed FGD on more lists than it led.
+its near-equal choices onto the lowest node made the planner trail FGD on several trace lists.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ GPULESS_TOLERANCE = 0.1
 #: the least pressed one's by more than this, when any other fits
 PRESSURE_SLACK = 0.5
 
-#: and among its near-ties, prefers the models within this pressure of the least pressed one
+#: and among its equal choices, prefers the models within this pressure of the least pressed one
 PRESSURE_TIE = 0.05
 
 

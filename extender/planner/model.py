@@ -7,8 +7,8 @@ Goals, lexicographic (`batch_goals.evaluate` measures them exactly):
      then fewest empty GPUs opened, then fewest nodes touched.
 ("Fewest empty GPUs" before "stranded VRAM" loses memory to FGD on the Alibaba trace, see
 docs/packing.md, so stranded VRAM comes first.)
-The reference plan is the one-pod rule `SEQUENTIAL_RULE` (FGD's measure, its near-ties packed onto
-the lowest node: `greedy.fgd_packed`) pod by pod in queue order, what a sequential scheduler does;
+The reference plan is the one-pod rule `SEQUENTIAL_RULE` (FGD's choice, GPU-less pods where the
+GPUs are taken: `greedy.fgd_packed`) pod by pod in queue order, what a sequential scheduler does;
 when it leaves pods out, a largest-first plan by vramsched's rule and a smallest-first plan by the
 same one-pod rule compete with it. The best is the hint of stage 1 and the fallback. The solver's plan replaces it only when it is better on
 the goals named by `accept` (default ACCEPT = "placed": more pods placed; then there is nothing to

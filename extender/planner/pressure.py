@@ -11,7 +11,7 @@ the share of the workload's GPU memory asked by pods limited to a set of models,
 set's models in proportion to their free memory, times all free GPU memory, divided by the model's
 free memory. At 1 the limited pods, arriving in the workload's proportions until the cluster is
 full, would need all of it. The planner's one-pod rule (`greedy.fgd_packed`) keeps a pod that has a
-choice off the models pressed well above its least pressed one and breaks its near-ties toward the
+choice off the models pressed well above its least pressed one and breaks its ties toward the
 least pressed (`PRESSURE_SLACK`, `PRESSURE_TIE`).
 """
 
