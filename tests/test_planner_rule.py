@@ -26,6 +26,12 @@ def place_on(cap: Capacity, d: Demand, node_row: int) -> None:
     place_one(cap, d, (c.reservation(cap.arrays, j, d), node_row, False))
 
 
+def delta_gib_by_node(cap: Capacity, frag: FragIndex, pod: Demand) -> dict[int, float]:
+    """FGD's measure of placing `pod` on each node, in GiB (each case's nodes have one GPU)."""
+    c = candidates(cap, pod, dedupe=False)
+    return dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
+
+
 def cpu_starved_case() -> tuple[Capacity, FragIndex, Demand]:
     """n0: a GPU with 30 GiB free on a node with 1 core left; n1: a GPU with 20 GiB free on a node
     with 64 cores; n2: idle. Half the workload needs 8 cores, so n0's free memory is stranded for it."""
@@ -47,8 +53,7 @@ def test_fgd_fills_the_roomier_gpu_of_a_cpu_starved_node_where_best_fit_takes_th
     # FGD: n0's 30 GiB are stranded for the 8-core type (its node has 1 core left), so filling them
     # lowers the measure (-15 GiB x 1/2); n1 would keep 5 GiB no type can use (+5 GiB); n2 opens a GPU
     # whose 65 GiB every type can still use (0).
-    c = candidates(cap, pod, dedupe=False)
-    delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
+    delta = delta_gib_by_node(cap, frag, pod)
     assert np.isclose(delta[0], -7.5) and np.isclose(delta[1], 5.0) and np.isclose(delta[2], 0.0)
     assert greedy.fgd(cap, pod, frag)[1] == 0
     # best-fit: the GPU left with the least free memory (n1: 5 GiB)
@@ -76,8 +81,7 @@ def test_fgd_packed_keeps_fgd_choice_for_a_gpu_pod_however_near_the_others():
     # weight 0.01: n1 -0.2 GiB, n2 0, n0 +0.2 GiB: a band of 1% of an 80 GiB GPU (0.8 GiB) would
     # pack the pod onto the lowest node as first-fit does; the rule has no band (FGD_TOLERANCE 0)
     cap, frag, pod = near_tie_case(0.01)
-    c = candidates(cap, pod, dedupe=False)
-    delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
+    delta = delta_gib_by_node(cap, frag, pod)
     assert np.allclose([delta[0], delta[1], delta[2]], [0.2, -0.2, 0.0])
     assert greedy.fgd(cap, pod, frag)[1] == 1  # the least increase, by 0.4 GiB of expectation
     assert greedy.fgd_packed(cap, pod, frag)[1] == 1
@@ -136,14 +140,12 @@ def test_a_gpu_less_pod_strands_at_most_a_tenth_of_a_gpu_to_go_where_the_gpus_ar
     # n2 keeps 6 GiB free: the pod strands them (+6 GiB, 7.5% of a GPU, within GPULESS_TOLERANCE)
     # and the rule takes n2 anyway, the node with the least free GPU memory
     cap, frag, pod = gpuless_short_of_cpu_case(74)
-    c = candidates(cap, pod, dedupe=False)
-    delta = dict(zip(c.node.tolist(), (frag.delta(c, pod) / GIB).tolist()))
+    delta = delta_gib_by_node(cap, frag, pod)
     assert np.allclose([delta[0], delta[1], delta[2]], [0.0, 0.0, 6.0])
     assert greedy.fgd_packed(cap, pod, frag)[1] == 2
     # n2 keeps 20 GiB free: stranding them (25% of a GPU) is beyond the band, so the lowest node
     cap, frag, pod = gpuless_short_of_cpu_case(60)
-    c = candidates(cap, pod, dedupe=False)
-    assert np.isclose((frag.delta(c, pod) / GIB)[c.node == 2].min(), 20.0)
+    assert np.isclose(delta_gib_by_node(cap, frag, pod)[2], 20.0)
     assert greedy.fgd_packed(cap, pod, frag)[1] == 0
     assert greedy.GPULESS_TOLERANCE == 0.1
 
