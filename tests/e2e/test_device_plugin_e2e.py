@@ -536,23 +536,28 @@ def test_volume_mounts_and_an_unhealthy_gpu(stack: Stack) -> None:
     stack.plugin.stop()
     stack.plugin.start("--device-list-strategy", "volume-mounts", "--fake-unhealthy", "7")
     stack.wait_serving(unhealthy=(7,))
-    names = set()
-    for i, gib in enumerate([70, 70, 70, 70, 70, 70, 70, 30]):
-        stack.create(f"v{i}", f"{gib}Gi")
-        names.add(f"v{i}")
-    pods = stack.settle(names)
-    running = {n for n, p in pods.items() if p.status.phase == "Running"}
-    on_gpu = check_running_pods(stack, strategy="volume-mounts")
-    assert 7 not in on_gpu
-    # 7 healthy GPUs of 80 GiB: seven 70s, and the 30 does not fit beside any of them
-    assert len(running) == 7 and pods["v7"].status.phase == "Pending", {
-        n: p.status.phase for n, p in pods.items()
-    }
-    assert stack.plugin.metric("ambiguous") == 0
-    stack.delete_all()
-    stack.plugin.stop()
-    stack.plugin.start()
-    stack.wait_serving()
+    try:
+        # the seven 70s first: kube-scheduler's order for pods created back to back is not
+        # fixed, and a 30 bound first would leave a 70 without a GPU
+        big = {f"v{i}" for i in range(7)}
+        for name in sorted(big):
+            stack.create(name, "70Gi")
+        stack.settle(big)
+        stack.create("v7", "30Gi")
+        pods = stack.settle(big | {"v7"})
+        running = {n for n, p in pods.items() if p.status.phase == "Running"}
+        on_gpu = check_running_pods(stack, strategy="volume-mounts")
+        assert 7 not in on_gpu
+        # 7 healthy GPUs of 80 GiB: seven 70s, and the 30 does not fit beside any of them
+        assert running == big and pods["v7"].status.phase == "Pending", {
+            n: p.status.phase for n, p in pods.items()
+        }
+        assert stack.plugin.metric("ambiguous") == 0
+    finally:  # the next test needs empty GPUs and the plugin's default options
+        stack.delete_all()
+        stack.plugin.stop()
+        stack.plugin.start()
+        stack.wait_serving()
 
 
 def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> None:
