@@ -4,6 +4,7 @@ same run.
 
     .venv/bin/python benchmarks/planner_rules.py variants     # 12 lists x 3 node orders + llm-mixed
     .venv/bin/python benchmarks/planner_rules.py models       # lists with model-limited pods
+    .venv/bin/python benchmarks/planner_rules.py whole-nodes --lists gpushare40 cpu050
     .venv/bin/python benchmarks/planner_rules.py portfolio    # 12 lists, inflate 1.3, file order
     .venv/bin/python benchmarks/planner_rules.py portfolio --lists default gpuspec05 --shuffle-nodes 1
 
@@ -17,6 +18,12 @@ memory allocated minus the best baseline's.
 inflate 1.3 and without inflation, in the file's node order and `--shuffle-orders` shuffled ones,
 the planner with other ways of treating GPU models (`planner.pressure`), next to the shipped
 planner and the same baselines.
+
+**whole-nodes** (`WHOLE_NODE_VARIANTS`): on the lists given, at inflate 1.3 and without
+inflation, in the file's node order and `--shuffle-orders` shuffled ones, the planner whose GPU
+pods leave alone the last nodes where the workload's largest multi-GPU pods still fit (FGD's
+workload profile keeps the most common pod types only, and those pods are rarely among them), next
+to the shipped planner and the same baselines.
 
 **portfolio**: on the Alibaba trace FGD allocates the most memory on a few lists and
 `fgd-packed` (the planner's rule) on the rest (docs/packing.md). A scheduler that could tell
@@ -325,6 +332,54 @@ VARIANTS = {
     "best-fit-band": best_fit_band,
 }
 
+#: (the most GPUs one pod of the list asks, that size's share of the GPUs its GPU pods ask): set
+#: per list by `whole_nodes_on_list` (each worker process runs one list at a time)
+_LARGEST: tuple[int, float] | None = None
+
+
+def largest_pods(demands: Sequence[Demand]) -> tuple[int, float] | None:
+    """The most GPUs one pod asks (2 or more) and the share of all GPUs asked that such pods ask."""
+    counts = [d.gpu_count for d in demands if d.gpu_count > 0]
+    k = max(counts, default=0)
+    return (k, k * counts.count(k) / sum(counts)) if k >= 2 else None
+
+
+def whole_nodes(reserve: str):
+    """The shipped rule, except that a GPU pod smaller than the workload's largest (K GPUs) does
+    not take a node's last K idle GPUs while few nodes have them, when it fits elsewhere.
+    `reserve` "one": keep one such node; "share": keep as many as the largest pods' share of the
+    GPUs asked, applied to the idle GPUs, would fill."""
+
+    def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+        largest = _LARGEST
+        if demand.gpu_count == 0 or largest is None or demand.gpu_count >= largest[0]:
+            return SHIPPED(cap, demand, frag)
+        assert frag is not None
+        k, share = largest
+        c = candidates(cap, demand)
+        if len(c) == 0:
+            return None
+        c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
+        a = cap.arrays
+        idle = a.used_replicas == 0
+        per_node = a.per_node_sum(idle.astype(np.int64))
+        keep = 1.0 if reserve == "one" else share * float(idle.sum()) / k
+        if (per_node >= k).sum() - 1 < keep:
+            left = per_node[c.node] - idle[c.devices].sum(axis=1)
+            breaks = (per_node[c.node] >= k) & (left < k)
+            if breaks.any() and not breaks.all():
+                c = c.take(np.flatnonzero(~breaks))
+                pressed = by_pressure(c, cap, frag, slack=None, tie=PRESSURE_TIE)[1]
+        d = np.round(frag.delta(c, demand), 6)
+        near = d <= d.min() + FGD_TOLERANCE * float(a.capacity.mean())
+        return _pick(c, [~near, pressed, c.node, d], demand, cap)
+
+    return rule
+
+
+#: the planner's rule keeping whole nodes for the largest multi-GPU pods
+WHOLE_NODE_VARIANTS = {"keep-one": whole_nodes("one"), "keep-share": whole_nodes("share")}
+
 #: the baselines the planner must not trail
 BASELINES = ("fgd", "first-fit", "best-fit", "hot-path")
 
@@ -385,8 +440,37 @@ def models_on_list(job: tuple[str, float, int | None]) -> dict:
     return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
 
 
-def models_table(runs: list[dict]) -> str:
-    rules = ["planner", *[f"planner/{v}" for v in MODEL_VARIANTS]]
+def whole_nodes_on_list(job: tuple[str, float, int | None]) -> dict:
+    """Baselines, the shipped planner and `WHOLE_NODE_VARIANTS` on one list, inflation and node
+    order."""
+    global _LARGEST
+    pod_list, factor, shuffle = job
+    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
+    _LARGEST = largest_pods([t.demand for t in tasks])
+
+    def alloc(policy: str) -> float:
+        r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25)
+        return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
+
+    got = {b: alloc(b) for b in BASELINES}
+    got["planner"] = alloc("planner")
+    for name, rule in WHOLE_NODE_VARIANTS.items():
+        POLICIES["fgd-packed"] = rule
+        try:
+            got[f"planner/{name}"] = alloc("planner")
+        finally:
+            POLICIES["fgd-packed"] = SHIPPED
+    return {
+        "podList": pod_list,
+        "inflate": factor,
+        "shuffleNodes": shuffle,
+        "largestPod": _LARGEST,
+        "allocatedGpus": got,
+    }
+
+
+def models_table(runs: list[dict], variants: Sequence[str] = tuple(MODEL_VARIANTS)) -> str:
+    rules = ["planner", *[f"planner/{v}" for v in variants]]
     lines = [
         "GPUs (1000 MiB) of memory allocated minus the best of " + ", ".join(BASELINES),
         f"{'pod list':12s} {'inflate':>7s} {'order':>5s} {'best':>8s} "
@@ -489,14 +573,17 @@ def _write(path: Path, start: float, body: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["variants", "models", "portfolio"])
+    ap.add_argument("mode", choices=["variants", "models", "whole-nodes", "portfolio"])
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument(
         "--out", type=Path, help="default: benchmarks/results/planner_rules_<mode>.json"
     )
     ap.add_argument(
-        "--shuffle-orders", type=int, default=2, help="variants, models: shuffled node orders 1..N"
+        "--shuffle-orders",
+        type=int,
+        default=2,
+        help="variants, models, whole-nodes: shuffled node orders 1..N",
     )
     ap.add_argument("--inflate", type=float, default=1.3, help="portfolio")
     ap.add_argument("--shuffle-nodes", type=int, default=None, help="portfolio")
@@ -521,6 +608,18 @@ def main() -> int:
         with ProcessPoolExecutor(args.workers) as pool:
             runs = list(pool.map(models_on_list, jobs))
         print(models_table(runs))
+        _write(out, start, {"runs": runs})
+        return 0
+    if args.mode == "whole-nodes":
+        jobs = [
+            (x, f, o)
+            for f in (1.3, 0.0)
+            for o in [None, *range(1, args.shuffle_orders + 1)]
+            for x in lists
+        ]
+        with ProcessPoolExecutor(args.workers) as pool:
+            runs = list(pool.map(whole_nodes_on_list, jobs))
+        print(models_table(runs, tuple(WHOLE_NODE_VARIANTS)))
         _write(out, start, {"runs": runs})
         return 0
     if args.mode == "variants":
