@@ -48,7 +48,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -306,6 +306,9 @@ def pressured(slack: float | None, tie: float | None, full: float | None = None)
 
 SHIPPED = POLICIES["fgd-packed"]
 
+#: a one-pod rule, as `greedy.POLICIES` holds them
+RuleFn = Callable[[Capacity, Demand, FragIndex | None], Choice | None]
+
 #: the planner's rule with other ways to treat GPU models: (one-pod rule, whether its measure
 #: counts other models' memory as stranded, as FGD's does). `before`: the rule before it knew GPU
 #: models; `tie`: near-ties toward the least pressed model only; `own`: the planner's own count;
@@ -384,41 +387,32 @@ WHOLE_NODE_VARIANTS = {"keep-one": whole_nodes("one"), "keep-share": whole_nodes
 BASELINES = ("fgd", "first-fit", "best-fit", "hot-path")
 
 
-def _with_rule(rule: str, run) -> object:
+def _with_rule(rule: str | RuleFn, run) -> object:
     """`run()` with the planner's one-pod rule (its single pods, reference plans and repack
-    placements all look up "fgd-packed") replaced by `rule`."""
-    POLICIES["fgd-packed"] = SHIPPED if rule == "shipped" else VARIANTS[rule]
+    placements all look up "fgd-packed") replaced by `rule`: a name in `VARIANTS`, "shipped" or
+    a rule."""
+    if callable(rule):
+        POLICIES["fgd-packed"] = rule
+    else:
+        POLICIES["fgd-packed"] = SHIPPED if rule == "shipped" else VARIANTS[rule]
     try:
         return run()
     finally:
         POLICIES["fgd-packed"] = SHIPPED
 
 
-def variants_on_list(job: tuple[str, int | None]) -> dict:
-    pod_list, shuffle = job
-    nodes, tasks, bound, _, workload = tp.load(pod_list, 1.3, shuffle)
-
-    def alloc(policy: str, rule: str = "shipped") -> float:
-        r = _with_rule(
-            rule,
-            lambda: run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25),
-        )
-        return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
-
-    got = {b: alloc(b) for b in BASELINES}
-    got["planner"] = alloc("planner")
-    for v in VARIANTS:
-        got[f"planner/{v}"] = alloc("planner", v)
-    return {"podList": pod_list, "shuffleNodes": shuffle, "allocatedGpus": got}
-
-
-def models_on_list(job: tuple[str, float, int | None]) -> dict:
-    """Baselines, the shipped planner and `MODEL_VARIANTS` on one list, inflation and node order."""
-    pod_list, factor, shuffle = job
-    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
-
-    def alloc(policy: str, count_foreign: bool | None = None) -> float:
-        r = run_policy(
+def _allocated(
+    loaded: tuple,
+    policy: str,
+    rule: str | RuleFn = "shipped",
+    count_foreign: bool | None = None,
+) -> float:
+    """GPUs (1000 MiB) of memory `policy` allocates on a list `tp.load` returned, with the
+    planner's one-pod rule replaced by `rule` (`_with_rule`)."""
+    nodes, tasks, bound, _, workload = loaded
+    r = _with_rule(
+        rule,
+        lambda: run_policy(
             policy,
             nodes,
             tasks,
@@ -426,17 +420,29 @@ def models_on_list(job: tuple[str, float, int | None]) -> dict:
             workload=workload,
             time_limit=0.25,
             count_foreign=count_foreign,
-        )
-        return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
+        ),
+    )
+    return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
 
-    got = {b: alloc(b) for b in BASELINES}
-    got["planner"] = alloc("planner")
+
+def variants_on_list(job: tuple[str, int | None]) -> dict:
+    pod_list, shuffle = job
+    loaded = tp.load(pod_list, 1.3, shuffle)
+    got = {b: _allocated(loaded, b) for b in BASELINES}
+    got["planner"] = _allocated(loaded, "planner")
+    for v in VARIANTS:
+        got[f"planner/{v}"] = _allocated(loaded, "planner", v)
+    return {"podList": pod_list, "shuffleNodes": shuffle, "allocatedGpus": got}
+
+
+def models_on_list(job: tuple[str, float, int | None]) -> dict:
+    """Baselines, the shipped planner and `MODEL_VARIANTS` on one list, inflation and node order."""
+    pod_list, factor, shuffle = job
+    loaded = tp.load(pod_list, factor, shuffle)
+    got = {b: _allocated(loaded, b) for b in BASELINES}
+    got["planner"] = _allocated(loaded, "planner")
     for name, (rule, counts_foreign) in MODEL_VARIANTS.items():
-        POLICIES["fgd-packed"] = rule
-        try:
-            got[f"planner/{name}"] = alloc("planner", counts_foreign)
-        finally:
-            POLICIES["fgd-packed"] = SHIPPED
+        got[f"planner/{name}"] = _allocated(loaded, "planner", rule, counts_foreign)
     return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
 
 
@@ -445,21 +451,12 @@ def whole_nodes_on_list(job: tuple[str, float, int | None]) -> dict:
     order."""
     global _LARGEST
     pod_list, factor, shuffle = job
-    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
-    _LARGEST = largest_pods([t.demand for t in tasks])
-
-    def alloc(policy: str) -> float:
-        r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25)
-        return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
-
-    got = {b: alloc(b) for b in BASELINES}
-    got["planner"] = alloc("planner")
+    loaded = tp.load(pod_list, factor, shuffle)
+    _LARGEST = largest_pods([t.demand for t in loaded[1]])
+    got = {b: _allocated(loaded, b) for b in BASELINES}
+    got["planner"] = _allocated(loaded, "planner")
     for name, rule in WHOLE_NODE_VARIANTS.items():
-        POLICIES["fgd-packed"] = rule
-        try:
-            got[f"planner/{name}"] = alloc("planner")
-        finally:
-            POLICIES["fgd-packed"] = SHIPPED
+        got[f"planner/{name}"] = _allocated(loaded, "planner", rule)
     return {
         "podList": pod_list,
         "inflate": factor,
