@@ -74,6 +74,7 @@ from extender.planner.greedy import (
     by_pressure,
     fgd,
     greedy_batch,
+    packed_pick,
 )
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate
@@ -297,9 +298,7 @@ def pressured(slack: float | None, tie: float | None, full: float | None = None)
         if len(c) == 0:
             return None
         c, pressed = by_pressure(c, cap, frag, slack=slack, tie=tie, full=full)
-        d = np.round(frag.delta(c, demand), 6)
-        near = d <= d.min() + FGD_TOLERANCE * float(cap.arrays.capacity.mean())
-        return _pick(c, [~near, pressed, c.node, d], demand, cap)
+        return packed_pick(c, pressed, cap, demand, frag)
 
     return rule
 
@@ -373,9 +372,7 @@ def whole_nodes(reserve: str):
             if breaks.any() and not breaks.all():
                 c = c.take(np.flatnonzero(~breaks))
                 pressed = by_pressure(c, cap, frag, slack=None, tie=PRESSURE_TIE)[1]
-        d = np.round(frag.delta(c, demand), 6)
-        near = d <= d.min() + FGD_TOLERANCE * float(a.capacity.mean())
-        return _pick(c, [~near, pressed, c.node, d], demand, cap)
+        return packed_pick(c, pressed, cap, demand, frag)
 
     return rule
 

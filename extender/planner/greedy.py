@@ -38,7 +38,15 @@ from extender.ledger import LedgerError, Reservation
 from extender.placement import MAX_SCORE, choose_devices, score_rows
 from extender.planner.capacity import Candidates, Capacity, FragIndex, candidates
 
-__all__ = ["Choice", "POLICIES", "choose", "place_one", "greedy_batch", "batch_order"]
+__all__ = [
+    "Choice",
+    "POLICIES",
+    "choose",
+    "place_one",
+    "greedy_batch",
+    "batch_order",
+    "packed_pick",
+]
 
 # (reservation or None for a GPU-less pod, node row, overcommit?)
 Choice = tuple[Reservation | None, int, bool]
@@ -154,8 +162,17 @@ def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> 
         gpu_free = a.per_node_sum(a.free)[c.node]
         return _pick(c, [~near, gpu_free, c.node, d], demand, cap)
     c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
+    return packed_pick(c, pressed, cap, demand, frag)
+
+
+def packed_pick(
+    c: Candidates, pressed: np.ndarray, cap: Capacity, demand: Demand, frag: FragIndex
+) -> Choice | None:
+    """`fgd_packed`'s choice among GPU placements `c` left after its model filter: FGD's measure
+    within `FGD_TOLERANCE`, then the models not `pressed`, the lowest node, the measure (kept
+    apart so that variants of the filter, benchmarks/planner_rules.py, share the rest)."""
     d = np.round(frag.delta(c, demand), 6)
-    near = d <= d.min() + FGD_TOLERANCE * cap_mean
+    near = d <= d.min() + FGD_TOLERANCE * float(cap.arrays.capacity.mean())
     return _pick(c, [~near, pressed, c.node, d], demand, cap)
 
 
