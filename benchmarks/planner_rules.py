@@ -334,10 +334,6 @@ VARIANTS = {
     "best-fit-band": best_fit_band,
 }
 
-#: (the most GPUs one pod of the list asks, that size's share of the GPUs its GPU pods ask): set
-#: per list by `whole_nodes_on_list` (each worker process runs one list at a time)
-_LARGEST: tuple[int, float] | None = None
-
 
 def largest_pods(demands: Sequence[Demand]) -> tuple[int, float] | None:
     """The most GPUs one pod asks (2 or more) and the share of all GPUs asked that such pods ask."""
@@ -346,14 +342,13 @@ def largest_pods(demands: Sequence[Demand]) -> tuple[int, float] | None:
     return (k, k * counts.count(k) / sum(counts)) if k >= 2 else None
 
 
-def whole_nodes(reserve: str):
-    """The shipped rule, except that a GPU pod smaller than the workload's largest (K GPUs) does
-    not take a node's last K idle GPUs while few nodes have them, when it fits elsewhere.
-    `reserve` "one": keep one such node; "share": keep as many as the largest pods' share of the
-    GPUs asked, applied to the idle GPUs, would fill."""
+def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
+    """The shipped rule, except that a GPU pod smaller than the list's largest (`largest`: K GPUs
+    and their share, `largest_pods`) does not take a node's last K idle GPUs while few nodes
+    have them, when it fits elsewhere. `reserve` "one": keep one such node; "share": keep as many
+    as the largest pods' share of the GPUs asked, applied to the idle GPUs, would fill."""
 
     def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
-        largest = _LARGEST
         if demand.gpu_count == 0 or largest is None or demand.gpu_count >= largest[0]:
             return SHIPPED(cap, demand, frag)
         assert frag is not None
@@ -377,8 +372,9 @@ def whole_nodes(reserve: str):
     return rule
 
 
-#: the planner's rule keeping whole nodes for the largest multi-GPU pods
-WHOLE_NODE_VARIANTS = {"keep-one": whole_nodes("one"), "keep-share": whole_nodes("share")}
+#: the planner's rule keeping whole nodes for the largest multi-GPU pods: name -> `reserve` of
+#: `whole_nodes`
+WHOLE_NODE_VARIANTS = {"keep-one": "one", "keep-share": "share"}
 
 #: the baselines the planner must not trail
 BASELINES = ("fgd", "first-fit", "best-fit", "hot-path")
@@ -446,19 +442,18 @@ def models_on_list(job: tuple[str, float, int | None]) -> dict:
 def whole_nodes_on_list(job: tuple[str, float, int | None]) -> dict:
     """Baselines, the shipped planner and `WHOLE_NODE_VARIANTS` on one list, inflation and node
     order."""
-    global _LARGEST
     pod_list, factor, shuffle = job
     loaded = tp.load(pod_list, factor, shuffle)
-    _LARGEST = largest_pods([t.demand for t in loaded[1]])
+    largest = largest_pods([t.demand for t in loaded[1]])
     got = {b: _allocated(loaded, b) for b in BASELINES}
     got["planner"] = _allocated(loaded, "planner")
-    for name, rule in WHOLE_NODE_VARIANTS.items():
-        got[f"planner/{name}"] = _allocated(loaded, "planner", rule)
+    for name, reserve in WHOLE_NODE_VARIANTS.items():
+        got[f"planner/{name}"] = _allocated(loaded, "planner", whole_nodes(reserve, largest))
     return {
         "podList": pod_list,
         "inflate": factor,
         "shuffleNodes": shuffle,
-        "largestPod": _LARGEST,
+        "largestPod": largest,
         "allocatedGpus": got,
     }
 

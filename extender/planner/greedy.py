@@ -155,9 +155,9 @@ def fgd_packed(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> 
     if len(c) == 0:
         return None
     a = cap.arrays
-    cap_mean = float(a.capacity.mean()) if len(a.capacity) else 0.0
     if demand.gpu_count == 0:
         d = np.round(frag.delta(c, demand), 6)
+        cap_mean = float(a.capacity.mean()) if len(a.capacity) else 0.0
         near = d <= d.min() + GPULESS_TOLERANCE * cap_mean
         gpu_free = a.per_node_sum(a.free)[c.node]
         return _pick(c, [~near, gpu_free, c.node, d], demand, cap)
