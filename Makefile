@@ -110,9 +110,11 @@ bench-kube-scoring: venv
 	$(PY) benchmarks/kube_scoring.py
 
 # Every simulator policy on a heterogeneous LLM cluster (exclusive, time-sliced, MPS, MIG, T4;
-# config/scenarios/llm-mixed.yaml): GPUs used and memory stranded (~1 minute); docs/benchmarks/llm-mixed.md.
+# config/scenarios/llm-mixed.yaml): GPUs used and memory stranded, then the planner and the hot
+# path on 20 other streams of the same mix (~2 minutes); docs/benchmarks/llm-mixed.md.
 bench-llm-mixed: venv
 	$(PY) benchmarks/llm_mixed.py
+	$(PY) benchmarks/llm_mixed.py --streams 20 --json benchmarks/results/llm_mixed_streams.json
 
 # vramsched's device plugin: the packing it buys in live mode (a 1.36.3 control plane, four
 # time-sliced 8 x A100 nodes, one pod stream, stock plugin vs vramsched's vs embedded) and

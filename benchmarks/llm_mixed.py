@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/llm_mixed.py                # make bench-llm-mixed
     .venv/bin/python benchmarks/llm_mixed.py --write        # regenerate the scenario file
+    .venv/bin/python benchmarks/llm_mixed.py --streams 12   # 12 other streams of the same mix
 
 The cluster and the pod stream are in config/scenarios/llm-mixed.yaml (a List of Nodes and Pods,
 as `vramsched simulate --nodes F --pods F` reads it). Nodes are named so that, listed in name
@@ -12,6 +13,12 @@ has the pods placed and failed, the GPUs in use, the memory stranded (on every G
 memory its free replicas cannot reach: the rest of an exclusive GPU or MIG slice in use, a
 time-sliced GPU's memory behind its last replica, the unused rest of MPS shares) and the GPUs
 overcommitted; `--json FILE` also writes every figure of each policy.
+
+`--streams N` asks whether the result holds beyond the one stream the scenario file holds: it
+draws N other streams from the same mix (seeds after `SEED`) on the same cluster, replays each
+at several loads (a share of its pods) and counts per policy the streams where it is ahead of,
+tied with or behind the best of FGD, first-fit and best-fit, comparing (pods failed, GPUs in
+use, memory stranded) in that order.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import platform
 import random
 import sys
+import tempfile
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -159,8 +167,8 @@ def _pod(
     }
 
 
-def scenario() -> dict[str, Any]:
-    """The cluster and the pod stream (deterministic: `SEED`)."""
+def scenario(seed: int = SEED) -> dict[str, Any]:
+    """The cluster and the pod stream (deterministic: `seed`; the scenario file's is `SEED`)."""
     nodes = [
         _node(f"{prefix}-{i}", gpus, gpu, sharing, replicas)
         for prefix, count, gpus, gpu, sharing, replicas in POOLS
@@ -172,7 +180,7 @@ def scenario() -> dict[str, Any]:
         count * gpus * gpu[1] * 2**20 for _, count, gpus, gpu, _, _ in POOLS
     )  # the MIG GPUs counted whole
     sizes = {(m, tp): _model_memory(m, tp) for m, tp, _, _ in DEPLOYMENTS if m is not None}
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     when = datetime(2025, 1, 1, tzinfo=UTC)
     pods: list[dict] = []
     asked = 0
@@ -240,6 +248,84 @@ def run(
     return out
 
 
+#: `--streams`: each stream replayed up to these shares of its pods
+STREAM_LOADS = (0.3, 0.45, 0.6, 0.75, 1.0)
+#: the policies a stream's result is compared with
+BASELINES = ("fgd", "first-fit", "best-fit")
+#: the policies compared (spread overcommits; planner+repack is the planner plus moves)
+STREAM_POLICIES = ("planner", "hot-path")
+
+
+def stream_inputs(seed: int) -> tuple[list, list, list]:
+    """Nodes, tasks and bound pods of the stream drawn with `seed`, read through the same reader
+    as the scenario file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "stream.yaml"
+        path.write_text(yaml.safe_dump(scenario(seed), sort_keys=False))
+        return read_inputs(path, path)
+
+
+def rank(r: PolicyResult) -> tuple[int, int, int]:
+    """Better is smaller: fewer pods failed, then fewer GPUs in use, then less memory stranded."""
+    return (r.failed, r.gpusInUse, r.strandedBytes)
+
+
+def streams(seeds: list[int], time_limit: float) -> dict[int, dict[float, dict[str, PolicyResult]]]:
+    """Every compared policy and baseline on each stream, at each of `STREAM_LOADS` (the
+    workload profile FGD and the planner get is the replayed part's, as `run` gives it)."""
+    out: dict[int, dict[float, dict[str, PolicyResult]]] = {}
+    for seed in seeds:
+        nodes, tasks, bound = stream_inputs(seed)
+        out[seed] = {}
+        for share in STREAM_LOADS:
+            part = tasks[: round(share * len(tasks))]
+            workload = Workload.from_demands(t.demand for t in part)
+            out[seed][share] = {
+                p: run_policy(p, nodes, part, bound, workload=workload, time_limit=time_limit)
+                for p in (*STREAM_POLICIES, *BASELINES)
+            }
+        print(f"  stream {seed}: {len(tasks)} pods done", file=sys.stderr, flush=True)
+    return out
+
+
+def streams_table(res: dict[int, dict[float, dict[str, PolicyResult]]]) -> str:
+    """Per policy and load: streams ahead of / tied with / behind the best baseline (`rank`)."""
+    lines = [
+        "| policy | " + " | ".join(f"{share:.0%} of the pods" for share in STREAM_LOADS) + " |",
+        "|---|" + "---:|" * len(STREAM_LOADS),
+    ]
+    for policy in STREAM_POLICIES:
+        cells = []
+        for share in STREAM_LOADS:
+            ahead = tied = behind = 0
+            for runs in res.values():
+                mine = rank(runs[share][policy])
+                best = min(rank(runs[share][b]) for b in BASELINES)
+                ahead += mine < best
+                tied += mine == best
+                behind += mine > best
+            cells.append(f"{ahead} / {tied} / {behind}")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def streams_detail(res: dict[int, dict[float, dict[str, PolicyResult]]]) -> str:
+    """Every run: pods failed, GPUs in use, memory stranded (GiB), per stream and load."""
+    policies = (*STREAM_POLICIES, *BASELINES)
+    lines = [
+        "| stream | load | " + " | ".join(policies) + " |",
+        "|---:|---:|" + "---|" * len(policies),
+    ]
+    for seed, runs in res.items():
+        for share in STREAM_LOADS:
+            cells = [
+                f"{r.failed} / {r.gpusInUse} / {r.strandedBytes / GIB:.0f}"
+                for r in (runs[share][p] for p in policies)
+            ]
+            lines.append(f"| {seed} | {share:.0%} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(results: list[PolicyResult]) -> str:
     lines = [
         "| policy | pods placed | failed | GPUs in use (a MIG slice is one) "
@@ -293,10 +379,44 @@ def main(argv: list[str] | None = None) -> int:
         default=[100, 150, 200, 250],
         help="also replay the first N pods of the stream (default 100 150 200 250)",
     )
+    p.add_argument(
+        "--streams",
+        type=int,
+        metavar="N",
+        help="instead: N other streams of the same mix, each at several loads, against the baselines",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.write:
         print(f"wrote {write().relative_to(ROOT)}")
+        return 0
+    if args.streams:
+        seeds = list(range(SEED + 1, SEED + 1 + args.streams))
+        res = streams(seeds, args.time_limit)
+        print(
+            f"{args.streams} other streams (seeds {seeds[0]}-{seeds[-1]}): streams ahead / tied /"
+            " behind the best of " + ", ".join(BASELINES)
+        )
+        print(streams_table(res))
+        print()
+        print("pods failed / GPUs in use / memory stranded (GiB):")
+        print(streams_detail(res))
+        if args.json:
+            keep = ("placed", "failed", "gpusInUse", "strandedBytes", "allocatedMemoryBytes")
+            body = {
+                "command": " ".join(["benchmarks/llm_mixed.py", *(argv or sys.argv[1:])]),
+                "loads": list(STREAM_LOADS),
+                "streams": {
+                    str(seed): {
+                        f"{share:g}": {
+                            p: {k: getattr(r, k) for k in keep} for p, r in runs[share].items()
+                        }
+                        for share in STREAM_LOADS
+                    }
+                    for seed, runs in res.items()
+                },
+            }
+            args.json.write_text(json.dumps(body, indent=1) + "\n")
         return 0
     nodes, tasks, _ = read_inputs(SCENARIO, SCENARIO)
     print(f"{len(nodes)} nodes, {len(tasks)} pods ({SCENARIO.relative_to(ROOT)})")
