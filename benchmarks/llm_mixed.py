@@ -29,6 +29,7 @@ import platform
 import random
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,7 +49,7 @@ from extender.simulate.engine import (
     overcommit_text,
     run_policy,
 )
-from extender.simulate.trace import read_inputs
+from extender.simulate.trace import Task, read_inputs
 from extender.sizing.engines import EngineSettings
 from extender.sizing.estimate import estimate, resolve_model
 
@@ -256,7 +257,7 @@ BASELINES = ("fgd", "first-fit", "best-fit")
 STREAM_POLICIES = ("planner", "hot-path")
 
 
-def stream_inputs(seed: int) -> tuple[list, list, list]:
+def stream_inputs(seed: int) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
     """Nodes, tasks and bound pods of the stream drawn with `seed`, read through the same reader
     as the scenario file."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         print(f"wrote {write().relative_to(ROOT)}")
         return 0
+    if args.streams is not None and args.streams < 1:
+        p.error(f"--streams: N must be at least 1, got {args.streams}")
     if args.streams:
         seeds = list(range(SEED + 1, SEED + 1 + args.streams))
         res = streams(seeds, args.time_limit)
