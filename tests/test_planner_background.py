@@ -392,6 +392,33 @@ def test_serve_plans_by_default_and_no_planner_turns_it_off():
     assert _planner(off, c) is None
 
 
+def test_serve_open_gpu_cost_reaches_the_planner_and_bad_values_stop_serve():
+    import pytest
+
+    from extender.cli import build_parser
+    from extender.commands.serve import _planner
+
+    c = cluster(gpu_node("a"))
+    parser = build_parser()
+    assert _planner(parser.parse_args(["serve", "--cluster", "x.yaml"]), c).open_cost == 0.0
+    args = parser.parse_args(["serve", "--cluster", "x.yaml", "--open-gpu-cost", "0.2"])
+    assert _planner(args, c).open_cost == 0.2
+    for bad in ("-1", "nan"):
+        args = parser.parse_args(["serve", "--cluster", "x.yaml", "--open-gpu-cost", bad])
+        with pytest.raises(SystemExit, match="--open-gpu-cost must be a number >= 0"):
+            args.run(args)
+
+
+def test_a_planner_with_an_open_gpu_cost_plans_without_overcommitting():
+    pods = [pod(f"m{i}", "23Gi") for i in range(3)] + [pod("mixtral", "49Gi")]
+    c = cluster(*(gpu_node(n, count=2, memory_mib=80 * 1024, replicas=4) for n in NODES), *pods)
+    planner = BackgroundPlanner(c, time_limit=2.0, num_workers=1, open_cost=0.2)
+    plan = planner.plan_once()
+    assert plan is not None and plan.placed == 4
+    assert all(planner.planned_node(f"default/{p['metadata']['name']}") in NODES for p in pods)
+    assert check_invariant(c.ledger) == []
+
+
 def test_a_newly_waiting_pod_is_planned_around_the_entries_that_still_hold():
     """Between full plans, a pod that starts waiting gets a plan of its own on a snapshot that holds
     what the kept entries hold: the two plans never count the same room twice."""

@@ -5,6 +5,7 @@ what FGD and the other rules choose on the cases that explain the trace's result
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from builders import gpu_node
 
 from extender.demand import Demand, PodRef
@@ -189,3 +190,56 @@ def test_the_planner_follows_its_rule_for_one_pod_and_for_the_reference_plan():
         i: ch[1] for i, ch in sequential.items()
     }
     assert plan.choices[0][1] == 0
+
+
+def open_gpu_case(open_cost: float) -> tuple[Capacity, FragIndex, Demand]:
+    """Two nodes of one 80 GiB time-sliced GPU: n0 holds a 23 GiB model, n1 is idle. A quarter of
+    the workload is 49 GiB models (Mixtral's share per GPU), the rest 23 GiB ones. Another 23 GiB
+    pod on n0 leaves 34 GiB no 49 GiB model can use (FGD's measure rises by 34 x 1/4 = 8.5 GiB);
+    on n1 it keeps 57 GiB every model can use (0), but opens a second GPU."""
+    _, cap = build_capacity(
+        [gpu_node(f"n{i}", count=1, memory_mib=80 * 1024, replicas=4) for i in range(2)]
+    )
+    place_on(cap, demand("llama", 23), 0)
+    w = [demand(f"small{i}", 23) for i in range(3)] + [demand("mixtral", 49)]
+    return cap, FragIndex(cap, Workload.from_demands(w), open_cost=open_cost), demand("p", 23)
+
+
+def test_open_gpu_cost_shares_a_gpu_in_use_where_fgd_opens_an_idle_one():
+    cap, frag, pod = open_gpu_case(0.0)
+    delta = delta_gib_by_node(cap, frag, pod)
+    assert np.isclose(delta[0], 8.5) and np.isclose(delta[1], 0.0)
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 1  # FGD's measure alone: open n1
+    # a charge of 0.2 x 80 GiB = 16 GiB for opening n1 outweighs the 8.5 GiB on n0
+    cap, frag, pod = open_gpu_case(0.2)
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 0
+    # a charge below the 8.5 GiB (0.1 x 80 GiB = 8 GiB) leaves FGD's choice
+    cap, frag, pod = open_gpu_case(0.1)
+    assert greedy.fgd_packed(cap, pod, frag)[1] == 1
+
+
+def test_open_gpu_cost_counts_devices_not_their_memory():
+    """An idle 16 GiB T4 and an idle 80 GiB A100 cost the same to open (the cluster's mean device
+    memory each): charging memory would send small models to a T4 each."""
+    _, cap = build_capacity(
+        [
+            gpu_node("a100", count=2, memory_mib=80 * 1024, replicas=4),
+            gpu_node("t4", count=1, memory_mib=16 * 1024, replicas=1),
+        ]
+    )
+    c = candidates(cap, demand("p", 8), dedupe=False)
+    opened = greedy.opened_memory(c, cap)
+    mean = float(cap.arrays.capacity.mean())
+    assert np.allclose(opened, mean)  # every device is idle: each candidate opens one
+    place_on(cap, demand("q", 8), 0)
+    c = candidates(cap, demand("p", 8), dedupe=False)
+    opened = greedy.opened_memory(c, cap)
+    used = cap.arrays.used_replicas[c.devices[:, 0]] > 0
+    assert np.allclose(opened[used], 0.0) and np.allclose(opened[~used], mean)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_open_gpu_cost_must_be_a_finite_number_at_least_zero(bad: float) -> None:
+    _, cap = build_capacity([gpu_node("n0", count=1, memory_mib=80 * 1024, replicas=4)])
+    with pytest.raises(ValueError, match="open_cost"):
+        FragIndex(cap, Workload.from_demands([demand("w", 10)]), open_cost=bad)

@@ -616,3 +616,28 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     assert main([*args, "--churn", "--bound"]) == 2
     assert main([*args, "--max-moves-per-pod", "0"]) == 2
     assert "--max-moves-per-pod must be >= 1" in capsys.readouterr().err
+
+
+def test_simulate_open_gpu_cost_packs_the_planner_onto_fewer_gpus(tmp_path, capsys):
+    """Four pods of 290 milli-GPU, then one of 610, on three GPUs. FGD's measure keeps a 610 hole
+    on every GPU while it can (three GPUs); with --open-gpu-cost 0.2 the planner shares the first
+    GPU three times and opens the second for the rest (two GPUs), and every pod is placed."""
+    n, p = write(
+        tmp_path,
+        ["n0,64000,262144,3,V100"],
+        [*(task(f"s{i}", 1, 290, i) for i in range(4)), task("big", 1, 610, 4)],
+    )
+    args = ["simulate", "--nodes", str(n), "--pods", str(p), "--json"]
+    got = {}
+    for cost in ("0", "0.2"):
+        assert main([*args, "--policy", "planner", "--policy", "fgd", "--open-gpu-cost", cost]) == 0
+        got[cost] = json.loads(capsys.readouterr().out)["policies"]
+    assert got["0"]["planner"]["gpusInUse"] == got["0"]["fgd"]["gpusInUse"] == 3
+    assert got["0.2"]["planner"]["gpusInUse"] == 2 and got["0.2"]["planner"]["openGpuCost"] == 0.2
+    assert got["0.2"]["fgd"]["gpusInUse"] == 3  # the baselines ignore the option
+    assert all(
+        r["failed"] == 0 and r["overcommittedGpus"] == 0 for g in got.values() for r in g.values()
+    )
+    for bad in ("-1", "nan"):
+        assert main([*args, "--open-gpu-cost", bad]) == 2
+        assert "--open-gpu-cost must be a number >= 0" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import math
 import ssl
 import time
 from typing import TYPE_CHECKING
@@ -119,6 +120,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="seconds per background plan (default 1)",
     )
     p.add_argument(
+        "--open-gpu-cost",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="planner: charge each placement F GPUs of memory per idle GPU it opens, on top of "
+        "FGD's measure (default 0; 0.2 packs LLM pods onto fewer GPUs while the cluster has "
+        "room, at some cost in memory allocated when it is overloaded; docs/packing.md)",
+    )
+    p.add_argument(
         "--legacy-failed-nodes",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -175,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--headroom must be between 0 and 1")
     if args.max_concurrency < 1:
         raise SystemExit("--max-concurrency must be at least 1")
+    if not math.isfinite(args.open_gpu_cost) or args.open_gpu_cost < 0:
+        raise SystemExit(f"--open-gpu-cost must be a number >= 0, got {args.open_gpu_cost}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     if args.leader_lease:
@@ -385,7 +397,9 @@ def _planner(args: argparse.Namespace, cluster: ClusterState) -> BackgroundPlann
         BackgroundPlanner,
     )  # imports OR-Tools only when asked for
 
-    return BackgroundPlanner(cluster, time_limit=args.planner_time_limit)
+    return BackgroundPlanner(
+        cluster, time_limit=args.planner_time_limit, open_cost=args.open_gpu_cost
+    )
 
 
 def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSource) -> Repacker:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -74,6 +75,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="S",
         help="planner+repack: seconds per repack search (default 1)",
+    )
+    p.add_argument(
+        "--open-gpu-cost",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="planner, planner+repack: charge each placement F GPUs of memory per idle GPU it "
+        "opens, on top of FGD's measure (default 0; 0.2 uses far fewer GPUs on mixed LLM pools, "
+        "see docs/benchmarks/llm-mixed.md)",
     )
     p.add_argument(
         "--bound",
@@ -173,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
             (move_budget < 0, "--move-budget must be >= 0"),
             (per_pod < 1, "--max-moves-per-pod must be >= 1"),
             (repack_limit <= 0, "--repack-time-limit must be > 0"),
+            (
+                not math.isfinite(args.open_gpu_cost) or args.open_gpu_cost < 0,
+                f"--open-gpu-cost must be a number >= 0, got {args.open_gpu_cost}",
+            ),
         )
         if bad
     ]
@@ -193,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             move_budget=move_budget,
             repack_time_limit=repack_limit,
             moves_per_pod=per_pod,
+            open_cost=args.open_gpu_cost,
         )
         results.append(r)
         if not args.json:
@@ -213,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 move_budget=budget,
                 repack_time_limit=repack_limit,
                 moves_per_pod=per_pod,
+                open_cost=args.open_gpu_cost,
             )
             curve.append(_curve_point(budget, r))
             if not args.json:

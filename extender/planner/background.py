@@ -87,9 +87,12 @@ class BackgroundPlanner:
         refresh: float = 10.0,
         refresh_all: float = 30.0,
         min_interval: float = 1.0,
+        open_cost: float = 0.0,
     ) -> None:
         self.cluster = cluster
         self.time_limit = time_limit
+        #: the one-pod rule's charge per idle GPU a placement opens (`FragIndex.open_cost`)
+        self.open_cost = open_cost
         self.num_workers = num_workers
         self.debounce = debounce
         self.max_batch = max_batch
@@ -203,7 +206,7 @@ class BackgroundPlanner:
             self.entries.clear()
             return None
         cap, gens = snapshot(self.cluster)
-        plan = _solve(cap, demands, self.time_limit, self.num_workers)
+        plan = _solve(cap, demands, self.time_limit, self.num_workers, open_cost=self.open_cost)
         self._install(demands, plan, gens, cap)
         return plan
 
@@ -235,7 +238,7 @@ class BackgroundPlanner:
         started = time.perf_counter()
         try:
             plan = await asyncio.to_thread(
-                _solve, cap, demands, self.time_limit, self.num_workers, hold
+                _solve, cap, demands, self.time_limit, self.num_workers, hold, self.open_cost
             )
         except Exception:  # planning is an optimisation; the greedy path still answers
             self.stats.errors += 1
@@ -367,6 +370,7 @@ def _solve(
     time_limit: float,
     num_workers: int,
     hold: Sequence[tuple[Demand, Reservation | None, str]] = (),
+    open_cost: float = 0.0,
 ) -> Plan:
     """Plan `demands` on `cap` (a private snapshot) after holding what kept entries hold there."""
     for demand, res, node in hold:
@@ -378,5 +382,5 @@ def _solve(
         except LedgerError:
             continue  # no longer fits: that entry fails its own check when used
     cap.dedupe = len(demands) >= DEDUPE_FROM  # see Capacity.dedupe
-    frag = FragIndex(cap, Workload.from_demands(demands), count_foreign=False)
+    frag = FragIndex(cap, Workload.from_demands(demands), count_foreign=False, open_cost=open_cost)
     return solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)

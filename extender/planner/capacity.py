@@ -14,6 +14,7 @@ candidate placement is judged with a few vector operations.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -393,11 +394,25 @@ class FragIndex:
     count makes the models few types may use look the most fragmented, so filling them with pods
     that could go anywhere looks like progress (`pressure` says why that loses). `pressure` is the
     workload's `ProductPressure` on these devices.
+
+    `open_cost` (the planner's option, `--open-gpu-cost`): GPUs of memory (the cluster's mean
+    device memory) the planner's rule adds to the measure for each idle device a placement opens
+    (`greedy.packed_pick`); 0 is FGD's measure alone.
     """
 
-    def __init__(self, cap: Capacity, workload: Workload, *, count_foreign: bool = True) -> None:
+    def __init__(
+        self,
+        cap: Capacity,
+        workload: Workload,
+        *,
+        count_foreign: bool = True,
+        open_cost: float = 0.0,
+    ) -> None:
+        if not math.isfinite(open_cost) or open_cost < 0:
+            raise ValueError(f"open_cost must be a finite number >= 0, got {open_cost!r}")
         self.cap = cap
         self.w = workload
+        self.open_cost = float(open_cost)
         a = cap.arrays
         self.a = a
         n_nodes = len(a.node_names)

@@ -169,11 +169,28 @@ def packed_pick(
     c: Candidates, pressed: np.ndarray, cap: Capacity, demand: Demand, frag: FragIndex
 ) -> Choice | None:
     """`fgd_packed`'s choice among GPU placements `c` left after its model filter: FGD's measure
-    within `FGD_TOLERANCE`, then the models not `pressed`, the lowest node, the measure (kept
-    apart so that variants of the filter, benchmarks/planner_rules.py, share the rest)."""
-    d = np.round(frag.delta(c, demand), 6)
+    (plus `frag.open_cost` per idle device opened, `opened_memory`) within `FGD_TOLERANCE`, then
+    the models not `pressed`, the lowest node, the measure (kept apart so that variants of the
+    filter, benchmarks/planner_rules.py, share the rest)."""
+    d = frag.delta(c, demand)
+    if frag.open_cost:
+        d = d + frag.open_cost * opened_memory(c, cap)
+    d = np.round(d, 6)
     near = d <= d.min() + FGD_TOLERANCE * float(cap.arrays.capacity.mean())
     return _pick(c, [~near, pressed, c.node, d], demand, cap)
+
+
+def opened_memory(c: Candidates, cap: Capacity) -> np.ndarray:
+    """Per candidate, the idle devices it would open, each counted as the cluster's mean device
+    memory: the planner's charge for opening a GPU (`FragIndex.open_cost`).
+
+    Why a count and not the devices' own memory: charging memory makes a 16 GB T4 cheaper to
+    open than an 80 GB A100, so small models would take a T4 each instead of sharing a GPU that
+    is already in use, the opposite of using as few GPUs as possible."""
+    a = cap.arrays
+    idle = a.used_replicas[c.devices] == 0
+    out: np.ndarray = idle.sum(axis=1) * float(a.capacity.mean())
+    return out
 
 
 def by_pressure(

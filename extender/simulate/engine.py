@@ -111,6 +111,8 @@ class PolicyResult:
     repackPlaced: int = 0
     repackSkipped: int = 0
     repackSeconds: float = 0.0
+    #: the planner's charge per idle GPU a placement opens (`--open-gpu-cost`; 0 for the others)
+    openGpuCost: float = 0.0
     #: (pods arrived, GPUs fully free) after each batch; not in the JSON (one pair per batch)
     freeSeries: list[tuple[int, int]] = field(default_factory=list, repr=False)
     #: the pods placed when a GPU pod first found no place (before any repack), without churn;
@@ -155,18 +157,22 @@ def run_policy(
     repack_time_limit: float = REPACK_TIME_LIMIT,
     moves_per_pod: int = MOVES_PER_POD,
     count_foreign: bool | None = None,
+    open_cost: float = 0.0,
 ) -> PolicyResult:
     """One policy over `tasks`. `count_foreign`: whether the fragmentation measure counts other
     GPU models' memory as stranded (`capacity.FragIndex`); None: as FGD does, except for the
-    planner's policies."""
+    planner's policies. `open_cost`: the planner's charge per idle GPU a placement opens, in GPUs
+    of memory (`FragIndex.open_cost`; the other policies ignore it)."""
     cluster, cap = build_capacity(nodes, bound)
     if count_foreign is None:
         count_foreign = policy not in PLANNER_POLICIES
+    if policy not in PLANNER_POLICIES:
+        open_cost = 0.0
     workload = workload or Workload.from_demands(t.demand for t in tasks)
     frag = (
         None
         if policy in ("first-fit", "best-fit", "spread", "hot-path")
-        else FragIndex(cap, workload, count_foreign=count_foreign)
+        else FragIndex(cap, workload, count_foreign=count_foreign, open_cost=open_cost)
     )
     repack = policy == "planner+repack"
     base = "planner" if repack else policy
@@ -174,6 +180,7 @@ def run_policy(
         policy,
         moveBudget=move_budget if repack else 0.0,
         movesPerPod=moves_per_pod if repack else 0,
+        openGpuCost=open_cost,
     )
     limits = RepackLimits(move_budget, moves_per_pod, repack_time_limit, num_workers)
     running: dict[str, tuple[Demand, Reservation]] = {}
