@@ -246,7 +246,38 @@ def run(
                 r = replace(r, policy=f"{policy}, {limit:g} s per search")
             print(f"  {r.policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
             out.append(r)
+        if policy == "planner":
+            out.append(run_labelled(OPEN_LABEL, nodes, tasks, bound, workload, time_limit))
     return out
+
+
+#: the planner's `--open-gpu-cost` this benchmark runs beside the default (0): a charge of a fifth
+#: of a GPU's memory for each idle GPU a placement opens
+OPEN_GPU_COST = 0.2
+OPEN_LABEL = f"planner, open-GPU cost {OPEN_GPU_COST:g}"
+
+
+def run_labelled(
+    label: str,
+    nodes: list[Mapping[str, Any]],
+    tasks: list[Task],
+    bound: list[Mapping[str, Any]],
+    workload: Workload,
+    time_limit: float,
+) -> PolicyResult:
+    """`label` is a policy name, or `OPEN_LABEL`: the planner with `OPEN_GPU_COST`."""
+    if label != OPEN_LABEL:
+        return run_policy(label, nodes, tasks, bound, workload=workload, time_limit=time_limit)
+    r = run_policy(
+        "planner",
+        nodes,
+        tasks,
+        bound,
+        workload=workload,
+        time_limit=time_limit,
+        open_cost=OPEN_GPU_COST,
+    )
+    return replace(r, policy=OPEN_LABEL)
 
 
 #: `--streams`: each stream replayed up to these shares of its pods
@@ -254,7 +285,7 @@ STREAM_LOADS = (0.3, 0.45, 0.6, 0.75, 1.0)
 #: the policies a stream's result is compared with
 BASELINES = ("fgd", "first-fit", "best-fit")
 #: the policies compared (spread overcommits; planner+repack is the planner plus moves)
-STREAM_POLICIES = ("planner", "hot-path")
+STREAM_POLICIES = ("planner", OPEN_LABEL, "hot-path")
 
 
 def stream_inputs(seed: int) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:
@@ -282,7 +313,7 @@ def streams(seeds: list[int], time_limit: float) -> dict[int, dict[float, dict[s
             part = tasks[: round(share * len(tasks))]
             workload = Workload.from_demands(t.demand for t in part)
             out[seed][share] = {
-                p: run_policy(p, nodes, part, bound, workload=workload, time_limit=time_limit)
+                p: run_labelled(p, nodes, part, bound, workload, time_limit)
                 for p in (*STREAM_POLICIES, *BASELINES)
             }
         print(f"  stream {seed}: {len(tasks)} pods done", file=sys.stderr, flush=True)

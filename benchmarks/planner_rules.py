@@ -5,6 +5,7 @@ same run.
     .venv/bin/python benchmarks/planner_rules.py variants     # 12 lists x 3 node orders + llm-mixed
     .venv/bin/python benchmarks/planner_rules.py models       # lists with model-limited pods
     .venv/bin/python benchmarks/planner_rules.py whole-nodes --lists gpushare40 cpu050
+    .venv/bin/python benchmarks/planner_rules.py open-cost    # every list, both inflations
     .venv/bin/python benchmarks/planner_rules.py portfolio    # 12 lists, inflate 1.3, file order
     .venv/bin/python benchmarks/planner_rules.py portfolio --lists default gpuspec05 --shuffle-nodes 1
 
@@ -24,6 +25,11 @@ inflation, in the file's node order and `--shuffle-orders` shuffled ones, the pl
 pods leave alone the last nodes where the workload's largest multi-GPU pods still fit (FGD's
 workload profile keeps the most common pod types only, and those pods are rarely among them), next
 to the shipped planner and the same baselines.
+
+**open-cost** (`OPEN_COSTS`): on the lists given, at inflate 1.3 and without inflation, in the
+file's node order and `--shuffle-orders` shuffled ones, the planner with `--open-gpu-cost` (a
+charge per idle GPU a placement opens, `FragIndex.open_cost`), next to the shipped planner and
+the same baselines: what the option costs where the cluster is overloaded.
 
 **portfolio**: on the Alibaba trace FGD allocates the most memory on a few lists and
 `fgd-packed` (the planner's rule) on the rest (docs/packing.md). A scheduler that could tell
@@ -489,6 +495,25 @@ def models_table(runs: list[dict], variants: Sequence[str] = tuple(MODEL_VARIANT
     return "\n".join(lines)
 
 
+#: the planner's `--open-gpu-cost` values the open-cost mode measures
+OPEN_COSTS = (0.2,)
+
+
+def open_cost_on_list(job: tuple[str, float, int | None]) -> dict:
+    """Baselines, the shipped planner and the planner with each of `OPEN_COSTS` on one list,
+    inflation and node order."""
+    pod_list, factor, shuffle = job
+    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
+    got = {b: _allocated((nodes, tasks, bound, None, workload), b) for b in BASELINES}
+    got["planner"] = _allocated((nodes, tasks, bound, None, workload), "planner")
+    for cost in OPEN_COSTS:
+        r = run_policy(
+            "planner", nodes, tasks, bound, workload=workload, time_limit=0.25, open_cost=cost
+        )
+        got[f"planner/open-{cost:g}"] = round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
+    return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
+
+
 def limited_lists(lists: Sequence[str]) -> list[str]:
     """The lists with pods limited to some GPU models (the only ones `MODEL_VARIANTS` change)."""
     out = []
@@ -562,7 +587,7 @@ def _write(path: Path, start: float, body: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["variants", "models", "whole-nodes", "portfolio"])
+    ap.add_argument("mode", choices=["variants", "models", "whole-nodes", "open-cost", "portfolio"])
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument(
@@ -572,7 +597,7 @@ def main() -> int:
         "--shuffle-orders",
         type=int,
         default=2,
-        help="variants, models, whole-nodes: shuffled node orders 1..N",
+        help="variants, models, whole-nodes, open-cost: shuffled node orders 1..N",
     )
     ap.add_argument("--inflate", type=float, default=1.3, help="portfolio")
     ap.add_argument("--shuffle-nodes", type=int, default=None, help="portfolio")
@@ -597,6 +622,18 @@ def main() -> int:
         with ProcessPoolExecutor(args.workers) as pool:
             runs = list(pool.map(models_on_list, jobs))
         print(models_table(runs))
+        _write(out, start, {"runs": runs})
+        return 0
+    if args.mode == "open-cost":
+        jobs = [
+            (x, f, o)
+            for f in (1.3, 0.0)
+            for o in [None, *range(1, args.shuffle_orders + 1)]
+            for x in lists
+        ]
+        with ProcessPoolExecutor(args.workers) as pool:
+            runs = list(pool.map(open_cost_on_list, jobs))
+        print(models_table(runs, [f"open-{c:g}" for c in OPEN_COSTS]))
         _write(out, start, {"runs": runs})
         return 0
     if args.mode == "whole-nodes":
