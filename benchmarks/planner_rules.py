@@ -624,7 +624,13 @@ def main() -> int:
         print(models_table(runs))
         _write(out, start, {"runs": runs})
         return 0
-    if args.mode == "open-cost":
+    # modes that run every list at both inflations and several node orders
+    per_run = {
+        "open-cost": (open_cost_on_list, [f"open-{c:g}" for c in OPEN_COSTS]),
+        "whole-nodes": (whole_nodes_on_list, list(WHOLE_NODE_VARIANTS)),
+    }
+    if args.mode in per_run:
+        job, variants = per_run[args.mode]
         jobs = [
             (x, f, o)
             for f in (1.3, 0.0)
@@ -632,20 +638,8 @@ def main() -> int:
             for x in lists
         ]
         with ProcessPoolExecutor(args.workers) as pool:
-            runs = list(pool.map(open_cost_on_list, jobs))
-        print(models_table(runs, [f"open-{c:g}" for c in OPEN_COSTS]))
-        _write(out, start, {"runs": runs})
-        return 0
-    if args.mode == "whole-nodes":
-        jobs = [
-            (x, f, o)
-            for f in (1.3, 0.0)
-            for o in [None, *range(1, args.shuffle_orders + 1)]
-            for x in lists
-        ]
-        with ProcessPoolExecutor(args.workers) as pool:
-            runs = list(pool.map(whole_nodes_on_list, jobs))
-        print(models_table(runs, tuple(WHOLE_NODE_VARIANTS)))
+            runs = list(pool.map(job, jobs))
+        print(models_table(runs, variants))
         _write(out, start, {"runs": runs})
         return 0
     if args.mode == "variants":
