@@ -266,18 +266,11 @@ def run_labelled(
     time_limit: float,
 ) -> PolicyResult:
     """`label` is a policy name, or `OPEN_LABEL`: the planner with `OPEN_GPU_COST`."""
-    if label != OPEN_LABEL:
-        return run_policy(label, nodes, tasks, bound, workload=workload, time_limit=time_limit)
+    policy, cost = ("planner", OPEN_GPU_COST) if label == OPEN_LABEL else (label, 0.0)
     r = run_policy(
-        "planner",
-        nodes,
-        tasks,
-        bound,
-        workload=workload,
-        time_limit=time_limit,
-        open_cost=OPEN_GPU_COST,
+        policy, nodes, tasks, bound, workload=workload, time_limit=time_limit, open_cost=cost
     )
-    return replace(r, policy=OPEN_LABEL)
+    return replace(r, policy=label)
 
 
 #: `--streams`: each stream replayed up to these shares of its pods

@@ -405,9 +405,10 @@ def _allocated(
     policy: str,
     rule: str | RuleFn = "shipped",
     count_foreign: bool | None = None,
+    open_cost: float = 0.0,
 ) -> float:
     """GPUs (1000 MiB) of memory `policy` allocates on a list `tp.load` returned, with the
-    planner's one-pod rule replaced by `rule` (`_with_rule`)."""
+    planner's one-pod rule replaced by `rule` (`_with_rule`) and its `open_cost`."""
     nodes, tasks, bound, _, workload = loaded
     r = _with_rule(
         rule,
@@ -419,6 +420,7 @@ def _allocated(
             workload=workload,
             time_limit=0.25,
             count_foreign=count_foreign,
+            open_cost=open_cost,
         ),
     )
     return round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
@@ -503,14 +505,11 @@ def open_cost_on_list(job: tuple[str, float, int | None]) -> dict:
     """Baselines, the shipped planner and the planner with each of `OPEN_COSTS` on one list,
     inflation and node order."""
     pod_list, factor, shuffle = job
-    nodes, tasks, bound, _, workload = tp.load(pod_list, factor, shuffle)
-    got = {b: _allocated((nodes, tasks, bound, None, workload), b) for b in BASELINES}
-    got["planner"] = _allocated((nodes, tasks, bound, None, workload), "planner")
+    loaded = tp.load(pod_list, factor, shuffle)
+    got = {b: _allocated(loaded, b) for b in BASELINES}
+    got["planner"] = _allocated(loaded, "planner")
     for cost in OPEN_COSTS:
-        r = run_policy(
-            "planner", nodes, tasks, bound, workload=workload, time_limit=0.25, open_cost=cost
-        )
-        got[f"planner/open-{cost:g}"] = round(r.allocatedMemoryBytes / tp.GPU_MIB, 2)
+        got[f"planner/open-{cost:g}"] = _allocated(loaded, "planner", open_cost=cost)
     return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
 
 

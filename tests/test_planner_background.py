@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from builders import cluster, gpu_node, pod
 
 from extender.demand import PodRef
@@ -393,8 +394,6 @@ def test_serve_plans_by_default_and_no_planner_turns_it_off():
 
 
 def test_serve_open_gpu_cost_reaches_the_planner_and_bad_values_stop_serve():
-    import pytest
-
     from extender.cli import build_parser
     from extender.commands.serve import _planner
 

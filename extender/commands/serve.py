@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import math
 import ssl
 import time
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from extender.inventory import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm
+from extender.planner.capacity import open_cost_problem
 from extender.repack_policy import MOVES_PER_POD
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
@@ -185,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--headroom must be between 0 and 1")
     if args.max_concurrency < 1:
         raise SystemExit("--max-concurrency must be at least 1")
-    if not math.isfinite(args.open_gpu_cost) or args.open_gpu_cost < 0:
-        raise SystemExit(f"--open-gpu-cost must be a number >= 0, got {args.open_gpu_cost}")
+    if problem := open_cost_problem(args.open_gpu_cost):
+        raise SystemExit(f"--open-gpu-cost {problem}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     if args.leader_lease:

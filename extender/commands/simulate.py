@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any
 
@@ -133,7 +132,7 @@ def _policies(chosen: list[str] | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from extender.planner.capacity import Workload
+    from extender.planner.capacity import Workload, open_cost_problem
     from extender.quantity import MIB
     from extender.simulate.engine import (
         MOVE_BUDGET,
@@ -177,16 +176,14 @@ def run(args: argparse.Namespace) -> int:
     move_budget = MOVE_BUDGET if args.move_budget is None else args.move_budget
     repack_limit = REPACK_TIME_LIMIT if args.repack_time_limit is None else args.repack_time_limit
     per_pod = MOVES_PER_POD if args.max_moves_per_pod is None else args.max_moves_per_pod
+    open_problem = open_cost_problem(args.open_gpu_cost)
     wrong = [
         text
         for bad, text in (
             (move_budget < 0, "--move-budget must be >= 0"),
             (per_pod < 1, "--max-moves-per-pod must be >= 1"),
             (repack_limit <= 0, "--repack-time-limit must be > 0"),
-            (
-                not math.isfinite(args.open_gpu_cost) or args.open_gpu_cost < 0,
-                f"--open-gpu-cost must be a number >= 0, got {args.open_gpu_cost}",
-            ),
+            (bool(open_problem), f"--open-gpu-cost {open_problem}"),
         )
         if bad
     ]

@@ -383,6 +383,14 @@ class Workload:
         return len(self.weight)
 
 
+def open_cost_problem(value: float) -> str | None:
+    """Why `value` cannot be `FragIndex.open_cost` (NaN, infinite or negative), or None: the
+    check FragIndex makes, which `serve` and `simulate` make on their flag before any work."""
+    if math.isfinite(value) and value >= 0:
+        return None
+    return f"must be a number >= 0, got {value}"
+
+
 class FragIndex:
     """Per-node fragmentation terms, updated node by node as pods are placed.
 
@@ -408,8 +416,8 @@ class FragIndex:
         count_foreign: bool = True,
         open_cost: float = 0.0,
     ) -> None:
-        if not math.isfinite(open_cost) or open_cost < 0:
-            raise ValueError(f"open_cost must be a finite number >= 0, got {open_cost!r}")
+        if problem := open_cost_problem(open_cost):
+            raise ValueError(f"open_cost {problem}")
         self.cap = cap
         self.w = workload
         self.open_cost = float(open_cost)
