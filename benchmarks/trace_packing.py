@@ -343,10 +343,14 @@ def repack_table(body: dict) -> str:
     if not runs:
         return ""
     budgets = [c["moveBudget"] for c in runs[0]["budgetCurve"]]
+    # the bound with the run's own budget, in results that have it (`budget_bound`)
+    budgeted = any((r.get("bound") or {}).get("fromFirstFailureWithBudget") for r in runs)
     head = (
         ["pod list", "FGD %", "best baseline %"]
         + [f"planner+repack {b:.1%} (moves)" for b in budgets]
-        + ["gain over FGD at 2%", "bound % (gain at most)", "FGD's end state, any moves %"]
+        + ["gain over FGD at 2%", "bound % (gain at most)"]
+        + (["bound with the run's budget % (gain at most)"] if budgeted else [])
+        + ["FGD's end state, any moves %"]
     )
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for run in runs:
@@ -356,6 +360,7 @@ def repack_table(body: dict) -> str:
         at2 = curve.get(0.02)
         b = run.get("bound") or {}
         first = b.get("fromFirstFailure")
+        within = b.get("fromFirstFailureWithBudget")
         end = (b.get("fromEnd") or {}).get("fgd")
         lines.append(
             "| "
@@ -367,6 +372,11 @@ def repack_table(body: dict) -> str:
                     *(f"{curve[x]['allocatedPct']:.2f} ({curve[x]['moves']})" for x in budgets),
                     f"**{at2['allocatedPct'] - fgd:+.2f}**" if at2 else "",
                     f"{first['pct']:.2f} ({first['pct'] - fgd:+.2f})" if first else "",
+                    *(
+                        [f"{within['pct']:.2f} ({within['pct'] - fgd:+.2f})" if within else ""]
+                        if budgeted
+                        else []
+                    ),
                     f"{end['pct']:.2f}" if end else "",
                 ]
             )

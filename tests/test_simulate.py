@@ -603,6 +603,10 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     assert all(r["moves"] == 0 for name, r in out["policies"].items() if name != "planner+repack")
     bound = out["bound"]
     assert bound["fromFirstFailure"]["placedThen"] == 3
+    mine = out["policies"]["planner+repack"]["allocatedMemoryBytes"]
+    budgeted = bound["fromFirstFailureWithBudget"]  # the same state, at most 0.5 x pods moved
+    assert budgeted["moveBudget"] == 0.5 and budgeted["status"] == "OPTIMAL"
+    assert mine - 1 <= budgeted["bytes"] <= bound["anyPolicyBytes"] + 1
     for r in out["policies"].values():
         assert r["allocatedMemoryBytes"] <= bound["anyPolicyBytes"] + 1
     for policy in ("fgd", "planner+repack"):  # its own end state, moves allowed: no less
@@ -613,6 +617,7 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     assert main([*args, "--policy", "planner+repack", "--bound"]) == 0
     table = capsys.readouterr().out
     assert "moves" in table.splitlines()[1] and "bound on GPU memory allocated" in table
+    assert "and then moving at most 50% of the pods" in table
     assert main([*args, "--churn", "--bound"]) == 2
     assert main([*args, "--max-moves-per-pod", "0"]) == 2
     assert "--max-moves-per-pod must be >= 1" in capsys.readouterr().err

@@ -31,6 +31,7 @@ from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.repack_policy import MOVES_PER_POD
+from extender.simulate.budget_bound import StateSnapshot, budget_bound, snapshot
 from extender.simulate.trace import Task
 
 __all__ = [
@@ -120,13 +121,23 @@ class PolicyResult:
     #: result and any policy's that agrees with it up to there (`planner+repack` at every
     #: budget agrees with `planner`). Not in the JSON.
     placedAtFirstFailure: list[Demand] | None = field(default=None, repr=False)
+    #: the state then, pod for pod (`budget_bound.snapshot`): what `budget_bound` starts from.
+    #: Not in the JSON.
+    stateAtFirstFailure: StateSnapshot | None = field(default=None, repr=False)
     #: the pods placed at the end (without churn): `allocation_bound(..., placed=...)` is then
     #: the most any number of moves could make of this end state. Not in the JSON.
     placedAtEnd: list[Demand] | None = field(default=None, repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        skip = ("policy", "freeSeries", "placedAtFirstFailure", "placedAtEnd", "extra")
+        skip = (
+            "policy",
+            "freeSeries",
+            "placedAtFirstFailure",
+            "stateAtFirstFailure",
+            "placedAtEnd",
+            "extra",
+        )
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d.update(self.extra)
         return d
@@ -228,6 +239,9 @@ def run_policy(
         if out.placedAtFirstFailure is None and not churn and len(placed) < len(batch):
             if any(t.demand.wants_gpu and t.key not in where for t in batch):
                 out.placedAtFirstFailure = [demands_of[k].demand for k in where]
+                out.stateAtFirstFailure = snapshot(
+                    cap, ((demands_of[k].demand, n) for k, n in where.items())
+                )
         if repack:
             placed += _repack_failed(
                 cap,
@@ -398,7 +412,9 @@ def allocation_bounds(
     the pods ask: `anyPolicy`, whatever any policy does (any moves, every arrival known);
     `fromFirstFailure`, for a policy that places what the first of `results` (planner+repack
     preferred, then planner) had placed when a GPU pod first found no place (`planner+repack`
-    places like `planner` until then, at every move budget); `fromEnd`, per policy (fgd,
+    places like `planner` until then, at every move budget); `fromFirstFailureWithBudget`, for
+    `planner+repack`, the same state kept pod for pod and at most its move budget of pods moved
+    (`budget_bound.budget_bound`); `fromEnd`, per policy (fgd,
     planner+repack), the most any number of moves could make of its end state, its pods kept
     and the pods that failed free to join."""
     from extender.simulate.bound import allocation_bound
@@ -436,6 +452,18 @@ def allocation_bounds(
             "pct": pct(b.bytes),
             "status": b.status,
         }
+        state = r.stateAtFirstFailure
+        if r.policy == "planner+repack" and state is not None:
+            kept = {p.demand.pod.key for p in state.pods}
+            later = [t.demand for t in tasks if t.key not in kept]
+            bb = budget_bound(state, later, fraction=r.moveBudget)
+            out["fromFirstFailureWithBudget"] = {
+                "moveBudget": r.moveBudget,
+                "bytes": round(bb.bytes),
+                "pct": round(100 * bb.bytes / total, 3) if total else 0.0,
+                "status": bb.status,
+                "seconds": round(bb.seconds, 2),
+            }
     ends = {}
     for r in results:
         if r.placedAtEnd is not None and r.policy in ("fgd", "planner+repack"):
@@ -455,6 +483,9 @@ def bound_line(b: Mapping[str, Any]) -> str:
             f"; placing like {f['policy']} until a GPU pod first fits nowhere "
             f"({f['placedThen']} pods then): {f['pct']:.2f}%"
         )
+    w = b.get("fromFirstFailureWithBudget")
+    if w:
+        line += f"; and then moving at most {100 * w['moveBudget']:g}% of the pods: {w['pct']:.2f}%"
     for policy, e in (b.get("fromEnd") or {}).items():
         line += f"; {policy}'s end state with any moves: {e['pct']:.2f}%"
     return line

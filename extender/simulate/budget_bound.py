@@ -1,0 +1,428 @@
+"""An upper bound on GPU memory allocated from a fixed state with a limited number of moves.
+
+`bound.allocation_bound` lets the pods placed at a policy's first failure be re-arranged at
+will: it bounds a policy with any number of moves. `planner+repack` may move only a fraction F
+of the pods it has placed, so this bound keeps the state at the first failure as it was, pod
+for pod, except for the pods the budget lets move:
+
+- **nodes** are pooled into groups (the same devices, and free CPU at that state within one of
+  `CPU_BINS`); a group's free CPU and memory are summed, which only relaxes;
+- each **GPU** of a group and device kind is one unit of flow that starts at the memory its
+  pods use (state u, in units of the gcd of every size) and ends at the device's memory. Before
+  it enters the arc-flow graph of `bound.allocation_bound` (pod arcs u -> u + s, loss arcs
+  u -> u + 1) it may take **removal arcs** u -> u - s, each the move of a pod of s units away
+  from it; a group has no more removal arcs of a size than it held pods of that size;
+- a **moved pod** is placed again like a new one (its GPUs, CPU and memory wherever it fits)
+  and its memory counts once; a moved GPU-less pod frees its CPU and memory in its group and
+  takes them in another;
+- **moves** (removed pods, GPU-less ones included) are at most F x the pods placed at the end,
+  and those are at most the pods placed then, the GPU pods the LP takes, and every GPU-less
+  pod that arrives later; GPU-less pods arriving later take nothing here (only relaxes).
+
+Every end state that a policy placing those pods as they were, then making at most that many
+moves (any number of times per pod counts at least once), can reach is a feasible point of the
+LP, so its optimum (GLOP) bounds GPU memory allocated at the end. With a budget of 0 it is the
+most the state's free pieces can hold; with a large one it approaches `allocation_bound` from
+the same first failure (less pooled CPU aside).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from math import gcd
+
+import numpy as np
+from ortools.linear_solver import pywraplp  # type: ignore[import-untyped]
+
+from extender.arrays import DeviceArrays
+from extender.demand import Demand
+from extender.planner.capacity import Capacity, demand_kind, device_matches
+from extender.quantity import GIB
+
+__all__ = ["CPU_BINS", "BudgetBound", "HeldPod", "StateSnapshot", "budget_bound", "snapshot"]
+
+#: free-CPU bins (cores) that split nodes of the same devices into groups: nodes starved of CPU
+#: are not pooled with nodes that have cores to spare
+CPU_BINS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class HeldPod:
+    """A placed pod: its demand, node row and (device row, bytes) per GPU it holds."""
+
+    demand: Demand
+    node: int
+    devices: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A copy of what the bound reads from a replay's state: the device columns, free CPU and
+    memory per node and where every pod is."""
+
+    arrays: DeviceArrays
+    cpu_free: np.ndarray
+    mem_free: np.ndarray
+    cpu_total: np.ndarray
+    mem_total: np.ndarray
+    pods: tuple[HeldPod, ...]
+
+
+def snapshot(cap: Capacity, placed: Iterable[tuple[Demand, int]]) -> StateSnapshot:
+    """The state of `cap` with the pods `placed` (demand, node row) on it, copied."""
+    a = cap.arrays
+    row_of: dict[tuple[int, str], int] = {}
+    pods = []
+    for d, n in placed:
+        held: tuple[tuple[int, int], ...] = ()
+        res = cap.ledger.reservation(d.pod.key) if d.gpu_count > 0 else None
+        if res is not None:
+            lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+            if (n, res.device_ids[0]) not in row_of:
+                for g in range(lo, hi):
+                    row_of[(n, a.devices[g].device_id)] = g
+            held = tuple(
+                (row_of[(n, dev)], int(b)) for dev, b in zip(res.device_ids, res.bytes_per_device)
+            )
+        pods.append(HeldPod(d, n, held))
+    arrays = replace(a, used=a.used.copy(), used_replicas=a.used_replicas.copy(), cache=None)
+    return StateSnapshot(
+        arrays,
+        cap.cpu_free.copy(),
+        cap.mem_free.copy(),
+        cap.cpu_total.copy(),
+        cap.mem_total.copy(),
+        tuple(pods),
+    )
+
+
+@dataclass(frozen=True)
+class BudgetBound:
+    """`bytes`: no such policy ends with more GPU memory allocated (every pod counted, those
+    placed before the state included); `moves`: the budget the LP was given, as a fraction of
+    the pods placed (`fraction`) or absolute (`max_moves`); `status`: GLOP's."""
+
+    bytes: float
+    status: str
+    seconds: float
+    variables: int
+    groups: int
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "boundBytes": round(self.bytes),
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "variables": self.variables,
+            "groups": self.groups,
+        }
+
+
+def _gcd(values: Iterable[int]) -> int:
+    g = 0
+    for v in values:
+        g = gcd(g, int(v))
+    return g or 1
+
+
+Kind = tuple[object, ...]  # `demand_kind`
+DevKind = tuple[int, int, int, int]  # resource id, product id, capacity, per-pod cap
+Config = tuple[int, tuple[int, ...]]  # a GPU: units used, and the units of each pod it holds
+
+
+@dataclass
+class _Group:
+    """Nodes pooled: how many devices of each kind one of them has, their free CPU and memory
+    summed, and the most CPU and memory one of them has in all."""
+
+    devices: dict[DevKind, int]
+    cpu_free: float = 0.0
+    mem_free: float = 0.0
+    cpu_top: int = 0
+    mem_top: int = 0
+
+
+def _group_nodes(
+    state: StateSnapshot, dev_kind: Sequence[DevKind], cpu_bins: Sequence[float]
+) -> tuple[np.ndarray, list[_Group]]:
+    """Each node's group (its devices and its free CPU's bin) and the groups."""
+    a = state.arrays
+    bins = np.asarray(cpu_bins, dtype=np.float64) * 1000
+    group_of = np.zeros(len(a.node_names), dtype=np.int64)
+    keys: dict[tuple[object, ...], int] = {}
+    groups: list[_Group] = []
+    for n in range(len(a.node_names)):
+        lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+        devs = Counter(dev_kind[lo:hi])
+        key = (tuple(sorted(devs.items())), int(np.searchsorted(bins, state.cpu_free[n], "right")))
+        if key not in keys:
+            keys[key] = len(groups)
+            groups.append(_Group(dict(devs)))
+        g = groups[keys[key]]
+        group_of[n] = keys[key]
+        cpu, mem = max(int(state.cpu_free[n]), 0), max(int(state.mem_free[n]), 0)
+        g.cpu_free = float("inf") if cpu >= 1 << 49 else g.cpu_free + cpu
+        g.mem_free = float("inf") if mem >= 1 << 59 else g.mem_free + mem
+        g.cpu_top = max(g.cpu_top, int(state.cpu_total[n]))
+        g.mem_top = max(g.mem_top, int(state.mem_total[n]))
+    return group_of, groups
+
+
+class _Lp:
+    """GLOP with rows in cores and GiB and the objective in GiB (its tolerances are absolute)."""
+
+    def __init__(self, solver: pywraplp.Solver) -> None:
+        self.solver = solver
+        self.inf: float = solver.infinity()
+        self.objective = solver.Objective()
+        self.variables = 0
+
+    def var(self, hi: float | None = None) -> pywraplp.Variable:
+        self.variables += 1
+        return self.solver.NumVar(0.0, self.inf if hi is None else hi, "")
+
+    def row(
+        self, lo: float, hi: float, terms: Iterable[tuple[pywraplp.Variable, float]] = ()
+    ) -> pywraplp.Constraint:
+        r = self.solver.Constraint(lo, hi)
+        for v, c in terms:
+            r.SetCoefficient(v, c)
+        return r
+
+
+def _configs_after_moves(configs: Iterable[Config]) -> dict[Config, int]:
+    """Every config reachable from `configs` by moving pods away, numbered."""
+    seen: dict[Config, int] = {}
+    todo = list(configs)
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen[c] = len(seen)
+        todo += [_without(c, s) for s in set(c[1])]
+    return seen
+
+
+def _without(c: Config, s: int) -> Config:
+    rest = list(c[1])
+    rest.remove(s)
+    return (max(0, c[0] - s), tuple(rest))
+
+
+def _gpu_graph(
+    lp: _Lp, configs: Counter[Config], top: int, sizes: Iterable[int]
+) -> tuple[dict[int, list[pywraplp.Variable]], dict[int, list[pywraplp.Variable]]]:
+    """The flow of a group's GPUs of one kind: each enters as the config it holds, loses
+    moved pods (removal arcs, by size), enters the arc-flow graph at its units used and fills
+    up to `top` with pod arcs of `sizes` and loss arcs. Returns (removal arcs, pod arcs) by
+    size."""
+    states = _configs_after_moves(configs)
+    enter_in: list[list[pywraplp.Variable]] = [[] for _ in states]
+    enter_out: list[list[pywraplp.Variable]] = [[] for _ in states]
+    into: list[list[pywraplp.Variable]] = [[] for _ in range(top + 1)]
+    out_of: list[list[pywraplp.Variable]] = [[] for _ in range(top + 1)]
+    removal: dict[int, list[pywraplp.Variable]] = defaultdict(list)
+    for c, i in states.items():
+        for s in set(c[1]):
+            v = lp.var()
+            enter_out[i].append(v)
+            enter_in[states[_without(c, s)]].append(v)
+            removal[s].append(v)
+        v = lp.var()  # into the graph at its units used
+        enter_out[i].append(v)
+        into[min(c[0], top)].append(v)
+    for c, i in states.items():
+        n = float(configs.get(c, 0))
+        lp.row(n, n, [*((v, 1.0) for v in enter_out[i]), *((v, -1.0) for v in enter_in[i])])
+    arcs: dict[int, list[pywraplp.Variable]] = defaultdict(list)
+    for s in sorted(set(sizes)):
+        for u in range(0, top - s + 1):
+            v = lp.var()
+            arcs[s].append(v)
+            out_of[u].append(v)
+            into[u + s].append(v)
+    for u in range(top):
+        v = lp.var()
+        out_of[u].append(v)
+        into[u + 1].append(v)
+    for u in range(top):  # flow in = flow out below the top (the sink)
+        lp.row(0, 0, [*((v, 1.0) for v in into[u]), *((v, -1.0) for v in out_of[u])])
+    return removal, arcs
+
+
+def budget_bound(
+    state: StateSnapshot,
+    later: Iterable[Demand],
+    *,
+    fraction: float | None = None,
+    max_moves: float | None = None,
+    later_gpuless: int | None = None,
+    max_states: int = 2000,
+    cpu_bins: Sequence[float] = CPU_BINS,
+) -> BudgetBound:
+    """The bound for the GPU pods `later` arriving on `state`, moves limited to `fraction` x
+    the pods placed at the end and to `max_moves` (None: not limited that way; both None:
+    no moves). `later_gpuless`: GPU-less pods arriving later (default: those in `later`), which
+    count as placed for the budget."""
+    start = time.perf_counter()
+    a = state.arrays
+    later = list(later)
+    if later_gpuless is None:
+        later_gpuless = sum(1 for d in later if d.gpu_count == 0)
+    counts: Counter[Kind] = Counter()
+    to_place: dict[Kind, Demand] = {}  # the kinds that may be placed: new ones, moved ones
+    for d in later:
+        if d.gpu_count > 0:
+            counts[demand_kind(d)] += 1
+            to_place.setdefault(demand_kind(d), d)
+    dev_kind: list[DevKind] = list(
+        zip(
+            a.resource_id.tolist(),
+            a.product_id.tolist(),
+            a.capacity.tolist(),
+            a.per_pod_cap.tolist(),
+        )
+    )
+    group_of, groups = _group_nodes(state, dev_kind, cpu_bins)
+    unit = _gcd(
+        [
+            *(d.bytes_per_gpu for d in to_place.values() if d.bytes_per_gpu),
+            *(v for k in set(dev_kind) for v in k[2:] if v),
+            *(int(u) for u in set(a.used.tolist()) if u > 0),
+            *(b for p in state.pods for _, b in p.devices if b > 0),
+        ]
+    )
+    biggest = int(a.capacity.max(initial=0))
+    if biggest // unit > max_states:  # coarser: used and removals down, free memory up
+        unit = -(-biggest // max_states)
+
+    # what is held: each GPU's config; GPU pods by (group, device kind, kind + bytes per GPU,
+    # units per GPU); GPU-less pods by (group, CPU, memory)
+    on_row: dict[int, list[int]] = defaultdict(list)
+    held_gpu: Counter[tuple[int, DevKind, Kind, int]] = Counter()
+    held_of: dict[Kind, tuple[Demand, int]] = {}
+    held_cpu: Counter[tuple[int, int, int]] = Counter()
+    for p in state.pods:
+        g = int(group_of[p.node])
+        if not p.devices:
+            held_cpu[(g, p.demand.cpu_milli, p.demand.memory_bytes)] += 1
+            continue
+        for row, b in p.devices:
+            on_row[row].append(-(-b // unit))
+        row, b = p.devices[0]
+        kind: Kind = (*demand_kind(p.demand), b)
+        held_of.setdefault(kind, (p.demand, b))
+        to_place.setdefault(demand_kind(p.demand), p.demand)
+        held_gpu[(g, dev_kind[row], kind, -(-b // unit))] += 1
+    supply: dict[tuple[int, DevKind], Counter[Config]] = defaultdict(Counter)
+    for row, dk in enumerate(dev_kind):
+        if dk[2] > 0:
+            used = int(min(a.used[row], dk[2])) // unit
+            supply[(int(group_of[a.node_of[row]]), dk)][(used, tuple(sorted(on_row[row])))] += 1
+
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    if solver is None:
+        return BudgetBound(float("nan"), "NO GLOP", 0.0, 0, len(groups))
+    lp = _Lp(solver)
+    inf = lp.inf
+    cpu_row = [lp.row(-inf, g.cpu_free / 1000 if g.cpu_free < inf else inf) for g in groups]
+    mem_row = [lp.row(-inf, g.mem_free / GIB if g.mem_free < inf else inf) for g in groups]
+    placed: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)  # new or moved
+    moved: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)
+    moves: list[pywraplp.Variable] = []
+    ok_products = {
+        k: set(a.product_id[device_matches(a, d.resource, d.allowed_products)].tolist())
+        for k, d in to_place.items()
+    }
+    for (gi, dk), configs in sorted(supply.items(), key=lambda item: item[0]):
+        grp = groups[gi]
+        rid, pid, capacity, ppc = dk
+        fits: list[tuple[Kind, Demand, int]] = []
+        for k, d in to_place.items():
+            need = ppc if d.bytes_per_gpu is None else d.bytes_per_gpu
+            if (
+                a.resources.get(d.resource) == rid
+                and pid in ok_products[k]
+                and d.gpu_count <= grp.devices[dk]
+                and d.cpu_milli <= grp.cpu_top
+                and d.memory_bytes <= grp.mem_top
+                and 0 < need <= min(ppc, capacity)
+            ):
+                fits.append((k, d, need))
+        removals = [(k, s, c) for (g2, d2, k, s), c in held_gpu.items() if (g2, d2) == (gi, dk)]
+        if not fits and not removals:
+            continue
+        top = -(-capacity // unit)
+        removal, arcs = _gpu_graph(lp, configs, top, (max(1, n // unit) for _, _, n in fits))
+        # a move of a held pod: its removal arcs (one per GPU), its CPU and memory back
+        by_removal: dict[int, list[tuple[pywraplp.Variable, float]]] = defaultdict(list)
+        for k, s, c in removals:
+            d, b = held_of[k]
+            y = lp.var(c)
+            moves.append(y)
+            moved[k[:-1]].append(y)
+            by_removal[s].append((y, -d.gpu_count))
+            cpu_row[gi].SetCoefficient(y, -d.cpu_milli / 1000)
+            mem_row[gi].SetCoefficient(y, -d.memory_bytes / GIB)
+            lp.objective.SetCoefficient(y, -d.gpu_count * b / GIB)
+        for s, ys in by_removal.items():
+            lp.row(0, 0, [*((v, 1.0) for v in removal[s]), *ys])
+        by_size: dict[int, pywraplp.Constraint] = {}
+        for k, d, need in fits:
+            x = lp.var()
+            placed[k].append(x)
+            s = max(1, need // unit)
+            if s not in by_size:  # pods of this size take no more arcs than the flow has
+                by_size[s] = lp.row(-inf, 0, ((v, -1.0) for v in arcs[s]))
+            by_size[s].SetCoefficient(x, d.gpu_count)
+            cpu_row[gi].SetCoefficient(x, d.cpu_milli / 1000)
+            mem_row[gi].SetCoefficient(x, d.memory_bytes / GIB)
+            lp.objective.SetCoefficient(x, d.gpu_count * need / GIB)
+    # a kind's placements = its pods moved + new pods taken (at most those that arrive)
+    taken: list[pywraplp.Variable] = []
+    for k in to_place:
+        r = lp.row(0, 0, [*((x, 1.0) for x in placed[k]), *((y, -1.0) for y in moved[k])])
+        if counts[k]:
+            t = lp.var(counts[k])
+            r.SetCoefficient(t, -1)
+            taken.append(t)
+    # GPU-less pods that move: out of their group, into any group with room for one
+    for cpu, mem in sorted({(c, m) for _, c, m in held_cpu}):
+        r = lp.row(0, 0)
+        for (gi, c, m), n in held_cpu.items():
+            if (c, m) == (cpu, mem):
+                w = lp.var(n)
+                moves.append(w)
+                r.SetCoefficient(w, -1)
+                cpu_row[gi].SetCoefficient(w, -cpu / 1000)
+                mem_row[gi].SetCoefficient(w, -mem / GIB)
+        for gi, grp in enumerate(groups):
+            if cpu <= grp.cpu_top and mem <= grp.mem_top:
+                q = lp.var()
+                r.SetCoefficient(q, 1)
+                cpu_row[gi].SetCoefficient(q, cpu / 1000)
+                mem_row[gi].SetCoefficient(q, mem / GIB)
+    if fraction is None and max_moves is None:
+        max_moves = 0
+    if max_moves is not None:
+        lp.row(-inf, float(max_moves), ((v, 1.0) for v in moves))
+    if fraction is not None:  # moves <= F x (held + GPU pods taken + later GPU-less pods)
+        lp.row(
+            -inf,
+            fraction * (len(state.pods) + later_gpuless),
+            [*((v, 1.0) for v in moves), *((t, -fraction) for t in taken)],
+        )
+    lp.objective.SetMaximization()
+    status = solver.Solve()
+    name = {
+        pywraplp.Solver.OPTIMAL: "OPTIMAL",
+        pywraplp.Solver.INFEASIBLE: "INFEASIBLE",
+        pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+    }.get(status, f"STATUS {status}")
+    used_total = int(np.minimum(a.used, a.capacity).sum())
+    ok = status == pywraplp.Solver.OPTIMAL
+    value = used_total + lp.objective.Value() * GIB if ok else float("nan")
+    return BudgetBound(value, name, time.perf_counter() - start, lp.variables, len(groups))
