@@ -40,6 +40,7 @@ from extender.simulate.engine import (
     all_fit_line,
     allocation_bounds,
     bound_line,
+    bound_within_budget,
     overcommit_text,
     run_policy,
     while_all_fit,
@@ -222,6 +223,11 @@ def run(
                     "seconds": round(r.seconds, 1),
                 }
             )
+            within = bound_within_budget(r, tasks, b)
+            if within is not None and within.status == "OPTIMAL":
+                out["budgetCurve"][-1]["boundPct"] = round(
+                    100 * within.bytes / r.capacityMemoryBytes, 3
+                )
             print(
                 f"  {pod_list} inflate={factor} planner+repack budget {b:g}: "
                 f"{out['budgetCurve'][-1]['allocatedPct']:.3f}% moves {r.moves} {r.seconds:.1f}s",

@@ -133,3 +133,21 @@ def test_moving_a_gpu_less_pod_frees_the_cores_a_gpu_pod_needs(tmp_path):
     gpu_pod = [Demand(PodRef("t", "g"), 1, 600 * MIB, cpu_milli=2000)]
     assert budget_bound(state, gpu_pod).bytes == pytest.approx(0, abs=1)
     assert budget_bound(state, gpu_pod, max_moves=1).bytes == pytest.approx(600 * MIB)
+
+
+def test_a_multi_gpu_pod_needs_its_gpus_on_one_node(tmp_path):
+    """Two nodes of two GPUs, one GPU of each half held: two free GPUs in all, one per node.
+    A 2-GPU pod of 600 MiB per GPU does not fit until a move empties one node (the arc-flow
+    alone would spread it over the two nodes)."""
+    cap = _cluster(tmp_path, ["n0,64000,65536,2,T4", "n1,64000,65536,2,T4"])
+    a = cap.arrays
+    held = []
+    for n in range(2):
+        d = Demand(PodRef("t", f"h{n}"), 1, 500 * MIB)
+        _place(cap, d, n, (int(a.node_start[n]),))
+        held.append((d, n))
+    state = snapshot(cap, held)
+    pair = [Demand(PodRef("t", "pair"), 2, 600 * MIB)]
+    assert budget_bound(state, pair).bytes == pytest.approx(1000 * MIB)
+    assert budget_bound(state, pair, max_moves=1).bytes == pytest.approx(2200 * MIB)
+    assert _best_with_moves(cap, state, pair, 1) == 2200 * MIB

@@ -613,6 +613,8 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
         mine = out["policies"][policy]["allocatedMemoryBytes"]
         assert mine - 1 <= bound["fromEnd"][policy]["bytes"] <= bound["anyPolicyBytes"] + 1
     assert [c["moveBudget"] for c in out["budgetCurve"]] == [0.0, 0.005, 0.01, 0.02, 0.05]
+    for c in out["budgetCurve"]:  # each budget's bound holds what that budget reached
+        assert c["allocatedPct"] - 0.01 <= c["boundPct"] <= 100
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([*args, "--policy", "planner+repack", "--bound"]) == 0
     table = capsys.readouterr().out

@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                 moves_per_pod=per_pod,
                 open_cost=args.open_gpu_cost,
             )
-            curve.append(_curve_point(budget, r))
+            curve.append(_curve_point(budget, r, tasks))
             if not args.json:
                 print(
                     f"  planner+repack at budget {budget:g}: done in {r.seconds:.1f}s",
@@ -305,9 +305,12 @@ def _pct(part: float, whole: float) -> float:
     return 100 * part / whole if whole else 0.0
 
 
-def _curve_point(budget: float, r) -> dict:
-    """One point of the budget curve: what planner+repack reached with this move budget."""
-    return {
+def _curve_point(budget: float, r, tasks) -> dict:
+    """One point of the budget curve: what planner+repack reached with this move budget, and
+    the bound from its first failure within the same budget (`boundPct`)."""
+    from extender.simulate.engine import bound_within_budget
+
+    point = {
         "moveBudget": budget,
         "allocatedMemoryBytes": r.allocatedMemoryBytes,
         "allocatedPct": round(_pct(r.allocatedMemoryBytes, r.capacityMemoryBytes), 3),
@@ -316,6 +319,10 @@ def _curve_point(budget: float, r) -> dict:
         "repackPlaced": r.repackPlaced,
         "seconds": round(r.seconds, 1),
     }
+    bb = bound_within_budget(r, tasks, budget)
+    if bb is not None and bb.status == "OPTIMAL":
+        point["boundPct"] = round(_pct(bb.bytes, r.capacityMemoryBytes), 3)
+    return point
 
 
 def _bounds(nodes, bound, tasks, results) -> dict:

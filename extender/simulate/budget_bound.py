@@ -253,6 +253,13 @@ def _gpu_graph(
     return removal, arcs
 
 
+def _node_slots(node_free: Iterable[list[int]], need: int, k: int) -> int:
+    """How many k-GPU pods of `need` bytes per GPU the nodes (their GPUs' free bytes) hold at
+    most, each on one node. A move frees at most as many GPUs as its pod holds, which adds at
+    most that many: a valid cut on the pods of k GPUs the arc-flow spreads over nodes."""
+    return sum(sum(1 for f in frees if f >= need) // k for frees in node_free)
+
+
 def budget_bound(
     state: StateSnapshot,
     later: Iterable[Demand],
@@ -323,6 +330,15 @@ def budget_bound(
             used = int(min(a.used[row], dk[2])) // unit
             supply[(int(group_of[a.node_of[row]]), dk)][(used, tuple(sorted(on_row[row])))] += 1
 
+    node_free: dict[tuple[int, DevKind], list[list[int]]] = defaultdict(list)
+    for n in range(len(a.node_names)):
+        lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+        here: dict[DevKind, list[int]] = defaultdict(list)
+        for row in range(lo, hi):
+            here[dev_kind[row]].append(int(a.capacity[row] - a.used[row]))
+        for dk, frees in here.items():
+            node_free[(int(group_of[n]), dk)].append(frees)
+
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:
         return BudgetBound(float("nan"), "NO GLOP", 0.0, 0, len(groups))
@@ -359,10 +375,12 @@ def budget_bound(
         removal, arcs = _gpu_graph(lp, configs, top, (max(1, n // unit) for _, _, n in fits))
         # a move of a held pod: its removal arcs (one per GPU), its CPU and memory back
         by_removal: dict[int, list[tuple[pywraplp.Variable, float]]] = defaultdict(list)
+        freed: list[tuple[pywraplp.Variable, float]] = []  # GPUs a move may free, at most
         for k, s, c in removals:
             d, b = held_of[k]
             y = lp.var(c)
             moves.append(y)
+            freed.append((y, -d.gpu_count))
             moved[k[:-1]].append(y)
             by_removal[s].append((y, -d.gpu_count))
             cpu_row[gi].SetCoefficient(y, -d.cpu_milli / 1000)
@@ -381,6 +399,8 @@ def budget_bound(
             cpu_row[gi].SetCoefficient(x, d.cpu_milli / 1000)
             mem_row[gi].SetCoefficient(x, d.memory_bytes / GIB)
             lp.objective.SetCoefficient(x, d.gpu_count * need / GIB)
+            if d.gpu_count > 1:  # its GPUs on one node: no more than the nodes have
+                lp.row(-inf, _node_slots(node_free[(gi, dk)], need, d.gpu_count), [(x, 1), *freed])
     # a kind's placements = its pods moved + new pods taken (at most those that arrive)
     taken: list[pywraplp.Variable] = []
     for k in to_place:

@@ -31,7 +31,7 @@ from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.repack_policy import MOVES_PER_POD
-from extender.simulate.budget_bound import StateSnapshot, budget_bound, snapshot
+from extender.simulate.budget_bound import BudgetBound, StateSnapshot, budget_bound, snapshot
 from extender.simulate.trace import Task
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "all_fit_line",
     "overcommit_text",
     "allocation_bounds",
+    "bound_within_budget",
     "bound_line",
     "ALL_POLICIES",
     "VRAMSCHED_POLICIES",
@@ -452,11 +453,8 @@ def allocation_bounds(
             "pct": pct(b.bytes),
             "status": b.status,
         }
-        state = r.stateAtFirstFailure
-        if r.policy == "planner+repack" and state is not None:
-            kept = {p.demand.pod.key for p in state.pods}
-            later = [t.demand for t in tasks if t.key not in kept]
-            bb = budget_bound(state, later, fraction=r.moveBudget)
+        bb = bound_within_budget(r, tasks, r.moveBudget) if r.policy == "planner+repack" else None
+        if bb is not None:
             out["fromFirstFailureWithBudget"] = {
                 "moveBudget": r.moveBudget,
                 "bytes": round(bb.bytes),
@@ -472,6 +470,18 @@ def allocation_bounds(
     if ends:
         out["fromEnd"] = ends
     return out
+
+
+def bound_within_budget(
+    r: PolicyResult, tasks: Sequence[Task], fraction: float
+) -> BudgetBound | None:
+    """`budget_bound` from `r`'s first failure, with at most `fraction` x the pods placed
+    moved (None: no GPU pod failed, or the replay had churn)."""
+    state = r.stateAtFirstFailure
+    if state is None:
+        return None
+    kept = {p.demand.pod.key for p in state.pods}
+    return budget_bound(state, [t.demand for t in tasks if t.key not in kept], fraction=fraction)
 
 
 def bound_line(b: Mapping[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def plot_budget_curves(
     """GPU memory allocated (% of capacity) by `planner+repack` against its move budget, one
     panel per pod list: FGD's allocation and the bounds as horizontal lines.
 
-    `runs` maps a panel title to {"budgetCurve": [{"moveBudget", "allocatedPct", "moves"}...],
+    `runs` maps a panel title to {"budgetCurve": [{"moveBudget", "allocatedPct", "moves",
+    "boundPct" (optional: `engine.bound_within_budget`)}...],
     "fgdPct": float | None, "bound": `engine.allocation_bounds` | None}."""
     import matplotlib
 
@@ -102,7 +104,11 @@ def plot_budget_curves(
     n = max(1, len(runs))
     cols = min(cols, n)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    # the legend under the panels: one row under many, a row per entry (at most 5) under few
+    ncol = 3 if cols >= 3 else 1
+    legend = 0.2 * -(-5 // ncol) + 0.15  # inches
+    height = 3.4 * rows + legend
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, height), squeeze=False)
     for ax, (name, run) in zip(axes.flat, runs.items()):
         curve = run["budgetCurve"]
         x = [100 * c["moveBudget"] for c in curve]
@@ -121,6 +127,17 @@ def plot_budget_curves(
         if run.get("fgdPct") is not None:
             ax.axhline(run["fgdPct"], color="#718096", lw=1.2, label="FGD")
             ax.axhline(run["fgdPct"] + 3, color="#718096", lw=0.8, ls=":", label="FGD + 3 points")
+        within = [(xi, c["boundPct"]) for xi, c in zip(x, curve) if "boundPct" in c]
+        if within:
+            ax.plot(
+                [p[0] for p in within],
+                [p[1] for p in within],
+                "s:",
+                color="#c53030",
+                lw=1.2,
+                ms=3,
+                label="bound within the budget, from the same failure",
+            )
         b = run.get("bound") or {}
         first = b.get("fromFirstFailure")
         if first:
@@ -138,12 +155,11 @@ def plot_budget_curves(
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(
-        (title + ": " if title else "")
-        + "GPU memory allocated against the move budget (labels: pods moved)",
-        fontsize=10,
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+    heading = (title + ": " if title else "") + (
+        "GPU memory allocated against the move budget (labels: pods moved)"
     )
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.suptitle("\n".join(textwrap.wrap(heading, 50 * cols)), fontsize=10)
+    fig.tight_layout(rect=(0, legend / height, 1, 0.93 if cols == 1 else 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
