@@ -10,6 +10,7 @@ from test_planner_repack import placements
 from test_simulate import NODE_HEAD, _best_packing
 
 from extender.demand import Demand, PodRef
+from extender.planner.capacity import demand_kind
 from extender.planner.move_model import reservation_for
 from extender.quantity import MIB
 from extender.simulate.budget_bound import budget_bound, snapshot
@@ -117,7 +118,12 @@ def test_one_move_frees_a_whole_gpu_and_the_budget_decides(tmp_path):
     state = snapshot(cap, held)
     whole = [Demand(PodRef("t", "w"), 1, 1000 * MIB)]
     assert budget_bound(state, whole).bytes == pytest.approx(1000 * MIB)
-    assert budget_bound(state, whole, max_moves=1).bytes == pytest.approx(2000 * MIB)
+    one = budget_bound(state, whole, max_moves=1)
+    assert one.bytes == pytest.approx(2000 * MIB)
+    # where the room comes from: the whole-GPU pod taken, after one move
+    assert one.taken == {demand_kind(whole[0]): pytest.approx(1.0)}
+    assert one.moves == pytest.approx(1.0)
+    assert budget_bound(state, whole).taken == {demand_kind(whole[0]): pytest.approx(0.0)}
     assert budget_bound(state, whole, fraction=1 / 3).bytes == pytest.approx(2000 * MIB)
     # 0.3 x (2 held + 1 taken) = 0.9 moves: the LP moves 0.9 of a pod, no more
     assert budget_bound(state, whole, fraction=0.3).bytes < 2000 * MIB - 1
@@ -151,3 +157,27 @@ def test_a_multi_gpu_pod_needs_its_gpus_on_one_node(tmp_path):
     assert budget_bound(state, pair).bytes == pytest.approx(1000 * MIB)
     assert budget_bound(state, pair, max_moves=1).bytes == pytest.approx(2200 * MIB)
     assert _best_with_moves(cap, state, pair, 1) == 2200 * MIB
+
+
+def test_a_pod_needs_its_cores_and_its_gpu_on_one_node(tmp_path):
+    """The pooled CPU row would let pods span nodes. Two nodes with 9 free cores and an idle
+    GPU each hold no 11-core pod; nor do a node with cores but a full GPU and a node with an
+    idle GPU but no cores. One move (the GPU-less pod holding the cores of the node whose GPU
+    is idle) lets one in."""
+    cap = _cluster(tmp_path, ["n0,9000,65536,1,T4", "n1,9000,65536,1,T4"])
+    state = snapshot(cap, [])
+    big = [Demand(PodRef("t", f"b{i}"), 1, 500 * MIB, cpu_milli=11000) for i in range(2)]
+    assert budget_bound(state, big).bytes == pytest.approx(0, abs=1)
+
+    cap = _cluster(tmp_path, ["n0,16000,65536,1,T4", "n1,16000,65536,1,T4"])
+    a = cap.arrays
+    full = Demand(PodRef("t", "full"), 1, 1000 * MIB, cpu_milli=1000)
+    cores = Demand(PodRef("t", "cores"), 0, None, cpu_milli=12000)
+    _place(cap, full, 0, (int(a.node_start[0]),))
+    _place(cap, cores, 1, ())
+    state = snapshot(cap, [(full, 0), (cores, 1)])
+    pod = [Demand(PodRef("t", "p"), 1, 500 * MIB, cpu_milli=11000)]
+    assert budget_bound(state, pod).bytes == pytest.approx(1000 * MIB)  # what is held
+    assert budget_bound(state, pod, max_moves=1).bytes == pytest.approx(1500 * MIB)
+    assert _best_with_moves(cap, state, pod, 0) == 1000 * MIB
+    assert _best_with_moves(cap, state, pod, 1) == 1500 * MIB

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from math import gcd
 
 import numpy as np
@@ -102,14 +102,17 @@ def snapshot(cap: Capacity, placed: Iterable[tuple[Demand, int]]) -> StateSnapsh
 @dataclass(frozen=True)
 class BudgetBound:
     """`bytes`: no such policy ends with more GPU memory allocated (every pod counted, those
-    placed before the state included); `moves`: the budget the LP was given, as a fraction of
-    the pods placed (`fraction`) or absolute (`max_moves`); `status`: GLOP's."""
+    placed before the state included); `status`: GLOP's. From the LP's optimum, which says
+    where the room it finds comes from: `taken`, the later GPU pods it takes per demand kind
+    (fractions: it is an LP), and `moves`, the moves it makes. Not in the JSON."""
 
     bytes: float
     status: str
     seconds: float
     variables: int
     groups: int
+    taken: dict[Kind, float] = field(default_factory=dict, repr=False)
+    moves: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -260,6 +263,53 @@ def _node_slots(node_free: Iterable[list[int]], need: int, k: int) -> int:
     return sum(sum(1 for f in frees if f >= need) // k for frees in node_free)
 
 
+def _cut_points(placed: Sequence[tuple[object, int, int]], most: int) -> list[tuple[int, int]]:
+    """(bytes per GPU, millicores) pairs for the per-node cuts: each CPU request among `placed`
+    alone (bytes 0), and each (bytes, CPU) pair; at most `most` of each, spread over their
+    range (any subset of cuts is valid)."""
+
+    def spread(values: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if len(values) <= most:
+            return values
+        return [values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)]
+
+    cpus = sorted({(0, cpu) for _, cpu, _ in placed if cpu > 0})
+    pairs = sorted({(need, cpu) for _, cpu, need in placed if cpu > 0 and need > 0})
+    return sorted({*spread(cpus), *spread(pairs)})
+
+
+def _node_slots_cpu(
+    free_cpu: Sequence[int], free_gpus: Sequence[Sequence[int]], need: int, c: int
+) -> tuple[int, int, int] | None:
+    """Pods each asking at least `c` millicores and (if `need`) a GPU with at least `need`
+    bytes free: per node its CPU slots b and GPU slots a, and it holds at most min(a, b) of
+    them. Returns (the sum of min(a, b), of max(0, a - b), of max(0, b - a)); None: a node
+    not limited by CPU. The pooled rows miss this: two nodes with 9 free cores each hold no
+    11-core pod between them, nor does a node whose cores are free and whose GPUs are full.
+    Moves raise a node's min(a, b) by at most max(0, a - b) plus the GPU slots they free, and
+    by at most max(0, b - a) plus the CPU slots they free."""
+    total = over_gpu = over_cpu = 0
+    for cpu, gpus in zip(free_cpu, free_gpus):
+        if cpu >= 1 << 49:
+            return None
+        b = max(cpu, 0) // c
+        if not need:
+            total += b
+            continue
+        a = sum(max(f, 0) // need for f in gpus)
+        total += min(a, b)
+        over_gpu += max(0, a - b)
+        over_cpu += max(0, b - a)
+    return total, over_gpu, over_cpu
+
+
+def _slots_freed(cpu: int, gpus: int, per_gpu: int, need: int, c: int) -> tuple[int, int]:
+    """The GPU slots and the CPU slots (`_node_slots_cpu`) a move of a pod frees at most: its
+    `gpus` GPUs of `per_gpu` bytes each, ceil(per_gpu / need) slots per GPU, and ceil(cpu / c)."""
+    gpu = gpus * -(-per_gpu // need) if need and gpus else 0
+    return gpu, (-(-cpu // c) if cpu > 0 else 0)
+
+
 def budget_bound(
     state: StateSnapshot,
     later: Iterable[Demand],
@@ -269,6 +319,7 @@ def budget_bound(
     later_gpuless: int | None = None,
     max_states: int = 2000,
     cpu_bins: Sequence[float] = CPU_BINS,
+    cpu_cuts: int = 16,
 ) -> BudgetBound:
     """The bound for the GPU pods `later` arriving on `state`, moves limited to `fraction` x
     the pods placed at the end and to `max_moves` (None: not limited that way; both None:
@@ -347,6 +398,15 @@ def budget_bound(
     cpu_row = [lp.row(-inf, g.cpu_free / 1000 if g.cpu_free < inf else inf) for g in groups]
     mem_row = [lp.row(-inf, g.mem_free / GIB if g.mem_free < inf else inf) for g in groups]
     placed: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)  # new or moved
+    # per group: GPU pods placed there and pods moved out of it, with their CPU (millicores)
+    cores_in: list[list[tuple[pywraplp.Variable, int, int]]] = [[] for _ in groups]
+    cores_out: list[list[tuple[pywraplp.Variable, int, int, int]]] = [[] for _ in groups]
+    node_cpu: list[list[int]] = [[] for _ in groups]  # per node of the group: free CPU
+    node_gpus: list[list[list[int]]] = [[] for _ in groups]  # and its GPUs' free bytes
+    for n in range(len(a.node_names)):
+        lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+        node_cpu[int(group_of[n])].append(int(state.cpu_free[n]))
+        node_gpus[int(group_of[n])].append((a.capacity[lo:hi] - a.used[lo:hi]).tolist())
     moved: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)
     moves: list[pywraplp.Variable] = []
     ok_products = {
@@ -384,6 +444,7 @@ def budget_bound(
             moved[k[:-1]].append(y)
             by_removal[s].append((y, -d.gpu_count))
             cpu_row[gi].SetCoefficient(y, -d.cpu_milli / 1000)
+            cores_out[gi].append((y, d.cpu_milli, d.gpu_count, b))
             mem_row[gi].SetCoefficient(y, -d.memory_bytes / GIB)
             lp.objective.SetCoefficient(y, -d.gpu_count * b / GIB)
         for s, ys in by_removal.items():
@@ -397,18 +458,18 @@ def budget_bound(
                 by_size[s] = lp.row(-inf, 0, ((v, -1.0) for v in arcs[s]))
             by_size[s].SetCoefficient(x, d.gpu_count)
             cpu_row[gi].SetCoefficient(x, d.cpu_milli / 1000)
+            cores_in[gi].append((x, d.cpu_milli, need))
             mem_row[gi].SetCoefficient(x, d.memory_bytes / GIB)
             lp.objective.SetCoefficient(x, d.gpu_count * need / GIB)
             if d.gpu_count > 1:  # its GPUs on one node: no more than the nodes have
                 lp.row(-inf, _node_slots(node_free[(gi, dk)], need, d.gpu_count), [(x, 1), *freed])
     # a kind's placements = its pods moved + new pods taken (at most those that arrive)
-    taken: list[pywraplp.Variable] = []
+    taken: dict[Kind, pywraplp.Variable] = {}
     for k in to_place:
         r = lp.row(0, 0, [*((x, 1.0) for x in placed[k]), *((y, -1.0) for y in moved[k])])
         if counts[k]:
-            t = lp.var(counts[k])
-            r.SetCoefficient(t, -1)
-            taken.append(t)
+            taken[k] = lp.var(counts[k])
+            r.SetCoefficient(taken[k], -1)
     # GPU-less pods that move: out of their group, into any group with room for one
     for cpu, mem in sorted({(c, m) for _, c, m in held_cpu}):
         r = lp.row(0, 0)
@@ -418,6 +479,7 @@ def budget_bound(
                 moves.append(w)
                 r.SetCoefficient(w, -1)
                 cpu_row[gi].SetCoefficient(w, -cpu / 1000)
+                cores_out[gi].append((w, cpu, 0, 0))
                 mem_row[gi].SetCoefficient(w, -mem / GIB)
         for gi, grp in enumerate(groups):
             if cpu <= grp.cpu_top and mem <= grp.mem_top:
@@ -425,6 +487,25 @@ def budget_bound(
                 r.SetCoefficient(q, 1)
                 cpu_row[gi].SetCoefficient(q, cpu / 1000)
                 mem_row[gi].SetCoefficient(q, mem / GIB)
+    for gi, placed_here in enumerate(cores_in):
+        for need, c in _cut_points(placed_here, cpu_cuts):
+            sums = _node_slots_cpu(node_cpu[gi], node_gpus[gi], need, c)
+            if sums is None:
+                continue
+            slots, over_gpu, over_cpu = sums
+            gain = lp.var()  # what moves add to the group's slots
+            opened = [(v, _slots_freed(cpu, k, b, need, c)) for v, cpu, k, b in cores_out[gi]]
+            # per node a move adds at most the larger of the two; summed, at most the
+            # headroom of one side plus what the moves free of it
+            lp.row(-inf, 0, [(gain, 1.0), *((v, -float(max(f))) for v, f in opened)])
+            if need:
+                lp.row(-inf, over_gpu, [(gain, 1.0), *((v, -float(f[0])) for v, f in opened)])
+            lp.row(-inf, over_cpu, [(gain, 1.0), *((v, -float(f[1])) for v, f in opened)])
+            lp.row(
+                -inf,
+                slots,
+                [(gain, -1.0), *((x, 1.0) for x, cpu, n in placed_here if cpu >= c and n >= need)],
+            )
     if fraction is None and max_moves is None:
         max_moves = 0
     if max_moves is not None:
@@ -433,7 +514,7 @@ def budget_bound(
         lp.row(
             -inf,
             fraction * (len(state.pods) + later_gpuless),
-            [*((v, 1.0) for v in moves), *((t, -fraction) for t in taken)],
+            [*((v, 1.0) for v in moves), *((t, -fraction) for t in taken.values())],
         )
     lp.objective.SetMaximization()
     status = solver.Solve()
@@ -444,5 +525,16 @@ def budget_bound(
     }.get(status, f"STATUS {status}")
     used_total = int(np.minimum(a.used, a.capacity).sum())
     ok = status == pywraplp.Solver.OPTIMAL
-    value = used_total + lp.objective.Value() * GIB if ok else float("nan")
-    return BudgetBound(value, name, time.perf_counter() - start, lp.variables, len(groups))
+    if not ok:
+        return BudgetBound(
+            float("nan"), name, time.perf_counter() - start, lp.variables, len(groups)
+        )
+    return BudgetBound(
+        used_total + lp.objective.Value() * GIB,
+        name,
+        time.perf_counter() - start,
+        lp.variables,
+        len(groups),
+        {k: t.solution_value() for k, t in taken.items()},
+        sum(v.solution_value() for v in moves),
+    )
