@@ -304,10 +304,11 @@ class RepackLimits:
 class RepackSkips:
     """Repack searches that cannot succeed, skipped: a demand that asks at least what a failed
     search asked (`repack.dominates`), with no more moves allowed than that search had, until a pod
-    leaves. Sound when the failure was proven (a pod added only takes capacity, and a move only
-    re-arranges it), a cut otherwise: a search in a neighbourhood that found nothing is not
-    repeated for the same or a bigger pod until something changes beyond arrivals. The
-    replay at inflate 1.3 fails thousands of pods; without this, thousands of searches."""
+    leaves. Sound when the failure was proven and only arrivals followed (a pod added only takes
+    capacity); a cut otherwise: after other plans' moves (a plan of m moves from the state they
+    made may need more than m from the one before) and for a search that stopped at its
+    neighbourhood or time limit. The replay at inflate 1.3 fails thousands of pods; without
+    this, thousands of searches."""
 
     failed: list[tuple[Demand, int]] = field(default_factory=list)
 
