@@ -7,23 +7,25 @@ for pod, except for the pods the budget lets move:
 
 - **nodes** are pooled into groups (the same devices, and free CPU at that state within one of
   `CPU_BINS`); a group's free CPU and memory are summed, which only relaxes;
-- each **GPU** of a group and device kind is one unit of flow that starts at the memory its
-  pods use (state u, in units of the gcd of every size) and ends at the device's memory. Before
-  it enters the arc-flow graph of `bound.allocation_bound` (pod arcs u -> u + s, loss arcs
-  u -> u + 1) it may take **removal arcs** u -> u - s, each the move of a pod of s units away
-  from it; a group has no more removal arcs of a size than it held pods of that size;
+- each **GPU** of a group and device kind is one unit of flow that enters as what it holds
+  (its memory used, in units of the gcd of every size, and the pods on it). Before it joins
+  the arc-flow graph of `bound.allocation_bound` at its memory used (pod arcs u -> u + s, loss
+  arcs u -> u + 1, up to the device's memory) it may take **removal arcs**, each the move of
+  one of its own pods away; a group has no more removals of a kind than it held such pods;
 - a **moved pod** is placed again like a new one (its GPUs, CPU and memory wherever it fits)
   and its memory counts once; a moved GPU-less pod frees its CPU and memory in its group and
   takes them in another;
+- **cuts** keep what pooling would split on one node: a k-GPU pod's GPUs, and a pod's cores
+  and GPU (per node the fewer of its CPU slots and GPU slots, plus what moves free);
 - **moves** (removed pods, GPU-less ones included) are at most F x the pods placed at the end,
   and those are at most the pods placed then, the GPU pods the LP takes, and every GPU-less
   pod that arrives later; GPU-less pods arriving later take nothing here (only relaxes).
 
-Every end state that a policy placing those pods as they were, then making at most that many
-moves (any number of times per pod counts at least once), can reach is a feasible point of the
-LP, so its optimum (GLOP) bounds GPU memory allocated at the end. With a budget of 0 it is the
-most the state's free pieces can hold; with a large one it approaches `allocation_bound` from
-the same first failure (less pooled CPU aside).
+Every end state that a policy placing those pods as they were, then moving at most that many
+(a pod moved twice counts once here), can reach is a feasible point of the LP, so its optimum
+(GLOP) bounds GPU memory allocated at the end. With a budget of 0 it is the most the state's
+free pieces can hold; with a large one it approaches `allocation_bound` from the same first
+failure.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import reduce
 from math import gcd
 
 import numpy as np
@@ -122,13 +125,6 @@ class BudgetBound:
             "variables": self.variables,
             "groups": self.groups,
         }
-
-
-def _gcd(values: Iterable[int]) -> int:
-    g = 0
-    for v in values:
-        g = gcd(g, int(v))
-    return g or 1
 
 
 Kind = tuple[object, ...]  # `demand_kind`
@@ -345,13 +341,18 @@ def budget_bound(
         )
     )
     group_of, groups = _group_nodes(state, dev_kind, cpu_bins)
-    unit = _gcd(
-        [
-            *(d.bytes_per_gpu for d in to_place.values() if d.bytes_per_gpu),
-            *(v for k in set(dev_kind) for v in k[2:] if v),
-            *(int(u) for u in set(a.used.tolist()) if u > 0),
-            *(b for p in state.pods for _, b in p.devices if b > 0),
-        ]
+    unit = (
+        reduce(
+            gcd,
+            [
+                *(d.bytes_per_gpu for d in to_place.values() if d.bytes_per_gpu),
+                *(v for k in set(dev_kind) for v in k[2:] if v),
+                *(int(u) for u in set(a.used.tolist()) if u > 0),
+                *(b for p in state.pods for _, b in p.devices if b > 0),
+            ],
+            0,
+        )
+        or 1
     )
     biggest = int(a.capacity.max(initial=0))
     if biggest // unit > max_states:  # coarser: used and removals down, free memory up
