@@ -39,7 +39,7 @@ from extender.demand import Demand
 from extender.planner.capacity import Capacity, demand_kind
 from extender.quantity import GIB
 
-__all__ = ["AllocationBound", "allocation_bound"]
+__all__ = ["AllocationBound", "allocation_bound", "status_name"]
 
 
 @dataclass(frozen=True)
@@ -208,15 +208,21 @@ def allocation_bound(
             row.SetCoefficient(x, 1)
     objective.SetMaximization()
     status = solver.Solve()
-    name = {
-        pywraplp.Solver.OPTIMAL: "OPTIMAL",
-        pywraplp.Solver.INFEASIBLE: "INFEASIBLE",
-        pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
-    }.get(status, f"STATUS {status}")
+    name = status_name(status)
     value = objective.Value() * GIB if status == pywraplp.Solver.OPTIMAL else math_nan()
     return AllocationBound(
         value, demand_bytes, capacity_bytes, name, time.perf_counter() - start, n_vars
     )
+
+
+def status_name(status: int) -> str:
+    """GLOP's result status, as the bounds report it."""
+    names = {
+        pywraplp.Solver.OPTIMAL: "OPTIMAL",
+        pywraplp.Solver.INFEASIBLE: "INFEASIBLE",
+        pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+    }
+    return names.get(status, f"STATUS {status}")
 
 
 def math_nan() -> float:

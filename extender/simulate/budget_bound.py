@@ -44,6 +44,7 @@ from extender.arrays import DeviceArrays
 from extender.demand import Demand
 from extender.planner.capacity import Capacity, demand_kind, device_matches
 from extender.quantity import GIB
+from extender.simulate.bound import status_name
 
 __all__ = ["CPU_BINS", "BudgetBound", "HeldPod", "StateSnapshot", "budget_bound", "snapshot"]
 
@@ -519,11 +520,7 @@ def budget_bound(
         )
     lp.objective.SetMaximization()
     status = solver.Solve()
-    name = {
-        pywraplp.Solver.OPTIMAL: "OPTIMAL",
-        pywraplp.Solver.INFEASIBLE: "INFEASIBLE",
-        pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
-    }.get(status, f"STATUS {status}")
+    name = status_name(status)
     used_total = int(np.minimum(a.used, a.capacity).sum())
     ok = status == pywraplp.Solver.OPTIMAL
     if not ok:
