@@ -383,14 +383,21 @@ def budget_bound(
             used = int(min(a.used[row], dk[2])) // unit
             supply[(int(group_of[a.node_of[row]]), dk)][(used, tuple(sorted(on_row[row])))] += 1
 
+    # per node of a group: its free CPU, its GPUs' free bytes, and those by device kind
+    node_cpu: list[list[int]] = [[] for _ in groups]
+    node_gpus: list[list[list[int]]] = [[] for _ in groups]
     node_free: dict[tuple[int, DevKind], list[list[int]]] = defaultdict(list)
     for n in range(len(a.node_names)):
         lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+        gi = int(group_of[n])
+        frees = (a.capacity[lo:hi] - a.used[lo:hi]).tolist()
+        node_cpu[gi].append(int(state.cpu_free[n]))
+        node_gpus[gi].append(frees)
         here: dict[DevKind, list[int]] = defaultdict(list)
-        for row in range(lo, hi):
-            here[dev_kind[row]].append(int(a.capacity[row] - a.used[row]))
-        for dk, frees in here.items():
-            node_free[(int(group_of[n]), dk)].append(frees)
+        for dk, f in zip(dev_kind[lo:hi], frees):
+            here[dk].append(f)
+        for dk, of_kind in here.items():
+            node_free[(gi, dk)].append(of_kind)
 
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:
@@ -403,12 +410,6 @@ def budget_bound(
     # per group: GPU pods placed there and pods moved out of it, with their CPU (millicores)
     cores_in: list[list[tuple[pywraplp.Variable, int, int]]] = [[] for _ in groups]
     cores_out: list[list[tuple[pywraplp.Variable, int, int, int]]] = [[] for _ in groups]
-    node_cpu: list[list[int]] = [[] for _ in groups]  # per node of the group: free CPU
-    node_gpus: list[list[list[int]]] = [[] for _ in groups]  # and its GPUs' free bytes
-    for n in range(len(a.node_names)):
-        lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
-        node_cpu[int(group_of[n])].append(int(state.cpu_free[n]))
-        node_gpus[int(group_of[n])].append((a.capacity[lo:hi] - a.used[lo:hi]).tolist())
     moved: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)
     moves: list[pywraplp.Variable] = []
     ok_products = {
