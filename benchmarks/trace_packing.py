@@ -40,7 +40,7 @@ from extender.simulate.engine import (
     all_fit_line,
     allocation_bounds,
     bound_line,
-    bound_within_budget,
+    budget_curve_point,
     overcommit_text,
     run_policy,
     while_all_fit,
@@ -211,23 +211,7 @@ def run(
                     move_budget=b,
                     repack_time_limit=repack_time_limit,
                 )
-            out["budgetCurve"].append(
-                {
-                    "moveBudget": b,
-                    "allocatedMemoryBytes": r.allocatedMemoryBytes,
-                    "allocatedPct": round(100 * r.allocatedMemoryBytes / r.capacityMemoryBytes, 3),
-                    "placed": r.placed,
-                    "moves": r.moves,
-                    "repackPlaced": r.repackPlaced,
-                    "repackSearches": r.repackSearches,
-                    "seconds": round(r.seconds, 1),
-                }
-            )
-            within = bound_within_budget(r, tasks, b)
-            if within is not None and within.status == "OPTIMAL":
-                out["budgetCurve"][-1]["boundPct"] = round(
-                    100 * within.bytes / r.capacityMemoryBytes, 3
-                )
+            out["budgetCurve"].append(budget_curve_point(b, r, tasks))
             print(
                 f"  {pod_list} inflate={factor} planner+repack budget {b:g}: "
                 f"{out['budgetCurve'][-1]['allocatedPct']:.3f}% moves {r.moves} {r.seconds:.1f}s",

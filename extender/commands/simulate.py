@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         REPACK_TIME_LIMIT,
         all_fit_line,
         bound_line,
+        budget_curve_point,
         build_capacity,
         run_policy,
         while_all_fit,
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 moves_per_pod=per_pod,
                 open_cost=args.open_gpu_cost,
             )
-            curve.append(_curve_point(budget, r, tasks))
+            curve.append(budget_curve_point(budget, r, tasks))
             if not args.json:
                 print(
                     f"  planner+repack at budget {budget:g}: done in {r.seconds:.1f}s",
@@ -303,26 +304,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _pct(part: float, whole: float) -> float:
     return 100 * part / whole if whole else 0.0
-
-
-def _curve_point(budget: float, r, tasks) -> dict:
-    """One point of the budget curve: what planner+repack reached with this move budget, and
-    the bound from its first failure within the same budget (`boundPct`)."""
-    from extender.simulate.engine import bound_within_budget
-
-    point = {
-        "moveBudget": budget,
-        "allocatedMemoryBytes": r.allocatedMemoryBytes,
-        "allocatedPct": round(_pct(r.allocatedMemoryBytes, r.capacityMemoryBytes), 3),
-        "placed": r.placed,
-        "moves": r.moves,
-        "repackPlaced": r.repackPlaced,
-        "seconds": round(r.seconds, 1),
-    }
-    bb = bound_within_budget(r, tasks, budget)
-    if bb is not None and bb.status == "OPTIMAL":
-        point["boundPct"] = round(_pct(bb.bytes, r.capacityMemoryBytes), 3)
-    return point
 
 
 def _bounds(nodes, bound, tasks, results) -> dict:

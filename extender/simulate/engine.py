@@ -46,6 +46,7 @@ __all__ = [
     "overcommit_text",
     "allocation_bounds",
     "bound_within_budget",
+    "budget_curve_point",
     "bound_line",
     "ALL_POLICIES",
     "VRAMSCHED_POLICIES",
@@ -240,9 +241,10 @@ def run_policy(
         if out.placedAtFirstFailure is None and not churn and len(placed) < len(batch):
             if any(t.demand.wants_gpu and t.key not in where for t in batch):
                 out.placedAtFirstFailure = [demands_of[k].demand for k in where]
-                out.stateAtFirstFailure = snapshot(
-                    cap, ((demands_of[k].demand, n) for k, n in where.items())
-                )
+                if base == "planner":  # what `bound_within_budget` reads (planner+repack's)
+                    out.stateAtFirstFailure = snapshot(
+                        cap, ((demands_of[k].demand, n) for k, n in where.items())
+                    )
         if repack:
             placed += _repack_failed(
                 cap,
@@ -483,6 +485,28 @@ def bound_within_budget(
         return None
     kept = {p.demand.pod.key for p in state.pods}
     return budget_bound(state, [t.demand for t in tasks if t.key not in kept], fraction=fraction)
+
+
+def budget_curve_point(budget: float, r: PolicyResult, tasks: Sequence[Task]) -> dict[str, Any]:
+    """One point of a budget curve: what `planner+repack` (`planner` at budget 0) reached with
+    this move budget, and the bound from its first failure within the same budget
+    (`boundPct`, when a GPU pod failed)."""
+    point: dict[str, Any] = {
+        "moveBudget": budget,
+        "allocatedMemoryBytes": r.allocatedMemoryBytes,
+        "allocatedPct": round(100 * r.allocatedMemoryBytes / r.capacityMemoryBytes, 3)
+        if r.capacityMemoryBytes
+        else 0.0,
+        "placed": r.placed,
+        "moves": r.moves,
+        "repackPlaced": r.repackPlaced,
+        "repackSearches": r.repackSearches,
+        "seconds": round(r.seconds, 1),
+    }
+    bb = bound_within_budget(r, tasks, budget)
+    if bb is not None and bb.status == "OPTIMAL" and r.capacityMemoryBytes:
+        point["boundPct"] = round(100 * bb.bytes / r.capacityMemoryBytes, 3)
+    return point
 
 
 def bound_line(b: Mapping[str, Any]) -> str:
