@@ -505,8 +505,31 @@ def test_a_failed_repack_search_is_not_repeated_for_a_pod_asking_as_much():
     assert not skips.skip(d("e", 30, 4000), 5)  # asks less memory: may fit
     assert not skips.skip(d("f", 50, 8000), 6)  # more moves allowed than the failed search had
     assert skips.skip(d("g", 50, 8000, frozenset({"T4"})), 5)  # fewer products: no better
-    skips.left()  # a pod left: everything may fit again
+    skips.forget()  # a pod left or pods moved: everything may fit again
     assert not skips.skip(d("b", 40, 4000), 5)
+
+
+def test_a_failed_search_is_tried_again_after_a_plan_moved_pods(tmp_path, monkeypatch):
+    """The skip list starts with a failed search that covers p4 (1 GPU, 700 MiB, 4 cores, 2 GiB)
+    and not p3 (2 GPUs, 1 GiB). p3's plan moves a pod; a plan for p4 may exist from the layout the move
+    made, so p4 is searched, not skipped."""
+    import extender.simulate.engine as engine
+
+    pods = [*REPACK_PODS[:4], task("p4", 1, 700, 4, cpu=4000).replace(",1024,", ",2048,")]
+    nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, pods))
+    p4 = next(t.demand for t in tasks if t.key == "trace/p4")  # more host memory than p3
+
+    skips_class = engine.RepackSkips
+
+    def seeded() -> engine.RepackSkips:
+        skips = skips_class()
+        skips.add(p4, 3)
+        return skips
+
+    monkeypatch.setattr(engine, "RepackSkips", seeded)
+    r = run_policy("planner+repack", nodes, tasks, bound, move_budget=5.0)
+    assert r.moves == 1 and r.repackPlaced >= 1  # p3, by one move
+    assert r.repackSearches == 2 and r.repackSkipped == 0  # p3, then p4
 
 
 def _best_packing(cap, demands, must=()) -> int:

@@ -215,7 +215,7 @@ def run_policy(
                 n = where.pop(key)
                 running.pop(key, None)
                 cap.remove(demands_of[key].demand, n)
-                skips.left()
+                skips.forget()
                 if frag is not None:
                     frag.refresh([n])
         out.batches += 1
@@ -305,16 +305,17 @@ class RepackLimits:
 @dataclass
 class RepackSkips:
     """Repack searches that cannot succeed, skipped: a demand that asks at least what a failed
-    search asked (`repack.dominates`), with no more moves allowed than that search had, until a pod
-    leaves. Sound when the failure was proven and only arrivals followed (a pod added only takes
-    capacity); a cut otherwise: after other plans' moves (a plan of m moves from the state they
-    made may need more than m from the one before) and for a search that stopped at its
-    neighbourhood or time limit. The replay at inflate 1.3 fails thousands of pods; without
-    this, thousands of searches."""
+    search asked (`repack.dominates`), with no more moves allowed than that search had, until the
+    layout changes other than by an arrival (a pod leaves, or a plan moves pods). Sound when the
+    failure was proven (a pod added only takes capacity); a cut for a search that stopped at its
+    neighbourhood or time limit. The replay at inflate 1.3 fails thousands of pods; without this,
+    thousands of searches."""
 
     failed: list[tuple[Demand, int]] = field(default_factory=list)
 
-    def left(self) -> None:
+    def forget(self) -> None:
+        """The layout changed other than by an arrival: any failed search may succeed now
+        (after a plan's moves, a plan of m moves may exist where none did before)."""
         self.failed.clear()
 
     def skip(self, d: Demand, max_moves: int) -> bool:
@@ -398,6 +399,8 @@ def _repack_failed(
             frag.refresh(sorted(touched))
         out.moves += len(plan.moves)
         out.repackPlaced += 1
+        if plan.moves:
+            skips.forget()
         where[t.key] = n
         demands_of[t.key] = t
         running[t.key] = (d, _held(cap, d, n))
