@@ -307,28 +307,36 @@ def _slots_freed(cpu: int, gpus: int, per_gpu: int, need: int, c: int) -> tuple[
     return gpu, (-(-cpu // c) if cpu > 0 else 0)
 
 
-def budget_bound(
-    state: StateSnapshot,
-    later: Iterable[Demand],
-    *,
-    fraction: float | None = None,
-    max_moves: float | None = None,
-    later_gpuless: int | None = None,
-    max_states: int = 2000,
-    cpu_bins: Sequence[float] = CPU_BINS,
-    cpu_cuts: int = 16,
-) -> BudgetBound:
-    """The bound for the GPU pods `later` arriving on `state`, moves limited to `fraction` x
-    the pods placed at the end and to `max_moves` (None: not limited that way; both None:
-    no moves). `later_gpuless`: GPU-less pods arriving later (default: those in `later`), which
-    count as placed for the budget."""
-    start = time.perf_counter()
+@dataclass
+class _Read:
+    """What the LP reads from the state and the later pods, once."""
+
+    dev_kind: list[DevKind]  # per device row
+    group_of: np.ndarray  # per node
+    groups: list[_Group]
+    unit: int  # bytes per unit of the arc-flow graphs
+    #: later GPU pods per kind, and every kind that may be placed (arriving, or held and moved)
+    counts: Counter[Kind]
+    to_place: dict[Kind, Demand]
+    #: GPU pods held by (group, device kind, kind + bytes per GPU, units per GPU), one of each
+    #: such kind with its bytes per GPU; GPU-less pods held by (group, CPU, memory)
+    held_gpu: Counter[tuple[int, DevKind, Kind, int]]
+    held_of: dict[Kind, tuple[Demand, int]]
+    held_cpu: Counter[tuple[int, int, int]]
+    #: the GPUs of each group and device kind, by config
+    supply: dict[tuple[int, DevKind], Counter[Config]]
+    #: per node of each group: its free CPU, its GPUs' free bytes, and those by device kind
+    node_cpu: list[list[int]]
+    node_gpus: list[list[list[int]]]
+    node_free: dict[tuple[int, DevKind], list[list[int]]]
+
+
+def _read(
+    state: StateSnapshot, later: Sequence[Demand], cpu_bins: Sequence[float], max_states: int
+) -> _Read:
     a = state.arrays
-    later = list(later)
-    if later_gpuless is None:
-        later_gpuless = sum(1 for d in later if d.gpu_count == 0)
     counts: Counter[Kind] = Counter()
-    to_place: dict[Kind, Demand] = {}  # the kinds that may be placed: new ones, moved ones
+    to_place: dict[Kind, Demand] = {}
     for d in later:
         if d.gpu_count > 0:
             counts[demand_kind(d)] += 1
@@ -342,25 +350,7 @@ def budget_bound(
         )
     )
     group_of, groups = _group_nodes(state, dev_kind, cpu_bins)
-    unit = (
-        reduce(
-            gcd,
-            [
-                *(d.bytes_per_gpu for d in to_place.values() if d.bytes_per_gpu),
-                *(v for k in set(dev_kind) for v in k[2:] if v),
-                *(int(u) for u in set(a.used.tolist()) if u > 0),
-                *(b for p in state.pods for _, b in p.devices if b > 0),
-            ],
-            0,
-        )
-        or 1
-    )
-    biggest = int(a.capacity.max(initial=0))
-    if biggest // unit > max_states:  # coarser: used and removals down, free memory up
-        unit = -(-biggest // max_states)
-
-    # what is held: each GPU's config; GPU pods by (group, device kind, kind + bytes per GPU,
-    # units per GPU); GPU-less pods by (group, CPU, memory)
+    unit = _unit(state, to_place.values(), dev_kind, max_states)
     on_row: dict[int, list[int]] = defaultdict(list)
     held_gpu: Counter[tuple[int, DevKind, Kind, int]] = Counter()
     held_of: dict[Kind, tuple[Demand, int]] = {}
@@ -382,8 +372,6 @@ def budget_bound(
         if dk[2] > 0:
             used = int(min(a.used[row], dk[2])) // unit
             supply[(int(group_of[a.node_of[row]]), dk)][(used, tuple(sorted(on_row[row])))] += 1
-
-    # per node of a group: its free CPU, its GPUs' free bytes, and those by device kind
     node_cpu: list[list[int]] = [[] for _ in groups]
     node_gpus: list[list[list[int]]] = [[] for _ in groups]
     node_free: dict[tuple[int, DevKind], list[list[int]]] = defaultdict(list)
@@ -398,32 +386,102 @@ def budget_bound(
             here[dk].append(f)
         for dk, of_kind in here.items():
             node_free[(gi, dk)].append(of_kind)
+    return _Read(
+        dev_kind,
+        group_of,
+        groups,
+        unit,
+        counts,
+        to_place,
+        held_gpu,
+        held_of,
+        held_cpu,
+        supply,
+        node_cpu,
+        node_gpus,
+        node_free,
+    )
 
-    solver = pywraplp.Solver.CreateSolver("GLOP")
-    if solver is None:
-        return BudgetBound(float("nan"), "NO GLOP", 0.0, 0, len(groups))
-    lp = _Lp(solver)
-    inf = lp.inf
-    cpu_row = [lp.row(-inf, g.cpu_free / 1000 if g.cpu_free < inf else inf) for g in groups]
-    mem_row = [lp.row(-inf, g.mem_free / GIB if g.mem_free < inf else inf) for g in groups]
-    placed: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)  # new or moved
-    # per group: GPU pods placed there and pods moved out of it, with their CPU (millicores)
-    cores_in: list[list[tuple[pywraplp.Variable, int, int]]] = [[] for _ in groups]
-    cores_out: list[list[tuple[pywraplp.Variable, int, int, int]]] = [[] for _ in groups]
-    moved: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)
-    moves: list[pywraplp.Variable] = []
-    ok_products = {
-        k: set(a.product_id[device_matches(a, d.resource, d.allowed_products)].tolist())
-        for k, d in to_place.items()
-    }
-    for (gi, dk), configs in sorted(supply.items(), key=lambda item: item[0]):
-        grp = groups[gi]
+
+def _unit(
+    state: StateSnapshot, later: Iterable[Demand], dev_kind: Sequence[DevKind], max_states: int
+) -> int:
+    """The gcd of every size the graphs see (pods', devices', bytes used and held), coarsened
+    to at most `max_states` units per device (then used and removals round down, free memory
+    up: only relaxes)."""
+    a = state.arrays
+    unit = (
+        reduce(
+            gcd,
+            [
+                *(d.bytes_per_gpu for d in later if d.bytes_per_gpu),
+                *(v for k in set(dev_kind) for v in k[2:] if v),
+                *(int(u) for u in set(a.used.tolist()) if u > 0),
+                *(b for p in state.pods for _, b in p.devices if b > 0),
+            ],
+            0,
+        )
+        or 1
+    )
+    biggest = int(a.capacity.max(initial=0))
+    return -(-biggest // max_states) if biggest // unit > max_states else unit
+
+
+class _Model:
+    """The LP's variables by what they stand for, built in parts: the GPUs of each group and
+    device kind (`add_gpus`), each kind's placements against its arrivals and moves
+    (`add_kinds`), GPU-less pods that move (`add_gpuless_moves`), the per-node cuts on cores
+    and GPU (`add_core_cuts`) and the move budget (`add_budget`)."""
+
+    def __init__(self, lp: _Lp, r: _Read, arrays: DeviceArrays) -> None:
+        self.lp, self.r, self.a = lp, r, arrays
+        inf = lp.inf
+        self.cpu_row = [
+            lp.row(-inf, g.cpu_free / 1000 if g.cpu_free < inf else inf) for g in r.groups
+        ]
+        self.mem_row = [
+            lp.row(-inf, g.mem_free / GIB if g.mem_free < inf else inf) for g in r.groups
+        ]
+        #: per kind: its pods placed (new or moved), and its held pods moved
+        self.placed: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)
+        self.moved: dict[Kind, list[pywraplp.Variable]] = defaultdict(list)
+        #: per group: GPU pods placed there (var, millicores, bytes per GPU) and pods moved out
+        #: of it (var, millicores, GPUs, bytes per GPU)
+        self.cores_in: list[list[tuple[pywraplp.Variable, int, int]]] = [[] for _ in r.groups]
+        self.cores_out: list[list[tuple[pywraplp.Variable, int, int, int]]] = [[] for _ in r.groups]
+        self.moves: list[pywraplp.Variable] = []
+        self.taken: dict[Kind, pywraplp.Variable] = {}
+
+    def add_gpus(self) -> None:
+        a, r = self.a, self.r
+        ok_products = {
+            k: set(a.product_id[device_matches(a, d.resource, d.allowed_products)].tolist())
+            for k, d in r.to_place.items()
+        }
+        for (gi, dk), configs in sorted(r.supply.items(), key=lambda item: item[0]):
+            fits = self._fits(gi, dk, ok_products)
+            removals = [(k, s, c) for (g, d, k, s), c in r.held_gpu.items() if (g, d) == (gi, dk)]
+            if not fits and not removals:
+                continue
+            top = -(-dk[2] // r.unit)
+            removal, arcs = _gpu_graph(
+                self.lp, configs, top, (max(1, n // r.unit) for _, _, n in fits)
+            )
+            freed = self._held_moves(gi, removals, removal)
+            self._new_pods(gi, dk, fits, arcs, freed)
+
+    def _fits(
+        self, gi: int, dk: DevKind, ok_products: dict[Kind, set[int]]
+    ) -> list[tuple[Kind, Demand, int]]:
+        """The kinds one node of group `gi` could hold on devices of kind `dk`, with the bytes
+        per GPU they take there."""
+        grp = self.r.groups[gi]
         rid, pid, capacity, ppc = dk
-        fits: list[tuple[Kind, Demand, int]] = []
-        for k, d in to_place.items():
+        fits = []
+        for k, d in self.r.to_place.items():
             need = ppc if d.bytes_per_gpu is None else d.bytes_per_gpu
             if (
-                a.resources.get(d.resource) == rid
+                self.a.resources.get(d.resource) == rid
                 and pid in ok_products[k]
                 and d.gpu_count <= grp.devices[dk]
                 and d.cpu_milli <= grp.cpu_top
@@ -431,109 +489,180 @@ def budget_bound(
                 and 0 < need <= min(ppc, capacity)
             ):
                 fits.append((k, d, need))
-        removals = [(k, s, c) for (g2, d2, k, s), c in held_gpu.items() if (g2, d2) == (gi, dk)]
-        if not fits and not removals:
-            continue
-        top = -(-capacity // unit)
-        removal, arcs = _gpu_graph(lp, configs, top, (max(1, n // unit) for _, _, n in fits))
-        # a move of a held pod: its removal arcs (one per GPU), its CPU and memory back
+        return fits
+
+    def _held_moves(
+        self,
+        gi: int,
+        removals: list[tuple[Kind, int, int]],
+        removal: dict[int, list[pywraplp.Variable]],
+    ) -> list[tuple[pywraplp.Variable, float]]:
+        """A move of a held GPU pod: its removal arcs (one per GPU), its CPU and memory back,
+        its memory no longer counted where it was. Returns the GPUs each move frees, at most."""
+        lp = self.lp
         by_removal: dict[int, list[tuple[pywraplp.Variable, float]]] = defaultdict(list)
-        freed: list[tuple[pywraplp.Variable, float]] = []  # GPUs a move may free, at most
+        freed: list[tuple[pywraplp.Variable, float]] = []
         for k, s, c in removals:
-            d, b = held_of[k]
+            d, b = self.r.held_of[k]
             y = lp.var(c)
-            moves.append(y)
+            self.moves.append(y)
             freed.append((y, -d.gpu_count))
-            moved[k[:-1]].append(y)
+            self.moved[k[:-1]].append(y)
             by_removal[s].append((y, -d.gpu_count))
-            cpu_row[gi].SetCoefficient(y, -d.cpu_milli / 1000)
-            cores_out[gi].append((y, d.cpu_milli, d.gpu_count, b))
-            mem_row[gi].SetCoefficient(y, -d.memory_bytes / GIB)
+            self.cpu_row[gi].SetCoefficient(y, -d.cpu_milli / 1000)
+            self.cores_out[gi].append((y, d.cpu_milli, d.gpu_count, b))
+            self.mem_row[gi].SetCoefficient(y, -d.memory_bytes / GIB)
             lp.objective.SetCoefficient(y, -d.gpu_count * b / GIB)
         for s, ys in by_removal.items():
             lp.row(0, 0, [*((v, 1.0) for v in removal[s]), *ys])
+        return freed
+
+    def _new_pods(
+        self,
+        gi: int,
+        dk: DevKind,
+        fits: list[tuple[Kind, Demand, int]],
+        arcs: dict[int, list[pywraplp.Variable]],
+        freed: list[tuple[pywraplp.Variable, float]],
+    ) -> None:
+        """Pods placed on these GPUs (new or moved): no more of a size than the flow has arcs
+        of it, their CPU and memory in the group's rows, and a k-GPU pod on one node."""
+        lp, inf = self.lp, self.lp.inf
         by_size: dict[int, pywraplp.Constraint] = {}
         for k, d, need in fits:
             x = lp.var()
-            placed[k].append(x)
-            s = max(1, need // unit)
-            if s not in by_size:  # pods of this size take no more arcs than the flow has
+            self.placed[k].append(x)
+            s = max(1, need // self.r.unit)
+            if s not in by_size:
                 by_size[s] = lp.row(-inf, 0, ((v, -1.0) for v in arcs[s]))
             by_size[s].SetCoefficient(x, d.gpu_count)
-            cpu_row[gi].SetCoefficient(x, d.cpu_milli / 1000)
-            cores_in[gi].append((x, d.cpu_milli, need))
-            mem_row[gi].SetCoefficient(x, d.memory_bytes / GIB)
+            self.cpu_row[gi].SetCoefficient(x, d.cpu_milli / 1000)
+            self.cores_in[gi].append((x, d.cpu_milli, need))
+            self.mem_row[gi].SetCoefficient(x, d.memory_bytes / GIB)
             lp.objective.SetCoefficient(x, d.gpu_count * need / GIB)
             if d.gpu_count > 1:  # its GPUs on one node: no more than the nodes have
-                lp.row(-inf, _node_slots(node_free[(gi, dk)], need, d.gpu_count), [(x, 1), *freed])
-    # a kind's placements = its pods moved + new pods taken (at most those that arrive)
-    taken: dict[Kind, pywraplp.Variable] = {}
-    for k in to_place:
-        r = lp.row(0, 0, [*((x, 1.0) for x in placed[k]), *((y, -1.0) for y in moved[k])])
-        if counts[k]:
-            taken[k] = lp.var(counts[k])
-            r.SetCoefficient(taken[k], -1)
-    # GPU-less pods that move: out of their group, into any group with room for one
-    for cpu, mem in sorted({(c, m) for _, c, m in held_cpu}):
-        r = lp.row(0, 0)
-        for (gi, c, m), n in held_cpu.items():
-            if (c, m) == (cpu, mem):
-                w = lp.var(n)
-                moves.append(w)
-                r.SetCoefficient(w, -1)
-                cpu_row[gi].SetCoefficient(w, -cpu / 1000)
-                cores_out[gi].append((w, cpu, 0, 0))
-                mem_row[gi].SetCoefficient(w, -mem / GIB)
-        for gi, grp in enumerate(groups):
-            if cpu <= grp.cpu_top and mem <= grp.mem_top:
-                q = lp.var()
-                r.SetCoefficient(q, 1)
-                cpu_row[gi].SetCoefficient(q, cpu / 1000)
-                mem_row[gi].SetCoefficient(q, mem / GIB)
-    for gi, placed_here in enumerate(cores_in):
-        for need, c in _cut_points(placed_here, cpu_cuts):
-            sums = _node_slots_cpu(node_cpu[gi], node_gpus[gi], need, c)
-            if sums is None:
-                continue
-            slots, over_gpu, over_cpu = sums
-            gain = lp.var()  # what moves add to the group's slots
-            opened = [(v, _slots_freed(cpu, k, b, need, c)) for v, cpu, k, b in cores_out[gi]]
-            # per node a move adds at most the larger of the two; summed, at most the
-            # headroom of one side plus what the moves free of it
-            lp.row(-inf, 0, [(gain, 1.0), *((v, -float(max(f))) for v, f in opened)])
-            if need:
-                lp.row(-inf, over_gpu, [(gain, 1.0), *((v, -float(f[0])) for v, f in opened)])
-            lp.row(-inf, over_cpu, [(gain, 1.0), *((v, -float(f[1])) for v, f in opened)])
+                slots = _node_slots(self.r.node_free[(gi, dk)], need, d.gpu_count)
+                lp.row(-inf, slots, [(x, 1), *freed])
+
+    def add_kinds(self) -> None:
+        """A kind's placements = its pods moved + new pods taken (at most those that arrive)."""
+        for k in self.r.to_place:
+            row = self.lp.row(
+                0, 0, [*((x, 1.0) for x in self.placed[k]), *((y, -1.0) for y in self.moved[k])]
+            )
+            if self.r.counts[k]:
+                self.taken[k] = self.lp.var(self.r.counts[k])
+                row.SetCoefficient(self.taken[k], -1)
+
+    def add_gpuless_moves(self) -> None:
+        """GPU-less pods that move: out of their group, into any group with room for one."""
+        lp, held_cpu = self.lp, self.r.held_cpu
+        for cpu, mem in sorted({(c, m) for _, c, m in held_cpu}):
+            row = lp.row(0, 0)
+            for (gi, c, m), n in held_cpu.items():
+                if (c, m) == (cpu, mem):
+                    w = lp.var(n)
+                    self.moves.append(w)
+                    row.SetCoefficient(w, -1)
+                    self.cpu_row[gi].SetCoefficient(w, -cpu / 1000)
+                    self.cores_out[gi].append((w, cpu, 0, 0))
+                    self.mem_row[gi].SetCoefficient(w, -mem / GIB)
+            for gi, grp in enumerate(self.r.groups):
+                if cpu <= grp.cpu_top and mem <= grp.mem_top:
+                    q = lp.var()
+                    row.SetCoefficient(q, 1)
+                    self.cpu_row[gi].SetCoefficient(q, cpu / 1000)
+                    self.mem_row[gi].SetCoefficient(q, mem / GIB)
+
+    def add_core_cuts(self, cpu_cuts: int) -> None:
+        """Per group, for pods of at least c cores and (if any) `need` bytes per GPU: no more
+        than its nodes' slots (`_node_slots_cpu`) plus what moves add."""
+        lp, inf = self.lp, self.lp.inf
+        for gi, placed_here in enumerate(self.cores_in):
+            for need, c in _cut_points(placed_here, cpu_cuts):
+                sums = _node_slots_cpu(self.r.node_cpu[gi], self.r.node_gpus[gi], need, c)
+                if sums is None:
+                    continue
+                slots, over_gpu, over_cpu = sums
+                gain = lp.var()  # what moves add to the group's slots
+                opened = [
+                    (v, _slots_freed(cpu, k, b, need, c)) for v, cpu, k, b in self.cores_out[gi]
+                ]
+                # per node a move adds at most the larger of the two; summed, at most the
+                # headroom of one side plus what the moves free of it
+                lp.row(-inf, 0, [(gain, 1.0), *((v, -float(max(f))) for v, f in opened)])
+                if need:
+                    lp.row(-inf, over_gpu, [(gain, 1.0), *((v, -float(f[0])) for v, f in opened)])
+                lp.row(-inf, over_cpu, [(gain, 1.0), *((v, -float(f[1])) for v, f in opened)])
+                lp.row(
+                    -inf,
+                    slots,
+                    [
+                        (gain, -1.0),
+                        *((x, 1.0) for x, cpu, n in placed_here if cpu >= c and n >= need),
+                    ],
+                )
+
+    def add_budget(
+        self, held: int, later_gpuless: int, fraction: float | None, max_moves: float | None
+    ) -> None:
+        """Moves at most `max_moves`, and at most `fraction` x the pods placed at the end
+        (held + GPU pods taken + later GPU-less pods); both None: no moves."""
+        lp, inf = self.lp, self.lp.inf
+        if fraction is None and max_moves is None:
+            max_moves = 0
+        if max_moves is not None:
+            lp.row(-inf, float(max_moves), ((v, 1.0) for v in self.moves))
+        if fraction is not None:
             lp.row(
                 -inf,
-                slots,
-                [(gain, -1.0), *((x, 1.0) for x, cpu, n in placed_here if cpu >= c and n >= need)],
+                fraction * (held + later_gpuless),
+                [*((v, 1.0) for v in self.moves), *((t, -fraction) for t in self.taken.values())],
             )
-    if fraction is None and max_moves is None:
-        max_moves = 0
-    if max_moves is not None:
-        lp.row(-inf, float(max_moves), ((v, 1.0) for v in moves))
-    if fraction is not None:  # moves <= F x (held + GPU pods taken + later GPU-less pods)
-        lp.row(
-            -inf,
-            fraction * (len(state.pods) + later_gpuless),
-            [*((v, 1.0) for v in moves), *((t, -fraction) for t in taken.values())],
-        )
+
+
+def budget_bound(
+    state: StateSnapshot,
+    later: Iterable[Demand],
+    *,
+    fraction: float | None = None,
+    max_moves: float | None = None,
+    later_gpuless: int | None = None,
+    max_states: int = 2000,
+    cpu_bins: Sequence[float] = CPU_BINS,
+    cpu_cuts: int = 16,
+) -> BudgetBound:
+    """The bound for the GPU pods `later` arriving on `state`, moves limited to `fraction` x
+    the pods placed at the end and to `max_moves` (None: not limited that way; both None:
+    no moves). `later_gpuless`: GPU-less pods arriving later (default: those in `later`), which
+    count as placed for the budget."""
+    start = time.perf_counter()
+    later = list(later)
+    if later_gpuless is None:
+        later_gpuless = sum(1 for d in later if d.gpu_count == 0)
+    r = _read(state, later, cpu_bins, max_states)
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    if solver is None:
+        return BudgetBound(float("nan"), "NO GLOP", 0.0, 0, len(r.groups))
+    lp = _Lp(solver)
+    m = _Model(lp, r, state.arrays)
+    m.add_gpus()
+    m.add_kinds()
+    m.add_gpuless_moves()
+    m.add_core_cuts(cpu_cuts)
+    m.add_budget(len(state.pods), later_gpuless, fraction, max_moves)
     lp.objective.SetMaximization()
     status = solver.Solve()
-    name = status_name(status)
-    used_total = int(np.minimum(a.used, a.capacity).sum())
-    ok = status == pywraplp.Solver.OPTIMAL
-    if not ok:
-        return BudgetBound(
-            float("nan"), name, time.perf_counter() - start, lp.variables, len(groups)
-        )
+    seconds = time.perf_counter() - start
+    if status != pywraplp.Solver.OPTIMAL:
+        return BudgetBound(float("nan"), status_name(status), seconds, lp.variables, len(r.groups))
+    a = state.arrays
     return BudgetBound(
-        used_total + lp.objective.Value() * GIB,
-        name,
-        time.perf_counter() - start,
+        int(np.minimum(a.used, a.capacity).sum()) + lp.objective.Value() * GIB,
+        status_name(status),
+        seconds,
         lp.variables,
-        len(groups),
-        {k: t.solution_value() for k, t in taken.items()},
-        sum(v.solution_value() for v in moves),
+        len(r.groups),
+        {k: t.solution_value() for k, t in m.taken.items()},
+        sum(v.solution_value() for v in m.moves),
     )
