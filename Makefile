@@ -100,7 +100,7 @@ bench-mig: venv
 	$(PY) benchmarks/mig_geometry.py
 
 # Alibaba GPU-sharing trace replay: every pod list found, every policy, at 1.3x, without inflation
-# and with churn, and planner+repack at move budgets 0-5% (about 35 minutes on 2 cores; one list:
+# and with churn, and planner+repack at move budgets 0-5% (about an hour on 2 cores; one list:
 # ARGS="--lists default"); docs/packing.md and docs/repack.md.
 bench-packing: venv
 	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25 --budgets $(ARGS)
