@@ -671,3 +671,25 @@ def test_simulate_open_gpu_cost_packs_the_planner_onto_fewer_gpus(tmp_path, caps
     for bad in ("-1", "nan"):
         assert main([*args, "--open-gpu-cost", bad]) == 2
         assert "--open-gpu-cost must be a number >= 0" in capsys.readouterr().err
+
+
+def test_the_bound_within_a_budget_is_solved_once_per_budget(tmp_path, monkeypatch):
+    """The bounds' JSON and the budget curve's point at the run's budget read one LP solve."""
+    import extender.simulate.engine as engine
+
+    nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
+    r = run_policy("planner+repack", nodes, tasks, bound, move_budget=0.5)
+    solves: list[float] = []
+    solve = engine.budget_bound
+
+    def spy(state, later, **kw):
+        solves.append(kw["fraction"])
+        return solve(state, later, **kw)
+
+    monkeypatch.setattr(engine, "budget_bound", spy)
+    within = engine.allocation_bounds(nodes, bound, tasks, [r])["fromFirstFailureWithBudget"]
+    point = engine.budget_curve_point(0.5, r, tasks)
+    assert solves == [0.5] and within["status"] == "OPTIMAL"
+    assert point["boundPct"] == within["pct"]
+    engine.budget_curve_point(0.0, r, tasks)
+    assert solves == [0.5, 0.0]

@@ -126,6 +126,9 @@ class PolicyResult:
     #: the state then, pod for pod (`budget_bound.snapshot`): what `budget_bound` starts from.
     #: Not in the JSON.
     stateAtFirstFailure: StateSnapshot | None = field(default=None, repr=False)
+    #: `bound_within_budget` of that state, by move budget, once each (the bounds' JSON and a
+    #: budget curve ask for the same one). Not in the JSON.
+    budgetBounds: dict[float, BudgetBound] = field(default_factory=dict, repr=False)
     #: the pods placed at the end (without churn): `allocation_bound(..., placed=...)` is then
     #: the most any number of moves could make of this end state. Not in the JSON.
     placedAtEnd: list[Demand] | None = field(default=None, repr=False)
@@ -137,6 +140,7 @@ class PolicyResult:
             "freeSeries",
             "placedAtFirstFailure",
             "stateAtFirstFailure",
+            "budgetBounds",
             "placedAtEnd",
             "extra",
         )
@@ -482,12 +486,15 @@ def bound_within_budget(
     r: PolicyResult, tasks: Sequence[Task], fraction: float
 ) -> BudgetBound | None:
     """`budget_bound` from `r`'s first failure, with at most `fraction` x the pods placed
-    moved (None: no GPU pod failed, or the replay had churn)."""
+    moved (None: no GPU pod failed, or the replay had churn). Solved once per budget."""
     state = r.stateAtFirstFailure
     if state is None:
         return None
-    kept = {p.demand.pod.key for p in state.pods}
-    return budget_bound(state, [t.demand for t in tasks if t.key not in kept], fraction=fraction)
+    if fraction not in r.budgetBounds:
+        kept = {p.demand.pod.key for p in state.pods}
+        later = [t.demand for t in tasks if t.key not in kept]
+        r.budgetBounds[fraction] = budget_bound(state, later, fraction=fraction)
+    return r.budgetBounds[fraction]
 
 
 def budget_curve_point(budget: float, r: PolicyResult, tasks: Sequence[Task]) -> dict[str, Any]:
