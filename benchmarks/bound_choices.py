@@ -28,7 +28,12 @@ import trace_packing as tp
 
 from extender.planner.capacity import demand_kind
 from extender.simulate.budget_bound import budget_bound
-from extender.simulate.engine import MOVE_BUDGET, run_policy
+from extender.simulate.engine import (
+    MOVE_BUDGET,
+    bound_within_budget,
+    later_demands,
+    run_policy,
+)
 
 OUT = ROOT / "benchmarks" / "results" / "bound_choices.json"
 
@@ -50,11 +55,12 @@ def choices(pod_list: str, budget: float, time_limit: float) -> dict:
     state = r.stateAtFirstFailure
     if state is None:
         return {"podList": pod_list, "failed": False}
-    kept = {p.demand.pod.key for p in state.pods}
-    later = [t.demand for t in tasks if t.key not in kept]
+    later = later_demands(state, tasks)
     none = budget_bound(state, later)
-    within = budget_bound(state, later, fraction=budget)
-    placed = Counter(demand_kind(d) for d in r.placedAtEnd or () if d.pod.key not in kept)
+    within = bound_within_budget(r, tasks, budget)
+    assert within is not None  # the same first failure
+    later_keys = {d.pod.key for d in later}
+    placed = Counter(demand_kind(d) for d in r.placedAtEnd or () if d.pod.key in later_keys)
     arrived = Counter(demand_kind(d) for d in later if d.gpu_count > 0)
     capacity = r.capacityMemoryBytes
     rows = []

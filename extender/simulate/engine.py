@@ -491,10 +491,16 @@ def bound_within_budget(
     if state is None:
         return None
     if fraction not in r.budgetBounds:
-        kept = {p.demand.pod.key for p in state.pods}
-        later = [t.demand for t in tasks if t.key not in kept]
+        later = later_demands(state, tasks)
         r.budgetBounds[fraction] = budget_bound(state, later, fraction=fraction)
     return r.budgetBounds[fraction]
+
+
+def later_demands(state: StateSnapshot, tasks: Sequence[Task]) -> list[Demand]:
+    """The demands of `tasks` not placed in `state` (a first failure's snapshot): the pods a
+    bound from that state may still take."""
+    kept = {p.demand.pod.key for p in state.pods}
+    return [t.demand for t in tasks if t.key not in kept]
 
 
 def budget_curve_point(budget: float, r: PolicyResult, tasks: Sequence[Task]) -> dict[str, Any]:
