@@ -38,6 +38,8 @@ __all__ = [
     "Controller",
     "PlannedMove",
     "MoveBudget",
+    "MOVES_PER_GPU",
+    "moves_to_place",
     "movable",
     "replaces",
     "same_shape",
@@ -242,25 +244,37 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
 # ----- the budget ----------------------------------------------------------------------------------
 
 
-#: the default cap on moves to place one pod: `serve --repack-max-moves-per-pod` and the
-#: simulator's `planner+repack` (`simulate --max-moves-per-pod`)
-MOVES_PER_POD = 3
+#: the default cap on moves to place one pod, per GPU it asks: `serve --repack-max-moves-per-gpu`
+#: and the simulator's `planner+repack` (`simulate --max-moves-per-gpu`). Per GPU, not per pod: a
+#: pod that asks a whole node of GPUs may need a pod moved off each of them (on the trace, an
+#: 8-GPU pod needed 4 moves where a flat cap of 3 left it unplaced).
+MOVES_PER_GPU = 3
+
+
+def moves_to_place(gpus: int, per_gpu: int, per_pod: int | None = None) -> int:
+    """The most moves a plan may make to place a pod that asks `gpus` GPUs: `per_gpu` per GPU (a
+    pod with a share of one GPU counts as one), never more than `per_pod` when it is set."""
+    cap = per_gpu * max(1, gpus)
+    return cap if per_pod is None else min(cap, per_pod)
 
 
 class MoveBudget:
-    """Caps evictions: at most `per_pod` moves to place one pod, and at most `per_minute` in any
-    60 seconds. `clock` is injectable (tests); moves are counted when the eviction is accepted."""
+    """Caps evictions: at most `per_gpu` moves per GPU the pod asks to place one pod (and at most
+    `per_pod` in all, when set), and at most `per_minute` in any 60 seconds. `clock` is injectable
+    (tests); moves are counted when the eviction is accepted."""
 
     def __init__(
         self,
-        per_pod: int,
+        per_gpu: int,
         per_minute: int,
         *,
+        per_pod: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         window: float = 60.0,
     ) -> None:
-        if per_pod < 0 or per_minute < 0:
+        if per_gpu < 0 or per_minute < 0 or (per_pod is not None and per_pod < 0):
             raise ValueError("move budgets cannot be negative")
+        self.per_gpu = per_gpu
         self.per_pod = per_pod
         self.per_minute = per_minute
         self.window = window
@@ -275,9 +289,10 @@ class MoveBudget:
             self._times.popleft()
         return len(self._times)
 
-    def allowance(self) -> int:
-        """How many moves the next plan may make (0: no plan now)."""
-        return max(0, min(self.per_pod, self.per_minute - self.recent()))
+    def allowance(self, gpus: int = 1) -> int:
+        """How many moves the next plan for a pod of `gpus` GPUs may make (0: no plan now)."""
+        per_pod = moves_to_place(gpus, self.per_gpu, self.per_pod)
+        return max(0, min(per_pod, self.per_minute - self.recent()))
 
     def next_move_in(self) -> float:
         """Seconds until the per-minute cap lets one more move (0 when it does now)."""

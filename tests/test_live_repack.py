@@ -140,7 +140,7 @@ class World:
         self,
         pods: list[dict[str, Any]],
         *,
-        per_pod: int = 3,
+        per_gpu: int = 3,
         per_minute: int = 6,
         leader: Callable[[], bool | None] = lambda: True,
     ) -> None:
@@ -163,7 +163,7 @@ class World:
             self.api,
             self.evictions,
             plan=self._plan,
-            budget=MoveBudget(per_pod, per_minute, clock=self.clock),
+            budget=MoveBudget(per_gpu, per_minute, clock=self.clock),
             leader=leader,
             clock=self.clock,
             after=1.0,
@@ -295,6 +295,16 @@ def test_a_recreated_pod_is_recognised_by_controller_and_template_or_name() -> N
         sts, moved, owned(pod("m2", "4Gi", uid="m2"), "StatefulSet", "db", "sts-db")
     )
     assert not replaces(sts, moved, owned(pod("db-1", "4Gi"), "StatefulSet", "db", "sts-db"))
+
+
+def test_the_budget_caps_moves_per_gpu_asked_per_pod_and_per_minute() -> None:
+    budget = MoveBudget(2, 10)
+    assert [budget.allowance(g) for g in (0, 1, 4)] == [2, 2, 8]  # a GPU share counts as one
+    assert MoveBudget(2, 6).allowance(4) == 6  # the minute's cap still holds
+    capped = MoveBudget(2, 10, per_pod=5)
+    assert [capped.allowance(g) for g in (1, 2, 3)] == [2, 4, 5]
+    with pytest.raises(ValueError):
+        MoveBudget(2, 10, per_pod=-1)
 
 
 def test_the_budget_caps_moves_per_pod_and_per_minute() -> None:
@@ -484,8 +494,25 @@ async def test_pods_without_consent_are_never_evicted(world: Any) -> None:
     assert event["message"].startswith("no repack now: no plan within 3 move(s)")
 
 
+async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:
+    """One move per GPU: the 18Gi pod that needs two moves gets no plan; a pod of two GPUs is
+    offered two moves (none helps here: every node has one GPU)."""
+    w = world(two_moves(), per_gpu=1)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.repacker.stats.none == 1
+    (event,) = await w.events()
+    assert event["message"].startswith("no repack now: no plan within 1 move(s)")
+    w = world([*fragmented()[:-1], pod("pair", "4Gi", gpus=2, uid="pair")], per_gpu=1)
+    w.filter("default/pair")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.planned == 1
+    (event,) = await w.events()
+    assert event["message"].startswith("no repack now: no plan within 2 move(s)")
+
+
 async def test_the_per_minute_budget_holds_back_the_next_plan(world: Any) -> None:
-    w = world(two_moves(), per_pod=3, per_minute=1)
+    w = world(two_moves(), per_gpu=3, per_minute=1)
     w.filter("default/p")
     await w.step(advance=1.5)
     assert w.planned == 1 and w.evictions.real() == []  # two moves needed, one allowed
@@ -557,20 +584,30 @@ async def test_repack_metrics_and_state(world: Any) -> None:
     state = w.service.planner_state()
     assert state is not None and state["plans"] == 0  # no background planner here
     assert state["repack"]["running"]["moves"][0]["pod"] == "default/m2"
-    assert state["repack"]["budget"] == {"perPod": 3, "perMinute": 6, "lastMinute": 1}
+    assert state["repack"]["budget"] == {
+        "perGpu": 3,
+        "perPod": None,
+        "perMinute": 6,
+        "lastMinute": 1,
+    }
 
 
 def test_serve_flags() -> None:
     parser = build_parser()
     args = parser.parse_args(["serve"])
     assert args.repack is False
-    assert (args.repack_max_moves_per_pod, args.repack_max_moves_per_minute) == (3, 6)
+    assert (
+        args.repack_max_moves_per_gpu,
+        args.repack_max_moves_per_pod,
+        args.repack_max_moves_per_minute,
+    ) == (3, None, 6)
     args = parser.parse_args(["serve", "--repack", "--repack-max-moves-per-minute", "2"])
     assert args.repack and args.repack_max_moves_per_minute == 2
     with pytest.raises(SystemExit, match="needs live mode"):
         args.run(parser.parse_args(["serve", "--cluster", "x.yaml", "--repack"]))
-    with pytest.raises(SystemExit, match="at least 1"):
-        args.run(parser.parse_args(["serve", "--repack-max-moves-per-pod", "0"]))
+    for flag in ("gpu", "pod", "minute"):
+        with pytest.raises(SystemExit, match=f"--repack-max-moves-per-{flag} must be at least 1"):
+            args.run(parser.parse_args(["serve", f"--repack-max-moves-per-{flag}", "0"]))
 
 
 def test_repack_leaves_the_service_alone_when_off() -> None:

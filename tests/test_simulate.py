@@ -16,7 +16,7 @@ from extender.planner import model
 from extender.quantity import GIB, MIB
 from extender.simulate.engine import (
     ALL_POLICIES,
-    MOVES_PER_POD,
+    MOVES_PER_GPU,
     PolicyResult,
     RepackLimits,
     run_policy,
@@ -469,9 +469,10 @@ def test_the_move_budget_is_a_fraction_of_the_pods_placed(tmp_path):
             )
 
 
-def test_a_search_may_spend_at_most_the_moves_per_pod(tmp_path, monkeypatch):
-    """A budget of 5 x 3 placed pods allows 15 moves, the cap per pod 2: the search for p3 is
-    asked for at most 2 (live mode's per-pod cap; one search must not spend the budget)."""
+def test_a_search_may_spend_at_most_the_moves_per_gpu_and_per_pod(tmp_path, monkeypatch):
+    """A budget of 5 x 3 placed pods allows 15 moves; the search for p3, of two GPUs, is asked
+    for at most 2 with a cap of 1 per GPU, or of 5 per GPU and 2 per pod (live mode's caps; one
+    search must not spend the budget)."""
     import extender.planner.repack as repack
 
     asked: list[int] = []
@@ -483,13 +484,31 @@ def test_a_search_may_spend_at_most_the_moves_per_pod(tmp_path, monkeypatch):
 
     monkeypatch.setattr(repack, "search_repack", spy)
     nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
-    r = run_policy("planner+repack", nodes, tasks, bound, move_budget=5.0, moves_per_pod=2)
-    assert asked and max(asked) == 2 and r.moves == 1 and r.to_json()["movesPerPod"] == 2
+    for caps in ({"moves_per_gpu": 1}, {"moves_per_gpu": 5, "moves_per_pod": 2}):
+        asked.clear()
+        r = run_policy("planner+repack", nodes, tasks, bound, move_budget=5.0, **caps)
+        assert asked and max(asked) == 2 and r.moves == 1
+        out = r.to_json()
+        assert (out["movesPerGpu"], out["movesPerPod"]) == (
+            caps["moves_per_gpu"],
+            caps.get("moves_per_pod"),
+        )
     asked.clear()
     run_policy("planner+repack", nodes, tasks, bound, move_budget=0.5)  # budget left: 1
     assert asked and max(asked) == 1
-    assert RepackLimits(budget=5.0).allowed(placed=3, moved=0) == MOVES_PER_POD
-    assert RepackLimits(budget=0.5, per_pod=3).allowed(placed=3, moved=1) == 0
+
+
+def test_the_move_cap_scales_with_the_gpus_a_pod_asks():
+    from extender.demand import Demand, PodRef
+
+    def d(gpus: int) -> Demand:
+        return Demand(PodRef("t", f"g{gpus}"), gpus, None if gpus > 1 else GIB)
+
+    assert RepackLimits(budget=5.0).allowed(d(1), placed=3, moved=0) == MOVES_PER_GPU
+    assert RepackLimits(budget=5.0).allowed(d(4), placed=3, moved=0) == 4 * MOVES_PER_GPU
+    assert RepackLimits(budget=5.0, per_pod=5).allowed(d(4), placed=3, moved=0) == 5
+    assert RepackLimits(budget=1.0).allowed(d(8), placed=10, moved=3) == 7  # the budget's rest
+    assert RepackLimits(budget=0.5, per_gpu=3).allowed(d(1), placed=3, moved=1) == 0
 
 
 def test_a_failed_repack_search_is_not_repeated_for_a_pod_asking_as_much():
@@ -644,8 +663,9 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     assert "moves" in table.splitlines()[1] and "bound on GPU memory allocated" in table
     assert "and then moving at most 50% of the pods" in table
     assert main([*args, "--churn", "--bound"]) == 2
-    assert main([*args, "--max-moves-per-pod", "0"]) == 2
-    assert "--max-moves-per-pod must be >= 1" in capsys.readouterr().err
+    for flag in ("--max-moves-per-gpu", "--max-moves-per-pod"):
+        assert main([*args, flag, "0"]) == 2
+        assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
 def test_simulate_open_gpu_cost_packs_the_planner_onto_fewer_gpus(tmp_path, capsys):

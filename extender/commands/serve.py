@@ -19,7 +19,7 @@ from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm
 from extender.planner.capacity import open_cost_problem
-from extender.repack_policy import MOVES_PER_POD
+from extender.repack_policy import MOVES_PER_GPU
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -161,11 +161,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default off; docs/repack-live.md)",
     )
     p.add_argument(
+        "--repack-max-moves-per-gpu",
+        type=int,
+        default=MOVES_PER_GPU,
+        metavar="N",
+        help="at most N pods evicted per GPU the pod to place asks: a pod of 2 GPUs may move "
+        f"2N (default {MOVES_PER_GPU})",
+    )
+    p.add_argument(
         "--repack-max-moves-per-pod",
         type=int,
-        default=MOVES_PER_POD,
+        default=None,
         metavar="N",
-        help=f"at most N pods evicted to place one pod (default {MOVES_PER_POD})",
+        help="and never more than N pods evicted to place one pod, however many GPUs it asks "
+        "(default: no cap beyond --repack-max-moves-per-gpu)",
     )
     p.add_argument(
         "--repack-max-moves-per-minute",
@@ -196,10 +205,13 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(str(exc)) from None
     if args.repack and args.cluster:
         raise SystemExit("--repack needs live mode (--kubeconfig, or in-cluster): it evicts pods")
-    if args.repack_max_moves_per_pod < 1 or args.repack_max_moves_per_minute < 1:
-        raise SystemExit(
-            "--repack-max-moves-per-pod and --repack-max-moves-per-minute must be at least 1"
-        )
+    for flag, value in (
+        ("--repack-max-moves-per-gpu", args.repack_max_moves_per_gpu),
+        ("--repack-max-moves-per-pod", args.repack_max_moves_per_pod),
+        ("--repack-max-moves-per-minute", args.repack_max_moves_per_minute),
+    ):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} must be at least 1 (got {value})")
     webhook.check_arguments(args)
     try:
         return _run_loop(_serve(args))
@@ -414,7 +426,11 @@ def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSourc
         source.api,
         KubeEvictions(source.api),
         plan=plan_repack,
-        budget=MoveBudget(args.repack_max_moves_per_pod, args.repack_max_moves_per_minute),
+        budget=MoveBudget(
+            args.repack_max_moves_per_gpu,
+            args.repack_max_moves_per_minute,
+            per_pod=args.repack_max_moves_per_pod,
+        ),
         time_limit=args.planner_time_limit,
     )
 

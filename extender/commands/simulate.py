@@ -61,12 +61,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "in the replay every running pod may move",
     )
     p.add_argument(
+        "--max-moves-per-gpu",
+        type=int,
+        default=None,
+        metavar="N",
+        help="planner+repack: at most N moves per GPU the pod to place asks (default 3, as "
+        "serve --repack-max-moves-per-gpu)",
+    )
+    p.add_argument(
         "--max-moves-per-pod",
         type=int,
         default=None,
         metavar="N",
-        help="planner+repack: at most N moves to place one pod (default 3, as "
-        "serve --repack-max-moves-per-pod)",
+        help="planner+repack: and never more than N moves to place one pod (default: no cap "
+        "beyond --max-moves-per-gpu; as serve --repack-max-moves-per-pod)",
     )
     p.add_argument(
         "--repack-time-limit",
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from extender.quantity import MIB
     from extender.simulate.engine import (
         MOVE_BUDGET,
-        MOVES_PER_POD,
+        MOVES_PER_GPU,
         REPACK_TIME_LIMIT,
         all_fit_line,
         bound_line,
@@ -176,13 +184,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     move_budget = MOVE_BUDGET if args.move_budget is None else args.move_budget
     repack_limit = REPACK_TIME_LIMIT if args.repack_time_limit is None else args.repack_time_limit
-    per_pod = MOVES_PER_POD if args.max_moves_per_pod is None else args.max_moves_per_pod
+    per_gpu = MOVES_PER_GPU if args.max_moves_per_gpu is None else args.max_moves_per_gpu
+    per_pod = args.max_moves_per_pod
     open_problem = open_cost_problem(args.open_gpu_cost)
     wrong = [
         text
         for bad, text in (
             (move_budget < 0, "--move-budget must be >= 0"),
-            (per_pod < 1, "--max-moves-per-pod must be >= 1"),
+            (per_gpu < 1, "--max-moves-per-gpu must be >= 1"),
+            (per_pod is not None and per_pod < 1, "--max-moves-per-pod must be >= 1"),
             (repack_limit <= 0, "--repack-time-limit must be > 0"),
             (bool(open_problem), f"--open-gpu-cost {open_problem}"),
         )
@@ -204,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             num_workers=args.workers,
             move_budget=move_budget,
             repack_time_limit=repack_limit,
+            moves_per_gpu=per_gpu,
             moves_per_pod=per_pod,
             open_cost=args.open_gpu_cost,
         )
@@ -225,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
                 num_workers=args.workers,
                 move_budget=budget,
                 repack_time_limit=repack_limit,
+                moves_per_gpu=per_gpu,
                 moves_per_pod=per_pod,
                 open_cost=args.open_gpu_cost,
             )

@@ -269,7 +269,7 @@ class Repacker:
             return
         excluded: dict[str, str] = {}
         for _ in range(self.attempts):
-            allowance = self.budget.allowance()
+            allowance = self.budget.allowance(demand.gpu_count)
             if allowance <= 0:
                 return
             cap = Capacity.from_ledger(
@@ -315,7 +315,9 @@ class Repacker:
             await self._execute(demand, found.placement, moves)
             return
         self.stats.refused += 1
-        self._tell(demand.pod, self._none_message(self.budget.allowance(), excluded))
+        self._tell(
+            demand.pod, self._none_message(self.budget.allowance(demand.gpu_count), excluded)
+        )
 
     def _solve(
         self,
@@ -552,6 +554,7 @@ class Repacker:
         return {
             **self.stats.as_dict(),
             "budget": {
+                "perGpu": self.budget.per_gpu,
                 "perPod": self.budget.per_pod,
                 "perMinute": self.budget.per_minute,
                 "lastMinute": self.budget.recent(),

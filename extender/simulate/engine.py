@@ -8,8 +8,9 @@ records what the device plugin would do, overcommit included, and the metrics co
 
 `planner+repack` is the planner, and when a GPU pod then fits nowhere, repacking by migration
 (`planner.repack`): the fewest moves of running pods that make it fit, applied at once, within a
-budget of `move_budget` x the pods placed so far (moves spent count against it) and at most
-`moves_per_pod` moves to place one pod (live mode's per-pod cap, same default). In the replay
+budget of `move_budget` x the pods placed so far (moves spent count against it), at most
+`moves_per_gpu` moves per GPU the pod asks and, when set, `moves_per_pod` in all (live mode's caps,
+same defaults). In the replay
 every running pod may move (the trace says nothing about which could not); the live mode's
 per-minute cap and its movable label are `serve --repack`'s. Attempts that cannot succeed are
 skipped (`RepackSkips`).
@@ -30,12 +31,12 @@ from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
-from extender.repack_policy import MOVES_PER_POD
+from extender.repack_policy import MOVES_PER_GPU, moves_to_place
 from extender.simulate.budget_bound import BudgetBound, StateSnapshot, budget_bound, snapshot
 from extender.simulate.trace import Task
 
 __all__ = [
-    "MOVES_PER_POD",
+    "MOVES_PER_GPU",
     "PolicyResult",
     "RepackLimits",
     "run_policy",
@@ -104,12 +105,14 @@ class PolicyResult:
     allFitBatches: int = 0
     allFitArrivals: int = 0
     #: pods moved by repacking (`planner+repack`; 0 for the others), the budget they were spent
-    #: from (a fraction of the pods placed) and the cap per pod placed, repack searches run,
+    #: from (a fraction of the pods placed), the caps per GPU and per pod placed (None: no cap
+    #: beyond the one per GPU), repack searches run,
     #: pods they placed, pods that failed without a search (`RepackSkips`), and the searches'
     #: wall time
     moves: int = 0
     moveBudget: float = 0.0
-    movesPerPod: int = 0
+    movesPerGpu: int = 0
+    movesPerPod: int | None = None
     repackSearches: int = 0
     repackPlaced: int = 0
     repackSkipped: int = 0
@@ -172,7 +175,8 @@ def run_policy(
     accept: str | None = None,
     move_budget: float = MOVE_BUDGET,
     repack_time_limit: float = REPACK_TIME_LIMIT,
-    moves_per_pod: int = MOVES_PER_POD,
+    moves_per_gpu: int = MOVES_PER_GPU,
+    moves_per_pod: int | None = None,
     count_foreign: bool | None = None,
     open_cost: float = 0.0,
 ) -> PolicyResult:
@@ -196,10 +200,11 @@ def run_policy(
     out = PolicyResult(
         policy,
         moveBudget=move_budget if repack else 0.0,
-        movesPerPod=moves_per_pod if repack else 0,
+        movesPerGpu=moves_per_gpu if repack else 0,
+        movesPerPod=moves_per_pod if repack else None,
         openGpuCost=open_cost,
     )
-    limits = RepackLimits(move_budget, moves_per_pod, repack_time_limit, num_workers)
+    limits = RepackLimits(move_budget, moves_per_gpu, moves_per_pod, repack_time_limit, num_workers)
     running: dict[str, tuple[Demand, Reservation]] = {}
     skips = RepackSkips()
     start = time.perf_counter()
@@ -292,18 +297,21 @@ def run_policy(
 @dataclass(frozen=True)
 class RepackLimits:
     """What `planner+repack` may spend: moves as a fraction of the pods placed so far, moves
-    to place one pod (live mode's default cap: without one, a search could spend the whole
-    budget on a long chain for one small pod; on the trace, searches capped at 3 place more
-    pods with the same budget), seconds per search, CP-SAT workers."""
+    to place one pod per GPU it asks and in all (live mode's caps: without one, a search could
+    spend the whole budget on a long chain for one small pod; on the trace, searches capped at
+    3 place more pods with the same budget, and per GPU, a pod that asks 8 GPUs may free 8),
+    seconds per search, CP-SAT workers."""
 
     budget: float = MOVE_BUDGET
-    per_pod: int = MOVES_PER_POD
+    per_gpu: int = MOVES_PER_GPU
+    per_pod: int | None = None
     time_limit: float = REPACK_TIME_LIMIT
     num_workers: int = 2
 
-    def allowed(self, placed: int, moved: int) -> int:
-        """Moves the next search may make, after `moved` moves and `placed` pods placed."""
-        return min(self.per_pod, int(self.budget * placed) - moved)
+    def allowed(self, d: Demand, placed: int, moved: int) -> int:
+        """Moves the search for `d` may make, after `moved` moves and `placed` pods placed."""
+        cap = moves_to_place(d.gpu_count, self.per_gpu, self.per_pod)
+        return min(cap, int(self.budget * placed) - moved)
 
 
 @dataclass
@@ -364,7 +372,7 @@ def _repack_failed(
         d = t.demand
         if t.key in where or not d.wants_gpu:
             continue
-        allowed = limits.allowed(out.placed + placed_now + len(more), out.moves)
+        allowed = limits.allowed(d, out.placed + placed_now + len(more), out.moves)
         if allowed < 1 or demand_kind(d) in nowhere or skips.skip(d, allowed):
             out.repackSkipped += 1
             continue
