@@ -167,6 +167,7 @@ def run(
             )
             + (
                 f" moves {r.moves} searches {r.repackSearches} repacked {r.repackPlaced}"
+                f" unproven {r.repackUnproven}"
                 if p == "planner+repack"
                 else ""
             ),

@@ -713,3 +713,17 @@ def test_the_bound_within_a_budget_is_solved_once_per_budget(tmp_path, monkeypat
     assert point["boundPct"] == within["pct"]
     engine.budget_curve_point(0.0, r, tasks)
     assert solves == [0.5, 0.0]
+
+
+def test_a_failed_search_says_whether_it_proved_there_is_no_plan(tmp_path):
+    """Every GPU holds a 600 MiB pod, so no GPU has room for another and the 1000 MiB pod has no
+    plan: each of its one-move plans strands a 600 MiB pod. On 3 nodes the whole cluster is
+    modelled and CP-SAT proves it; on 26 (more than `Neighbourhood.exact_nodes`) only
+    neighbourhoods are, so the search ends without a proof, and the replay counts it."""
+    for n, unproven in ((3, 0), (26, 1)):
+        nodes = [f"n{i:02},8000,65536,1,T4" for i in range(n)]
+        pods = [task(f"a{i:02}", 1, 600, i) for i in range(n)] + [task("big", 1, 1000, n)]
+        inputs = read_inputs(*write(tmp_path, nodes, pods))
+        r = run_policy("planner+repack", *inputs, move_budget=0.5)
+        assert (r.failed, r.moves, r.repackSearches) == (1, 0, 1), n
+        assert r.repackUnproven == unproven and r.to_json()["repackUnproven"] == unproven, n

@@ -107,8 +107,9 @@ class PolicyResult:
     #: pods moved by repacking (`planner+repack`; 0 for the others), the budget they were spent
     #: from (a fraction of the pods placed), the caps per GPU and per pod placed (None: no cap
     #: beyond the one per GPU), repack searches run,
-    #: pods they placed, pods that failed without a search (`RepackSkips`), and the searches'
-    #: wall time
+    #: pods they placed, pods that failed without a search (`RepackSkips`), searches that found
+    #: no plan without proving that none exists (they stopped at their neighbourhood or time
+    #: limit: a wider search might find one), and the searches' wall time
     moves: int = 0
     moveBudget: float = 0.0
     movesPerGpu: int = 0
@@ -116,6 +117,7 @@ class PolicyResult:
     repackSearches: int = 0
     repackPlaced: int = 0
     repackSkipped: int = 0
+    repackUnproven: int = 0
     repackSeconds: float = 0.0
     #: the planner's charge per idle GPU a placement opens (`--open-gpu-cost`; 0 for the others)
     openGpuCost: float = 0.0
@@ -390,6 +392,7 @@ def _repack_failed(
         out.repackSeconds += found.seconds
         plan = found.plan
         if plan is None:
+            out.repackUnproven += not found.proven
             skips.add(d, allowed)
             continue
         try:
