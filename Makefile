@@ -111,7 +111,7 @@ bench-kube-scoring: venv
 
 # Every simulator policy on a heterogeneous LLM cluster (exclusive, time-sliced, MPS, MIG, T4;
 # config/scenarios/llm-mixed.yaml): GPUs used and memory stranded, then the planner and the hot
-# path on 20 other streams of the same mix (~2 minutes); docs/benchmarks/llm-mixed.md.
+# path on 20 other streams of the same mix (~6 minutes in all); docs/benchmarks/llm-mixed.md.
 bench-llm-mixed: venv
 	$(PY) benchmarks/llm_mixed.py
 	$(PY) benchmarks/llm_mixed.py --streams 20 --json benchmarks/results/llm_mixed_streams.json
