@@ -44,6 +44,7 @@ from extender.planner.capacity import Workload
 from extender.quantity import GIB, parse_bytes
 from extender.simulate.engine import (
     ALL_POLICIES,
+    MOVE_BUDGET,
     REPACK_TIME_LIMIT,
     PolicyResult,
     overcommit_text,
@@ -266,15 +267,23 @@ def run_labelled(
     bound: list[Mapping[str, Any]],
     workload: Workload,
     time_limit: float,
+    move_budget: float = MOVE_BUDGET,
 ) -> PolicyResult:
     """`label` is a policy name, or `OPEN_LABEL` / `REPACK_OPEN_LABEL`: the planner / planner+repack
-    with `OPEN_GPU_COST`."""
+    with `OPEN_GPU_COST`. `move_budget`: planner+repack's (`--move-budget`)."""
     policy, cost = {
         OPEN_LABEL: ("planner", OPEN_GPU_COST),
         REPACK_OPEN_LABEL: ("planner+repack", OPEN_GPU_COST),
     }.get(label, (label, 0.0))
     r = run_policy(
-        policy, nodes, tasks, bound, workload=workload, time_limit=time_limit, open_cost=cost
+        policy,
+        nodes,
+        tasks,
+        bound,
+        workload=workload,
+        time_limit=time_limit,
+        open_cost=cost,
+        move_budget=move_budget,
     )
     return replace(r, policy=label)
 
@@ -302,7 +311,9 @@ def rank(r: PolicyResult) -> tuple[int, int, int]:
     return (r.failed, r.gpusInUse, r.strandedBytes)
 
 
-def streams(seeds: list[int], time_limit: float) -> dict[int, dict[float, dict[str, PolicyResult]]]:
+def streams(
+    seeds: list[int], time_limit: float, move_budget: float = MOVE_BUDGET
+) -> dict[int, dict[float, dict[str, PolicyResult]]]:
     """Every compared policy and baseline on each stream, at each of `STREAM_LOADS` (the
     workload profile FGD and the planner get is the replayed part's, as `run` gives it)."""
     out: dict[int, dict[float, dict[str, PolicyResult]]] = {}
@@ -313,7 +324,7 @@ def streams(seeds: list[int], time_limit: float) -> dict[int, dict[float, dict[s
             part = tasks[: round(share * len(tasks))]
             workload = Workload.from_demands(t.demand for t in part)
             out[seed][share] = {
-                p: run_labelled(p, nodes, part, bound, workload, time_limit)
+                p: run_labelled(p, nodes, part, bound, workload, time_limit, move_budget)
                 for p in (*STREAM_POLICIES, *BASELINES)
             }
         print(f"  stream {seed}: {len(tasks)} pods done", file=sys.stderr, flush=True)
@@ -417,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="instead: N other streams of the same mix, each at several loads, against the baselines",
     )
+    p.add_argument(
+        "--move-budget",
+        type=float,
+        default=MOVE_BUDGET,
+        help=f"--streams: planner+repack's moves, a fraction of the pods placed (default {MOVE_BUDGET:g})",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.write:
@@ -424,9 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.streams is not None and args.streams < 1:
         p.error(f"--streams: N must be at least 1, got {args.streams}")
+    if not 0 <= args.move_budget <= 1:
+        p.error(f"--move-budget: a fraction of the pods placed, 0 to 1, got {args.move_budget:g}")
     if args.streams:
         seeds = list(range(SEED + 1, SEED + 1 + args.streams))
-        res = streams(seeds, args.time_limit)
+        res = streams(seeds, args.time_limit, args.move_budget)
         print(
             f"{args.streams} other streams (seeds {seeds[0]}-{seeds[-1]}): streams ahead / tied /"
             " behind the best of " + ", ".join(BASELINES)
