@@ -234,14 +234,8 @@ def run(
     for policy in policies:
         repack = policy == "planner+repack"
         for limit in (repack_limits or [REPACK_TIME_LIMIT]) if repack else [REPACK_TIME_LIMIT]:
-            r = run_policy(
-                policy,
-                nodes,
-                tasks,
-                bound,
-                workload=workload,
-                time_limit=time_limit,
-                repack_time_limit=limit,
+            r = run_labelled(
+                policy, nodes, tasks, bound, workload, time_limit, repack_time_limit=limit
             )
             if limit != REPACK_TIME_LIMIT:
                 r = replace(r, policy=f"{policy}, {limit:g} s per search")
@@ -268,9 +262,10 @@ def run_labelled(
     workload: Workload,
     time_limit: float,
     move_budget: float = MOVE_BUDGET,
+    repack_time_limit: float = REPACK_TIME_LIMIT,
 ) -> PolicyResult:
     """`label` is a policy name, or `OPEN_LABEL` / `REPACK_OPEN_LABEL`: the planner / planner+repack
-    with `OPEN_GPU_COST`. `move_budget`: planner+repack's (`--move-budget`)."""
+    with `OPEN_GPU_COST`. `move_budget`, `repack_time_limit`: planner+repack's."""
     policy, cost = {
         OPEN_LABEL: ("planner", OPEN_GPU_COST),
         REPACK_OPEN_LABEL: ("planner+repack", OPEN_GPU_COST),
@@ -284,6 +279,7 @@ def run_labelled(
         time_limit=time_limit,
         open_cost=cost,
         move_budget=move_budget,
+        repack_time_limit=repack_time_limit,
     )
     return replace(r, policy=label)
 
