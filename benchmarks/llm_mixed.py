@@ -223,6 +223,7 @@ def run(
     time_limit: float,
     pods: int | None = None,
     repack_limits: list[float] | None = None,
+    move_budget: float = MOVE_BUDGET,
 ) -> list[PolicyResult]:
     """Every policy on the scenario, or on its first `pods` pods (the same stream, stopped
     earlier: a lighter load); `planner+repack` once per repack search time limit, labelled with
@@ -234,9 +235,7 @@ def run(
     for policy in policies:
         repack = policy == "planner+repack"
         for limit in (repack_limits or [REPACK_TIME_LIMIT]) if repack else [REPACK_TIME_LIMIT]:
-            r = run_labelled(
-                policy, nodes, tasks, bound, workload, time_limit, repack_time_limit=limit
-            )
+            r = run_labelled(policy, nodes, tasks, bound, workload, time_limit, move_budget, limit)
             if limit != REPACK_TIME_LIMIT:
                 r = replace(r, policy=f"{policy}, {limit:g} s per search")
             print(f"  {r.policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
@@ -428,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "--move-budget",
         type=float,
         default=MOVE_BUDGET,
-        help=f"--streams: planner+repack's moves, a fraction of the pods placed (default {MOVE_BUDGET:g})",
+        help=f"planner+repack's moves, a fraction of the pods placed (default {MOVE_BUDGET:g})",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -469,11 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nodes, tasks, _ = read_inputs(SCENARIO, SCENARIO)
     print(f"{len(nodes)} nodes, {len(tasks)} pods ({SCENARIO.relative_to(ROOT)})")
-    results = run(args.policies, args.time_limit, repack_limits=args.repack_time_limits)
+    results = run(args.policies, args.time_limit, None, args.repack_time_limits, args.move_budget)
     print(table(results))
     if args.loads:
         runs = {
-            n: run(args.policies, args.time_limit, n, args.repack_time_limits) for n in args.loads
+            n: run(args.policies, args.time_limit, n, args.repack_time_limits, args.move_budget)
+            for n in args.loads
         }
         print()
         print("GPUs in use / memory stranded (GiB), by load:")
