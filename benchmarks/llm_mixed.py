@@ -50,6 +50,7 @@ from extender.simulate.engine import (
     overcommit_text,
     run_policy,
 )
+from extender.simulate.profile import PROFILES
 from extender.simulate.trace import Task, read_inputs
 from extender.sizing.engines import EngineSettings
 from extender.sizing.estimate import estimate, resolve_model
@@ -224,10 +225,11 @@ def run(
     pods: int | None = None,
     repack_limits: list[float] | None = None,
     move_budget: float = MOVE_BUDGET,
+    profile: str = "whole",
 ) -> list[PolicyResult]:
     """Every policy on the scenario, or on its first `pods` pods (the same stream, stopped
     earlier: a lighter load); `planner+repack` once per repack search time limit, labelled with
-    it unless it is the default."""
+    it unless it is the default. `profile`: `run_policy`'s."""
     nodes, tasks, bound = read_inputs(SCENARIO, SCENARIO)
     tasks = tasks[:pods]
     workload = Workload.from_demands(t.demand for t in tasks)
@@ -235,13 +237,17 @@ def run(
     for policy in policies:
         repack = policy == "planner+repack"
         for limit in (repack_limits or [REPACK_TIME_LIMIT]) if repack else [REPACK_TIME_LIMIT]:
-            r = run_labelled(policy, nodes, tasks, bound, workload, time_limit, move_budget, limit)
+            r = run_labelled(
+                policy, nodes, tasks, bound, workload, time_limit, move_budget, limit, profile
+            )
             if limit != REPACK_TIME_LIMIT:
                 r = replace(r, policy=f"{policy}, {limit:g} s per search")
             print(f"  {r.policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
             out.append(r)
         if policy == "planner":
-            out.append(run_labelled(OPEN_LABEL, nodes, tasks, bound, workload, time_limit))
+            out.append(
+                run_labelled(OPEN_LABEL, nodes, tasks, bound, workload, time_limit, profile=profile)
+            )
     return out
 
 
@@ -262,9 +268,11 @@ def run_labelled(
     time_limit: float,
     move_budget: float = MOVE_BUDGET,
     repack_time_limit: float = REPACK_TIME_LIMIT,
+    profile: str = "whole",
 ) -> PolicyResult:
     """`label` is a policy name, or `OPEN_LABEL` / `REPACK_OPEN_LABEL`: the planner / planner+repack
-    with `OPEN_GPU_COST`. `move_budget`, `repack_time_limit`: planner+repack's."""
+    with `OPEN_GPU_COST`. `move_budget`, `repack_time_limit`: planner+repack's; `profile`: the
+    pod mix FGD's measure weighs by (`run_policy`'s)."""
     policy, cost = {
         OPEN_LABEL: ("planner", OPEN_GPU_COST),
         REPACK_OPEN_LABEL: ("planner+repack", OPEN_GPU_COST),
@@ -279,6 +287,7 @@ def run_labelled(
         open_cost=cost,
         move_budget=move_budget,
         repack_time_limit=repack_time_limit,
+        profile=profile,
     )
     return replace(r, policy=label)
 
@@ -307,10 +316,14 @@ def rank(r: PolicyResult) -> tuple[int, int, int]:
 
 
 def streams(
-    seeds: list[int], time_limit: float, move_budget: float = MOVE_BUDGET
+    seeds: list[int],
+    time_limit: float,
+    move_budget: float = MOVE_BUDGET,
+    profile: str = "whole",
 ) -> dict[int, dict[float, dict[str, PolicyResult]]]:
     """Every compared policy and baseline on each stream, at each of `STREAM_LOADS` (the
-    workload profile FGD and the planner get is the replayed part's, as `run` gives it)."""
+    workload profile FGD and the planner get is the replayed part's, as `run` gives it, or with
+    `profile="live"` the pods arrived so far)."""
     out: dict[int, dict[float, dict[str, PolicyResult]]] = {}
     for seed in seeds:
         nodes, tasks, bound = stream_inputs(seed)
@@ -319,7 +332,9 @@ def streams(
             part = tasks[: round(share * len(tasks))]
             workload = Workload.from_demands(t.demand for t in part)
             out[seed][share] = {
-                p: run_labelled(p, nodes, part, bound, workload, time_limit, move_budget)
+                p: run_labelled(
+                    p, nodes, part, bound, workload, time_limit, move_budget, profile=profile
+                )
                 for p in (*STREAM_POLICIES, *BASELINES)
             }
         print(f"  stream {seed}: {len(tasks)} pods done", file=sys.stderr, flush=True)
@@ -429,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         default=MOVE_BUDGET,
         help=f"planner+repack's moves, a fraction of the pods placed (default {MOVE_BUDGET:g})",
     )
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="whole",
+        help="the pod mix FGD's measure (FGD's and the planner's) weighs by: the replayed pods' "
+        "(whole, default) or the pods arrived so far, as serve counts them (live)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.write:
@@ -440,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--move-budget: a fraction of the pods placed, 0 to 1, got {args.move_budget:g}")
     if args.streams:
         seeds = list(range(SEED + 1, SEED + 1 + args.streams))
-        res = streams(seeds, args.time_limit, args.move_budget)
+        res = streams(seeds, args.time_limit, args.move_budget, args.profile)
         print(
             f"{args.streams} other streams (seeds {seeds[0]}-{seeds[-1]}): streams ahead / tied /"
             " behind the best of " + ", ".join(BASELINES)
@@ -454,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             body = {
                 "command": " ".join(["benchmarks/llm_mixed.py", *(argv or sys.argv[1:])]),
                 "loads": list(STREAM_LOADS),
+                "profile": args.profile,
                 "streams": {
                     str(seed): {
                         f"{share:g}": {
@@ -468,11 +491,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nodes, tasks, _ = read_inputs(SCENARIO, SCENARIO)
     print(f"{len(nodes)} nodes, {len(tasks)} pods ({SCENARIO.relative_to(ROOT)})")
-    results = run(args.policies, args.time_limit, None, args.repack_time_limits, args.move_budget)
+    results = run(
+        args.policies,
+        args.time_limit,
+        None,
+        args.repack_time_limits,
+        args.move_budget,
+        args.profile,
+    )
     print(table(results))
     if args.loads:
         runs = {
-            n: run(args.policies, args.time_limit, n, args.repack_time_limits, args.move_budget)
+            n: run(
+                args.policies,
+                args.time_limit,
+                n,
+                args.repack_time_limits,
+                args.move_budget,
+                args.profile,
+            )
             for n in args.loads
         }
         print()

@@ -45,6 +45,7 @@ from extender.simulate.engine import (
     run_policy,
     while_all_fit,
 )
+from extender.simulate.profile import PROFILES
 from extender.simulate.trace import inflate, read_inputs
 
 TRACES = Path(os.environ.get("VRAMSCHED_TRACES", ROOT.parent / "shared" / "traces"))
@@ -127,6 +128,7 @@ def run(
     move_budget: float = MOVE_BUDGET,
     repack_time_limit: float = REPACK_TIME_LIMIT,
     budgets: list[float] | None = None,
+    profile: str = "whole",
 ) -> dict:
     nodes, tasks, bound, gpus, workload = load(pod_list, factor, shuffle)
     out = {
@@ -139,6 +141,8 @@ def run(
     }
     if shuffle is not None:
         out["shuffleNodes"] = shuffle
+    if profile != "whole":
+        out["profile"] = profile
     if "planner+repack" in policies:
         out["moveBudget"] = move_budget
     results = []
@@ -154,6 +158,7 @@ def run(
             accept=accept,
             move_budget=move_budget,
             repack_time_limit=repack_time_limit,
+            profile=profile,
         )
         results.append(r)
         out["policies"][p] = r.to_json()
@@ -211,6 +216,7 @@ def run(
                     accept=accept,
                     move_budget=b,
                     repack_time_limit=repack_time_limit,
+                    profile=profile,
                 )
             out["budgetCurve"].append(budget_curve_point(b, r, tasks))
             print(
@@ -512,6 +518,13 @@ def main() -> int:
         metavar="SEED",
         help="shuffle the node list with this seed",
     )
+    ap.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="whole",
+        help="the pod mix FGD's measure weighs by: the whole list's (whole, FGD's protocol, "
+        "default) or the pods arrived so far, as serve counts them (live)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_packing.json"))
     ap.add_argument(
         "--markdown",
@@ -586,6 +599,7 @@ def main() -> int:
                         args.move_budget,
                         args.repack_time_limit,
                         budgets if f > 0 else None,
+                        args.profile,
                     )
                 )
             except (OSError, KeyError, ValueError) as exc:

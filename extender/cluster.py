@@ -9,14 +9,16 @@ replaying the same objects always rebuilds the same ledger.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from extender.assignment import AssignmentError, decode_assignment
-from extender.demand import ASSIGNMENT, DemandError, PodRef, pod_demand, pod_ref
+from extender.demand import ASSIGNMENT, Demand, DemandError, PodRef, pod_demand, pod_ref
 from extender.inventory import ReplicaPolicy, node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
+from extender.planner.capacity import Kind, demand_kind
 
 __all__ = ["ClusterState", "TERMINAL_PHASES", "DEFAULT_SCHEDULER_NAME", "check_cluster"]
 
@@ -49,6 +51,11 @@ class ClusterState:
         self._usage: dict[str, tuple[str, int, int]] = {}
         self.cpu_used: dict[str, int] = {}
         self.memory_used: dict[str, int] = {}
+        #: how many of our pods (pending or bound, not finished) have each `demand_kind`: the
+        #: workload a plan keeps free capacity useful for (`Workload.from_counts`), kept as pods
+        #: come and go because parsing every pod per plan would stall the event loop
+        self.demand_mix: Counter[Kind] = Counter()
+        self._kind: dict[str, Kind] = {}
 
     # ----- nodes ---------------------------------------------------------------------------
     def upsert_node(self, node: Mapping[str, Any]) -> None:
@@ -83,24 +90,49 @@ class ClusterState:
             self._forget(key)
             return
         node = spec.get("nodeName")
+        ours = spec.get("schedulerName") == self.scheduler_name
         if not node:
             self._drop_usage(key)
             # An assumed reservation from our own bind stays until the watch shows the binding.
-            if spec.get("schedulerName") == self.scheduler_name:
+            if ours:
                 self.pending.add(key)
+                self._count(key, self._pending_demand(pod))
             return
         self.pending.discard(key)
-        self._account_bound(ref, pod, node)
+        demand = self._account_bound(ref, pod, node)
+        self._count(key, demand if ours else None)
 
     def delete_pod(self, key: str) -> None:
         self.pods.pop(key, None)
         self._forget(key)
 
     def _forget(self, key: str) -> None:
+        self._count(key, None)
         self.pending.discard(key)
         self.guessed.discard(key)
         self._drop_usage(key)
         self.ledger.release(key)
+
+    def _pending_demand(self, pod: Mapping[str, Any]) -> Demand | None:
+        try:
+            return pod_demand(pod, headroom=self.headroom)
+        except DemandError:
+            return None  # filter names what is wrong with it; the mix leaves it out
+
+    def _count(self, key: str, demand: Demand | None) -> None:
+        """Count `key` in `demand_mix` as `demand` (None: not at all)."""
+        kind = None if demand is None else demand_kind(demand)
+        old = self._kind.get(key)
+        if old == kind:
+            return
+        if old is not None:
+            del self._kind[key]
+            self.demand_mix[old] -= 1
+            if self.demand_mix[old] <= 0:
+                del self.demand_mix[old]
+        if kind is not None:
+            self._kind[key] = kind
+            self.demand_mix[kind] += 1
 
     def _set_usage(self, key: str, node: str, cpu: int, memory: int) -> None:
         self._drop_usage(key)
@@ -118,8 +150,8 @@ class ClusterState:
         if cpu_left or memory_left:  # else dropped: a pod requesting neither leaves no entry behind
             self.cpu_used[node], self.memory_used[node] = cpu_left, memory_left
 
-    def _account_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str) -> None:
-        """Count a bound pod against the devices it holds."""
+    def _account_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str) -> Demand | None:
+        """Count a bound pod against the devices it holds; its demand, None if unreadable."""
         meta = pod.get("metadata") or {}
         try:
             demand = pod_demand(pod, headroom=self.headroom)
@@ -131,10 +163,10 @@ class ClusterState:
             )
             log.debug("bound pod %s: %s", ref, exc)
             self._drop_usage(ref.key)
-            return
+            return None
         self._set_usage(ref.key, node, demand.cpu_milli, demand.memory_bytes)
         if not demand.wants_gpu:
-            return
+            return demand
         try:
             res = decode_assignment(ref, meta.get("annotations") or {}, demand.priority)
         except AssignmentError as exc:
@@ -148,18 +180,19 @@ class ClusterState:
         if res is not None and res.node == node:
             self.guessed.discard(ref.key)
             self.ledger.record(res)
-            return
+            return demand
         existing = self.ledger.reservation(ref.key)
         if existing is not None and existing.node == node:
-            return  # already counted (our own bind, or an earlier guess)
+            return demand  # already counted (our own bind, or an earlier guess)
         self.ledger.release(ref.key)
         chosen = choose_devices(self.ledger, demand, node)
         guess = self._worst_case(demand, node) if isinstance(chosen, str) else chosen
         if guess is None:
             log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
-            return
+            return demand
         self.guessed.add(ref.key)
         self.ledger.record(guess)
+        return demand
 
     def _worst_case(self, demand, node: str) -> Reservation | None:
         """A pod running where it does not fit by our books: count it on the least used devices,
@@ -214,22 +247,27 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
     - the device invariant (bytes <= memory, pods <= replicas) and nothing held by a gone pod;
     - a reservation of a bound pod is on the node the pod is bound to;
     - every live bound pod with a readable assignment for its node holds exactly that placement,
-      and every other live bound GPU pod on a node with devices is counted there (a guess).
+      and every other live bound GPU pod on a node with devices is counted there (a guess);
+    - the CPU and memory sums per node and the demand mix count exactly the live pods.
     """
     out = check_invariant(cluster.ledger, cluster.live_pod_keys())
     cpu: dict[str, int] = {}
     memory: dict[str, int] = {}
+    mix: Counter[Kind] = Counter()
     for key, pod in cluster.pods.items():
         if (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
             continue
-        node = (pod.get("spec") or {}).get("nodeName")
+        spec = pod.get("spec") or {}
+        node = spec.get("nodeName")
         res = cluster.ledger.reservation(key)
-        if not node:
-            continue
         try:
             demand = pod_demand(pod, headroom=cluster.headroom)
         except DemandError:
             demand = None
+        if demand is not None and spec.get("schedulerName") == cluster.scheduler_name:
+            mix[demand_kind(demand)] += 1
+        if not node:
+            continue
         if demand is not None:
             cpu[node] = cpu.get(node, 0) + demand.cpu_milli
             memory[node] = memory.get(node, 0) + demand.memory_bytes
@@ -268,6 +306,14 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             out.append(
                 Violation(f"CPU/memory requested on the node is {want}, counted {got}", name)
             )
+    if mix != cluster.demand_mix:
+        out.append(
+            Violation(
+                f"demand mix counts {cluster.demand_mix.total()} pods of "
+                f"{len(cluster.demand_mix)} kinds, the pods have {mix.total()} of {len(mix)}",
+                cluster.scheduler_name,
+            )
+        )
     return out
 
 

@@ -184,7 +184,7 @@ def _reference_usage(c) -> tuple[dict, dict]:
     return cpu, mem
 
 
-def test_cpu_and_memory_sums_follow_every_pod_event():
+def test_cpu_and_memory_sums_and_the_demand_mix_follow_every_pod_event():
     import random
 
     from extender.cluster import check_cluster
@@ -205,6 +205,7 @@ def test_cpu_and_memory_sums_follow_every_pod_event():
                 node=rng.choice([None, *NODES]),
                 phase=rng.choice(["Pending", "Running", "Running", "Succeeded"]),
                 uid=f"{name}-{rng.randrange(3)}",
+                scheduler=rng.choice(["vramsched", "vramsched", "default-scheduler"]),
             ),
             f"{rng.randrange(1, 9)}",
             f"{rng.randrange(1, 9)}Gi",
@@ -221,8 +222,11 @@ def test_cpu_and_memory_sums_follow_every_pod_event():
         ) == ({k: v for k, v in want_cpu.items() if v}, {k: v for k, v in want_mem.items() if v}), (
             step
         )
-        assert not [v for v in check_cluster(c) if "CPU/memory" in v.what], step
+        assert not [
+            v for v in check_cluster(c) if "CPU/memory" in v.what or "demand mix" in v.what
+        ], step
     assert c.cpu_used  # the walk ended with pods running somewhere
+    assert c.demand_mix  # and pods of ours pending or running
 
 
 def test_check_cluster_notices_a_wrong_cpu_sum():
@@ -501,3 +505,56 @@ def test_a_burst_of_pods_is_planned_by_the_arc_flow_relaxation_and_bound_as_plan
         held = c.ledger.reservation(key)
         assert (held.node, held.device_ids) == (planned.node, planned.device_ids)
     assert check_invariant(c.ledger) == [] and planner.stats.hits == len(sizes)
+
+
+def _mix_cluster(*extra):
+    """a: one 80 GiB GPU with 40 GiB used; b: 20 GiB used; c: full of 40 GiB pods. Most of the
+    pods running are 40 GiB ones."""
+    from builders import assigned
+
+    running = [
+        pod("r40", "40Gi", node="a", phase="Running", annotations=assigned("a", "0", 40)),
+        pod("r20", "20Gi", node="b", phase="Running", annotations=assigned("b", "0", 20)),
+        pod("c1", "40Gi", node="c", phase="Running", annotations=assigned("c", "0", 40)),
+        pod("c2", "40Gi", node="c", phase="Running", annotations=assigned("c", "0", 40)),
+    ]
+    nodes = (gpu_node(n, count=1, memory_mib=80 * 1024, replicas=4) for n in "abc")
+    return cluster(*nodes, *running, *extra)
+
+
+def test_the_demand_mix_counts_our_pending_and_running_pods_by_kind():
+    from extender.cluster import check_cluster
+    from extender.demand import pod_demand
+    from extender.planner.capacity import demand_kind
+
+    other = pod("theirs", "40Gi", node="a", phase="Running", scheduler="default-scheduler")
+    c = _mix_cluster(pod("p20", "20Gi"), other)
+    k20 = demand_kind(pod_demand(pod("x", "20Gi")))
+    k40 = demand_kind(pod_demand(pod("x", "40Gi")))
+    assert c.demand_mix == {k20: 2, k40: 3}  # not the other scheduler's pod
+    c.delete_pod("default/c1")
+    done = pod(
+        "c2", "40Gi", node="c", phase="Succeeded", uid=c.pods["default/c2"]["metadata"]["uid"]
+    )
+    c.upsert_pod(done)
+    assert c.demand_mix == {k20: 2, k40: 1}
+    c.delete_pod("default/r40")
+    assert c.demand_mix == {k20: 2}
+    assert check_cluster(c) == []
+    c.demand_mix[k40] += 1
+    assert [v.what for v in check_cluster(c)] == [
+        "demand mix counts 3 pods of 2 kinds, the pods have 2 of 1"
+    ]
+
+
+def test_a_pod_planned_alone_is_placed_for_the_cluster_s_mix_not_its_own_type():
+    # Alone, a 20 GiB pod leaves a usable gap on a or b either way; for the 40 GiB pods most of
+    # the cluster runs, putting it on a leaves 20 GiB nobody of that kind can use.
+    c = _mix_cluster(pod("p20", "20Gi"))
+    planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
+    demands = planner.pending_demands()
+    w = planner.workload(demands)
+    assert sorted(zip(w.need.tolist(), w.weight.tolist())) == [(20 * GIB, 0.4), (40 * GIB, 0.6)]
+    plan = planner.plan_once()
+    assert plan is not None and plan.placed == 1
+    assert planner.planned_node("default/p20") == "b"

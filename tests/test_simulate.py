@@ -727,3 +727,120 @@ def test_a_failed_search_says_whether_it_proved_there_is_no_plan(tmp_path):
         r = run_policy("planner+repack", *inputs, move_budget=0.5)
         assert (r.failed, r.moves, r.repackSearches) == (1, 0, 1), n
         assert r.repackUnproven == unproven and r.to_json()["repackUnproven"] == unproven, n
+
+
+def _profile_case():
+    """a holds 40 GiB of its 80 GiB GPU, b 20 GiB; a 20 GiB pod arrives, then 40 GiB pods."""
+    from builders import assigned
+
+    from extender.demand import pod_demand
+    from extender.simulate.trace import Task
+
+    nodes = [gpu_node(n, count=1, memory_mib=80 * 1024, replicas=4) for n in "ab"]
+    bound = [
+        pod("r40", "40Gi", node="a", phase="Running", annotations=assigned("a", "0", 40)),
+        pod("r20", "20Gi", node="b", phase="Running", annotations=assigned("b", "0", 20)),
+    ]
+    sizes = ["20Gi", "40Gi", "40Gi", "40Gi"]
+    tasks = [Task(pod_demand(pod(f"p{i}", s)), arrival=i) for i, s in enumerate(sizes)]
+    return nodes, tasks, bound
+
+
+def test_the_live_profile_knows_only_the_pods_arrived_so_far():
+    # With the whole mix (FGD's protocol) the 20 GiB pod goes where it leaves a 40 GiB gap (b);
+    # a live cluster has seen only that pod, so either GPU looks as good and it takes a, after
+    # which only one 40 GiB pod fits.
+    nodes, tasks, bound = _profile_case()
+    for policy in ("fgd", "planner"):
+        whole = run_policy(policy, nodes, tasks, bound)
+        live = run_policy(policy, nodes, tasks, bound, profile="live")
+        assert (whole.placed, live.placed) == (3, 2), policy
+        assert live.invariantViolations == 0 and live.overcommittedGpusPeak == 0
+    # policies without FGD's measure do not change
+    assert (
+        run_policy("best-fit", nodes, tasks, bound, profile="live").placed
+        == run_policy("best-fit", nodes, tasks, bound).placed
+    )
+    with pytest.raises(ValueError, match="profile must be one of whole, live, got 'arrived'"):
+        run_policy("fgd", nodes, tasks, bound, profile="arrived")
+
+
+def test_live_profile_counts_arrivals_and_departures_and_rebuilds_on_drift():
+    from extender.demand import pod_demand
+    from extender.simulate.profile import LiveProfile
+
+    lp = LiveProfile(drift=0.5)
+    assert not lp.stale()
+    d20, d40 = pod_demand(pod("x", "20Gi")), pod_demand(pod("y", "40Gi"))
+    lp.arrive("p1", d20)
+    assert lp.stale()
+    w = lp.workload()
+    assert w.need.tolist() == [20 * GIB] and not lp.stale()
+    lp.arrive("p2", d40)  # one change against one pod counted: 100% >= 50%
+    assert lp.stale()
+    w = lp.workload()
+    assert sorted(w.need.tolist()) == [20 * GIB, 40 * GIB]
+    for i in range(3, 7):
+        lp.arrive(f"p{i}", d40)
+    lp.workload()  # 6 pods counted: the next rebuild after 3 changes
+    lp.leave("p1")
+    lp.leave("gone")  # never counted: no change
+    lp.arrive("p3", d20)  # p3 again, now 20 GiB: leaves and arrives
+    assert lp.stale()
+    assert lp.counts.total() == 5
+    assert sorted(lp.workload().need.tolist()) == [20 * GIB, 40 * GIB]
+
+
+def test_workload_from_counts_is_from_demands():
+    import random
+
+    from extender.demand import pod_demand
+    from extender.planner.capacity import Workload, demand_kind
+
+    rng = random.Random(3)
+    demands = []
+    for i in range(200):
+        gpus = rng.choice([0, 1, 2])
+        p = pod(
+            f"p{i}",
+            rng.choice(["8Gi", "20Gi", None]) if gpus else None,
+            gpus=gpus,
+            annotations=rng.choice([{}, {"vramsched.io/gpu-products": "A100|H100"}]),
+        )
+        demands.append(pod_demand(p))
+    assert any(d.allowed_products for d in demands)
+    from collections import Counter
+
+    a = Workload.from_demands(demands, max_types=4)
+    b = Workload.from_counts(Counter(demand_kind(d) for d in demands), max_types=4)
+    for f in ("gpu_count", "need", "cpu", "mem", "weight"):
+        assert getattr(a, f).tolist() == getattr(b, f).tolist(), f
+    assert (a.resource, a.allowed, a.limited, a.gpu_demand) == (
+        b.resource,
+        b.allowed,
+        b.limited,
+        b.gpu_demand,
+    )
+    assert a.gpu_demand[0] > 0 and a.gpu_demand[1] > 0 and a.limited
+
+
+def test_simulate_profile_flag_replays_what_serve_knows(tmp_path, capsys):
+    nodes, tasks, bound = _profile_case()
+    pods = []
+    for t in tasks:
+        p = pod(t.demand.pod.name, f"{t.demand.bytes_per_gpu // GIB}Gi")
+        p["metadata"]["creationTimestamp"] = f"2025-01-01T00:00:0{int(t.arrival)}Z"
+        pods.append(p)
+    f = tmp_path / "cluster.yaml"
+    f.write_text(yaml.safe_dump({"kind": "List", "items": [*nodes, *bound, *pods]}))
+    placed = {}
+    for profile in ("whole", "live"):
+        argv = ["simulate", "--nodes", str(f), "--pods", str(f), "--policy", "fgd", "--json"]
+        assert main([*argv, "--profile", profile]) == 0
+        body = json.loads(capsys.readouterr().out)
+        assert body["input"]["profile"] == profile
+        placed[profile] = body["policies"]["fgd"]["placed"]
+    assert placed == {"whole": 3, "live": 2}
+    with pytest.raises(SystemExit):
+        main([*argv, "--profile", "arrived"])
+    assert "invalid choice: 'arrived'" in capsys.readouterr().err

@@ -93,6 +93,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "see docs/benchmarks/llm-mixed.md)",
     )
     p.add_argument(
+        "--profile",
+        choices=("whole", "live"),
+        default="whole",
+        help="the pod mix FGD's fragmentation measure (fgd, planner, planner+repack) weighs by: "
+        "every pod of --pods (whole, FGD's protocol; default) or the pods arrived and not yet "
+        "left, which is all serve can know (live)",
+    )
+    p.add_argument(
         "--bound",
         action="store_true",
         help="also compute an upper bound on the GPU memory any policy can allocate (pods stay; "
@@ -217,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             moves_per_gpu=per_gpu,
             moves_per_pod=per_pod,
             open_cost=args.open_gpu_cost,
+            profile=args.profile,
         )
         results.append(r)
         if not args.json:
@@ -239,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
                 moves_per_gpu=per_gpu,
                 moves_per_pod=per_pod,
                 open_cost=args.open_gpu_cost,
+                profile=args.profile,
             )
             curve.append(budget_curve_point(budget, r, tasks))
             if not args.json:
@@ -256,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
                 "tasks": len(tasks),
                 "inflate": args.inflate,
                 "churn": args.churn,
+                "profile": args.profile,
             },
             "whileAllFit": all_fit,
         }

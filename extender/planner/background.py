@@ -199,6 +199,15 @@ class BackgroundPlanner:
             out.append(d)
         return out[: self.max_batch]
 
+    def workload(self, demands: list[Demand]) -> Workload:
+        """What the plan keeps free capacity useful for: every pod of ours the cluster holds,
+        pending or running (`ClusterState.demand_mix`). The plan's own pods alone would make a pod
+        planned by itself weigh only its own type; the simulator measures what that costs
+        (`simulate --profile batch`)."""
+        if self.cluster.demand_mix:
+            return Workload.from_counts(self.cluster.demand_mix)
+        return Workload.from_demands(demands)
+
     def plan_once(self) -> Plan | None:
         """Plan synchronously (tests and the simulator use this; the loop calls `replan`)."""
         demands = self.pending_demands()
@@ -206,7 +215,14 @@ class BackgroundPlanner:
             self.entries.clear()
             return None
         cap, gens = snapshot(self.cluster)
-        plan = _solve(cap, demands, self.time_limit, self.num_workers, open_cost=self.open_cost)
+        plan = _solve(
+            cap,
+            demands,
+            self.workload(demands),
+            self.time_limit,
+            self.num_workers,
+            open_cost=self.open_cost,
+        )
         self._install(demands, plan, gens, cap)
         return plan
 
@@ -232,13 +248,21 @@ class BackgroundPlanner:
                 self._record(covers, full=keep is None)
             return None
         cap, gens = snapshot(self.cluster)  # on the loop: a consistent copy
+        workload = self.workload(demands)
         hold = [
             (e.demand, e.reservation, e.node) for e in (keep or {}).values() if e.demand is not None
         ]
         started = time.perf_counter()
         try:
             plan = await asyncio.to_thread(
-                _solve, cap, demands, self.time_limit, self.num_workers, hold, self.open_cost
+                _solve,
+                cap,
+                demands,
+                workload,
+                self.time_limit,
+                self.num_workers,
+                hold,
+                self.open_cost,
             )
         except Exception:  # planning is an optimisation; the greedy path still answers
             self.stats.errors += 1
@@ -367,6 +391,7 @@ class BackgroundPlanner:
 def _solve(
     cap: Capacity,
     demands: list[Demand],
+    workload: Workload,
     time_limit: float,
     num_workers: int,
     hold: Sequence[tuple[Demand, Reservation | None, str]] = (),
@@ -382,5 +407,5 @@ def _solve(
         except LedgerError:
             continue  # no longer fits: that entry fails its own check when used
     cap.dedupe = len(demands) >= DEDUPE_FROM  # see Capacity.dedupe
-    frag = FragIndex(cap, Workload.from_demands(demands), count_foreign=False, open_cost=open_cost)
+    frag = FragIndex(cap, workload, count_foreign=False, open_cost=open_cost)
     return solve_batch(cap, demands, frag, time_limit=time_limit, num_workers=num_workers)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -30,6 +30,7 @@ __all__ = [
     "Capacity",
     "Workload",
     "demand_kind",
+    "Kind",
     "FragIndex",
     "Candidates",
     "device_matches",
@@ -314,7 +315,11 @@ class Capacity:
         self._sig_dirty.add(node_row)
 
 
-def demand_kind(d: Demand) -> tuple[int, int, int, int, str, frozenset[str] | None]:
+#: what `demand_kind` returns
+Kind = tuple[int, int, int, int, str, frozenset[str] | None]
+
+
+def demand_kind(d: Demand) -> Kind:
     """What makes two pods the same demand type: GPUs, bytes per GPU (-1: whole devices), CPU,
     memory, resource and allowed products."""
     return (
@@ -348,22 +353,26 @@ class Workload:
     def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> Workload:
         """The most common demand types, weighted by how many pods have them (FGD's choice), and
         the GPU demand of every pod set limited to some models."""
-        counts: Counter[tuple[int, int, int, int, str, frozenset[str] | None]] = Counter()
+        return cls.from_counts(Counter(demand_kind(d) for d in demands), max_types)
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[Kind, int], max_types: int = MAX_TYPES) -> Workload:
+        """`from_demands` from pods counted by `demand_kind` (the live cluster's `demand_mix`:
+        counted as pods come and go, so a plan does not parse every pod again)."""
         limited: dict[tuple[str, frozenset[str]], list[int]] = {}
         gpu_bytes = gpu_whole = 0
-        for d in demands:
-            counts[demand_kind(d)] += 1
-            if d.gpu_count == 0:
+        for (gpus, need, _, _, resource, allowed), n in counts.items():
+            if gpus == 0 or n <= 0:
                 continue
-            declared = 0 if d.bytes_per_gpu is None else d.gpu_count * d.bytes_per_gpu
-            whole = d.gpu_count if d.bytes_per_gpu is None else 0
+            declared = 0 if need < 0 else n * gpus * need
+            whole = n * gpus if need < 0 else 0
             gpu_bytes += declared
             gpu_whole += whole
-            if d.allowed_products is not None:
-                acc = limited.setdefault((d.resource, d.allowed_products), [0, 0])
+            if allowed is not None:
+                acc = limited.setdefault((resource, allowed), [0, 0])
                 acc[0] += declared
                 acc[1] += whole
-        top = counts.most_common(max_types)
+        top = [(k, c) for k, c in Counter(counts).most_common(max_types) if c > 0]
         if not top:
             top = [((1, -1, 0, 0, "nvidia.com/gpu", None), 1)]
         total = float(sum(c for _, c in top))

@@ -33,6 +33,7 @@ from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.repack_policy import MOVES_PER_GPU, moves_to_place
 from extender.simulate.budget_bound import BudgetBound, StateSnapshot, budget_bound, snapshot
+from extender.simulate.profile import PROFILES, LiveProfile
 from extender.simulate.trace import Task
 
 __all__ = [
@@ -181,11 +182,16 @@ def run_policy(
     moves_per_pod: int | None = None,
     count_foreign: bool | None = None,
     open_cost: float = 0.0,
+    profile: str = "whole",
 ) -> PolicyResult:
     """One policy over `tasks`. `count_foreign`: whether the fragmentation measure counts other
     GPU models' memory as stranded (`capacity.FragIndex`); None: as FGD does, except for the
     planner's policies. `open_cost`: the planner's charge per idle GPU a placement opens, in GPUs
-    of memory (`FragIndex.open_cost`; the other policies ignore it)."""
+    of memory (`FragIndex.open_cost`; the other policies ignore it). `profile`: the pod mix that
+    measure weighs by (`simulate.profile`): `workload` throughout, or the pods arrived and not
+    left, as `serve` counts them; the result's fragmentation figures use `workload` either way."""
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     cluster, cap = build_capacity(nodes, bound)
     if count_foreign is None:
         count_foreign = policy not in PLANNER_POLICIES
@@ -207,6 +213,7 @@ def run_policy(
         openGpuCost=open_cost,
     )
     limits = RepackLimits(move_budget, moves_per_gpu, moves_per_pod, repack_time_limit, num_workers)
+    live = LiveProfile() if profile == "live" and frag is not None else None
     running: dict[str, tuple[Demand, Reservation]] = {}
     skips = RepackSkips()
     start = time.perf_counter()
@@ -222,6 +229,8 @@ def run_policy(
         while di < len(departures) and departures[di][0] <= arrival:
             key = departures[di][1]
             di += 1
+            if live is not None:
+                live.leave(key)
             if key in where:
                 n = where.pop(key)
                 running.pop(key, None)
@@ -230,6 +239,13 @@ def run_policy(
                 if frag is not None:
                     frag.refresh([n])
         out.batches += 1
+        if live is not None:
+            for t in batch:
+                live.arrive(t.key, t.demand)
+            if live.stale():
+                frag = FragIndex(
+                    cap, live.workload(), count_foreign=count_foreign, open_cost=open_cost
+                )
         if base == "planner" and len(batch) > 1:
             placed = _plan_batch(cap, frag, batch, out, time_limit, num_workers, accept)
         else:
