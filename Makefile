@@ -14,7 +14,7 @@ ARGS ?=
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPYCACHEPREFIX ?= $(HOME)/.cache/vramsched/pycache
 
-.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
+.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-packing-live bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
 venv: $(STAMP)
 
@@ -105,16 +105,26 @@ bench-mig: venv
 bench-packing: venv
 	$(PY) benchmarks/trace_packing.py --churn --time-limit 0.25 --budgets $(ARGS)
 
+# The same replay with only the pod mix serve knows (the pods arrived and not left) instead of the
+# whole list's, at 1.3x and without inflation, no bounds (~22 minutes); docs/packing.md.
+bench-packing-live: venv
+	$(PY) benchmarks/trace_packing.py --profile live --no-bound --inflate 1.3 0 --time-limit 0.25 \
+		--policies planner planner+repack hot-path best-fit first-fit fgd \
+		--out benchmarks/results/trace_packing_live.json $(ARGS)
+
 # The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
 bench-kube-scoring: venv
 	$(PY) benchmarks/kube_scoring.py
 
 # Every simulator policy on a heterogeneous LLM cluster (exclusive, time-sliced, MPS, MIG, T4;
 # config/scenarios/llm-mixed.yaml): GPUs used and memory stranded, then the planner and the hot
-# path on 20 other streams of the same mix (~6 minutes in all); docs/benchmarks/llm-mixed.md.
+# path on 20 other streams of the same mix, with the whole stream's pod mix known and with only
+# the pods seen so far (~10 minutes in all); docs/benchmarks/llm-mixed.md.
 bench-llm-mixed: venv
 	$(PY) benchmarks/llm_mixed.py
 	$(PY) benchmarks/llm_mixed.py --streams 20 --json benchmarks/results/llm_mixed_streams.json
+	$(PY) benchmarks/llm_mixed.py --streams 20 --profile live \
+		--json benchmarks/results/llm_mixed_streams_live.json
 
 # vramsched's device plugin: the packing it buys in live mode (a 1.36.3 control plane, four
 # time-sliced 8 x A100 nodes, one pod stream, stock plugin vs vramsched's vs embedded) and

@@ -129,6 +129,7 @@ def run(
     repack_time_limit: float = REPACK_TIME_LIMIT,
     budgets: list[float] | None = None,
     profile: str = "whole",
+    bounds: bool = True,
 ) -> dict:
     nodes, tasks, bound, gpus, workload = load(pod_list, factor, shuffle)
     out = {
@@ -193,7 +194,7 @@ def run(
                 for p, m in out[key].items():
                     if p in free:  # not spread: it overcommits
                         m["gpusFreeWhileAllFit"] = free[ours] - free[p]
-    if not churn:
+    if bounds and not churn:
         out["bound"] = allocation_bounds(nodes, bound, tasks, results)
         print(f"  {pod_list} inflate={factor}: {bound_line(out['bound'])}", flush=True)
     if budgets and not churn:
@@ -525,6 +526,11 @@ def main() -> int:
         help="the pod mix FGD's measure weighs by: the whole list's (whole, FGD's protocol, "
         "default) or the pods arrived so far, as serve counts them (live)",
     )
+    ap.add_argument(
+        "--no-bound",
+        action="store_true",
+        help="skip the upper bounds on GPU memory allocated (minutes per run)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_packing.json"))
     ap.add_argument(
         "--markdown",
@@ -600,6 +606,7 @@ def main() -> int:
                         args.repack_time_limit,
                         budgets if f > 0 else None,
                         args.profile,
+                        not args.no_bound,
                     )
                 )
             except (OSError, KeyError, ValueError) as exc:

@@ -201,9 +201,8 @@ class BackgroundPlanner:
 
     def workload(self, demands: list[Demand]) -> Workload:
         """What the plan keeps free capacity useful for: every pod of ours the cluster holds,
-        pending or running (`ClusterState.demand_mix`). The plan's own pods alone would make a pod
-        planned by itself weigh only its own type; the simulator measures what that costs
-        (`simulate --profile batch`)."""
+        pending or running (`ClusterState.demand_mix`; `simulate --profile live` replays it). The
+        plan's own pods alone would make a pod planned by itself weigh only its own type."""
         if self.cluster.demand_mix:
             return Workload.from_counts(self.cluster.demand_mix)
         return Workload.from_demands(demands)
