@@ -555,6 +555,13 @@ def test_a_pod_planned_alone_is_placed_for_the_cluster_s_mix_not_its_own_type():
     demands = planner.pending_demands()
     w = planner.workload(demands)
     assert sorted(zip(w.need.tolist(), w.weight.tolist())) == [(20 * GIB, 0.4), (40 * GIB, 0.6)]
+    # /state shows the same, most common first
+    assert [
+        (t["memoryPerGpuBytes"], t["pods"], t["share"]) for t in planner.state()["profile"]
+    ] == [
+        (40 * GIB, 3, 0.6),
+        (20 * GIB, 2, 0.4),
+    ]
     plan = planner.plan_once()
     assert plan is not None and plan.placed == 1
     assert planner.planned_node("default/p20") == "b"

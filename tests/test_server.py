@@ -254,6 +254,12 @@ async def test_state_and_metrics_count_what_the_planner_did(aiohttp_client):
         0,
     )
     assert st["lastStatus"] == "GREEDY" and st["lastBatch"] == 2 and st["lastPlaced"] == 2
+    # what the plans weigh free memory by: both pods, bound now, still count
+    kind = {"gpus": 1, "resource": "nvidia.com/gpu", "gpuModels": None, "cpuMilli": 0}
+    assert st["profile"] == [
+        {**kind, "memoryPerGpuBytes": 40 * 1024**3, "memoryBytes": 0, "pods": 1, "share": 0.5},
+        {**kind, "memoryPerGpuBytes": 20 * 1024**3, "memoryBytes": 0, "pods": 1, "share": 0.5},
+    ]
     metrics = await (await client.get("/metrics")).text()
     values = dict(
         line.split(" ") for line in metrics.splitlines() if line.startswith("vramsched_planner_")

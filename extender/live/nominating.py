@@ -22,6 +22,7 @@ _NO_PLANNER = {
     "hits": 0,
     "stale": 0,
     "errors": 0,
+    "profile": [],
 }
 
 

@@ -26,7 +26,7 @@ from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
 from extender.ledger import LedgerError, Reservation
-from extender.planner.capacity import Capacity, FragIndex, Workload
+from extender.planner.capacity import MAX_TYPES, Capacity, FragIndex, Workload
 from extender.planner.model import Plan, solve_batch
 
 __all__ = ["BackgroundPlanner", "PlanEntry", "snapshot"]
@@ -207,6 +207,25 @@ class BackgroundPlanner:
             return Workload.from_counts(self.cluster.demand_mix)
         return Workload.from_demands(demands)
 
+    def profile(self) -> list[dict[str, Any]]:
+        """The pod types plans keep free capacity useful for, most common first (the types
+        `workload` weighs; none while the cluster holds no pod of ours): what `/state` shows."""
+        top = self.cluster.demand_mix.most_common(MAX_TYPES)
+        total = sum(c for _, c in top)
+        return [
+            {
+                "gpus": gpus,
+                "memoryPerGpuBytes": None if need < 0 else need,
+                "resource": resource,
+                "gpuModels": None if allowed is None else sorted(allowed),
+                "cpuMilli": cpu,
+                "memoryBytes": mem,
+                "pods": count,
+                "share": round(count / total, 4),
+            }
+            for (gpus, need, cpu, mem, resource, allowed), count in top
+        ]
+
     def plan_once(self) -> Plan | None:
         """Plan synchronously (tests and the simulator use this; the loop calls `replan`)."""
         demands = self.pending_demands()
@@ -384,6 +403,7 @@ class BackgroundPlanner:
             "hits": s.hits,
             "stale": s.stale,
             "errors": s.errors,
+            "profile": self.profile(),
         }
 
 
