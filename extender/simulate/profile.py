@@ -3,7 +3,8 @@
 FGD's protocol gives every policy the whole replay's pod mix up front (`whole`). A live
 cluster cannot know it: `serve` plans with the pods of its scheduler the cluster holds, pending
 or running (`ClusterState.demand_mix`). `live` replays that: the pods that arrived and have not
-left, a pod that fit nowhere included (in a cluster it stays pending).
+left, a pod that fit nowhere included (in a cluster it stays pending). Pods bound before the
+replay starts are not counted: a replay cannot tell which scheduler placed them.
 """
 
 from __future__ import annotations
