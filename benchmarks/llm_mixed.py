@@ -257,6 +257,9 @@ OPEN_GPU_COST = 0.2
 OPEN_LABEL = f"planner, open-GPU cost {OPEN_GPU_COST:g}"
 #: the same with repacking (`serve --repack --open-gpu-cost 0.2`): moves within the default budget
 REPACK_OPEN_LABEL = f"planner+repack, open-GPU cost {OPEN_GPU_COST:g}"
+#: pods placed at once with the charged rule planned ahead (`serve --plan-ahead 8
+#: --open-gpu-cost 0.2`): what live mode does for a stream, where no pod waits for a plan
+AHEAD_OPEN_LABEL = f"plan-ahead, open-GPU cost {OPEN_GPU_COST:g}"
 
 
 def run_labelled(
@@ -270,12 +273,13 @@ def run_labelled(
     repack_time_limit: float = REPACK_TIME_LIMIT,
     profile: str = "whole",
 ) -> PolicyResult:
-    """`label` is a policy name, or `OPEN_LABEL` / `REPACK_OPEN_LABEL`: the planner / planner+repack
-    with `OPEN_GPU_COST`. `move_budget`, `repack_time_limit`: planner+repack's; `profile`: the
+    """`label` is a policy name, or `OPEN_LABEL` / `REPACK_OPEN_LABEL` / `AHEAD_OPEN_LABEL`: the
+    planner / planner+repack / plan-ahead with `OPEN_GPU_COST`. `move_budget`, `repack_time_limit`: planner+repack's; `profile`: the
     pod mix FGD's measure weighs by (`run_policy`'s)."""
     policy, cost = {
         OPEN_LABEL: ("planner", OPEN_GPU_COST),
         REPACK_OPEN_LABEL: ("planner+repack", OPEN_GPU_COST),
+        AHEAD_OPEN_LABEL: ("plan-ahead", OPEN_GPU_COST),
     }.get(label, (label, 0.0))
     r = run_policy(
         policy,
@@ -298,7 +302,7 @@ STREAM_LOADS = (0.3, 0.45, 0.6, 0.75, 1.0)
 BASELINES = ("fgd", "first-fit", "best-fit")
 #: the policies compared (spread overcommits; planner+repack, with its default move budget, only
 #: with the open-GPU charge: without it the planner makes FGD's choices here)
-STREAM_POLICIES = ("planner", OPEN_LABEL, REPACK_OPEN_LABEL, "hot-path")
+STREAM_POLICIES = ("planner", OPEN_LABEL, REPACK_OPEN_LABEL, AHEAD_OPEN_LABEL, "hot-path")
 
 
 def stream_inputs(seed: int) -> tuple[list[Mapping[str, Any]], list[Task], list[Mapping[str, Any]]]:

@@ -56,6 +56,8 @@ class ClusterState:
         #: come and go because parsing every pod per plan would stall the event loop
         self.demand_mix: Counter[Kind] = Counter()
         self._kind: dict[str, Kind] = {}
+        #: a demand of each kind in `demand_mix` (the planner plans ahead for a pod like it)
+        self.kind_example: dict[Kind, Demand] = {}
 
     # ----- nodes ---------------------------------------------------------------------------
     def upsert_node(self, node: Mapping[str, Any]) -> None:
@@ -130,9 +132,11 @@ class ClusterState:
             self.demand_mix[old] -= 1
             if self.demand_mix[old] <= 0:
                 del self.demand_mix[old]
-        if kind is not None:
+                del self.kind_example[old]
+        if demand is not None and kind is not None:
             self._kind[key] = kind
             self.demand_mix[kind] += 1
+            self.kind_example.setdefault(kind, demand)
 
     def _set_usage(self, key: str, node: str, cpu: int, memory: int) -> None:
         self._drop_usage(key)
@@ -306,7 +310,7 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             out.append(
                 Violation(f"CPU/memory requested on the node is {want}, counted {got}", name)
             )
-    if mix != cluster.demand_mix:
+    if mix != cluster.demand_mix or cluster.kind_example.keys() != mix.keys():
         out.append(
             Violation(
                 f"demand mix counts {cluster.demand_mix.total()} pods of "

@@ -129,6 +129,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "room, at some cost in memory allocated when it is overloaded; docs/packing.md)",
     )
     p.add_argument(
+        "--plan-ahead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="planner: keep its one-pod choice ready for the N most common GPU pod types, so a pod "
+        "kube-scheduler places at once gets the planner's rule rather than best fit (default 0: "
+        "off; a round of N one-pod plans in the worker thread after each change, at most 5 a "
+        "second; docs/packing.md)",
+    )
+    p.add_argument(
         "--legacy-failed-nodes",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -196,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--max-concurrency must be at least 1")
     if problem := open_cost_problem(args.open_gpu_cost):
         raise SystemExit(f"--open-gpu-cost {problem}")
+    if args.plan_ahead < 0:
+        raise SystemExit(f"--plan-ahead must be 0 or more, got {args.plan_ahead}")
+    if args.plan_ahead and not args.planner:
+        raise SystemExit("--plan-ahead needs the planner (drop --no-planner)")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     if args.leader_lease:
@@ -410,7 +424,10 @@ def _planner(args: argparse.Namespace, cluster: ClusterState) -> BackgroundPlann
     )  # imports OR-Tools only when asked for
 
     return BackgroundPlanner(
-        cluster, time_limit=args.planner_time_limit, open_cost=args.open_gpu_cost
+        cluster,
+        time_limit=args.planner_time_limit,
+        open_cost=args.open_gpu_cost,
+        plan_ahead=args.plan_ahead,
     )
 
 

@@ -18,6 +18,7 @@ POLICY_CHOICES = (
     "first-fit",
     "spread",
     "fgd",
+    "plan-ahead",
     "all",
 )
 #: the move budgets `--budget-curve` replays `planner+repack` with
@@ -50,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=POLICY_CHOICES,
         help="policy to run (repeatable; default all): planner, planner+repack (the planner, and "
         "when a GPU pod fits nowhere, the fewest moves of running pods that make it fit), hot-path "
-        "(what the server does to a pod placed at once), best-fit, first-fit, spread, fgd",
+        "(what the server does to a pod placed at once), best-fit, first-fit, spread, fgd; "
+        "plan-ahead (what serve --plan-ahead 8 does to pods placed at once; not in all)",
     )
     p.add_argument(
         "--move-budget",

@@ -23,6 +23,9 @@ _NO_PLANNER = {
     "stale": 0,
     "errors": 0,
     "profile": [],
+    "aheadTypes": 0,
+    "aheadRounds": 0,
+    "aheadHits": 0,
 }
 
 

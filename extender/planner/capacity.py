@@ -23,7 +23,14 @@ from itertools import repeat
 import numpy as np
 
 from extender.demand import Demand
-from extender.ledger import DeviceArrays, Ledger, Reservation, first_k_per_node, run_starts
+from extender.ledger import (
+    DeviceArrays,
+    Ledger,
+    LedgerError,
+    Reservation,
+    first_k_per_node,
+    run_starts,
+)
 from extender.planner.pressure import ProductPressure
 
 __all__ = [
@@ -307,6 +314,18 @@ class Capacity:
         self.cpu_free[node_row] -= demand.cpu_milli
         self.mem_free[node_row] -= demand.memory_bytes
         self._sig_dirty.add(node_row)
+
+    def hold(self, held: Iterable[tuple[Demand, Reservation | None, str]]) -> None:
+        """Hold what plan entries still hold (their GPUs, CPU and memory; demand, reservation,
+        node), skipping any that no longer fits: that entry fails its own check when used."""
+        for demand, res, node in held:
+            row = self.ledger.node_row(node)
+            if row is None:
+                continue
+            try:
+                self.apply(demand, res, row)
+            except LedgerError:
+                continue
 
     def remove(self, demand: Demand, node_row: int) -> None:
         self.ledger.release(demand.pod.key)

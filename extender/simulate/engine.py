@@ -32,6 +32,7 @@ from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.repack_policy import MOVES_PER_GPU, moves_to_place
+from extender.simulate.ahead_replay import place_with_ahead
 from extender.simulate.budget_bound import BudgetBound, StateSnapshot, budget_bound, snapshot
 from extender.simulate.profile import PROFILES, LiveProfile
 from extender.simulate.trace import Task
@@ -56,9 +57,14 @@ __all__ = [
 
 ALL_POLICIES = ("planner", "planner+repack", "hot-path", "best-fit", "first-fit", "spread", "fgd")
 #: policies whose one-pod rule is the planner's: they judge placements with its FragIndex
-PLANNER_POLICIES = ("planner", "planner+repack")
+PLANNER_POLICIES = ("planner", "planner+repack", "plan-ahead")
 #: policies that must never overcommit (they are vramsched's own).
-VRAMSCHED_POLICIES = ("planner", "planner+repack", "hot-path", "vramsched")
+VRAMSCHED_POLICIES = ("planner", "planner+repack", "plan-ahead", "hot-path", "vramsched")
+#: `plan-ahead`: what `serve --plan-ahead N` does to pods placed at once (`ahead_replay`); not in
+#: ALL_POLICIES: it knows only the pods seen so far, whatever `profile` says
+PROFILE_OF = {"plan-ahead": "live"}
+#: the pod types `plan-ahead` plans for (`serve --plan-ahead 8`)
+AHEAD_TYPES = 8
 #: `planner+repack`'s default move budget: moves as a fraction of the pods placed so far.
 MOVE_BUDGET = 0.02
 #: seconds one repack search may take (`planner.repack.search_repack`'s time limit)
@@ -183,13 +189,15 @@ def run_policy(
     count_foreign: bool | None = None,
     open_cost: float = 0.0,
     profile: str = "whole",
+    ahead_types: int = AHEAD_TYPES,
 ) -> PolicyResult:
     """One policy over `tasks`. `count_foreign`: whether the fragmentation measure counts other
     GPU models' memory as stranded (`capacity.FragIndex`); None: as FGD does, except for the
     planner's policies. `open_cost`: the planner's charge per idle GPU a placement opens, in GPUs
     of memory (`FragIndex.open_cost`; the other policies ignore it). `profile`: the pod mix that
     measure weighs by (`simulate.profile`): `workload` throughout, or the pods arrived and not
-    left, as `serve` counts them; the result's fragmentation figures use `workload` either way."""
+    left, as `serve` counts them; the result's fragmentation figures use `workload` either way.
+    `ahead_types`: `plan-ahead`'s pod types."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     cluster, cap = build_capacity(nodes, bound)
@@ -213,7 +221,9 @@ def run_policy(
         openGpuCost=open_cost,
     )
     limits = RepackLimits(move_budget, moves_per_gpu, moves_per_pod, repack_time_limit, num_workers)
-    live = LiveProfile() if profile == "live" and frag is not None else None
+    live = (
+        LiveProfile() if frag is not None and "live" in (profile, PROFILE_OF.get(policy)) else None
+    )
     running: dict[str, tuple[Demand, Reservation]] = {}
     skips = RepackSkips()
     start = time.perf_counter()
@@ -239,14 +249,14 @@ def run_policy(
                 if frag is not None:
                     frag.refresh([n])
         out.batches += 1
-        if live is not None:
-            for t in batch:
-                live.arrive(t.key, t.demand)
-            if live.stale():
-                frag = FragIndex(
-                    cap, live.workload(), count_foreign=count_foreign, open_cost=open_cost
-                )
-        if base == "planner" and len(batch) > 1:
+        if live is not None and policy != "plan-ahead":
+            frag = _count_arrivals(live, batch, frag, cap, count_foreign, open_cost)
+        if policy == "plan-ahead":
+            assert frag is not None and live is not None
+            placed, ahead = place_with_ahead(cap, frag, batch, live, ahead_types)
+            out.extra["aheadPlaced"] = out.extra.get("aheadPlaced", 0) + ahead
+            frag = _count_arrivals(live, batch, frag, cap, count_foreign, open_cost)
+        elif base == "planner" and len(batch) > 1:
             placed = _plan_batch(cap, frag, batch, out, time_limit, num_workers, accept)
         else:
             rule = _planner_rule() if base == "planner" else policy
@@ -608,6 +618,23 @@ def all_fit_line(fit: Mapping[str, Any]) -> str:
 def overcommit_text(end: int, peak: int) -> str:
     """GPUs overcommitted at the end of a replay, with the peak where churn made them differ."""
     return f"{end}" if peak == end else f"{end} (peak {peak})"
+
+
+def _count_arrivals(
+    live: LiveProfile,
+    batch: list[Task],
+    frag: FragIndex | None,
+    cap: Capacity,
+    count_foreign: bool,
+    open_cost: float,
+) -> FragIndex | None:
+    """Count `batch` in the live profile: `frag`, or the measure rebuilt from the profile when it
+    has drifted."""
+    for t in batch:
+        live.arrive(t.key, t.demand)
+    if not live.stale():
+        return frag
+    return FragIndex(cap, live.workload(), count_foreign=count_foreign, open_cost=open_cost)
 
 
 def _planner_rule() -> str:

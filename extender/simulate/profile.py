@@ -31,6 +31,8 @@ class LiveProfile:
     def __init__(self, drift: float = PROFILE_DRIFT) -> None:
         self.drift = drift
         self.counts: Counter[Kind] = Counter()
+        #: a demand of each kind counted (what `plan-ahead` plans for)
+        self.examples: dict[Kind, Demand] = {}
         self._kind: dict[str, Kind] = {}
         self._changes = 0
         self._built_from = 0
@@ -40,6 +42,7 @@ class LiveProfile:
         kind = demand_kind(demand)
         self._kind[key] = kind
         self.counts[kind] += 1
+        self.examples.setdefault(kind, demand)
         self._changes += 1
 
     def leave(self, key: str) -> None:
@@ -49,7 +52,15 @@ class LiveProfile:
         self.counts[kind] -= 1
         if self.counts[kind] <= 0:
             del self.counts[kind]
+            del self.examples[kind]
         self._changes += 1
+
+    def common(self, types: int) -> list[Demand]:
+        """A demand of each of the `types` most common GPU pod kinds counted (as
+        `ahead.PlanAhead.examples` picks them from the cluster)."""
+        from extender.planner.ahead import most_common_gpu_kinds  # imports OR-Tools
+
+        return most_common_gpu_kinds(self.counts, self.examples, types)
 
     def stale(self) -> bool:
         """Whether the measure should be rebuilt from `workload()`."""

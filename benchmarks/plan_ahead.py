@@ -1,0 +1,111 @@
+"""What planning ahead (`serve --plan-ahead N`) costs, beside the hot path it stands in for.
+
+On generated clusters (the load test's fleet, 60% full), CPU time of one round of planning
+ahead for the N most common pod types, split into the event loop's part (snapshot, held
+entries) and the worker thread's (`ahead.plan_ahead_round`), against prioritize for one pod on the hot
+path and the planner's one-pod rule run for one pod inline. Figures are process time per call;
+never asserted anywhere.
+
+    .venv/bin/python -m benchmarks.plan_ahead --nodes 100 1000 5000 --types 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from extender.cluster import ClusterState
+from extender.demand import pod_demand
+from extender.embedded import EmbeddedBinder
+from extender.planner.ahead import plan_ahead_round
+from extender.planner.background import BackgroundPlanner
+from extender.planner.capacity import FragIndex
+from extender.planner.greedy import choose
+from extender.planner.model import SEQUENTIAL_RULE
+from extender.service import ExtenderService
+from extender.wire import ExtenderArgs
+from loadtest.gen_cluster import generate
+
+#: the pod placed: one 16 GiB model on one GPU
+POD = {
+    "kind": "Pod",
+    "metadata": {
+        "name": "bench-0",
+        "namespace": "bench",
+        "uid": "bench-0",
+        "annotations": {"vramsched.io/model-memory": "16Gi"},
+    },
+    "spec": {
+        "schedulerName": "vramsched",
+        "containers": [
+            {"name": "m", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+        ],
+    },
+    "status": {"phase": "Pending"},
+}
+
+
+def _ms(fn: Callable[[], object], repeat: int) -> float:
+    """Median process time of `fn` in milliseconds."""
+    out = []
+    for _ in range(repeat):
+        t = time.process_time()
+        fn()
+        out.append((time.process_time() - t) * 1000)
+    return statistics.median(out)
+
+
+def measure(nodes: int, types: int, repeat: int) -> dict[str, float]:
+    node_objs, pods = generate(nodes)
+    c = ClusterState()
+    c.load([*({**n, "kind": "Node"} for n in node_objs), *({**p, "kind": "Pod"} for p in pods)])
+    planner = BackgroundPlanner(c, plan_ahead=types)
+    svc = ExtenderService(c, EmbeddedBinder(c))
+    names = list(c.nodes)
+    p = POD
+    c.upsert_pod(p)
+    demand = pod_demand(p)
+    inputs = planner._ahead_inputs()
+    assert inputs is not None
+    cap, examples, gens, _ = inputs
+    workload = planner.workload([])
+    out = {
+        "nodes": nodes,
+        "types": len(examples),
+        "loop ms": _ms(planner._ahead_inputs, repeat),
+        "thread ms": _ms(lambda: plan_ahead_round(cap, examples, workload, gens, 0.2), repeat),
+        "hot-path prioritize ms": _ms(
+            lambda: svc.prioritize(ExtenderArgs(Pod=p, NodeNames=names)), repeat
+        ),
+    }
+    frag = FragIndex(cap, workload, count_foreign=False, open_cost=0.2)
+    cap.dedupe = False
+    out["one-pod rule inline ms"] = _ms(lambda: choose(SEQUENTIAL_RULE, cap, demand, frag), repeat)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="*", default=[100, 1000, 5000])
+    ap.add_argument("--types", type=int, default=8, help="pod types planned ahead (default 8)")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per figure, median (default 5)")
+    args = ap.parse_args(argv)
+    rows = [measure(n, args.types, args.repeat) for n in args.nodes]
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---:|" * len(keys))
+    for r in rows:
+        print(
+            "| "
+            + " | ".join(f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys)
+            + " |"
+        )
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""Replaying `serve --plan-ahead`: pods placed at once, with the planner's choice kept ready.
+
+Before each arrival the server has made a round of planning ahead (`planner.ahead`) for the most
+common pod types seen so far; kube-scheduler then places the arriving pods one at a time, within
+milliseconds, faster than another round. So each pod takes its type's entry while the entry's
+node is unchanged since the round, and otherwise gets the hot path's choice: in a burst of
+replicas of one deployment, the first gets the planner's rule and the others the hot path.
+"""
+
+from __future__ import annotations
+
+from extender.ledger import LedgerError, Reservation
+from extender.planner.capacity import Capacity, FragIndex, demand_kind
+from extender.planner.greedy import Choice, choose, place_one
+from extender.simulate.profile import LiveProfile
+from extender.simulate.trace import Task
+
+__all__ = ["place_with_ahead"]
+
+
+def place_with_ahead(
+    cap: Capacity, frag: FragIndex, batch: list[Task], live: LiveProfile, types: int
+) -> tuple[list[tuple[Task, int]], int]:
+    """Place `batch` (arrived together) after a round for the `types` most common GPU pod types
+    of `live` (the pods before this batch); the pods placed with their node rows, and how many
+    took an entry planned ahead."""
+    from extender.planner.ahead import plan_ahead, same_shape  # imports OR-Tools
+
+    entries = plan_ahead(cap, live.common(types), frag, {})
+    changed: set[int] = set()
+    placed: list[tuple[Task, int]] = []
+    ahead = 0
+    for t in batch:
+        d = t.demand
+        choice: Choice | None = None
+        e = entries.get(demand_kind(d))
+        if e is not None and same_shape(e.demand, d):
+            row = cap.ledger.node_row(e.node)
+            if row is not None and row not in changed:
+                r = e.reservation
+                res = Reservation(
+                    d.pod, r.node, r.device_ids, r.bytes_per_device, d.priority, declared=r.declared
+                )
+                choice = (res, row, False)
+        planned = choice is not None
+        if choice is None:
+            choice = choose("hot-path", cap, d)
+        if choice is None:
+            continue
+        try:
+            place_one(cap, d, choice, frag)
+        except LedgerError:
+            continue
+        changed.add(choice[1])
+        placed.append((t, choice[1]))
+        ahead += planned
+    return placed, ahead
