@@ -236,6 +236,14 @@ class Ledger:
     def pods_on(self, node: str) -> list[Reservation]:
         return [self._reservations[k] for k in sorted(self._by_node.get(node, ()))]
 
+    def keys_on(self, node: str) -> frozenset[str]:
+        """The pods holding GPUs on `node`."""
+        return self._by_node.get(node, frozenset())
+
+    def holders(self) -> dict[str, frozenset[str]]:
+        """`keys_on` of every node, as of now (the sets are immutable: the copy is cheap)."""
+        return dict(self._by_node)
+
     def fits(self, res: Reservation) -> str | None:
         """Why `res` cannot be applied now, or None when it fits."""
         a = self.arrays

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -59,14 +60,19 @@ def test_a_pod_placed_at_once_gets_the_choice_planned_ahead_not_best_fit():
     plain = ExtenderService(c, EmbeddedBinder(c))
     assert _top(plain, p) == "a"
     assert _top(svc, p) == "b"
-    entry = next(e for e in planner.ahead.entries.values() if e.node == "b")
+    queue = next(q for q in planner.ahead.entries.values() if q[0].demand.bytes_per_gpu == 20 << 30)
+    assert queue[0].node == "b"
     assert _bind(svc, p, "b") == ""
-    assert c.ledger.reservation("default/p20").device_ids == entry.reservation.device_ids
+    assert c.ledger.reservation("default/p20").device_ids == queue[0].reservation.device_ids
     assert planner.state()["aheadHits"] == 1
     assert check_invariant(c.ledger) == []
-    # b changed: its entries are gone until the next round
+    # the next 20 GiB pod gets the type's next entry, planned with p20 in place
     q = pod("q20", "20Gi")
     c.upsert_pod(q)
+    assert planner.planned_node("default/q20") == queue[1].node
+    # a pod that took no entry lands on that node: its entries are gone until the next round
+    node = queue[1].node
+    c.upsert_pod(pod("x", "8Gi", node=node, phase="Running", annotations=assigned(node, "0", 8)))
     assert planner.planned_node("default/q20") is None
     planner.plan_ahead_once()
     assert planner.planned_node("default/q20") in NODES
@@ -85,7 +91,7 @@ def test_no_entry_for_a_type_the_cluster_does_not_hold_or_without_plan_ahead():
     # only the most common types get an entry
     one = BackgroundPlanner(c, time_limit=1.0, num_workers=1, plan_ahead=1)
     one.plan_ahead_once()
-    assert [e.demand.bytes_per_gpu for e in one.ahead.entries.values()] == [40 * 2**30]
+    assert [q[0].demand.bytes_per_gpu for q in one.ahead.entries.values()] == [40 * 2**30]
 
 
 def test_the_loop_plans_ahead_again_only_after_a_change():
@@ -189,7 +195,8 @@ def test_serve_plan_ahead_reaches_the_planner_and_bad_values_stop_serve():
         args.run(args)
 
 
-def test_bursts_placed_at_once_match_the_simulator_s_plan_ahead_policy():
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_bursts_placed_at_once_match_the_simulator_s_plan_ahead_policy(seed):
     """Replicas arrive together and kube-scheduler places them one by one faster than a round:
     a round before each burst (the pods of the burst not yet counted), then each pod takes its
     type's entry while the entry's node is unchanged, else the hot path. The simulator's
@@ -203,11 +210,12 @@ def test_bursts_placed_at_once_match_the_simulator_s_plan_ahead_policy():
         gpu_node("ts-l4", count=4, memory_mib=23034, replicas=4, product="NVIDIA-L4"),
     ]
     names = [n["metadata"]["name"] for n in nodes]
-    bursts = [(9, 2), (16, 2), (9, 3), (40, 1), (16, 3), (9, 2), (40, 2), (16, 1), (70, 1)]
-    bursts += [(9, 3), (20, 2), (16, 2), (40, 1), (9, 2), (16, 3), (20, 1), (9, 2)]
+    rng = random.Random(seed)
+    sizes = [9, 9, 9, 16, 16, 20, 30, 40, 70]
+    bursts = [[rng.choice(sizes) for _ in range(rng.randint(1, 6))] for _ in range(14)]
     pods, tasks = [], []
-    for b, (size, replicas) in enumerate(bursts):
-        for r in range(replicas):
+    for b, burst in enumerate(bursts):
+        for r, size in enumerate(burst):
             p = pod(f"b{b}-{r}", f"{size}Gi")
             pods.append((b, p))
             tasks.append(Task(pod_demand(p), arrival=float(b)))

@@ -1,14 +1,16 @@
-"""Planning ahead: the planner's placement kept ready for the next pod of each common type.
+"""Planning ahead: the planner's placements kept ready for the next pods of each common type.
 
 kube-scheduler places most pods within milliseconds of seeing them, before any plan can cover
 them, so those pods get the hot path's choice, not the planner's (`background.min_age`). Its
 one-pod rule (`model.SEQUENTIAL_RULE`: FGD's measure over the cluster's pod mix, with the
-open-GPU charge) costs 10 to 40 ms per pod at 5,000 nodes, too much for prioritize. `PlanAhead`
-runs it in the planner's worker thread instead, for a stand-in pod of each of the most common
-GPU pod types the cluster holds (`ClusterState.demand_mix`), and keeps each choice while its node
-is unchanged. A pending pod of such a type then gets that node and those GPUs, exactly as if it
-had been planned alone at that moment; any change on the node drops the entry until the next
-round (the background loop reruns it after every change, at most every `interval` seconds).
+open-GPU charge) costs 1 to 100 ms per pod from 100 to 5,000 nodes, too much for prioritize.
+`PlanAhead` runs it in the planner's worker thread instead: for each of the most common GPU pod
+types the cluster holds (`ClusterState.demand_mix`), where the next `depth` pods of that type
+would go, each placed after the ones before it (a Deployment's replicas arrive together, and
+kube-scheduler places them faster than another round). A pending pod of such a type takes its
+type's next entry while the entry's node holds exactly what it held at the round plus the pods
+that took this round's entries, and the GPUs still fit; otherwise it gets the hot path until the
+next round (the background loop reruns it after every change).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand
 from extender.ledger import Reservation
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload, demand_kind
-from extender.planner.greedy import choose
+from extender.planner.greedy import choose, place_one
 from extender.planner.model import SEQUENTIAL_RULE
 
 __all__ = [
@@ -31,8 +33,13 @@ __all__ = [
     "plan_ahead_round",
     "same_shape",
     "most_common_gpu_kinds",
+    "DEPTH",
 ]
 
+
+#: entries per pod type: how many pods of one type arriving together (a Deployment's replicas)
+#: get the planner's choice before the next round
+DEPTH = 4
 
 #: the namespace of the stand-in pods (no real pod has an empty namespace)
 _GHOST_NAMESPACE = ""
@@ -40,11 +47,10 @@ _GHOST_NAMESPACE = ""
 
 @dataclass(frozen=True, slots=True)
 class AheadEntry:
-    """Where the next pod of one type goes: node, GPUs, and the node's generation then."""
+    """Where one of the next pods of a type goes: node and GPUs."""
 
     node: str
     reservation: Reservation
-    generation: int
     #: the stand-in the choice was made for (a pod must match it to use the entry)
     demand: Demand
 
@@ -64,25 +70,29 @@ def most_common_gpu_kinds(
 
 
 def plan_ahead(
-    cap: Capacity,
-    examples: Sequence[Demand],
-    frag: FragIndex,
-    generations: Mapping[str, int],
-) -> dict[Kind, AheadEntry]:
-    """The one-pod rule's choice for each of `examples` on `cap`, each alone (nothing is
-    reserved): what the first pod of that type to come would get."""
+    cap: Capacity, examples: Sequence[Demand], frag: FragIndex, depth: int = 1
+) -> dict[Kind, list[AheadEntry]]:
+    """For each of `examples`, the one-pod rule's choices for the next `depth` pods like it on
+    `cap`, each after the ones before it; `cap` and `frag` are left as they were."""
     names = cap.arrays.node_names
-    out: dict[Kind, AheadEntry] = {}
+    out: dict[Kind, list[AheadEntry]] = {}
     for i, example in enumerate(examples):
-        ghost = replace(example, pod=PodRef(_GHOST_NAMESPACE, f"plan-ahead-{i}"))
-        choice = choose(SEQUENTIAL_RULE, cap, ghost, frag)
-        if choice is None:
-            continue  # fits nowhere now
-        res, row, _ = choice
-        if res is None:
-            continue  # needs no GPU: prioritize scores it 0 everywhere
-        node = names[row]
-        out[demand_kind(example)] = AheadEntry(node, res, generations.get(node, 0), ghost)
+        queue: list[AheadEntry] = []
+        placed: list[tuple[Demand, int]] = []
+        for j in range(depth):
+            ghost = replace(example, pod=PodRef(_GHOST_NAMESPACE, f"plan-ahead-{i}-{j}"))
+            choice = choose(SEQUENTIAL_RULE, cap, ghost, frag)
+            if choice is None or choice[0] is None:
+                break  # fits nowhere now, or needs no GPU (prioritize scores it 0 everywhere)
+            queue.append(AheadEntry(names[choice[1]], choice[0], ghost))
+            if j + 1 < depth:
+                place_one(cap, ghost, choice, frag)
+                placed.append((ghost, choice[1]))
+        for ghost, row in placed:
+            cap.remove(ghost, row)
+            frag.refresh([row])
+        if queue:
+            out[demand_kind(example)] = queue
     return out
 
 
@@ -90,24 +100,30 @@ def plan_ahead_round(
     cap: Capacity,
     examples: Sequence[Demand],
     workload: Workload,
-    generations: Mapping[str, int],
+    depth: int,
     open_cost: float = 0.0,
-) -> dict[Kind, AheadEntry]:
+) -> dict[Kind, list[AheadEntry]]:
     """`plan_ahead` on a private snapshot, FGD's measure built there first (the planner's:
     `count_foreign=False`). Worker thread."""
     cap.dedupe = False  # a few pods on a fresh snapshot (see Capacity.dedupe)
     frag = FragIndex(cap, workload, count_foreign=False, open_cost=open_cost)
-    return plan_ahead(cap, examples, frag, generations)
+    return plan_ahead(cap, examples, frag, depth)
 
 
 class PlanAhead:
-    """The entries of the last `plan_ahead` round, looked up by the pending pods that use them."""
+    """The entries of the last round, handed out in order to the pending pods of each type."""
 
-    def __init__(self, cluster: ClusterState, types: int) -> None:
+    def __init__(self, cluster: ClusterState, types: int, depth: int = DEPTH) -> None:
         self.cluster = cluster
-        #: how many of the most common GPU pod types get an entry
+        #: how many of the most common GPU pod types get entries, and how many pods each
         self.types = types
-        self.entries: dict[Kind, AheadEntry] = {}
+        self.depth = depth
+        self.entries: dict[Kind, list[AheadEntry]] = {}
+        #: per node, the pods holding its GPUs at the round; per type, entries taken since; per
+        #: node, the pods that took them
+        self._holders: Mapping[str, frozenset[str]] = {}
+        self._next: dict[Kind, int] = {}
+        self._taken: dict[str, set[str]] = {}
         #: ledger generation of the last round (None: none yet)
         self.planned_at: int | None = None
         self.rounds = 0
@@ -121,14 +137,25 @@ class PlanAhead:
         """Whether the cluster changed since the last round."""
         return self.planned_at != self.cluster.ledger.generation
 
-    def install(self, entries: dict[Kind, AheadEntry], generation: int) -> None:
+    def install(
+        self,
+        entries: dict[Kind, list[AheadEntry]],
+        generation: int,
+        holders: Mapping[str, frozenset[str]],
+    ) -> None:
+        """A round's entries, made on the cluster at ledger `generation`, whose nodes' GPUs
+        `holders` held then (`Ledger.holders`)."""
         self.entries = entries
         self.planned_at = generation
+        self._holders = holders
+        self._next = {}
+        self._taken = {}
         self.rounds += 1
 
     def lookup(self, pod_key: str) -> tuple[AheadEntry, Demand] | None:
-        """The entry a pending pod may use, with the pod's demand: one for its type, made for a
-        pod of the same shape, on a node unchanged since."""
+        """The entry a pending pod may use, with the pod's demand: its type's next one, made for a
+        pod of the same shape, on a node changed since the round only by pods that took entries,
+        where the GPUs still fit."""
         if not self.entries or pod_key not in self.cluster.pending:
             return None
         pod = self.cluster.pod(pod_key)
@@ -138,22 +165,30 @@ class PlanAhead:
             demand = pod_demand(pod, headroom=self.cluster.headroom)
         except DemandError:
             return None
-        e = self.entries.get(demand_kind(demand))
-        if e is None or not same_shape(e.demand, demand):
+        kind = demand_kind(demand)
+        queue = self.entries.get(kind)
+        i = self._next.get(kind, 0)
+        if queue is None or i >= len(queue) or not same_shape(queue[i].demand, demand):
             return None
+        e = queue[i]
         ledger = self.cluster.ledger
-        if ledger.node(e.node) is None or ledger.node_generation.get(e.node, 0) != e.generation:
+        expected = self._holders.get(e.node, frozenset()) | self._taken.get(e.node, set())
+        if ledger.keys_on(e.node) != expected or ledger.fits(e.reservation) is not None:
             return None
         return e, demand
 
     def reservation(self, pod_key: str, node: str) -> Reservation | None:
-        """The entry's GPUs for this pod when `node` is the entry's (bind)."""
+        """The entry's GPUs for this pod when `node` is the entry's (bind); the type's next pod
+        gets the entry after it."""
         found = self.lookup(pod_key)
         if found is None or found[0].node != node:
             return None
         e, demand = found
-        r = e.reservation
+        kind = demand_kind(demand)
+        self._next[kind] = self._next.get(kind, 0) + 1
+        self._taken.setdefault(node, set()).add(pod_key)
         self.hits += 1
+        r = e.reservation
         return Reservation(
             demand.pod,
             r.node,

@@ -397,23 +397,25 @@ class BackgroundPlanner:
             self._ahead_next = now + max(self.ahead_interval, spent / AHEAD_SHARE)
         return plan
 
-    def _ahead_inputs(self) -> tuple[Capacity, list[Demand], dict[str, int], int] | None:
+    def _ahead_inputs(
+        self,
+    ) -> tuple[Capacity, list[Demand], int, dict[str, frozenset[str]]] | None:
         """What a round of planning ahead reads: a snapshot holding what valid plan entries hold,
-        a pod of each type to plan for, the node generations and the ledger generation; None
-        (and no entries) when the cluster holds no GPU pod of ours."""
+        a pod of each type to plan for, the ledger generation and who holds each node's GPUs;
+        None (and no entries) when the cluster holds no GPU pod of ours."""
         assert self.ahead is not None
         generation = self.cluster.ledger.generation
         examples = self.ahead.examples()
         if not examples:
-            self.ahead.install({}, generation)
+            self.ahead.install({}, generation, {})
             return None
-        cap, gens = snapshot(self.cluster)
+        cap, _ = snapshot(self.cluster)
         cap.hold(
             (e.demand, e.reservation, e.node)
             for e in map(self._valid, list(self.entries))
             if e is not None and e.demand is not None
         )
-        return cap, examples, gens, generation
+        return cap, examples, generation, self.cluster.ledger.holders()
 
     async def replan_ahead(self) -> None:
         """A round of `ahead.plan_ahead` in the worker thread, on a snapshot taken on the loop."""
@@ -421,26 +423,28 @@ class BackgroundPlanner:
         inputs = self._ahead_inputs()
         if inputs is None:
             return
-        cap, examples, gens, generation = inputs
+        cap, examples, generation, holders = inputs
         workload = self.workload([])
         try:
             entries = await asyncio.to_thread(
-                plan_ahead_round, cap, examples, workload, gens, self.open_cost
+                plan_ahead_round, cap, examples, workload, self.ahead.depth, self.open_cost
             )
         except Exception:  # an optimisation: the hot path still answers
             self.stats.errors += 1
             log.exception("planning ahead failed")
             return
-        self.ahead.install(entries, generation)
+        self.ahead.install(entries, generation, holders)
 
     def plan_ahead_once(self) -> None:
         """`replan_ahead` synchronously (tests)."""
         assert self.ahead is not None
         inputs = self._ahead_inputs()
         if inputs is not None:
-            cap, examples, gens, generation = inputs
-            entries = plan_ahead_round(cap, examples, self.workload([]), gens, self.open_cost)
-            self.ahead.install(entries, generation)
+            cap, examples, generation, holders = inputs
+            entries = plan_ahead_round(
+                cap, examples, self.workload([]), self.ahead.depth, self.open_cost
+            )
+            self.ahead.install(entries, generation, holders)
 
     async def _plan_step(self, now: float) -> Plan | None:
         aged = self._aged(now)

@@ -1,16 +1,16 @@
-"""Replaying `serve --plan-ahead`: pods placed at once, with the planner's choice kept ready.
+"""Replaying `serve --plan-ahead`: pods placed at once, with the planner's choices kept ready.
 
 Before each arrival the server has made a round of planning ahead (`planner.ahead`) for the most
-common pod types seen so far; kube-scheduler then places the arriving pods one at a time, within
-milliseconds, faster than another round. So each pod takes its type's entry while the entry's
-node is unchanged since the round, and otherwise gets the hot path's choice: in a burst of
-replicas of one deployment, the first gets the planner's rule and the others the hot path.
+common pod types seen so far, `ahead.DEPTH` pods each; kube-scheduler then places the arriving pods one
+at a time, within milliseconds, faster than another round. So each pod takes its type's next
+entry while the entry's node was changed since the round only by pods that took entries and the
+GPUs still fit, and otherwise gets the hot path's choice.
 """
 
 from __future__ import annotations
 
 from extender.ledger import LedgerError, Reservation
-from extender.planner.capacity import Capacity, FragIndex, demand_kind
+from extender.planner.capacity import Capacity, FragIndex, Kind, demand_kind
 from extender.planner.greedy import Choice, choose, place_one
 from extender.simulate.profile import LiveProfile
 from extender.simulate.trace import Task
@@ -24,19 +24,23 @@ def place_with_ahead(
     """Place `batch` (arrived together) after a round for the `types` most common GPU pod types
     of `live` (the pods before this batch); the pods placed with their node rows, and how many
     took an entry planned ahead."""
-    from extender.planner.ahead import plan_ahead, same_shape  # imports OR-Tools
+    from extender.planner.ahead import DEPTH, plan_ahead, same_shape  # imports OR-Tools
 
-    entries = plan_ahead(cap, live.common(types), frag, {})
-    changed: set[int] = set()
+    entries = plan_ahead(cap, live.common(types), frag, DEPTH)
+    taken: dict[Kind, int] = {}
+    other: set[int] = set()  # nodes a pod without an entry went to
     placed: list[tuple[Task, int]] = []
     ahead = 0
     for t in batch:
         d = t.demand
+        kind = demand_kind(d)
         choice: Choice | None = None
-        e = entries.get(demand_kind(d))
-        if e is not None and same_shape(e.demand, d):
+        queue = entries.get(kind, [])
+        i = taken.get(kind, 0)
+        if i < len(queue) and same_shape(queue[i].demand, d):
+            e = queue[i]
             row = cap.ledger.node_row(e.node)
-            if row is not None and row not in changed:
+            if row is not None and row not in other and cap.ledger.fits(e.reservation) is None:
                 r = e.reservation
                 res = Reservation(
                     d.pod, r.node, r.device_ids, r.bytes_per_device, d.priority, declared=r.declared
@@ -51,7 +55,10 @@ def place_with_ahead(
             place_one(cap, d, choice, frag)
         except LedgerError:
             continue
-        changed.add(choice[1])
+        if planned:
+            taken[kind] = i + 1
+            ahead += 1
+        else:
+            other.add(choice[1])
         placed.append((t, choice[1]))
-        ahead += planned
     return placed, ahead
