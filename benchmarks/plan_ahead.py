@@ -1,7 +1,7 @@
 """What planning ahead (`serve --plan-ahead N`) costs, beside the hot path it stands in for.
 
 On generated clusters (the load test's fleet, 60% full), CPU time of one round of planning
-ahead for the N most common pod types, split into the event loop's part (snapshot, held
+ahead for the N most common pod types (`ahead.DEPTH` pods each), split into the event loop's part (snapshot, held
 entries) and the worker thread's (`ahead.plan_ahead_round`), against prioritize for one pod on the hot
 path and the planner's one-pod rule run for one pod inline. Figures are process time per call;
 never asserted anywhere.
@@ -70,13 +70,16 @@ def measure(nodes: int, types: int, repeat: int) -> dict[str, float]:
     demand = pod_demand(p)
     inputs = planner._ahead_inputs()
     assert inputs is not None
-    cap, examples, gens, _ = inputs
+    cap, examples, _, _ = inputs
+    assert planner.ahead is not None
+    depth = planner.ahead.depth
     workload = planner.workload([])
     out = {
         "nodes": nodes,
         "types": len(examples),
+        "pods per type": depth,
         "loop ms": _ms(planner._ahead_inputs, repeat),
-        "thread ms": _ms(lambda: plan_ahead_round(cap, examples, workload, gens, 0.2), repeat),
+        "thread ms": _ms(lambda: plan_ahead_round(cap, examples, workload, depth, 0.2), repeat),
         "hot-path prioritize ms": _ms(
             lambda: svc.prioritize(ExtenderArgs(Pod=p, NodeNames=names)), repeat
         ),
