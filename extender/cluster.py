@@ -19,6 +19,7 @@ from extender.inventory import ReplicaPolicy, node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
 from extender.planner.capacity import Kind, demand_kind
+from extender.planner.mix import DemandMix
 
 __all__ = ["ClusterState", "TERMINAL_PHASES", "DEFAULT_SCHEDULER_NAME", "check_cluster"]
 
@@ -51,13 +52,13 @@ class ClusterState:
         self._usage: dict[str, tuple[str, int, int]] = {}
         self.cpu_used: dict[str, int] = {}
         self.memory_used: dict[str, int] = {}
-        #: how many of our pods (pending or bound, not finished) have each `demand_kind`: the
-        #: workload a plan keeps free capacity useful for (`Workload.from_counts`), kept as pods
-        #: come and go because parsing every pod per plan would stall the event loop
-        self.demand_mix: Counter[Kind] = Counter()
-        self._kind: dict[str, Kind] = {}
-        #: a demand of each kind in `demand_mix` (the planner plans ahead for a pod like it)
-        self.kind_example: dict[Kind, Demand] = {}
+        #: our pods (pending or bound, not finished) by `demand_kind`: the workload a plan keeps
+        #: free capacity useful for (`Workload.from_counts`), kept as pods come and go because
+        #: parsing every pod per plan would stall the event loop. A pending pod is parsed when the
+        #: mix is read (`_unparsed`), not on each upsert: filter learns pods on the hot path, and
+        #: most are bound (and parsed as such) before a plan reads the mix.
+        self._mix = DemandMix()
+        self._unparsed: set[str] = set()
 
     # ----- nodes ---------------------------------------------------------------------------
     def upsert_node(self, node: Mapping[str, Any]) -> None:
@@ -98,45 +99,43 @@ class ClusterState:
             # An assumed reservation from our own bind stays until the watch shows the binding.
             if ours:
                 self.pending.add(key)
-                self._count(key, self._pending_demand(pod))
+                self._unparsed.add(key)
             return
         self.pending.discard(key)
+        self._unparsed.discard(key)
         demand = self._account_bound(ref, pod, node)
-        self._count(key, demand if ours else None)
+        self._mix.set(key, demand if ours else None)
 
     def delete_pod(self, key: str) -> None:
         self.pods.pop(key, None)
         self._forget(key)
 
     def _forget(self, key: str) -> None:
-        self._count(key, None)
+        self._mix.set(key, None)
+        self._unparsed.discard(key)
         self.pending.discard(key)
         self.guessed.discard(key)
         self._drop_usage(key)
         self.ledger.release(key)
 
-    def _pending_demand(self, pod: Mapping[str, Any]) -> Demand | None:
-        try:
-            return pod_demand(pod, headroom=self.headroom)
-        except DemandError:
-            return None  # filter names what is wrong with it; the mix leaves it out
+    @property
+    def mix(self) -> DemandMix:
+        """Our pods by demand type, pending pods upserted since the last read parsed now (an
+        unreadable one is left out: filter names what is wrong with it)."""
+        for key in self._unparsed:
+            pod = self.pods.get(key)
+            try:
+                demand = pod_demand(pod, headroom=self.headroom) if pod is not None else None
+            except DemandError:
+                demand = None
+            self._mix.set(key, demand)
+        self._unparsed.clear()
+        return self._mix
 
-    def _count(self, key: str, demand: Demand | None) -> None:
-        """Count `key` in `demand_mix` as `demand` (None: not at all)."""
-        kind = None if demand is None else demand_kind(demand)
-        old = self._kind.get(key)
-        if old == kind:
-            return
-        if old is not None:
-            del self._kind[key]
-            self.demand_mix[old] -= 1
-            if self.demand_mix[old] <= 0:
-                del self.demand_mix[old]
-                del self.kind_example[old]
-        if demand is not None and kind is not None:
-            self._kind[key] = kind
-            self.demand_mix[kind] += 1
-            self.kind_example.setdefault(kind, demand)
+    @property
+    def demand_mix(self) -> Counter[Kind]:
+        """`mix.counts`: how many of our pods have each demand type."""
+        return self.mix.counts
 
     def _set_usage(self, key: str, node: str, cpu: int, memory: int) -> None:
         self._drop_usage(key)
@@ -310,7 +309,7 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             out.append(
                 Violation(f"CPU/memory requested on the node is {want}, counted {got}", name)
             )
-    if mix != cluster.demand_mix or cluster.kind_example.keys() != mix.keys():
+    if mix != cluster.demand_mix or cluster.mix.examples.keys() != mix.keys():
         out.append(
             Violation(
                 f"demand mix counts {cluster.demand_mix.total()} pods of "

@@ -787,7 +787,7 @@ def test_live_profile_counts_arrivals_and_departures_and_rebuilds_on_drift():
     lp.leave("gone")  # never counted: no change
     lp.arrive("p3", d20)  # p3 again, now 20 GiB: leaves and arrives
     assert lp.stale()
-    assert lp.counts.total() == 5
+    assert lp.mix.counts.total() == 5
     assert sorted(lp.workload().need.tolist()) == [20 * GIB, 40 * GIB]
 
 

@@ -15,7 +15,6 @@ next round (the background loop reruns it after every change).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -32,7 +31,6 @@ __all__ = [
     "plan_ahead",
     "plan_ahead_round",
     "same_shape",
-    "most_common_gpu_kinds",
     "DEPTH",
 ]
 
@@ -54,19 +52,23 @@ class AheadEntry:
     #: the stand-in the choice was made for (a pod must match it to use the entry)
     demand: Demand
 
+    def for_pod(self, demand: Demand) -> Reservation:
+        """The entry's GPUs held for the pod of `demand` (with its priority)."""
+        r = self.reservation
+        return Reservation(
+            demand.pod,
+            r.node,
+            r.device_ids,
+            r.bytes_per_device,
+            demand.priority,
+            declared=r.declared,
+        )
+
 
 def same_shape(a: Demand, b: Demand) -> bool:
     """Whether a choice made for `a` is the one the rule would make for `b`: everything the rule
     and the device checks read, but the pod's name and priority."""
     return replace(a, pod=b.pod, priority=b.priority, model_memory=b.model_memory) == b
-
-
-def most_common_gpu_kinds(
-    counts: Counter[Kind], examples: Mapping[Kind, Demand], types: int
-) -> list[Demand]:
-    """An example demand of each of the `types` most common kinds in `counts` that ask GPUs."""
-    kinds = [k for k, _ in counts.most_common() if k[0] > 0][:types]
-    return [examples[k] for k in kinds]
 
 
 def plan_ahead(
@@ -131,7 +133,7 @@ class PlanAhead:
 
     def examples(self) -> list[Demand]:
         """A pod of each of the `types` most common GPU pod types of ours the cluster holds."""
-        return most_common_gpu_kinds(self.cluster.demand_mix, self.cluster.kind_example, self.types)
+        return self.cluster.mix.common(self.types)
 
     def stale(self) -> bool:
         """Whether the cluster changed since the last round."""
@@ -188,12 +190,4 @@ class PlanAhead:
         self._next[kind] = self._next.get(kind, 0) + 1
         self._taken.setdefault(node, set()).add(pod_key)
         self.hits += 1
-        r = e.reservation
-        return Reservation(
-            demand.pod,
-            r.node,
-            r.device_ids,
-            r.bytes_per_device,
-            demand.priority,
-            declared=r.declared,
-        )
+        return e.for_pod(demand)

@@ -9,7 +9,7 @@ GPUs still fit, and otherwise gets the hot path's choice.
 
 from __future__ import annotations
 
-from extender.ledger import LedgerError, Reservation
+from extender.ledger import LedgerError
 from extender.planner.capacity import Capacity, FragIndex, Kind, demand_kind
 from extender.planner.greedy import Choice, choose, place_one
 from extender.simulate.profile import LiveProfile
@@ -26,7 +26,7 @@ def place_with_ahead(
     took an entry planned ahead."""
     from extender.planner.ahead import DEPTH, plan_ahead, same_shape  # imports OR-Tools
 
-    entries = plan_ahead(cap, live.common(types), frag, DEPTH)
+    entries = plan_ahead(cap, live.mix.common(types), frag, DEPTH)
     taken: dict[Kind, int] = {}
     other: set[int] = set()  # nodes a pod without an entry went to
     placed: list[tuple[Task, int]] = []
@@ -41,11 +41,7 @@ def place_with_ahead(
             e = queue[i]
             row = cap.ledger.node_row(e.node)
             if row is not None and row not in other and cap.ledger.fits(e.reservation) is None:
-                r = e.reservation
-                res = Reservation(
-                    d.pod, r.node, r.device_ids, r.bytes_per_device, d.priority, declared=r.declared
-                )
-                choice = (res, row, False)
+                choice = (e.for_pod(d), row, False)
         planned = choice is not None
         if choice is None:
             choice = choose("hot-path", cap, d)

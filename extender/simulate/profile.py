@@ -9,10 +9,9 @@ replay starts are not counted: a replay cannot tell which scheduler placed them.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from extender.demand import Demand
-from extender.planner.capacity import Kind, Workload, demand_kind
+from extender.planner.capacity import Workload
+from extender.planner.mix import DemandMix
 
 __all__ = ["PROFILES", "PROFILE_DRIFT", "LiveProfile"]
 
@@ -30,37 +29,15 @@ class LiveProfile:
 
     def __init__(self, drift: float = PROFILE_DRIFT) -> None:
         self.drift = drift
-        self.counts: Counter[Kind] = Counter()
-        #: a demand of each kind counted (what `plan-ahead` plans for)
-        self.examples: dict[Kind, Demand] = {}
-        self._kind: dict[str, Kind] = {}
+        self.mix = DemandMix()
         self._changes = 0
         self._built_from = 0
 
     def arrive(self, key: str, demand: Demand) -> None:
-        self.leave(key)
-        kind = demand_kind(demand)
-        self._kind[key] = kind
-        self.counts[kind] += 1
-        self.examples.setdefault(kind, demand)
-        self._changes += 1
+        self._changes += self.mix.set(key, demand)
 
     def leave(self, key: str) -> None:
-        kind = self._kind.pop(key, None)
-        if kind is None:
-            return
-        self.counts[kind] -= 1
-        if self.counts[kind] <= 0:
-            del self.counts[kind]
-            del self.examples[kind]
-        self._changes += 1
-
-    def common(self, types: int) -> list[Demand]:
-        """A demand of each of the `types` most common GPU pod kinds counted (as
-        `ahead.PlanAhead.examples` picks them from the cluster)."""
-        from extender.planner.ahead import most_common_gpu_kinds  # imports OR-Tools
-
-        return most_common_gpu_kinds(self.counts, self.examples, types)
+        self._changes += self.mix.set(key, None)
 
     def stale(self) -> bool:
         """Whether the measure should be rebuilt from `workload()`."""
@@ -69,5 +46,5 @@ class LiveProfile:
     def workload(self) -> Workload:
         """The profile now (and the point later drift is measured from)."""
         self._changes = 0
-        self._built_from = len(self._kind)
-        return Workload.from_counts(self.counts)
+        self._built_from = len(self.mix)
+        return Workload.from_counts(self.mix.counts)
