@@ -70,20 +70,41 @@ def test_a_pod_placed_at_once_gets_the_choice_planned_ahead_not_best_fit():
     q = pod("q20", "20Gi")
     c.upsert_pod(q)
     assert planner.planned_node("default/q20") == queue[1].node
-    # a pod that took no entry lands on that node: its entries are gone until the next round
+    # a pod that took no entry lands on that node: its entries are gone until the next round,
+    # and the pod gets the rule's choice made inline, on the cluster as it is now
     node = queue[1].node
     c.upsert_pod(pod("x", "8Gi", node=node, phase="Running", annotations=assigned(node, "0", 8)))
-    assert planner.planned_node("default/q20") is None
+    assert planner.ahead.lookup("default/q20") is None
+    assert planner.planned_node("default/q20") == _rule_now(c, planner, q)[0]
     planner.plan_ahead_once()
-    assert planner.planned_node("default/q20") in NODES
+    assert planner.ahead.lookup("default/q20") is not None
+
+
+def _rule_now(c, planner, p):
+    """The planner's one-pod rule for `p` on a fresh snapshot of `c`, weighing by the mix of the
+    last round: node and GPUs."""
+    from extender.planner.background import snapshot
+
+    cap, _ = snapshot(c)
+    frag = FragIndex(cap, planner.ahead.rule._workload, count_foreign=False)
+    res, row, _ = choose(SEQUENTIAL_RULE, cap, pod_demand(p), frag)
+    return cap.arrays.node_names[row], res.device_ids
 
 
 def test_no_entry_for_a_type_the_cluster_does_not_hold_or_without_plan_ahead():
     c = _cluster()
     planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1, plan_ahead=4)
+    svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)
     planner.plan_ahead_once()
-    c.upsert_pod(pod("odd", "30Gi"))  # counted now, but after the round
-    assert planner.planned_node("default/odd") is None
+    odd = pod("odd", "30Gi")
+    c.upsert_pod(odd)  # counted now, but after the round: no entry, the rule inline
+    assert planner.ahead.lookup("default/odd") is None
+    node, gpus = _rule_now(c, planner, odd)
+    assert planner.planned_node("default/odd") == node == _top(svc, odd)
+    assert _bind(svc, odd, node) == ""
+    assert c.ledger.reservation("default/odd").device_ids == gpus
+    assert planner.state()["aheadInline"] == 2 and planner.state()["aheadHits"] == 0
+    assert check_invariant(c.ledger) == []
     off = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
     c.upsert_pod(pod("p20", "20Gi"))
     assert off.planned_node("default/p20") is None and off.state()["aheadTypes"] == 0
@@ -199,8 +220,9 @@ def test_serve_plan_ahead_reaches_the_planner_and_bad_values_stop_serve():
 def test_bursts_placed_at_once_match_the_simulator_s_plan_ahead_policy(seed):
     """Replicas arrive together and kube-scheduler places them one by one faster than a round:
     a round before each burst (the pods of the burst not yet counted), then each pod takes its
-    type's entry while the entry's node is unchanged, else the hot path. The simulator's
-    `plan-ahead` policy replays exactly that."""
+    type's entry while the entry's node is unchanged, else the rule inline with the round's mix
+    (the hot path before the first round with a pod to plan for). The simulator's `plan-ahead`
+    policy replays exactly that."""
     from extender.simulate.engine import run_policy
     from extender.simulate.trace import Task
 
@@ -241,5 +263,46 @@ def test_bursts_placed_at_once_match_the_simulator_s_plan_ahead_policy(seed):
         planner.state()["aheadHits"],
         allocated,
     )
-    assert 0 < r.extra["aheadPlaced"] < r.placed  # some replicas took the hot path
+    assert 0 < r.extra["aheadPlaced"] < r.placed  # some replicas took no entry
+    assert planner.state()["aheadInline"] > 0
     assert r.invariantViolations == 0 and r.overcommittedGpusPeak == 0
+
+
+def test_the_inline_measure_follows_the_ledger_and_is_rebuilt_only_when_it_must():
+    """Between rounds the inline rule refreshes its measure for the nodes that changed; it equals
+    one built afresh after binds, deletions and a node added, and is rebuilt only for a new mix
+    or new arrays."""
+    c = _cluster()
+    planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1, plan_ahead=4)
+    svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)
+    rule = planner.ahead.rule
+    assert rule.choose(pod_demand(pod("early", "8Gi"))) is None  # no round yet: the hot path
+    planner.plan_ahead_once()
+
+    def fresh():
+        from extender.planner.background import snapshot
+
+        cap, _ = snapshot(c)
+        return FragIndex(cap, rule._workload, count_foreign=False).node_frag()
+
+    for i, size in enumerate(["30Gi", "12Gi", "30Gi", "6Gi"]):
+        p = pod(f"n{i}", size)
+        c.upsert_pod(p)
+        node = planner.planned_node(f"default/n{i}")  # refreshed for the binds before
+        assert rule._frag.node_frag().tolist() == fresh().tolist()
+        assert node is not None and _bind(svc, p, node) == ""
+    assert rule.builds == 1  # the round's mix throughout: refreshed, never rebuilt
+    c.delete_pod("default/n1")
+    assert planner.planned_node("default/n3") is None  # bound: no longer pending
+    c.upsert_pod(pod("m", "10Gi"))
+    planner.planned_node("default/m")
+    assert rule.builds == 1 and rule._frag.node_frag().tolist() == fresh().tolist()
+    c.upsert_node(gpu_node("d", count=1, memory_mib=80 * 1024, replicas=4))
+    planner.planned_node("default/m")
+    assert rule.builds == 2 and rule._frag.node_frag().tolist() == fresh().tolist()
+    planner.plan_ahead_once()  # the mix changed since the last round: a new measure
+    planner.planned_node("default/m")
+    assert rule.builds == 3
+    planner.plan_ahead_once()  # the same mix: the measure stays
+    planner.planned_node("default/m")
+    assert rule.builds == 3 and check_invariant(c.ledger) == []

@@ -3,18 +3,20 @@
 kube-scheduler places most pods within milliseconds of seeing them, before any plan can cover
 them, so those pods get the hot path's choice, not the planner's (`background.min_age`). Its
 one-pod rule (`model.SEQUENTIAL_RULE`: FGD's measure over the cluster's pod mix, with the
-open-GPU charge) costs 1 to 100 ms per pod from 100 to 5,000 nodes, too much for prioritize.
-`PlanAhead` runs it in the planner's worker thread instead: for each of the most common GPU pod
-types the cluster holds (`ClusterState.demand_mix`), where the next `depth` pods of that type
-would go, each placed after the ones before it (a Deployment's replicas arrive together, and
-kube-scheduler places them faster than another round). A pending pod of such a type takes its
+open-GPU charge) costs 1 to 80 ms per pod from 100 to 5,000 nodes, against well under 1 ms for
+the hot path. `PlanAhead` runs it in the planner's worker thread instead: for each of the most
+common GPU pod types the cluster holds (`ClusterState.demand_mix`), where the next `depth` pods
+of that type would go, each placed after the ones before it (a Deployment's replicas arrive
+together, and kube-scheduler places them faster than another round). A pending pod of such a type takes its
 type's next entry while the entry's node holds exactly what it held at the round plus the pods
-that took this round's entries, and the GPUs still fit; otherwise it gets the hot path until the
-next round (the background loop reruns it after every change).
+that took this round's entries, and the GPUs still fit (the background loop reruns the round
+after every change). Any other pod (a type not planned for, or not seen at the round, or whose
+entry no longer holds) gets the same rule run inline by `InlineRule`, over the round's mix.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -22,12 +24,13 @@ from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand
 from extender.ledger import Reservation
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload, demand_kind
-from extender.planner.greedy import choose, place_one
+from extender.planner.greedy import Choice, choose, place_one
 from extender.planner.model import SEQUENTIAL_RULE
 
 __all__ = [
     "PlanAhead",
     "AheadEntry",
+    "InlineRule",
     "plan_ahead",
     "plan_ahead_round",
     "same_shape",
@@ -35,9 +38,14 @@ __all__ = [
 ]
 
 
+log = logging.getLogger(__name__)
+
 #: entries per pod type: how many pods of one type arriving together (a Deployment's replicas)
 #: get the planner's choice before the next round
 DEPTH = 4
+
+#: inline choices kept for their bind before the ones of pods no longer pending are dropped
+INLINE_KEPT = 1024
 
 #: the namespace of the stand-in pods (no real pod has an empty namespace)
 _GHOST_NAMESPACE = ""
@@ -112,10 +120,60 @@ def plan_ahead_round(
     return plan_ahead(cap, examples, frag, depth)
 
 
+class InlineRule:
+    """The one-pod rule for a pod no entry covers, run on the event loop over the live ledger.
+
+    FGD's measure weighs by the mix of the last round (`use`), so a pod gets what the round would
+    have planned for it. The measure is built on first use after the mix changed and otherwise
+    refreshed for the nodes the ledger touched since (`Ledger.touched_rows_since`); the choice
+    reads the ledger and reserves nothing (costs: `benchmarks/plan_ahead.py`).
+    """
+
+    def __init__(self, cluster: ClusterState, open_cost: float = 0.0) -> None:
+        self.cluster = cluster
+        self.open_cost = open_cost
+        self._workload: Workload | None = None
+        self._mix: frozenset[tuple[Kind, int]] = frozenset()
+        self._frag: FragIndex | None = None
+        #: the mix the measure was built with, and the ledger position it is current to
+        self._built_mix: frozenset[tuple[Kind, int]] | None = None
+        self._position = 0
+        self.builds = 0
+
+    def use(self, workload: Workload | None, mix: Mapping[Kind, int]) -> None:
+        """Weigh by `workload`, built from `mix` (a round's; None: no choices, the hot path
+        answers); the measure is rebuilt only when the mix differs from the one it was built with."""
+        self._workload = workload
+        self._mix = frozenset(mix.items())
+
+    def choose(self, demand: Demand) -> Choice | None:
+        """The rule's choice for `demand` now; None before the first round, or if it fits nowhere."""
+        if self._workload is None:
+            return None
+        ledger = self.cluster.ledger
+        cap = Capacity.from_ledger(ledger, self.cluster.cpu_used, self.cluster.memory_used)
+        cap.dedupe = False  # nothing keeps its signatures current (see Capacity.dedupe)
+        frag = self._frag
+        rows = None
+        if frag is not None and frag.a is cap.arrays and self._built_mix == self._mix:
+            rows = ledger.touched_rows_since(self._position)
+        if frag is None or rows is None:
+            frag = FragIndex(cap, self._workload, count_foreign=False, open_cost=self.open_cost)
+            self._frag, self._built_mix = frag, self._mix
+            self.builds += 1
+        else:
+            frag.cap = cap
+            frag.refresh(rows.tolist())
+        self._position = ledger.position
+        return choose(SEQUENTIAL_RULE, cap, demand, frag)
+
+
 class PlanAhead:
     """The entries of the last round, handed out in order to the pending pods of each type."""
 
-    def __init__(self, cluster: ClusterState, types: int, depth: int = DEPTH) -> None:
+    def __init__(
+        self, cluster: ClusterState, types: int, depth: int = DEPTH, open_cost: float = 0.0
+    ) -> None:
         self.cluster = cluster
         #: how many of the most common GPU pod types get entries, and how many pods each
         self.types = types
@@ -130,6 +188,10 @@ class PlanAhead:
         self.planned_at: int | None = None
         self.rounds = 0
         self.hits = 0
+        #: the rule for the pods no entry covers, and its choices kept for their bind
+        self.rule = InlineRule(cluster, open_cost)
+        self._inline: dict[str, Reservation] = {}
+        self.inline_choices = 0
 
     def examples(self) -> list[Demand]:
         """A pod of each of the `types` most common GPU pod types of ours the cluster holds."""
@@ -144,9 +206,13 @@ class PlanAhead:
         entries: dict[Kind, list[AheadEntry]],
         generation: int,
         holders: Mapping[str, frozenset[str]],
+        workload: Workload | None = None,
+        mix: Mapping[Kind, int] | None = None,
     ) -> None:
         """A round's entries, made on the cluster at ledger `generation`, whose nodes' GPUs
-        `holders` held then (`Ledger.holders`)."""
+        `holders` held then (`Ledger.holders`), weighing by `workload` (built from `mix`), which
+        the inline rule then weighs by too (None: a round with no pod type to plan for)."""
+        self.rule.use(workload, mix or {})
         self.entries = entries
         self.planned_at = generation
         self._holders = holders
@@ -158,14 +224,10 @@ class PlanAhead:
         """The entry a pending pod may use, with the pod's demand: its type's next one, made for a
         pod of the same shape, on a node changed since the round only by pods that took entries,
         where the GPUs still fit."""
-        if not self.entries or pod_key not in self.cluster.pending:
+        if not self.entries:
             return None
-        pod = self.cluster.pod(pod_key)
-        if pod is None:
-            return None
-        try:
-            demand = pod_demand(pod, headroom=self.cluster.headroom)
-        except DemandError:
+        demand = self._pending_demand(pod_key)
+        if demand is None:
             return None
         kind = demand_kind(demand)
         queue = self.entries.get(kind)
@@ -191,3 +253,42 @@ class PlanAhead:
         self._taken.setdefault(node, set()).add(pod_key)
         self.hits += 1
         return e.for_pod(demand)
+
+    def inline_node(self, pod_key: str) -> str | None:
+        """For a pending GPU pod no entry covers, the inline rule's node; its GPUs are kept for
+        the pod's bind (`inline_reservation`)."""
+        demand = self._pending_demand(pod_key)
+        if demand is None or not demand.wants_gpu:
+            return None
+        try:
+            choice = self.rule.choose(demand)
+        except Exception:  # an optimisation: the hot path still answers
+            log.exception("the inline one-pod rule failed for %s", pod_key)
+            return None
+        if choice is None or choice[0] is None:
+            self._inline.pop(pod_key, None)
+            return None
+        if len(self._inline) >= INLINE_KEPT:  # pods prioritized, never bound: drop the gone
+            pending = self.cluster.pending
+            self._inline = {k: r for k, r in self._inline.items() if k in pending}
+        self._inline[pod_key] = choice[0]
+        self.inline_choices += 1
+        return choice[0].node
+
+    def inline_reservation(self, pod_key: str, node: str) -> Reservation | None:
+        """The GPUs the inline rule chose for this pod when `node` is its node (bind)."""
+        r = self._inline.pop(pod_key, None)
+        return r if r is not None and r.node == node else None
+
+    def _pending_demand(self, pod_key: str) -> Demand | None:
+        """The demand of a pending pod the cluster holds; None for any other pod, or one whose
+        demand does not parse (filter has refused it)."""
+        if pod_key not in self.cluster.pending:
+            return None
+        pod = self.cluster.pod(pod_key)
+        if pod is None:
+            return None
+        try:
+            return pod_demand(pod, headroom=self.cluster.headroom)
+        except DemandError:
+            return None

@@ -131,7 +131,9 @@ class BackgroundPlanner:
         self._unschedulable: set[str] = set()
         #: the one-pod rule's choice kept ready for the `plan_ahead` most common pod types
         #: (`ahead.PlanAhead`), redone after a change at most every `ahead_interval` seconds
-        self.ahead = PlanAhead(cluster, plan_ahead) if plan_ahead > 0 else None
+        self.ahead = (
+            PlanAhead(cluster, plan_ahead, open_cost=open_cost) if plan_ahead > 0 else None
+        )
         self.ahead_interval = ahead_interval
         #: when the next round may start: `ahead_interval` after the last one started, or later
         #: so that rounds take at most `AHEAD_SHARE` of the time (a round of 8 types costs 70 ms
@@ -145,13 +147,18 @@ class BackgroundPlanner:
         e = self._valid(pod_key)
         if e is not None:
             return e.node
-        found = self.ahead.lookup(pod_key) if self.ahead is not None else None
-        return found[0].node if found is not None else None
+        if self.ahead is None:
+            return None
+        found = self.ahead.lookup(pod_key)
+        return found[0].node if found is not None else self.ahead.inline_node(pod_key)
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
         e = self._valid(pod_key)
         if e is None:
-            return self.ahead.reservation(pod_key, node) if self.ahead is not None else None
+            if self.ahead is None:
+                return None
+            r = self.ahead.reservation(pod_key, node)
+            return r if r is not None else self.ahead.inline_reservation(pod_key, node)
         if e.node != node or e.reservation is None:
             return None
         r = e.reservation
@@ -424,6 +431,7 @@ class BackgroundPlanner:
         if inputs is None:
             return
         cap, examples, generation, holders = inputs
+        mix = dict(self.cluster.demand_mix)
         workload = self.workload([])
         try:
             entries = await asyncio.to_thread(
@@ -433,7 +441,7 @@ class BackgroundPlanner:
             self.stats.errors += 1
             log.exception("planning ahead failed")
             return
-        self.ahead.install(entries, generation, holders)
+        self.ahead.install(entries, generation, holders, workload, mix)
 
     def plan_ahead_once(self) -> None:
         """`replan_ahead` synchronously (tests)."""
@@ -441,10 +449,10 @@ class BackgroundPlanner:
         inputs = self._ahead_inputs()
         if inputs is not None:
             cap, examples, generation, holders = inputs
-            entries = plan_ahead_round(
-                cap, examples, self.workload([]), self.ahead.depth, self.open_cost
-            )
-            self.ahead.install(entries, generation, holders)
+            mix = dict(self.cluster.demand_mix)
+            workload = self.workload([])
+            entries = plan_ahead_round(cap, examples, workload, self.ahead.depth, self.open_cost)
+            self.ahead.install(entries, generation, holders, workload, mix)
 
     async def _plan_step(self, now: float) -> Plan | None:
         aged = self._aged(now)
@@ -487,6 +495,7 @@ class BackgroundPlanner:
             "aheadTypes": len(self.ahead.entries) if self.ahead is not None else 0,
             "aheadRounds": self.ahead.rounds if self.ahead is not None else 0,
             "aheadHits": self.ahead.hits if self.ahead is not None else 0,
+            "aheadInline": self.ahead.inline_choices if self.ahead is not None else 0,
         }
 
 

@@ -4,7 +4,8 @@ Before each arrival the server has made a round of planning ahead (`planner.ahea
 common pod types seen so far, `ahead.DEPTH` pods each; kube-scheduler then places the arriving pods one
 at a time, within milliseconds, faster than another round. So each pod takes its type's next
 entry while the entry's node was changed since the round only by pods that took entries and the
-GPUs still fit, and otherwise gets the hot path's choice.
+GPUs still fit, and otherwise gets the same rule's choice made then with the round's measure
+(`ahead.InlineRule`); the hot path's before any round had a pod type to plan for.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def place_with_ahead(
     of `live` (the pods before this batch); the pods placed with their node rows, and how many
     took an entry planned ahead."""
     from extender.planner.ahead import DEPTH, plan_ahead, same_shape  # imports OR-Tools
+    from extender.planner.model import SEQUENTIAL_RULE
 
-    entries = plan_ahead(cap, live.mix.common(types), frag, DEPTH)
+    examples = live.mix.common(types)
+    entries = plan_ahead(cap, examples, frag, DEPTH)
     taken: dict[Kind, int] = {}
     other: set[int] = set()  # nodes a pod without an entry went to
     placed: list[tuple[Task, int]] = []
@@ -44,7 +47,10 @@ def place_with_ahead(
                 choice = (e.for_pod(d), row, False)
         planned = choice is not None
         if choice is None:
-            choice = choose("hot-path", cap, d)
+            # the round's measure; before any round (no GPU pod seen yet) the hot path
+            choice = (
+                choose(SEQUENTIAL_RULE, cap, d, frag) if examples else choose("hot-path", cap, d)
+            )
         if choice is None:
             continue
         try:
