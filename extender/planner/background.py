@@ -131,9 +131,7 @@ class BackgroundPlanner:
         self._unschedulable: set[str] = set()
         #: the one-pod rule's choice kept ready for the `plan_ahead` most common pod types
         #: (`ahead.PlanAhead`), redone after a change at most every `ahead_interval` seconds
-        self.ahead = (
-            PlanAhead(cluster, plan_ahead, open_cost=open_cost) if plan_ahead > 0 else None
-        )
+        self.ahead = PlanAhead(cluster, plan_ahead, open_cost=open_cost) if plan_ahead > 0 else None
         self.ahead_interval = ahead_interval
         #: when the next round may start: `ahead_interval` after the last one started, or later
         #: so that rounds take at most `AHEAD_SHARE` of the time (a round of 8 types costs 70 ms
