@@ -78,7 +78,10 @@ class Binder(Protocol):
 class PlanSource(Protocol):
     """What the background planner offers the hot path: a node, and devices, per pending pod."""
 
-    def planned_node(self, pod_key: str) -> str | None: ...
+    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+        """The pod's planned node; `nodes`: the ones kube-scheduler found feasible, which a
+        choice made now (not one planned before) keeps to."""
+        ...
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None: ...
 
@@ -310,7 +313,7 @@ class ExtenderService:
         if not demand.wants_gpu:
             return [HostPriority(Host=n, Score=0) for n in names]
         key = demand.pod.key
-        planned = self.planner.planned_node(key) if self.planner is not None else None
+        planned = self.planner.planned_node(key, names) if self.planner is not None else None
         now = time.monotonic()
         node_names, rows, scores = score_rows(
             self.ledger, demand, names, planned, avoid=self._recent_choices(key, now)

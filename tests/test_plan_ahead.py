@@ -100,10 +100,16 @@ def test_no_entry_for_a_type_the_cluster_does_not_hold_or_without_plan_ahead():
     c.upsert_pod(odd)  # counted now, but after the round: no entry, the rule inline
     assert planner.ahead.lookup("default/odd") is None
     node, gpus = _rule_now(c, planner, odd)
+    # kube-scheduler's own filters (selectors, taints) left out the rule's node: the choice keeps
+    # to the nodes it sent
+    others = [n for n in NODES if n != node]
+    assert planner.planned_node("default/odd", others) in others
+    assert _top(svc, odd, others) == planner.planned_node("default/odd", others)
+    assert planner.planned_node("default/odd", []) is None
     assert planner.planned_node("default/odd") == node == _top(svc, odd)
     assert _bind(svc, odd, node) == ""
     assert c.ledger.reservation("default/odd").device_ids == gpus
-    assert planner.state()["aheadInline"] == 2 and planner.state()["aheadHits"] == 0
+    assert planner.state()["aheadInline"] == 5 and planner.state()["aheadHits"] == 0
     assert check_invariant(c.ledger) == []
     off = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
     c.upsert_pod(pod("p20", "20Gi"))

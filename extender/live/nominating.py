@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from extender.ledger import Reservation
@@ -41,11 +42,11 @@ class NominatingPlanSource:
     def nominated(self, pod_key: str) -> Reservation | None:
         return self.repacker.nominated(pod_key)
 
-    def planned_node(self, pod_key: str) -> str | None:
+    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
         res = self.repacker.nominated(pod_key)
         if res is not None:
             return res.node
-        return self.inner.planned_node(pod_key) if self.inner is not None else None
+        return self.inner.planned_node(pod_key, nodes) if self.inner is not None else None
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
         if self.repacker.nominated(pod_key) is not None:

@@ -20,6 +20,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand
 from extender.ledger import Reservation
@@ -146,13 +148,18 @@ class InlineRule:
         self._workload = workload
         self._mix = frozenset(mix.items())
 
-    def choose(self, demand: Demand) -> Choice | None:
-        """The rule's choice for `demand` now; None before the first round, or if it fits nowhere."""
+    def choose(self, demand: Demand, nodes: Sequence[str] | None = None) -> Choice | None:
+        """The rule's choice for `demand` now, among `nodes` (None: every node); None before the
+        first round, or if it fits nowhere."""
         if self._workload is None:
             return None
         ledger = self.cluster.ledger
         cap = Capacity.from_ledger(ledger, self.cluster.cpu_used, self.cluster.memory_used)
         cap.dedupe = False  # nothing keeps its signatures current (see Capacity.dedupe)
+        if nodes is not None:  # the others get no CPU: no candidate there (`Capacity.fits_host`)
+            keep = np.zeros(len(cap.cpu_free), bool)
+            keep[[r for r in map(ledger.node_row, nodes) if r is not None]] = True
+            cap.cpu_free[~keep] = -1
         frag = self._frag
         rows = None
         if frag is not None and frag.a is cap.arrays and self._built_mix == self._mix:
@@ -254,14 +261,15 @@ class PlanAhead:
         self.hits += 1
         return e.for_pod(demand)
 
-    def inline_node(self, pod_key: str) -> str | None:
-        """For a pending GPU pod no entry covers, the inline rule's node; its GPUs are kept for
-        the pod's bind (`inline_reservation`)."""
+    def inline_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+        """For a pending GPU pod no entry covers, the inline rule's node among `nodes` (those
+        kube-scheduler found feasible: its selectors, taints and affinity are not the rule's to
+        know); its GPUs are kept for the pod's bind (`inline_reservation`)."""
         demand = self._pending_demand(pod_key)
         if demand is None or not demand.wants_gpu:
             return None
         try:
-            choice = self.rule.choose(demand)
+            choice = self.rule.choose(demand, nodes)
         except Exception:  # an optimisation: the hot path still answers
             log.exception("the inline one-pod rule failed for %s", pod_key)
             return None

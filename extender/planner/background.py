@@ -141,14 +141,14 @@ class BackgroundPlanner:
             self.poll = min(self.poll, ahead_interval)
 
     # ----- PlanSource ---------------------------------------------------------------------------
-    def planned_node(self, pod_key: str) -> str | None:
+    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
         e = self._valid(pod_key)
         if e is not None:
             return e.node
         if self.ahead is None:
             return None
         found = self.ahead.lookup(pod_key)
-        return found[0].node if found is not None else self.ahead.inline_node(pod_key)
+        return found[0].node if found is not None else self.ahead.inline_node(pod_key, nodes)
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
         e = self._valid(pod_key)
