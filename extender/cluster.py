@@ -58,7 +58,8 @@ class ClusterState:
         #: mix is read (`_unparsed`), not on each upsert: filter learns pods on the hot path, and
         #: most are bound (and parsed as such) before a plan reads the mix.
         self._mix = DemandMix()
-        self._unparsed: set[str] = set()
+        #: (a dict: counted in arrival order, so types with equal counts keep one order)
+        self._unparsed: dict[str, None] = {}
 
     # ----- nodes ---------------------------------------------------------------------------
     def upsert_node(self, node: Mapping[str, Any]) -> None:
@@ -99,10 +100,10 @@ class ClusterState:
             # An assumed reservation from our own bind stays until the watch shows the binding.
             if ours:
                 self.pending.add(key)
-                self._unparsed.add(key)
+                self._unparsed[key] = None
             return
         self.pending.discard(key)
-        self._unparsed.discard(key)
+        self._unparsed.pop(key, None)
         demand = self._account_bound(ref, pod, node)
         self._mix.set(key, demand if ours else None)
 
@@ -112,7 +113,7 @@ class ClusterState:
 
     def _forget(self, key: str) -> None:
         self._mix.set(key, None)
-        self._unparsed.discard(key)
+        self._unparsed.pop(key, None)
         self.pending.discard(key)
         self.guessed.discard(key)
         self._drop_usage(key)
