@@ -75,6 +75,13 @@ class _PlannerCollector(Collector):
             "Plan entries dropped because their node changed and they no longer fit",
         ),
         ("errors", "errors", "Background plans that failed (the greedy path answered)"),
+        ("aheadRounds", "ahead_rounds", "Rounds of planning ahead (serve --plan-ahead)"),
+        ("aheadHits", "ahead_hits", "Binds that took a placement planned ahead"),
+        (
+            "aheadInline",
+            "ahead_inline",
+            "Placements the one-pod rule chose inline for pods no entry covered",
+        ),
     )
 
     def __init__(self, state: Callable[[], dict[str, Any] | None]) -> None:

@@ -111,6 +111,16 @@ def test_no_entry_for_a_type_the_cluster_does_not_hold_or_without_plan_ahead():
     assert c.ledger.reservation("default/odd").device_ids == gpus
     assert planner.state()["aheadInline"] == 5 and planner.state()["aheadHits"] == 0
     assert check_invariant(c.ledger) == []
+    # and Prometheus sees the same counts
+    from prometheus_client import generate_latest
+
+    from extender.metrics import Metrics
+
+    text = generate_latest(Metrics(lambda: c.ledger, svc.planner_state).registry).decode()
+    values = dict(line.split(" ") for line in text.splitlines() if line.startswith("vramsched_"))
+    assert float(values["vramsched_planner_ahead_inline_total"]) == 5.0
+    assert float(values["vramsched_planner_ahead_hits_total"]) == 0.0
+    assert float(values["vramsched_planner_ahead_rounds_total"]) == 1.0
     off = BackgroundPlanner(c, time_limit=1.0, num_workers=1)
     c.upsert_pod(pod("p20", "20Gi"))
     assert off.planned_node("default/p20") is None and off.state()["aheadTypes"] == 0
