@@ -7,11 +7,12 @@ open-GPU charge) costs 1 to 80 ms per pod from 100 to 5,000 nodes, against well 
 the hot path. `PlanAhead` runs it in the planner's worker thread instead: for each of the most
 common GPU pod types the cluster holds (`ClusterState.demand_mix`), where the next `depth` pods
 of that type would go, each placed after the ones before it (a Deployment's replicas arrive
-together, and kube-scheduler places them faster than another round). A pending pod of such a type takes its
-type's next entry while the entry's node holds exactly what it held at the round plus the pods
-that took this round's entries, and the GPUs still fit (the background loop reruns the round
-after every change). Any other pod (a type not planned for, or not seen at the round, or whose
-entry no longer holds) gets the same rule run inline by `InlineRule`, over the round's mix.
+together, and kube-scheduler places them faster than another round). A pending pod of such a
+type takes its type's next entry while the entry's node holds exactly what it held at the round
+plus the pods that took this round's entries, and the GPUs still fit (the background loop reruns
+the round after every change). Any other pod (a type not planned for, or not seen at the round,
+or whose entry no longer holds) gets the same rule run inline by `InlineRule`, over the round's
+mix.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class InlineRule:
 
     def use(self, workload: Workload | None, mix: Mapping[Kind, int]) -> None:
         """Weigh by `workload`, built from `mix` (a round's; None: no choices, the hot path
-        answers); the measure is rebuilt only when the mix differs from the one it was built with."""
+        answers); the measure is rebuilt only when the mix differs from the one it was built
+        with."""
         self._workload = workload
         self._mix = frozenset(mix.items())
 
