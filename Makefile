@@ -14,7 +14,7 @@ ARGS ?=
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPYCACHEPREFIX ?= $(HOME)/.cache/vramsched/pycache
 
-.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-packing-live bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
+.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-packing-live bench-packing-ahead bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
 venv: $(STAMP)
 
@@ -111,6 +111,13 @@ bench-packing-live: venv
 	$(PY) benchmarks/trace_packing.py --profile live --no-bound --inflate 1.3 0 --time-limit 0.25 \
 		--policies planner planner+repack hot-path best-fit first-fit fgd \
 		--out benchmarks/results/trace_packing_live.json $(ARGS)
+
+# What pods placed at once get on the trace: `serve --plan-ahead 8` against the hot path and the
+# baselines, every list at inflate 1.3 and none (about an hour on 2 cores; docs/packing.md).
+bench-packing-ahead: venv
+	$(PY) benchmarks/trace_packing.py --no-bound --inflate 1.3 0 --time-limit 0.25 \
+		--policies plan-ahead hot-path fgd first-fit best-fit \
+		--out benchmarks/results/trace_packing_ahead.json $(ARGS)
 
 # The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
 bench-kube-scoring: venv
