@@ -309,6 +309,16 @@ def scheduling_events(api: kubernetes.client.CoreV1Api, name: str) -> list[str]:
     return [e.message or "" for e in events if e.reason == "FailedScheduling"]
 
 
+def probe_scores(ext: Extender, name: str, memory: str, nodes: list[str]) -> dict[str, int]:
+    """Prioritize's scores for a pod `name` asking `memory` that the cluster does not hold yet
+    (the hot path's answer). Use the name of the pod created next: prioritize keeps the node it
+    gave 10 away from *other* pods for a few seconds."""
+    probe = gpu_pod(name, memory)
+    probe["metadata"].update(namespace=NS, uid="probe")
+    answer = ext.post("/prioritize", {"Pod": probe, "NodeNames": nodes})
+    return {h["Host"]: h["Score"] for h in answer}
+
+
 def annotations(api: kubernetes.client.CoreV1Api, name: str) -> dict[str, str]:
     return api.read_namespaced_pod(name, NS).metadata.annotations or {}
 
@@ -380,12 +390,7 @@ def test_kube_scheduler_binds_where_vramsched_chooses_among_equal_nodes(
         timeout=30,
         message="both nodes in the extender's ledger",
     )
-    probe = gpu_pod("tie-pod", "16Gi")
-    probe["metadata"].update(namespace=NS, uid="probe")
-    scores = {
-        h["Host"]: h["Score"]
-        for h in ext.post("/prioritize", {"Pod": probe, "NodeNames": ["tie-0", "tie-1"]})
-    }
+    scores = probe_scores(ext, "tie-pod", "16Gi", ["tie-0", "tie-1"])
     (chosen,) = [n for n, s in scores.items() if s == 10]
     (other,) = [n for n, s in scores.items() if s != 10]
     assert scores[other] == 0  # an idle node, and a loose fit: the lowest band

@@ -21,6 +21,7 @@ from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     core,
     extender_args,
     gpu_pod,
+    probe_scores,
     stack,
     wait_bound,
 )
@@ -69,12 +70,7 @@ def test_pods_placed_at_once_get_the_planner_rule_not_best_fit(
         timeout=30,
         message="a round of planning ahead for the 40 GiB pods",
     )
-    probe = gpu_pod("probe", "20Gi")
-    probe["metadata"].update(namespace=NS, uid="probe")
-    plain = {
-        h["Host"]: h["Score"]
-        for h in ext.post("/prioritize", {"Pod": probe, "NodeNames": ["pa-a", "pa-b"]})
-    }
+    plain = probe_scores(ext, "p20", "20Gi", ["pa-a", "pa-b"])
     assert plain["pa-a"] == 10  # not pending in the cluster: the hot path's best fit
 
     api.create_namespaced_pod(NS, gpu_pod("p20", "20Gi"))
