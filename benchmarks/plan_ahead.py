@@ -83,14 +83,15 @@ def measure(nodes: int, types: int, repeat: int) -> dict[str, float]:
             lambda: svc.prioritize(ExtenderArgs(Pod=p, NodeNames=names)), repeat
         ),
     }
-    planner.ahead.install({}, 0, {}, workload, c.demand_mix)
+    planner.ahead.install({}, 0, {}, c.demand_mix)
     rule = planner.ahead.rule
 
     kind = next(iter(c.demand_mix))
-    calls = itertools.count()
+    calls = itertools.count(1)
 
     def build() -> None:
-        rule.use(workload, {kind: next(calls)})  # a mix it was not built with: rebuilt
+        # the cluster's mix with one more pod each time: one it was not built with, rebuilt
+        rule.use({**c.demand_mix, kind: c.demand_mix[kind] + next(calls)})
         rule.choose(demand)
 
     out["inline: measure built + one pod, ms"] = _ms(build, repeat)

@@ -13,7 +13,7 @@ from extender.demand import pod_demand
 from extender.embedded import EmbeddedBinder
 from extender.ledger import check_invariant
 from extender.planner.background import BackgroundPlanner
-from extender.planner.capacity import FragIndex
+from extender.planner.capacity import FragIndex, Workload
 from extender.planner.greedy import choose, place_one
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.service import ExtenderService
@@ -86,7 +86,7 @@ def _rule_now(c, planner, p):
     from extender.planner.background import snapshot
 
     cap, _ = snapshot(c)
-    frag = FragIndex(cap, planner.ahead.rule._workload, count_foreign=False)
+    frag = FragIndex(cap, Workload.from_counts(planner.ahead.rule.mix), count_foreign=False)
     res, row, _ = choose(SEQUENTIAL_RULE, cap, pod_demand(p), frag)
     return cap.arrays.node_names[row], res.device_ids
 
@@ -299,7 +299,7 @@ def test_the_inline_measure_follows_the_ledger_and_is_rebuilt_only_when_it_must(
         from extender.planner.background import snapshot
 
         cap, _ = snapshot(c)
-        return FragIndex(cap, rule._workload, count_foreign=False).node_frag()
+        return FragIndex(cap, Workload.from_counts(rule.mix), count_foreign=False).node_frag()
 
     for i, size in enumerate(["30Gi", "12Gi", "30Gi", "6Gi"]):
         p = pod(f"n{i}", size)

@@ -135,25 +135,23 @@ class InlineRule:
     def __init__(self, cluster: ClusterState, open_cost: float = 0.0) -> None:
         self.cluster = cluster
         self.open_cost = open_cost
-        self._workload: Workload | None = None
-        self._mix: frozenset[tuple[Kind, int]] = frozenset()
+        #: the pod mix to weigh by (None: no choices, the hot path answers)
+        self.mix: dict[Kind, int] | None = None
         self._frag: FragIndex | None = None
         #: the mix the measure was built with, and the ledger position it is current to
-        self._built_mix: frozenset[tuple[Kind, int]] | None = None
+        self._built_mix: dict[Kind, int] | None = None
         self._position = 0
         self.builds = 0
 
-    def use(self, workload: Workload | None, mix: Mapping[Kind, int]) -> None:
-        """Weigh by `workload`, built from `mix` (a round's; None: no choices, the hot path
-        answers); the measure is rebuilt only when the mix differs from the one it was built
-        with."""
-        self._workload = workload
-        self._mix = frozenset(mix.items())
+    def use(self, mix: Mapping[Kind, int] | None) -> None:
+        """Weigh by a round's `mix` (None: no choices); the measure is rebuilt only when the mix
+        differs from the one it was built with."""
+        self.mix = None if mix is None else dict(mix)
 
     def choose(self, demand: Demand, nodes: Sequence[str] | None = None) -> Choice | None:
         """The rule's choice for `demand` now, among `nodes` (None: every node); None before the
         first round, or if it fits nowhere."""
-        if self._workload is None:
+        if self.mix is None:
             return None
         ledger = self.cluster.ledger
         cap = Capacity.from_ledger(ledger, self.cluster.cpu_used, self.cluster.memory_used)
@@ -164,11 +162,12 @@ class InlineRule:
             cap.cpu_free[~keep] = -1
         frag = self._frag
         rows = None
-        if frag is not None and frag.a is cap.arrays and self._built_mix == self._mix:
+        if frag is not None and frag.a is cap.arrays and self._built_mix == self.mix:
             rows = ledger.touched_rows_since(self._position)
         if frag is None or rows is None:
-            frag = FragIndex(cap, self._workload, count_foreign=False, open_cost=self.open_cost)
-            self._frag, self._built_mix = frag, self._mix
+            workload = Workload.from_counts(self.mix)  # what `BackgroundPlanner.workload` builds
+            frag = FragIndex(cap, workload, count_foreign=False, open_cost=self.open_cost)
+            self._frag, self._built_mix = frag, self.mix
             self.builds += 1
         else:
             frag.cap = cap
@@ -215,13 +214,12 @@ class PlanAhead:
         entries: dict[Kind, list[AheadEntry]],
         generation: int,
         holders: Mapping[str, frozenset[str]],
-        workload: Workload | None = None,
         mix: Mapping[Kind, int] | None = None,
     ) -> None:
         """A round's entries, made on the cluster at ledger `generation`, whose nodes' GPUs
-        `holders` held then (`Ledger.holders`), weighing by `workload` (built from `mix`), which
+        `holders` held then (`Ledger.holders`), weighing by the pod `mix` of the moment, which
         the inline rule then weighs by too (None: a round with no pod type to plan for)."""
-        self.rule.use(workload, mix or {})
+        self.rule.use(mix)
         self.entries = entries
         self.planned_at = generation
         self._holders = holders

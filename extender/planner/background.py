@@ -439,7 +439,7 @@ class BackgroundPlanner:
             self.stats.errors += 1
             log.exception("planning ahead failed")
             return
-        self.ahead.install(entries, generation, holders, workload, mix)
+        self.ahead.install(entries, generation, holders, mix)
 
     def plan_ahead_once(self) -> None:
         """`replan_ahead` synchronously (tests)."""
@@ -450,7 +450,7 @@ class BackgroundPlanner:
             mix = dict(self.cluster.demand_mix)
             workload = self.workload([])
             entries = plan_ahead_round(cap, examples, workload, self.ahead.depth, self.open_cost)
-            self.ahead.install(entries, generation, holders, workload, mix)
+            self.ahead.install(entries, generation, holders, mix)
 
     async def _plan_step(self, now: float) -> Plan | None:
         aged = self._aged(now)
