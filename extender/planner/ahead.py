@@ -231,11 +231,21 @@ class PlanAhead:
         """The entry a pending pod may use, with the pod's demand: its type's next one, made for a
         pod of the same shape, on a node changed since the round only by pods that took entries,
         where the GPUs still fit."""
-        if not self.entries:
-            return None
+        demand = self._pending_demand(pod_key)
+        e = self._entry(demand) if demand is not None else None
+        return (e, demand) if e is not None and demand is not None else None
+
+    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+        """A pending pod's node: its entry's (`lookup`), else the inline rule's (`_inline_node`);
+        the pod's demand parsed once (prioritize asks for every pod)."""
         demand = self._pending_demand(pod_key)
         if demand is None:
             return None
+        e = self._entry(demand)
+        return e.node if e is not None else self._inline_node(pod_key, demand, nodes)
+
+    def _entry(self, demand: Demand) -> AheadEntry | None:
+        """`lookup` for a parsed demand."""
         kind = demand_kind(demand)
         queue = self.entries.get(kind)
         i = self._next.get(kind, 0)
@@ -246,7 +256,7 @@ class PlanAhead:
         expected = self._holders.get(e.node, frozenset()) | self._taken.get(e.node, set())
         if ledger.keys_on(e.node) != expected or ledger.fits(e.reservation) is not None:
             return None
-        return e, demand
+        return e
 
     def reservation(self, pod_key: str, node: str) -> Reservation | None:
         """The entry's GPUs for this pod when `node` is the entry's (bind); the type's next pod
@@ -261,12 +271,11 @@ class PlanAhead:
         self.hits += 1
         return e.for_pod(demand)
 
-    def inline_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+    def _inline_node(self, pod_key: str, demand: Demand, nodes: Sequence[str] | None) -> str | None:
         """For a pending GPU pod no entry covers, the inline rule's node among `nodes` (those
         kube-scheduler found feasible: its selectors, taints and affinity are not the rule's to
         know); its GPUs are kept for the pod's bind (`inline_reservation`)."""
-        demand = self._pending_demand(pod_key)
-        if demand is None or not demand.wants_gpu:
+        if not demand.wants_gpu:
             return None
         try:
             choice = self.rule.choose(demand, nodes)

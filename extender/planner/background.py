@@ -147,8 +147,7 @@ class BackgroundPlanner:
             return e.node
         if self.ahead is None:
             return None
-        found = self.ahead.lookup(pod_key)
-        return found[0].node if found is not None else self.ahead.inline_node(pod_key, nodes)
+        return self.ahead.planned_node(pod_key, nodes)
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
         e = self._valid(pod_key)
