@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -12,8 +13,9 @@ from builders import assigned, cluster, gpu_node, pod
 from extender.demand import pod_demand
 from extender.embedded import EmbeddedBinder
 from extender.ledger import check_invariant
+from extender.planner.ahead import InlineRule
 from extender.planner.background import BackgroundPlanner
-from extender.planner.capacity import FragIndex, Workload
+from extender.planner.capacity import FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, place_one
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.service import ExtenderService
@@ -322,3 +324,85 @@ def test_the_inline_measure_follows_the_ledger_and_is_rebuilt_only_when_it_must(
     planner.plan_ahead_once()  # the same mix: the measure stays
     planner.planned_node("default/m")
     assert rule.builds == 3 and check_invariant(c.ledger) == []
+
+
+def _cpu_pod(name: str, node: str, cpu: str) -> dict:
+    """A running pod of another scheduler that takes only CPU on `node`."""
+    return {
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+        "spec": {
+            "nodeName": node,
+            "schedulerName": "default-scheduler",
+            "containers": [{"name": "c", "resources": {"requests": {"cpu": cpu}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def _with_cpu(p: dict, cpu: str) -> dict:
+    p["spec"]["containers"][0]["resources"]["requests"]["cpu"] = cpu
+    return p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_inline_rule_s_kept_scores_choose_what_scores_made_afresh_choose(seed):
+    """The inline rule keeps its scores between pods (`FragIndex.memo`) and drops those of the
+    nodes changed since: after binds, deletions, CPU taken by other pods and any subset of nodes
+    sent, it chooses what a rule that scores every device afresh chooses, device for device."""
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(12)]
+    nodes = [
+        gpu_node(
+            n,
+            count=rng.choice([1, 2, 4]),
+            memory_mib=rng.choice([40, 80]) * 1024,
+            replicas=rng.choice([1, 2, 4]),
+            cpu="16",
+        )
+        for n in names
+    ]
+    c = cluster(*nodes)
+    shapes = [
+        ("8Gi", 1, "2"),
+        ("12Gi", 1, "4"),
+        ("20Gi", 1, "2"),
+        ("36Gi", 2, "8"),
+        ("30Gi", 1, "6"),
+    ]
+    mix = {}
+    for i, (size, gpus, cpu) in enumerate(shapes):
+        d = pod_demand(_with_cpu(pod(f"t{i}", size, gpus=gpus), cpu))
+        mix[demand_kind(d)] = rng.randint(1, 9)
+    kept = InlineRule(c, open_cost=0.2)
+    kept.use(mix)
+    placed: list[str] = []
+    for step in range(80):
+        size, gpus, cpu = rng.choice(shapes)
+        d = pod_demand(_with_cpu(pod(f"p{step}", size, gpus=gpus), cpu))
+        sent = None if rng.random() < 0.5 else rng.sample(names, rng.randint(3, len(names)))
+        fresh = InlineRule(c, open_cost=0.2, memo=False)
+        fresh.use(mix)
+        got, want = kept.choose(d, sent), fresh.choose(d, sent)
+        assert got == want, f"step {step}"
+        roll = rng.random()
+        if got is not None and roll < 0.6:
+            res, _, _ = got
+            ann = {
+                "vramsched.io/assignment": json.dumps(
+                    {
+                        "node": res.node,
+                        "devices": list(res.device_ids),
+                        "bytesPerDevice": list(res.bytes_per_device),
+                    }
+                )
+            }
+            p = pod(f"p{step}", size, gpus=gpus, node=res.node, phase="Running", annotations=ann)
+            c.upsert_pod(_with_cpu(p, cpu))
+            placed.append(f"default/p{step}")
+        elif roll < 0.75 and placed:
+            c.delete_pod(placed.pop(rng.randrange(len(placed))))
+        elif roll < 0.9:
+            c.upsert_pod(_cpu_pod(f"cpu{step}", rng.choice(names), rng.choice(["2", "6"])))
+    assert kept.builds == 1 and kept._frag.memo  # one measure throughout, its scores kept
+    assert check_invariant(c.ledger) == []

@@ -132,15 +132,20 @@ class InlineRule:
     reads the ledger and reserves nothing (costs: `benchmarks/plan_ahead.py`).
     """
 
-    def __init__(self, cluster: ClusterState, open_cost: float = 0.0) -> None:
+    def __init__(self, cluster: ClusterState, open_cost: float = 0.0, memo: bool = True) -> None:
         self.cluster = cluster
         self.open_cost = open_cost
+        #: whether the measure keeps its scores between pods (`FragIndex.memo`; off: every
+        #: fitting device scored for every pod, the benchmark's baseline)
+        self.memo = memo
         #: the pod mix to weigh by (None: no choices, the hot path answers)
         self.mix: dict[Kind, int] | None = None
         self._frag: FragIndex | None = None
-        #: the mix the measure was built with, and the ledger position it is current to
+        #: the mix the measure was built with, the ledger position and the nodes' free CPU and
+        #: memory it is current to
         self._built_mix: dict[Kind, int] | None = None
         self._position = 0
+        self._host: tuple[np.ndarray, np.ndarray] | None = None
         self.builds = 0
 
     def use(self, mix: Mapping[Kind, int] | None) -> None:
@@ -156,6 +161,7 @@ class InlineRule:
         ledger = self.cluster.ledger
         cap = Capacity.from_ledger(ledger, self.cluster.cpu_used, self.cluster.memory_used)
         cap.dedupe = False  # nothing keeps its signatures current (see Capacity.dedupe)
+        host, self._host = self._host, (cap.cpu_free.copy(), cap.mem_free.copy())
         if nodes is not None:  # the others get no CPU: no candidate there (`Capacity.fits_host`)
             keep = np.zeros(len(cap.cpu_free), bool)
             keep[[r for r in map(ledger.node_row, nodes) if r is not None]] = True
@@ -164,14 +170,19 @@ class InlineRule:
         rows = None
         if frag is not None and frag.a is cap.arrays and self._built_mix == self.mix:
             rows = ledger.touched_rows_since(self._position)
-        if frag is None or rows is None:
+        if frag is None or rows is None or host is None or len(host[0]) != len(cap.cpu_free):
             workload = Workload.from_counts(self.mix)  # what `BackgroundPlanner.workload` builds
             frag = FragIndex(cap, workload, count_foreign=False, open_cost=self.open_cost)
+            frag.memo = {} if self.memo else None
             self._frag, self._built_mix = frag, self.mix
             self.builds += 1
         else:
+            # the nodes whose GPUs changed, and those whose CPU or memory did (pods without GPUs,
+            # or with GPUs of other schedulers): their scores in the memo go
+            cpu, mem = self._host
+            moved = np.flatnonzero((cpu != host[0]) | (mem != host[1]))
             frag.cap = cap
-            frag.refresh(rows.tolist())
+            frag.refresh(np.union1d(rows, moved).tolist())
         self._position = ledger.position
         return choose(SEQUENTIAL_RULE, cap, demand, frag)
 

@@ -244,5 +244,5 @@ def _fragment(
     alone for the types its node can run now (see the module docstring)."""
     ok = frag.usable(np.full(len(free), g), free, rep_left)
     stranded = np.where(run, ~ok, True)
-    out: np.ndarray = np.maximum(free, 0).astype(np.float64) * (stranded @ frag.w.weight)
+    out: np.ndarray = np.maximum(free, 0) * frag.weigh(stranded) / float(frag.count_total)
     return out

@@ -367,6 +367,8 @@ class Workload:
     limited: list[tuple[str, frozenset[str], int, int]] = field(default_factory=list)
     #: declared bytes and whole devices of every GPU pod (what `limited` is a share of)
     gpu_demand: tuple[int, int] = (0, 0)
+    #: (T,) pods per type, `weight`'s numerators: FragIndex weighs by them in integers
+    count: np.ndarray | None = None
 
     @classmethod
     def from_demands(cls, demands: Iterable[Demand], max_types: int = MAX_TYPES) -> Workload:
@@ -401,6 +403,7 @@ class Workload:
             cpu=np.asarray([k[2] for k, _ in top], np.int64),
             mem=np.asarray([k[3] for k, _ in top], np.int64),
             weight=np.asarray([c / total for _, c in top], np.float64),
+            count=np.asarray([c for _, c in top], np.int64),
             resource=[k[4] for k, _ in top],
             allowed=[k[5] for k, _ in top],
             limited=[(r, al, b, w) for (r, al), (b, w) in limited.items()],
@@ -468,6 +471,12 @@ class FragIndex:
                 a.per_node_sum(resource, np.int64) > 0
             )
         self.pressure = ProductPressure(a, _limited_masks(a, workload))
+        self.count, self.count_total = _integer_weights(a, workload)
+        #: `delta`'s results per pod kind and candidate (its first device row), for a caller
+        #: that passes `refresh` every node changed since, its CPU and memory too (None: not
+        #: kept). `ahead.InlineRule` keeps them: between two of its pods few nodes change, and
+        #: scoring every fitting device of a large cluster was most of its cost.
+        self.memo: dict[Kind, np.ndarray] | None = None
         # A GPU-less type uses no GPU memory, so none of it is a fragment for it while it can run.
         self.gpuless = workload.gpu_count == 0
         self.A = np.zeros((n_nodes, T), np.float64)
@@ -500,9 +509,13 @@ class FragIndex:
             self.A = a.per_node_sum(np.where(ok, 0.0, fpos[:, None]), np.float64)
             self.okc = a.per_node_sum(ok, np.int64)
             self.total = a.per_node_sum(fpos, np.float64)
+            if self.memo is not None:
+                self.memo.clear()
             return
         for n in node_rows:
             lo, hi = int(a.node_start[n]), int(a.node_start[n + 1])
+            for known in self.memo.values() if self.memo is not None else ():
+                known[lo:hi] = np.nan
             free = a.capacity[lo:hi] - a.used[lo:hi]
             ok = self.usable(slice(lo, hi), free, a.replicas[lo:hi] - a.used_replicas[lo:hi])
             fpos = np.maximum(free, 0).astype(np.float64)
@@ -516,18 +529,51 @@ class FragIndex:
             (cpu_free[..., None] >= w.cpu) & (mem_free[..., None] >= w.mem) & (okc >= w.gpu_count)
         )
 
-    def node_frag(self, node_rows: np.ndarray | None = None) -> np.ndarray:
-        """Expected stranded bytes per node (weighted over the workload types)."""
-        rows = slice(None) if node_rows is None else node_rows
+    def weigh(self, frag: np.ndarray) -> np.ndarray:
+        """Sum over the last axis (types) of `frag` (whole bytes, or True/False) times the pods of
+        each type (`count`): the expected stranded bytes times `count_total`.
+
+        In integers, so it is exact: equal placements score equal, on every CPU. A float dot
+        product's rounding depends on the BLAS kernel and on where a row sits in the array; near
+        ties of FGD's measure then went one way on one machine and the other way on another,
+        and the trace's end results moved by up to 18 GPUs of memory."""
+        out: np.ndarray = frag.astype(np.int64) @ self.count
+        return out
+
+    def _node_stranded(self, rows: np.ndarray | slice) -> np.ndarray:
+        """`node_frag` of `rows` times `count_total`, exact."""
         run = self.runnable(self.cap.cpu_free[rows], self.cap.mem_free[rows], self.okc[rows])
-        frag = np.where(run, self.A[rows], self.total[rows][:, None])
+        frag = np.where(run, self.A[rows], self.total[rows][..., None])
         if self.foreign is not None:
             frag = np.where(self.foreign[rows], 0.0, frag)
-        out: np.ndarray = frag @ self.w.weight
+        return self.weigh(frag)
+
+    def node_frag(self, node_rows: np.ndarray | None = None) -> np.ndarray:
+        """Expected stranded bytes per node (weighted over the workload types)."""
+        out: np.ndarray = self._node_stranded(
+            slice(None) if node_rows is None else node_rows
+        ) / float(self.count_total)
         return out
 
     def delta(self, cand: Candidates, demand: Demand) -> np.ndarray:
-        """Change of expected stranded bytes on the candidate's node if the pod went there."""
+        """Change of expected stranded bytes on the candidate's node if the pod went there (from
+        `memo` where kept)."""
+        if self.memo is None or not len(cand) or cand.devices.shape[1] == 0:
+            return self._delta(cand, demand)
+        key = demand_kind(demand)
+        known = self.memo.get(key)
+        if known is None:
+            if len(self.memo) >= MEMO_KINDS:
+                self.memo.clear()
+            known = self.memo[key] = np.full(len(self.a.capacity), np.nan)
+        first = cand.devices[:, 0]
+        out: np.ndarray = known[first]
+        miss = np.flatnonzero(np.isnan(out))
+        if len(miss):
+            out[miss] = known[first[miss]] = self._delta(cand.take(miss), demand)
+        return out
+
+    def _delta(self, cand: Candidates, demand: Demand) -> np.ndarray:
         a = self.a
         n = cand.node
         A = self.A[n].copy()
@@ -551,9 +597,29 @@ class FragIndex:
         frag = np.where(self.runnable(cpu2, mem2, okc), A, total[:, None])
         if self.foreign is not None:
             frag = np.where(self.foreign[n], 0.0, frag)
-        after = frag @ self.w.weight
-        out: np.ndarray = after - self.node_frag(n)
+        out: np.ndarray = (self.weigh(frag) - self._node_stranded(n)) / float(self.count_total)
         return out
+
+
+#: pod kinds `FragIndex.memo` keeps at most (a device row's float each)
+MEMO_KINDS = 32
+
+
+def _integer_weights(a: DeviceArrays, workload: Workload) -> tuple[np.ndarray, int]:
+    """The workload's pods per type for `FragIndex.weigh`, and their sum, scaled down (in the same
+    proportions, each at least 1) when a node's whole memory times the sum could overflow 62
+    bits."""
+    count = (
+        workload.count.astype(np.int64)
+        if workload.count is not None
+        else np.rint(workload.weight * 1e6).astype(np.int64)
+    )
+    count = np.maximum(count, 1)
+    node_max = int(a.per_node_sum(np.maximum(a.capacity, 0), np.int64).max(initial=0))
+    limit = (1 << 62) // max(node_max, 1)
+    if int(count.sum()) > limit:
+        count = np.maximum(np.floor(count * (limit / (2 * int(count.sum())))), 1).astype(np.int64)
+    return count, int(count.sum())
 
 
 def _limited_masks(a: DeviceArrays, workload: Workload) -> list[tuple[np.ndarray, float]]:
