@@ -243,3 +243,23 @@ def test_open_gpu_cost_must_be_a_finite_number_at_least_zero(bad: float) -> None
     _, cap = build_capacity([gpu_node("n0", count=1, memory_mib=80 * 1024, replicas=4)])
     with pytest.raises(ValueError, match="open_cost"):
         FragIndex(cap, Workload.from_demands([demand("w", 10)]), open_cost=bad)
+
+
+def test_fgd_measure_weighs_in_integers_and_scales_counts_that_would_overflow():
+    """The measure is weighed by pods per type in int64 (exact on every machine); a pod count
+    that, times a node's memory, would pass 62 bits is scaled down in proportion, and the measure
+    stays what the float shares give."""
+    cap, _, pod = cpu_starved_case()
+    kinds = [demand("w8cpu", 10, cpu=8000), demand("w15", 15)]
+    base = Workload.from_demands(kinds)
+    huge = Workload.from_demands(kinds)
+    huge.count = np.asarray([3 * 10**12, 10**12], np.int64)  # weights as counted: 3 to 1
+    huge.weight = huge.count / huge.count.sum()
+    for w in (base, huge):
+        frag = FragIndex(cap, w)
+        assert frag.count.dtype == np.int64
+        assert frag.count_total * 80 * GIB < 1 << 62  # a node's memory times it fits int64
+        run = frag.runnable(cap.cpu_free, cap.mem_free, frag.okc)
+        want = np.where(run, frag.A, frag.total[:, None]) @ w.weight
+        np.testing.assert_allclose(frag.node_frag(), want, rtol=1e-6)
+    assert FragIndex(cap, huge).count.tolist() != huge.count.tolist()  # it was scaled
