@@ -535,8 +535,9 @@ class FragIndex:
 
         In integers, so it is exact: equal placements score equal, on every CPU. A float dot
         product's rounding depends on the BLAS kernel and on where a row sits in the array; near
-        ties of FGD's measure then went one way on one machine and the other way on another,
-        and the trace's end results moved by up to 18 GPUs of memory."""
+        ties of FGD's measure then went one way on one machine and the other way on another (a
+        row-wise float sum instead of the dot product moved FGD's end result on one trace list
+        by 18 GPUs of memory)."""
         out: np.ndarray = frag.astype(np.int64) @ self.count
         return out
 
