@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from extender.assignment import encode_assignment
 from extender.cluster import ClusterState
 from extender.demand import Demand, pod_demand
 from extender.embedded import EmbeddedBinder
@@ -115,21 +115,13 @@ def _after_binds(c: ClusterState, rule: InlineRule, demand: Demand, repeat: int)
         assert got is not None and got[0] is not None
         res = got[0]
         name = f"bound-{id(rule)}-{i}"
-        assignment = {
-            "node": res.node,
-            "devices": list(res.device_ids),
-            "bytesPerDevice": list(res.bytes_per_device),
-        }
         bound: dict[str, Any] = {
             "kind": "Pod",
             "metadata": {
                 "name": name,
                 "namespace": "bench",
                 "uid": name,
-                "annotations": {
-                    "vramsched.io/model-memory": "16Gi",
-                    "vramsched.io/assignment": json.dumps(assignment),
-                },
+                "annotations": {"vramsched.io/model-memory": "16Gi", **encode_assignment(res)},
             },
             "spec": {**POD["spec"], "nodeName": res.node},
             "status": {"phase": "Running"},

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import pytest
 from builders import assigned, cluster, gpu_node, pod
 
+from extender.assignment import encode_assignment
 from extender.demand import pod_demand
 from extender.embedded import EmbeddedBinder
 from extender.ledger import check_invariant
@@ -388,15 +388,7 @@ def test_the_inline_rule_s_kept_scores_choose_what_scores_made_afresh_choose(see
         roll = rng.random()
         if got is not None and roll < 0.6:
             res, _, _ = got
-            ann = {
-                "vramsched.io/assignment": json.dumps(
-                    {
-                        "node": res.node,
-                        "devices": list(res.device_ids),
-                        "bytesPerDevice": list(res.bytes_per_device),
-                    }
-                )
-            }
+            ann = encode_assignment(res)
             p = pod(f"p{step}", size, gpus=gpus, node=res.node, phase="Running", annotations=ann)
             c.upsert_pod(_with_cpu(p, cpu))
             placed.append(f"default/p{step}")

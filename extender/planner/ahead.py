@@ -161,7 +161,7 @@ class InlineRule:
         ledger = self.cluster.ledger
         cap = Capacity.from_ledger(ledger, self.cluster.cpu_used, self.cluster.memory_used)
         cap.dedupe = False  # nothing keeps its signatures current (see Capacity.dedupe)
-        host, self._host = self._host, (cap.cpu_free.copy(), cap.mem_free.copy())
+        before, self._host = self._host, (cap.cpu_free.copy(), cap.mem_free.copy())
         if nodes is not None:  # the others get no CPU: no candidate there (`Capacity.fits_host`)
             keep = np.zeros(len(cap.cpu_free), bool)
             keep[[r for r in map(ledger.node_row, nodes) if r is not None]] = True
@@ -170,7 +170,7 @@ class InlineRule:
         rows = None
         if frag is not None and frag.a is cap.arrays and self._built_mix == self.mix:
             rows = ledger.touched_rows_since(self._position)
-        if frag is None or rows is None or host is None or len(host[0]) != len(cap.cpu_free):
+        if frag is None or rows is None or before is None or len(before[0]) != len(cap.cpu_free):
             workload = Workload.from_counts(self.mix)  # what `BackgroundPlanner.workload` builds
             frag = FragIndex(cap, workload, count_foreign=False, open_cost=self.open_cost)
             frag.memo = {} if self.memo else None
@@ -180,7 +180,7 @@ class InlineRule:
             # the nodes whose GPUs changed, and those whose CPU or memory did (pods without GPUs,
             # or with GPUs of other schedulers): their scores in the memo go
             cpu, mem = self._host
-            moved = np.flatnonzero((cpu != host[0]) | (mem != host[1]))
+            moved = np.flatnonzero((cpu != before[0]) | (mem != before[1]))
             frag.cap = cap
             frag.refresh(np.union1d(rows, moved).tolist())
         self._position = ledger.position
