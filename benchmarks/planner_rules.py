@@ -5,6 +5,7 @@ same run.
     .venv/bin/python benchmarks/planner_rules.py variants     # 12 lists x 3 node orders + llm-mixed
     .venv/bin/python benchmarks/planner_rules.py models       # lists with model-limited pods
     .venv/bin/python benchmarks/planner_rules.py whole-nodes --lists gpushare40 cpu050
+    .venv/bin/python benchmarks/planner_rules.py profile --lists gpushare40 cpu050
     .venv/bin/python benchmarks/planner_rules.py open-cost    # every list, both inflations
     .venv/bin/python benchmarks/planner_rules.py portfolio    # 12 lists, inflate 1.3, file order
     .venv/bin/python benchmarks/planner_rules.py portfolio --lists default gpuspec05 --shuffle-nodes 1
@@ -25,6 +26,12 @@ inflation, in the file's node order and `--shuffle-orders` shuffled ones, the pl
 pods leave alone the last nodes where the workload's largest multi-GPU pods still fit (FGD's
 workload profile keeps the most common pod types only, and those pods are rarely among them), next
 to the shipped planner and the same baselines.
+
+**profile** (`PROFILE_VARIANTS`): on the lists given, at inflate 1.3 and without inflation, in
+the file's node order and `--shuffle-orders` shuffled ones, the planner whose workload profile
+(FGD's most common pod types, weighted by pods) also holds multi-GPU pod types weighted by the
+GPUs they ask: those of the list's largest pods, or all of them. Next to the shipped planner and
+the same baselines, which keep FGD's profile.
 
 **open-cost** (`OPEN_COSTS`): on the lists given, at inflate 1.3 and without inflation, in the
 file's node order and `--shuffle-orders` shuffled ones, the planner with `--open-gpu-cost` (a
@@ -54,6 +61,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -68,7 +76,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import trace_packing as tp
 
 from extender.demand import Demand, PodRef
-from extender.planner.capacity import Candidates, Capacity, FragIndex, Workload, candidates
+from extender.planner.capacity import (
+    MAX_TYPES,
+    Candidates,
+    Capacity,
+    FragIndex,
+    Workload,
+    candidates,
+    demand_kind,
+)
 from extender.planner.greedy import (
     FGD_TOLERANCE,
     GPULESS_TOLERANCE,
@@ -83,7 +99,7 @@ from extender.planner.greedy import (
     packed_pick,
 )
 from extender.simulate.engine import run_policy
-from extender.simulate.trace import gpu_units, inflate
+from extender.simulate.trace import gpu_units, inflate, read_inputs
 
 RULES = ("fgd-packed", "fgd")
 CHECKPOINTS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -382,6 +398,26 @@ def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
 #: `whole_nodes`
 WHOLE_NODE_VARIANTS = {"keep-one": "one", "keep-share": "share"}
 
+#: multi-GPU pod types added to the planner's workload profile, weighted by GPUs asked: name ->
+#: which (`by_gpus`)
+PROFILE_VARIANTS = {"largest-by-gpus": "largest", "multi-by-gpus": "multi"}
+
+
+def by_gpus(demands: Sequence[Demand], which: str) -> Workload:
+    """FGD's profile (the most common types, weighted by pods) plus the multi-GPU types, each
+    counted as pods x GPUs: of the largest pods (`which` "largest") or of every multi-GPU pod
+    ("multi"). FGD's profile rarely holds a multi-GPU type, so its measure keeps no node whole
+    for them."""
+    counts = Counter(demand_kind(d) for d in demands)
+    top = dict(counts.most_common(MAX_TYPES))
+    largest = max((k[0] for k in counts), default=0)
+    for kind, n in counts.items():
+        gpus = kind[0]
+        if gpus >= 2 and (which == "multi" or gpus == largest):
+            top[kind] = n * gpus
+    return Workload.from_counts(top, max_types=len(top))
+
+
 #: the baselines the planner must not trail
 BASELINES = ("fgd", "first-fit", "best-fit", "hot-path")
 
@@ -464,6 +500,22 @@ def whole_nodes_on_list(job: tuple[str, float, int | None]) -> dict:
         "largestPod": largest,
         "allocatedGpus": got,
     }
+
+
+def profile_on_list(job: tuple[str, float, int | None]) -> dict:
+    """Baselines, the shipped planner and `PROFILE_VARIANTS` on one list, inflation and node
+    order; the profiles count the list's pods before inflation, as FGD's does."""
+    pod_list, factor, shuffle = job
+    loaded = tp.load(pod_list, factor, shuffle)
+    _, listed, _ = read_inputs(
+        tp.TRACES / tp.NODE_LIST, tp.TRACES / f"openb_pod_list_{pod_list}.csv"
+    )
+    got = {b: _allocated(loaded, b) for b in BASELINES}
+    got["planner"] = _allocated(loaded, "planner")
+    for name, which in PROFILE_VARIANTS.items():
+        profile = by_gpus([t.demand for t in listed], which)
+        got[f"planner/{name}"] = _allocated((*loaded[:4], profile), "planner")
+    return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
 
 
 def models_table(runs: list[dict], variants: Sequence[str] = tuple(MODEL_VARIANTS)) -> str:
@@ -586,7 +638,9 @@ def _write(path: Path, start: float, body: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["variants", "models", "whole-nodes", "open-cost", "portfolio"])
+    ap.add_argument(
+        "mode", choices=["variants", "models", "whole-nodes", "profile", "open-cost", "portfolio"]
+    )
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument(
@@ -596,7 +650,7 @@ def main() -> int:
         "--shuffle-orders",
         type=int,
         default=2,
-        help="variants, models, whole-nodes, open-cost: shuffled node orders 1..N",
+        help="variants, models, whole-nodes, profile, open-cost: shuffled node orders 1..N",
     )
     ap.add_argument("--inflate", type=float, default=1.3, help="portfolio")
     ap.add_argument("--shuffle-nodes", type=int, default=None, help="portfolio")
@@ -627,6 +681,7 @@ def main() -> int:
     per_run = {
         "open-cost": (open_cost_on_list, [f"open-{c:g}" for c in OPEN_COSTS]),
         "whole-nodes": (whole_nodes_on_list, list(WHOLE_NODE_VARIANTS)),
+        "profile": (profile_on_list, list(PROFILE_VARIANTS)),
     }
     if args.mode in per_run:
         job, variants = per_run[args.mode]
