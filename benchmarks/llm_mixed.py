@@ -229,7 +229,8 @@ def run(
 ) -> list[PolicyResult]:
     """Every policy on the scenario, or on its first `pods` pods (the same stream, stopped
     earlier: a lighter load); `planner+repack` once per repack search time limit, labelled with
-    it unless it is the default. `profile`: `run_policy`'s."""
+    it unless it is the default, and once with `OPEN_GPU_COST` (`REPACK_OPEN_LABEL`); the
+    planner also with it (`OPEN_LABEL`). `profile`: `run_policy`'s."""
     nodes, tasks, bound = read_inputs(SCENARIO, SCENARIO)
     tasks = tasks[:pods]
     workload = Workload.from_demands(t.demand for t in tasks)
@@ -244,6 +245,19 @@ def run(
                 r = replace(r, policy=f"{policy}, {limit:g} s per search")
             print(f"  {r.policy}: done in {r.seconds:.1f}s", file=sys.stderr, flush=True)
             out.append(r)
+        if policy == "planner+repack":
+            out.append(
+                run_labelled(
+                    REPACK_OPEN_LABEL,
+                    nodes,
+                    tasks,
+                    bound,
+                    workload,
+                    time_limit,
+                    move_budget,
+                    profile=profile,
+                )
+            )
         if policy == "planner":
             out.append(
                 run_labelled(OPEN_LABEL, nodes, tasks, bound, workload, time_limit, profile=profile)
