@@ -410,10 +410,10 @@ def by_gpus(demands: Sequence[Demand], which: str) -> Workload:
     for them."""
     counts = Counter(demand_kind(d) for d in demands)
     top = dict(counts.most_common(MAX_TYPES))
-    largest = max((k[0] for k in counts), default=0)
+    largest = largest_pods(demands)
     for kind, n in counts.items():
         gpus = kind[0]
-        if gpus >= 2 and (which == "multi" or gpus == largest):
+        if gpus >= 2 and (which == "multi" or (largest is not None and gpus == largest[0])):
             top[kind] = n * gpus
     return Workload.from_counts(top, max_types=len(top))
 
@@ -510,10 +510,11 @@ def profile_on_list(job: tuple[str, float, int | None]) -> dict:
     _, listed, _ = read_inputs(
         tp.TRACES / tp.NODE_LIST, tp.TRACES / f"openb_pod_list_{pod_list}.csv"
     )
+    demands = [t.demand for t in listed]
     got = {b: _allocated(loaded, b) for b in BASELINES}
     got["planner"] = _allocated(loaded, "planner")
     for name, which in PROFILE_VARIANTS.items():
-        profile = by_gpus([t.demand for t in listed], which)
+        profile = by_gpus(demands, which)
         got[f"planner/{name}"] = _allocated((*loaded[:4], profile), "planner")
     return {"podList": pod_list, "inflate": factor, "shuffleNodes": shuffle, "allocatedGpus": got}
 
