@@ -38,10 +38,10 @@ file's node order and `--shuffle-orders` shuffled ones, the planner with `--open
 charge per idle GPU a placement opens, `FragIndex.open_cost`), next to the shipped planner and
 the same baselines: what the option costs where the cluster is overloaded.
 
-**portfolio**: on the Alibaba trace FGD allocates the most memory on a few lists and
-`fgd-packed` (the planner's rule) on the rest (docs/packing.md). A scheduler that could tell
-which list it is on would never be behind either. Two ways to tell, with the information a live
-planner has (the pods seen so far), against both rules in the same run:
+**portfolio**: FGD and `fgd-packed` (the planner's rule) each run as a one-pod policy; a
+scheduler that could tell which of them wins on the list it is on would never be behind either
+(with an earlier rule each won on some lists; docs/packing.md). Two ways to tell, with the
+information a live planner has (the pods seen so far), against both rules in the same run:
 
 - **rollout**: at checkpoints of allocated memory (`--checkpoints`, fractions of capacity), replay
   the pods seen so far, in order and repeated until they ask `--depth` x the free GPUs, from the
@@ -65,7 +65,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -101,6 +103,7 @@ from extender.planner.greedy import (
 from extender.simulate.engine import run_policy
 from extender.simulate.trace import gpu_units, inflate, read_inputs
 
+T = TypeVar("T")
 RULES = ("fgd-packed", "fgd")
 CHECKPOINTS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 RESULTS = ROOT / "benchmarks" / "results"
@@ -422,7 +425,7 @@ def by_gpus(demands: Sequence[Demand], which: str) -> Workload:
 BASELINES = ("fgd", "first-fit", "best-fit", "hot-path")
 
 
-def _with_rule(rule: str | RuleFn, run) -> object:
+def _with_rule(rule: str | RuleFn, run: Callable[[], T]) -> T:
     """`run()` with the planner's one-pod rule (its single pods, reference plans and repack
     placements all look up "fgd-packed") replaced by `rule`: a name in `VARIANTS`, "shipped" or
     a rule."""
@@ -528,7 +531,7 @@ def models_table(runs: list[dict], variants: Sequence[str] = tuple(MODEL_VARIANT
     ]
     for factor in sorted({r["inflate"] for r in runs}, reverse=True):
         these = [r for r in runs if r["inflate"] == factor]
-        margins = {r: [] for r in rules}
+        margins: dict[str, list[float]] = {r: [] for r in rules}
         for run in these:
             g = run["allocatedGpus"]
             best = max(g[b] for b in BASELINES)
@@ -585,7 +588,8 @@ def variants_llm_mixed(_: object = None) -> dict:
         ("planner", "planner", "shipped"),
         *[(f"planner/{v}", "planner", v) for v in VARIANTS],
     ]:
-        (r,) = _with_rule(rule, lambda p=policy: llm_mixed.run([p], 0.25))
+        # run() adds the charged planner after "planner"; the first result is the policy's
+        r = _with_rule(rule, partial(llm_mixed.run, [policy], 0.25))[0]
         out["placed"][label] = r.placed
         out["allocatedGiB"][label] = round(r.allocatedMemoryBytes / 2**30, 1)
     return out
@@ -706,7 +710,7 @@ def main() -> int:
         print(variants_table(runs, llm_result))
         _write(out, start, {"runs": runs, "llmMixed": llm_result})
         return 0
-    jobs = [
+    portfolio_jobs = [
         (
             x,
             args.inflate,
@@ -718,7 +722,7 @@ def main() -> int:
         for x in lists
     ]
     with ProcessPoolExecutor(args.workers) as pool:
-        runs = list(pool.map(one_list, jobs))
+        runs = list(pool.map(one_list, portfolio_jobs))
     print(table(runs))
     _write(out, start, {"runs": runs})
     return 0
