@@ -583,13 +583,16 @@ def variants_llm_mixed(_: object = None) -> dict:
     import llm_mixed
 
     out: dict = {"scenario": "llm-mixed", "placed": {}, "allocatedGiB": {}}
+    nodes, tasks, bound = read_inputs(llm_mixed.SCENARIO, llm_mixed.SCENARIO)
+    workload = Workload.from_demands(t.demand for t in tasks)
     for label, policy, rule in [
         *[(b, b, "shipped") for b in BASELINES],
         ("planner", "planner", "shipped"),
         *[(f"planner/{v}", "planner", v) for v in VARIANTS],
     ]:
-        # run() adds the charged planner after "planner"; the first result is the policy's
-        r = _with_rule(rule, partial(llm_mixed.run, [policy], 0.25))[0]
+        r = _with_rule(
+            rule, partial(llm_mixed.run_labelled, policy, nodes, tasks, bound, workload, 0.25)
+        )
         out["placed"][label] = r.placed
         out["allocatedGiB"][label] = round(r.allocatedMemoryBytes / 2**30, 1)
     return out
