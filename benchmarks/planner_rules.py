@@ -40,7 +40,7 @@ the same baselines: what the option costs where the cluster is overloaded.
 
 **portfolio**: FGD and `fgd-packed` (the planner's rule) each run as a one-pod policy; a
 scheduler that could tell which of them wins on the list it is on would never be behind either
-(with an earlier rule each won on some lists; docs/packing.md). Two ways to tell, with the
+(with an earlier rule each won on some lists; docs/benchmarks/packing-experiments.md). Two ways to tell, with the
 information a live planner has (the pods seen so far), against both rules in the same run:
 
 - **rollout**: at checkpoints of allocated memory (`--checkpoints`, fractions of capacity), replay
@@ -52,7 +52,7 @@ information a live planner has (the pods seen so far), against both rules in the
   whether an early choice would be right.
 
 Results go to benchmarks/results/planner_rules_<mode>.json and a table is printed. Why none of
-them is the planner's rule: docs/packing.md, "What else was measured and not shipped".
+them is the planner's rule: docs/benchmarks/packing-experiments.md (open-cost: docs/packing.md).
 """
 
 from __future__ import annotations
