@@ -19,6 +19,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,9 +64,9 @@ def choices(pod_list: str, budget: float, time_limit: float) -> dict:
     placed = Counter(demand_kind(d) for d in r.placedAtEnd or () if d.pod.key in later_keys)
     arrived = Counter(demand_kind(d) for d in later if d.gpu_count > 0)
     capacity = r.capacityMemoryBytes
-    rows = []
+    rows: list[dict[str, Any]] = []
     for kind, n in arrived.items():
-        gpus, per, cpu = int(kind[0]), int(kind[1]), int(kind[2])  # type: ignore[call-overload]
+        gpus, per, cpu = int(kind[0]), int(kind[1]), int(kind[2])
         gpu_mib = gpus * (tp.GPU_MIB if per < 0 else per) / (1 << 20)
         rows.append(
             {

@@ -495,7 +495,7 @@ def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
     from extender.service import ExtenderService
     from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
-    nodes = [
+    nodes: list[dict[str, Any]] = [
         {
             "kind": "Node",
             "metadata": {"name": f"a100-{i}", "labels": node_labels(False)},
@@ -516,16 +516,14 @@ def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
     names = [n["metadata"]["name"] for n in nodes]
     loop = asyncio.new_event_loop()
     for i, (name, gib, gpus) in enumerate(pods):
-        body = dict(pod_body(name, gib, gpus), kind="Pod")
+        body: dict[str, Any] = {**pod_body(name, gib, gpus), "kind": "Pod"}
         body["metadata"]["uid"] = f"uid-{i}"
         c.upsert_pod(body)
         feasible = svc.filter(ExtenderArgs(Pod=body, NodeNames=names)).NodeNames or []
         if not feasible:
             continue
-        scores = svc.prioritize(ExtenderArgs(Pod=body, NodeNames=feasible))
-        scores = scores.to_list() if hasattr(scores, "to_list") else scores
-        best = max(scores, key=lambda h: h.Score if hasattr(h, "Score") else h["Score"])
-        host = best.Host if hasattr(best, "Host") else best["Host"]
+        scores = svc.prioritize(ExtenderArgs(Pod=body, NodeNames=list(feasible)))
+        host = max(scores, key=lambda h: h.Score).Host
         loop.run_until_complete(
             svc.bind(
                 ExtenderBindingArgs(
@@ -534,7 +532,7 @@ def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
             )
         )
     loop.close()
-    bound = [p for p in c.pods.values() if (p.get("spec") or {}).get("nodeName")]
+    bound = [dict(p) for p in c.pods.values() if (p.get("spec") or {}).get("nodeName")]
     return {
         "placed": len(bound),
         "placedTwoGpu": two_gpu(bound),
@@ -917,15 +915,16 @@ def kubelet_allocate(
 
             def serving() -> bool:
                 n = core.read_node(name)
-                raw = (n.metadata.annotations or {}).get(STATE_ANNOTATION)
-                alloc = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+                meta, status = n.metadata, n.status
+                raw = ((meta and meta.annotations) or {}).get(STATE_ANNOTATION)
+                alloc = int(((status and status.allocatable) or {}).get("nvidia.com/gpu", "0"))
                 return bool(raw and decode_state(raw).registered and alloc == slots)
 
             cp.wait_for(serving, timeout=90, message="plugin serving")
             held: list[str] = []
             made = 0
             for _ in range(rounds):
-                fresh = []
+                fresh: list[str] = []
                 while len(held) + len(fresh) < slots:
                     pod = pod_body(f"k{made:04d}", rng.randint(7, 20), 1)
                     pod["spec"]["nodeSelector"] = {"vramsched.io/device-plugin": "true"}
@@ -937,7 +936,8 @@ def kubelet_allocate(
                         command=["sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
                     )
                     c["resources"]["requests"] = {"cpu": "1m", "memory": "4Mi"}
-                    core.create_namespaced_pod("default", pod)
+                    # the client serialises a plain dict body as it does a V1Pod
+                    core.create_namespaced_pod("default", pod)  # type: ignore[arg-type]
                     fresh.append(pod["metadata"]["name"])
                     made += 1
                     if paced:

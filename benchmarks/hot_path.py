@@ -63,7 +63,7 @@ def bench(
     names_json = orjson.dumps([n["metadata"]["name"] for n in node_objs])
     rng = random.Random(seed)
     loop = asyncio.new_event_loop()
-    cpu = {v: [] for v in VERBS}
+    cpu: dict[str, list[float]] = {v: [] for v in VERBS}
     clock = time.process_time
 
     def cycle(i: int, record: bool) -> None:

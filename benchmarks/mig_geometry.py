@@ -105,7 +105,7 @@ def build_cluster(seed: int, n_pending: int) -> list[dict]:
             objs.append(
                 {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
             )
-            ordinal = Counter()
+            ordinal: Counter[str] = Counter()
             for g in range(GPUS_PER_NODE):
                 if rng.random() >= BUSY_GPU_SHARE:
                     continue
