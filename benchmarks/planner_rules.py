@@ -370,22 +370,30 @@ def largest_pods(demands: Sequence[Demand]) -> tuple[int, float] | None:
 def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
     """The shipped rule, except that a GPU pod smaller than the list's largest (`largest`: K GPUs
     and their share, `largest_pods`) does not take a node's last K idle GPUs while few nodes
-    have them, when it fits elsewhere. `reserve` "one": keep one such node; "share": keep as many
-    as the largest pods' share of the GPUs asked, applied to the idle GPUs, would fill."""
+    have them, when it fits elsewhere. `reserve` "one": keep one such node; "one-open": the same
+    until a GPU pod first fits nowhere (the cluster is full: a node kept whole from then on only
+    turns pods away); "share": keep as many as the largest pods' share of the GPUs asked, applied
+    to the idle GPUs, would fill. The rule is made for one replay: "one-open" remembers."""
+    failed = False
 
     def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
-        if demand.gpu_count == 0 or largest is None or demand.gpu_count >= largest[0]:
-            return SHIPPED(cap, demand, frag)
+        nonlocal failed
+        done = failed and reserve == "one-open"
+        if demand.gpu_count == 0 or largest is None or demand.gpu_count >= largest[0] or done:
+            got = SHIPPED(cap, demand, frag)
+            failed = failed or (got is None and demand.gpu_count > 0)
+            return got
         assert frag is not None
         k, share = largest
         c = candidates(cap, demand)
         if len(c) == 0:
+            failed = True
             return None
         c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
         a = cap.arrays
         idle = a.used_replicas == 0
         per_node = a.per_node_sum(idle.astype(np.int64))
-        keep = 1.0 if reserve == "one" else share * float(idle.sum()) / k
+        keep = share * float(idle.sum()) / k if reserve == "share" else 1.0
         if (per_node >= k).sum() - 1 < keep:
             left = per_node[c.node] - idle[c.devices].sum(axis=1)
             breaks = (per_node[c.node] >= k) & (left < k)
@@ -399,7 +407,7 @@ def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
 
 #: the planner's rule keeping whole nodes for the largest multi-GPU pods: name -> `reserve` of
 #: `whole_nodes`
-WHOLE_NODE_VARIANTS = {"keep-one": "one", "keep-share": "share"}
+WHOLE_NODE_VARIANTS = {"keep-one": "one", "keep-one-open": "one-open", "keep-share": "share"}
 
 #: multi-GPU pod types added to the planner's workload profile, weighted by GPUs asked: name ->
 #: which (`by_gpus`)
