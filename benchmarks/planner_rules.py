@@ -30,8 +30,9 @@ to the shipped planner and the same baselines.
 **profile** (`PROFILE_VARIANTS`): on the lists given, at inflate 1.3 and without inflation, in
 the file's node order and `--shuffle-orders` shuffled ones, the planner whose workload profile
 (FGD's most common pod types, weighted by pods) also holds multi-GPU pod types weighted by the
-GPUs they ask: those of the list's largest pods, or all of them. Next to the shipped planner and
-the same baselines, which keep FGD's profile.
+GPUs they ask: those of the list's largest pods, or all of them; or holds every pod type of the
+list, weighted by pods. Next to the shipped planner and the same baselines, which keep FGD's
+profile.
 
 **open-cost** (`OPEN_COSTS`): on the lists given, at inflate 1.3 and without inflation, in the
 file's node order and `--shuffle-orders` shuffled ones, the planner with `--open-gpu-cost` (a
@@ -409,17 +410,19 @@ def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
 #: `whole_nodes`
 WHOLE_NODE_VARIANTS = {"keep-one": "one", "keep-one-open": "one-open", "keep-share": "share"}
 
-#: multi-GPU pod types added to the planner's workload profile, weighted by GPUs asked: name ->
-#: which (`by_gpus`)
-PROFILE_VARIANTS = {"largest-by-gpus": "largest", "multi-by-gpus": "multi"}
+#: multi-GPU pod types added to the planner's workload profile, weighted by GPUs asked, or every
+#: type of the list weighted by pods: name -> which (`by_gpus`)
+PROFILE_VARIANTS = {"largest-by-gpus": "largest", "multi-by-gpus": "multi", "all-types": "all"}
 
 
 def by_gpus(demands: Sequence[Demand], which: str) -> Workload:
     """FGD's profile (the most common types, weighted by pods) plus the multi-GPU types, each
     counted as pods x GPUs: of the largest pods (`which` "largest") or of every multi-GPU pod
-    ("multi"). FGD's profile rarely holds a multi-GPU type, so its measure keeps no node whole
-    for them."""
+    ("multi"); or every type of the list, weighted by pods (`which` "all"). FGD's profile rarely
+    holds a multi-GPU type, so its measure keeps no node whole for them."""
     counts = Counter(demand_kind(d) for d in demands)
+    if which == "all":
+        return Workload.from_counts(counts, max_types=len(counts))
     top = dict(counts.most_common(MAX_TYPES))
     largest = largest_pods(demands)
     for kind, n in counts.items():
