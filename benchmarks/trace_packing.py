@@ -27,6 +27,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,6 +334,47 @@ def summary_markdown(body: dict) -> str:
     return "\n".join(out)
 
 
+def order_spread(bodies: Sequence[dict], policies: Sequence[str] = ("fgd", "planner")) -> str:
+    """Per pod list and inflation found in every node order of `bodies` (result files, one or more
+    per order; churn runs left out): each policy's GPU memory allocated in each order and its
+    spread, the largest minus the smallest (markdown), then the spread's median and maximum per
+    policy. For FGD, whose measure does not depend on the node order, another order changes only
+    which of exactly equal placements comes first: its spread is what such a change moves."""
+    got: dict[tuple[str, float], dict[int | None, dict[str, float]]] = {}
+    for body in bodies:
+        for r in body["runs"]:
+            if r.get("churn"):
+                continue
+            by_order = got.setdefault((r["podList"], r["inflate"]), {})
+            alloc = {p: v["allocatedMemoryBytes"] / GPU_MIB for p, v in r["policies"].items()}
+            by_order.setdefault(r.get("shuffleNodes"), {}).update(alloc)
+    orders = sorted({o for by in got.values() for o in by}, key=lambda o: -1 if o is None else o)
+    names = ["file" if o is None else f"order {o}" for o in orders]
+    head = ["pod list", "inflate"]
+    for p in policies:
+        head += [f"{p}: {n}" for n in names] + [f"{p}: spread"]
+    out = ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * (len(head) - 2)]
+    spreads: dict[str, list[float]] = {p: [] for p in policies}
+    for (pod_list, factor), by in sorted(got.items()):
+        if any(o not in by or any(p not in by[o] for p in policies) for o in orders):
+            continue
+        cells = [pod_list, f"{factor:g}" if factor else "none"]
+        for p in policies:
+            values = [by[o][p] for o in orders]
+            spreads[p].append(max(values) - min(values))
+            cells += [f"{v:.2f}" for v in values] + [f"{spreads[p][-1]:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    for p in policies:
+        v = sorted(spreads[p])
+        if v:
+            median = (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
+            out.append(
+                f"{p}: spread over {len(v)} lists x inflations: median {median:.2f}, max {v[-1]:.2f}"
+            )
+    return "\n".join(out)
+
+
 def repack_table(body: dict) -> str:
     """Per run with a budget curve (markdown): FGD, the best baseline, planner+repack at each move
     budget (pods moved), its gain over FGD at the run's own budget, and the bounds: from the
@@ -553,6 +595,13 @@ def main() -> int:
         help="draw one PNG per run of an existing --out file (and the budget curves) and exit",
     )
     ap.add_argument(
+        "--order-spread",
+        nargs="+",
+        metavar="FILE",
+        help="print, per pod list and inflation found in every node order of these result files, "
+        "FGD's and the planner's GPU memory allocated per order and its spread, and exit",
+    )
+    ap.add_argument(
         "--merge",
         nargs="+",
         metavar="FILE",
@@ -571,6 +620,9 @@ def main() -> int:
         return 0
     if args.plots:
         plots(json.loads(Path(args.out).read_text()), Path(args.out).parent)
+        return 0
+    if args.order_spread:
+        print(order_spread([json.loads(Path(f).read_text()) for f in args.order_spread]))
         return 0
     if args.merge:
         parts = [json.loads(Path(f).read_text()) for f in args.merge]
