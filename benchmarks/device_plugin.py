@@ -62,6 +62,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,7 @@ def node_labels(served: bool) -> dict[str, str]:
 Hold = tuple[str, list[int], int]
 
 
-def declared_per_gpu(pod: dict[str, Any]) -> int:
+def declared_per_gpu(pod: Mapping[str, Any]) -> int:
     """The pod's own declaration, not vramsched's books: its vramsched.io/model-memory over
     the GPUs its container asks for."""
     declared = kubernetes.utils.parse_quantity(
@@ -194,7 +195,7 @@ def stock_worst_case(holds: list[Hold]) -> dict[str, Any]:
     }
 
 
-def assigned_holds(pods: list[dict[str, Any]]) -> list[Hold]:
+def assigned_holds(pods: Sequence[Mapping[str, Any]]) -> list[Hold]:
     """Bound pods with the GPUs of their vramsched.io/assignment (embedded mode and NVIDIA's
     plugin: nothing else says which GPU a pod has)."""
     out = []
@@ -207,7 +208,7 @@ def assigned_holds(pods: list[dict[str, Any]]) -> list[Hold]:
     return out
 
 
-def two_gpu(pods: list[dict[str, Any]]) -> int:
+def two_gpu(pods: Sequence[Mapping[str, Any]]) -> int:
     return sum(
         1
         for p in pods
@@ -532,7 +533,7 @@ def embedded(pods: list[tuple[str, int, int]]) -> dict[str, Any]:
             )
         )
     loop.close()
-    bound = [dict(p) for p in c.pods.values() if (p.get("spec") or {}).get("nodeName")]
+    bound = [p for p in c.pods.values() if (p.get("spec") or {}).get("nodeName")]
     return {
         "placed": len(bound),
         "placedTwoGpu": two_gpu(bound),

@@ -41,8 +41,9 @@ the same baselines: what the option costs where the cluster is overloaded.
 
 **portfolio**: FGD and `fgd-packed` (the planner's rule) each run as a one-pod policy; a
 scheduler that could tell which of them wins on the list it is on would never be behind either
-(with an earlier rule each won on some lists; docs/benchmarks/packing-experiments.md). Two ways to tell, with the
-information a live planner has (the pods seen so far), against both rules in the same run:
+(with an earlier rule each won on some lists; docs/benchmarks/packing-experiments.md). Two ways
+to tell, with the information a live planner has (the pods seen so far), against both rules in
+the same run:
 
 - **rollout**: at checkpoints of allocated memory (`--checkpoints`, fractions of capacity), replay
   the pods seen so far, in order and repeated until they ask `--depth` x the free GPUs, from the

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -366,11 +367,11 @@ def order_spread(bodies: Sequence[dict], policies: Sequence[str] = ("fgd", "plan
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     for p in policies:
-        v = sorted(spreads[p])
+        v = spreads[p]
         if v:
-            median = (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
             out.append(
-                f"{p}: spread over {len(v)} lists x inflations: median {median:.2f}, max {v[-1]:.2f}"
+                f"{p}: spread over {len(v)} lists x inflations: "
+                f"median {statistics.median(v):.2f}, max {max(v):.2f}"
             )
     return "\n".join(out)
 
