@@ -24,8 +24,10 @@ planner and the same baselines.
 **whole-nodes** (`WHOLE_NODE_VARIANTS`): on the lists given, at inflate 1.3 and without
 inflation, in the file's node order and `--shuffle-orders` shuffled ones, the planner whose GPU
 pods leave alone the last nodes where the workload's largest multi-GPU pods still fit (FGD's
-workload profile keeps the most common pod types only, and those pods are rarely among them), next
-to the shipped planner and the same baselines.
+workload profile keeps the most common pod types only, and those pods are rarely among them):
+always (`WHOLE_NODE_VARIANTS`, idle GPUs counted), or only among placements near FGD's best
+(`HOST_VARIANTS`, the node's cores and memory counted too), next to the shipped planner and the
+same baselines.
 
 **profile** (`PROFILE_VARIANTS`): on the lists given, at inflate 1.3 and without inflation, in
 the file's node order and `--shuffle-orders` shuffled ones, the planner whose workload profile
@@ -407,6 +409,59 @@ def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
     return rule
 
 
+def largest_host(demands: Sequence[Demand]) -> tuple[int, int, int] | None:
+    """The most GPUs one pod asks (2 or more), and the least cores and host memory a pod of that
+    size asks: what a node must keep free to host one."""
+    largest = largest_pods(demands)
+    if largest is None:
+        return None
+    big = [d for d in demands if d.gpu_count == largest[0]]
+    return largest[0], min(d.cpu_milli for d in big), min(d.memory_bytes for d in big)
+
+
+def keep_host_near(band: float, host: tuple[int, int, int] | None) -> RuleFn:
+    """The shipped rule, except that while one node is left that can host the list's largest pod
+    (K idle GPUs and its cores and memory free), a smaller GPU pod whose placements within `band`
+    of a GPU's memory of FGD's least increase include some that leave that node able to host it
+    takes the best of those. Unlike `whole_nodes` it never gives up more than `band` of FGD's
+    measure to keep the node, and it counts the node's CPU and memory, which the largest pods
+    need as much as its GPUs."""
+
+    def rule(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+        if demand.gpu_count == 0 or host is None or demand.gpu_count >= host[0]:
+            return SHIPPED(cap, demand, frag)
+        assert frag is not None
+        k, cpu, mem = host
+        c = candidates(cap, demand)
+        if len(c) == 0:
+            return None
+        c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
+        a = cap.arrays
+        idle = a.used_replicas == 0
+        per_node = a.per_node_sum(idle.astype(np.int64))
+        hosts = (per_node >= k) & (cap.cpu_free >= cpu) & (cap.mem_free >= mem)
+        if int(hosts.sum()) == 1:
+            n = c.node
+            breaks = hosts[n] & (
+                (per_node[n] - idle[c.devices].sum(axis=1) < k)
+                | (cap.cpu_free[n] - demand.cpu_milli < cpu)
+                | (cap.mem_free[n] - demand.memory_bytes < mem)
+            )
+            d = np.round(frag.delta(c, demand), 6)
+            near = d <= d.min() + band * float(a.capacity.mean())
+            ok = near & ~breaks
+            if (near & breaks).any() and ok.any():
+                keep = np.flatnonzero(ok)
+                c, pressed = c.take(keep), pressed[keep]
+        return packed_pick(c, pressed, cap, demand, frag)
+
+    return rule
+
+
+#: `keep_host_near` variants: name -> band (fraction of a GPU's memory)
+HOST_VARIANTS = {"host-25": 0.25, "host-any": float("inf")}
+
+
 #: the planner's rule keeping whole nodes for the largest multi-GPU pods: name -> `reserve` of
 #: `whole_nodes`
 WHOLE_NODE_VARIANTS = {"keep-one": "one", "keep-one-open": "one-open", "keep-share": "share"}
@@ -508,6 +563,9 @@ def whole_nodes_on_list(job: tuple[str, float, int | None]) -> dict:
     got["planner"] = _allocated(loaded, "planner")
     for name, reserve in WHOLE_NODE_VARIANTS.items():
         got[f"planner/{name}"] = _allocated(loaded, "planner", whole_nodes(reserve, largest))
+    host = largest_host([t.demand for t in loaded[1]])
+    for name, band in HOST_VARIANTS.items():
+        got[f"planner/{name}"] = _allocated(loaded, "planner", keep_host_near(band, host))
     return {
         "podList": pod_list,
         "inflate": factor,
@@ -700,7 +758,7 @@ def main() -> int:
     # modes that run every list at both inflations and several node orders
     per_run = {
         "open-cost": (open_cost_on_list, [f"open-{c:g}" for c in OPEN_COSTS]),
-        "whole-nodes": (whole_nodes_on_list, list(WHOLE_NODE_VARIANTS)),
+        "whole-nodes": (whole_nodes_on_list, [*WHOLE_NODE_VARIANTS, *HOST_VARIANTS]),
         "profile": (profile_on_list, list(PROFILE_VARIANTS)),
     }
     if args.mode in per_run:
