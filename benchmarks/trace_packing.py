@@ -44,7 +44,7 @@ from extender.simulate.engine import (
     bound_line,
     budget_curve_point,
     overcommit_text,
-    run_policy,
+    replay,
     while_all_fit,
 )
 from extender.simulate.profile import PROFILES
@@ -132,6 +132,7 @@ def run(
     budgets: list[float] | None = None,
     profile: str = "whole",
     bounds: bool = True,
+    deterministic: bool = False,
 ) -> dict:
     nodes, tasks, bound, gpus, workload = load(pod_list, factor, shuffle)
     out = {
@@ -146,11 +147,14 @@ def run(
         out["shuffleNodes"] = shuffle
     if profile != "whole":
         out["profile"] = profile
+    if deterministic:
+        out["deterministic"] = True
     if "planner+repack" in policies:
         out["moveBudget"] = move_budget
     results = []
     for p in policies:
-        r = run_policy(
+        r = replay(
+            deterministic,
             p,
             nodes,
             tasks,
@@ -209,7 +213,8 @@ def run(
             elif b == move_budget and "planner+repack" in done:
                 r = done["planner+repack"]
             else:
-                r = run_policy(
+                r = replay(
+                    deterministic,
                     "planner+repack",
                     nodes,
                     tasks,
@@ -596,6 +601,12 @@ def main() -> int:
         help="draw one PNG per run of an existing --out file (and the budget curves) and exit",
     )
     ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="time limits count work, not wall time (vramsched simulate --deterministic): "
+        "replays whose plans come from the solver give the same result on every run",
+    )
+    ap.add_argument(
         "--order-spread",
         nargs="+",
         metavar="FILE",
@@ -660,6 +671,7 @@ def main() -> int:
                         budgets if f > 0 else None,
                         args.profile,
                         not args.no_bound,
+                        args.deterministic,
                     )
                 )
             except (OSError, KeyError, ValueError) as exc:

@@ -86,6 +86,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="planner+repack: seconds per repack search (default 1)",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="time limits count work, not wall time (CP-SAT's deterministic time; "
+        "extender/planner/clock.py): a replay whose plans come from the solver gives the same "
+        "result on every run and machine",
+    )
+    p.add_argument(
         "--open-gpu-cost",
         type=float,
         default=0.0,
@@ -160,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         bound_line,
         budget_curve_point,
         build_capacity,
-        run_policy,
+        replay,
         while_all_fit,
     )
     from extender.simulate.trace import DEFAULT_REPLICAS, TRACE_GPU_MIB, inflate, read_inputs
@@ -213,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     results = []
     for policy in _policies(args.policy):
-        r = run_policy(
+        r = replay(
+            args.deterministic,
             policy,
             nodes,
             tasks,
@@ -237,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     if args.budget_curve:
         curve = []
         for budget in BUDGETS:
-            r = run_policy(
+            r = replay(
+                args.deterministic,
                 "planner+repack",
                 nodes,
                 tasks,
@@ -269,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
                 "inflate": args.inflate,
                 "churn": args.churn,
                 "profile": args.profile,
+                "deterministic": args.deterministic,
             },
             "whileAllFit": all_fit,
         }

@@ -30,13 +30,13 @@ GPU, and a path says which pods that GPU gets (`model.flow_plan` places them).
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from collections.abc import Mapping
 
 import numpy as np
 from ortools.sat.python import cp_model
 
+from extender.planner import clock
 from extender.planner.capacity import FragIndex, hash_groups, row_hashes
 from extender.planner.staged import Settings, Stage, staged_solve
 
@@ -105,7 +105,7 @@ class ArcFlow:
         objective: list[cp_model.LinearExprT] = []
         states_total = 0
         for c, j in enumerate(first.tolist()):
-            if time.perf_counter() > deadline:
+            if clock.now() > deadline:
                 return
             g = int(rows[j])
             M = int(bounds[c + 1] - bounds[c])
@@ -158,7 +158,7 @@ class ArcFlow:
             return None
         if not self.live:
             return 0
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         if left <= 0:
             return None
         variables = (

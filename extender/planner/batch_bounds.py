@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from extender.demand import Demand
+from extender.planner import clock
 from extender.planner.arcflow import ArcFlow
 from extender.planner.batch_layout import BatchLayout, PodClass, compat, layout, pod_classes
 from extender.planner.capacity import Capacity, FragIndex
@@ -43,12 +43,12 @@ def relaxation_bound(
     of thousands of variables in Python took 9 s at 5,000 nodes (in the server's planner
     thread, holding the GIL the event loop needs). The bound only reports; no plan depends on it."""
     a, cap = lay.a, lay.cap
-    deadline = time.perf_counter() + time_limit
+    deadline = clock.now() + time_limit
     m = cp_model.CpModel()
     placed: list[list[cp_model.IntVar]] = [[] for _ in lay.classes]
     opened = []
     for _key, nodes in lay.groups:
-        if time.perf_counter() > deadline:
+        if clock.now() > deadline:
             return None
         M = len(nodes)
         n0 = nodes[0]
@@ -111,7 +111,7 @@ def relaxation_bound(
     )
     # the first goal is pods placed; with W, the bound is on W * unplaced + opened (fewest GPUs opened)
     goal = unplaced if W is None else W * unplaced + sum(opened)
-    if deadline - time.perf_counter() <= 0:
+    if deadline - clock.now() <= 0:
         return None
     result = staged_solve(
         m,
@@ -157,7 +157,7 @@ def stranded_lower_bound(
 ) -> int | None:
     """The fewest KiB by which any plan placing every pod of `demands` changes stranded VRAM (the
     second goal of `batch_goals.evaluate`), proven by the per-GPU arc-flow relaxation, or None."""
-    deadline = time.perf_counter() + time_limit
+    deadline = clock.now() + time_limit
     return batch_arcflow(cap, pod_classes(demands), frag, deadline).solve(deadline, num_workers)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from extender.demand import Demand
+from extender.planner import clock
 from extender.planner.batch_bounds import opened_bound, relaxation_bound
 from extender.planner.batch_goals import Cost, device_rows, evaluate
 from extender.planner.batch_layout import MAX_COPIES, BatchLayout, layout
@@ -68,7 +68,7 @@ def solve_exact(bm: BatchModel, time_limit: float, num_workers: int) -> Solved:
     """Both goals on the built model within `time_limit`, starting from the layout's greedy plan.
     A restricted layout's first bound comes from the class relaxation of the whole cluster."""
     lay = bm.layout
-    t0 = time.perf_counter()
+    t0 = clock.now()
     start = plan_hint(bm)
     if start is not None:
         bm.model.clear_hints()
@@ -124,7 +124,7 @@ def solve_large(lay: BatchLayout, time_limit: float, num_workers: int) -> Solved
     bound comes from the class relaxation of the whole batch on the whole cluster.
     """
     cap, demands, frag = lay.cap, lay.demands, lay.frag
-    t0 = time.perf_counter()
+    t0 = clock.now()
     # the relaxation is small: give it its own short budget even when the greedy plan used the rest
     # one relaxation bounds W * unplaced + opened: pods left out, and GPUs that must be opened
     W = len(cap.arrays.capacity) + 1
@@ -135,7 +135,7 @@ def solve_large(lay: BatchLayout, time_limit: float, num_workers: int) -> Solved
     rounds = accepted = 0
     rng = np.random.default_rng(len(demands))
     idle_rounds = 0
-    while time.perf_counter() - t0 < time_limit - 0.08 and idle_rounds < _LNS_PATIENCE:
+    while clock.now() - t0 < time_limit - 0.08 and idle_rounds < _LNS_PATIENCE:
         rounds += 1
         idle_rounds += 1
         subset = neighbourhood(cap, demands, current, lay, rng)
@@ -150,7 +150,7 @@ def solve_large(lay: BatchLayout, time_limit: float, num_workers: int) -> Solved
             sub_greedy = {j: current[i] for j, i in enumerate(inside) if i in current}
             sub_lay = layout(cap, sub, frag, sub_greedy, node_subset=subset)
             bm = None if sub_lay.empty else build_model(sub_lay)
-            left = time_limit - (time.perf_counter() - t0) - 0.05
+            left = time_limit - (clock.now() - t0) - 0.05
             res = (
                 solve_exact(bm, max(0.05, min(left, time_limit / 3)), num_workers)
                 if bm is not None and left > 0.05
@@ -177,7 +177,7 @@ def solve_large(lay: BatchLayout, time_limit: float, num_workers: int) -> Solved
         "OPTIMAL" if bound >= obj else "FEASIBLE",
         float(obj),
         float(bound),
-        seconds=time.perf_counter() - t0,
+        seconds=clock.now() - t0,
     )
     # stage 2 (stranded VRAM, nodes touched) is only improved by the search here, never proven;
     # what is proven is how many empty GPUs any plan placing these pods must open
@@ -198,7 +198,7 @@ def solve_small(lay: BatchLayout, time_limit: float, num_workers: int) -> Solved
     `_TOP_K` candidate nodes by vramsched's rule (and their identical twins) plus the greedy plan's
     nodes. The stage 1 bound still comes from the class relaxation of the whole cluster."""
     cap, demands, frag, greedy = lay.cap, lay.demands, lay.frag, lay.greedy
-    t0 = time.perf_counter()
+    t0 = clock.now()
     a = cap.arrays
     sig = cap.signatures()
     subset = {ch[1] for ch in greedy.values()}
@@ -225,7 +225,7 @@ def solve_small(lay: BatchLayout, time_limit: float, num_workers: int) -> Solved
         gc = evaluate(cap, demands, greedy, frag)
         return Solved(None, (), "GREEDY", gc, gc, len(subset))
     bm = build_model(sub_lay)
-    res = solve_exact(bm, max(0.05, time_limit - (time.perf_counter() - t0) - 0.05), num_workers)
+    res = solve_exact(bm, max(0.05, time_limit - (clock.now() - t0) - 0.05), num_workers)
     if not res.stages:
         return dataclasses.replace(res, rounds=len(subset))
     st = res.stages[0]

@@ -15,7 +15,6 @@ its room-now sense (`release=False`), the same model `repack` builds in its fina
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ortools.sat.python import cp_model
 
 from extender.demand import Demand
 from extender.ledger import Reservation
+from extender.planner import clock
 from extender.planner.capacity import Capacity
 from extender.planner.move_model import MoveModel, Mover
 from extender.planner.staged import Settings, Stage, staged_solve
@@ -111,7 +111,7 @@ def plan_defrag(
     num_workers: int = 2,
 ) -> DefragPlan:
     """`demands` maps pod key -> (cpu milli, memory bytes, resource) of every bound pod we hold."""
-    start = time.perf_counter()
+    start = clock.now()
     a = cap.arrays
     free_before = int((a.used_replicas == 0).sum())
     movers, sources, holders = _movers(cap, demands, limits)
@@ -137,7 +137,7 @@ def plan_defrag(
             m.add(sum(incoming) == 0).only_enforce_if(f)
         freed.append((f, g))
     if not freed:
-        return DefragPlan([], [], "NOTHING_TO_FREE", 0, time.perf_counter() - start, free_before)
+        return DefragPlan([], [], "NOTHING_TO_FREE", 0, clock.now() - start, free_before)
     per_ns: dict[str, list[cp_model.IntVar]] = defaultdict(list)
     per_node: dict[str, list[cp_model.IntVar]] = defaultdict(list)
     for i, res in enumerate(sources):
@@ -162,14 +162,14 @@ def plan_defrag(
     result = staged_solve(
         m,
         [Stage("freed", goal, maximize=True, least=0.0)],
-        time.perf_counter() + time_limit,
+        clock.now() + time_limit,
         variables=[*mm.decisions(), *(f for f, _ in freed)],
         settings=Settings(num_workers),
     )
     stage = result.stages[0]
     values = result.values
     if not stage.solved or values is None:
-        return DefragPlan([], [], stage.status, 0, time.perf_counter() - start, free_before)
+        return DefragPlan([], [], stage.status, 0, clock.now() - start, free_before)
     moves = []
     for i, res in enumerate(sources):
         landing = mm.landing(values, i)
@@ -194,6 +194,6 @@ def plan_defrag(
         sorted((a.devices[g].node, a.devices[g].device_id) for f, g in freed if values[f.index]),
         stage.status,
         int(stage.bound // W),
-        time.perf_counter() - start,
+        clock.now() - start,
         free_before,
     )

@@ -31,7 +31,6 @@ goals (`batch_goals`). This module is the policy that picks among the plans.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +38,7 @@ import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import LedgerError
-from extender.planner import batch_solve
+from extender.planner import batch_solve, clock
 from extender.planner.batch_bounds import (
     batch_arcflow,
     opened_lower_bound,
@@ -135,7 +134,7 @@ def solve_batch(
     many empty GPUs such a plan must open (`stats["openedLowerBound"]`, `opened_lower_bound`) and
     how little its stranded VRAM can change (`stats["strandedLowerBoundKiB"]`, a stage "BOUNDED",
     `stranded_lower_bound`). For reports: the background planner does not spend the CPU."""
-    start = time.perf_counter()
+    start = clock.now()
     accept = accept or ACCEPT
     if accept not in ACCEPT_GOALS:
         raise ValueError(f"accept must be one of {sorted(ACCEPT_GOALS)}")
@@ -145,10 +144,10 @@ def solve_batch(
     # sequential scheduler would do; a batch of one pod gets exactly that rule's choice
     greedy = greedy_batch(cap, demands, frag, order="arrival", rule=SEQUENTIAL_RULE)
     # what the flow plan needs: about half the reference's time (0.22 s against 0.44 s at 5,000 nodes)
-    flow_by = start + time_limit - 0.6 * (time.perf_counter() - start)
+    flow_by = start + time_limit - 0.6 * (clock.now() - start)
     if len(demands) <= 1:
         # one pod: the rule enumerates every placement: exact for its measure
-        return Plan(greedy, seconds=time.perf_counter() - start)
+        return Plan(greedy, seconds=clock.now() - start)
     if accept == "placed" and len(greedy) == len(demands):
         # every pod placed: no plan can be better on the goal that decides, so no solver run
         cost = evaluate(cap, demands, greedy, frag)
@@ -173,8 +172,8 @@ def solve_batch(
         lay = layout(cap, demands, frag, greedy)
         stats = lay.stats
         if lay.empty:
-            return ref.plan(stats=stats, seconds=time.perf_counter() - start)
-        remaining = max(0.05, time_limit - (time.perf_counter() - start))
+            return ref.plan(stats=stats, seconds=clock.now() - start)
+        remaining = max(0.05, time_limit - (clock.now() - start))
         exact_limit = SMALL_EXACT if len(demands) <= SMALL_BATCH else MAX_COPIES
         if lay.full_copies <= exact_limit:
             solved = batch_solve.solve_exact(build_model(lay), remaining, num_workers)
@@ -188,7 +187,7 @@ def solve_batch(
                 stats["openedLowerBound"] = solved.opened_bound
     except Exception:  # the solver must never take the hot path down: greedy answers
         log.exception("planner model failed; using the greedy plan")
-        return ref.plan(status="ERROR", stats=stats, seconds=time.perf_counter() - start)
+        return ref.plan(status="ERROR", stats=stats, seconds=clock.now() - start)
     if (
         solved.choices is not None
         and better(solved.cost, solved.greedy_cost, accept)
@@ -202,7 +201,7 @@ def solve_batch(
         solved.status,
         improved,
         solved.stages,
-        time.perf_counter() - start,
+        clock.now() - start,
         solved.greedy_cost,
         cost,
         stats,
@@ -255,11 +254,11 @@ def _all_placed(
     stages = [StageOutcome("placed", "OPTIMAL", 0.0, 0.0)]
     stats: dict[str, int] = {}
     if prove:
-        left = max(0.05, time_limit - (time.perf_counter() - start))
+        left = max(0.05, time_limit - (clock.now() - start))
         bound = opened_lower_bound(cap, demands, frag, left, num_workers)
         if bound is not None:
             stats["openedLowerBound"] = bound
-        t0 = time.perf_counter()
+        t0 = clock.now()
         left = max(0.05, time_limit - (t0 - start))
         stranded = stranded_lower_bound(cap, demands, frag, left, num_workers)
         if stranded is not None:
@@ -272,10 +271,10 @@ def _all_placed(
                     "BOUNDED",
                     float(ref.cost[1]),
                     float(stranded),
-                    seconds=time.perf_counter() - t0,
+                    seconds=clock.now() - t0,
                 )
             )
-    return ref.plan(stages=tuple(stages), stats=stats, seconds=time.perf_counter() - start)
+    return ref.plan(stages=tuple(stages), stats=stats, seconds=clock.now() - start)
 
 
 def _try_flow(
@@ -293,9 +292,9 @@ def _try_flow(
     beyond that). Small batches (the trace's 2-8 pods) keep FGD's plan: one pod at a time is
     exact for one pod, and plans better only by stranded VRAM on such batches were noise on the
     trace (docs/packing.md). Not started after `start_by`: it would not finish by `deadline`."""
-    if len(demands) <= SMALL_BATCH or time.perf_counter() >= start_by:
+    if len(demands) <= SMALL_BATCH or clock.now() >= start_by:
         return ref
-    flow = flow_plan(cap, demands, frag, deadline - time.perf_counter(), num_workers)
+    flow = flow_plan(cap, demands, frag, deadline - clock.now(), num_workers)
     if len(flow) < len(demands):
         return ref
     c = evaluate(cap, demands, flow, frag)
@@ -319,7 +318,7 @@ def flow_plan(
     still allow), then whatever is left by the one-pod rule. Capacity is restored after.
     Why: a one-pod-at-a-time rule cannot see that filling a GPU with two small pods strands
     less than one larger pod would; on `make bench-planner` its plan was 10% from the bound."""
-    deadline = time.perf_counter() + time_limit
+    deadline = clock.now() + time_limit
     a = cap.arrays
     choices: dict[int, Choice] = {}
     done: list[tuple[Demand, int]] = []
@@ -343,7 +342,7 @@ def flow_plan(
 
     try:
         by_rule([i for i, d in enumerate(demands) if d.gpu_count >= 2])
-        if time.perf_counter() >= deadline:
+        if clock.now() >= deadline:
             choices.clear()  # out of time: no plan, the caller keeps its own
             return choices
         singles = [i for i, d in enumerate(demands) if d.gpu_count == 1]

@@ -69,7 +69,6 @@ this module holds the API and the search that runs them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,6 +76,7 @@ import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation
+from extender.planner import clock
 from extender.planner.capacity import Capacity, FragIndex
 from extender.planner.repack_counts import solve_counts
 from extender.planner.repack_model import destinations, solve_round
@@ -196,12 +196,12 @@ def search_repack(
     place_rule: str | None = None,
     frag: FragIndex | None = None,
 ) -> RepackSearch:
-    start = time.perf_counter()
+    start = clock.now()
     deadline = start + time_limit
     rule = Rule(place_rule, frag)
     now = rule.choose(cap, pod)
     if now is not None:
-        plan = RepackPlan(pod, now, (), "FITS", True, time.perf_counter() - start)
+        plan = RepackPlan(pod, now, (), "FITS", True, clock.now() - start)
         return RepackSearch(plan, True, "FITS", "fits without moves", 0, seconds=plan.seconds)
     limit = INF if max_moves is None else max(0, max_moves)
     pool = Pool(cap, pod, running, movable)
@@ -254,7 +254,7 @@ def search_repack(
     better = limit if best is None else min(limit, len(best.moves) - 1)
     if not exact and len(a.node_names) <= nh.exact_nodes and better >= 1:
         # too many movers for the whole per-pod model in time: the whole cluster by counts
-        t = time.perf_counter()
+        t = clock.now()
         until = t + nh.counts_share * (deadline - t)
         counted, status = solve_counts(cap, pod, pool, better, until, num_workers)
         if counted is not None:
@@ -263,7 +263,7 @@ def search_repack(
     status, n_nodes, n_movers = "UNKNOWN", 0, 0
     for done, chosen in enumerate(rounds, start=1):
         chosen = [n for n in chosen if bounds[n] <= better]
-        if not chosen or time.perf_counter() >= deadline - nh.least_solve:
+        if not chosen or clock.now() >= deadline - nh.least_solve:
             break
         if exact:
             nodes = list(range(len(a.node_names)))
@@ -300,7 +300,7 @@ def _found(
     movers: int,
     rounds: int,
 ) -> RepackSearch:
-    seconds = time.perf_counter() - start
+    seconds = clock.now() - start
     plan = RepackPlan(plan.pod, plan.placement, plan.moves, status, optimal, seconds)
     why = f"{len(plan.moves)} moves" + (" (fewest possible)" if optimal else "")
     return RepackSearch(plan, optimal, status, why, lowest, nodes, movers, rounds, seconds)
@@ -317,7 +317,7 @@ def _none(
     rounds: int = 0,
 ) -> RepackSearch:
     return RepackSearch(
-        None, proven, status, reason, lowest, nodes, movers, rounds, time.perf_counter() - start
+        None, proven, status, reason, lowest, nodes, movers, rounds, clock.now() - start
     )
 
 

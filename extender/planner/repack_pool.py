@@ -3,7 +3,6 @@ and the greedy plan (steps 2 and 3 of `repack`'s search)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -11,6 +10,7 @@ import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation
+from extender.planner import clock
 from extender.planner.capacity import Capacity, demand_kind
 from extender.planner.move_model import Mover, device_fits, need_bytes, reservation_for
 from extender.planner.repack_plan import (
@@ -270,7 +270,7 @@ def greedy_best(
     for n in nodes:
         if best is not None and bounds[n] >= len(best.moves):
             break
-        if time.perf_counter() >= deadline:
+        if clock.now() >= deadline:
             break
         cap_moves = limit if best is None else min(limit, len(best.moves) - 1)
         plan = Greedy(cap, pool, depth, deadline, ranks, rule).plan(pod, keep, n, cost, cap_moves)
@@ -428,7 +428,7 @@ class Greedy:
                 return None
             self._record(m, target, to)
             return 0
-        if depth <= 0 or left <= 0 or time.perf_counter() >= self.deadline:
+        if depth <= 0 or left <= 0 or clock.now() >= self.deadline:
             return None
         kind = demand_kind(d)
         if kind not in self.ranks:

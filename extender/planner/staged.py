@@ -22,7 +22,7 @@ examples keep model, solve and read-back apart:
        result = staged_solve(
            model,
            [Stage("freed", freed, maximize=True, share=0.6), Stage("moves", moved)],
-           time.perf_counter() + time_limit,
+           clock.now() + time_limit,
            variables=decisions,
            settings=Settings(num_workers=2, random_seed=0),
        )
@@ -39,12 +39,13 @@ several workers (the planners' default, 2), may not be.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from ortools.sat.python import cp_model
+
+from extender.planner import clock
 
 __all__ = [
     "CONSTANT",
@@ -153,7 +154,7 @@ def _solver(settings: Settings, seconds: float, relative_gap: float | None) -> c
     solver = cp_model.CpSolver()
     p = solver.parameters
     p.num_workers = max(1, settings.num_workers)
-    p.max_time_in_seconds = seconds
+    clock.limit(solver, seconds)
     if settings.random_seed is not None:
         p.random_seed = settings.random_seed
     if settings.light_presolve:
@@ -174,7 +175,7 @@ def staged_solve(
     settings: Settings = Settings(),
     hint: Callable[[Mapping[int, int]], Iterable[tuple[cp_model.IntVar, int]]] | None = None,
 ) -> StagedResult:
-    """Solve `stages` in order on `model` by `deadline` (a `time.perf_counter()` value).
+    """Solve `stages` in order on `model` by `deadline` (a `clock.now()` value).
 
     Between two stages: the next goal is built (when it is a function), the previous optimum is
     added as a constraint, and the hints are replaced by the previous solution: `hint(values)`
@@ -191,7 +192,7 @@ def staged_solve(
         if isinstance(goal, int):
             outcomes.append(StageOutcome(stage.name, CONSTANT, goal, goal))
             continue
-        if values is not None and deadline - time.perf_counter() <= stage.skip_below:
+        if values is not None and deadline - clock.now() <= stage.skip_below:
             outcomes.append(StageOutcome(stage.name, SKIPPED))
             break
         if callable(goal):
@@ -210,13 +211,14 @@ def staged_solve(
             model.maximize(goal)
         else:
             model.minimize(goal)
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         solver = _solver(
             settings, max(stage.least, stage.share * left - stage.keep), stage.relative_gap
         )
-        t0 = time.perf_counter()
+        t0 = clock.now()
         st = solver.solve(model)
-        seconds = time.perf_counter() - t0
+        clock.solved(solver)
+        seconds = clock.now() - t0
         status = solver.status_name(st)
         if not solved(status):
             outcomes.append(StageOutcome(stage.name, status, seconds=seconds))
@@ -235,8 +237,9 @@ def staged_solve(
     if pending is not None:
         model.add(pending)
     if values is None and all(o.status == CONSTANT for o in outcomes):
-        solver = _solver(settings, max(0.05, deadline - time.perf_counter()), None)
+        solver = _solver(settings, max(0.05, deadline - clock.now()), None)
         status = solver.status_name(solver.solve(model))
+        clock.solved(solver)
         if solved(status):
             values = {v.index: int(solver.value(v)) for v in variables}
     return StagedResult(tuple(outcomes), values, status)

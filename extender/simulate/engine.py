@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from itertools import groupby
 from typing import Any
@@ -29,6 +30,7 @@ import numpy as np
 from extender.cluster import ClusterState
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation, check_invariant
+from extender.planner import clock
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
 from extender.repack_policy import MOVES_PER_GPU, moves_to_place
@@ -159,6 +161,14 @@ class PolicyResult:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d.update(self.extra)
         return d
+
+
+def replay(deterministic: bool, *args: Any, **kwargs: Any) -> PolicyResult:
+    """`run_policy(*args, **kwargs)`; with `deterministic`, its time limits count work, not wall
+    time (`planner.clock.work_clock`), so plans the solver finds within them are the same on
+    every run and machine."""
+    with clock.work_clock() if deterministic else nullcontext():
+        return run_policy(*args, **kwargs)
 
 
 def build_capacity(
