@@ -7,20 +7,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
-from builders import gpu_node
 from ortools.sat.python import cp_model
-from test_planner_repack import Running, demand
+from test_planner_repack import demand, neighbourhood_case
 from test_simulate import REPACK_NODES, REPACK_PODS, write
 
 from extender.cli import main
 from extender.planner import clock
-from extender.planner.move_model import reservation_for
 from extender.planner.repack import Neighbourhood, search_repack
 from extender.planner.staged import Settings, Stage, _solver, staged_solve
-from extender.quantity import GIB
-from extender.simulate.engine import build_capacity, replay
+from extender.simulate.engine import replay
 from extender.simulate.trace import read_inputs
 
 
@@ -61,23 +57,6 @@ def test_the_work_clock_counts_each_solve_and_each_reading():
     assert not clock.deterministic()
 
 
-def _neighbourhood_case():
-    """`test_planner_repack`'s 40-node case: a whole-GPU pod needs one 10 GiB pod moved."""
-    _, cap = build_capacity(
-        [gpu_node(f"n{i:02d}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(40)]
-    )
-    running: Running = []
-    a = cap.arrays
-    for r in range(len(a.capacity)):
-        d = demand(f"p{r}", 10 if r == 37 else 70)
-        n = int(a.node_of[r])
-        res = reservation_for(cap, d, n, [r])
-        cap.apply(d, res, n)
-        running.append((d, res))
-    assert np.count_nonzero(a.used == 70 * GIB) == 79
-    return cap, running
-
-
 def _search(cap, running):
     found = search_repack(cap, demand("big", 80), running, neighbourhood=Neighbourhood())
     plan = found.plan
@@ -86,7 +65,7 @@ def _search(cap, running):
 
 
 def test_a_repack_search_on_a_slow_machine_finds_what_it_finds_on_a_fast_one(slow_machine):
-    cap, running = _neighbourhood_case()
+    cap, running = neighbourhood_case()
     moves, _, _, _ = _search(cap, running)
     assert moves is None  # wall clock: the deadline passed before the search began
     with clock.work_clock():

@@ -359,10 +359,9 @@ def test_apply_plan_is_all_or_nothing():
     assert check_invariant(cap.ledger) == []
 
 
-def test_a_large_cluster_is_searched_in_a_neighbourhood():
+def neighbourhood_case() -> tuple[Capacity, Running]:
     """40 nodes (beyond the exact size): each GPU holds 70 GiB except one that holds a lone
-    10 GiB pod; a whole-GPU pod needs that pod moved next to a 70 GiB one, and the search finds
-    that single move, optimal by the per-node bound."""
+    10 GiB pod (p37)."""
     _, cap = build_capacity(
         [gpu_node(f"n{i:02d}", count=2, memory_mib=80 * 1024, replicas=4) for i in range(40)]
     )
@@ -375,6 +374,13 @@ def test_a_large_cluster_is_searched_in_a_neighbourhood():
         cap.apply(d, res, n)
         running.append((d, res))
     assert np.count_nonzero(cap.arrays.used == 70 * GIB) == 79
+    return cap, running
+
+
+def test_a_large_cluster_is_searched_in_a_neighbourhood():
+    """`neighbourhood_case`: a whole-GPU pod needs p37 moved next to a 70 GiB pod, and the
+    search finds that single move, optimal by the per-node bound."""
+    cap, running = neighbourhood_case()
     found = search_repack(cap, demand("big", 80), running, neighbourhood=Neighbourhood())
     assert found.plan is not None and len(found.plan.moves) == 1 and found.proven
     assert found.nodes < 40  # a neighbourhood, not the whole cluster
