@@ -90,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="time limits count work, not wall time (CP-SAT's deterministic time; "
         "extender/planner/clock.py): a replay whose plans come from the solver gives the same "
-        "result on every run and machine",
+        "result on every run, however busy the machine",
     )
     p.add_argument(
         "--open-gpu-cost",

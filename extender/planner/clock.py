@@ -1,12 +1,12 @@
 """When the planner's time limits run out: by the wall clock (live, and by default), or by the
-work done (`work_clock`, for replays that must give the same result on any machine).
+work done (`work_clock`, for replays that must give the same result however busy the machine is).
 
 Why: every search (batch plans, repack, plan-defrag) stops at a time limit, so a replay's plans,
 and every later placement they change, used to depend on the machine's speed and load. Under
 `work_clock` CP-SAT stops at a deterministic time instead (its own count of work, about seconds on
 a desktop CPU, the same on every run) and the planner's own loops read a clock that advances by
 that count and by a fixed `step` per reading, so a loop that checks a deadline runs as many
-rounds on any machine."""
+rounds however busy the machine is."""
 
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ class PolicyResult:
 def replay(deterministic: bool, *args: Any, **kwargs: Any) -> PolicyResult:
     """`run_policy(*args, **kwargs)`; with `deterministic`, its time limits count work, not wall
     time (`planner.clock.work_clock`), so plans the solver finds within them are the same on
-    every run and machine."""
+    every run, however busy the machine."""
     with clock.work_clock() if deterministic else nullcontext():
         return run_policy(*args, **kwargs)
 
