@@ -48,11 +48,6 @@ def now() -> float:
     return wall() if w is None else w.now()
 
 
-def deterministic() -> bool:
-    """Whether time limits count work (inside `work_clock`)."""
-    return _work.get() is not None
-
-
 def limit(solver: cp_model.CpSolver, seconds: float) -> None:
     """Stop `solver` after `seconds`: of wall time, or inside `work_clock` of deterministic
     time, with its workers interleaved in one deterministic schedule."""
@@ -65,19 +60,21 @@ def limit(solver: cp_model.CpSolver, seconds: float) -> None:
         p.interleave_search = True
 
 
-def solved(solver: cp_model.CpSolver) -> None:
-    """Count a finished solve's work on the work clock (nothing on the wall clock)."""
+def solve(solver: cp_model.CpSolver, model: cp_model.CpModel) -> cp_model.CpSolverStatus:
+    """`solver.solve(model)`, its work counted on the work clock (nothing on the wall clock)."""
+    status = solver.solve(model)
     w = _work.get()
     if w is not None:
         w.seconds += float(solver.response_proto.deterministic_time)
+    return status
 
 
 @contextmanager
 def work_clock(step: float = STEP) -> Iterator[WorkClock]:
     """Within the block, the planner's time limits count work, not wall time."""
-    clock = WorkClock(step)
-    token = _work.set(clock)
+    w = WorkClock(step)
+    token = _work.set(w)
     try:
-        yield clock
+        yield w
     finally:
         _work.reset(token)

@@ -216,8 +216,7 @@ def staged_solve(
             settings, max(stage.least, stage.share * left - stage.keep), stage.relative_gap
         )
         t0 = clock.now()
-        st = solver.solve(model)
-        clock.solved(solver)
+        st = clock.solve(solver, model)
         seconds = clock.now() - t0
         status = solver.status_name(st)
         if not solved(status):
@@ -238,8 +237,7 @@ def staged_solve(
         model.add(pending)
     if values is None and all(o.status == CONSTANT for o in outcomes):
         solver = _solver(settings, max(0.05, deadline - clock.now()), None)
-        status = solver.status_name(solver.solve(model))
-        clock.solved(solver)
+        status = solver.status_name(clock.solve(solver, model))
         if solved(status):
             values = {v.index: int(solver.value(v)) for v in variables}
     return StagedResult(tuple(outcomes), values, status)
