@@ -371,6 +371,12 @@ def largest_pods(demands: Sequence[Demand]) -> tuple[int, float] | None:
     return (k, k * counts.count(k) / sum(counts)) if k >= 2 else None
 
 
+def idle_gpus(cap: Capacity) -> tuple[np.ndarray, np.ndarray]:
+    """Which devices hold no pod, and how many such devices each node has."""
+    idle = cap.arrays.used_replicas == 0
+    return idle, cap.arrays.per_node_sum(idle.astype(np.int64))
+
+
 def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
     """The shipped rule, except that a GPU pod smaller than the list's largest (`largest`: K GPUs
     and their share, `largest_pods`) does not take a node's last K idle GPUs while few nodes
@@ -394,9 +400,7 @@ def whole_nodes(reserve: str, largest: tuple[int, float] | None) -> RuleFn:
             failed = True
             return None
         c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
-        a = cap.arrays
-        idle = a.used_replicas == 0
-        per_node = a.per_node_sum(idle.astype(np.int64))
+        idle, per_node = idle_gpus(cap)
         keep = share * float(idle.sum()) / k if reserve == "share" else 1.0
         if (per_node >= k).sum() - 1 < keep:
             left = per_node[c.node] - idle[c.devices].sum(axis=1)
@@ -437,8 +441,7 @@ def keep_host_near(band: float, host: tuple[int, int, int] | None) -> RuleFn:
             return None
         c, pressed = by_pressure(c, cap, frag, slack=PRESSURE_SLACK, tie=PRESSURE_TIE)
         a = cap.arrays
-        idle = a.used_replicas == 0
-        per_node = a.per_node_sum(idle.astype(np.int64))
+        idle, per_node = idle_gpus(cap)
         hosts = (per_node >= k) & (cap.cpu_free >= cpu) & (cap.mem_free >= mem)
         if int(hosts.sum()) == 1:
             n = c.node
