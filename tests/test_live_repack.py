@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from extender.live.gate import live_service
 from extender.live.nominating import NominatingPlanSource
 from extender.live.repack import RepackCollector, Repacker
 from extender.live.source import LiveSource
+from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import plan_repack
 from extender.repack_holds import HOLD_SUFFIX
 from extender.repack_policy import (
@@ -143,6 +145,7 @@ class World:
         per_gpu: int = 3,
         per_minute: int = 6,
         leader: Callable[[], bool | None] = lambda: True,
+        open_cost: float = 0.0,
     ) -> None:
         self.api = FakeApi()
         self.cluster = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
@@ -158,6 +161,8 @@ class World:
         self.base, self.offset = time.monotonic(), 0.0
         self.evictions = Evictions(self.api)
         self.planned = 0
+        #: the keyword arguments of every plan asked for
+        self.plan_kw: list[dict[str, Any]] = []
         self.repacker = Repacker(
             self.cluster,
             self.api,
@@ -172,6 +177,7 @@ class World:
             retry_interval=0.0,
             hold_ttl=30.0,
             release_slack=10.0,
+            open_cost=open_cost,
         )
         self.plans = NominatingPlanSource(self.repacker)
         self.service = live_service(
@@ -180,6 +186,7 @@ class World:
 
     def _plan(self, *args: Any, **kw: Any) -> Any:
         self.planned += 1
+        self.plan_kw.append(kw)
         return plan_repack(*args, **kw)
 
     def clock(self) -> float:
@@ -443,6 +450,25 @@ async def test_repack_evicts_holds_the_freed_gpus_and_places_everyone_as_planned
     assert "holds device 0 of a for the new one" in on_m2[0]["message"]
     assert [e["involvedObject"]["name"] for e in repack] == ["m2", "p"]
     assert "holds device 0 of b for it" in repack[1]["message"]
+
+
+async def test_moved_pods_land_by_the_planners_measure_over_the_clusters_pods(
+    world: Any,
+) -> None:
+    # as the simulator's planner+repack: the planner's one-pod rule on FGD's measure, weighed
+    # by every pod of ours the cluster holds (the planner's mix), with --open-gpu-cost
+    w = world(fragmented(), open_cost=0.25)
+    assert w.filter("default/p")[0] == []
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["m2"]
+    kw = w.plan_kw[-1]
+    assert kw["place_rule"] == SEQUENTIAL_RULE
+    frag = kw["frag"]
+    assert frag.open_cost == 0.25
+    # four running pods of 12, 4, 6 and 4 GiB and the blocked 16 GiB one: 4 kinds, 5 pods
+    by_bytes = dict(zip(frag.w.need.tolist(), frag.w.count.tolist(), strict=True))
+    assert by_bytes == {12 * GIB: 1, 4 * GIB: 2, 6 * GIB: 1, 16 * GIB: 1}
+    assert Counter(w.cluster.demand_mix).total() == 5
 
 
 async def test_a_pod_disruption_budget_refusing_the_dry_run_evicts_nothing(world: Any) -> None:

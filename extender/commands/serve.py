@@ -124,8 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         metavar="F",
-        help="planner: charge each placement F GPUs of memory per idle GPU it opens, on top of "
-        "FGD's measure (default 0; 0.2 packs LLM pods onto fewer GPUs while the cluster has "
+        help="planner (and --repack's moved pods): charge each placement F GPUs of memory per "
+        "idle GPU it opens, on top of FGD's measure (default 0; 0.2 packs LLM pods onto fewer GPUs while the cluster has "
         "room, at some cost in memory allocated when it is overloaded; docs/packing.md)",
     )
     p.add_argument(
@@ -450,6 +450,7 @@ def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSourc
             per_pod=args.repack_max_moves_per_pod,
         ),
         time_limit=args.planner_time_limit,
+        open_cost=args.open_gpu_cost,
     )
 
 

@@ -38,6 +38,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -53,7 +54,8 @@ from extender.ledger import Reservation
 from extender.live.api_client import ApiError, KubeApi
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
-from extender.planner.capacity import Capacity
+from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
+from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
 from extender.repack_holds import RepackRun, TargetState
 from extender.repack_policy import (
@@ -90,6 +92,8 @@ class PlanFn(Protocol):
         max_moves: int | None = None,
         time_limit: float = 1.0,
         num_workers: int = 2,
+        place_rule: str | None = None,
+        frag: FragIndex | None = None,
     ) -> Any: ...
 
 
@@ -133,6 +137,7 @@ class Repacker:
         attempts: int = 3,
         time_limit: float = 1.0,
         num_workers: int = 2,
+        open_cost: float = 0.0,
         tick: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         eviction_version: str = "policy/v1",
@@ -153,6 +158,7 @@ class Repacker:
         self.attempts = attempts
         self.time_limit = time_limit
         self.num_workers = num_workers
+        self.open_cost = open_cost
         self.tick = tick
         self.clock = clock
         self.eviction_version = eviction_version
@@ -276,9 +282,10 @@ class Repacker:
                 self.cluster.ledger.clone(), self.cluster.cpu_used, self.cluster.memory_used
             )
             pods = dict(self.cluster.pods)
+            mix = Counter(self.cluster.demand_mix)
             loop = asyncio.get_running_loop()
             found, controllers = await loop.run_in_executor(
-                self._pool, self._solve, cap, demand, pods, frozenset(excluded), allowance
+                self._pool, self._solve, cap, demand, pods, mix, frozenset(excluded), allowance
             )
             if found is None:
                 # no plan at all, or none without the pods that refused (a budget, a rule)
@@ -324,10 +331,14 @@ class Repacker:
         cap: Capacity,
         blocked: Demand,
         pods: Mapping[str, Mapping[str, Any]],
+        mix: Counter[Kind],
         excluded: frozenset[str],
         allowance: int,
     ) -> tuple[Any, dict[str, Controller]]:
-        """In a worker thread, on private copies: the running pods, which may move, the plan."""
+        """In a worker thread, on private copies: the running pods, which may move, the plan.
+        Moved pods land where the planner would put them (`SEQUENTIAL_RULE` on FGD's measure,
+        weighed by `mix`, the cluster's pods of ours as the planner weighs them, with
+        `--open-gpu-cost`), as in the simulator's planner+repack, rather than at their best fit."""
         running: list[tuple[Demand, Reservation]] = []
         controllers: dict[str, Controller] = {}
         for res in cap.ledger.reservations():
@@ -352,6 +363,13 @@ class Repacker:
             max_moves=allowance,
             time_limit=self.time_limit,
             num_workers=self.num_workers,
+            place_rule=SEQUENTIAL_RULE,
+            frag=FragIndex(
+                cap,
+                Workload.from_counts(mix) if mix else Workload.from_demands([blocked]),
+                count_foreign=False,
+                open_cost=self.open_cost,
+            ),
         )
         return found, controllers
 
