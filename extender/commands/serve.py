@@ -125,8 +125,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         metavar="F",
         help="planner (and --repack's moved pods): charge each placement F GPUs of memory per "
-        "idle GPU it opens, on top of FGD's measure (default 0; 0.2 packs LLM pods onto fewer GPUs while the cluster has "
-        "room, at some cost in memory allocated when it is overloaded; docs/packing.md)",
+        "idle GPU it opens, on top of FGD's measure (default 0; 0.2 packs LLM pods onto fewer "
+        "GPUs while the cluster has room, at some cost in memory allocated when it is "
+        "overloaded; docs/packing.md)",
     )
     p.add_argument(
         "--plan-ahead",

@@ -364,11 +364,9 @@ class Repacker:
             time_limit=self.time_limit,
             num_workers=self.num_workers,
             place_rule=SEQUENTIAL_RULE,
+            # the blocked pod is one of ours, pending, so `mix` counts it: never empty
             frag=FragIndex(
-                cap,
-                Workload.from_counts(mix) if mix else Workload.from_demands([blocked]),
-                count_foreign=False,
-                open_cost=self.open_cost,
+                cap, Workload.from_counts(mix), count_foreign=False, open_cost=self.open_cost
             ),
         )
         return found, controllers
