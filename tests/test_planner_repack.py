@@ -30,7 +30,7 @@ from extender.planner.repack import (
     search_repack,
 )
 from extender.planner.repack_counts import solve_counts
-from extender.planner.repack_pool import Pool
+from extender.planner.repack_pool import Pool, dominates
 from extender.quantity import GIB
 from extender.simulate.engine import build_capacity
 
@@ -472,6 +472,31 @@ def test_the_whole_cluster_is_modelled_when_the_time_limit_allows_its_movers():
 
 def _one_gpu(d: Demand) -> bool:
     return d.gpu_count == 1
+
+
+def test_the_pool_reads_dominance_by_kind_as_dominates_reads_it_per_pod():
+    """`Pool.dominating` works per kind of running pod and keeps each answer for the search:
+    per pod it is what `dominates` says, for whole-GPU, shared, two-GPU and GPU-less pods, and
+    a kept answer cannot be written to."""
+    _, cap = build_capacity([gpu_node("n0", count=8, memory_mib=80 * 1024, replicas=8, cpu="64")])
+    running: Running = []
+    kinds = [(10, 1, 2000), (20, 1, 0), (None, 1, 4000), (10, 2, 2000), (None, 0, 2000)]
+    for i, (gib, gpus, cpu) in enumerate(kinds * 3):
+        d = demand(f"r{i}", gib, gpus=gpus, cpu=cpu)
+        n, rows = placements(cap, d)[0]
+        res = reservation_for(cap, d, n, rows)
+        cap.apply(d, res if rows else None, n)
+        running.append((d, res))
+    pool = Pool(cap, demand("blocked", 30), running, None)
+    assert len(pool) == 15
+    seen = set()
+    for gib, gpus, cpu in [(10, 1, 0), (10, 1, 2000), (20, 1, 2000), (None, 1, 0), (10, 2, 0)]:
+        probe = demand("probe", gib, gpus=gpus, cpu=cpu)
+        got = pool.dominating(probe)
+        assert got.tolist() == [dominates(d, probe) for d in pool.demands]
+        assert pool.dominating(probe) is got and not got.flags.writeable
+        seen |= set(got.tolist())
+    assert seen == {True, False}
 
 
 @pytest.mark.parametrize("seed", SEEDS)

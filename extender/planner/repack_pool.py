@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import cast
 
 import numpy as np
 
 from extender.demand import Demand
 from extender.ledger import LedgerError, Reservation
 from extender.planner import clock
-from extender.planner.capacity import Capacity, demand_kind
+from extender.planner.capacity import Capacity, Kind, demand_kind
 from extender.planner.move_model import Mover, device_fits, need_bytes, reservation_for
 from extender.planner.repack_plan import (
     Move,
@@ -76,9 +77,7 @@ class Pool:
         movable: Movable | None,
     ) -> None:
         ledger = cap.ledger
-        a = cap.arrays
-        node_row = {name: i for i, name in enumerate(a.node_names)}
-        dev_row = {(dv.node, dv.device_id): i for i, dv in enumerate(a.devices)}
+        node_row, dev_row = ledger.node_row, ledger.row  # the rows of `cap.arrays`
         held_by = ledger.reservation
         me, my_name = pod.pod, pod.pod.name
         self.demands: list[Demand] = []
@@ -90,7 +89,7 @@ class Pool:
         for d, res in running:
             if (movable is not None and not movable(d)) or (d.pod.name == my_name and d.pod == me):
                 continue
-            n = node_row.get(res.node)
+            n = node_row(res.node)
             if n is None:
                 continue
             ids = res.device_ids
@@ -98,12 +97,10 @@ class Pool:
                 held = held_by(res.pod.key)
                 if held is not res and (held is None or not held.same_placement(res)):
                     continue
-                if len(ids) == 1:
-                    rows = [dev_row.get((res.node, ids[0]), -1)]
-                else:
-                    rows = [dev_row.get((res.node, i), -1) for i in ids]
-                if -1 in rows:
+                found = [dev_row(res.node, i) for i in ids]
+                if None in found:
                     continue
+                rows = cast(list[int], found)
             elif d.gpu_count:
                 continue
             else:
@@ -122,6 +119,17 @@ class Pool:
         self.ebytes = np.asarray(ebytes, np.int64)
         self.estart = np.asarray(estart, np.int64)
         self.eowner = np.repeat(np.arange(len(nodes)), np.diff(self.estart))
+        # `dominates` reads only a pod's kind, and a few hundred kinds cover thousands of pods
+        kinds: dict[Kind, int] = {}
+        self._kinds: list[Demand] = []  # one pod of each kind
+        of_kind: list[int] = []
+        for d in self.demands:
+            k = kinds.setdefault(demand_kind(d), len(self._kinds))
+            if k == len(self._kinds):
+                self._kinds.append(d)
+            of_kind.append(k)
+        self._kind = np.asarray(of_kind, np.int64)
+        self._dominating: dict[Kind, np.ndarray] = {}
         self._by_node: dict[int, list[int]] | None = None
         self._movers: dict[int, Mover] = {}
 
@@ -129,8 +137,15 @@ class Pool:
         return len(self.demands)
 
     def dominating(self, pod: Demand) -> np.ndarray:
-        """Which pods `dominates` the pod."""
-        return np.fromiter((dominates(d, pod) for d in self.demands), bool, len(self.demands))
+        """Which pods `dominates` the pod (read-only: shared by every call for its kind)."""
+        kind = demand_kind(pod)
+        found = self._dominating.get(kind)
+        if found is None:
+            per_kind = np.fromiter((dominates(d, pod) for d in self._kinds), bool, len(self._kinds))
+            found = per_kind[self._kind]
+            found.flags.writeable = False
+            self._dominating[kind] = found
+        return found
 
     def on_node(self, n: int, keep: np.ndarray) -> list[int]:
         """The pods running on node row n (among `keep`)."""
