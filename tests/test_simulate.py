@@ -469,6 +469,37 @@ def test_the_move_budget_is_a_fraction_of_the_pods_placed(tmp_path):
             )
 
 
+def test_the_repack_tally_names_the_request_and_adds_up(tmp_path):
+    """`repackByRequest` says what became of each blocked pod, by GPU request: with no budget
+    p3 (two whole GPUs) finds none to spend; with one move it is searched and placed by one.
+    Its rows add up to the replay's totals."""
+    from extender.simulate.engine import request_label
+
+    nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
+    p3 = next(t.demand for t in tasks if t.key == "trace/p3")
+    assert request_label(p3) == "2 x whole"
+    for budget in (0.0, 0.5):
+        r = run_policy("planner+repack", nodes, tasks, bound, move_budget=budget)
+        rows = r.to_json()["repackByRequest"]
+        if budget:
+            assert rows["2 x whole"] == {
+                "blocked": 1,
+                "budgetSpent": 0,
+                "skipped": 0,
+                "searched": 1,
+                "placed": 1,
+                "moves": 1,
+            }
+        else:
+            assert rows["2 x whole"]["budgetSpent"] == 1 and rows["2 x whole"]["searched"] == 0
+        for row in rows.values():
+            assert row["blocked"] == row["budgetSpent"] + row["skipped"] + row["searched"]
+        total = {k: sum(row[k] for row in rows.values()) for k in next(iter(rows.values()))}
+        assert total["searched"] == r.repackSearches and total["placed"] == r.repackPlaced
+        assert total["budgetSpent"] + total["skipped"] == r.repackSkipped
+        assert total["moves"] == r.moves
+
+
 def test_a_search_may_spend_at_most_the_moves_per_gpu_and_per_pod(tmp_path, monkeypatch):
     """A budget of 5 x 3 placed pods allows 15 moves; the search for p3, of two GPUs, is asked
     for at most 2 with a cap of 1 per GPU, or of 5 per GPU and 2 per pod (live mode's caps; one

@@ -33,6 +33,7 @@ from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner import clock
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
+from extender.quantity import format_bytes
 from extender.repack_policy import MOVES_PER_GPU, moves_to_place
 from extender.simulate.ahead_replay import place_with_ahead
 from extender.simulate.budget_bound import BudgetBound, StateSnapshot, budget_bound, snapshot
@@ -128,6 +129,11 @@ class PolicyResult:
     repackSkipped: int = 0
     repackUnproven: int = 0
     repackSeconds: float = 0.0
+    #: per GPU request ("1 x 810Mi", "8 x whole", `request_label`), what became of the GPU
+    #: pods that found no place: `blocked` in all, `budgetSpent` (no move left to spend),
+    #: `skipped` (`RepackSkips`, or it fits no node of the empty cluster), `searched`, `placed`
+    #: by a plan, the `moves` those plans made
+    repackByRequest: dict[str, dict[str, int]] = field(default_factory=dict)
     #: the planner's charge per idle GPU a placement opens (`--open-gpu-cost`; 0 for the others)
     openGpuCost: float = 0.0
     #: (pods arrived, GPUs fully free) after each batch; not in the JSON (one pair per batch)
@@ -388,6 +394,15 @@ def _held(cap: Capacity, d: Demand, node: int) -> Reservation:
     )
 
 
+_TALLY = ("blocked", "budgetSpent", "skipped", "searched", "placed", "moves")
+
+
+def request_label(d: Demand) -> str:
+    """A GPU request as `repackByRequest` names it: GPUs x memory per GPU (whole: devices)."""
+    per_gpu = "whole" if d.bytes_per_gpu is None else format_bytes(d.bytes_per_gpu)
+    return f"{d.gpu_count} x {per_gpu}"
+
+
 def _repack_failed(
     cap: Capacity,
     frag: FragIndex | None,
@@ -411,9 +426,13 @@ def _repack_failed(
         if t.key in where or not d.wants_gpu:
             continue
         allowed = limits.allowed(d, out.placed + placed_now + len(more), out.moves)
+        tally = out.repackByRequest.setdefault(request_label(d), dict.fromkeys(_TALLY, 0))
+        tally["blocked"] += 1
         if allowed < 1 or demand_kind(d) in nowhere or skips.skip(d, allowed):
             out.repackSkipped += 1
+            tally["budgetSpent" if allowed < 1 else "skipped"] += 1
             continue
+        tally["searched"] += 1
         found = search_repack(
             cap,
             d,
@@ -450,6 +469,8 @@ def _repack_failed(
             frag.refresh(sorted(touched))
         out.moves += len(plan.moves)
         out.repackPlaced += 1
+        tally["placed"] += 1
+        tally["moves"] += len(plan.moves)
         if plan.moves:
             skips.forget()
         where[t.key] = n
