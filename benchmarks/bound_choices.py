@@ -28,13 +28,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import trace_packing as tp
 
 from extender.planner.capacity import demand_kind
+from extender.simulate.bound_report import bound_within_budget, later_demands
 from extender.simulate.budget_bound import budget_bound
-from extender.simulate.engine import (
-    MOVE_BUDGET,
-    bound_within_budget,
-    later_demands,
-    run_policy,
-)
+from extender.simulate.engine import MOVE_BUDGET, run_policy
 
 OUT = ROOT / "benchmarks" / "results" / "bound_choices.json"
 

@@ -35,14 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from extender.planner.capacity import Workload
+from extender.simulate.bound_report import allocation_bounds, bound_line, budget_curve_point
 from extender.simulate.engine import (
     ALL_POLICIES,
     MOVE_BUDGET,
     REPACK_TIME_LIMIT,
     all_fit_line,
-    allocation_bounds,
-    bound_line,
-    budget_curve_point,
     overcommit_text,
     replay,
     while_all_fit,

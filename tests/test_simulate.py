@@ -18,10 +18,10 @@ from extender.simulate.engine import (
     ALL_POLICIES,
     MOVES_PER_GPU,
     PolicyResult,
-    RepackLimits,
     run_policy,
     while_all_fit,
 )
+from extender.simulate.repack_replay import RepackLimits
 from extender.simulate.trace import inflate, read_inputs, read_trace_nodes, read_trace_pods
 
 NODE_HEAD = "sn,cpu_milli,memory_mib,gpu,model\n"
@@ -473,7 +473,7 @@ def test_the_repack_tally_names_the_request_and_adds_up(tmp_path):
     """`repackByRequest` says what became of each blocked pod, by GPU request: with no budget
     p3 (two whole GPUs) finds none to spend; with one move it is searched and placed by one.
     Its rows add up to the replay's totals."""
-    from extender.simulate.engine import request_label
+    from extender.simulate.repack_replay import request_label
 
     nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
     p3 = next(t.demand for t in tasks if t.key == "trace/p3")
@@ -544,7 +544,7 @@ def test_the_move_cap_scales_with_the_gpus_a_pod_asks():
 
 def test_a_failed_repack_search_is_not_repeated_for_a_pod_asking_as_much():
     from extender.demand import Demand, PodRef
-    from extender.simulate.engine import RepackSkips
+    from extender.simulate.repack_replay import RepackSkips
 
     def d(name, gib, cpu, allowed=None):
         return Demand(PodRef("t", name), 1, gib * GIB, cpu_milli=cpu, allowed_products=allowed)
@@ -726,23 +726,23 @@ def test_simulate_open_gpu_cost_packs_the_planner_onto_fewer_gpus(tmp_path, caps
 
 def test_the_bound_within_a_budget_is_solved_once_per_budget(tmp_path, monkeypatch):
     """The bounds' JSON and the budget curve's point at the run's budget read one LP solve."""
-    import extender.simulate.engine as engine
+    import extender.simulate.bound_report as report
 
     nodes, tasks, bound = read_inputs(*write(tmp_path, REPACK_NODES, REPACK_PODS))
     r = run_policy("planner+repack", nodes, tasks, bound, move_budget=0.5)
     solves: list[float] = []
-    solve = engine.budget_bound
+    solve = report.budget_bound
 
     def spy(state, later, **kw):
         solves.append(kw["fraction"])
         return solve(state, later, **kw)
 
-    monkeypatch.setattr(engine, "budget_bound", spy)
-    within = engine.allocation_bounds(nodes, bound, tasks, [r])["fromFirstFailureWithBudget"]
-    point = engine.budget_curve_point(0.5, r, tasks)
+    monkeypatch.setattr(report, "budget_bound", spy)
+    within = report.allocation_bounds(nodes, bound, tasks, [r])["fromFirstFailureWithBudget"]
+    point = report.budget_curve_point(0.5, r, tasks)
     assert solves == [0.5] and within["status"] == "OPTIMAL"
     assert point["boundPct"] == within["pct"]
-    engine.budget_curve_point(0.0, r, tasks)
+    report.budget_curve_point(0.0, r, tasks)
     assert solves == [0.5, 0.0]
 
 

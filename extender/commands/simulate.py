@@ -159,13 +159,12 @@ def _policies(chosen: list[str] | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from extender.planner.capacity import Workload, open_cost_problem
     from extender.quantity import MIB
+    from extender.simulate.bound_report import bound_line, budget_curve_point
     from extender.simulate.engine import (
         MOVE_BUDGET,
         MOVES_PER_GPU,
         REPACK_TIME_LIMIT,
         all_fit_line,
-        bound_line,
-        budget_curve_point,
         build_capacity,
         replay,
         while_all_fit,
@@ -342,7 +341,7 @@ def _pct(part: float, whole: float) -> float:
 
 
 def _bounds(nodes, bound, tasks, results) -> dict:
-    from extender.simulate.engine import allocation_bounds
+    from extender.simulate.bound_report import allocation_bounds
 
     return allocation_bounds(nodes, bound, tasks, results)
 

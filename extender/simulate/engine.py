@@ -7,13 +7,8 @@ Every vramsched policy places through `Ledger.reserve`, so an overcommit would r
 records what the device plugin would do, overcommit included, and the metrics count it.
 
 `planner+repack` is the planner, and when a GPU pod then fits nowhere, repacking by migration
-(`planner.repack`): the fewest moves of running pods that make it fit, applied at once, within a
-budget of `move_budget` x the pods placed so far (moves spent count against it), at most
-`moves_per_gpu` moves per GPU the pod asks and, when set, `moves_per_pod` in all (live mode's caps,
-same defaults). In the replay
-every running pod may move (the trace says nothing about which could not); the live mode's
-per-minute cap and its movable label are `serve --repack`'s. Attempts that cannot succeed are
-skipped (`RepackSkips`).
+within a move budget (`repack_replay`). What a replay measured is a `PolicyResult`; the bounds
+it is compared with are `bound_report`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
 from itertools import groupby
 from typing import Any
 
@@ -33,27 +27,34 @@ from extender.ledger import LedgerError, Reservation, check_invariant
 from extender.planner import clock
 from extender.planner.capacity import Capacity, FragIndex, Workload, demand_kind
 from extender.planner.greedy import choose, first_fit, place_one
-from extender.quantity import format_bytes
-from extender.repack_policy import MOVES_PER_GPU, moves_to_place
+from extender.repack_policy import MOVES_PER_GPU
 from extender.simulate.ahead_replay import place_with_ahead
-from extender.simulate.budget_bound import BudgetBound, StateSnapshot, budget_bound, snapshot
+from extender.simulate.budget_bound import snapshot
 from extender.simulate.profile import PROFILES, LiveProfile
+from extender.simulate.repack_replay import (
+    MOVE_BUDGET,
+    REPACK_TIME_LIMIT,
+    RepackLimits,
+    RepackSkips,
+    held,
+    repack_failed,
+)
+from extender.simulate.result import PolicyResult
 from extender.simulate.trace import Task
 
 __all__ = [
+    "MOVE_BUDGET",
     "MOVES_PER_GPU",
+    "REPACK_TIME_LIMIT",
     "PolicyResult",
-    "RepackLimits",
+    "replay",
     "run_policy",
     "build_capacity",
     "fit_nowhere",
     "while_all_fit",
     "all_fit_line",
     "overcommit_text",
-    "allocation_bounds",
-    "bound_within_budget",
-    "budget_curve_point",
-    "bound_line",
+    "usable_free_gpus",
     "ALL_POLICIES",
     "VRAMSCHED_POLICIES",
 ]
@@ -68,105 +69,6 @@ VRAMSCHED_POLICIES = ("planner", "planner+repack", "plan-ahead", "hot-path", "vr
 PROFILE_OF = {"plan-ahead": "live"}
 #: the pod types `plan-ahead` plans for (`serve --plan-ahead 8`)
 AHEAD_TYPES = 8
-#: `planner+repack`'s default move budget: moves as a fraction of the pods placed so far.
-MOVE_BUDGET = 0.02
-#: seconds one repack search may take (`planner.repack.search_repack`'s time limit)
-REPACK_TIME_LIMIT = 1.0
-
-
-@dataclass
-class PolicyResult:
-    policy: str
-    placed: int = 0
-    failed: int = 0
-    allocatedMemoryBytes: int = 0
-    requestedMemoryBytes: int = 0
-    capacityMemoryBytes: int = 0
-    gpusInUse: int = 0
-    gpusFree: int = 0
-    gpusTotal: int = 0
-    overcommittedGpus: int = 0
-    #: the most GPUs overcommitted at once after any batch (with churn, pods that overcommitted
-    #: a GPU may have left by the end)
-    overcommittedGpusPeak: int = 0
-    overcommittedBytes: int = 0
-    fragmentationBytes: float = 0.0
-    fragmentationRate: float = 0.0
-    #: memory nobody can use at the end: on every GPU, the free memory its free replicas cannot
-    #: reach, each taking at most the per-pod cap (the rest of an exclusive GPU or MIG slice in
-    #: use, a time-sliced GPU's memory behind its last replica, the unused rest of MPS shares)
-    strandedBytes: int = 0
-    failedGpuPods: int = 0
-    seconds: float = 0.0
-    batches: int = 0
-    solverBatches: int = 0
-    solverRuns: int = 0
-    solverOptimal: int = 0
-    solverImproved: int = 0
-    invariantViolations: int = 0
-    gpusFreeMean: float = 0.0
-    #: fully free GPUs weighted by the share of the workload's GPU pods that could start on each
-    #: now (`usable_free_gpus`), at the end of the replay
-    gpusFreeUsable: float = 0.0
-    gpusInUsePeak: int = 0
-    #: batches placed in full before the first one in which a pod that fits the starting cluster
-    #: found no place (all of them if none), and the pods that arrived in those batches: how far
-    #: the replay stays in the regime where every pod fits
-    allFitBatches: int = 0
-    allFitArrivals: int = 0
-    #: pods moved by repacking (`planner+repack`; 0 for the others), the budget they were spent
-    #: from (a fraction of the pods placed), the caps per GPU and per pod placed (None: no cap
-    #: beyond the one per GPU), repack searches run,
-    #: pods they placed, pods that failed without a search (`RepackSkips`), searches that found
-    #: no plan without proving that none exists (they stopped at their neighbourhood or time
-    #: limit: a wider search might find one), and the searches' wall time
-    moves: int = 0
-    moveBudget: float = 0.0
-    movesPerGpu: int = 0
-    movesPerPod: int | None = None
-    repackSearches: int = 0
-    repackPlaced: int = 0
-    repackSkipped: int = 0
-    repackUnproven: int = 0
-    repackSeconds: float = 0.0
-    #: per GPU request ("1 x 810Mi", "8 x whole", `request_label`), what became of the GPU
-    #: pods that found no place: `blocked` in all, `budgetSpent` (no move left to spend),
-    #: `skipped` (`RepackSkips`, or it fits no node of the empty cluster), `searched`, `placed`
-    #: by a plan, the `moves` those plans made
-    repackByRequest: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: the planner's charge per idle GPU a placement opens (`--open-gpu-cost`; 0 for the others)
-    openGpuCost: float = 0.0
-    #: (pods arrived, GPUs fully free) after each batch; not in the JSON (one pair per batch)
-    freeSeries: list[tuple[int, int]] = field(default_factory=list, repr=False)
-    #: the pods placed when a GPU pod first found no place (before any repack), without churn;
-    #: they stay to the end, so `bound.allocation_bound(..., placed=...)` bounds this policy's
-    #: result and any policy's that agrees with it up to there (`planner+repack` at every
-    #: budget agrees with `planner`). Not in the JSON.
-    placedAtFirstFailure: list[Demand] | None = field(default=None, repr=False)
-    #: the state then, pod for pod (`budget_bound.snapshot`): what `budget_bound` starts from.
-    #: Not in the JSON.
-    stateAtFirstFailure: StateSnapshot | None = field(default=None, repr=False)
-    #: `bound_within_budget` of that state, by move budget, once each (the bounds' JSON and a
-    #: budget curve ask for the same one). Not in the JSON.
-    budgetBounds: dict[float, BudgetBound] = field(default_factory=dict, repr=False)
-    #: the pods placed at the end (without churn): `allocation_bound(..., placed=...)` is then
-    #: the most any number of moves could make of this end state. Not in the JSON.
-    placedAtEnd: list[Demand] | None = field(default=None, repr=False)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        skip = (
-            "policy",
-            "freeSeries",
-            "placedAtFirstFailure",
-            "stateAtFirstFailure",
-            "budgetBounds",
-            "placedAtEnd",
-            "extra",
-        )
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
-        d.update(self.extra)
-        return d
 
 
 def replay(deterministic: bool, *args: Any, **kwargs: Any) -> PolicyResult:
@@ -290,7 +192,7 @@ def run_policy(
             where[t.key] = n
             demands_of[t.key] = t
             if repack:
-                running[t.key] = (t.demand, _held(cap, t.demand, n))
+                running[t.key] = (t.demand, held(cap, t.demand, n))
         if out.placedAtFirstFailure is None and not churn and len(placed) < len(batch):
             if any(t.demand.wants_gpu and t.key not in where for t in batch):
                 out.placedAtFirstFailure = [demands_of[k].demand for k in where]
@@ -299,8 +201,9 @@ def run_policy(
                         cap, ((demands_of[k].demand, n) for k, n in where.items())
                     )
         if repack:
-            placed += _repack_failed(
+            placed += repack_failed(
                 cap,
+                _planner_rule(),  # moved pods land where the planner would put them
                 frag,
                 batch,
                 len(placed),
@@ -336,278 +239,6 @@ def run_policy(
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
     return out
-
-
-@dataclass(frozen=True)
-class RepackLimits:
-    """What `planner+repack` may spend: moves as a fraction of the pods placed so far, moves
-    to place one pod per GPU it asks and in all (live mode's caps: without one, a search could
-    spend the whole budget on a long chain for one small pod; on the trace, searches capped at
-    3 place more pods with the same budget, and per GPU, a pod that asks 8 GPUs may free 8),
-    seconds per search, CP-SAT workers."""
-
-    budget: float = MOVE_BUDGET
-    per_gpu: int = MOVES_PER_GPU
-    per_pod: int | None = None
-    time_limit: float = REPACK_TIME_LIMIT
-    num_workers: int = 2
-
-    def allowed(self, d: Demand, placed: int, moved: int) -> int:
-        """Moves the search for `d` may make, after `moved` moves and `placed` pods placed."""
-        cap = moves_to_place(d.gpu_count, self.per_gpu, self.per_pod)
-        return min(cap, int(self.budget * placed) - moved)
-
-
-@dataclass
-class RepackSkips:
-    """Repack searches that cannot succeed, skipped: a demand that asks at least what a failed
-    search asked (`repack.dominates`), with no more moves allowed than that search had, until the
-    layout changes other than by an arrival (a pod leaves, or a plan moves pods). Sound when the
-    failure was proven (a pod added only takes capacity); a cut for a search that stopped at its
-    neighbourhood or time limit. The replay at inflate 1.3 fails thousands of pods; without this,
-    thousands of searches."""
-
-    failed: list[tuple[Demand, int]] = field(default_factory=list)
-
-    def forget(self) -> None:
-        """The layout changed other than by an arrival: any failed search may succeed now
-        (after a plan's moves, a plan of m moves may exist where none did before)."""
-        self.failed.clear()
-
-    def skip(self, d: Demand, max_moves: int) -> bool:
-        from extender.planner.repack import dominates
-
-        return any(m >= max_moves and dominates(d, f) for f, m in self.failed)
-
-    def add(self, d: Demand, max_moves: int) -> None:
-        from extender.planner.repack import dominates
-
-        self.failed = [(f, m) for f, m in self.failed if not (m <= max_moves and dominates(f, d))]
-        self.failed.append((d, max_moves))
-
-
-def _held(cap: Capacity, d: Demand, node: int) -> Reservation:
-    """What a placed pod holds, as repacking reads it: its reservation, or for a GPU-less pod
-    one with no devices that names its node."""
-    return cap.ledger.reservation(d.pod.key) or Reservation(
-        d.pod, cap.arrays.node_names[node], (), ()
-    )
-
-
-_TALLY = ("blocked", "budgetSpent", "skipped", "searched", "placed", "moves")
-
-
-def request_label(d: Demand) -> str:
-    """A GPU request as `repackByRequest` names it: GPUs x memory per GPU (whole: devices)."""
-    per_gpu = "whole" if d.bytes_per_gpu is None else format_bytes(d.bytes_per_gpu)
-    return f"{d.gpu_count} x {per_gpu}"
-
-
-def _repack_failed(
-    cap: Capacity,
-    frag: FragIndex | None,
-    batch: Sequence[Task],
-    placed_now: int,
-    running: dict[str, tuple[Demand, Reservation]],
-    where: dict[str, int],
-    demands_of: dict[str, Task],
-    out: PolicyResult,
-    skips: RepackSkips,
-    nowhere: set[tuple],
-    limits: RepackLimits,
-) -> list[tuple[Task, int]]:
-    """Repack for every GPU pod of the batch left out, in order, while the budget lasts; the
-    pods it places, indexed like the others."""
-    from extender.planner.repack import apply_plan, search_repack
-
-    more: list[tuple[Task, int]] = []
-    for t in batch:
-        d = t.demand
-        if t.key in where or not d.wants_gpu:
-            continue
-        allowed = limits.allowed(d, out.placed + placed_now + len(more), out.moves)
-        tally = out.repackByRequest.setdefault(request_label(d), dict.fromkeys(_TALLY, 0))
-        tally["blocked"] += 1
-        if allowed < 1 or demand_kind(d) in nowhere or skips.skip(d, allowed):
-            out.repackSkipped += 1
-            tally["budgetSpent" if allowed < 1 else "skipped"] += 1
-            continue
-        tally["searched"] += 1
-        found = search_repack(
-            cap,
-            d,
-            list(running.values()),
-            max_moves=allowed,
-            time_limit=limits.time_limit,
-            num_workers=limits.num_workers,
-            place_rule=_planner_rule(),  # moved pods land where the planner would put them
-            frag=frag,
-        )
-        out.repackSearches += 1
-        out.repackSeconds += found.seconds
-        plan = found.plan
-        if plan is None:
-            out.repackUnproven += not found.proven
-            skips.add(d, allowed)
-            continue
-        try:
-            apply_plan(cap, plan)
-        except LedgerError:  # cannot happen for a plan read back and checked; counted as failed
-            skips.add(d, allowed)
-            continue
-        touched = set()
-        for mv in plan.moves:
-            n = cap.ledger.node_row(mv.target.node)
-            assert n is not None
-            touched |= {where[mv.pod.key], n}
-            where[mv.pod.key] = n
-            running[mv.pod.key] = (mv.demand, _held(cap, mv.demand, n))
-        n = cap.ledger.node_row(plan.placement.node)
-        assert n is not None
-        touched.add(n)
-        if frag is not None:
-            frag.refresh(sorted(touched))
-        out.moves += len(plan.moves)
-        out.repackPlaced += 1
-        tally["placed"] += 1
-        tally["moves"] += len(plan.moves)
-        if plan.moves:
-            skips.forget()
-        where[t.key] = n
-        demands_of[t.key] = t
-        running[t.key] = (d, _held(cap, d, n))
-        more.append((t, n))
-    return more
-
-
-def allocation_bounds(
-    nodes: Sequence[Mapping[str, Any]],
-    bound: Sequence[Mapping[str, Any]],
-    tasks: Sequence[Task],
-    results: Sequence[PolicyResult] = (),
-) -> dict[str, Any]:
-    """Upper bounds on GPU memory allocated at the end of a replay without churn
-    (`bound.allocation_bound`), as bytes and % of GPU memory, next to the capacity and what
-    the pods ask: `anyPolicy`, whatever any policy does (any moves, every arrival known);
-    `fromFirstFailure`, for a policy that places what the first of `results` (planner+repack
-    preferred, then planner) had placed when a GPU pod first found no place (`planner+repack`
-    places like `planner` until then, at every move budget); `fromFirstFailureWithBudget`, for
-    `planner+repack`, the same state kept pod for pod and at most its move budget of pods moved
-    (`budget_bound.budget_bound`); `fromEnd`, per policy (fgd,
-    planner+repack), the most any number of moves could make of its end state, its pods kept
-    and the pods that failed free to join."""
-    from extender.simulate.bound import allocation_bound
-
-    _, cap = build_capacity(nodes, bound)
-    a = cap.arrays
-    total = int(a.capacity.sum())
-    held = int(np.minimum(a.used, a.capacity).sum())  # pods bound before the replay
-    demands = [t.demand for t in tasks]
-    anyb = allocation_bound(cap, demands)
-
-    def pct(b: float) -> float:
-        return round(100 * (b + held) / total, 3) if total else 0.0
-
-    out: dict[str, Any] = {
-        "capacityBytes": total,
-        "demandBytes": anyb.demand_bytes,
-        "anyPolicyBytes": round(anyb.bytes + held),
-        "anyPolicyPct": pct(anyb.bytes),
-        "status": anyb.status,
-        "seconds": round(anyb.seconds, 2),
-    }
-    order = {"planner+repack": 0, "planner": 1}
-    ref = sorted(
-        (r for r in results if r.placedAtFirstFailure is not None),
-        key=lambda r: order.get(r.policy, 2),
-    )
-    if ref:
-        r = ref[0]
-        b = allocation_bound(cap, demands, placed=r.placedAtFirstFailure or ())
-        out["fromFirstFailure"] = {
-            "policy": r.policy,
-            "placedThen": len(r.placedAtFirstFailure or ()),
-            "bytes": round(b.bytes + held),
-            "pct": pct(b.bytes),
-            "status": b.status,
-        }
-        bb = bound_within_budget(r, tasks, r.moveBudget) if r.policy == "planner+repack" else None
-        if bb is not None:
-            out["fromFirstFailureWithBudget"] = {
-                "moveBudget": r.moveBudget,
-                "bytes": round(bb.bytes),
-                "pct": round(100 * bb.bytes / total, 3) if total else 0.0,
-                "status": bb.status,
-                "seconds": round(bb.seconds, 2),
-            }
-    ends = {}
-    for r in results:
-        if r.placedAtEnd is not None and r.policy in ("fgd", "planner+repack"):
-            b = allocation_bound(cap, demands, placed=r.placedAtEnd)
-            ends[r.policy] = {"bytes": round(b.bytes + held), "pct": pct(b.bytes)}
-    if ends:
-        out["fromEnd"] = ends
-    return out
-
-
-def bound_within_budget(
-    r: PolicyResult, tasks: Sequence[Task], fraction: float
-) -> BudgetBound | None:
-    """`budget_bound` from `r`'s first failure, with at most `fraction` x the pods placed
-    moved (None: no GPU pod failed, or the replay had churn). Solved once per budget."""
-    state = r.stateAtFirstFailure
-    if state is None:
-        return None
-    if fraction not in r.budgetBounds:
-        later = later_demands(state, tasks)
-        r.budgetBounds[fraction] = budget_bound(state, later, fraction=fraction)
-    return r.budgetBounds[fraction]
-
-
-def later_demands(state: StateSnapshot, tasks: Sequence[Task]) -> list[Demand]:
-    """The demands of `tasks` not placed in `state` (a first failure's snapshot): the pods a
-    bound from that state may still take."""
-    kept = {p.demand.pod.key for p in state.pods}
-    return [t.demand for t in tasks if t.key not in kept]
-
-
-def budget_curve_point(budget: float, r: PolicyResult, tasks: Sequence[Task]) -> dict[str, Any]:
-    """One point of a budget curve: what `planner+repack` (`planner` at budget 0) reached with
-    this move budget, and the bound from its first failure within the same budget
-    (`boundPct`, when a GPU pod failed)."""
-    point: dict[str, Any] = {
-        "moveBudget": budget,
-        "allocatedMemoryBytes": r.allocatedMemoryBytes,
-        "allocatedPct": round(100 * r.allocatedMemoryBytes / r.capacityMemoryBytes, 3)
-        if r.capacityMemoryBytes
-        else 0.0,
-        "placed": r.placed,
-        "moves": r.moves,
-        "repackPlaced": r.repackPlaced,
-        "repackSearches": r.repackSearches,
-        "seconds": round(r.seconds, 1),
-    }
-    bb = bound_within_budget(r, tasks, budget)
-    if bb is not None and bb.status == "OPTIMAL" and r.capacityMemoryBytes:
-        point["boundPct"] = round(100 * bb.bytes / r.capacityMemoryBytes, 3)
-    return point
-
-
-def bound_line(b: Mapping[str, Any]) -> str:
-    """`allocation_bounds` in one line, as the simulator and the trace benchmark print it."""
-    line = f"bound on GPU memory allocated: any policy {b['anyPolicyPct']:.2f}%"
-    f = b.get("fromFirstFailure")
-    if f:
-        line += (
-            f"; placing like {f['policy']} until a GPU pod first fits nowhere "
-            f"({f['placedThen']} pods then): {f['pct']:.2f}%"
-        )
-    w = b.get("fromFirstFailureWithBudget")
-    if w:
-        line += f"; and then moving at most {100 * w['moveBudget']:g}% of the pods: {w['pct']:.2f}%"
-    for policy, e in (b.get("fromEnd") or {}).items():
-        line += f"; {policy}'s end state with any moves: {e['pct']:.2f}%"
-    return line
 
 
 def fit_nowhere(cap: Capacity, tasks: Sequence[Task]) -> set[tuple]:

@@ -6,7 +6,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from extender.simulate.engine import PolicyResult
+from extender.simulate.result import PolicyResult
 
 __all__ = ["plot_results", "plot_free_curve", "plot_budget_curves"]
 
@@ -94,8 +94,8 @@ def plot_budget_curves(
     panel per pod list: FGD's allocation and the bounds as horizontal lines.
 
     `runs` maps a panel title to {"budgetCurve": [{"moveBudget", "allocatedPct", "moves",
-    "boundPct" (optional: `engine.bound_within_budget`)}...],
-    "fgdPct": float | None, "bound": `engine.allocation_bounds` | None}."""
+    "boundPct" (optional: `bound_report.bound_within_budget`)}...],
+    "fgdPct": float | None, "bound": `bound_report.allocation_bounds` | None}."""
     import matplotlib
 
     matplotlib.use("Agg")
