@@ -693,6 +693,12 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "moves" in table.splitlines()[1] and "bound on GPU memory allocated" in table
     assert "and then moving at most 50% of the pods" in table
+    tally = table[table.index("planner+repack, GPU pods that found no place, by request:") :]
+    head, *rows = (line.split() for line in tally.splitlines()[1:4])
+    assert head[:2] == ["request", "blocked"] and head[-3:] == ["searched", "placed", "moves"]
+    by_request = {" ".join(row[:3]): row[3:] for row in rows}
+    assert by_request["2 x whole"] == ["1", "0", "0", "1", "1", "1"]  # p3: placed by one move
+    assert by_request["1 x 700Mi"] == ["1", "0", "0", "1", "0", "0"]  # p4: searched, no plan
     assert main([*args, "--churn", "--bound"]) == 2
     for flag in ("--max-moves-per-gpu", "--max-moves-per-pod"):
         assert main([*args, flag, "0"]) == 2

@@ -22,6 +22,7 @@ from extender.simulate.trace import Task
 __all__ = [
     "MOVE_BUDGET",
     "REPACK_TIME_LIMIT",
+    "REQUEST_TALLY",
     "RepackLimits",
     "RepackSkips",
     "held",
@@ -91,7 +92,8 @@ def held(cap: Capacity, d: Demand, node: int) -> Reservation:
     )
 
 
-_TALLY = ("blocked", "budgetSpent", "skipped", "searched", "placed", "moves")
+#: what `PolicyResult.repackByRequest` counts per GPU request, in this order
+REQUEST_TALLY = ("blocked", "budgetSpent", "skipped", "searched", "placed", "moves")
 
 
 def request_label(d: Demand) -> str:
@@ -124,7 +126,7 @@ def repack_failed(
         if t.key in where or not d.wants_gpu:
             continue
         allowed = limits.allowed(d, out.placed + placed_now + len(more), out.moves)
-        tally = out.repackByRequest.setdefault(request_label(d), dict.fromkeys(_TALLY, 0))
+        tally = out.repackByRequest.setdefault(request_label(d), dict.fromkeys(REQUEST_TALLY, 0))
         tally["blocked"] += 1
         if allowed < 1 or demand_kind(d) in nowhere or skips.skip(d, allowed):
             out.repackSkipped += 1
