@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from extender.observe.sources import SourceError, add_source_args, load_cluster
+from extender.text_table import print_table
 
 __all__ = ["register", "run"]
 
@@ -103,9 +104,6 @@ def run(args: argparse.Namespace) -> int:
             ]
             for mv in plan.moves
         ]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-        for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print_table(head, rows)
         print("GPUs freed: " + ", ".join(f"{n}/GPU {d}" for n, d in plan.freed))
     return 0

@@ -350,6 +350,7 @@ def _table(results, n_tasks: int, gpus: int) -> None:
     from extender.quantity import format_bytes
     from extender.simulate.engine import overcommit_text
     from extender.simulate.repack_replay import REQUEST_TALLY
+    from extender.text_table import print_table
 
     head = [
         "policy",
@@ -381,11 +382,11 @@ def _table(results, n_tasks: int, gpus: int) -> None:
         for r in results
     ]
     print(f"{n_tasks} pods, {gpus} GPUs")
-    _print_rows(head, rows)
+    print_table(head, rows)
     for r in results:
         if r.repackByRequest:
             print(f"{r.policy}, GPU pods that found no place, by request:")
-            _print_rows(
+            print_table(
                 ["request", "blocked", "no budget left", "skipped", "searched", "placed", "moves"],
                 [
                     [label, *(str(t[k]) for k in REQUEST_TALLY)]
@@ -394,10 +395,3 @@ def _table(results, n_tasks: int, gpus: int) -> None:
                     )
                 ],
             )
-
-
-def _print_rows(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
