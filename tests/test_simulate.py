@@ -680,6 +680,10 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     budgeted = bound["fromFirstFailureWithBudget"]  # the same state, at most 0.5 x pods moved
     assert budgeted["moveBudget"] == 0.5 and budgeted["status"] == "OPTIMAL"
     assert mine - 1 <= budgeted["bytes"] <= bound["anyPolicyBytes"] + 1
+    fits = bound["fromFirstFailurePlacingFits"]  # the same state, no moves, every fit placed
+    assert fits["status"] == "OPTIMAL"
+    planner = out["policies"]["planner"]["allocatedMemoryBytes"]
+    assert planner - 1 <= fits["bytes"] <= budgeted["bytes"] + 1
     for r in out["policies"].values():
         assert r["allocatedMemoryBytes"] <= bound["anyPolicyBytes"] + 1
     for policy in ("fgd", "planner+repack"):  # its own end state, moves allowed: no less
@@ -693,6 +697,7 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "moves" in table.splitlines()[1] and "bound on GPU memory allocated" in table
     assert "and then moving at most 50% of the pods" in table
+    assert "and then placing every pod that fits, no moves" in table
     tally = table[table.index("planner+repack, GPU pods that found no place, by request:") :]
     head, *rows = (line.split() for line in tally.splitlines()[1:4])
     assert head[:2] == ["request", "blocked"] and head[-3:] == ["searched", "placed", "moves"]
@@ -740,7 +745,8 @@ def test_the_bound_within_a_budget_is_solved_once_per_budget(tmp_path, monkeypat
     solve = report.budget_bound
 
     def spy(state, later, **kw):
-        solves.append(kw["fraction"])
+        if "arrivals" not in kw:  # the bound that places every fit has no budget
+            solves.append(kw["fraction"])
         return solve(state, later, **kw)
 
     monkeypatch.setattr(report, "budget_bound", spy)

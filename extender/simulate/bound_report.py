@@ -16,6 +16,7 @@ from extender.simulate.trace import Task
 
 __all__ = [
     "allocation_bounds",
+    "bound_placing_fits",
     "bound_within_budget",
     "budget_curve_point",
     "bound_line",
@@ -36,7 +37,9 @@ def allocation_bounds(
     preferred, then planner) had placed when a GPU pod first found no place (`planner+repack`
     places like `planner` until then, at every move budget); `fromFirstFailureWithBudget`, for
     `planner+repack`, the same state kept pod for pod and at most its move budget of pods moved
-    (`budget_bound.budget_bound`); `fromEnd`, per policy (fgd,
+    (`budget_bound.budget_bound`); `fromFirstFailurePlacingFits`, the same state kept and no
+    pod moved, for a policy that places every pod that fits when it arrives (`fit_rule`);
+    `fromEnd`, per policy (fgd,
     planner+repack), the most any number of moves could make of its end state, its pods kept
     and the pods that failed free to join."""
     from extender.simulate.bound import allocation_bound
@@ -74,6 +77,14 @@ def allocation_bounds(
             "pct": pct(b.bytes),
             "status": b.status,
         }
+        fits = bound_placing_fits(r, tasks)
+        if fits is not None:
+            out["fromFirstFailurePlacingFits"] = {
+                "bytes": round(fits.bytes),
+                "pct": round(100 * fits.bytes / total, 3) if total else 0.0,
+                "status": fits.status,
+                "seconds": round(fits.seconds, 2),
+            }
         bb = bound_within_budget(r, tasks, r.moveBudget) if r.policy == "planner+repack" else None
         if bb is not None:
             out["fromFirstFailureWithBudget"] = {
@@ -105,6 +116,17 @@ def bound_within_budget(
         later = later_demands(state, tasks)
         r.budgetBounds[fraction] = budget_bound(state, later, fraction=fraction)
     return r.budgetBounds[fraction]
+
+
+def bound_placing_fits(r: PolicyResult, tasks: Sequence[Task]) -> BudgetBound | None:
+    """`budget_bound` from `r`'s first failure without moves, every later pod that fits placed
+    (`fit_rule`); None: no GPU pod failed, or the replay had churn."""
+    state = r.stateAtFirstFailure
+    if state is None:
+        return None
+    kept = {p.demand.pod.key for p in state.pods}
+    later = [t for t in tasks if t.key not in kept]
+    return budget_bound(state, [t.demand for t in later], arrivals=[t.arrival for t in later])
 
 
 def later_demands(state: StateSnapshot, tasks: Sequence[Task]) -> list[Demand]:
@@ -145,6 +167,9 @@ def bound_line(b: Mapping[str, Any]) -> str:
             f"; placing like {f['policy']} until a GPU pod first fits nowhere "
             f"({f['placedThen']} pods then): {f['pct']:.2f}%"
         )
+    p = b.get("fromFirstFailurePlacingFits")
+    if p:
+        line += f"; and then placing every pod that fits, no moves: {p['pct']:.2f}%"
     w = b.get("fromFirstFailureWithBudget")
     if w:
         line += f"; and then moving at most {100 * w['moveBudget']:g}% of the pods: {w['pct']:.2f}%"

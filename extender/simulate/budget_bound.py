@@ -45,6 +45,7 @@ from extender.demand import Demand
 from extender.planner.capacity import Capacity, demand_kind, device_matches
 from extender.quantity import GIB
 from extender.simulate.bound import status_name
+from extender.simulate.fit_rule import add_fit_rule
 
 __all__ = ["CPU_BINS", "BudgetBound", "HeldPod", "StateSnapshot", "budget_bound", "snapshot"]
 
@@ -631,13 +632,22 @@ def budget_bound(
     max_states: int = 2000,
     cpu_bins: Sequence[float] = CPU_BINS,
     cpu_cuts: int = 16,
+    arrivals: Sequence[float] | None = None,
+    first_failed: bool = True,
 ) -> BudgetBound:
     """The bound for the GPU pods `later` arriving on `state`, moves limited to `fraction` x
     the pods placed at the end and to `max_moves` (None: not limited that way; both None:
     no moves). `later_gpuless`: GPU-less pods arriving later (default: those in `later`), which
-    count as placed for the budget."""
+    count as placed for the budget. `arrivals`: when each of `later` arrives, in order; given,
+    a pod that fits is placed (`fit_rule`; it holds only without moves), and with
+    `first_failed` the GPU pods of the first batch found no place at `state`."""
     start = time.perf_counter()
     later = list(later)
+    if arrivals is not None:
+        if fraction or max_moves:
+            raise ValueError("a bound that places every pod that fits allows no moves")
+        if len(arrivals) != len(later):
+            raise ValueError(f"{len(arrivals)} arrivals for {len(later)} pods")
     if later_gpuless is None:
         later_gpuless = sum(1 for d in later if d.gpu_count == 0)
     r = _read(state, later, cpu_bins, max_states)
@@ -651,6 +661,8 @@ def budget_bound(
     m.add_gpuless_moves()
     m.add_core_cuts(cpu_cuts)
     m.add_budget(len(state.pods), later_gpuless, fraction, max_moves)
+    if arrivals is not None:
+        add_fit_rule(solver, m.taken, list(zip(later, arrivals)), first_failed=first_failed)
     lp.objective.SetMaximization()
     status = solver.Solve()
     seconds = time.perf_counter() - start
