@@ -387,7 +387,7 @@ def _table(results, n_tasks: int, gpus: int) -> None:
         if r.repackByRequest:
             print(f"{r.policy}, GPU pods that found no place, by request:")
             print_table(
-                ["request", "blocked", "no budget left", "skipped", "searched", "placed", "moves"],
+                ["request", *REQUEST_TALLY.values()],
                 [
                     [label, *(str(t[k]) for k in REQUEST_TALLY)]
                     for label, t in sorted(

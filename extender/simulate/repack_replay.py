@@ -92,8 +92,16 @@ def held(cap: Capacity, d: Demand, node: int) -> Reservation:
     )
 
 
-#: what `PolicyResult.repackByRequest` counts per GPU request, in this order
-REQUEST_TALLY = ("blocked", "budgetSpent", "skipped", "searched", "placed", "moves")
+#: what `PolicyResult.repackByRequest` counts per GPU request, in this order, and the column
+#: title `vramsched simulate` prints for each
+REQUEST_TALLY = {
+    "blocked": "blocked",
+    "budgetSpent": "no budget left",
+    "skipped": "skipped",
+    "searched": "searched",
+    "placed": "placed",
+    "moves": "moves",
+}
 
 
 def request_label(d: Demand) -> str:
