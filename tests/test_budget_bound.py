@@ -53,8 +53,9 @@ def _best_with_moves(cap, state, later, max_moves: int) -> int:
     return best
 
 
-def _case(tmp_path, seed: int):
-    """A small cluster with pods already placed (first fit), and 3 pods to come."""
+def _case(tmp_path, seed: int, held_pods: int = 5, later_pods: int = 3, sizes=(200, 300, 500, 700)):
+    """A small cluster with pods already placed (first fit, of `held_pods` tried), and
+    `later_pods` pods to come; pods of one GPU ask one of `sizes` MiB."""
     rng = random.Random(seed)
     cap = _cluster(
         tmp_path,
@@ -63,18 +64,18 @@ def _case(tmp_path, seed: int):
 
     def pod(name: str) -> Demand:
         g = rng.choice([0, 1, 1, 1, 2])
-        size = None if g > 1 else rng.choice([200, 300, 500, 700]) * MIB
+        size = None if g > 1 else rng.choice(sizes) * MIB
         return Demand(PodRef("t", name), g, size, cpu_milli=rng.choice([1000, 2000, 3000]))
 
     held = []
-    for i in range(5):
+    for i in range(held_pods):
         d = pod(f"h{i}")
         ways = placements(cap, d)
         if ways:
             n, rows = ways[0]
             _place(cap, d, n, rows)
             held.append((d, n))
-    return cap, snapshot(cap, held), [pod(f"l{i}") for i in range(3)]
+    return cap, snapshot(cap, held), [pod(f"l{i}") for i in range(later_pods)]
 
 
 @pytest.mark.parametrize("seed", range(12))

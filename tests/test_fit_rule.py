@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from ortools.linear_solver import pywraplp  # type: ignore[import-untyped]
+from test_budget_bound import _case as budget_case
 from test_budget_bound import _cluster, _held_bytes, _place
 from test_planner_repack import placements
 
@@ -37,26 +36,7 @@ def _best_online(cap, later) -> int:
 
 def _case(tmp_path, seed: int):
     """Two small nodes with pods already placed (first fit), and 4 pods to come."""
-    rng = random.Random(seed)
-    cap = _cluster(
-        tmp_path,
-        [f"n{i},{rng.choice([4000, 8000])},65536,{rng.choice([1, 2])},T4" for i in range(2)],
-    )
-
-    def pod(name: str) -> Demand:
-        g = rng.choice([0, 1, 1, 1, 2])
-        size = None if g > 1 else rng.choice([200, 300, 500, 700, 1000]) * MIB
-        return Demand(PodRef("t", name), g, size, cpu_milli=rng.choice([1000, 2000, 3000]))
-
-    held = []
-    for i in range(4):
-        d = pod(f"h{i}")
-        ways = placements(cap, d)
-        if ways:
-            n, rows = ways[0]
-            _place(cap, d, n, rows)
-            held.append((d, n))
-    return cap, snapshot(cap, held), [pod(f"l{i}") for i in range(4)]
+    return budget_case(tmp_path, seed, held_pods=4, later_pods=4, sizes=(200, 300, 500, 700, 1000))
 
 
 def _fits_now(cap, later) -> bool:
