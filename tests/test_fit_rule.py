@@ -149,3 +149,5 @@ def test_the_rule_refuses_moves_and_mismatched_arrivals(tmp_path):
         budget_bound(state, later, arrivals=[0.0], fraction=0.02)
     with pytest.raises(ValueError, match="2 arrivals for 1 pods"):
         budget_bound(state, later, arrivals=[0.0, 1.0])
+    with pytest.raises(ValueError, match="must not decrease"):
+        budget_bound(state, [*later, later[0]], arrivals=[1.0, 0.0])

@@ -4,6 +4,7 @@ its results and put in the JSON and in one line of text."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 import numpy as np
@@ -124,9 +125,12 @@ def bound_placing_fits(r: PolicyResult, tasks: Sequence[Task]) -> BudgetBound | 
     state = r.stateAtFirstFailure
     if state is None:
         return None
+    batch: dict[str, float] = {}  # the replay's batches: runs of equal arrival, in task order
+    for n, (_, group) in enumerate(groupby(tasks, key=lambda t: t.arrival)):
+        batch.update((t.key, float(n)) for t in group)
     kept = {p.demand.pod.key for p in state.pods}
     later = [t for t in tasks if t.key not in kept]
-    return budget_bound(state, [t.demand for t in later], arrivals=[t.arrival for t in later])
+    return budget_bound(state, [t.demand for t in later], arrivals=[batch[t.key] for t in later])
 
 
 def later_demands(state: StateSnapshot, tasks: Sequence[Task]) -> list[Demand]:

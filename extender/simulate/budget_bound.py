@@ -638,7 +638,8 @@ def budget_bound(
     """The bound for the GPU pods `later` arriving on `state`, moves limited to `fraction` x
     the pods placed at the end and to `max_moves` (None: not limited that way; both None:
     no moves). `later_gpuless`: GPU-less pods arriving later (default: those in `later`), which
-    count as placed for the budget. `arrivals`: when each of `later` arrives, in order; given,
+    count as placed for the budget. `arrivals`: when each of `later` arrives (its batch), not
+    decreasing; given,
     a pod that fits is placed (`fit_rule`; it holds only without moves), and with
     `first_failed` the GPU pods of the first batch found no place at `state`."""
     start = time.perf_counter()
@@ -648,6 +649,8 @@ def budget_bound(
             raise ValueError("a bound that places every pod that fits allows no moves")
         if len(arrivals) != len(later):
             raise ValueError(f"{len(arrivals)} arrivals for {len(later)} pods")
+        if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+            raise ValueError("arrivals must not decrease: the pods come in arrival order")
     if later_gpuless is None:
         later_gpuless = sum(1 for d in later if d.gpu_count == 0)
     r = _read(state, later, cpu_bins, max_states)
