@@ -22,6 +22,7 @@ __all__ = [
     "budget_curve_point",
     "bound_line",
     "later_demands",
+    "later_tasks",
 ]
 
 
@@ -78,23 +79,21 @@ def allocation_bounds(
             "pct": pct(b.bytes),
             "status": b.status,
         }
-        fits = bound_placing_fits(r, tasks)
-        if fits is not None:
-            out["fromFirstFailurePlacingFits"] = {
-                "bytes": round(fits.bytes),
-                "pct": round(100 * fits.bytes / total, 3) if total else 0.0,
-                "status": fits.status,
-                "seconds": round(fits.seconds, 2),
-            }
-        bb = bound_within_budget(r, tasks, r.moveBudget) if r.policy == "planner+repack" else None
-        if bb is not None:
-            out["fromFirstFailureWithBudget"] = {
-                "moveBudget": r.moveBudget,
+
+        def from_state(bb: BudgetBound) -> dict[str, Any]:  # its bytes count the pods held
+            return {
                 "bytes": round(bb.bytes),
                 "pct": round(100 * bb.bytes / total, 3) if total else 0.0,
                 "status": bb.status,
                 "seconds": round(bb.seconds, 2),
             }
+
+        fits = bound_placing_fits(r, tasks)
+        if fits is not None:
+            out["fromFirstFailurePlacingFits"] = from_state(fits)
+        bb = bound_within_budget(r, tasks, r.moveBudget) if r.policy == "planner+repack" else None
+        if bb is not None:
+            out["fromFirstFailureWithBudget"] = {"moveBudget": r.moveBudget, **from_state(bb)}
     ends = {}
     for r in results:
         if r.placedAtEnd is not None and r.policy in ("fgd", "planner+repack"):
@@ -128,16 +127,20 @@ def bound_placing_fits(r: PolicyResult, tasks: Sequence[Task]) -> BudgetBound | 
     batch: dict[str, float] = {}  # the replay's batches: runs of equal arrival, in task order
     for n, (_, group) in enumerate(groupby(tasks, key=lambda t: t.arrival)):
         batch.update((t.key, float(n)) for t in group)
-    kept = {p.demand.pod.key for p in state.pods}
-    later = [t for t in tasks if t.key not in kept]
+    later = later_tasks(state, tasks)
     return budget_bound(state, [t.demand for t in later], arrivals=[batch[t.key] for t in later])
 
 
-def later_demands(state: StateSnapshot, tasks: Sequence[Task]) -> list[Demand]:
-    """The demands of `tasks` not placed in `state` (a first failure's snapshot): the pods a
-    bound from that state may still take."""
+def later_tasks(state: StateSnapshot, tasks: Sequence[Task]) -> list[Task]:
+    """The tasks not placed in `state` (a first failure's snapshot), in order: the pods a bound
+    from that state may still take."""
     kept = {p.demand.pod.key for p in state.pods}
-    return [t.demand for t in tasks if t.key not in kept]
+    return [t for t in tasks if t.key not in kept]
+
+
+def later_demands(state: StateSnapshot, tasks: Sequence[Task]) -> list[Demand]:
+    """The demands of `later_tasks`."""
+    return [t.demand for t in later_tasks(state, tasks)]
 
 
 def budget_curve_point(budget: float, r: PolicyResult, tasks: Sequence[Task]) -> dict[str, Any]:

@@ -639,9 +639,8 @@ def budget_bound(
     the pods placed at the end and to `max_moves` (None: not limited that way; both None:
     no moves). `later_gpuless`: GPU-less pods arriving later (default: those in `later`), which
     count as placed for the budget. `arrivals`: when each of `later` arrives (its batch), not
-    decreasing; given,
-    a pod that fits is placed (`fit_rule`; it holds only without moves), and with
-    `first_failed` the GPU pods of the first batch found no place at `state`."""
+    decreasing; given, a pod that fits is placed (`fit_rule`; it holds only without moves), and
+    with `first_failed` the GPU pods of the first batch found no place at `state`."""
     start = time.perf_counter()
     later = list(later)
     if arrivals is not None:
