@@ -226,9 +226,9 @@ def test_serve_plan_ahead_reaches_the_planner_and_bad_values_stop_serve():
     assert _planner(parser.parse_args(["serve", "--cluster", "x.yaml"]), c).ahead is None
     args = parser.parse_args(["serve", "--cluster", "x.yaml", "--plan-ahead", "6"])
     assert _planner(args, c).ahead.types == 6
-    args = parser.parse_args(["serve", "--cluster", "x.yaml", "--plan-ahead", "-1"])
-    with pytest.raises(SystemExit, match="--plan-ahead must be 0 or more, got -1"):
-        args.run(args)
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["serve", "--cluster", "x.yaml", "--plan-ahead", "-1"])
+    assert stop.value.code == 2
     args = parser.parse_args(["serve", "--cluster", "x.yaml", "--no-planner", "--plan-ahead", "2"])
     with pytest.raises(SystemExit, match="--plan-ahead needs the planner"):
         args.run(args)

@@ -706,8 +706,10 @@ def test_simulate_reports_moves_bound_and_budget_curve(tmp_path, capsys):
     assert by_request["1 x 700Mi"] == ["1", "0", "0", "1", "0", "0"]  # p4: searched, no plan
     assert main([*args, "--churn", "--bound"]) == 2
     for flag in ("--max-moves-per-gpu", "--max-moves-per-pod"):
-        assert main([*args, flag, "0"]) == 2
-        assert f"{flag} must be >= 1" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as stop:
+            main([*args, flag, "0"])
+        assert stop.value.code == 2
+        assert f"argument {flag}: must be a whole number >= 1" in capsys.readouterr().err
 
 
 def test_simulate_open_gpu_cost_packs_the_planner_onto_fewer_gpus(tmp_path, capsys):
@@ -731,8 +733,10 @@ def test_simulate_open_gpu_cost_packs_the_planner_onto_fewer_gpus(tmp_path, caps
         r["failed"] == 0 and r["overcommittedGpus"] == 0 for g in got.values() for r in g.values()
     )
     for bad in ("-1", "nan"):
-        assert main([*args, "--open-gpu-cost", bad]) == 2
-        assert "--open-gpu-cost must be a number >= 0" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as stop:
+            main([*args, "--open-gpu-cost", bad])
+        assert stop.value.code == 2
+        assert "argument --open-gpu-cost: must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_the_bound_within_a_budget_is_solved_once_per_budget(tmp_path, monkeypatch):

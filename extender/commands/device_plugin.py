@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from extender.commands.argtypes import PORT, whole
 from extender.logs import setup_logging
 
 log = logging.getLogger("extender.device_plugin")
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kubeconfig", metavar="PATH", help="default: in-cluster config")
     p.add_argument(
         "--replicas",
-        type=int,
+        type=whole(at_least=0),
         default=0,
         help=f"time-slicing replicas per GPU (default: the node's {REPLICAS_LABEL} label, else 1)",
     )
@@ -48,9 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "cdi-annotations, cdi-cri, or a comma list (default envvar)",
     )
     p.add_argument(
-        "--fake-gpus", type=int, default=0, help="N made-up GPUs instead of NVML (tests)"
+        "--fake-gpus",
+        type=whole(at_least=0),
+        default=0,
+        help="N made-up GPUs instead of NVML (tests)",
     )
-    p.add_argument("--fake-memory-mib", type=int, default=81920, help="memory of each fake GPU")
+    p.add_argument(
+        "--fake-memory-mib", type=whole(at_least=1), default=81920, help="memory of each fake GPU"
+    )
     p.add_argument(
         "--fake-unhealthy",
         default="",
@@ -65,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--probe-port",
-        type=int,
+        type=PORT,
         default=0,
         help="serve GET /healthz, /readyz (registered) and /metrics on this port; 0 = off",
     )

@@ -8,6 +8,7 @@ import sys
 
 import yaml
 
+from extender.commands.argtypes import whole
 from extender.quantity import format_bytes
 from extender.sizing.engines import ENGINES, EngineSettings
 from extender.sizing.errors import SizingError
@@ -16,15 +17,7 @@ from extender.sizing.quant import DTYPES, QUANTIZATIONS
 
 __all__ = ["register", "run", "render_text"]
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+POSITIVE = whole(at_least=1)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,16 +43,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
-        "--max-model-len", type=_positive, default=None, help="context (default: the model's)"
+        "--max-model-len", type=POSITIVE, default=None, help="context (default: the model's)"
     )
     p.add_argument(
         "--max-num-seqs",
-        type=_positive,
+        type=POSITIVE,
         default=None,
         help="concurrent sequences, each held at full length in the KV cache (default 1)",
     )
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=None)
-    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1)
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu", metavar="PRODUCT", help="size for this GPU and print its engine flag")
     p.add_argument("-o", "--output", choices=("text", "json", "yaml"), default="text")

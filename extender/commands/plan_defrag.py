@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from extender.commands.argtypes import number, whole
 from extender.observe.sources import SourceError, add_source_args, load_cluster
 from extender.text_table import print_table
 
@@ -22,15 +23,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "can be done one by one in any order. Nothing is evicted.",
     )
     add_source_args(p, server=False)
-    p.add_argument("--max-moves", type=int, default=None, help="at most N moves in total")
+    p.add_argument(
+        "--max-moves", type=whole(at_least=0), default=None, help="at most N moves in total"
+    )
     p.add_argument(
         "--max-per-namespace",
-        type=int,
+        type=whole(at_least=0),
         default=None,
         help="at most N moves per namespace (like a PodDisruptionBudget maxUnavailable)",
     )
     p.add_argument(
-        "--max-per-node", type=int, default=None, help="at most N pods moved off any one node"
+        "--max-per-node",
+        type=whole(at_least=0),
+        default=None,
+        help="at most N pods moved off any one node",
     )
     p.add_argument(
         "--exclude-namespace",
@@ -39,8 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="NS",
         help="never move pods of NS (repeatable)",
     )
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (default 10)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--time-limit", type=number(above=0), default=10.0, help="solver seconds (default 10)"
+    )
+    p.add_argument("--workers", type=whole(at_least=1), default=2)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
 

@@ -19,6 +19,7 @@ import yaml
 
 from extender import mig
 from extender.assignment import AssignmentError, decode_assignment
+from extender.commands.argtypes import number, whole
 from extender.demand import ASSIGNMENT, MODEL_MEMORY, pod_ref
 from extender.inventory import GPU_RESOURCE, read_mig_labels
 from extender.planner.mig_geometry import (
@@ -373,9 +374,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--pending", type=Path, help="List of pending Pods (default: unbound pods in --cluster)"
     )
     p.add_argument(
-        "--time-limit", type=float, default=10.0, help="solver time limit in seconds (default 10)"
+        "--time-limit",
+        type=number(above=0),
+        default=10.0,
+        help="solver time limit in seconds (default 10)",
     )
-    p.add_argument("--workers", type=int, default=2, help="CP-SAT workers, at most 2 (default 2)")
+    p.add_argument(
+        "--workers",
+        type=whole(at_least=1, at_most=2),
+        default=2,
+        help="CP-SAT workers, at most 2 (default 2)",
+    )
     p.add_argument(
         "--reconfigure",
         choices=["whole-gpu", "free-slices"],

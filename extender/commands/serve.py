@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
+from extender.commands.argtypes import PORT, number, whole
 from extender.embedded import EmbeddedBinder
 from extender.inventory import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm
-from extender.planner.capacity import open_cost_problem
 from extender.repack_policy import MOVES_PER_GPU
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="listen address (default 127.0.0.1: a sidecar of kube-scheduler)",
     )
-    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--port", type=PORT, default=8888)
     p.add_argument(
         "--scheduler-name",
         default=DEFAULT_SCHEDULER_NAME,
@@ -65,20 +65,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--headroom",
-        type=float,
+        type=number(at_least=0, at_most=1),
         default=0.0,
         help="extra fraction of VRAM reserved over the declared model memory (default 0)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-body-bytes", type=whole(at_least=1), default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument(
         "--max-concurrency",
-        type=int,
+        type=whole(at_least=1),
         default=DEFAULT_MAX_CONCURRENCY,
         help="requests in flight before answering 503 (probes are exempt)",
     )
     p.add_argument(
         "--assume-ttl",
-        type=float,
+        type=number(above=0),
         default=60.0,
         help="seconds a bind's reservation is kept before the watch confirms it",
     )
@@ -94,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=PORT,
         default=0,
         help="also serve GET /metrics, /healthz, /readyz (nothing else) on this port; 0 = off",
     )
@@ -115,13 +115,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--planner-time-limit",
-        type=float,
+        type=number(above=0),
         default=1.0,
         help="seconds per background plan (default 1)",
     )
     p.add_argument(
         "--open-gpu-cost",
-        type=float,
+        type=number(at_least=0),
         default=0.0,
         metavar="F",
         help="planner (and --repack's moved pods): charge each placement F GPUs of memory per "
@@ -131,7 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--plan-ahead",
-        type=int,
+        type=whole(at_least=0),
         default=0,
         metavar="N",
         help="planner: keep its one-pod choice ready for the N most common GPU pod types, so a pod "
@@ -174,7 +174,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--repack-max-moves-per-gpu",
-        type=int,
+        type=whole(at_least=1),
         default=MOVES_PER_GPU,
         metavar="N",
         help="at most N pods evicted per GPU the pod to place asks: a pod of 2 GPUs may move "
@@ -182,7 +182,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--repack-max-moves-per-pod",
-        type=int,
+        type=whole(at_least=1),
         default=None,
         metavar="N",
         help="and never more than N pods evicted to place one pod, however many GPUs it asks "
@@ -190,7 +190,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--repack-max-moves-per-minute",
-        type=int,
+        type=whole(at_least=1),
         default=6,
         metavar="N",
         help="at most N pods evicted by repacking in any 60 seconds (default 6)",
@@ -202,14 +202,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    if args.headroom < 0 or args.headroom > 1:
-        raise SystemExit("--headroom must be between 0 and 1")
-    if args.max_concurrency < 1:
-        raise SystemExit("--max-concurrency must be at least 1")
-    if problem := open_cost_problem(args.open_gpu_cost):
-        raise SystemExit(f"--open-gpu-cost {problem}")
-    if args.plan_ahead < 0:
-        raise SystemExit(f"--plan-ahead must be 0 or more, got {args.plan_ahead}")
     if args.plan_ahead and not args.planner:
         raise SystemExit("--plan-ahead needs the planner (drop --no-planner)")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -221,13 +213,6 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(str(exc)) from None
     if args.repack and args.cluster:
         raise SystemExit("--repack needs live mode (--kubeconfig, or in-cluster): it evicts pods")
-    for flag, value in (
-        ("--repack-max-moves-per-gpu", args.repack_max_moves_per_gpu),
-        ("--repack-max-moves-per-pod", args.repack_max_moves_per_pod),
-        ("--repack-max-moves-per-minute", args.repack_max_moves_per_minute),
-    ):
-        if value is not None and value < 1:
-            raise SystemExit(f"{flag} must be at least 1 (got {value})")
     webhook.check_arguments(args)
     try:
         return _run_loop(_serve(args))

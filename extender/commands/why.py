@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from extender.commands.argtypes import number
 from extender.observe.render import console, dump, emit, why_renderables
 from extender.observe.sources import SourceError, add_source_args, default_kubeconfig, load_cluster
 from extender.observe.why import explain, explanation_dict
@@ -26,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_source_args(p, server=False)
     p.add_argument(
         "--headroom",
-        type=float,
+        type=number(at_least=0, at_most=1),
         default=0.0,
         help="the extender's --headroom (extra VRAM fraction over the declared model memory)",
     )

@@ -10,6 +10,7 @@ import ssl
 from aiohttp import web
 
 from extender.cluster import ClusterState
+from extender.commands.argtypes import PORT
 from extender.webhook.admission import LargestDevice
 from extender.webhook.certs import service_hosts
 from extender.webhook.server import create_webhook_app, ssl_context
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("admission webhook (docs/sizing.md)")
     g.add_argument(
         "--webhook-port",
-        type=int,
+        type=PORT,
         default=0,
         help="serve POST /mutate over TLS on this port; 0 = off",
     )
@@ -66,8 +67,6 @@ def check_arguments(args: argparse.Namespace) -> None:
     """One-line SystemExit for a flag combination that cannot work."""
     if not args.webhook_port:
         return
-    if not 0 < args.webhook_port < 65536:
-        raise SystemExit("--webhook-port must be between 1 and 65535")
     files = bool(args.webhook_cert) + bool(args.webhook_key)
     if files == 1:
         raise SystemExit("--webhook-cert and --webhook-key go together")
