@@ -290,6 +290,30 @@ def test_simulate_reads_cluster_yaml_and_plots(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("creationTimestamp", "yesterday", "creationTimestamp 'yesterday' is not an RFC 3339"),
+        ("departure", "soon", "vramsched.io/sim-departure 'soon' is not a number of seconds"),
+        ("departure", "nan", "vramsched.io/sim-departure 'nan' is not a number of seconds"),
+    ],
+)
+def test_simulate_names_the_pod_whose_time_is_bad(tmp_path, capsys, field, value, message):
+    """A pod's arrival or departure that is not a time stops the replay with the pod's name,
+    instead of replaying it at the start of time (or comparing NaN with every other time)."""
+    bad = pod("b", "20Gi")
+    if field == "creationTimestamp":
+        bad["metadata"]["creationTimestamp"] = value
+    else:
+        bad["metadata"].setdefault("annotations", {})["vramsched.io/sim-departure"] = value
+    objs = [gpu_node("g0", count=1, memory_mib=80 * 1024), pod("a", "20Gi"), bad]
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objs}))
+    assert main(["simulate", "--nodes", str(f), "--pods", str(f), "--churn"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read inputs: pod default/b: " in err and message in err, err
+
+
 def bound_pod(name, node, dev, gib, namespace="default"):
     res = Reservation(PodRef(namespace, name), node, (dev,), (gib * GIB,))
     p = pod(

@@ -97,6 +97,18 @@ def test_a_list_without_optional_columns_takes_the_documented_defaults(tmp_path:
             "name,num_gpu,creation_time\na,1,soon\n",
             "line 2: creation_time 'soon' is not a number of seconds",
         ),
+        (
+            "name,num_gpu,creation_time\na,1,0\nb,1,nan\n",
+            "line 3: creation_time 'nan' is not a finite number of seconds",
+        ),
+        (
+            "name,num_gpu,creation_time,deletion_time\na,1,5,inf\n",
+            "line 2: deletion_time 'inf' is not a finite number of seconds",
+        ),
+        (
+            "name,num_gpu,creation_time,deletion_time\na,1,100,40\n",
+            "line 2: deletion_time 40 is before creation_time 100",
+        ),
     ],
 )
 def test_a_bad_pod_list_names_the_line_and_column(tmp_path: Path, text: str, message: str) -> None:

@@ -9,6 +9,7 @@ through the same `node_inventory` as a live cluster.
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +38,8 @@ TRACE_GPU_MIB = 1000
 #: time-slicing replicas per trace GPU: 1000 MiB / 50 MiB (the smallest task) so that memory,
 #: not the replica count, is what limits VRAM-aware policies; `spread` sees only replicas.
 DEFAULT_REPLICAS = 20
+#: a replayed pod's annotation: seconds at which --churn deletes it
+DEPARTURE = "vramsched.io/sim-departure"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +163,12 @@ def _time(row: Mapping[str, str | None], column: str) -> float | None:
     if not value:
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         raise ValueError(f"{column} {value!r} is not a number of seconds") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"{column} {value!r} is not a finite number of seconds")
+    return seconds
 
 
 def _trace_task(row: Mapping[str, str | None], index: int, timed: bool) -> Task:
@@ -192,7 +198,10 @@ def _trace_task(row: Mapping[str, str | None], index: int, timed: bool) -> Task:
     # A list without times arrives in file order, one task at a time; a blank time in a timed
     # list counts as the trace's start, as before.
     arrival = float(index) if not timed else (created or 0.0)
-    return Task(demand, arrival, _time(row, "deletion_time"))
+    deleted = _time(row, "deletion_time")
+    if timed and deleted is not None and deleted < arrival:
+        raise ValueError(f"deletion_time {deleted:g} is before creation_time {arrival:g}")
+    return Task(demand, arrival, deleted)
 
 
 def read_yaml(
@@ -202,7 +211,7 @@ def read_yaml(
 
     A pod with `spec.nodeName` is already running and is accounted first; the others are replayed.
     Arrival is `metadata.creationTimestamp` order when present (else list order, all together);
-    `metadata.annotations["vramsched.io/sim-departure"]` (seconds) is used with --churn.
+    `metadata.annotations[DEPARTURE]` (seconds) is used with --churn.
     """
     objs = read_cluster_file(path)
     nodes = [o for o in objs if o.get("kind") == "Node"]
@@ -217,14 +226,13 @@ def read_yaml(
             continue
         meta = o.get("metadata") or {}
         ann = meta.get("annotations") or {}
-        arrival = _timestamp(meta.get("creationTimestamp"))
-        dep = ann.get("vramsched.io/sim-departure")
-        tasks.append(Task(d, arrival, float(dep) if dep is not None else None))
+        arrival = _timestamp(meta.get("creationTimestamp"), d.pod)
+        tasks.append(Task(d, arrival, _departure(ann.get(DEPARTURE), d.pod)))
     tasks.sort(key=lambda t: t.arrival)
     return nodes, tasks, bound
 
 
-def _timestamp(value: Any) -> float:
+def _timestamp(value: Any, pod: PodRef) -> float:
     if not value:
         return 0.0
     from datetime import datetime
@@ -232,7 +240,24 @@ def _timestamp(value: Any) -> float:
     try:
         return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
     except ValueError:
-        return 0.0
+        raise ValueError(
+            f"pod {pod.namespace}/{pod.name}: creationTimestamp {value!r} is not an RFC 3339 time"
+        ) from None
+
+
+def _departure(value: Any, pod: PodRef) -> float | None:
+    """`DEPARTURE`'s seconds, which --churn replays as the pod's deletion."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise ValueError(
+            f"pod {pod.namespace}/{pod.name}: {DEPARTURE} {value!r} is not a number of seconds"
+        )
+    return seconds
 
 
 def read_inputs(
