@@ -17,6 +17,7 @@ import pytest
 from extender.sizing import catalogue
 from extender.sizing.architecture import architecture_from_config
 from extender.sizing.engines import EngineSettings
+from extender.sizing.errors import SizingError
 from extender.sizing.estimate import estimate, resolve_model
 from extender.sizing.quant import checkpoint_format, total_bytes
 from extender.sizing.tensors import inventory
@@ -269,3 +270,22 @@ def test_local_directory_counts_every_shard_header(tmp_path: Path) -> None:
     assert "2 files" in model.source
     arch = architecture_from_config(_TINY)
     assert total_bytes(inventory(arch), checkpoint_format({}, "float16")) == total
+
+
+@pytest.mark.parametrize("metadata", [["total_size"], {"total_size": float("inf")}, "big"])
+def test_an_index_with_broken_metadata_is_not_a_size(tmp_path: Path, metadata: object) -> None:
+    """Without shards, only an index's finite total_size stands for the checkpoint; anything
+    else leaves the architecture's own count, as when there is no index at all."""
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata}))
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    model = resolve_model(str(tmp_path))
+    assert "config.json only" in model.source
+
+
+def test_a_shard_whose_offsets_are_not_finite_is_named(tmp_path: Path) -> None:
+    raw = b'{"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, Infinity]}}'
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    with pytest.raises(SizingError, match="model.safetensors: tensor 'w' has no data_offsets"):
+        resolve_model(str(tmp_path))

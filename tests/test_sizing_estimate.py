@@ -243,6 +243,62 @@ def test_config_missing_fields_are_named(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": float("inf")}, "hidden_size=inf is not an integer"),
+        (
+            {"max_position_embeddings": float("nan")},
+            "max_position_embeddings=nan is not an integer",
+        ),
+        ({"num_hidden_layers": 2**70}, "is more than any model has (at most 10,000)"),
+        ({"rope_scaling": {"type": "yarn", "factor": float("inf")}}, None),
+        (
+            {"quantization_config": {"quant_method": "awq", "bits": "four"}},
+            "quantization_config bits='four' in config.json is not a whole number from 1 to 16",
+        ),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "gptq",
+                    "bits": 4,
+                    "group_size": float("nan"),
+                }
+            },
+            "group_size=nan in config.json is not a whole number",
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+            "weight_block_size=[128] in config.json is not [rows, columns]",
+        ),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "compressed-tensors",
+                    "config_groups": {"g": {"weights": {"num_bits": None}}},
+                }
+            },
+            "num_bits=None in config.json is not a whole number",
+        ),
+    ],
+)
+def test_a_broken_config_is_one_line_not_a_crash(
+    tmp_path: Path, change: dict, message: str | None
+) -> None:
+    """Values json.loads accepts (NaN, Infinity, huge integers, wrong types) and a config that
+    would make the per-layer tables exhaust memory are named; a rope factor that is not finite
+    is not a stretch of the context, as vLLM ignores what it cannot use."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(lookup("qwen2.5-7b").config, **change)))
+    settings = EngineSettings(max_model_len=4096)
+    if message is None:
+        e = estimate(resolve_model(str(tmp_path)), settings, list_devices=False)
+        assert e.model.architecture.max_context == 32768
+        return
+    with pytest.raises(SizingError) as exc:
+        estimate(resolve_model(str(tmp_path)), settings, list_devices=False)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_config_only_directory_uses_the_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(lookup("qwen2.5-7b").config))
     e = estimate(

@@ -9,6 +9,7 @@ the tensor inventory and the KV math below read one uniform description.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,15 +98,32 @@ class Architecture:
         return self.layers - self.sliding_layers
 
 
+#: the estimator builds per-layer tables; the deepest published decoders have under 200 layers,
+#: so a count beyond this is a broken config, not a model (and would exhaust memory)
+MAX_LAYERS = 10_000
+
+
 def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
     value = cfg.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or int(value) != value
+    ):
         raise SizingError(f"config.json field {key}={value!r} is not an integer")
     if value < 0:
         raise SizingError(f"config.json field {key}={value!r} is negative")
     return int(value)
+
+
+def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
+    values = cfg.get(key) or []
+    if not isinstance(values, list):
+        raise SizingError(f"config.json field {key}={values!r} is not a list of integers")
+    return [v for v in (_int({key: item}, key) for item in values) if v is not None]
 
 
 def _require(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> None:
@@ -143,6 +161,7 @@ def _max_context(cfg: Mapping[str, Any]) -> int:
         if (
             kind in ("yarn", "dynamic", "linear")
             and isinstance(factor, int | float)
+            and math.isfinite(factor)
             and factor > 1
             and "original_max_position_embeddings" not in scaling
         ):
@@ -198,7 +217,7 @@ def _moe(cfg: Mapping[str, Any], model_type: str, layers: int) -> Moe | None:
         dense = tuple(i for i in range(layers) if i < first or (i - first) % freq != 0)
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         step = _int(cfg, "decoder_sparse_step", 1) or 1
-        only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        only = set(_int_list(cfg, "mlp_only_layers"))
         dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
     shared_int = _int(cfg, "shared_expert_intermediate_size", 0) or 0
     return Moe(
@@ -245,6 +264,11 @@ def architecture_from_config(config: Mapping[str, Any], *, extra_params: int = 0
     if not hidden or not layers or not heads:
         raise SizingError(
             "config.json hidden_size, num_hidden_layers and num_attention_heads must be positive"
+        )
+    if layers > MAX_LAYERS:
+        raise SizingError(
+            f"config.json num_hidden_layers={layers} is more than any model has (at most "
+            f"{MAX_LAYERS:,})"
         )
     kv_heads = _int(cfg, "num_key_value_heads", heads) or heads
     if heads % kv_heads:

@@ -10,6 +10,7 @@ kilobytes of I/O.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,7 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
         try:
             begin, end = info["data_offsets"]
             size = int(end) - int(begin)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise SizingError(f"{path.name}: tensor {name!r} has no data_offsets") from None
         if size < 0:
             raise SizingError(f"{path.name}: tensor {name!r} has negative size")
@@ -109,8 +110,9 @@ def read_model(model: str) -> LocalModel:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if isinstance(weight_map, dict):
             wanted = {str(f) for f in weight_map.values()}
-        total = (index.get("metadata") or {}).get("total_size") if isinstance(index, dict) else None
-        if isinstance(total, int | float) and total > 0:
+        meta = index.get("metadata") if isinstance(index, dict) else None
+        total = meta.get("total_size") if isinstance(meta, dict) else None
+        if isinstance(total, int | float) and math.isfinite(total) and total > 0:
             index_total = int(total)
     present = {p.name for p in shards}
     if shards and (not wanted or wanted <= present):

@@ -17,6 +17,7 @@ Embeddings, the LM head, norms, biases and routers stay 16-bit in every format.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,32 @@ def _base_bytes(dtype: str) -> int:
     return 4 if str(dtype).lower() in ("float32", "fp32", "float") else 2
 
 
+def _whole(
+    quant: Mapping[str, Any], keys: tuple[str, ...], default: int, low: int, high: int
+) -> int:
+    """The first of `keys` present in a quantization config, as a whole number in [low, high]."""
+    key = next((k for k in keys if k in quant), keys[0])
+    value = quant.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or int(value) != value
+        or not low <= value <= high
+    ):
+        raise SizingError(
+            f"quantization_config {key}={value!r} in config.json is not a whole number "
+            f"from {low} to {high}"
+        )
+    return int(value)
+
+
+#: bits per quantized weight the formats use (1 to 16; NF4 4, AWQ/GPTQ 2-8, FP8 8)
+BITS = (1, 16)
+#: group sizes: <= 0 is one group per row (GPTQ writes -1), so only the upper end is bounded
+GROUP = (-1, 1 << 20)
+
+
 def checkpoint_format(quant: Mapping[str, Any], dtype: str) -> WeightFormat:
     """The format of the files, from config.json's quantization_config and torch_dtype."""
     base = _base_bytes(dtype)
@@ -81,16 +108,16 @@ def checkpoint_format(quant: Mapping[str, Any], dtype: str) -> WeightFormat:
     if method == "awq":
         return WeightFormat(
             "awq",
-            int(quant.get("bits", quant.get("w_bit", 4))),
-            int(quant.get("group_size", quant.get("q_group_size", 128))),
+            _whole(quant, ("bits", "w_bit"), 4, *BITS),
+            _whole(quant, ("group_size", "q_group_size"), 128, *GROUP),
             bool(quant.get("zero_point", True)),
             base_bytes=2,
         )
     if method == "gptq":
         return WeightFormat(
             "gptq",
-            int(quant.get("bits", 4)),
-            int(quant.get("group_size", 128)),
+            _whole(quant, ("bits",), 4, *BITS),
+            _whole(quant, ("group_size",), 128, *GROUP),
             True,
             g_idx=True,
             act_order=bool(quant.get("desc_act", False)),
@@ -99,7 +126,16 @@ def checkpoint_format(quant: Mapping[str, Any], dtype: str) -> WeightFormat:
     if method == "fp8":
         block = quant.get("weight_block_size")
         if block:
-            return WeightFormat("fp8-block", 8, block=(int(block[0]), int(block[1])), base_bytes=2)
+            if not isinstance(block, list | tuple) or len(block) != 2:
+                raise SizingError(
+                    f"quantization_config weight_block_size={block!r} in config.json is not "
+                    "[rows, columns]"
+                )
+            rows, cols = (
+                _whole({"weight_block_size": b}, ("weight_block_size",), 1, 1, 1 << 20)
+                for b in block
+            )
+            return WeightFormat("fp8-block", 8, block=(rows, cols), base_bytes=2)
         return WeightFormat("fp8", 8, base_bytes=2)
     if method == "mxfp4":
         return WeightFormat("mxfp4", 4, 32, experts_only=True, base_bytes=2)
@@ -117,8 +153,10 @@ def checkpoint_format(quant: Mapping[str, Any], dtype: str) -> WeightFormat:
 def _compressed_tensors(quant: Mapping[str, Any]) -> WeightFormat:
     groups = quant.get("config_groups") or {}
     for group in groups.values() if isinstance(groups, Mapping) else []:
-        weights = (group or {}).get("weights") or {}
-        bits = int(weights.get("num_bits", 8))
+        weights = (group if isinstance(group, Mapping) else {}).get("weights") or {}
+        if not isinstance(weights, Mapping):
+            raise SizingError(f"compressed-tensors weights={weights!r} is not an object")
+        bits = _whole(weights, ("num_bits",), 8, *BITS)
         if weights.get("type") == "float" and bits == 8:
             return WeightFormat("fp8", 8, base_bytes=2)
         if bits == 8:
@@ -126,7 +164,7 @@ def _compressed_tensors(quant: Mapping[str, Any]) -> WeightFormat:
         return WeightFormat(
             "int4",
             bits,
-            int(weights.get("group_size") or 128),
+            _whole({"group_size": weights.get("group_size") or 128}, ("group_size",), 128, *GROUP),
             not bool(weights.get("symmetric", True)),
             base_bytes=2,
         )
