@@ -83,13 +83,17 @@ class ClusterState:
             ref = pod_ref(pod)
         except DemandError:
             return
+        spec = pod.get("spec") or {}
+        status = pod.get("status") or {}
+        if not isinstance(spec, Mapping) or not isinstance(status, Mapping):
+            return  # not a pod the API server would hold: nothing to account
+        if not isinstance(spec.get("nodeName") or "", str):
+            return
         key = ref.key
         old = self.pods.get(key)
         if old is not None and _uid(old) and _uid(pod) and _uid(old) != _uid(pod):
             self.delete_pod(key)  # same name, new pod: the old one's VRAM is free
         self.pods[key] = pod
-        spec = pod.get("spec") or {}
-        status = pod.get("status") or {}
         if status.get("phase") in TERMINAL_PHASES:
             self._forget(key)
             return

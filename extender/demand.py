@@ -13,7 +13,14 @@ from typing import Any
 
 from extender.inventory import GPU_RESOURCE, MIG_RESOURCE_PREFIX, is_gpu_resource
 from extender.pinning import references_pin_configmap
-from extender.quantity import QuantityError, format_bytes, parse_bytes, parse_milli, parse_quantity
+from extender.quantity import (
+    HOST_MAX,
+    QuantityError,
+    format_bytes,
+    parse_bytes,
+    parse_milli,
+    parse_quantity,
+)
 
 __all__ = [
     "ANNOTATION_PREFIX",
@@ -275,6 +282,8 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         memory = parse_bytes(requests["memory"], allow_zero=True) if "memory" in requests else 0
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
+    if cpu > HOST_MAX or memory > HOST_MAX:
+        raise DemandError(f"pod {ref}: cpu/memory request is more than any node has")
     from_annotation = reads_pin_annotation(pod) if count else False
     pinned = from_annotation or (references_pin_configmap(pod) if count else False)
     return Demand(

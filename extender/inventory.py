@@ -21,7 +21,7 @@ from extender.plugin_state import (
     decode_state,
     is_plugin_served,
 )
-from extender.quantity import MIB, QuantityError, parse_bytes, parse_milli, parse_quantity
+from extender.quantity import HOST_MAX, MIB, QuantityError, parse_bytes, parse_milli, parse_quantity
 
 __all__ = [
     "Sharing",
@@ -228,6 +228,8 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
         cpu = parse_milli(alloc["cpu"]) if "cpu" in alloc else 0
         mem = parse_bytes(alloc["memory"], allow_zero=True) if "memory" in alloc else 0
     except QuantityError:
+        cpu, mem = 0, 0
+    if cpu > HOST_MAX or mem > HOST_MAX:  # no node has that much; the arrays hold int64
         cpu, mem = 0, 0
     base = partial(
         NodeInventory,

@@ -18,12 +18,16 @@ __all__ = [
     "format_bytes",
     "MIB",
     "GIB",
+    "HOST_MAX",
 ]
 
 KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
 TIB = 1024**4
+#: CPU millicores or memory bytes beyond any node's: a node's allocatable above it reads as not
+#: stated, a pod's request above it is refused (the planner keeps both in int64 arrays)
+HOST_MAX = 1 << 62
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {

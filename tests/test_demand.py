@@ -88,3 +88,15 @@ def test_malformed_pods_raise_demand_error(mutate):
     mutate(p)
     with pytest.raises(DemandError):
         pod_demand(p)
+
+
+@pytest.mark.parametrize(
+    "requests", [{"cpu": "99999999999999999999"}, {"memory": "9223372036854775807"}]
+)
+def test_a_host_request_beyond_any_node_is_refused(requests):
+    p = pod("p", "16Gi")
+    p["spec"]["containers"][0].setdefault("resources", {})["requests"] = requests
+    with pytest.raises(DemandError, match="pod default/p: cpu/memory request is more than any"):
+        pod_demand(p)
+    p["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "64", "memory": "512Gi"}
+    assert pod_demand(p).cpu_milli == 64_000

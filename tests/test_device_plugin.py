@@ -379,6 +379,12 @@ def test_fake_uuids_are_stable_per_node():
     assert [g.uuid for g in FakeGpus("a", 2, 10).gpus()] == [fake_uuid("a", 0), fake_uuid("a", 1)]
 
 
+def test_fake_unhealthy_indices_must_name_fake_gpus():
+    with pytest.raises(GpuSourceError, match=r"--fake-unhealthy -1,4: not a GPU index \(0 to 3\)"):
+        FakeGpus("a", 4, 10, fail=[4, -1, 2])
+    assert FakeGpus("a", 4, 10, fail=[3, 0]).gpus()[3].index == 3
+
+
 # ----- the gRPC service under SimKubelet -------------------------------------------------------------
 
 

@@ -140,3 +140,15 @@ def test_mig_labels_are_read_as_they_are_for_planning():
         ValueError, match=r"label nvidia.com/mig-1g.10gb.count='seven' is not an integer"
     ):
         read_mig_labels({**labels, "nvidia.com/mig-1g.10gb.count": "seven"})
+
+
+def test_host_allocatable_beyond_any_node_reads_as_not_stated():
+    """The planner keeps CPU and memory in int64 arrays; a node stating more than 2^62 of either
+    (a broken file) is read like one stating neither, as an unparseable quantity is."""
+    node = gpu_node("n")
+    node["status"]["allocatable"].update(cpu="64", memory="512Gi")
+    inv = node_inventory(node)
+    assert (inv.cpu_milli, inv.memory_bytes) == (64_000, 512 * 1024 * MIB)
+    node["status"]["allocatable"]["cpu"] = "99999999999999999999"
+    inv = node_inventory(node)
+    assert (inv.cpu_milli, inv.memory_bytes) == (0, 0) and len(inv.devices) == 4

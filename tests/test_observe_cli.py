@@ -43,6 +43,41 @@ def test_top_on_the_demo_file_is_plain_text_sorted_with_a_summary(capsys) -> Non
     assert "missing label nvidia.com/gpu.product" in wide and "STRANDED" in wide
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("nodeName", [1]),
+        ("nodeName", {"a": 1}),
+        ("spec", ["a100-ts-0"]),
+        ("status", "Running"),
+        ("resources", {"requests": {"cpu": "99999999999999999999"}}),
+    ],
+)
+def test_a_malformed_pod_in_a_file_changes_nothing(tmp_path, capsys, field, value) -> None:
+    """A pod no API server would hold (a list for nodeName, a string for status, a request
+    beyond any node) is left out: top shows the rest as before, and simulate and plan-defrag
+    read the file (these crashed with TypeError and OverflowError)."""
+    doc = yaml.safe_load(DEMO.read_text())
+    extra = {"apiVersion": "v1", "kind": "Pod", **gpu_pod("odd", "8Gi")}
+    extra["spec"]["nodeName"] = "a100-ts-1"
+    if field == "resources":
+        extra["spec"]["containers"][0]["resources"].update(value)
+    elif field == "nodeName":
+        extra["spec"]["nodeName"] = value
+    else:
+        extra[field] = value
+    doc["items"].append(extra)
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(yaml.safe_dump(doc))
+    _, before, _ = run(capsys, "top", "--cluster", str(DEMO), "-o", "json")
+    code, after, err = run(capsys, "top", "--cluster", str(odd), "-o", "json")
+    assert code == 0 and err == "" and orjson.loads(after) == orjson.loads(before)
+    assert run(capsys, "plan-defrag", "--cluster", str(odd), "--time-limit", "2")[0] == 0
+    assert (
+        run(capsys, "simulate", "--nodes", str(odd), "--pods", str(odd), "--policy", "fgd")[0] == 0
+    )
+
+
 def test_top_json_yaml_and_filters(capsys) -> None:
     code, out, _ = run(capsys, "top", "--cluster", str(DEMO), "-o", "json")
     doc = orjson.loads(out)

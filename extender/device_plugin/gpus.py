@@ -70,6 +70,10 @@ class FakeGpus:
             for i in range(count)
         ]
         self._fail = sorted(set(fail))
+        if stray := [i for i in self._fail if not 0 <= i < count]:
+            raise GpuSourceError(
+                f"--fake-unhealthy {','.join(map(str, stray))}: not a GPU index (0 to {count - 1})"
+            )
 
     def gpus(self) -> list[GpuInfo]:
         return list(self._gpus)

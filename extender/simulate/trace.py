@@ -216,8 +216,11 @@ def read_yaml(
     objs = read_cluster_file(path)
     nodes = [o for o in objs if o.get("kind") == "Node"]
     bound, tasks = [], []
-    for _i, o in enumerate(o for o in objs if o.get("kind") == "Pod"):
-        if (o.get("spec") or {}).get("nodeName"):
+    for o in (o for o in objs if o.get("kind") == "Pod"):
+        spec = o.get("spec") or {}
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("nodeName") or "", str):
+            continue  # no API server holds such a pod; ClusterState leaves it out too
+        if spec.get("nodeName"):
             bound.append(o)
             continue
         try:
