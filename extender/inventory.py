@@ -49,6 +49,8 @@ _MIG_COUNT_OR_MEMORY = re.compile(r"^nvidia\.com/(mig-.+)\.(count|memory)$")
 # Guards against a label typo turning one node into millions of devices.
 MAX_DEVICES_PER_NODE = 512
 MAX_REPLICAS = 1024
+#: a memory label's largest value, in MiB (16 TiB)
+MAX_MEMORY_MIB = 1 << 24
 
 
 def is_gpu_resource(name: str) -> bool:
@@ -274,7 +276,7 @@ def _whole_gpus(
     name: str, labels: Mapping[str, str], alloc: Mapping[str, Any], product: str
 ) -> list[Device]:
     count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
-    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
+    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=MAX_MEMORY_MIB)
     replicas = _replicas(labels, LABEL + "gpu.replicas")
     # renameByDefault advertises replicas as nvidia.com/gpu.shared and drops the -SHARED suffix.
     resource = SHARED_GPU_RESOURCE if SHARED_GPU_RESOURCE in alloc else GPU_RESOURCE
@@ -296,7 +298,7 @@ def _plugin_gpus(
     while it is registered with the kubelet (allocatable has their replicas). Refusing the node
     otherwise is what keeps a pod from being bound where nothing would hand it its GPU."""
     count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
-    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
+    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=MAX_MEMORY_MIB)
     replicas = _replicas(labels, LABEL + "gpu.replicas")
     raw = annotations.get(STATE_ANNOTATION) if isinstance(annotations, Mapping) else None
     if raw is None:
@@ -349,7 +351,7 @@ def _single_mig(
         )
     profile = m.group(1)
     count = _int_label(labels, LABEL + "gpu.count", maximum=MAX_DEVICES_PER_NODE)
-    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=1 << 24)
+    memory_mib = _int_label(labels, LABEL + "gpu.memory", minimum=1, maximum=MAX_MEMORY_MIB)
     replicas = _replicas(labels, LABEL + "gpu.replicas")
     advertised = _allocatable_count(alloc, GPU_RESOURCE)
     if advertised is not None:
@@ -387,7 +389,7 @@ def _mixed_mig(
         count = _int_label(labels, prefix + ".count", maximum=MAX_DEVICES_PER_NODE)
         if count == 0:
             continue
-        memory_mib = _int_label(labels, prefix + ".memory", minimum=1, maximum=1 << 24)
+        memory_mib = _int_label(labels, prefix + ".memory", minimum=1, maximum=MAX_MEMORY_MIB)
         replicas = _replicas(labels, prefix + ".replicas")
         resource = f"{MIG_RESOURCE_PREFIX}{profile.replace('+', '.')}"
         advertised = _allocatable_count(alloc, resource)
@@ -473,12 +475,17 @@ class MigLabels:
     config_state: str
 
 
-def _label_int(labels: Mapping[str, Any], key: str, default: str | None = None) -> int:
+def _label_int(
+    labels: Mapping[str, Any], key: str, default: str | None = None, *, maximum: int
+) -> int:
     raw = labels.get(key, default)
     try:
-        return int(str(raw))
+        value = int(str(raw))
     except ValueError:
         raise ValueError(f"label {key}={raw!r} is not an integer") from None
+    if not 0 <= value <= maximum:
+        raise ValueError(f"label {key}={raw!r} is out of range (0 to {maximum})")
+    return value
 
 
 def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
@@ -495,9 +502,9 @@ def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
         if m is None or profile is None:
             continue
         if m[2] == "count":
-            counts[profile] = _label_int(labels, key)
+            counts[profile] = _label_int(labels, key, maximum=MAX_DEVICES_PER_NODE)
         else:
-            memory[profile] = _label_int(labels, key) * MIB
+            memory[profile] = _label_int(labels, key, maximum=MAX_MEMORY_MIB) * MIB
     strategy = labels.get(LABEL + "mig.strategy")
     if strategy is None and not counts:
         return None
@@ -508,11 +515,13 @@ def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
         single[1] if single and model is not None and model.has_profile(single[1]) else None
     )
     if strategy == "single" and single_profile and labels.get(LABEL + "gpu.memory"):
-        memory[single_profile] = _label_int(labels, LABEL + "gpu.memory") * MIB
+        memory[single_profile] = (
+            _label_int(labels, LABEL + "gpu.memory", maximum=MAX_MEMORY_MIB) * MIB
+        )
     return MigLabels(
         product=product,
         strategy=str(strategy) if strategy is not None else None,
-        gpu_count=_label_int(labels, LABEL + "gpu.count", "0"),
+        gpu_count=_label_int(labels, LABEL + "gpu.count", "0", maximum=MAX_DEVICES_PER_NODE),
         counts=counts,
         memory=memory,
         single_profile=single_profile,

@@ -140,6 +140,16 @@ def test_mig_labels_are_read_as_they_are_for_planning():
         ValueError, match=r"label nvidia.com/mig-1g.10gb.count='seven' is not an integer"
     ):
         read_mig_labels({**labels, "nvidia.com/mig-1g.10gb.count": "seven"})
+    # a negative count, or memory no GPU has, would reach the MIG model as a coefficient
+    for key, value, limit in (
+        ("nvidia.com/mig-1g.10gb.count", "-1", 512),
+        ("nvidia.com/mig-1g.10gb.memory", "99999999999999999999", 1 << 24),
+        ("nvidia.com/gpu.count", "100000", 512),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"label {key}='{value}' is out of range \(0 to {limit}\)"
+        ):
+            read_mig_labels({**labels, key: value})
 
 
 def test_host_allocatable_beyond_any_node_reads_as_not_stated():
