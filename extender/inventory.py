@@ -488,6 +488,13 @@ def _label_int(
     return value
 
 
+def _label_text(labels: Mapping[str, Any], key: str) -> str | None:
+    raw = labels.get(key)
+    if raw is not None and not isinstance(raw, str):
+        raise ValueError(f"label {key}={raw!r} is not a string")
+    return raw
+
+
 def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
     """The MIG facts in a node's labels, None for a node without MIG labels; ValueError (naming
     the label) for a number that is not one. Profiles are spelled as the MIG tables spell them
@@ -525,6 +532,6 @@ def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
         counts=counts,
         memory=memory,
         single_profile=single_profile,
-        config=labels.get(LABEL + "mig.config"),
+        config=_label_text(labels, LABEL + "mig.config"),
         config_state=str(labels.get(LABEL + "mig.config.state", "success")),
     )

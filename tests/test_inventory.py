@@ -150,6 +150,8 @@ def test_mig_labels_are_read_as_they_are_for_planning():
             ValueError, match=rf"label {key}='{value}' is out of range \(0 to {limit}\)"
         ):
             read_mig_labels({**labels, key: value})
+    with pytest.raises(ValueError, match=r"label nvidia.com/mig.config=\['a'\] is not a string"):
+        read_mig_labels({**labels, "nvidia.com/mig.config": ["a"]})
 
 
 def test_host_allocatable_beyond_any_node_reads_as_not_stated():
