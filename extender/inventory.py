@@ -508,6 +508,10 @@ def read_mig_labels(labels: Mapping[str, Any]) -> MigLabels | None:
         profile = mig.profile_from_resource(LABEL + m[1]) if m else None
         if m is None or profile is None:
             continue
+        try:
+            mig.parse_profile_name(profile)
+        except ValueError as exc:  # e.g. 9g.90gb: no GPU has more than 7 compute slices
+            raise ValueError(f"label {key}: {exc}") from None
         if m[2] == "count":
             counts[profile] = _label_int(labels, key, maximum=MAX_DEVICES_PER_NODE)
         else:

@@ -150,6 +150,10 @@ def test_mig_labels_are_read_as_they_are_for_planning():
             ValueError, match=rf"label {key}='{value}' is out of range \(0 to {limit}\)"
         ):
             read_mig_labels({**labels, key: value})
+    with pytest.raises(
+        ValueError, match=r"label nvidia.com/mig-9g.90gb.count: MIG profile '9g.90gb'"
+    ):
+        read_mig_labels({**labels, "nvidia.com/mig-9g.90gb.count": "5"})
     with pytest.raises(ValueError, match=r"label nvidia.com/mig.config=\['a'\] is not a string"):
         read_mig_labels({**labels, "nvidia.com/mig.config": ["a"]})
 
