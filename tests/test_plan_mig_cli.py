@@ -268,3 +268,24 @@ def test_the_cluster_file_is_read_as_serve_reads_it(cluster: Path, tmp_path: Pat
     with contextlib.redirect_stderr(err):
         assert plan_mig.run(args(bad), out=io.StringIO()) == 1
     assert err.getvalue().startswith("plan-mig: expected a Kubernetes object, got int")
+
+
+@pytest.mark.parametrize("count", [None, [1], "-1", "1.5", "two"])
+def test_a_device_request_that_is_not_a_count_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], count: object
+) -> None:
+    """A hand-written limit of null, a list or a negative number was a TypeError traceback or a
+    negative count of slices. A pending pod with one is left out with a note naming it; a
+    running one (its slices then unknown) stops the plan with one line naming it."""
+    says = f"pod ml/odd: nvidia.com/mig-1g.10gb request {count!r} is not a device count"
+    h100 = node("h100-1", H100, 1, mig_labels({"1g.10gb": 7}))
+    for on_node, code in ((None, 0), ("h100-1", 1)):
+        odd = pod("odd", "8Gi", on_node, mig_limits={"nvidia.com/mig-1g.10gb": count})
+        cluster = write_list(tmp_path / "c.yaml", [h100, odd, pod("ok", "8Gi")])
+        out = io.StringIO()
+        assert plan_mig.run(args(cluster), out=out) == code
+        if on_node is None:
+            assert f"note: {says}; ignored" in out.getvalue()
+            assert "pods placed: 1/1" in out.getvalue()
+        else:
+            assert says in capsys.readouterr().err

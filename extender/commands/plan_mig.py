@@ -57,25 +57,37 @@ def _pod_key(pod: dict) -> str:
     return f"{md.get('namespace', 'default')}/{md.get('name', '?')}"
 
 
-def _mig_requests(pod: dict) -> Counter:
-    c: Counter = Counter()
+def _device_count(resource: str, value: Any) -> int:
+    """A device request as Kubernetes writes it (a whole number, as a string or an int)."""
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{resource} request {value!r} is not a device count")
+    return n
+
+
+def _requests(pod: dict) -> list[dict]:
+    out = []
     for ctr in (pod.get("spec") or {}).get("containers") or []:
         res = ctr.get("resources") or {}
-        req = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+        out.append({**(res.get("limits") or {}), **(res.get("requests") or {})})
+    return out
+
+
+def _mig_requests(pod: dict) -> Counter:
+    c: Counter = Counter()
+    for req in _requests(pod):
         for r, v in req.items():
             p = mig.profile_from_resource(r)
             if p is not None:
-                c[p] += int(v)
+                c[p] += _device_count(r, v)
     return c
 
 
 def _gpu_requests(pod: dict) -> int:
-    n = 0
-    for ctr in (pod.get("spec") or {}).get("containers") or []:
-        res = ctr.get("resources") or {}
-        req = {**(res.get("limits") or {}), **(res.get("requests") or {})}
-        n += int(req.get(GPU_RESOURCE, 0))
-    return n
+    return sum(_device_count(GPU_RESOURCE, req.get(GPU_RESOURCE, 0)) for req in _requests(pod))
 
 
 def _pending_pod(pod: dict) -> PendingPod | None:
@@ -149,7 +161,11 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
         raw = ann.get(ASSIGNMENT)
         on_node = (pod.get("spec") or {}).get("nodeName") == name
         if raw is None:
-            if on_node and _mig_requests(pod):
+            try:
+                holds_slices = on_node and bool(_mig_requests(pod))
+            except ValueError as e:
+                raise ValueError(f"pod {_pod_key(pod)}: {e}") from None
+            if holds_slices:
                 frozen = (
                     frozen or f"pod {_pod_key(pod)} holds MIG slices without a vramsched assignment"
                 )
