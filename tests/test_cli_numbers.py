@@ -1,14 +1,17 @@
 """Every numeric flag of every command refuses NaN, infinity, out-of-range and non-numbers while
-parsing: exit status 2 and a line naming the flag, before any file is read or port opened."""
+parsing, and every output file a path it cannot write: exit status 2 and a line naming the flag,
+before any file is read or port opened."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import pytest
 
 from extender.cli import build_parser, main
-from extender.commands.argtypes import PORT, number, whole
+from extender.commands.argtypes import PORT, number, output_file, whole
 
 #: command, the arguments it needs besides the flag, and per flag a value in range and bad ones
 FLAGS: list[tuple[str, list[str], str, str, list[str]]] = [
@@ -126,3 +129,44 @@ def test_values_out_of_range_say_what_is_wanted(parse, text: str, says: str) -> 
     with pytest.raises(argparse.ArgumentTypeError) as bad:
         parse(text)
     assert str(bad.value) == f"must be {says}, got {text!r}"
+
+
+@pytest.mark.parametrize(
+    ("command", "needs", "flag"),
+    [
+        ("simulate", ["--nodes", "n", "--pods", "p"], "--plot"),
+        ("simulate", ["--nodes", "n", "--pods", "p"], "--budget-curve"),
+        ("plan-mig", ["--cluster", "c"], "--output-yaml"),
+    ],
+)
+def test_an_output_file_that_cannot_be_written_stops_the_command_first(
+    tmp_path, capsys, command: str, needs: list[str], flag: str
+) -> None:
+    """These files are written after a replay or a solve of minutes: a path whose folder does
+    not exist used to end that run in a FileNotFoundError traceback."""
+    parser = build_parser()
+    good = tmp_path / "out.file"
+    assert (
+        parser.parse_args([command, *needs, flag, str(good)]).__dict__[
+            flag.lstrip("-").replace("-", "_")
+        ]
+        == good
+    )
+    for bad, says in (
+        (str(tmp_path / "missing" / "out.png"), "no folder"),
+        (str(tmp_path), "is not a file name"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([command, *needs, flag, bad])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: " in err and says in err, err
+
+
+def test_an_output_file_in_a_folder_it_may_not_write_is_refused(tmp_path, monkeypatch) -> None:
+    """As the folder's permissions say (os.access; faked here, since root writes anywhere)."""
+    target = tmp_path / "x.png"
+    assert output_file(str(target)) == target
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot write .*x.png: permission denied"):
+        output_file(str(target))

@@ -1,4 +1,4 @@
-"""argparse types for the commands' numeric flags.
+"""argparse types for the commands' numeric flags and output files.
 
 Why: a range check after parsing lets NaN through (every comparison with it is False), and
 `inf` or a negative count then fails deep inside a solver or a loop, with a traceback or a
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["number", "whole", "PORT"]
+__all__ = ["number", "whole", "PORT", "output_file"]
 
 
 def _bounds(at_least: float | None, above: float | None, at_most: float | None) -> str:
@@ -69,3 +71,17 @@ def whole(*, at_least: int = 0, at_most: int | None = None) -> Callable[[str], i
 
 #: a TCP port; 0 where the flag's help says it turns the listener off
 PORT = whole(at_least=0, at_most=65535)
+
+
+def output_file(text: str) -> Path:
+    """A file the command will write: its folder must exist and be writable, so that a replay
+    or a solve of minutes is not lost to a typo in the path at its end."""
+    path = Path(text)
+    folder = path.parent
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return path

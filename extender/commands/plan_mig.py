@@ -19,7 +19,7 @@ import yaml
 
 from extender import mig
 from extender.assignment import AssignmentError, decode_assignment
-from extender.commands.argtypes import number, whole
+from extender.commands.argtypes import number, output_file, whole
 from extender.demand import ASSIGNMENT, MODEL_MEMORY, pod_ref
 from extender.inventory import GPU_RESOURCE, read_mig_labels
 from extender.planner.mig_geometry import (
@@ -411,7 +411,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-uniform", action="store_true", help="also evaluate every uniform geometry"
     )
-    p.add_argument("--output-yaml", type=Path, help="write the mig-parted config to this file")
+    p.add_argument(
+        "--output-yaml", type=output_file, help="write the mig-parted config to this file"
+    )
     p.add_argument(
         "--apply-labels",
         action="store_true",

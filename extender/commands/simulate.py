@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from extender.commands.argtypes import number, whole
+from extender.commands.argtypes import number, output_file, whole
 
 __all__ = ["register", "run"]
 
@@ -123,6 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--budget-curve",
+        type=output_file,
         metavar="FILE.png",
         help="replay planner+repack at move budgets 0, 0.5%%, 1%%, 2%% and 5%% and plot GPU memory "
         "allocated against the budget, with FGD's and the bound (needs no --churn)",
@@ -155,7 +156,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--workers", type=whole(at_least=1), default=2, help="planner: CP-SAT workers (default 2)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the metrics side by side")
+    p.add_argument(
+        "--plot", type=output_file, metavar="FILE.png", help="draw the metrics side by side"
+    )
     p.set_defaults(run=run)
 
 
