@@ -41,6 +41,7 @@ from extender.wire import (
 __all__ = [
     "create_app",
     "create_probe_app",
+    "start_site",
     "route_paths",
     "decode_args",
     "encode_names_result",
@@ -352,6 +353,17 @@ def _concurrency_limit(limit: int) -> Callable[..., Awaitable[web.StreamResponse
             in_flight -= 1
 
     return limit_middleware
+
+
+async def start_site(site: web.TCPSite, flags: str, host: str, port: int) -> None:
+    """Start a listener; an address that cannot be had (no such host, the port taken) stops the
+    command with one line naming the flags, not a traceback."""
+    try:
+        await site.start()
+    except OSError as exc:
+        raise SystemExit(
+            f"{flags}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
 
 
 def create_probe_app(main: web.Application) -> web.Application:

@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         client = ClientApi(args.kubeconfig)
     except Exception as exc:  # kubeconfig errors come in many types
-        return _fail(f"cannot load the Kubernetes client configuration: {exc}")
+        why = " ".join(str(exc).split())  # a YAML error spans lines
+        return _fail(f"cannot load the Kubernetes client configuration: {why}")
     api = NodeApi(client, args.node_name)
     try:
         node = api.read_node()

@@ -25,6 +25,7 @@ from extender.server import (
     DEFAULT_MAX_CONCURRENCY,
     create_app,
     create_probe_app,
+    start_site,
 )
 from extender.service import Extender, ExtenderService
 from extender.source_file import ClusterFileError, read_cluster_file
@@ -195,7 +196,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="at most N pods evicted by repacking in any 60 seconds (default 6)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level", type=str.lower, default="info", choices=["debug", "info", "warning", "error"]
+    )
     webhook.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -248,6 +251,10 @@ def _replica_policy(args: argparse.Namespace) -> ReplicaPolicy | None:
 
 async def _serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    try:  # before anything starts: a bad certificate is the operator's to fix, not a traceback
+        tls = _ssl_context(args)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"--tls-cert/--tls-key: cannot load them: {exc}") from None
     cluster = ClusterState(
         scheduler_name=args.scheduler_name,
         headroom=args.headroom,
@@ -286,7 +293,11 @@ async def _serve(args: argparse.Namespace) -> int:
         from extender.live.gate import live_service
         from extender.live.source import LiveSource
 
-        source = LiveSource(cluster, kubeconfig=args.kubeconfig)
+        try:
+            source = LiveSource(cluster, kubeconfig=args.kubeconfig)
+        except Exception as exc:  # kubeconfig errors come in many types (as device-plugin says)
+            why = " ".join(str(exc).split())  # a YAML error spans lines
+            raise SystemExit(f"cannot load the Kubernetes client configuration: {why}") from None
         nominating: NominatingPlanSource | None = None
         if args.repack:
             from extender.live.nominating import NominatingPlanSource
@@ -330,13 +341,16 @@ async def _serve(args: argparse.Namespace) -> int:
         app[METRICS_KEY].registry.register(RepackCollector(repacker))
     runner = web.AppRunner(app, access_log=None, handle_signals=True)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, ssl_context=_ssl_context(args), backlog=1024)
-    await site.start()
+    site = web.TCPSite(runner, args.host, args.port, ssl_context=tls, backlog=1024)
+    await start_site(site, "--host/--port", args.host, args.port)
     probe_runner = None
     if args.metrics_port:
         probe_runner = web.AppRunner(create_probe_app(app), access_log=None, handle_signals=False)
         await probe_runner.setup()
-        await web.TCPSite(probe_runner, args.metrics_host, args.metrics_port).start()
+        probe = web.TCPSite(probe_runner, args.metrics_host, args.metrics_port)
+        await start_site(
+            probe, "--metrics-host/--metrics-port", args.metrics_host, args.metrics_port
+        )
     a = cluster.ledger.arrays
     log.info(
         "serving",

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from extender.cluster import ClusterState
 from extender.commands.argtypes import PORT
+from extender.server import start_site
 from extender.webhook.admission import LargestDevice
 from extender.webhook.certs import service_hosts
 from extender.webhook.server import create_webhook_app, ssl_context
@@ -150,7 +151,8 @@ async def start_webhook(args: argparse.Namespace, cluster: ClusterState) -> web.
     )
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    await web.TCPSite(runner, args.webhook_host, args.webhook_port, ssl_context=ctx).start()
+    site = web.TCPSite(runner, args.webhook_host, args.webhook_port, ssl_context=ctx)
+    await start_site(site, "--webhook-host/--webhook-port", args.webhook_host, args.webhook_port)
     log.info(
         "webhook serving", extra={"fields": {"host": args.webhook_host, "port": args.webhook_port}}
     )
