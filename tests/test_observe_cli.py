@@ -143,6 +143,8 @@ def test_why_on_the_demo_file(capsys) -> None:
         (["why", "--cluster", str(DEMO), "nope"], "error: pod default/nope not found"),
         (["top", "--cluster", "/no/such/file.yaml"], "error: cannot read /no/such/file.yaml"),
         (["top", "--server", "http://127.0.0.1:9"], "error: cannot reach http://127.0.0.1:9/state"),
+        (["top", "--server", "127.0.0.1:8888"], "error: --server '127.0.0.1:8888' is not an http"),
+        (["top", "--server", "http://[::1"], "error: cannot reach http://[::1/state: Invalid IPv6"),
         (["top", "--cluster", str(DEMO), "--server", "http://x"], "error: choose one source"),
         (
             ["top", "--kubeconfig", "/no/such/kubeconfig"],

@@ -136,16 +136,23 @@ def cluster_from_kube(
 
 def state_from_server(url: str, timeout: float = 30.0) -> dict[str, Any]:
     """GET <url>/state of a running extender."""
+    if not url.startswith(("http://", "https://")):
+        raise SourceError(f"--server {url!r} is not an http:// or https:// URL")
     target = url.rstrip("/") + "/state"
     try:
         with urllib.request.urlopen(target, timeout=timeout) as resp:
-            return orjson.loads(resp.read())
+            body = resp.read()
     except urllib.error.HTTPError as exc:
         raise SourceError(f"{target}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: a malformed URL
         raise SourceError(f"cannot reach {target}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        state = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise SourceError(f"{target} did not answer JSON: is it a vramsched extender?") from None
+    if not isinstance(state, dict):
+        raise SourceError(f"{target} did not answer a JSON object: is it a vramsched extender?")
+    return state
 
 
 def load_cluster(args: argparse.Namespace, *, headroom: float = 0.0) -> ClusterState:
