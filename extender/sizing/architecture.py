@@ -16,7 +16,7 @@ from typing import Any
 
 from extender.sizing.errors import SizingError
 
-__all__ = ["Architecture", "Moe", "Mla", "FULL", "SLIDING", "architecture_from_config"]
+__all__ = ["Architecture", "Moe", "Mla", "FULL", "SLIDING", "architecture_from_config", "is_whole"]
 
 FULL = "full"
 SLIDING = "sliding"
@@ -103,27 +103,35 @@ class Architecture:
 MAX_LAYERS = 10_000
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
-    value = cfg.get(key, default)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or int(value) != value
-    ):
+def is_whole(value: Any) -> bool:
+    """Whether a config.json value is a whole number: json.loads gives ints, floats such as 4.0,
+    and also NaN and Infinity, which are not."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and int(value) == value
+    )
+
+
+def _whole_field(key: str, value: Any) -> int:
+    if not is_whole(value):
         raise SizingError(f"config.json field {key}={value!r} is not an integer")
     if value < 0:
         raise SizingError(f"config.json field {key}={value!r} is negative")
     return int(value)
 
 
+def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int | None:
+    value = cfg.get(key, default)
+    return None if value is None else _whole_field(key, value)
+
+
 def _int_list(cfg: Mapping[str, Any], key: str) -> list[int]:
     values = cfg.get(key) or []
     if not isinstance(values, list):
         raise SizingError(f"config.json field {key}={values!r} is not a list of integers")
-    return [v for v in (_int({key: item}, key) for item in values) if v is not None]
+    return [_whole_field(key, item) for item in values]
 
 
 def _require(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> None:

@@ -17,11 +17,11 @@ Embeddings, the LM head, norms, biases and routers stay 16-bit in every format.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from extender.sizing.architecture import is_whole
 from extender.sizing.errors import SizingError
 from extender.sizing.tensors import EXPERT, FP32, KV, LINEAR, REPLICATE, Tensor
 
@@ -78,14 +78,11 @@ def _whole(
 ) -> int:
     """The first of `keys` present in a quantization config, as a whole number in [low, high]."""
     key = next((k for k in keys if k in quant), keys[0])
-    value = quant.get(key, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or int(value) != value
-        or not low <= value <= high
-    ):
+    return _whole_value(key, quant.get(key, default), low, high)
+
+
+def _whole_value(key: str, value: Any, low: int, high: int) -> int:
+    if not is_whole(value) or not low <= value <= high:
         raise SizingError(
             f"quantization_config {key}={value!r} in config.json is not a whole number "
             f"from {low} to {high}"
@@ -131,10 +128,7 @@ def checkpoint_format(quant: Mapping[str, Any], dtype: str) -> WeightFormat:
                     f"quantization_config weight_block_size={block!r} in config.json is not "
                     "[rows, columns]"
                 )
-            rows, cols = (
-                _whole({"weight_block_size": b}, ("weight_block_size",), 1, 1, 1 << 20)
-                for b in block
-            )
+            rows, cols = (_whole_value("weight_block_size", b, 1, 1 << 20) for b in block)
             return WeightFormat("fp8-block", 8, block=(rows, cols), base_bytes=2)
         return WeightFormat("fp8", 8, base_bytes=2)
     if method == "mxfp4":
@@ -164,7 +158,7 @@ def _compressed_tensors(quant: Mapping[str, Any]) -> WeightFormat:
         return WeightFormat(
             "int4",
             bits,
-            _whole({"group_size": weights.get("group_size") or 128}, ("group_size",), 128, *GROUP),
+            _whole_value("group_size", weights.get("group_size") or 128, *GROUP),
             not bool(weights.get("symmetric", True)),
             base_bytes=2,
         )
