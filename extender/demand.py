@@ -23,6 +23,7 @@ from extender.quantity import (
 )
 
 __all__ = [
+    "container_requests",
     "ANNOTATION_PREFIX",
     "MODEL_MEMORY",
     "ALLOWED_PRODUCTS",
@@ -126,7 +127,9 @@ def pod_ref(pod: Mapping[str, Any]) -> PodRef:
     return PodRef(namespace, name, uid if isinstance(uid, str) else str(uid))
 
 
-def _container_requests(container: Any) -> dict[str, Any]:
+def container_requests(container: Any) -> dict[str, Any]:
+    """One container's requests, limits standing in for requests they do not state (as the API
+    server fills extended resources on create); DemandError for a container not shaped so."""
     if not isinstance(container, Mapping):
         raise DemandError("a container is not an object")
     resources = container.get("resources") or {}
@@ -150,14 +153,14 @@ def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise DemandError("Pod spec.containers is not a list")
     total: dict[str, Any] = {}
     for c in containers:
-        for k, v in _container_requests(c).items():
+        for k, v in container_requests(c).items():
             q = parse_quantity(v)
             prev = total.get(k)
             total[k] = (
                 q if prev is None else q + prev
             )  # no Fraction + 0 for the usual single container
     for c in inits:
-        for k, v in _container_requests(c).items():
+        for k, v in container_requests(c).items():
             q = parse_quantity(v)
             if q > total.get(k, 0):
                 total[k] = q

@@ -20,7 +20,7 @@ import yaml
 from extender import mig
 from extender.assignment import AssignmentError, decode_assignment
 from extender.commands.argtypes import number, output_file, whole
-from extender.demand import ASSIGNMENT, MODEL_MEMORY, pod_ref
+from extender.demand import ASSIGNMENT, MODEL_MEMORY, container_requests, pod_ref
 from extender.inventory import GPU_RESOURCE, read_mig_labels
 from extender.planner.mig_geometry import (
     MIG_CONFIG_LABEL,
@@ -69,11 +69,7 @@ def _device_count(resource: str, value: Any) -> int:
 
 
 def _requests(pod: dict) -> list[dict]:
-    out = []
-    for ctr in (pod.get("spec") or {}).get("containers") or []:
-        res = ctr.get("resources") or {}
-        out.append({**(res.get("limits") or {}), **(res.get("requests") or {})})
-    return out
+    return [container_requests(c) for c in (pod.get("spec") or {}).get("containers") or []]
 
 
 def _mig_requests(pod: dict) -> Counter:
