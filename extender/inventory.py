@@ -177,16 +177,13 @@ class NodeInventory:
 def _int_label(
     labels: Mapping[str, str], key: str, *, minimum: int = 0, maximum: int = 1 << 20
 ) -> int:
-    raw = labels.get(key)
-    if raw is None:
+    """`_label_int` for a label the node's inventory needs: its problem is the node's."""
+    if labels.get(key) is None:
         raise _Missing(f"missing label {key}")
     try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise _Missing(f"label {key}={raw!r} is not an integer") from None
-    if not minimum <= value <= maximum:
-        raise _Missing(f"label {key}={raw!r} is out of range")
-    return value
+        return _label_int(labels, key, minimum=minimum, maximum=maximum)
+    except ValueError as exc:
+        raise _Missing(str(exc)) from None
 
 
 def _replicas(labels: Mapping[str, str], key: str) -> int:
@@ -476,15 +473,21 @@ class MigLabels:
 
 
 def _label_int(
-    labels: Mapping[str, Any], key: str, default: str | None = None, *, maximum: int
+    labels: Mapping[str, Any],
+    key: str,
+    default: str | None = None,
+    *,
+    minimum: int = 0,
+    maximum: int,
 ) -> int:
+    """A label's integer within [minimum, maximum]; ValueError naming the label otherwise."""
     raw = labels.get(key, default)
     try:
-        value = int(str(raw))
+        value = int(str(raw).strip())
     except ValueError:
         raise ValueError(f"label {key}={raw!r} is not an integer") from None
-    if not 0 <= value <= maximum:
-        raise ValueError(f"label {key}={raw!r} is out of range (0 to {maximum})")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"label {key}={raw!r} is out of range ({minimum} to {maximum})")
     return value
 
 
