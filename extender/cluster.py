@@ -14,7 +14,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from extender.assignment import AssignmentError, decode_assignment
-from extender.demand import ASSIGNMENT, Demand, DemandError, PodRef, pod_demand, pod_ref
+from extender.demand import (
+    ASSIGNMENT,
+    Demand,
+    DemandError,
+    PodRef,
+    pod_demand,
+    pod_ref,
+    well_formed_pod,
+)
 from extender.inventory import ReplicaPolicy, node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
@@ -83,17 +91,15 @@ class ClusterState:
             ref = pod_ref(pod)
         except DemandError:
             return
-        spec = pod.get("spec") or {}
-        status = pod.get("status") or {}
-        if not isinstance(spec, Mapping) or not isinstance(status, Mapping):
-            return  # not a pod the API server would hold: nothing to account
-        if not isinstance(spec.get("nodeName") or "", str):
+        if not well_formed_pod(pod):
             return
         key = ref.key
         old = self.pods.get(key)
         if old is not None and _uid(old) and _uid(pod) and _uid(old) != _uid(pod):
             self.delete_pod(key)  # same name, new pod: the old one's VRAM is free
         self.pods[key] = pod
+        spec = pod.get("spec") or {}
+        status = pod.get("status") or {}
         if status.get("phase") in TERMINAL_PHASES:
             self._forget(key)
             return

@@ -23,6 +23,7 @@ from extender.quantity import (
 )
 
 __all__ = [
+    "well_formed_pod",
     "container_requests",
     "ANNOTATION_PREFIX",
     "MODEL_MEMORY",
@@ -112,6 +113,19 @@ class Demand:
     def describe(self) -> str:
         per = "whole device" if self.bytes_per_gpu is None else format_bytes(self.bytes_per_gpu)
         return f"{self.gpu_count}x {self.resource} ({per} each)"
+
+
+def well_formed_pod(pod: Mapping[str, Any]) -> bool:
+    """spec and status objects, and spec.nodeName (when set) a string: the shape of every pod the
+    API server holds. A pod without it, from a hand-written file, is left out wherever pods are
+    read, as one without a name is."""
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    return (
+        isinstance(spec, Mapping)
+        and isinstance(status, Mapping)
+        and isinstance(spec.get("nodeName") or "", str)
+    )
 
 
 def pod_ref(pod: Mapping[str, Any]) -> PodRef:

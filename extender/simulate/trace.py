@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from extender.demand import Demand, DemandError, PodRef, pod_demand
+from extender.demand import Demand, DemandError, PodRef, pod_demand, well_formed_pod
 from extender.inventory import GPU_RESOURCE
 from extender.quantity import MIB
 from extender.source_file import read_cluster_file
@@ -217,10 +217,9 @@ def read_yaml(
     nodes = [o for o in objs if o.get("kind") == "Node"]
     bound, tasks = [], []
     for o in (o for o in objs if o.get("kind") == "Pod"):
-        spec = o.get("spec") or {}
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("nodeName") or "", str):
-            continue  # no API server holds such a pod; ClusterState leaves it out too
-        if spec.get("nodeName"):
+        if not well_formed_pod(o):
+            continue
+        if (o.get("spec") or {}).get("nodeName"):
             bound.append(o)
             continue
         try:
