@@ -148,7 +148,7 @@ def test_why_on_the_demo_file(capsys) -> None:
         (["top", "--cluster", str(DEMO), "--server", "http://x"], "error: choose one source"),
         (
             ["top", "--kubeconfig", "/no/such/kubeconfig"],
-            "error: cannot load Kubernetes config from /no/such/kubeconfig",
+            "error: cannot load the Kubernetes client configuration from /no/such/kubeconfig",
         ),
     ],
 )

@@ -119,7 +119,9 @@ def test_the_api_and_a_cluster_file_give_the_same_plan(api_server, tmp_path, cap
 def test_a_bad_source_is_one_line(tmp_path, capsys):
     assert main(["plan-defrag", "--kubeconfig", "/no/such/kubeconfig"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("vramsched plan-defrag: cannot load Kubernetes config from /no/such")
+    assert err.startswith(
+        "vramsched plan-defrag: cannot load the Kubernetes client configuration from /no/such"
+    )
     assert err.count("\n") == 1
     assert main(["plan-defrag", "--cluster", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err

@@ -76,7 +76,7 @@ def test_a_kubeconfig_that_is_not_one_is_one_line(kubeconfig: str) -> None:
     assert (
         done.stderr.strip()
         .splitlines()[-1]
-        .startswith("cannot load the Kubernetes client configuration: ")
+        .startswith(f"cannot load the Kubernetes client configuration from {kubeconfig}: ")
     )
 
 

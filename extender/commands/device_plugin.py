@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from extender.device_plugin.pods import NodeApi, NodePods
     from extender.device_plugin.server import DevicePluginService, PluginRunner
     from extender.device_plugin.specs import parse_strategies
-    from extender.live.api_client import ApiError, ClientApi
+    from extender.live.api_client import ApiError, ClientApi, KubeconfigError
 
     if not args.node_name:
         return _fail("--node-name (or $NODE_NAME) is required")
@@ -117,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail("no GPU found")
     try:
         client = ClientApi(args.kubeconfig)
-    except Exception as exc:  # kubeconfig errors come in many types
-        why = " ".join(str(exc).split())  # a YAML error spans lines
-        return _fail(f"cannot load the Kubernetes client configuration: {why}")
+    except KubeconfigError as exc:
+        return _fail(str(exc))
     api = NodeApi(client, args.node_name)
     try:
         node = api.read_node()

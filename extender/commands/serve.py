@@ -290,14 +290,14 @@ async def _serve(args: argparse.Namespace) -> int:
         leader = None
     else:
         # only live mode needs the Kubernetes client
+        from extender.live.api_client import KubeconfigError
         from extender.live.gate import live_service
         from extender.live.source import LiveSource
 
         try:
             source = LiveSource(cluster, kubeconfig=args.kubeconfig)
-        except Exception as exc:  # kubeconfig errors come in many types (as device-plugin says)
-            why = " ".join(str(exc).split())  # a YAML error spans lines
-            raise SystemExit(f"cannot load the Kubernetes client configuration: {why}") from None
+        except KubeconfigError as exc:
+            raise SystemExit(str(exc)) from None
         nominating: NominatingPlanSource | None = None
         if args.repack:
             from extender.live.nominating import NominatingPlanSource

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["ApiError", "KubeApi", "ClientApi", "LIST_PAGE"]
+__all__ = ["ApiError", "KubeApi", "ClientApi", "KubeconfigError", "LIST_PAGE", "load_client"]
 
 LIST_PAGE = 500
 
@@ -31,6 +31,33 @@ class ApiError(Exception):
     def transient(self) -> bool:
         """Worth retrying as is: no answer, throttled, or a server-side failure."""
         return self.status == 0 or self.status == 429 or self.status >= 500
+
+
+class KubeconfigError(Exception):
+    """The client configuration could not be loaded; the message is one line naming where from
+    and why."""
+
+
+def load_client(kubeconfig: str | None) -> Any:
+    """A `kubernetes.client.ApiClient` from this kubeconfig, else from the in-cluster
+    ServiceAccount. Why one place: the client raises many kinds for a bad configuration
+    (ConfigException, a YAML error over several lines, OSError, TypeError), and every command
+    reports them alike, as one `KubeconfigError` line."""
+    import kubernetes.client
+    import kubernetes.config
+
+    try:
+        if kubeconfig:
+            return kubernetes.config.new_client_from_config(config_file=kubeconfig)
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_incluster_config(client_configuration=config)
+        return kubernetes.client.ApiClient(config)
+    except Exception as exc:  # many kinds: see the docstring
+        where = kubeconfig or "the in-cluster ServiceAccount"
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise KubeconfigError(
+            f"cannot load the Kubernetes client configuration from {where}: {why}"
+        ) from None
 
 
 class KubeApi(Protocol):
@@ -77,15 +104,7 @@ class ClientApi:
         request_timeout: float = 10.0,
         write_timeout: tuple[float, float] = (2.0, 2.5),
     ) -> None:
-        import kubernetes.client
-        import kubernetes.config
-
-        if kubeconfig:
-            self.client = kubernetes.config.new_client_from_config(config_file=kubeconfig)
-        else:
-            config = kubernetes.client.Configuration()
-            kubernetes.config.load_incluster_config(client_configuration=config)
-            self.client = kubernetes.client.ApiClient(config)
+        self.client = load_client(kubeconfig)
         # A watch and a few binds run at the same time: one pooled connection each.
         self.client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 16
         self.request_timeout = request_timeout

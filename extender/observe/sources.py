@@ -106,14 +106,14 @@ def cluster_from_kube(
     replica_policy: str | None = None,
 ) -> ClusterState:
     """One list of nodes, then of pods, applied as the informers' first sync applies them."""
-    from extender.live.api_client import ApiError, ClientApi
+    from extender.live.api_client import ApiError, ClientApi, KubeconfigError
     from extender.live.source import LiveSource
 
     where = kubeconfig or "the in-cluster ServiceAccount"
     try:
         api = ClientApi(kubeconfig)
-    except Exception as exc:  # the client raises many kinds for a bad config
-        raise SourceError(f"cannot load Kubernetes config from {where}: {str(exc)[:200]}") from None
+    except KubeconfigError as exc:
+        raise SourceError(str(exc)) from None
     cluster = ClusterState(
         scheduler_name=scheduler_name,
         headroom=headroom,

@@ -17,20 +17,9 @@ from typing import Any
 
 from extender.webhook.certs import ServingCert, cert_covers, make_serving_cert
 
-__all__ = ["ensure_serving_cert", "patch_ca_bundle", "api_client"]
+__all__ = ["ensure_serving_cert", "patch_ca_bundle"]
 
 log = logging.getLogger(__name__)
-
-
-def api_client(kubeconfig: str | None) -> Any:
-    import kubernetes.client
-    import kubernetes.config
-
-    if kubeconfig:
-        return kubernetes.config.new_client_from_config(config_file=kubeconfig)
-    config = kubernetes.client.Configuration()
-    kubernetes.config.load_incluster_config(client_configuration=config)
-    return kubernetes.client.ApiClient(config)
 
 
 def _decode(secret: Any) -> ServingCert | None:

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from extender.cluster import ClusterState
 from extender.commands.argtypes import PORT
+from extender.live.api_client import KubeconfigError, load_client
 from extender.server import start_site
 from extender.webhook.admission import LargestDevice
 from extender.webhook.certs import service_hosts
@@ -121,10 +122,10 @@ def largest_device(cluster: ClusterState) -> LargestDevice:
 
 
 async def _bootstrap(args: argparse.Namespace) -> ssl.SSLContext:
-    from extender.webhook.bootstrap import api_client, ensure_serving_cert, patch_ca_bundle
+    from extender.webhook.bootstrap import ensure_serving_cert, patch_ca_bundle
 
     namespace, name = args.webhook_secret.split("/", 1)
-    client = api_client(getattr(args, "kubeconfig", None))
+    client = load_client(getattr(args, "kubeconfig", None))
     cert = await asyncio.to_thread(ensure_serving_cert, client, namespace, name, _hosts(args))
     if args.webhook_configuration:
         await asyncio.to_thread(patch_ca_bundle, client, args.webhook_configuration, cert.ca_pem)
@@ -141,6 +142,8 @@ async def start_webhook(args: argparse.Namespace, cluster: ClusterState) -> web.
         else:
             ctx = ssl_context(cert_file=args.webhook_cert, key_file=args.webhook_key)
     except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"webhook certificate: {exc}") from None
+    except KubeconfigError as exc:
         raise SystemExit(f"webhook certificate: {exc}") from None
     except Exception as exc:  # an API error while bootstrapping: one line, then exit
         reason = getattr(exc, "reason", None) or type(exc).__name__
