@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import trace_packing as tp
 
+from extender.commands.argtypes import number, output_file, whole
 from extender.planner.capacity import demand_kind
 from extender.simulate.bound_report import bound_placing_fits, bound_within_budget, later_demands
 from extender.simulate.budget_bound import budget_bound
@@ -129,14 +130,23 @@ def table(run: dict, rows: int) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lists", nargs="+", default=["gpushare40"])
-    ap.add_argument("--move-budget", type=float, default=MOVE_BUDGET)
-    ap.add_argument("--time-limit", type=float, default=0.25)
-    ap.add_argument("--rows", type=int, default=12, help="kinds per table (most memory first)")
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
+    ap.add_argument("--move-budget", type=number(at_least=0), default=MOVE_BUDGET)
+    ap.add_argument("--time-limit", type=number(above=0), default=0.25)
+    ap.add_argument(
+        "--rows",
+        type=whole(at_least=1),
+        default=12,
+        help="kinds per table (most memory first)",
+    )
+    ap.add_argument("--out", type=output_file, default=OUT)
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     runs = [choices(x, args.move_budget, args.time_limit) for x in args.lists]
     args.out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     for run in runs:

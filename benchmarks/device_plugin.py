@@ -77,6 +77,7 @@ import kubernetes.utils
 import orjson
 from processes import Component, free_port
 
+from extender.commands.argtypes import number, output_file, whole
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from extender.device_plugin.gpus import FakeGpus, fake_uuid
@@ -1042,22 +1043,33 @@ def kubelet_pairs(rounds: int, repeats: int) -> dict[str, Any]:
     return {"repeats": repeats, "pooled": pooled, "runs": runs}
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=["packing", "allocate", "kubelet"])
-    parser.add_argument("--pods", type=int, default=140)
-    parser.add_argument("--seed", type=int, default=20)
-    parser.add_argument("--quiet", type=float, default=20.0, help="seconds without a new binding")
-    parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--rounds", type=int, default=40, help="allocate: fill-and-drain rounds")
+    parser.add_argument("--pods", type=whole(at_least=1), default=140)
+    parser.add_argument("--seed", type=whole(at_least=0), default=20)
     parser.add_argument(
-        "--kubelet-rounds", type=int, default=3, help="kubelet: fill-and-drain rounds"
+        "--quiet", type=number(above=0), default=20.0, help="seconds without a new binding"
+    )
+    parser.add_argument("--timeout", type=number(above=0), default=300.0)
+    parser.add_argument(
+        "--rounds", type=whole(at_least=1), default=40, help="allocate: fill-and-drain rounds"
     )
     parser.add_argument(
-        "--kubelet-repeats", type=int, default=4, help="kubelet: runs of each plugin and pace"
+        "--kubelet-rounds", type=whole(at_least=1), default=3, help="kubelet: fill-and-drain rounds"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--kubelet-repeats",
+        type=whole(at_least=1),
+        default=4,
+        help="kubelet: runs of each plugin and pace",
+    )
+    parser.add_argument("--out", type=output_file, default=RESULTS)
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["command"] = "make bench-device-plugin"
     if args.only in (None, "packing"):

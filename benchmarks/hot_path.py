@@ -22,6 +22,7 @@ import time
 import orjson
 
 from extender.cluster import ClusterState
+from extender.commands.argtypes import number, output_file, whole
 from extender.embedded import EmbeddedBinder
 from extender.inventory import ReplicaPolicy
 from extender.namelists import NameLists
@@ -136,12 +137,12 @@ def bench(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, nargs="+", default=[100, 1000, 5000])
-    p.add_argument("--cycles", type=int, default=300)
-    p.add_argument("--occupancy", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--nodes", type=whole(at_least=1), nargs="+", default=[100, 1000, 5000])
+    p.add_argument("--cycles", type=whole(at_least=1), default=300)
+    p.add_argument("--occupancy", type=number(at_least=0, at_most=1), default=0.6)
+    p.add_argument("--seed", type=whole(at_least=0), default=1)
     p.add_argument(
         "--replica-policy",
         choices=[p.value for p in ReplicaPolicy],
@@ -154,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         help="a reason for every refused node on every filter answer, as `serve --explain-all` "
         "(default: only when no node passes)",
     )
-    p.add_argument("--json", help="also write the rows here")
-    args = p.parse_args(argv)
+    p.add_argument("--json", type=output_file, help="also write the rows here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = []
     print(
         f"{'nodes':>6} {'pods':>7} {'devices':>8}  "

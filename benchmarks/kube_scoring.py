@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from trace_packing import load
 
 from extender import placement
+from extender.commands.argtypes import number
+from extender.commands.simulate import MAX_INFLATE
 from extender.demand import Demand
 from extender.planner import greedy
 from extender.planner.capacity import Capacity, FragIndex
@@ -67,13 +69,17 @@ def _variant(mode: str, seed: int = 7):
     return pick
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--lists", nargs="*", default=["default", "gpushare40", "gpuspec10"])
-    ap.add_argument("--inflate", type=float, default=1.3)
-    args = ap.parse_args()
+    ap.add_argument("--inflate", type=number(at_least=0, at_most=MAX_INFLATE), default=1.3)
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     greedy.POLICIES["default-scorers"] = _variant("default-scorers")
     greedy.POLICIES["random-top"] = _variant("random-top")
     print("| pod list | hot-path | default-scorers | random-top |")

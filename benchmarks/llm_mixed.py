@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml
 
+from extender.commands.argtypes import number, output_file, whole
 from extender.planner.capacity import Workload
 from extender.quantity import GIB, parse_bytes
 from extender.simulate.engine import (
@@ -431,34 +432,36 @@ def by_load(runs: dict[int, list[PolicyResult]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--write", action="store_true", help="regenerate the scenario file and stop")
     p.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
-    p.add_argument("--time-limit", type=float, default=0.25, help="planner: seconds per batch")
+    p.add_argument(
+        "--time-limit", type=number(above=0), default=0.25, help="planner: seconds per batch"
+    )
     p.add_argument(
         "--repack-time-limits",
-        type=float,
+        type=number(above=0),
         nargs="*",
         default=[REPACK_TIME_LIMIT, 5.0],
         help="planner+repack: seconds per repack search, one row each (default 1 5)",
     )
     p.add_argument(
         "--loads",
-        type=int,
+        type=whole(at_least=1),
         nargs="*",
         default=[100, 150, 200, 250],
         help="also replay the first N pods of the stream (default 100 150 200 250)",
     )
     p.add_argument(
         "--streams",
-        type=int,
+        type=whole(at_least=1),
         metavar="N",
         help="instead: N other streams of the same mix, each at several loads, against the baselines",
     )
     p.add_argument(
         "--move-budget",
-        type=float,
+        type=number(at_least=0, at_most=1),
         default=MOVE_BUDGET,
         help=f"planner+repack's moves, a fraction of the pods placed (default {MOVE_BUDGET:g})",
     )
@@ -469,15 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the pod mix FGD's measure (FGD's and the planner's) weighs by: the replayed pods' "
         "(whole, default) or the pods arrived so far, as serve counts them (live)",
     )
-    p.add_argument("--json", type=Path, help="also write the results here")
-    args = p.parse_args(argv)
+    p.add_argument("--json", type=output_file, help="also write the results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.write:
         print(f"wrote {write().relative_to(ROOT)}")
         return 0
-    if args.streams is not None and args.streams < 1:
-        p.error(f"--streams: N must be at least 1, got {args.streams}")
-    if not 0 <= args.move_budget <= 1:
-        p.error(f"--move-budget: a fraction of the pods placed, 0 to 1, got {args.move_budget:g}")
     if args.streams:
         seeds = list(range(SEED + 1, SEED + 1 + args.streams))
         res = streams(seeds, args.time_limit, args.move_budget, args.profile)

@@ -28,12 +28,13 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extender.cluster import ClusterState
+from extender.commands.argtypes import whole
 from extender.inventory import MigSlice
 from extender.ledger import Ledger
 from extender.observe.gpu_metrics import FAMILIES, GpuExposition
 from extender.observe.usage import MIG
 from extender.placement import warm
-from loadtest.gen_cluster import generate
+from loadtest.gen_cluster import MAX_GPUS, generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "metrics_scrape.json"
 
@@ -158,12 +159,16 @@ def bench_fleet(name: str, cluster: ClusterState) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=5000)
-    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--nodes", type=whole(at_least=1), default=5000)
+    p.add_argument("--gpus", type=whole(at_least=1, at_most=MAX_GPUS), default=8)
     p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = []
     for name in ("load-test fleet", "8 x H100 per node"):
         gc.collect()

@@ -26,6 +26,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from extender import mig
+from extender.commands.argtypes import number, output_file, whole
 from extender.commands.plan_mig import read_cluster
 from extender.planner.mig_geometry import evaluate_uniform, plan_mig_geometry
 
@@ -188,18 +189,22 @@ def _summary(plan, cpu_s: float) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--time-limit", type=float, default=30.0, help="planner time limit per solve (s)"
+        "--time-limit", type=number(above=0), default=30.0, help="planner time limit per solve (s)"
     )
-    ap.add_argument("--uniform-time-limit", type=float, default=10.0)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--uniform-time-limit", type=number(above=0), default=10.0)
+    ap.add_argument("--workers", type=whole(at_least=1), default=2)
+    ap.add_argument("--seed", type=whole(at_least=0), default=7)
     ap.add_argument(
-        "--pending", type=int, nargs="*", default=[1500, 3000, 4500], help="pending pod counts"
+        "--pending",
+        type=whole(at_least=1),
+        nargs="*",
+        default=[1500, 3000, 4500],
+        help="pending pod counts",
     )
     ap.add_argument(
         "--out",
@@ -207,9 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(__file__).resolve().parent / "results" / "mig_geometry.json",
     )
     ap.add_argument(
-        "--write-cluster", type=Path, help="also keep the generated cluster YAML (largest scenario)"
+        "--write-cluster",
+        type=output_file,
+        help="also keep the generated cluster YAML (largest scenario)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     scenarios = []
     for n_pending in args.pending:

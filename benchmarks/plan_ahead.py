@@ -22,6 +22,7 @@ from typing import Any
 
 from extender.assignment import encode_assignment
 from extender.cluster import ClusterState
+from extender.commands.argtypes import whole
 from extender.demand import Demand, pod_demand
 from extender.embedded import EmbeddedBinder
 from extender.planner.ahead import InlineRule, plan_ahead_round
@@ -133,12 +134,26 @@ def _after_binds(c: ClusterState, rule: InlineRule, demand: Demand, repeat: int)
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, nargs="*", default=[100, 1000, 5000])
-    ap.add_argument("--types", type=int, default=8, help="pod types planned ahead (default 8)")
-    ap.add_argument("--repeat", type=int, default=5, help="runs per figure, median (default 5)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--nodes", type=whole(at_least=1), nargs="+", default=[100, 1000, 5000])
+    ap.add_argument(
+        "--types",
+        type=whole(at_least=1),
+        default=8,
+        help="pod types planned ahead (default 8)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=whole(at_least=1),
+        default=5,
+        help="runs per figure, median (default 5)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = [measure(n, args.types, args.repeat) for n in args.nodes]
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")

@@ -81,6 +81,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import trace_packing as tp
 
+from extender.commands.argtypes import number, output_file, whole
+from extender.commands.simulate import MAX_INFLATE
 from extender.demand import Demand, PodRef
 from extender.planner.capacity import (
     MAX_TYPES,
@@ -717,32 +719,54 @@ def _write(path: Path, start: float, body: dict) -> None:
     print(f"results: {path}")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "mode", choices=["variants", "models", "whole-nodes", "profile", "open-cost", "portfolio"]
     )
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=whole(at_least=1), default=2)
     ap.add_argument(
-        "--out", type=Path, help="default: benchmarks/results/planner_rules_<mode>.json"
+        "--out", type=output_file, help="default: benchmarks/results/planner_rules_<mode>.json"
     )
     ap.add_argument(
         "--shuffle-orders",
-        type=int,
+        type=whole(at_least=0),
         default=2,
         help="variants, models, whole-nodes, profile, open-cost: shuffled node orders 1..N",
     )
-    ap.add_argument("--inflate", type=float, default=1.3, help="portfolio")
-    ap.add_argument("--shuffle-nodes", type=int, default=None, help="portfolio")
     ap.add_argument(
-        "--checkpoints", type=float, nargs="*", default=list(CHECKPOINTS), help="portfolio"
+        "--inflate",
+        type=number(at_least=0, at_most=MAX_INFLATE),
+        default=1.3,
+        help="portfolio",
+    )
+    ap.add_argument("--shuffle-nodes", type=whole(at_least=0), default=None, help="portfolio")
+    ap.add_argument(
+        "--checkpoints",
+        type=number(at_least=0, at_most=1),
+        nargs="*",
+        default=list(CHECKPOINTS),
+        help="portfolio",
     )
     ap.add_argument(
-        "--depth", type=float, default=1.3, help="portfolio: rollout length, x the free GPUs"
+        "--depth",
+        type=number(above=0),
+        default=1.3,
+        help="portfolio: rollout length, x the free GPUs",
     )
-    ap.add_argument("--prefix", type=float, nargs="*", default=[0.1, 0.25], help="portfolio")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--prefix",
+        type=number(above=0, at_most=1),
+        nargs="*",
+        default=[0.1, 0.25],
+        help="portfolio",
+    )
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     out = args.out or RESULTS / f"planner_rules_{args.mode}.json"
     lists = args.lists or tp.trace_lists()
     start = time.perf_counter()

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from extender.assignment import encode_assignment
+from extender.commands.argtypes import number, output_file, whole
 from extender.demand import Demand, PodRef
 from extender.ledger import Reservation
 from extender.planner.capacity import FragIndex, Workload
@@ -190,17 +191,27 @@ def _stranded_gap(plan) -> dict:
     }
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--nodes", type=int, nargs="*", default=[100, 500, 1000, 2000, 5000])
-    ap.add_argument("--pods", type=int, default=500)
-    ap.add_argument("--time-limit", type=float, default=1.0)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner_scaling.json"))
-    args = ap.parse_args()
+    ap.add_argument(
+        "--nodes", type=whole(at_least=1), nargs="*", default=[100, 500, 1000, 2000, 5000]
+    )
+    ap.add_argument("--pods", type=whole(at_least=1), default=500)
+    ap.add_argument("--time-limit", type=number(above=0), default=1.0)
+    ap.add_argument("--workers", type=whole(at_least=1), default=2)
+    ap.add_argument("--seed", type=whole(at_least=0), default=7)
+    ap.add_argument(
+        "--out",
+        type=output_file,
+        default=str(ROOT / "benchmarks" / "results" / "planner_scaling.json"),
+    )
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     rows = []
     for n in args.nodes:
         r = run(n, args.pods, args.time_limit, args.workers, args.seed)

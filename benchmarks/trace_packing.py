@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from extender.commands.argtypes import number, output_file, whole
+from extender.commands.simulate import MAX_INFLATE
 from extender.planner.capacity import Workload
 from extender.simulate.bound_report import allocation_bounds, bound_line, budget_curve_point
 from extender.simulate.engine import (
@@ -517,20 +519,22 @@ def plots(body: dict, where: Path) -> None:
         plot_budget_curves(curves, where / "trace_packing_budget.png", title="Alibaba trace")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
         "--lists", nargs="*", default=None, help="pod lists (default: every one in the traces)"
     )
-    ap.add_argument("--inflate", type=float, nargs="*", default=[1.3, 0.0])
+    ap.add_argument(
+        "--inflate", type=number(at_least=0, at_most=MAX_INFLATE), nargs="*", default=[1.3, 0.0]
+    )
     ap.add_argument(
         "--churn", action="store_true", help="also run every list without inflation with churn"
     )
     ap.add_argument("--policies", nargs="*", default=list(ALL_POLICIES))
     ap.add_argument(
-        "--time-limit", type=float, default=1.0, help="planner: seconds per batch solve"
+        "--time-limit", type=number(above=0), default=1.0, help="planner: seconds per batch solve"
     )
     ap.add_argument(
         "--accept",
@@ -540,19 +544,19 @@ def main() -> int:
     )
     ap.add_argument(
         "--move-budget",
-        type=float,
+        type=number(at_least=0),
         default=MOVE_BUDGET,
         help=f"planner+repack: moves as a fraction of pods placed (default {MOVE_BUDGET})",
     )
     ap.add_argument(
         "--repack-time-limit",
-        type=float,
+        type=number(above=0),
         default=REPACK_TIME_LIMIT,
         help=f"planner+repack: seconds per repack search (default {REPACK_TIME_LIMIT:g})",
     )
     ap.add_argument(
         "--budgets",
-        type=float,
+        type=number(at_least=0),
         nargs="*",
         default=None,
         help="also replay planner+repack at these move budgets on every run without churn "
@@ -560,7 +564,7 @@ def main() -> int:
     )
     ap.add_argument(
         "--shuffle-nodes",
-        type=int,
+        type=whole(at_least=0),
         default=None,
         metavar="SEED",
         help="shuffle the node list with this seed",
@@ -618,7 +622,20 @@ def main() -> int:
         help="write the runs of these result files (e.g. one per pod list) into --out, print "
         "the summary and exit",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    reads = args.markdown or args.summary or args.repack_table or args.plots or args.order_spread
+    if not reads:
+        # --out is written once the runs are done (hours for every list) or merged: a path that
+        # cannot be written stops here; --markdown, --summary, --repack-table, --plots only read it
+        try:
+            output_file(args.out)
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"argument --out: {exc}")
     if args.markdown:
         print(markdown(json.loads(Path(args.out).read_text())))
         return 0

@@ -16,6 +16,8 @@ import argparse
 import orjson
 from aiohttp import web
 
+from extender.commands.argtypes import whole
+
 _JSON = "application/json"
 
 
@@ -59,11 +61,16 @@ def create_app() -> web.Application:
     return app
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="floor extender for the load test")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8891)
-    args = p.parse_args(argv)
+    # not 0: the floor prints nothing, so no one would learn the port it got
+    p.add_argument("--port", type=whole(at_least=1, at_most=65535), default=8891)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:  # the same event loop as `vramsched serve` (extender/commands/serve.py)
         import uvloop
     except ImportError:

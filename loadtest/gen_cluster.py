@@ -25,8 +25,9 @@ from typing import Any
 
 import orjson
 
+from extender.commands.argtypes import number, whole
 from extender.demand import ASSIGNMENT, GPU_INDEX, MODEL_MEMORY
-from extender.inventory import node_inventory
+from extender.inventory import MAX_DEVICES_PER_NODE, node_inventory
 
 GIB = 1 << 30
 SCHEDULER_NAME = "vramsched"
@@ -100,6 +101,9 @@ NODE_TYPES: tuple[NodeType, ...] = (
         mig_memory_mib=(("1g.10gb", 9984),),
     ),
 )
+#: `--gpus`' largest count: a node's label of a MIG profile's count may say at most
+#: MAX_DEVICES_PER_NODE, and a MIG node type here has up to 7 slices of one profile per GPU
+MAX_GPUS = MAX_DEVICES_PER_NODE // max(n for t in NODE_TYPES for _, n in t.mig_per_gpu)
 ZONES = ("us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d")
 NAMESPACES = tuple(f"team-{i:02d}" for i in range(24))
 # Pods already running: (name stem, model memory GiB per GPU choices). Small ones share GPUs.
@@ -328,18 +332,28 @@ def nodes_file(cluster: Path) -> Path:
     return cluster.with_name(cluster.stem + ".nodes.json")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=5000)
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=whole(at_least=1), default=5000)
+    p.add_argument(
+        "--gpus",
+        type=whole(at_least=1, at_most=MAX_GPUS),
+        default=8,
+        help="GPUs per node (default 8)",
+    )
     p.add_argument(
         "--occupancy",
-        type=float,
+        type=number(at_least=0, at_most=1),
         default=0.6,
         help="fraction of GPU slots and VRAM already taken (default 0.6: 100,000 pods at 5,000 nodes)",
     )
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=whole(at_least=0), default=1)
     p.add_argument("--out", type=Path, required=True, help="cluster file to write (JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     started = time.monotonic()
     nodes, pods = generate(args.nodes, args.gpus, args.occupancy, args.seed)

@@ -26,8 +26,9 @@ from typing import Any
 
 import orjson
 
+from extender.commands.argtypes import number, whole
 from extender.inventory import ReplicaPolicy
-from loadtest.gen_cluster import generate, nodes_file, write_cluster
+from loadtest.gen_cluster import MAX_GPUS, generate, nodes_file, write_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -42,6 +43,20 @@ def _seconds(text: str) -> float:
     if not parts or "".join(n + u for n, u in parts) != text:
         raise argparse.ArgumentTypeError(f"duration {text!r}: use e.g. 60s, 2m, 1m30s")
     return float(sum(int(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts))
+
+
+def run_time(text: str) -> str:
+    """argparse type: a locust run time (`_seconds`' syntax), checked while parsing and kept as
+    text for locust and the messages."""
+    _seconds(text)
+    return text
+
+
+def positive_run_time(text: str) -> str:
+    """`run_time` above zero: a run of no time measures nothing."""
+    if _seconds(text) <= 0:
+        raise argparse.ArgumentTypeError(f"duration {text!r}: must be above 0")
+    return text
 
 
 def _free_port() -> int:
@@ -284,20 +299,41 @@ def start_server(cluster: Path, port: int, args: argparse.Namespace, log: Path) 
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=5000)
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--occupancy", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--duration", default="60s", help="locust run time per target (default 60s)")
-    p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")
+    p.add_argument("--nodes", type=whole(at_least=1), default=5000)
+    p.add_argument("--gpus", type=whole(at_least=1, at_most=MAX_GPUS), default=8)
+    p.add_argument("--occupancy", type=number(at_least=0, at_most=1), default=0.6)
+    p.add_argument("--seed", type=whole(at_least=0), default=1)
     p.add_argument(
-        "--rate", type=float, default=0.0, help="cycles/s per user; 0 = back to back (default)"
+        "--duration",
+        type=positive_run_time,
+        default="60s",
+        help="locust run time per target (default 60s)",
     )
-    p.add_argument("--processes", type=int, default=1, help="locust worker processes (default 1)")
     p.add_argument(
-        "--warmup", type=float, default=3.0, help="seconds at the start left out of the figures"
+        "--users",
+        type=whole(at_least=1),
+        default=4,
+        help="concurrent scheduling loops (default 4)",
+    )
+    p.add_argument(
+        "--rate",
+        type=number(at_least=0),
+        default=0.0,
+        help="cycles/s per user; 0 = back to back (default)",
+    )
+    p.add_argument(
+        "--processes",
+        type=whole(at_least=1),
+        default=1,
+        help="locust worker processes (default 1)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=number(at_least=0),
+        default=3.0,
+        help="seconds at the start left out of the figures",
     )
     p.add_argument("--no-floor", action="store_true", help="skip the floor run (no ratio)")
     p.add_argument(
@@ -313,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         help="serve with the background CP-SAT planner (default on, as `vramsched serve`)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.duration_s = _seconds(args.duration)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)

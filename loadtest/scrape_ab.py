@@ -29,7 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loadtest.gen_cluster import nodes_file
+from extender.commands.argtypes import number, whole
+from loadtest.gen_cluster import MAX_GPUS, nodes_file
 from loadtest.run import (
     ROOT,
     VERBS,
@@ -37,6 +38,7 @@ from loadtest.run import (
     _seconds,
     _wait_ready,
     cluster_file,
+    positive_run_time,
     run_locust,
     start_server,
     stop_process,
@@ -129,21 +131,36 @@ def one_run(
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=5000)
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--duration", default="45s", help="locust run time per run (default 45s)")
-    p.add_argument("--users", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="rounds of A and B (default 2)")
+    p.add_argument("--nodes", type=whole(at_least=1), default=5000)
+    p.add_argument("--gpus", type=whole(at_least=1, at_most=MAX_GPUS), default=8)
     p.add_argument(
-        "--interval", type=float, default=5.0, help="seconds between scrapes (default 5)"
+        "--duration",
+        type=positive_run_time,
+        default="45s",
+        help="locust run time per run (default 45s)",
+    )
+    p.add_argument("--users", type=whole(at_least=1), default=4)
+    p.add_argument(
+        "--rounds", type=whole(at_least=1), default=2, help="rounds of A and B (default 2)"
+    )
+    # 0: the next scrape as soon as the last one is read (_scraper waits what is left of it)
+    p.add_argument(
+        "--interval",
+        type=number(at_least=0),
+        default=5.0,
+        help="seconds between scrapes (default 5)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "scrape_ab")
     p.add_argument(
         "--py-spy", metavar="PATH", help="py-spy binary: sample the server during each run"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # what run_locust and start_server read, as `make loadtest` sets them
     args.duration_s, args.rate, args.warmup, args.processes = _seconds(args.duration), 0.0, 3.0, 1
     args.planner, args.replica_policy = True, None

@@ -38,7 +38,8 @@ from typing import Any
 
 import orjson
 
-from loadtest.gen_cluster import nodes_file
+from extender.commands.argtypes import number, whole
+from loadtest.gen_cluster import MAX_GPUS, nodes_file
 from loadtest.run import (
     ROOT,
     _free_port,
@@ -46,7 +47,9 @@ from loadtest.run import (
     _seconds,
     _wait_ready,
     cluster_file,
+    positive_run_time,
     run_locust,
+    run_time,
     stop_process,
 )
 
@@ -139,33 +142,51 @@ def ledger_check(port: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=1000)
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--occupancy", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--users", type=int, default=4, help="concurrent scheduling loops (default 4)")
+    p.add_argument("--nodes", type=whole(at_least=1), default=1000)
+    p.add_argument("--gpus", type=whole(at_least=1, at_most=MAX_GPUS), default=8)
+    p.add_argument("--occupancy", type=number(at_least=0, at_most=1), default=0.6)
+    p.add_argument("--seed", type=whole(at_least=0), default=1)
+    p.add_argument(
+        "--users",
+        type=whole(at_least=1),
+        default=4,
+        help="concurrent scheduling loops (default 4)",
+    )
     p.add_argument(
         "--churn",
-        type=int,
+        type=whole(at_least=0),
         default=250,
         help="pods each user keeps bound before it deletes its oldest (default 250; 0: no deletions)",
     )
     p.add_argument(
         "--probe",
+        type=positive_run_time,
         default="30s",
         help="back-to-back run that measures the maximum rate (default 30s)",
     )
     p.add_argument(
-        "--duration", default="10m", help="soak length at half the maximum rate (default 10m)"
+        "--duration",
+        type=positive_run_time,
+        default="10m",
+        help="soak length at half the maximum rate (default 10m)",
     )
     p.add_argument(
-        "--warmup", default="2m", help="start of the soak left out of the RSS baseline (default 2m)"
+        "--warmup",
+        type=run_time,
+        default="2m",
+        help="start of the soak left out of the RSS baseline (default 2m)",
     )
-    p.add_argument("--sample", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument(
+        "--sample", type=number(above=0), default=5.0, help="seconds between RSS samples"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     probe_s, soak_s, warmup_s = _seconds(args.probe), _seconds(args.duration), _seconds(args.warmup)
     if warmup_s >= soak_s:
         raise SystemExit("--warmup must be shorter than --duration")
