@@ -234,6 +234,19 @@ def test_fp8_dtype_on_an_fp8_checkpoint_is_the_checkpoint_itself() -> None:
     assert fp8.weights_bytes == plain.weights_bytes
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_an_8_bit_dtype_on_a_16_bit_checkpoint_quantises_its_weights(dtype: str) -> None:
+    """`--dtype fp8` on a 16-bit checkpoint once ended in an UnboundLocalError traceback (the
+    test for an fp8 checkpoint read a name set only for quantised ones)."""
+    model = resolve_model("qwen2.5-7b")
+    plain = estimate(model, EngineSettings(), list_devices=False)
+    fp8 = estimate(model, EngineSettings(quantization="fp8"), list_devices=False)
+    e = estimate(model, EngineSettings(dtype=dtype), list_devices=False)
+    assert e.weight_format.startswith(dtype)
+    assert e.weights_bytes == fp8.weights_bytes < plain.weights_bytes
+    assert f"weights quantised to {dtype} at load" in e.notes
+
+
 def test_config_missing_fields_are_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     with pytest.raises(

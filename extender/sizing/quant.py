@@ -205,7 +205,7 @@ def runtime_format(
         )
         return fmt, None
     if q == "none":
-        if dtype in ("fp8", "int8") and not (dtype == "fp8" and family == "fp8"):
+        if dtype in ("fp8", "int8"):
             return WeightFormat(
                 "fp8" if dtype == "fp8" else "int8", 8
             ), f"weights quantised to {dtype} at load"
