@@ -128,6 +128,17 @@ def test_model_from_engine_args_without_annotations_and_two_gpus() -> None:
     assert per_gpu is not None and per_gpu * 2 == int(float(total[:-2]) * GIB)
 
 
+def test_an_empty_annotation_map_gets_a_key_added_not_the_map_replaced() -> None:
+    """Found by tests/test_webhook_fuzz.py: an empty map was replaced by a whole new one."""
+    p = pod({}, command=["vllm", "serve"], args=["Qwen/Qwen2.5-7B-Instruct"])
+    d = decide(p)
+    (added,) = [op for op in d.patch if op["path"].startswith("/metadata")]
+    assert added["path"] == "/metadata/annotations/vramsched.io~1model-memory"
+    assert list(apply_json_patch(p, d.patch)["metadata"]["annotations"]) == [
+        "vramsched.io/model-memory"
+    ]
+
+
 def test_declared_memory_below_the_estimate_warns() -> None:
     p = pod(
         {"vramsched.io/model-memory": "8Gi"},

@@ -148,7 +148,7 @@ def _size(
     declared = ann.get(MODEL_MEMORY)
     if declared is None:
         value = format_quantity(conservative.reservation_per_gpu * gpus)
-        if (pod.get("metadata") or {}).get("annotations"):
+        if isinstance((pod.get("metadata") or {}).get("annotations"), Mapping):  # even empty
             d.patch.append(
                 {
                     "op": "add",
