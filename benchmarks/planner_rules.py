@@ -815,7 +815,7 @@ def main() -> int:
             x,
             args.inflate,
             args.shuffle_nodes,
-            tuple(args.checkpoints),
+            tuple(sorted(args.checkpoints)),
             tuple(args.prefix),
             args.depth,
         )
