@@ -334,7 +334,8 @@ def _mig_gpu_slots(product: str, profile: str) -> int:
     model = mig.model_for_product(product)
     if model is not None and model.has_profile(profile):
         return max(1, mig.max_uniform_count(model, profile))
-    g = int(profile.split("g", 1)[0]) if profile[:1].isdigit() else 1
+    lead = re.match(r"(\d+)g", profile)
+    g = int(lead.group(1)) if lead else 1
     return max(1, 7 // max(1, g))
 
 

@@ -184,6 +184,8 @@ def test_preferred_devices_are_replicas_of_the_assigned_gpus():
     assert preferred_devices(available, ["GPU-b::3"], 2, None) == ["GPU-b::3", "GPU-a::0"]
     # the assigned GPU has no free replica: still `size` IDs
     assert preferred_devices(["GPU-a::0", "GPU-b::0"], [], 1, ["GPU-c"]) == ["GPU-a::0"]
+    # a replica suffix that is a digit but not a decimal one ("²") once raised ValueError
+    assert preferred_devices(["GPU-a::²", "GPU-a::1"], [], 1, None) == ["GPU-a::²"]
 
 
 # ----- device specs ---------------------------------------------------------------------------------

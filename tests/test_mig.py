@@ -401,3 +401,18 @@ def test_infer_allows_empty_gpus() -> None:
 def test_infer_impossible_raises(gpus: int, counts: dict[str, int]) -> None:
     with pytest.raises(mig.LayoutInferenceError):
         mig.infer_gpu_layouts(mig.H100_80GB, gpus, counts)
+
+
+@pytest.mark.parametrize(
+    ("product", "profile", "slots"),
+    [
+        ("NVIDIA-A100-SXM4-80GB", "3g.40gb", 2),
+        ("NVIDIA-Unknown-GPU", "2g.20gb", 3),
+        ("NVIDIA-Unknown-GPU", "1x.5gb", 7),  # no leading "<n>g": one compute slice
+        ("NVIDIA-Unknown-GPU", "²g.10gb", 7),  # "²" is a digit, not a number int() reads
+    ],
+)
+def test_slices_per_gpu_for_numbering_never_raise(product: str, profile: str, slots: int) -> None:
+    from extender.inventory import _mig_gpu_slots
+
+    assert _mig_gpu_slots(product, profile) == slots

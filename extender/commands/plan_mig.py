@@ -176,7 +176,7 @@ def _node_states(node: dict, pods: list[dict], notes: list[str]) -> list[MigGpuS
             continue
         for dev, per in zip(res.device_ids, res.bytes_per_device):
             parts = str(dev).split(":")
-            if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in counts:
+            if len(parts) != 3 or not parts[0].isdecimal() or parts[1] not in counts:
                 frozen = (
                     frozen
                     or f"pod {_pod_key(pod)} assignment device {dev!r} does not match the node's MIG slices"

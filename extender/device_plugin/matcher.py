@@ -334,4 +334,4 @@ def preferred_devices(
 
 def _replica_order(device_id: str) -> tuple[str, int]:
     uuid, _, replica = device_id.partition("::")
-    return uuid, int(replica) if replica.isdigit() else 0
+    return uuid, int(replica) if replica.isdecimal() else 0
