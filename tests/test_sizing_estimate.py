@@ -234,6 +234,13 @@ def test_fp8_dtype_on_an_fp8_checkpoint_is_the_checkpoint_itself() -> None:
     assert fp8.weights_bytes == plain.weights_bytes
 
 
+@pytest.mark.parametrize("gpu", ["", "  ", "A1000"])
+def test_a_gpu_name_that_names_none_is_refused(gpu: str) -> None:
+    """`--gpu ''` used to be taken as no GPU given, silently."""
+    with pytest.raises(SizingError, match=f"unknown GPU {gpu!r}; known: T4"):
+        estimate(resolve_model("qwen2.5-7b"), EngineSettings(), gpu=gpu)
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "int8"])
 def test_an_8_bit_dtype_on_a_16_bit_checkpoint_quantises_its_weights(dtype: str) -> None:
     """`--dtype fp8` on a 16-bit checkpoint once ended in an UnboundLocalError traceback (the

@@ -268,7 +268,7 @@ def estimate(
     a = model.architecture
     s = settings
     _check(s, a, model.name)
-    gpu_model = find_gpu(gpu) if gpu else None
+    gpu_model = find_gpu(gpu) if gpu is not None else None
     memory = gpu_model.memory_bytes if gpu_model else gpu_memory
     product = gpu_model.product if gpu_model else ""
     params, checkpoint, weights, weights_gpu, fmt, notes = _weights(model, s)
