@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from extender.demand import ASSIGNMENT, GPU_INDEX, PodRef
+from extender.demand import ASSIGNMENT, GPU_INDEX, MAX_MODEL_MEMORY, PodRef
 from extender.ledger import Reservation
 
 __all__ = ["encode_assignment", "decode_assignment", "AssignmentError"]
@@ -35,23 +35,54 @@ def encode_assignment(res: Reservation) -> dict[str, str]:
 def decode_assignment(
     pod_ref: PodRef, annotations: Mapping[str, Any], priority: int = 0
 ) -> Reservation | None:
+    """The reservation the annotation records, None without one. Read strictly, since the ledger
+    and the device plugin act on it: a hand edit that only looks like one (devices as a string,
+    a device twice, sizes that are not whole bytes) is an `AssignmentError`, and the pod is then
+    counted as a pod without one is, never on devices read out of a malformed value."""
     raw = annotations.get(ASSIGNMENT)
     if raw is None:
         return None
     try:
         body = orjson.loads(raw)
-        node = body["node"]
-        devices = tuple(str(d) for d in body["devices"])
-        sizes = body["bytesPerDevice"]
-        if isinstance(sizes, int):
-            sizes = [sizes] * len(devices)
-        sizes = tuple(int(s) for s in sizes)
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        node, devices, sizes = body["node"], body["devices"], body["bytesPerDevice"]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
         raise AssignmentError(
             f"pod {pod_ref}: annotation {ASSIGNMENT} is unreadable ({exc})"
         ) from None
-    if not isinstance(node, str) or len(sizes) != len(devices) or any(s < 0 for s in sizes):
-        raise AssignmentError(f"pod {pod_ref}: annotation {ASSIGNMENT} is inconsistent")
+    if _whole_bytes(sizes) and isinstance(devices, list):
+        sizes = [sizes] * len(devices)
+    if problem := _problem(node, devices, sizes):
+        raise AssignmentError(f"pod {pod_ref}: annotation {ASSIGNMENT} is inconsistent: {problem}")
     return Reservation(
-        pod=pod_ref, node=node, device_ids=devices, bytes_per_device=sizes, priority=priority
+        pod=pod_ref,
+        node=node,
+        device_ids=tuple(devices),
+        bytes_per_device=tuple(sizes),
+        priority=priority,
     )
+
+
+def _problem(node: Any, devices: Any, sizes: Any) -> str | None:
+    """What makes a decoded body unusable, or None."""
+    if not isinstance(node, str):
+        return f"node {_short(node)} is not a name"
+    if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+        return f"devices {_short(devices)} is not a list of device IDs"
+    if len(set(devices)) != len(devices):
+        return f"devices {_short(devices)} names a device twice"
+    if not isinstance(sizes, list) or len(sizes) != len(devices):
+        return f"bytesPerDevice {_short(sizes)} does not give one size per device"
+    bad = [s for s in sizes if not _whole_bytes(s)]
+    if bad:
+        return f"bytesPerDevice {_short(bad[0])} is not a whole number of bytes from 0 to 64Ti"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _whole_bytes(value: Any) -> bool:
+    """A byte count as vramsched writes one: a whole number from 0 to the largest model memory."""
+    return type(value) is int and 0 <= value <= MAX_MODEL_MEMORY

@@ -1,6 +1,7 @@
 import pytest
 from builders import cluster, gpu_node, pod
 
+from extender.assignment import AssignmentError, decode_assignment, encode_assignment
 from extender.demand import PodRef
 from extender.inventory import node_inventory
 from extender.ledger import Ledger, LedgerError, Reservation, check_invariant
@@ -145,6 +146,39 @@ def test_bound_pod_without_assignment_is_counted_conservatively():
     # no annotation: it holds a whole GPU
     assert c.ledger.totals()[0] == 80 * GIB
     assert "default/legacy" in c.guessed
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ('{"node":"n","devices":"0","bytesPerDevice":1}', "is not a list of device IDs"),
+        ('{"node":"n","devices":[0],"bytesPerDevice":1}', "is not a list of device IDs"),
+        ('{"node":"n","devices":["0","0"],"bytesPerDevice":[1,1]}', "names a device twice"),
+        ('{"node":"n","devices":["0"],"bytesPerDevice":[1,2]}', "one size per device"),
+        ('{"node":"n","devices":["0"],"bytesPerDevice":[1.5]}', "1.5 is not a whole number"),
+        ('{"node":"n","devices":["0"],"bytesPerDevice":true}', "one size per device"),
+        ('{"node":"n","devices":["0"],"bytesPerDevice":[-1]}', "-1 is not a whole number"),
+        ('{"node":"n","devices":["0"],"bytesPerDevice":[18446744073709551615]}', "from 0 to 64Ti"),
+        ('{"node":7,"devices":["0"],"bytesPerDevice":[1]}', "node 7 is not a name"),
+    ],
+)
+def test_an_assignment_that_only_looks_like_one_is_counted_by_a_guess(body: str, says: str):
+    """Read loosely, a string of devices became one device per character (a device held twice,
+    over its replicas) and sizes beyond int64 or fractions were taken: the ledger then counted
+    the pod on devices it does not hold, or not at all."""
+    ref = PodRef("default", "odd", "u")
+    with pytest.raises(AssignmentError, match=says):
+        decode_assignment(ref, {"vramsched.io/assignment": body})
+    bound = pod("odd", "30Gi", node="n", phase="Running")
+    bound["metadata"]["annotations"]["vramsched.io/assignment"] = body
+    c = cluster(gpu_node("n", count=2, replicas=4), bound)
+    assert "default/odd" in c.guessed and c.ledger.totals()[0] == 30 * GIB
+    assert check_invariant(c.ledger) == []
+
+
+def test_what_vramsched_writes_reads_back():
+    held = res("a", "n", ["0", "1"], [30, 30])
+    assert decode_assignment(held.pod, encode_assignment(held)) == held
 
 
 def test_clone_copies_and_a_capacity_clone_keeps_only_the_used_columns():
