@@ -73,19 +73,47 @@ def encode_state(state: PluginState) -> str:
 
 
 def decode_state(raw: Any) -> PluginState:
-    """The state in a node annotation; raises StateError naming what is wrong."""
+    """The state in a node annotation; raises StateError naming what is wrong. Strict, as the
+    plugin writes it: `"registered": "false"` is not true, nor a GPU count of 1.5 one GPU."""
     try:
         body = orjson.loads(raw)
-        state = PluginState(
-            registered=bool(body["registered"]),
-            gpus=int(body["gpus"]),
-            replicas=int(body["replicas"]),
-            unhealthy=tuple(sorted({int(i) for i in body.get("unhealthy") or ()})),
-            resource=str(body.get("resource") or "nvidia.com/gpu"),
-            strategy=tuple(str(s) for s in body.get("strategy") or ("envvar",)),
-        )
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (orjson.JSONDecodeError, TypeError) as exc:
         raise StateError(f"annotation {STATE_ANNOTATION} is unreadable ({exc})") from None
-    if state.gpus < 0 or state.replicas < 1 or any(i < 0 for i in state.unhealthy):
-        raise StateError(f"annotation {STATE_ANNOTATION} is inconsistent")
-    return state
+    if not isinstance(body, dict):
+        raise StateError(f"annotation {STATE_ANNOTATION} is not a JSON object")
+    unhealthy = body.get("unhealthy") or []
+    strategy = body.get("strategy") or ["envvar"]
+    resource = body.get("resource") or "nvidia.com/gpu"
+    checks = (
+        ("registered", isinstance(body.get("registered"), bool), "true or false"),
+        ("gpus", _whole(body.get("gpus"), 0), "a whole number >= 0"),
+        ("replicas", _whole(body.get("replicas"), 1), "a whole number >= 1"),
+        (
+            "unhealthy",
+            isinstance(unhealthy, list) and all(_whole(i, 0) for i in unhealthy),
+            "a list of GPU indices",
+        ),
+        ("resource", isinstance(resource, str), "a resource name"),
+        (
+            "strategy",
+            isinstance(strategy, list) and all(isinstance(x, str) for x in strategy),
+            "a list of names",
+        ),
+    )
+    for key, ok, want in checks:
+        if not ok:
+            got = repr(body.get(key))
+            got = got if len(got) <= 40 else got[:37] + "..."
+            raise StateError(f"annotation {STATE_ANNOTATION}: {key} {got} is not {want}")
+    return PluginState(
+        registered=body["registered"],
+        gpus=body["gpus"],
+        replicas=body["replicas"],
+        unhealthy=tuple(sorted(set(unhealthy))),
+        resource=resource,
+        strategy=tuple(strategy),
+    )
+
+
+def _whole(value: Any, least: int) -> bool:
+    return type(value) is int and value >= least

@@ -5,6 +5,8 @@ a real kubelet."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -224,6 +226,22 @@ def test_plugin_state_round_trips_and_bad_input_is_named():
     for raw in ("{", '{"gpus": 1}', '{"registered": true, "gpus": 1, "replicas": 0}'):
         with pytest.raises(StateError, match="vramsched.io/device-plugin-state"):
             decode_state(raw)
+    # read as the plugin writes it, not coerced: "false" was once true, 1.5 one GPU
+    good = {"registered": True, "gpus": 2, "replicas": 4}
+    for key, value, says in (
+        ("registered", "false", "registered 'false' is not true or false"),
+        ("gpus", 1.5, "gpus 1.5 is not a whole number >= 0"),
+        ("gpus", True, "gpus True is not a whole number"),
+        ("replicas", "4", "replicas '4' is not a whole number >= 1"),
+        ("unhealthy", [0.5], "unhealthy [0.5] is not a list of GPU indices"),
+        ("unhealthy", "1", "unhealthy '1' is not a list"),
+        ("strategy", "envvar", "strategy 'envvar' is not a list of names"),
+        ("resource", 5, "resource 5 is not a resource name"),
+    ):
+        with pytest.raises(StateError, match=re.escape(says)):
+            decode_state(json.dumps({**good, key: value}))
+    with pytest.raises(StateError, match="is not a JSON object"):
+        decode_state("[1]")
 
 
 # ----- the generated stubs ---------------------------------------------------------------------------
