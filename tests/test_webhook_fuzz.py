@@ -126,9 +126,7 @@ def containers(draw: st.DrawFn) -> dict[str, Any]:
     tokens = draw(TOKENS)
     if command is not None:
         if command[-1] == "-c":  # a shell script: the engine's line as one string
-            line = " ".join(
-                [draw(st.sampled_from(["vllm serve", "python -m sglang.launch_server"]))]
-            )
+            line = draw(st.sampled_from(["vllm serve", "python -m sglang.launch_server"]))
             c["command"] = [*command, " ".join([line, *tokens])]
         else:
             c["command"] = list(command)
