@@ -111,6 +111,7 @@ SRC="$(find_src)"
 if [[ -z "$SRC" || ! -f "$SRC/.vramsched-prepared" ]]; then
     rm -rf "$SRC_PARENT"
     # apt-get source needs a deb-src entry for bookworm: mirror the binary entries.
+    SRC_LIST=""
     if ! apt-cache showsrc kubernetes 2>/dev/null | grep -q '^Version: .*really1\.20\.2'; then
         SRC_LIST=/etc/apt/sources.list.d/vramsched-deb-src.sources
         if [[ -f /etc/apt/sources.list.d/debian.sources ]] \
@@ -137,7 +138,14 @@ SRC
     fi
     TMP_SRC="$K8S_DIR/src.tmp"
     rm -rf "$TMP_SRC" && mkdir -p "$TMP_SRC"
-    (cd "$TMP_SRC" && retry apt-get source -q kubernetes)
+    got=0
+    (cd "$TMP_SRC" && retry apt-get source -q kubernetes) || got=$?
+    # the deb-src entry was for this one download: take it off the host again
+    if [[ -n "$SRC_LIST" ]]; then
+        rm -f "$SRC_LIST"
+        echo "removed $SRC_LIST"
+    fi
+    ((got == 0)) || exit "$got"
     SRC_NAME="$(cd "$TMP_SRC" && find . -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -n1)"
     [[ -n "$SRC_NAME" && -d "$TMP_SRC/$SRC_NAME/vendor/k8s.io" && -d "$TMP_SRC/$SRC_NAME/cmd/kube-apiserver" ]] \
         || { echo "apt-get source kubernetes gave no full tree with vendor/ (need bookworm's 1.20.2)"; exit 1; }
