@@ -211,6 +211,8 @@ def test_format_quantity() -> None:
         ("qwen2.5-7b-awq", EngineSettings(quantization="gptq"), "quantized with awq"),
         ("qwen2.5-7b-awq", EngineSettings(dtype="fp8"), "--dtype fp8 does not apply"),
         ("gpt-oss-20b", EngineSettings(dtype="int8"), "--dtype int8 does not apply"),
+        ("qwen2.5-7b", EngineSettings(dtype="int8", quantization="fp8"), "give one"),
+        ("qwen2.5-7b", EngineSettings(dtype="fp8", quantization="awq"), "give one"),
     ],
 )
 def test_bad_input_is_one_line(model: str, settings: EngineSettings, message: str) -> None:

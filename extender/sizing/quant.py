@@ -210,6 +210,11 @@ def runtime_format(
                 "fp8" if dtype == "fp8" else "int8", 8
             ), f"weights quantised to {dtype} at load"
         return WeightFormat(), None
+    if dtype in ("fp8", "int8") and not (q == "fp8" and dtype == "fp8"):
+        raise SizingError(
+            f"--dtype {dtype} and --quantization {q} both say how the weights are quantised: "
+            "give one"
+        )
     if q == "fp8":
         return WeightFormat("fp8", 8), "weights quantised to fp8 at load (--quantization fp8)"
     if q in ("awq", "gptq"):
