@@ -27,11 +27,12 @@ $(STAMP): pyproject.toml
 # System tools the test suite uses: kubectl (renders deploy/ with kustomize; runs the kubectl
 # plugin), prometheus and promtool (tests/test_prometheus.py: the dashboard and alert rules
 # against a real Prometheus, which the test starts on loopback). Debian's package would start a
-# Prometheus service where an init system lets it: it is stopped again, the tests run their own.
+# Prometheus service where an init system lets it, and at every boot: it is stopped and disabled
+# again, the tests run their own.
 deps:
 	@command -v kubectl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null)
 	@command -v openssl >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl >/dev/null)
-	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null && (service prometheus stop >/dev/null 2>&1 || true))
+	@command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null && (service prometheus stop >/dev/null 2>&1 || true) && (systemctl disable prometheus >/dev/null 2>&1 || update-rc.d prometheus disable >/dev/null 2>&1 || true))
 
 run: venv
 	$(VENV)/bin/vramsched serve --cluster config/demo-cluster.yaml --host $(HOST) --port $(PORT) $(ARGS)
