@@ -18,4 +18,11 @@ if [[ $(id -u) != 0 ]]; then
 fi
 apt-get update -qq
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# Debian's containerd starts a system service, and at every boot, where an init system lets it:
+# the tests run their own containerd in a work folder, so a containerd installed here is stopped
+# and disabled again (one the host had before is left alone).
+if [[ " ${missing[*]} " == *" containerd "* ]]; then
+    service containerd stop >/dev/null 2>&1 || true
+    systemctl disable containerd >/dev/null 2>&1 || update-rc.d containerd disable >/dev/null 2>&1 || true
+fi
 echo "node-deps: installed ${missing[*]}"
