@@ -43,8 +43,11 @@ LABEL = "nvidia.com/"
 GPU_RESOURCE = "nvidia.com/gpu"
 SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
-_MIG_LABEL = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb(?:\+me|\.me)?(?:\.[a-z0-9+]+)?)\.count$")
-_MIG_SINGLE_PRODUCT = re.compile(r"-MIG-(\d+g\.\d+gb(?:\+me)?)$")
+_MIG_LABEL = re.compile(
+    r"^nvidia\.com/mig-(\d+g\.\d+gb(?:\+me|\.me)?(?:\.[a-z0-9+]+)?)\.count$", re.ASCII
+)
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_MIG_SINGLE_PRODUCT = re.compile(r"-MIG-(\d+g\.\d+gb(?:\+me)?)$", re.ASCII)
 _MIG_COUNT_OR_MEMORY = re.compile(r"^nvidia\.com/(mig-.+)\.(count|memory)$")
 # Guards against a label typo turning one node into millions of devices.
 MAX_DEVICES_PER_NODE = 512
@@ -334,7 +337,7 @@ def _mig_gpu_slots(product: str, profile: str) -> int:
     model = mig.model_for_product(product)
     if model is not None and model.has_profile(profile):
         return max(1, mig.max_uniform_count(model, profile))
-    lead = re.match(r"(\d+)g", profile)
+    lead = re.match(r"([0-9]+)g", profile)
     g = int(lead.group(1)) if lead else 1
     return max(1, 7 // max(1, g))
 
@@ -483,10 +486,10 @@ def _label_int(
 ) -> int:
     """A label's integer within [minimum, maximum]; ValueError naming the label otherwise."""
     raw = labels.get(key, default)
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise ValueError(f"label {key}={raw!r} is not an integer") from None
+    text = str(raw).strip()
+    if not _INTEGER.fullmatch(text):  # int() alone takes "1_6" and other scripts' digits
+        raise ValueError(f"label {key}={raw!r} is not an integer")
+    value = int(text)
     if not minimum <= value <= maximum:
         raise ValueError(f"label {key}={raw!r} is out of range ({minimum} to {maximum})")
     return value

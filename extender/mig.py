@@ -35,7 +35,7 @@ Geometry = tuple[tuple[str, int], ...]
 # A placement: ((profile name, start memory slot), ...), sorted by start.
 Placement = tuple[tuple[str, int], ...]
 
-_PROFILE_RE = re.compile(r"^(?P<g>\d+)g\.(?P<gb>\d+)gb(?:\+(?P<attr>[a-z]+))?$")
+_PROFILE_RE = re.compile(r"^(?P<g>\d+)g\.(?P<gb>\d+)gb(?:\+(?P<attr>[a-z]+))?$", re.ASCII)
 _RESOURCE_PREFIX = "nvidia.com/mig-"
 
 

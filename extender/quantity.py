@@ -44,7 +44,9 @@ _DECIMAL = {
 }
 # Same grammar as k8s.io/apimachinery/pkg/api/resource: sign, digits with an optional
 # fraction, then a binary suffix, a decimal suffix or a decimal exponent (e/E + int).
-_RE = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d{1,4})?$")
+_RE = re.compile(
+    r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d{1,4})?$", re.ASCII
+)
 _MAX_LEN = 64
 
 

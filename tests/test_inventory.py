@@ -58,6 +58,9 @@ def test_missing_labels_name_the_label():
     bad = gpu_node("n")
     bad["metadata"]["labels"]["nvidia.com/gpu.count"] = "many"
     assert "nvidia.com/gpu.count='many' is not an integer" in node_inventory(bad).problem
+    for odd in ("1_6", "١٦", "８"):  # int() takes each of these; a Kubernetes label value cannot
+        bad["metadata"]["labels"]["nvidia.com/gpu.count"] = odd
+        assert f"nvidia.com/gpu.count={odd!r} is not an integer" in node_inventory(bad).problem
     no_alloc = gpu_node("n", allocatable=0)
     assert node_inventory(no_alloc).problem == "node allocatable has no nvidia.com/gpu"
 

@@ -81,7 +81,18 @@ def test_parse_profile_name(name: str, g: int, gb: int, attr: str | None) -> Non
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "1g", "10gb", "1g.10GB", "8g.80gb", "0g.5gb", "1g.10gb+", "mig-1g.10gb", "1g.10gb.me"],
+    [
+        "",
+        "1g",
+        "10gb",
+        "1g.10GB",
+        "8g.80gb",
+        "0g.5gb",
+        "1g.10gb+",
+        "mig-1g.10gb",
+        "1g.10gb.me",
+        "١g.١٠gb",
+    ],
 )
 def test_parse_profile_name_rejects_garbage(bad: str) -> None:
     with pytest.raises(ValueError):

@@ -55,6 +55,9 @@ def test_parse_quantity_exact(text, expected):
         1.5,
         [],
         "9" * 100,
+        "١٦Gi",  # Arabic-Indic digits: Python's \d and int() take them, Kubernetes does not
+        "１６Gi",  # fullwidth digits
+        "1_6Gi",
     ],
 )
 def test_parse_quantity_rejects(text):
