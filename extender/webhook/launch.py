@@ -141,9 +141,7 @@ async def start_webhook(args: argparse.Namespace, cluster: ClusterState) -> web.
             ctx = await _bootstrap(args)
         else:
             ctx = ssl_context(cert_file=args.webhook_cert, key_file=args.webhook_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise SystemExit(f"webhook certificate: {exc}") from None
-    except KubeconfigError as exc:
+    except (OSError, ssl.SSLError, KubeconfigError) as exc:
         raise SystemExit(f"webhook certificate: {exc}") from None
     except Exception as exc:  # an API error while bootstrapping: one line, then exit
         reason = getattr(exc, "reason", None) or type(exc).__name__
