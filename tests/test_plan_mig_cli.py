@@ -283,13 +283,14 @@ def test_the_cluster_file_is_read_as_serve_reads_it(cluster: Path, tmp_path: Pat
     assert err.getvalue().startswith("plan-mig: expected a Kubernetes object, got int")
 
 
-@pytest.mark.parametrize("count", [None, [1], "-1", "1.5", "two"])
+@pytest.mark.parametrize("count", [None, [1], "-1", "1.5", "two", "1_0", "\u0661", True])
 def test_a_device_request_that_is_not_a_count_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], count: object
 ) -> None:
     """A hand-written limit of null, a list or a negative number was a TypeError traceback or a
     negative count of slices. A pending pod with one is left out with a note naming it; a
-    running one (its slices then unknown) stops the plan with one line naming it."""
+    running one (its slices then unknown) stops the plan with one line naming it. A count is a
+    Kubernetes quantity in ASCII digits: `int()` took `1_0` and other scripts' digits."""
     says = f"pod ml/odd: nvidia.com/mig-1g.10gb request {count!r} is not a device count"
     h100 = node("h100-1", H100, 1, mig_labels({"1g.10gb": 7}))
     for on_node, code in ((None, 0), ("h100-1", 1)):
@@ -302,3 +303,16 @@ def test_a_device_request_that_is_not_a_count_is_named(
             assert "pods placed: 1/1" in out.getvalue()
         else:
             assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", ["1.0", "1e0", "1000m", 1])
+def test_a_device_request_is_read_as_a_kubernetes_quantity(tmp_path: Path, count: object) -> None:
+    """The same reading as the scheduler's demand: a whole quantity in any of its forms is a
+    count of slices, so a pending pod asking `1.0` slice is planned, not ignored."""
+    h100 = node("h100-1", H100, 1, mig_labels({"1g.10gb": 7}))
+    asks = pod("asks", "8Gi", mig_limits={"nvidia.com/mig-1g.10gb": count})
+    cluster = write_list(tmp_path / "c.yaml", [h100, asks])
+    out = io.StringIO()
+    assert plan_mig.run(args(cluster), out=out) == 0
+    assert "ignored" not in out.getvalue()
+    assert "pods placed: 1/1" in out.getvalue()

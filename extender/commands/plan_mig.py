@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,7 +33,7 @@ from extender.planner.mig_geometry import (
     plan_mig_geometry,
     plan_summary_rows,
 )
-from extender.quantity import QuantityError
+from extender.quantity import QuantityError, parse_quantity
 from extender.quantity import parse_bytes as _parse_bytes
 from extender.source_file import read_cluster_file
 
@@ -58,14 +59,15 @@ def _pod_key(pod: dict) -> str:
 
 
 def _device_count(resource: str, value: Any) -> int:
-    """A device request as Kubernetes writes it (a whole number, as a string or an int)."""
+    """A device request read as a Kubernetes quantity, as the scheduler's demand reads it (so
+    `1.0` and `1e1` count, `1_6` and other scripts' digits do not), whole and not negative."""
     try:
-        n = int(str(value).strip())
-    except ValueError:
-        n = -1
-    if n < 0:
+        q = parse_quantity(value)
+    except QuantityError:
+        q = Fraction(-1)
+    if q.denominator != 1 or q < 0:
         raise ValueError(f"{resource} request {value!r} is not a device count")
-    return n
+    return int(q)
 
 
 def _requests(pod: dict) -> list[dict]:
