@@ -109,6 +109,16 @@ def test_a_list_without_optional_columns_takes_the_documented_defaults(tmp_path:
             "name,num_gpu,creation_time,deletion_time\na,1,100,40\n",
             "line 2: deletion_time 40 is before creation_time 100",
         ),
+        # int() takes underscores and every script's digits; the dataset writes ASCII digits
+        ("name,num_gpu\na,1_0\n", "line 2: num_gpu '1_0' is not a whole number"),
+        (
+            "name,num_gpu,gpu_milli\na,1,\u0665\u0660\u0660\n",
+            "line 2: gpu_milli '.+' is not a whole",
+        ),
+        # one pod key: the ledger would hold one of them and count the other as failed
+        ("name,num_gpu\na,1\nb,1\na,0\n", "line 4: name 'a' is also on line 2"),
+        # beyond int64 in the arrays: was an OverflowError traceback
+        ("name,num_gpu,memory_mib\na,0,999999999999999\n", "line 2: memory_mib .* more than any"),
     ],
 )
 def test_a_bad_pod_list_names_the_line_and_column(tmp_path: Path, text: str, message: str) -> None:
@@ -121,6 +131,98 @@ def test_a_bad_node_list_names_the_missing_column(tmp_path: Path) -> None:
     nodes = _write(tmp_path / "nodes.csv", "sn,cpu_milli,gpu,model\nn0,1000,1,T4\n")
     with pytest.raises(TraceError, match="no column memory_mib"):
         read_trace_nodes(nodes)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        # a second row of one name replaced the first: half the GPUs, silently
+        ("n0,1000,1024,2,T4\nn0,1000,1024,2,T4\n", "line 3: sn 'n0' is also on line 2"),
+        (",1000,1024,2,T4\n", "line 2: sn is empty"),
+        # beyond the GPU labels' range: the node was read as having no GPUs
+        ("n0,1000,1024,513,T4\n", "line 2: gpu 513 is more GPUs than a node may have"),
+        ("n0,1000,1024,1_0,T4\n", "line 2: gpu '1_0' is not a whole number"),
+        ("n0,1000,1024,2,\n", "line 2: model is empty on a node with 2 GPUs"),
+        ("n0,1000,999999999999999,2,T4\n", "line 2: memory_mib .* more than any node has"),
+    ],
+)
+def test_a_bad_node_row_names_the_line_and_column(tmp_path: Path, rows: str, message: str) -> None:
+    """Each of these was read without a word as a node other than the row says, or as none."""
+    nodes = _write(tmp_path / "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\n" + rows)
+    with pytest.raises(TraceError, match=message):
+        read_trace_nodes(nodes)
+
+
+def test_a_node_without_gpus_needs_no_model(tmp_path: Path) -> None:
+    nodes = _write(tmp_path / "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nc0,1000,1024,0,\n")
+    assert [n["metadata"]["name"] for n in read_trace_nodes(nodes)] == ["c0"]
+
+
+def _node(name: str) -> dict:
+    labels = {
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": "Tesla-T4",
+        "nvidia.com/gpu.count": "1",
+        "nvidia.com/gpu.memory": "15360",
+    }
+    alloc = {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": alloc},
+    }
+
+
+def _pod(name: str, memory: str = "8Gi", node: str | None = None) -> dict:
+    spec: dict = {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    if node:
+        spec["nodeName"] = node
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "ml",
+            "annotations": {"vramsched.io/model-memory": memory},
+        },
+        "spec": spec,
+        "status": {"phase": "Running" if node else "Pending"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        ([_node("a"), _node("a"), _pod("p")], "node a is given more than once"),
+        ([_node("a"), _pod("p"), _pod("p")], "pod ml/p is given more than once"),
+        ([_node("a"), _pod("p", node="a"), _pod("p")], "pod ml/p is given more than once"),
+        (
+            [_node("a"), _node("a"), _node("b"), _node("b"), _pod("p")],
+            "node a is given more than once and 1 more",
+        ),
+        # a pod the filter cannot read: left out, the replay was of fewer pods than the file's
+        ([_node("a"), _pod("p", memory="16 Gi")], "pod ml/p: annotation vramsched.io/model-memory"),
+    ],
+)
+def test_a_cluster_file_that_cannot_be_replayed_as_written_is_refused(
+    tmp_path: Path, items: list[dict], message: str
+) -> None:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+    with pytest.raises(TraceError, match=message):
+        read_inputs(path, path)
+
+
+def test_bound_pods_of_two_files_are_one_pod_each(tmp_path: Path) -> None:
+    """The node file's bound pods and the pod file's are both kept; the same pod in both is not."""
+    nodes, pods = tmp_path / "nodes.yaml", tmp_path / "pods.yaml"
+    nodes.write_text(json.dumps({"kind": "List", "items": [_node("a"), _pod("x", node="a")]}))
+    pods.write_text(json.dumps({"kind": "List", "items": [_pod("y", node="a"), _pod("p")]}))
+    _, tasks, bound = read_inputs(nodes, pods)
+    assert [t.key for t in tasks] == ["ml/p"]
+    assert sorted(b["metadata"]["name"] for b in bound) == ["x", "y"]
+    pods.write_text(json.dumps({"kind": "List", "items": [_pod("x", node="a"), _pod("p")]}))
+    with pytest.raises(TraceError, match="pod ml/x is given more than once"):
+        read_inputs(nodes, pods)
 
 
 def test_simulate_replays_a_list_without_times_and_says_what_was_wrong(

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from extender.demand import Demand, DemandError, PodRef, pod_demand, well_formed_pod
-from extender.inventory import GPU_RESOURCE
-from extender.quantity import MIB
+from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref, well_formed_pod
+from extender.inventory import GPU_RESOURCE, MAX_DEVICES_PER_NODE
+from extender.quantity import HOST_MAX, MIB
 from extender.source_file import read_cluster_file
 
 __all__ = [
@@ -69,14 +71,15 @@ def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> l
                 f"{path}: not a node list: no column {', '.join(missing)} "
                 f"(columns: {', '.join(reader.fieldnames or ()) or 'none'})"
             )
+        seen: dict[str, int] = {}
         for line, row in enumerate(reader, start=2):
             try:
-                gpus = _int(row, "gpu", 0)
-                cpu, mem = _int(row, "cpu_milli", 0), _int(row, "memory_mib", 0)
+                name, gpus, cpu, mem = _trace_node(row, seen)
             except ValueError as exc:
                 raise TraceError(f"{path}, line {line}: {exc}") from None
+            seen[name] = line
             labels = {
-                "kubernetes.io/hostname": row["sn"],
+                "kubernetes.io/hostname": name,
                 "nvidia.com/gpu.present": "true",
                 "nvidia.com/gpu.product": row["model"],
                 "nvidia.com/gpu.count": str(gpus),
@@ -92,11 +95,29 @@ def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> l
             nodes.append(
                 {
                     "kind": "Node",
-                    "metadata": {"name": row["sn"], "labels": labels},
+                    "metadata": {"name": name, "labels": labels},
                     "status": {"allocatable": alloc, "capacity": dict(alloc)},
                 }
             )
     return nodes
+
+
+def _trace_node(
+    row: Mapping[str, str | None], seen: Mapping[str, int]
+) -> tuple[str, int, int, int]:
+    """A node row's name, GPUs, CPU (millicores) and memory (MiB); ValueError naming the column.
+    A node named twice would be read as one (the second row's), so it is refused."""
+    name = (row.get("sn") or "").strip()
+    if not name:
+        raise ValueError("sn is empty")
+    if name in seen:
+        raise ValueError(f"sn {name!r} is also on line {seen[name]}")
+    gpus = _int(row, "gpu", 0)
+    if gpus > MAX_DEVICES_PER_NODE:
+        raise ValueError(f"gpu {gpus} is more GPUs than a node may have ({MAX_DEVICES_PER_NODE})")
+    if gpus and not (row.get("model") or "").strip():
+        raise ValueError(f"model is empty on a node with {gpus} GPUs")
+    return name, gpus, _host(row, "cpu_milli", 1), _host(row, "memory_mib", MIB)
 
 
 #: columns a node list must have (the dataset's node lists have exactly these).
@@ -133,11 +154,17 @@ def read_trace_pods(path: str | Path, *, skip_cpu_only: bool = False) -> list[Ta
                 f"(columns: {', '.join(reader.fieldnames or ()) or 'none'})"
             )
         timed = "creation_time" in columns
+        seen: dict[str, int] = {}
         for line, row in enumerate(reader, start=2):
             try:
                 task = _trace_task(row, line - 2, timed)
+                if task.demand.pod.name in seen:  # one pod key: the ledger would hold one
+                    raise ValueError(
+                        f"name {task.demand.pod.name!r} is also on line {seen[task.demand.pod.name]}"
+                    )
             except ValueError as exc:
                 raise TraceError(f"{path}, line {line}: {exc}") from None
+            seen[task.demand.pod.name] = line
             if task.demand.gpu_count == 0 and skip_cpu_only:
                 continue
             tasks.append(task)
@@ -145,16 +172,28 @@ def read_trace_pods(path: str | Path, *, skip_cpu_only: bool = False) -> list[Ta
     return tasks
 
 
+#: a whole number as the dataset writes it: ASCII digits (`int()` also takes `1_0` and every
+#: script's digits), at most 18 of them so that it fits the arrays' int64
+_WHOLE = re.compile(r"-?[0-9]{1,18}", re.ASCII)
+
+
 def _int(row: Mapping[str, str | None], column: str, default: int) -> int:
     value = (row.get(column) or "").strip()
     if not value:
         return default
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"{column} {value!r} is not a whole number") from None
+    if not _WHOLE.fullmatch(value):
+        raise ValueError(f"{column} {value[:40]!r} is not a whole number")
+    n = int(value)
     if n < 0:
         raise ValueError(f"{column} {value!r} is negative")
+    return n
+
+
+def _host(row: Mapping[str, str | None], column: str, unit: int) -> int:
+    """A CPU or memory column, at most what the arrays hold (as a pod's request is read)."""
+    n = _int(row, column, 0)
+    if n * unit > HOST_MAX:
+        raise ValueError(f"{column} {n} is more than any node has")
     return n
 
 
@@ -189,8 +228,8 @@ def _trace_task(row: Mapping[str, str | None], index: int, timed: bool) -> Task:
         bytes_per_gpu=per_gpu,
         resource=GPU_RESOURCE,
         priority=0,
-        cpu_milli=_int(row, "cpu_milli", 0),
-        memory_bytes=_int(row, "memory_mib", 0) * MIB,
+        cpu_milli=_host(row, "cpu_milli", 1),
+        memory_bytes=_host(row, "memory_mib", MIB) * MIB,
         allowed_products=frozenset(s for s in spec.split("|") if s) or None,
         model_memory=per_gpu,
     )
@@ -224,8 +263,8 @@ def read_yaml(
             continue
         try:
             d = pod_demand(o)
-        except DemandError:
-            continue
+        except DemandError as exc:  # left out, the replay would be of another cluster
+            raise TraceError(f"{path}: {exc}") from None
         meta = o.get("metadata") or {}
         ann = meta.get("annotations") or {}
         arrival = _timestamp(meta.get("creationTimestamp"), d.pod)
@@ -282,7 +321,27 @@ def read_inputs(
         _, tasks, more = read_yaml(pods_path)
         if Path(pods_path) != Path(nodes_path):
             bound += more
+    _refuse_twice(nodes, tasks, bound)
     return nodes, tasks, bound
+
+
+def _refuse_twice(
+    nodes: Sequence[Mapping[str, Any]], tasks: Sequence[Task], bound: Sequence[Mapping[str, Any]]
+) -> None:
+    """TraceError for a node name or a pod (namespace/name) given twice: the cluster keeps one
+    object per name, so the replay would silently drop the other."""
+    names = [m.get("name") for m in (n.get("metadata") for n in nodes) if isinstance(m, Mapping)]
+    keys = [t.key for t in tasks]
+    for pod in bound:
+        try:
+            keys.append(pod_ref(pod).key)
+        except DemandError:  # no name: left out, as wherever pods are read
+            continue
+    for what, values in (("node", names), ("pod", keys)):
+        twice = sorted({v for v, n in Counter(v for v in values if v).items() if n > 1})
+        if twice:
+            more = f" and {len(twice) - 1} more" if len(twice) > 1 else ""
+            raise TraceError(f"{what} {twice[0]} is given more than once{more}")
 
 
 def inflate(
