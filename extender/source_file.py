@@ -7,20 +7,21 @@ loads in seconds; YAML uses the C loader when PyYAML has it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
 
-__all__ = ["ClusterFileError", "read_cluster_file", "iter_objects"]
+__all__ = ["ClusterFileError", "read_cluster_file", "iter_objects", "given_twice"]
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class ClusterFileError(ValueError):
-    """The file is not a Kubernetes List (or stream) of objects."""
+    """The file is not a Kubernetes List (or stream) of objects; the message starts with its
+    path."""
 
 
 def iter_objects(doc: Any) -> Iterator[Mapping[str, Any]]:
@@ -56,6 +57,28 @@ def read_cluster_file(path: str | Path) -> list[Mapping[str, Any]]:
     except (orjson.JSONDecodeError, yaml.YAMLError) as exc:
         raise ClusterFileError(f"{path}: not YAML/JSON: {exc}") from None
     out: list[Mapping[str, Any]] = []
-    for doc in docs:
-        out.extend(iter_objects(doc))
+    try:
+        for doc in docs:
+            out.extend(iter_objects(doc))
+    except ClusterFileError as exc:
+        raise ClusterFileError(f"{path}: {exc}") from None
+    if twice := given_twice(out):
+        raise ClusterFileError(f"{path}: {twice} is given more than once")
     return out
+
+
+def given_twice(objects: Iterable[Mapping[str, Any]]) -> str | None:
+    """The first Node (by name) or Pod (by namespace/name) that `objects` hold twice, or None.
+    The API server holds one object per name, and so does every reader of the file: the last
+    one would silently stand for both."""
+    seen: set[tuple[str, str, str]] = set()
+    for obj in objects:
+        meta = obj.get("metadata")
+        if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
+            continue  # left out wherever objects are read
+        kind, name = str(obj.get("kind")), meta["name"]
+        namespace = str(meta.get("namespace") or "default") if kind == "Pod" else ""
+        if (kind, namespace, name) in seen:
+            return f"pod {namespace}/{name}" if kind == "Pod" else f"node {name}"
+        seen.add((kind, namespace, name))
+    return None

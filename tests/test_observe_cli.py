@@ -141,7 +141,10 @@ def test_why_on_the_demo_file(capsys) -> None:
     "argv, message",
     [
         (["why", "--cluster", str(DEMO), "nope"], "error: pod default/nope not found"),
-        (["top", "--cluster", "/no/such/file.yaml"], "error: cannot read /no/such/file.yaml"),
+        (
+            ["top", "--cluster", "/no/such/file.yaml"],
+            "error: cannot read /no/such/file.yaml: No such file or directory",
+        ),
         (["top", "--server", "http://127.0.0.1:9"], "error: cannot reach http://127.0.0.1:9/state"),
         (["top", "--server", "127.0.0.1:8888"], "error: --server '127.0.0.1:8888' is not an http"),
         (["top", "--server", "http://[::1"], "error: cannot reach http://[::1/state: Invalid IPv6"),
@@ -214,3 +217,22 @@ def test_kubectl_finds_the_plugin_on_path() -> None:
         ["kubectl", "vramsched", "--help"], env=env, capture_output=True, text=True
     ).stdout
     assert usage.startswith("usage: kubectl vramsched") and "serve" not in usage
+
+
+@pytest.mark.parametrize("kind", ["Node", "Pod"])
+def test_a_file_naming_one_object_twice_is_one_line(capsys, tmp_path: Path, kind: str) -> None:
+    """The last object of one name stood for both without a word, whatever the first held. The
+    same reader serves `why`, `plan-defrag`, `plan-mig`, `simulate` and `serve --cluster`."""
+    items = list(yaml.safe_load(DEMO.read_text())["items"])
+    first = next(o for o in items if o["kind"] == kind)
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [*items, first]}))
+    code, out, err = run(capsys, "top", "--cluster", str(path))
+    meta = first["metadata"]
+    name = (
+        f"pod {meta.get('namespace') or 'default'}/{meta['name']}"
+        if kind == "Pod"
+        else f"node {meta['name']}"
+    )
+    assert code == 1 and out == ""
+    assert err == f"error: cannot read {path}: {name} is given more than once\n"

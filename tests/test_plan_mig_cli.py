@@ -280,7 +280,7 @@ def test_the_cluster_file_is_read_as_serve_reads_it(cluster: Path, tmp_path: Pat
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert plan_mig.run(args(bad), out=io.StringIO()) == 1
-    assert err.getvalue().startswith("plan-mig: expected a Kubernetes object, got int")
+    assert err.getvalue().startswith(f"plan-mig: {bad}: expected a Kubernetes object, got int")
 
 
 @pytest.mark.parametrize("count", [None, [1], "-1", "1.5", "two", "1_0", "\u0661", True])

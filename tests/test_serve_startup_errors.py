@@ -84,3 +84,18 @@ def test_an_unknown_log_level_is_refused_while_parsing() -> None:
     done = serve("--cluster", str(DEMO), "--log-level", "loud")
     assert done.returncode == 2
     assert "argument --log-level: invalid choice: 'loud'" in done.stderr
+
+
+def test_a_cluster_file_it_cannot_use_is_one_line(tmp_path: Path) -> None:
+    """The file's path once, then what is wrong with it (it was named twice)."""
+    missing = tmp_path / "missing.yaml"
+    twice = tmp_path / "twice.yaml"
+    node = {"kind": "Node", "metadata": {"name": "n"}}
+    twice.write_text(f"kind: List\nitems: [{node}, {node}]\n")
+    for path, says in (
+        (missing, f"cannot load {missing}: No such file or directory"),
+        (twice, f"cannot load {twice}: node n is given more than once"),
+    ):
+        done = serve("--cluster", str(path), "--port", "0")
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines()[-1] == says

@@ -275,8 +275,10 @@ async def _serve(args: argparse.Namespace) -> int:
             finally:
                 gc.freeze()
                 gc.enable()
-        except (OSError, ClusterFileError) as exc:
-            raise SystemExit(f"cannot load {args.cluster}: {exc}") from None
+        except ClusterFileError as exc:  # names the file
+            raise SystemExit(f"cannot load {exc}") from None
+        except OSError as exc:
+            raise SystemExit(f"cannot load {args.cluster}: {exc.strerror or exc}") from None
         service = ExtenderService(
             cluster,
             EmbeddedBinder(cluster),

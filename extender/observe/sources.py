@@ -93,8 +93,10 @@ def cluster_from_file(
     )
     try:
         cluster.load(read_cluster_file(path))
-    except (OSError, ClusterFileError) as exc:
-        raise SourceError(f"cannot read {path}: {exc}") from None
+    except ClusterFileError as exc:  # names the file
+        raise SourceError(f"cannot read {exc}") from None
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from None
     return cluster
 
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 import csv
 import math
 import re
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref, well_formed_pod
+from extender.demand import Demand, DemandError, PodRef, pod_demand, well_formed_pod
 from extender.inventory import GPU_RESOURCE, MAX_DEVICES_PER_NODE
 from extender.quantity import HOST_MAX, MIB
-from extender.source_file import read_cluster_file
+from extender.source_file import given_twice, read_cluster_file
 
 __all__ = [
     "Task",
@@ -321,27 +320,22 @@ def read_inputs(
         _, tasks, more = read_yaml(pods_path)
         if Path(pods_path) != Path(nodes_path):
             bound += more
-    _refuse_twice(nodes, tasks, bound)
+    _refuse_twice(tasks, bound)
     return nodes, tasks, bound
 
 
-def _refuse_twice(
-    nodes: Sequence[Mapping[str, Any]], tasks: Sequence[Task], bound: Sequence[Mapping[str, Any]]
-) -> None:
-    """TraceError for a node name or a pod (namespace/name) given twice: the cluster keeps one
-    object per name, so the replay would silently drop the other."""
-    names = [m.get("name") for m in (n.get("metadata") for n in nodes) if isinstance(m, Mapping)]
-    keys = [t.key for t in tasks]
-    for pod in bound:
-        try:
-            keys.append(pod_ref(pod).key)
-        except DemandError:  # no name: left out, as wherever pods are read
-            continue
-    for what, values in (("node", names), ("pod", keys)):
-        twice = sorted({v for v, n in Counter(v for v in values if v).items() if n > 1})
-        if twice:
-            more = f" and {len(twice) - 1} more" if len(twice) > 1 else ""
-            raise TraceError(f"{what} {twice[0]} is given more than once{more}")
+def _refuse_twice(tasks: Sequence[Task], bound: Sequence[Mapping[str, Any]]) -> None:
+    """TraceError for a pod given in both files (each file alone is checked as it is read):
+    the cluster keeps one object per name, so the replay would silently drop one of them."""
+    pending = (
+        {
+            "kind": "Pod",
+            "metadata": {"namespace": t.demand.pod.namespace, "name": t.demand.pod.name},
+        }
+        for t in tasks
+    )
+    if twice := given_twice([*bound, *pending]):
+        raise TraceError(f"{twice} is given more than once")
 
 
 def inflate(
