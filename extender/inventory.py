@@ -37,6 +37,9 @@ __all__ = [
     "is_gpu_resource",
     "MigLabels",
     "read_mig_labels",
+    "replicas_label",
+    "MAX_DEVICES_PER_NODE",
+    "MAX_REPLICAS",
 ]
 
 LABEL = "nvidia.com/"
@@ -194,6 +197,15 @@ def _replicas(labels: Mapping[str, str], key: str) -> int:
     if key not in labels:
         return 1
     return max(1, _int_label(labels, key, maximum=MAX_REPLICAS))
+
+
+def replicas_label(labels: Mapping[str, Any]) -> int:
+    """The node's `nvidia.com/gpu.replicas`, read as the scheduler reads it (absent or 0: 1);
+    ValueError naming the label when the scheduler would refuse the node for it."""
+    key = LABEL + "gpu.replicas"
+    if labels.get(key) is None:
+        return 1
+    return max(1, _label_int(labels, key, maximum=MAX_REPLICAS))
 
 
 class _Missing(Exception):

@@ -16,6 +16,7 @@ import grpc
 import orjson
 import pytest
 
+from extender.commands.device_plugin import replicas_to_serve
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from extender.device_plugin.api.generate import API_DIR, PROTOS, clean, generate
@@ -956,3 +957,31 @@ def test_pods_the_watch_has_not_delivered_are_read_from_the_api_and_counted():
     assert set(pods.snapshot(["ns/late"])) == {"ns/late"}
     assert set(pods.snapshot(["ns/late"])) == {"ns/late"}  # now in the cache
     assert reads == [1]
+
+
+@pytest.mark.parametrize(
+    ("label", "replicas"), [(None, 1), ("", 1), ("0", 1), ("4", 4), ("1024", 1024)]
+)
+def test_replicas_come_from_the_label_as_the_scheduler_reads_it(
+    label: str | None, replicas: int
+) -> None:
+    labels = {} if label is None else {"nvidia.com/gpu.replicas": label}
+    assert replicas_to_serve(0, {"metadata": {"labels": labels}}) == replicas
+    assert replicas_to_serve(3, {"metadata": {"labels": labels}}) == 3  # --replicas wins
+
+
+@pytest.mark.parametrize(
+    ("label", "why"),
+    [
+        ("1_6", "is not an integer"),  # int() took it as 16
+        ("\u0664", "is not an integer"),  # and other scripts' digits
+        ("four", "is not an integer"),
+        ("1000000", r"is out of range \(0 to 1024\)"),  # advertised as a million devices per GPU
+        ("-2", "is out of range"),
+    ],
+)
+def test_a_replicas_label_the_scheduler_would_refuse_stops_the_plugin(label: str, why: str) -> None:
+    with pytest.raises(
+        ValueError, match=f"^node label nvidia.com/gpu.replicas=.* {why}.*pass --rep"
+    ):
+        replicas_to_serve(0, {"metadata": {"labels": {"nvidia.com/gpu.replicas": label}}})

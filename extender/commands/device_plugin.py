@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from extender.commands.argtypes import PORT, whole
+from extender.inventory import MAX_DEVICES_PER_NODE, MAX_REPLICAS, replicas_label
 from extender.logs import setup_logging
 
 log = logging.getLogger("extender.device_plugin")
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kubeconfig", metavar="PATH", help="default: in-cluster config")
     p.add_argument(
         "--replicas",
-        type=whole(at_least=0),
+        type=whole(at_least=0, at_most=MAX_REPLICAS),
         default=0,
         help=f"time-slicing replicas per GPU (default: the node's {REPLICAS_LABEL} label, else 1)",
     )
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--fake-gpus",
-        type=whole(at_least=0),
+        type=whole(at_least=0, at_most=MAX_DEVICES_PER_NODE),
         default=0,
         help="N made-up GPUs instead of NVML (tests)",
     )
@@ -83,6 +84,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _fail(message: str) -> int:
     print(f"vramsched device-plugin: {message}", file=sys.stderr)
     return 2
+
+
+def replicas_to_serve(flag: int, node: Any) -> int:
+    """`--replicas`, or (0) the node's replicas label as the scheduler reads it; ValueError
+    naming the label where the scheduler would refuse the node for it (`int()` took `1_6`,
+    and a label of millions would have been advertised to the kubelet as so many devices)."""
+    metadata = node.get("metadata") if isinstance(node, dict) else None
+    labels = (metadata.get("labels") if isinstance(metadata, dict) else None) or {}
+    label = labels.get(REPLICAS_LABEL) if isinstance(labels, dict) else None
+    if not flag:
+        try:
+            return replicas_label({REPLICAS_LABEL: label} if label else {})
+        except ValueError as exc:
+            raise ValueError(f"node {exc}; pass --replicas") from None
+    if label and label != str(flag):
+        log.warning(
+            "--replicas differs from the node's label: vramsched books by the label",
+            extra={"fields": {"replicas": flag, "label": label}},
+        )
+    return flag
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,20 +145,10 @@ def run(args: argparse.Namespace) -> int:
         node = api.read_node()
     except ApiError as exc:
         return _fail(f"cannot read node {args.node_name}: {exc}")
-    replicas = args.replicas
-    label = ((node.get("metadata") or {}).get("labels") or {}).get(REPLICAS_LABEL)
-    if not replicas:
-        try:
-            replicas = max(1, int(label)) if label else 1
-        except ValueError:
-            return _fail(
-                f"node label {REPLICAS_LABEL}={label!r} is not an integer; pass --replicas"
-            )
-    elif label and label != str(replicas):
-        log.warning(
-            "--replicas differs from the node's label: vramsched books by the label",
-            extra={"fields": {"replicas": replicas, "label": label}},
-        )
+    try:
+        replicas = replicas_to_serve(args.replicas, node)
+    except ValueError as exc:
+        return _fail(str(exc))
     pods = NodePods(api)
     pods.start()
     if not pods.wait_synced(60):

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from extender.commands.argtypes import number, output_file, whole
+from extender.inventory import MAX_REPLICAS
 
 __all__ = ["register", "run"]
 
@@ -142,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--replicas",
-        type=whole(at_least=1),
+        type=whole(at_least=1, at_most=MAX_REPLICAS),
         default=None,
         help="time-slicing replicas per trace GPU (default 20)",
     )
