@@ -17,6 +17,7 @@ nowhere else to go) and anything else are never moved.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -181,12 +182,23 @@ def _expression_holds(expr: Mapping[str, Any], labels: Mapping[str, str]) -> boo
     if op == "DoesNotExist":
         return not has
     if op in ("Gt", "Lt") and has and len(values) == 1:
-        try:
-            left, right = int(labels[key]), int(values[0])
-        except ValueError:
+        left, right = _go_int(labels[key]), _go_int(values[0])
+        if left is None or right is None:
             return False
         return left > right if op == "Gt" else left < right
     return False
+
+
+_GO_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+
+
+def _go_int(text: str) -> int | None:
+    """A Gt/Lt operand as kube-scheduler reads it (Go's `strconv.ParseInt(s, 10, 64)`), or None
+    where it fails: `int()` also takes `1_0`, other scripts' digits and values beyond int64."""
+    if not _GO_INT.fullmatch(text):
+        return None
+    value = int(text)
+    return value if -(1 << 63) <= value < 1 << 63 else None
 
 
 def _tolerated(taint: Mapping[str, Any], tolerations: Iterable[Any]) -> bool:

@@ -358,6 +358,37 @@ def test_a_target_must_pass_kube_schedulers_own_rules() -> None:
     assert "cordoned" in (schedulable_on(p, node) or "")
 
 
+@pytest.mark.parametrize(
+    ("label", "op", "value", "holds"),
+    [
+        ("10", "Gt", "5", True),
+        ("+10", "Gt", "5", True),
+        ("-3", "Lt", "-2", True),
+        ("10", "Lt", "5", False),
+        ("1_0", "Gt", "5", False),  # int() read 10; Go's ParseInt refuses it
+        ("\u0661\u0660", "Gt", "5", False),  # Arabic-Indic 10
+        ("10", "Gt", "0x1", False),
+        (str(1 << 63), "Gt", "5", False),  # beyond int64: a parse error in Go
+        ("10", "Gt", "", False),
+    ],
+)
+def test_gt_and_lt_read_integers_as_kube_scheduler_does(
+    label: str, op: str, value: str, holds: bool
+) -> None:
+    node = gpu_node("a", count=1)
+    node["metadata"]["labels"]["gen"] = label
+    p = web("m", 4, "b")
+    expr = {"key": "gen", "operator": op, "values": [value]}
+    p["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [expr]}]
+            }
+        }
+    }
+    assert (schedulable_on(p, node) is None) is holds
+
+
 def test_a_plan_is_checked_against_the_device_plugins_bound() -> None:
     """Per-GPU books would put the 16Gi pod on GPU 1 beside GPU 0's 12+8; the stock plugin
     (distributed) may stack any two of three pods on one GPU: 16+12 > 24."""
