@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+from builders import gpu_node, pod
 
 from extender.cli import main
 from extender.quantity import MIB
@@ -158,45 +159,26 @@ def test_a_node_without_gpus_needs_no_model(tmp_path: Path) -> None:
     assert [n["metadata"]["name"] for n in read_trace_nodes(nodes)] == ["c0"]
 
 
-def _node(name: str) -> dict:
-    labels = {
-        "nvidia.com/gpu.present": "true",
-        "nvidia.com/gpu.product": "Tesla-T4",
-        "nvidia.com/gpu.count": "1",
-        "nvidia.com/gpu.memory": "15360",
-    }
-    alloc = {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
-    return {
-        "kind": "Node",
-        "metadata": {"name": name, "labels": labels},
-        "status": {"allocatable": alloc},
-    }
-
-
-def _pod(name: str, memory: str = "8Gi", node: str | None = None) -> dict:
-    spec: dict = {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
-    if node:
-        spec["nodeName"] = node
-    return {
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": "ml",
-            "annotations": {"vramsched.io/model-memory": memory},
-        },
-        "spec": spec,
-        "status": {"phase": "Running" if node else "Pending"},
-    }
-
-
 @pytest.mark.parametrize(
     ("items", "message"),
     [
-        ([_node("a"), _node("a"), _pod("p")], "node a is given more than once"),
-        ([_node("a"), _pod("p"), _pod("p")], "pod ml/p is given more than once"),
-        ([_node("a"), _pod("p", node="a"), _pod("p")], "pod ml/p is given more than once"),
+        (
+            [gpu_node("a"), gpu_node("a"), pod("p", namespace="ml")],
+            "node a is given more than once",
+        ),
+        (
+            [gpu_node("a"), pod("p", namespace="ml"), pod("p", namespace="ml")],
+            "pod ml/p is given more than once",
+        ),
+        (
+            [gpu_node("a"), pod("p", namespace="ml", node="a"), pod("p", namespace="ml")],
+            "pod ml/p is given more than once",
+        ),
         # a pod the filter cannot read: left out, the replay was of fewer pods than the file's
-        ([_node("a"), _pod("p", memory="16 Gi")], "pod ml/p: annotation vramsched.io/model-memory"),
+        (
+            [gpu_node("a"), pod("p", "16 Gi", namespace="ml")],
+            "pod ml/p: annotation vramsched.io/model-memory",
+        ),
     ],
 )
 def test_a_cluster_file_that_cannot_be_replayed_as_written_is_refused(
@@ -211,12 +193,28 @@ def test_a_cluster_file_that_cannot_be_replayed_as_written_is_refused(
 def test_bound_pods_of_two_files_are_one_pod_each(tmp_path: Path) -> None:
     """The node file's bound pods and the pod file's are both kept; the same pod in both is not."""
     nodes, pods = tmp_path / "nodes.yaml", tmp_path / "pods.yaml"
-    nodes.write_text(json.dumps({"kind": "List", "items": [_node("a"), _pod("x", node="a")]}))
-    pods.write_text(json.dumps({"kind": "List", "items": [_pod("y", node="a"), _pod("p")]}))
+    nodes.write_text(
+        json.dumps({"kind": "List", "items": [gpu_node("a"), pod("x", namespace="ml", node="a")]})
+    )
+    pods.write_text(
+        json.dumps(
+            {
+                "kind": "List",
+                "items": [pod("y", namespace="ml", node="a"), pod("p", namespace="ml")],
+            }
+        )
+    )
     _, tasks, bound = read_inputs(nodes, pods)
     assert [t.key for t in tasks] == ["ml/p"]
     assert sorted(b["metadata"]["name"] for b in bound) == ["x", "y"]
-    pods.write_text(json.dumps({"kind": "List", "items": [_pod("x", node="a"), _pod("p")]}))
+    pods.write_text(
+        json.dumps(
+            {
+                "kind": "List",
+                "items": [pod("x", namespace="ml", node="a"), pod("p", namespace="ml")],
+            }
+        )
+    )
     with pytest.raises(TraceError, match="pod ml/x is given more than once"):
         read_inputs(nodes, pods)
 
