@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from extender.quantity import MIB
 from extender.simulate.trace import (
     TRACE_POD_DEFAULTS,
     TraceError,
+    inflate,
     read_inputs,
     read_trace_nodes,
     read_trace_pods,
@@ -240,3 +242,42 @@ def test_simulate_replays_a_list_without_times_and_says_what_was_wrong(
     assert main(["simulate", "--nodes", str(nodes), "--pods", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "cannot read inputs" in err and "no column num_gpu" in err and "Traceback" not in err
+
+
+def test_inflated_copies_keep_every_pod_key_distinct(tmp_path: Path) -> None:
+    """A list holding `a` and `a-r1` had the copy of `a` named `a-r1` too: one pod key for two
+    pods, so the second always failed."""
+    pods = _write(tmp_path / "pods.csv", "name,num_gpu\na,1\na-r1,1\n")
+    tasks = inflate(read_trace_pods(pods), gpu_capacity=3, factor=2.0)
+    assert len(tasks) == 6 and len({t.key for t in tasks}) == 6
+
+
+@pytest.mark.parametrize(
+    ("rows", "gpus", "message"),
+    [
+        # GPU-less pods never reach a GPU target: the list was repeated a thousand times
+        ("c,0\nd,0\n", 2, "asks 0 GPUs; reaching 1.3 x the cluster's 2 GPUs would take more"),
+        ("a,1\n", 2000, "asks 1 GPUs; reaching 1.3 x the cluster's 2000 GPUs would take more"),
+        ("a,1\n", 0, "the cluster has no GPUs"),  # was an empty replay
+    ],
+)
+def test_an_inflation_that_cannot_be_reached_is_refused(
+    tmp_path: Path, rows: str, gpus: int, message: str
+) -> None:
+    pods = _write(tmp_path / "pods.csv", "name,num_gpu\n" + rows)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        inflate(read_trace_pods(pods), gpu_capacity=gpus, factor=1.3)
+
+
+def test_simulate_says_why_it_cannot_inflate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nodes = _write(
+        tmp_path / "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,T4\n"
+    )
+    pods = _write(tmp_path / "pods.csv", "name,num_gpu,cpu_milli\nc,0,100\n")
+    argv = ["simulate", "--nodes", str(nodes), "--pods", str(pods), "--inflate", "1.3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vramsched simulate: --inflate 1.3: the pod list asks 0 GPUs")
+    assert err.count("\n") == 1

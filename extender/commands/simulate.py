@@ -26,8 +26,9 @@ POLICY_CHOICES = (
 )
 #: the move budgets `--budget-curve` replays `planner+repack` with
 BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.05)
-#: `--inflate`'s largest factor: FGD's protocol runs at 1.3; the list is repeated at most 1,000
-#: times, so a larger factor only makes a longer replay of the same pods
+#: `--inflate`'s largest factor: FGD's protocol runs at 1.3, and a larger factor only makes a
+#: longer replay of the same pods (one that takes more than `trace.MAX_COPIES` copies of the list
+#: is refused)
 MAX_INFLATE = 10.0
 
 
@@ -206,7 +207,11 @@ def run(args: argparse.Namespace) -> int:
     gpu_bytes = int(a.capacity.mean()) if len(a.capacity) else TRACE_GPU_MIB * MIB
     gpu_count = len({(d.node, d.gpu_index) for d in a.devices})
     if args.inflate > 0:
-        tasks = inflate(tasks, gpu_count, args.inflate, gpu_bytes)
+        try:
+            tasks = inflate(tasks, gpu_count, args.inflate, gpu_bytes)
+        except ValueError as exc:
+            print(f"vramsched simulate: --inflate {args.inflate:g}: {exc}", file=sys.stderr)
+            return 2
     if (args.budget_curve or args.bound) and args.churn:
         print(
             "vramsched simulate: --bound and --budget-curve are for replays without --churn",

@@ -342,13 +342,24 @@ def inflate(
     tasks: list[Task], gpu_capacity: float, factor: float, gpu_bytes: int = TRACE_GPU_MIB * MIB
 ) -> list[Task]:
     """FGD's protocol: keep drawing tasks in order (repeating the list under new names) until the
-    arrived GPU demand reaches `factor` x the cluster's GPU capacity (both in GPUs)."""
+    arrived GPU demand reaches `factor` x the cluster's GPU capacity (both in GPUs). ValueError
+    where that takes more than `MAX_COPIES` copies of the list (a list of GPU-less pods never
+    gets there, and was repeated a thousand times), or the cluster has no GPUs."""
     if factor <= 0 or not tasks:
         return list(tasks)
+    target = factor * gpu_capacity
+    per_copy = sum(gpu_units(t.demand, gpu_bytes) for t in tasks)
+    if target <= 0:
+        raise ValueError("the cluster has no GPUs to inflate the pod list against")
+    if per_copy * MAX_COPIES < target:
+        raise ValueError(
+            f"the pod list asks {per_copy:.4g} GPUs; reaching {factor:g} x the cluster's "
+            f"{gpu_capacity:g} GPUs would take more than {MAX_COPIES:,} copies of it"
+        )
     span = max(t.arrival for t in tasks) + 1.0
     out: list[Task] = []
     demand = 0.0
-    target = factor * gpu_capacity
+    taken = {t.key for t in tasks}
     rnd = 0
     while demand < target:
         for t in tasks:
@@ -356,7 +367,11 @@ def inflate(
                 break
             d = t.demand
             if rnd:
-                d = replace(d, pod=PodRef(d.pod.namespace, f"{d.pod.name}-r{rnd}"))
+                name = f"{d.pod.name}-r{rnd}"
+                while PodRef(d.pod.namespace, name).key in taken:  # a list may hold `a-r1` too
+                    name += f"-r{rnd}"
+                d = replace(d, pod=PodRef(d.pod.namespace, name))
+                taken.add(d.pod.key)
                 t = Task(
                     d,
                     t.arrival + rnd * span,
@@ -365,9 +380,11 @@ def inflate(
             out.append(t)
             demand += gpu_units(d, gpu_bytes)
         rnd += 1
-        if rnd > 1000:
-            break
     return out
+
+
+#: `inflate`'s most copies of a pod list
+MAX_COPIES = 1000
 
 
 def gpu_units(d: Demand, gpu_bytes: int = TRACE_GPU_MIB * MIB) -> float:
