@@ -80,7 +80,7 @@ def read_trace_nodes(path: str | Path, *, replicas: int = DEFAULT_REPLICAS) -> l
             labels = {
                 "kubernetes.io/hostname": name,
                 "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.product": row["model"],
+                "nvidia.com/gpu.product": (row["model"] or "").strip(),
                 "nvidia.com/gpu.count": str(gpus),
                 "nvidia.com/gpu.memory": str(TRACE_GPU_MIB),
                 "nvidia.com/gpu.replicas": str(replicas),
@@ -262,7 +262,7 @@ def read_yaml(
             continue
         try:
             d = pod_demand(o)
-        except DemandError as exc:  # left out, the replay would be of another cluster
+        except DemandError as exc:  # left out, the replay would hold fewer pods than the file
             raise TraceError(f"{path}: {exc}") from None
         meta = o.get("metadata") or {}
         ann = meta.get("annotations") or {}
