@@ -40,6 +40,7 @@ __all__ = [
     "replicas_label",
     "MAX_DEVICES_PER_NODE",
     "MAX_REPLICAS",
+    "NO_GPUS",
 ]
 
 LABEL = "nvidia.com/"
@@ -55,6 +56,8 @@ _MIG_COUNT_OR_MEMORY = re.compile(r"^nvidia\.com/(mig-.+)\.(count|memory)$")
 # Guards against a label typo turning one node into millions of devices.
 MAX_DEVICES_PER_NODE = 512
 MAX_REPLICAS = 1024
+#: the problem of a node whose labels say it has no GPUs (`gpu.count` 0): not a mistake
+NO_GPUS = "node advertises no GPUs"
 #: a memory label's largest value, in MiB (16 TiB)
 MAX_MEMORY_MIB = 1 << 24
 
@@ -271,7 +274,7 @@ def node_inventory(node: Mapping[str, Any]) -> NodeInventory:
     except _Missing as exc:
         return base(product=product, mig_strategy=strategy, problem=str(exc))
     if not devices:
-        return base(product=product, mig_strategy=strategy, problem="node advertises no GPUs")
+        return base(product=product, mig_strategy=strategy, problem=NO_GPUS)
     return base(devices=tuple(devices), product=product, mig_strategy=strategy)
 
 
@@ -293,7 +296,7 @@ def _whole_gpus(
     # renameByDefault advertises replicas as nvidia.com/gpu.shared and drops the -SHARED suffix.
     resource = SHARED_GPU_RESOURCE if SHARED_GPU_RESOURCE in alloc else GPU_RESOURCE
     advertised = _allocatable_count(alloc, resource)
-    if advertised is not None:
+    if advertised is not None and count:  # a count label of 0: no GPUs, nothing to check
         # Unhealthy devices disappear from allocatable first: believe the smaller number.
         count = min(count, advertised // replicas)
         if count == 0:

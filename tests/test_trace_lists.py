@@ -281,3 +281,37 @@ def test_simulate_says_why_it_cannot_inflate(
     err = capsys.readouterr().err
     assert err.startswith("vramsched simulate: --inflate 1.3: the pod list asks 0 GPUs")
     assert err.count("\n") == 1
+
+
+def test_simulate_names_the_gpu_nodes_it_cannot_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A node whose NVIDIA labels the filter would refuse held no GPUs in the replay, without a
+    word; a CPU node (no `nvidia.com/` label) and a node labelled with no GPUs are not named."""
+    odd = gpu_node("odd", count=1, extra_labels={"nvidia.com/gpu.count": "1_0"})
+    cpu = {"kind": "Node", "metadata": {"name": "cpu"}, "status": {"allocatable": {"cpu": "8"}}}
+    none = gpu_node("none", count=0)
+    path = tmp_path / "cluster.yaml"
+    items = [gpu_node("ok", count=1), odd, cpu, none, pod("p", namespace="ml")]
+    path.write_text(json.dumps({"kind": "List", "items": items}))
+    argv = ["simulate", "--nodes", str(path), "--pods", str(path), "--policy", "fgd", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if "note:" in line]
+    assert notes == [
+        "vramsched simulate: note: node odd holds no GPUs in this replay: "
+        "label nvidia.com/gpu.count='1_0' is not an integer"
+    ]
+    assert json.loads(captured.out)["policies"]["fgd"]["placed"] == 1
+
+
+def test_a_long_list_of_unusable_nodes_is_cut() -> None:
+    from extender.commands.simulate import NODES_NAMED, gpu_nodes_left_out
+    from extender.inventory import NodeInventory
+
+    bad = [
+        NodeInventory(f"n{i}", problem="missing label x", labels={"nvidia.com/gpu.present": "true"})
+        for i in range(NODES_NAMED + 3)
+    ]
+    lines = gpu_nodes_left_out(bad)
+    assert len(lines) == NODES_NAMED + 1 and lines[-1] == "and 3 more nodes"

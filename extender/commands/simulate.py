@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 
 from extender.commands.argtypes import number, output_file, whole
-from extender.inventory import MAX_REPLICAS
+from extender.inventory import MAX_REPLICAS, NO_GPUS, NodeInventory
 
 __all__ = ["register", "run"]
 
@@ -30,6 +31,27 @@ BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.05)
 #: longer replay of the same pods (one that takes more than `trace.MAX_COPIES` copies of the list
 #: is refused)
 MAX_INFLATE = 10.0
+
+
+#: at most this many nodes are named by `gpu_nodes_left_out`
+NODES_NAMED = 10
+
+
+def gpu_nodes_left_out(inventories: Iterable[NodeInventory]) -> list[str]:
+    """One line per node that NVIDIA's labels describe as a GPU node but that holds no GPUs in
+    the replay, with why (a label out of range, a plugin not registered...), as the filter would
+    say; a node with no `nvidia.com/` label is a CPU node and is not named. Without these lines
+    the replay silently ran on fewer GPUs than the file."""
+    left = [
+        f"node {inv.name} holds no GPUs in this replay: {inv.problem}"
+        for inv in inventories
+        if inv.problem
+        and inv.problem != NO_GPUS
+        and any(str(k).startswith("nvidia.com/") for k in inv.labels)
+    ]
+    if len(left) > NODES_NAMED:
+        left[NODES_NAMED:] = [f"and {len(left) - NODES_NAMED} more nodes"]
+    return left
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -202,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
         print("vramsched simulate: no nodes in --nodes", file=sys.stderr)
         return 2
     workload = Workload.from_demands(t.demand for t in tasks)
-    _, cap = build_capacity(nodes, bound)
+    cluster, cap = build_capacity(nodes, bound)
+    for note in gpu_nodes_left_out(cluster.ledger.nodes()):
+        print(f"vramsched simulate: note: {note}", file=sys.stderr)
     a = cap.arrays
     gpu_bytes = int(a.capacity.mean()) if len(a.capacity) else TRACE_GPU_MIB * MIB
     gpu_count = len({(d.node, d.gpu_index) for d in a.devices})
