@@ -116,15 +116,16 @@ class Demand:
 
 
 def well_formed_pod(pod: Mapping[str, Any]) -> bool:
-    """spec and status objects, and spec.nodeName (when set) a string: the shape of every pod the
-    API server holds. A pod without it, from a hand-written file, is left out wherever pods are
-    read, as one without a name is."""
+    """spec and status objects, and spec.nodeName and status.phase (when set) strings: the shape
+    of every pod the API server holds. A pod without it, from a hand-written file, is left out
+    wherever pods are read, as one without a name is."""
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     return (
         isinstance(spec, Mapping)
         and isinstance(status, Mapping)
         and isinstance(spec.get("nodeName") or "", str)
+        and isinstance(status.get("phase", ""), str | None)  # {} and [] too: sets test phases
     )
 
 

@@ -50,6 +50,8 @@ def test_top_on_the_demo_file_is_plain_text_sorted_with_a_summary(capsys) -> Non
         ("nodeName", {"a": 1}),
         ("spec", ["a100-ts-0"]),
         ("status", "Running"),
+        ("phase", {}),  # tested against a set of terminal phases: TypeError, unhashable
+        ("phase", ["Running"]),
         ("resources", {"requests": {"cpu": "99999999999999999999"}}),
     ],
 )
@@ -64,6 +66,8 @@ def test_a_malformed_pod_in_a_file_changes_nothing(tmp_path, capsys, field, valu
         extra["spec"]["containers"][0]["resources"].update(value)
     elif field == "nodeName":
         extra["spec"]["nodeName"] = value
+    elif field == "phase":
+        extra["status"] = {"phase": value}
     else:
         extra[field] = value
     doc["items"].append(extra)
