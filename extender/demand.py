@@ -125,7 +125,8 @@ def well_formed_pod(pod: Mapping[str, Any]) -> bool:
         isinstance(spec, Mapping)
         and isinstance(status, Mapping)
         and isinstance(spec.get("nodeName") or "", str)
-        and isinstance(status.get("phase", ""), str | None)  # {} and [] too: sets test phases
+        # not `or ""` as for nodeName: a falsy {} would pass, and looking it up in a set raises
+        and isinstance(status.get("phase"), str | None)
     )
 
 
