@@ -315,3 +315,11 @@ def test_a_long_list_of_unusable_nodes_is_cut() -> None:
     ]
     lines = gpu_nodes_left_out(bad)
     assert len(lines) == NODES_NAMED + 1 and lines[-1] == "and 3 more nodes"
+
+
+def test_gpu_models_are_read_without_spaces_around_them(tmp_path: Path) -> None:
+    """`V100| T4` named a model ` T4` that no node has, so the pod could never go on a T4."""
+    pods = _write(tmp_path / "pods.csv", "name,num_gpu,gpu_spec\na,1,V100| T4 \nb,1, | \n")
+    a, b = (t.demand for t in read_trace_pods(pods))
+    assert a.allowed_products == frozenset({"V100", "T4"})
+    assert b.allowed_products is None  # no model named: any

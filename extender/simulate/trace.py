@@ -229,7 +229,7 @@ def _trace_task(row: Mapping[str, str | None], index: int, timed: bool) -> Task:
         priority=0,
         cpu_milli=_host(row, "cpu_milli", 1),
         memory_bytes=_host(row, "memory_mib", MIB) * MIB,
-        allowed_products=frozenset(s for s in spec.split("|") if s) or None,
+        allowed_products=frozenset(s.strip() for s in spec.split("|") if s.strip()) or None,
         model_memory=per_gpu,
     )
     created = _time(row, "creation_time") if timed else None
