@@ -51,6 +51,8 @@ def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
 
 
 def mutate(items: list[dict[str, Any]], data: st.DataObject) -> None:
+    """One change to one of `items`. Retyping comes first: a reader written against the API
+    server's types breaks on an object where it expects a string far more than on a bad string."""
     obj = data.draw(st.sampled_from(items))
     action = data.draw(st.sampled_from(["retype", "retype", "replace", "delete", "annotate"]))
     if action == "annotate":
@@ -78,6 +80,7 @@ def mutate(items: list[dict[str, Any]], data: st.DataObject) -> None:
 
 
 def answers(argv: list[str]) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of one command run in this process."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
