@@ -102,8 +102,7 @@ if [[ -n "$MISSING" ]]; then
     # Debian's etcd-server starts a system etcd, and at every boot, where an init system lets it:
     # the tests run their own on ports of their own, so one installed here is stopped and disabled.
     if [[ " $MISSING " == *" etcd-server "* ]]; then
-        service etcd stop >/dev/null 2>&1 || true
-        systemctl disable etcd >/dev/null 2>&1 || update-rc.d etcd disable >/dev/null 2>&1 || true
+        "$(dirname "$0")/../service-off.sh" etcd
     fi
 fi
 

@@ -22,7 +22,6 @@ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$
 # the tests run their own containerd in a work folder, so a containerd installed here is stopped
 # and disabled again (one the host had before is left alone).
 if [[ " ${missing[*]} " == *" containerd "* ]]; then
-    service containerd stop >/dev/null 2>&1 || true
-    systemctl disable containerd >/dev/null 2>&1 || update-rc.d containerd disable >/dev/null 2>&1 || true
+    "$(dirname "$0")/../service-off.sh" containerd
 fi
 echo "node-deps: installed ${missing[*]}"
