@@ -21,7 +21,15 @@ from extender.plugin_state import (
     decode_state,
     is_plugin_served,
 )
-from extender.quantity import HOST_MAX, MIB, QuantityError, parse_bytes, parse_milli, parse_quantity
+from extender.quantity import (
+    HOST_MAX,
+    INTEGER,
+    MIB,
+    QuantityError,
+    parse_bytes,
+    parse_milli,
+    parse_quantity,
+)
 
 __all__ = [
     "Sharing",
@@ -50,7 +58,6 @@ MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 _MIG_LABEL = re.compile(
     r"^nvidia\.com/mig-(\d+g\.\d+gb(?:\+me|\.me)?(?:\.[a-z0-9+]+)?)\.count$", re.ASCII
 )
-_INTEGER = re.compile(r"[+-]?[0-9]+")
 _MIG_SINGLE_PRODUCT = re.compile(r"-MIG-(\d+g\.\d+gb(?:\+me)?)$", re.ASCII)
 _MIG_COUNT_OR_MEMORY = re.compile(r"^nvidia\.com/(mig-.+)\.(count|memory)$")
 # Guards against a label typo turning one node into millions of devices.
@@ -502,7 +509,7 @@ def _label_int(
     """A label's integer within [minimum, maximum]; ValueError naming the label otherwise."""
     raw = labels.get(key, default)
     text = str(raw).strip()
-    if not _INTEGER.fullmatch(text):  # int() alone takes "1_6" and other scripts' digits
+    if not INTEGER.fullmatch(text):
         raise ValueError(f"label {key}={raw!r} is not an integer")
     value = int(text)
     if not minimum <= value <= maximum:

@@ -19,6 +19,7 @@ __all__ = [
     "MIB",
     "GIB",
     "HOST_MAX",
+    "INTEGER",
 ]
 
 KIB = 1024
@@ -48,6 +49,10 @@ _RE = re.compile(
     r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d{1,4})?$", re.ASCII
 )
 _MAX_LEN = 64
+#: an integer as Kubernetes reads one in a label or a selector's Gt/Lt (Go's
+#: `strconv.ParseInt(s, 10, 64)`: a sign and ASCII digits; `int()` also takes `1_6` and every
+#: script's digits)
+INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 class QuantityError(ValueError):

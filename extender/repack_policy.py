@@ -17,7 +17,6 @@ nowhere else to go) and anything else are never moved.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,7 +28,7 @@ from extender.demand import ANNOTATION_PREFIX, Demand, PodRef
 from extender.ledger import Ledger, LedgerError, Reservation
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
-from extender.quantity import format_bytes
+from extender.quantity import INTEGER, format_bytes
 
 __all__ = [
     "MOVABLE",
@@ -189,13 +188,10 @@ def _expression_holds(expr: Mapping[str, Any], labels: Mapping[str, str]) -> boo
     return False
 
 
-_GO_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
-
-
 def _go_int(text: str) -> int | None:
     """A Gt/Lt operand as kube-scheduler reads it (Go's `strconv.ParseInt(s, 10, 64)`), or None
     where it fails: `int()` also takes `1_0`, other scripts' digits and values beyond int64."""
-    if not _GO_INT.fullmatch(text):
+    if not INTEGER.fullmatch(text):
         return None
     value = int(text)
     return value if -(1 << 63) <= value < 1 << 63 else None
