@@ -210,12 +210,12 @@ def _replicas(labels: Mapping[str, str], key: str) -> int:
 
 
 def replicas_label(labels: Mapping[str, Any]) -> int:
-    """The node's `nvidia.com/gpu.replicas`, read as the scheduler reads it (absent or 0: 1);
-    ValueError naming the label when the scheduler would refuse the node for it."""
-    key = LABEL + "gpu.replicas"
-    if labels.get(key) is None:
-        return 1
-    return max(1, _label_int(labels, key, maximum=MAX_REPLICAS))
+    """The node's `nvidia.com/gpu.replicas` as the scheduler reads it (`_replicas`: absent or 0
+    is 1); ValueError naming the label where the scheduler would refuse the node for it."""
+    try:
+        return _replicas(labels, LABEL + "gpu.replicas")
+    except _Missing as exc:
+        raise ValueError(str(exc)) from None
 
 
 class _Missing(Exception):
