@@ -272,14 +272,34 @@ def test_local_directory_counts_every_shard_header(tmp_path: Path) -> None:
     assert total_bytes(inventory(arch), checkpoint_format({}, "float16")) == total
 
 
-@pytest.mark.parametrize("metadata", [["total_size"], {"total_size": float("inf")}, "big"])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        ["total_size"],
+        {"total_size": float("inf")},
+        "big",
+        {"total_size": 10**400},  # ended in an OverflowError (math.isfinite of a huge int)
+        {"total_size": 2**53 + 1},
+        {"total_size": True},
+    ],
+)
 def test_an_index_with_broken_metadata_is_not_a_size(tmp_path: Path, metadata: object) -> None:
-    """Without shards, only an index's finite total_size stands for the checkpoint; anything
-    else leaves the architecture's own count, as when there is no index at all."""
+    """Without shards, only an index's total_size of 1 to 2**53 bytes stands for the
+    checkpoint; anything else leaves the architecture's own count, as when there is no index."""
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata}))
     (tmp_path / "config.json").write_text(json.dumps(_TINY))
     model = resolve_model(str(tmp_path))
     assert "config.json only" in model.source
+
+
+def test_a_tensor_beyond_2_53_bytes_is_named(tmp_path: Path) -> None:
+    """Its size became the checkpoint's, and scaling the weights to it overflowed a float."""
+    raw = json.dumps({"w": {"dtype": "F16", "shape": [2], "data_offsets": [0, 10**400]}})
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw.encode())
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    with pytest.raises(SizingError, match=r"model.safetensors: tensor 'w' has 1000\d+ bytes, more"):
+        resolve_model(str(tmp_path))
 
 
 def test_a_shard_whose_offsets_are_not_finite_is_named(tmp_path: Path) -> None:

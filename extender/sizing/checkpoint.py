@@ -10,7 +10,6 @@ kilobytes of I/O.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,9 @@ __all__ = ["LocalModel", "read_model", "safetensors_header", "looks_local"]
 
 # A header larger than this is not a safetensors header (the biggest real ones are ~15 MB).
 MAX_HEADER_BYTES = 256 * 1024 * 1024
+#: 8 PiB: more than any checkpoint or tensor holds, and the largest byte count a JSON number
+#: (a float's 53-bit mantissa) holds exactly; beyond it a size is broken, not a model's
+MAX_BYTES = 2**53
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,8 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
             raise SizingError(f"{path.name}: tensor {name!r} has no data_offsets") from None
         if size < 0:
             raise SizingError(f"{path.name}: tensor {name!r} has negative size")
+        if size > MAX_BYTES:
+            raise SizingError(f"{path.name}: tensor {name!r} has {size} bytes, more than 2**53")
         out[name] = size
     return out
 
@@ -112,7 +116,12 @@ def read_model(model: str) -> LocalModel:
             wanted = {str(f) for f in weight_map.values()}
         meta = index.get("metadata") if isinstance(index, dict) else None
         total = meta.get("total_size") if isinstance(meta, dict) else None
-        if isinstance(total, int | float) and math.isfinite(total) and total > 0:
+        # NaN fails both comparisons; math.isfinite would raise on an int beyond a float.
+        if (
+            isinstance(total, int | float)
+            and not isinstance(total, bool)
+            and 0 < total <= MAX_BYTES
+        ):
             index_total = int(total)
     present = {p.name for p in shards}
     if shards and (not wanted or wanted <= present):
