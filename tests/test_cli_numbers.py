@@ -123,6 +123,12 @@ def test_values_in_range_parse(parse, text: str, value: float) -> None:
         (whole(at_least=1), "1.0", "a whole number >= 1"),
         (whole(at_least=0, at_most=2), "3", "a whole number >= 0 and <= 2"),
         (PORT, "http", "a whole number >= 0 and <= 65535"),
+        # A large bound is written in full, not as `2.14748e+09`.
+        (
+            whole(at_least=1, at_most=2**31 - 1),
+            "2147483648",
+            "a whole number >= 1 and <= 2147483647",
+        ),
     ],
 )
 def test_values_out_of_range_say_what_is_wanted(parse, text: str, says: str) -> None:

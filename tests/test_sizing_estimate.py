@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from extender.cli import main
+from extender.quantity import parse_quantity
 from extender.sizing.architecture import architecture_from_config
 from extender.sizing.catalogue import lookup
 from extender.sizing.engines import (
@@ -202,6 +203,22 @@ def test_format_quantity() -> None:
 
 
 @pytest.mark.parametrize(
+    ("quarters", "written"),
+    [
+        (4 * 123_456 + 1, "123456.25Gi"),
+        (4 * 7_022_675 + 2, "7022675.5Gi"),
+        (4 * 10**40 + 3, f"{10**40}.75Gi"),
+    ],
+)
+def test_format_quantity_is_exact_at_any_size(quarters: int, written: str) -> None:
+    """It went through a float's `:g`: 123456.25Gi was written 123456Gi, a quarter GiB short,
+    and from a million GiB on it wrote `7.02268e+06Gi`, which is no Kubernetes quantity (an
+    estimate with `--max-num-seqs 4000000` printed that annotation)."""
+    assert format_quantity(quarters * 256 * MIB) == written
+    assert parse_quantity(written) == quarters * 256 * MIB
+
+
+@pytest.mark.parametrize(
     ("model", "settings", "message"),
     [
         ("qwen3", EngineSettings(), "did you mean"),
@@ -213,6 +230,17 @@ def test_format_quantity() -> None:
         ("gpt-oss-20b", EngineSettings(dtype="int8"), "--dtype int8 does not apply"),
         ("qwen2.5-7b", EngineSettings(dtype="int8", quantization="fp8"), "give one"),
         ("qwen2.5-7b", EngineSettings(dtype="fp8", quantization="awq"), "give one"),
+        # Beyond int32 a count is a typo; a 400-digit one ended in an OverflowError traceback.
+        (
+            "qwen2.5-7b",
+            EngineSettings(max_num_seqs=10**400),
+            "max-num-seqs 1000000000000",
+        ),
+        (
+            "qwen2.5-7b",
+            EngineSettings(max_batched_tokens=2**31),
+            "max-num-batched-tokens 2147483648 is not between 1 and 2,147,483,647",
+        ),
     ],
 )
 def test_bad_input_is_one_line(model: str, settings: EngineSettings, message: str) -> None:
@@ -273,7 +301,11 @@ def test_config_missing_fields_are_named(tmp_path: Path) -> None:
             {"max_position_embeddings": float("nan")},
             "max_position_embeddings=nan is not an integer",
         ),
-        ({"num_hidden_layers": 2**70}, "is more than any model has (at most 10,000)"),
+        ({"num_hidden_layers": 10**5}, "is more than any model has (at most 10,000)"),
+        ({"num_hidden_layers": 2**70}, "is more than 2**53"),
+        # A whole float of any size passed, and its products overflowed a float: a traceback.
+        ({"hidden_size": 1e300}, "hidden_size=1e+300 is more than 2**53"),
+        ({"vocab_size": 2**53 + 1}, f"vocab_size={2**53 + 1} is more than 2**53"),
         ({"rope_scaling": {"type": "yarn", "factor": float("inf")}}, None),
         (
             {"quantization_config": {"quant_method": "awq", "bits": "four"}},
@@ -390,6 +422,8 @@ def test_cli_yaml_and_text(capsys: pytest.CaptureFixture[str]) -> None:
         ["estimate", "llama-3-8b", "--max-model-len", "100000"],
         ["estimate", "llama-3.1-8b", "--gpu", "Z100"],
         ["estimate", "llama-3.1-8b", "--max-num-seqs", "0"],
+        ["estimate", "llama-3.1-8b", "--max-num-seqs", "2147483648"],
+        ["estimate", "llama-3.1-8b", "--max-num-seqs", "9" * 400],
         ["estimate", "/nonexistent/model"],
         ["estimate", "qwen2.5-7b-awq", "--dtype", "fp8"],
         # Printed, but a model that fits no GPU is still an error.

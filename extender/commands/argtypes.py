@@ -17,14 +17,19 @@ from pathlib import Path
 __all__ = ["number", "whole", "PORT", "output_file"]
 
 
+def _figure(bound: float) -> str:
+    """A bound as written: a whole one in full (`2147483647`, not `2.14748e+09`)."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
 def _bounds(at_least: float | None, above: float | None, at_most: float | None) -> str:
     parts = []
     if at_least is not None:
-        parts.append(f">= {at_least:g}")
+        parts.append(f">= {_figure(at_least)}")
     if above is not None:
-        parts.append(f"> {above:g}")
+        parts.append(f"> {_figure(above)}")
     if at_most is not None:
-        parts.append(f"<= {at_most:g}")
+        parts.append(f"<= {_figure(at_most)}")
     return " and ".join(parts)
 
 

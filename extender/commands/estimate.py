@@ -12,12 +12,13 @@ from extender.commands.argtypes import whole
 from extender.quantity import format_bytes
 from extender.sizing.engines import ENGINES, EngineSettings
 from extender.sizing.errors import SizingError
-from extender.sizing.estimate import DeviceFit, Estimate, estimate, resolve_model
+from extender.sizing.estimate import MAX_COUNT, DeviceFit, Estimate, estimate, resolve_model
 from extender.sizing.quant import DTYPES, QUANTIZATIONS
 
 __all__ = ["register", "run", "render_text"]
 
 POSITIVE = whole(at_least=1)
+COUNT = whole(at_least=1, at_most=MAX_COUNT)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,15 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
-        "--max-model-len", type=POSITIVE, default=None, help="context (default: the model's)"
+        "--max-model-len", type=COUNT, default=None, help="context (default: the model's)"
     )
     p.add_argument(
         "--max-num-seqs",
-        type=POSITIVE,
+        type=COUNT,
         default=None,
         help="concurrent sequences, each held at full length in the KV cache (default 1)",
     )
-    p.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None)
+    p.add_argument("--max-num-batched-tokens", type=COUNT, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu", metavar="PRODUCT", help="size for this GPU and print its engine flag")

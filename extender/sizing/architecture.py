@@ -101,6 +101,9 @@ class Architecture:
 #: the estimator builds per-layer tables; the deepest published decoders have under 200 layers,
 #: so a count beyond this is a broken config, not a model (and would exhaust memory)
 MAX_LAYERS = 10_000
+#: the largest whole number a JSON number holds exactly (a float's 53-bit mantissa); a config
+#: field beyond it is not a model's size, and the products of such fields overflow a float
+MAX_FIELD = 2**53
 
 
 def is_whole(value: Any) -> bool:
@@ -119,6 +122,11 @@ def _whole_field(key: str, value: Any) -> int:
         raise SizingError(f"config.json field {key}={value!r} is not an integer")
     if value < 0:
         raise SizingError(f"config.json field {key}={value!r} is negative")
+    if value > MAX_FIELD:
+        raise SizingError(
+            f"config.json field {key}={value!r} is more than 2**53, the largest whole number a "
+            "JSON number holds exactly"
+        )
     return int(value)
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "format_quantity",
     "ROUND_BYTES",
     "SMALL_GPU",
+    "MAX_COUNT",
 ]
 
 #: The reservation is rounded up to whole quarters of a GiB per GPU.
@@ -52,6 +53,10 @@ ROUND_BYTES = 256 * MIB
 #: smallest band): the optimistic end, for "the declared memory is surely too low" warnings.
 SMALL_GPU = 16 * GIB
 MAX_TP = 64
+#: The most sequences or batched tokens an estimate takes: int32's largest, which no engine
+#: setting comes near; beyond it a figure is a typo, and its KV cache would not even fit a float.
+MAX_COUNT = 2**31 - 1
+_QUARTERS = ("", ".25", ".5", ".75")
 _KV_BYTES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
 _DTYPES = {"auto", "bf16", "bfloat16", "fp16", "float16", "half", "fp8", "int8"}
 
@@ -164,10 +169,13 @@ class Estimate:
 
 
 def format_quantity(n: int) -> str:
-    """Bytes as a Kubernetes quantity in Gi, rounded up to a quarter: `22.5Gi`, `8Gi`."""
+    """Bytes as a Kubernetes quantity in Gi, rounded up to a quarter: `22.5Gi`, `8Gi`.
+
+    Written digit by digit, not through a float, so that a size of any magnitude stays exact and
+    a quantity Kubernetes reads (a float's `1e+06Gi` is neither)."""
     quarters = -(-n // ROUND_BYTES)
     whole, rest = divmod(quarters, 4)
-    return f"{whole}Gi" if not rest else f"{whole + rest / 4:g}Gi"
+    return f"{whole}{_QUARTERS[rest]}Gi"
 
 
 def resolve_model(name: str) -> Model:
@@ -215,8 +223,8 @@ def _check(s: EngineSettings, a: Architecture, name: str) -> None:
         ("max-num-seqs", s.max_num_seqs),
         ("max-num-batched-tokens", s.max_batched_tokens),
     ):
-        if value is not None and value < 1:
-            raise SizingError(f"{what} {value} must be at least 1")
+        if value is not None and not 1 <= value <= MAX_COUNT:
+            raise SizingError(f"{what} {value} is not between 1 and {MAX_COUNT:,}")
     if s.max_model_len and s.max_model_len > a.max_context:
         raise SizingError(
             f"max-model-len {s.max_model_len} is longer than the {a.max_context} tokens {name} supports"
