@@ -180,6 +180,35 @@ def test_context_too_long_warns() -> None:
     assert "longer than the 8192 tokens" in w
 
 
+@pytest.mark.parametrize("seqs", ["9" * 400, "2147483648"])
+def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
+    """A 400-digit `--max-num-seqs` ended in an OverflowError inside the review (the API server
+    then applies the failure policy); a 20-digit one set `1.75566e+20Gi`, no quantity at all."""
+    p = pod(
+        None, command=["vllm", "serve"], args=["Qwen/Qwen2.5-7B-Instruct", "--max-num-seqs", seqs]
+    )
+    d = decide(p)
+    (w,) = d.warnings
+    assert "cannot size Qwen/Qwen2.5-7B-Instruct: max-num-seqs" in w
+    assert "is not between 1 and 2,147,483,647" in w
+    assert d.allowed and not d.patch
+
+
+def test_an_estimate_beyond_what_the_filter_reads_is_not_set() -> None:
+    """100,000 sequences of 128k tokens is 1.6 PiB per GPU; the filter refuses a model-memory
+    over 64 TiB, so setting it left the pod pending on an annotation the user never wrote."""
+    p = pod(
+        None,
+        command=["vllm", "serve"],
+        args=["meta-llama/Llama-3.1-8B-Instruct", "--max-num-seqs", "100000"],
+    )
+    d = decide(p)
+    assert d.allowed and not d.patch
+    (w,) = d.warnings
+    assert "cannot size meta-llama/Llama-3.1-8B-Instruct: the estimate, " in w
+    assert "is more than the 64Ti vramsched.io/model-memory takes" in w
+
+
 def test_model_that_fits_no_gpu_in_the_cluster_warns() -> None:
     p = pod(
         None,

@@ -17,7 +17,7 @@ from builders import apply_json_patch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.demand import ALLOWED_PRODUCTS, MODEL_MEMORY
+from extender.demand import ALLOWED_PRODUCTS, MODEL_MEMORY, pod_demand
 from extender.sizing import catalogue
 from extender.sizing.engine_args import _FLAGS
 from extender.sizing.handoff import (
@@ -53,7 +53,9 @@ FIELD_VALUES = {
     "quantization": st.sampled_from(["awq", "gptq", "fp8", "awq_marlin", "none", "int3"]),
     "kv_cache_dtype": st.sampled_from(["auto", "fp8", "fp8_e5m2", "int2"]),
 }
-NUMBERS = st.sampled_from(["1", "2", "4", "8", "3", "0", "-1", "8192", "131072", "10" * 12])
+NUMBERS = st.sampled_from(
+    ["1", "2", "4", "8", "3", "0", "-1", "8192", "131072", "100000", "10" * 12, "9" * 400]
+)
 PAIRS = st.sampled_from(sorted({(f, fld) for names in _FLAGS.values() for f, fld in names.items()}))
 
 
@@ -239,6 +241,8 @@ def test_every_pod_gets_an_answer_whose_patch_applies(
         ops = json.loads(base64.b64decode(response["patch"]))
         assert ops and all(op["op"] == "add" for op in ops)
         patched = apply_json_patch(pod, ops)  # only adds, and never over a member already there
+        # What the webhook set, the scheduler's filter reads (a DemandError fails the test).
+        pod_demand({**patched, "metadata": {**patched["metadata"], "name": "engine-1"}})
         for before, after in zip(pod["spec"]["containers"], patched["spec"]["containers"]):
             had = [e.get("name") for e in before.get("env", [])].count(FRACTION_ENV)
             has = [e.get("name") for e in after.get("env", [])].count(FRACTION_ENV)
