@@ -160,6 +160,19 @@ def test_flag_covers_what_each_engine_counts() -> None:
     assert outside(s, 16 * GIB) == 768 * MIB + (512 + 3072 + 16 + 128) * MIB
 
 
+@pytest.mark.parametrize("size", [-1, 0])
+def test_sglang_without_chunked_prefill_reserves_a_whole_prefill_batch(size: int) -> None:
+    """`--chunked-prefill-size -1` is SGLang's documented way to turn chunking off (any size not
+    above 0 is); its reserve then takes `--max-prefill-tokens` (16384) tokens at 1.5 MiB each.
+    The -1 was refused ("cannot size" in the webhook) and a 0 read as the default chunk."""
+    s = EngineSettings(engine="sglang", max_batched_tokens=size)
+    assert outside(s, 80 * GIB) == 768 * MIB + (512 + 16384 * 3 // 2 + 512 + 128) * MIB
+    a = lookup("qwen2.5-7b").architecture
+    assert "16384-token prefill batches (chunked prefill off)" in overhead(a, s).detail
+    with pytest.raises(SizingError, match="max-num-batched-tokens -1 is not between 1 and"):
+        estimate(resolve_model("qwen2.5-7b"), EngineSettings(engine="vllm", max_batched_tokens=-1))
+
+
 def test_fraction_rounds_down_and_never_exceeds_one() -> None:
     o = overhead(lookup("qwen2.5-7b").architecture, EngineSettings(engine="tgi"))
     assert fraction(16 * GIB, 80 * GIB, o) == 0.2
@@ -240,6 +253,14 @@ def test_format_quantity_is_exact_at_any_size(quarters: int, written: str) -> No
             "qwen2.5-7b",
             EngineSettings(max_batched_tokens=2**31),
             "max-num-batched-tokens 2147483648 is not between 1 and 2,147,483,647",
+        ),
+        # A negative KV pool or graph batch shrank the estimate (no KV cache at all).
+        ("qwen2.5-7b", EngineSettings(engine="sglang", kv_tokens=-5), "max-total-tokens -5 is"),
+        ("qwen2.5-7b", EngineSettings(engine="sglang", cuda_graph_max_bs=-3), "cuda-graph-max-bs"),
+        (
+            "qwen2.5-7b",
+            EngineSettings(engine="sglang", cuda_graph_max_bs=10**400),
+            "is not between 0 and 2,147,483,647",
         ),
     ],
 )

@@ -194,6 +194,20 @@ def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     assert d.allowed and not d.patch
 
 
+def test_sglang_with_chunked_prefill_off_is_sized() -> None:
+    """`--chunked-prefill-size -1` was read as a count below 1: "cannot size", nothing set."""
+    p = pod(
+        None,
+        command=["python3", "-m", "sglang.launch_server"],
+        args=["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--chunked-prefill-size", "-1"],
+    )
+    p["spec"]["containers"][0]["image"] = "lmsysorg/sglang:latest"
+    d = decide(p)
+    (w,) = d.warnings
+    assert w.startswith("vramsched: set vramsched.io/model-memory=42Gi from the estimate")
+    assert d.patch[0]["value"] == {"vramsched.io/model-memory": "42Gi"}
+
+
 def test_an_estimate_beyond_what_the_filter_reads_is_not_set() -> None:
     """100,000 sequences of 128k tokens is 1.6 PiB per GPU; the filter refuses a model-memory
     over 64 TiB, so setting it left the pod pending on an annotation the user never wrote."""

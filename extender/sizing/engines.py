@@ -67,6 +67,9 @@ TGI_WIGGLE = 0.90
 TGI_GRAPH_BYTES = 512 * MIB
 TGI_MIN_PREFILL = 4096
 TGI_MAX_DEFAULT_PREFILL = 16384
+#: SGLang's `--max-prefill-tokens` default: its reserve's activation term when chunked prefill is
+#: off (`--chunked-prefill-size -1`; server_args.py `_handle_gpu_memory_settings`)
+SGLANG_MAX_PREFILL_TOKENS = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,12 +147,21 @@ def _sglang_defaults(gpu_memory: int | None, tp: int) -> tuple[int, int]:
     return 16384, 512
 
 
+def _sglang_chunking_off(s: EngineSettings) -> bool:
+    """`--chunked-prefill-size -1` (SGLang: any size not above 0) turns chunked prefill off; its
+    reserve then covers a whole prefill batch of `--max-prefill-tokens`."""
+    return s.max_batched_tokens is not None and s.max_batched_tokens <= 0
+
+
 def _sglang_reserve(s: EngineSettings, gpu_memory: int | None) -> tuple[int, int, int]:
     """SGLang's own estimate of activations + CUDA graphs (MiB in its code), with the chunk and
     graph batch it assumed."""
     tp = max(1, s.tp)
     chunk, graph_bs = _sglang_defaults(gpu_memory, tp)
-    chunk = s.max_batched_tokens or chunk
+    if _sglang_chunking_off(s):
+        chunk = SGLANG_MAX_PREFILL_TOKENS
+    else:
+        chunk = s.max_batched_tokens or chunk
     graph_bs = s.cuda_graph_max_bs or graph_bs
     reserve_mib = (
         512 + max(chunk, 2048) * 1.5 + (0 if s.enforce_eager else graph_bs * 2) + tp / 8 * 1024
@@ -207,7 +219,8 @@ def overhead(
         return Overhead(
             0,
             outside(s, gpu_memory),
-            detail=f"CUDA context, SGLang's reserve for {chunk}-token prefill chunks"
+            detail=f"CUDA context, SGLang's reserve for {chunk}-token prefill "
+            + ("batches (chunked prefill off)" if _sglang_chunking_off(s) else "chunks")
             + ("" if s.enforce_eager else f" and CUDA graphs up to batch {graph_bs}"),
         )
     raise ValueError(f"unknown engine {s.engine!r}")

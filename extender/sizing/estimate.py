@@ -221,10 +221,22 @@ def _check(s: EngineSettings, a: Architecture, name: str) -> None:
     for what, value in (
         ("max-model-len", s.max_model_len),
         ("max-num-seqs", s.max_num_seqs),
-        ("max-num-batched-tokens", s.max_batched_tokens),
+        # SGLang's --chunked-prefill-size: -1 (any size not above 0) turns chunking off.
+        ("max-num-batched-tokens", None if s.engine == "sglang" else s.max_batched_tokens),
     ):
         if value is not None and not 1 <= value <= MAX_COUNT:
             raise SizingError(f"{what} {value} is not between 1 and {MAX_COUNT:,}")
+    for what, value in (  # 0 stands for the engine's default
+        ("max-total-tokens", s.kv_tokens),
+        ("cuda-graph-max-bs", s.cuda_graph_max_bs),
+    ):
+        if value is not None and not 0 <= value <= MAX_COUNT:
+            raise SizingError(f"{what} {value} is not between 0 and {MAX_COUNT:,}")
+    if s.engine == "sglang" and s.max_batched_tokens is not None:
+        if s.max_batched_tokens > MAX_COUNT:
+            raise SizingError(
+                f"chunked-prefill-size {s.max_batched_tokens} is more than {MAX_COUNT:,}"
+            )
     if s.max_model_len and s.max_model_len > a.max_context:
         raise SizingError(
             f"max-model-len {s.max_model_len} is longer than the {a.max_context} tokens {name} supports"
