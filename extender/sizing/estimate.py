@@ -218,25 +218,22 @@ def _check(s: EngineSettings, a: Architecture, name: str) -> None:
         and not s.kv_cache_dtype.lower().startswith("fp8")
     ):
         raise SizingError(f"kv-cache-dtype {s.kv_cache_dtype!r} is not auto or fp8")
-    for what, value in (
-        ("max-model-len", s.max_model_len),
-        ("max-num-seqs", s.max_num_seqs),
+    for what, value, least in (
+        ("max-model-len", s.max_model_len, 1),
+        ("max-num-seqs", s.max_num_seqs, 1),
         # SGLang's --chunked-prefill-size: -1 (any size not above 0) turns chunking off.
-        ("max-num-batched-tokens", None if s.engine == "sglang" else s.max_batched_tokens),
+        ("max-num-batched-tokens", s.max_batched_tokens, None if s.engine == "sglang" else 1),
+        ("max-total-tokens", s.kv_tokens, 0),  # 0: the engine's default
+        ("cuda-graph-max-bs", s.cuda_graph_max_bs, 0),
     ):
-        if value is not None and not 1 <= value <= MAX_COUNT:
-            raise SizingError(f"{what} {value} is not between 1 and {MAX_COUNT:,}")
-    for what, value in (  # 0 stands for the engine's default
-        ("max-total-tokens", s.kv_tokens),
-        ("cuda-graph-max-bs", s.cuda_graph_max_bs),
-    ):
-        if value is not None and not 0 <= value <= MAX_COUNT:
-            raise SizingError(f"{what} {value} is not between 0 and {MAX_COUNT:,}")
-    if s.engine == "sglang" and s.max_batched_tokens is not None:
-        if s.max_batched_tokens > MAX_COUNT:
-            raise SizingError(
-                f"chunked-prefill-size {s.max_batched_tokens} is more than {MAX_COUNT:,}"
-            )
+        if value is None or (least is None or value >= least) and value <= MAX_COUNT:
+            continue
+        wanted = (
+            f"more than {MAX_COUNT:,}"
+            if least is None
+            else f"not between {least} and {MAX_COUNT:,}"
+        )
+        raise SizingError(f"{what} {value} is {wanted}")
     if s.max_model_len and s.max_model_len > a.max_context:
         raise SizingError(
             f"max-model-len {s.max_model_len} is longer than the {a.max_context} tokens {name} supports"
