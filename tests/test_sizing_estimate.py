@@ -328,6 +328,11 @@ def test_config_missing_fields_are_named(tmp_path: Path) -> None:
         ({"hidden_size": 1e300}, "hidden_size=1e+300 is more than 2**53"),
         ({"vocab_size": 2**53 + 1}, f"vocab_size={2**53 + 1} is more than 2**53"),
         ({"rope_scaling": {"type": "yarn", "factor": float("inf")}}, None),
+        # A finite factor whose product is a float's infinity ended in an OverflowError.
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 1e306}},
+            "rope_scaling factor=1e+306 stretches the context of 32768 tokens beyond 2**53",
+        ),
         (
             {"quantization_config": {"quant_method": "awq", "bits": "four"}},
             "quantization_config bits='four' in config.json is not a whole number from 1 to 16",

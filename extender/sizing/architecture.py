@@ -181,6 +181,11 @@ def _max_context(cfg: Mapping[str, Any]) -> int:
             and factor > 1
             and "original_max_position_embeddings" not in scaling
         ):
+            if base * factor > MAX_FIELD:  # a float's infinity among them: no int of it
+                raise SizingError(
+                    f"config.json rope_scaling factor={factor!r} stretches the context of "
+                    f"{base} tokens beyond 2**53"
+                )
             return int(base * factor)
     return base
 
