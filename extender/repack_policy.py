@@ -188,6 +188,31 @@ def _expression_holds(expr: Mapping[str, Any], labels: Mapping[str, str]) -> boo
     return False
 
 
+def _field_holds(expr: Mapping[str, Any], node_name: str) -> bool:
+    """A matchFields requirement: `metadata.name` In or NotIn one name, the only field a node
+    selector may name (the API server refuses others)."""
+    values = [str(v) for v in expr.get("values") or ()]
+    if expr.get("key") != "metadata.name" or len(values) != 1:
+        return False  # a parse error to kube-scheduler: the term matches no node
+    if expr.get("operator") == "In":
+        return node_name == values[0]
+    if expr.get("operator") == "NotIn":
+        return node_name != values[0]
+    return False
+
+
+def _term_holds(term: Mapping[str, Any], labels: Mapping[str, str], node_name: str) -> bool:
+    """A nodeSelectorTerm as component-helpers' nodeaffinity matches it: an empty term selects
+    no node (it is dropped before matching), else every expression and field must hold."""
+    expressions = term.get("matchExpressions") or ()
+    fields = term.get("matchFields") or ()
+    if not expressions and not fields:
+        return False
+    return all(_expression_holds(e, labels) for e in expressions) and all(
+        _field_holds(f, node_name) for f in fields
+    )
+
+
 def _go_int(text: str) -> int | None:
     """A Gt/Lt operand as kube-scheduler reads it (Go's `strconv.ParseInt(s, 10, 64)`), or None
     where it fails: `int()` also takes `1_0`, other scripts' digits and values beyond int64."""
@@ -232,11 +257,7 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
         or {}
     ).get("nodeSelectorTerms") or []
     terms = [t for t in required if isinstance(t, Mapping)]
-    if terms and not any(
-        all(_expression_holds(e, labels) for e in t.get("matchExpressions") or ())
-        and not t.get("matchFields")
-        for t in terms
-    ):
+    if terms and not any(_term_holds(t, labels, name) for t in terms):
         return f"node {name} does not match the pod's required node affinity"
     node_spec = node.get("spec") or {}
     if node_spec.get("unschedulable"):

@@ -389,6 +389,46 @@ def test_gt_and_lt_read_integers_as_kube_scheduler_does(
     assert (schedulable_on(p, node) is None) is holds
 
 
+@pytest.mark.parametrize(
+    ("terms", "holds"),
+    [
+        # An empty term selects no node (kube-scheduler drops it); it matched every node here,
+        # so a move could re-create a pod on a node outside the other term's zone.
+        ([{}, {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["y"]}]}], False),
+        ([{"matchExpressions": []}], False),
+        # matchFields on the node's name, as DaemonSet-style pods pin a node: it was never met.
+        ([{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["a"]}]}], True),
+        ([{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["b"]}]}], False),
+        ([{"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["b"]}]}], True),
+        (
+            [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["a", "b"]}]}],
+            False,
+        ),
+        (
+            [
+                {
+                    "matchExpressions": [{"key": "zone", "operator": "In", "values": ["x"]}],
+                    "matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["a"]}],
+                }
+            ],
+            False,
+        ),
+    ],
+)
+def test_node_selector_terms_match_as_kube_scheduler_matches_them(
+    terms: list[dict[str, Any]], holds: bool
+) -> None:
+    node = gpu_node("a", count=1)
+    node["metadata"]["labels"]["zone"] = "x"
+    p = web("m", 4, "b")
+    p["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}
+        }
+    }
+    assert (schedulable_on(p, node) is None) is holds
+
+
 def test_a_plan_is_checked_against_the_device_plugins_bound() -> None:
     """Per-GPU books would put the 16Gi pod on GPU 1 beside GPU 0's 12+8; the stock plugin
     (distributed) may stack any two of three pods on one GPU: 16+12 > 24."""
