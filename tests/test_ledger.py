@@ -42,6 +42,23 @@ def test_reserve_is_idempotent_and_rejects_a_second_placement():
     assert int(led.arrays.used_replicas.sum()) == 1
 
 
+def test_record_moves_a_pod_the_api_says_is_elsewhere_and_counts_it_once():
+    """The API is the truth: a pod recorded on other devices (or another node) leaves the old
+    ones, even where the new ones are over their memory, and is never counted twice."""
+    led = _ledger(gpu_node("n", count=2, replicas=2), gpu_node("m", count=1, replicas=2))
+    led.reserve(res("a", "n", ["0"], [60]))
+    led.reserve(res("b", "n", ["1"], [50]))
+    led.record(res("a", "n", ["1"], [60]))  # 110 GiB on an 80 GiB GPU: recorded all the same
+    a = led.arrays
+    assert int(a.used[led.row("n", "0")]) == 0 and int(a.used_replicas[led.row("n", "0")]) == 0
+    assert int(a.used[led.row("n", "1")]) == 110 * GIB
+    assert int(a.used_replicas[led.row("n", "1")]) == 2
+    led.record(res("a", "m", ["0"], [60]))
+    assert int(a.used[led.row("n", "1")]) == 50 * GIB and led.totals()[0] == 110 * GIB
+    assert [r.node for r in led.reservations() if r.pod.name == "a"] == ["m"]
+    assert check_invariant(led) == []
+
+
 def test_unknown_device_or_node_or_duplicate_device():
     led = _ledger(gpu_node("n", count=2, replicas=2))
     with pytest.raises(LedgerError, match="no GPU device 7"):
