@@ -3,6 +3,7 @@ extender, as a user runs them (output piped, so plain text), plus the one-line e
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -240,3 +241,52 @@ def test_a_file_naming_one_object_twice_is_one_line(capsys, tmp_path: Path, kind
     )
     assert code == 1 and out == ""
     assert err == f"error: cannot read {path}: {name} is given more than once\n"
+
+
+def _demo_state() -> dict:
+    from extender.observe.sources import cluster_from_file
+    from extender.observe.usage import state_nodes, usage_from_ledger
+
+    cluster = cluster_from_file(str(DEMO))
+    return {"nodes": state_nodes(usage_from_ledger(cluster.ledger, cluster.pods))}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        # read with int(): -2**63 drew a bar of 2**63 characters, which never finished
+        ("usedBytes", -1, "usedBytes=-1 is not a whole number"),
+        ("memoryBytes", 1.5e20, "memoryBytes=1.5e+20 is not a whole number"),
+        ("replicas", True, "replicas=True is not a whole number"),
+        ("index", "0", "index='0' is not a whole number"),
+        ("product", 0, "product=0 is not a string"),  # rich could not print it: a traceback
+    ],
+)
+def test_a_state_document_vramsched_would_not_write_is_one_line(
+    capsys, monkeypatch, field: str, value: object, says: str
+) -> None:
+    """`top --server` pointed at another program, or one that answers odd numbers."""
+    doc = _demo_state()
+    doc["nodes"][0]["gpus"][0][field] = value
+    monkeypatch.setattr("extender.commands.top.state_from_server", lambda url: doc)
+    code, out, err = run(capsys, "top", "--server", "http://x")
+    assert code == 1 and out == ""
+    assert err.startswith("error: http://x: not a vramsched /state document (ValueError: ")
+    assert says in err and err.count("\n") == 1, err
+
+
+def test_a_device_over_its_memory_and_sums_beyond_64_bits_still_print(capsys, monkeypatch) -> None:
+    """Each value is one vramsched could write; the node's sum is beyond 64 bits, which orjson
+    refuses (a TypeError traceback under `-o json`). A device over its memory fills its bar."""
+    doc = _demo_state()
+    gpus = doc["nodes"][0]["gpus"][:3]
+    for g in gpus:
+        g["memoryBytes"], g["usedBytes"] = 2**62 + 2**61, 2**63 - 1
+    monkeypatch.setattr("extender.commands.top.state_from_server", lambda url: doc)
+    code, out, _ = run(capsys, "top", "--server", "http://x", "-o", "json")
+    assert code == 0
+    report = json.loads(out)  # the standard library: orjson reads 64 bits at most
+    (node,) = [n for n in report["nodes"] if n["name"] == doc["nodes"][0]["name"]]
+    assert len(gpus) == 3 and node["usedBytes"] == 3 * (2**63 - 1) > 2**64  # beyond uint64
+    code, out, _ = run(capsys, "top", "--server", "http://x")
+    assert code == 0 and out.count("█" * 10) >= 2

@@ -6,6 +6,7 @@ is plain text as wide as its lines, without trailing blanks, so it greps and dif
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from typing import IO, Any
@@ -50,14 +51,18 @@ def dump(doc: Any, fmt: str, file: IO[str] | None = None) -> None:
     """`-o json` (indented, as kubectl) or `-o yaml`."""
     f = file or sys.stdout
     if fmt == "json":
-        f.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+        try:
+            text = orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+        except TypeError:  # a sum beyond 64 bits, which orjson does not write: the slow way
+            text = json.dumps(doc, indent=2, ensure_ascii=False)
+        f.write(text + "\n")
     else:
         f.write(yaml.safe_dump(doc, sort_keys=False, default_flow_style=False))
 
 
 def _bar(d: DeviceUsage) -> Text:
     share = d.used / d.memory if d.memory else 0.0
-    filled = min(BAR, round(share * BAR))
+    filled = max(0, min(BAR, round(share * BAR)))  # a device over its memory fills the bar
     style = "red" if share >= 0.9 else "yellow" if share >= 0.6 else "green"
     text = Text("█" * filled, style=style)
     text.append("░" * (BAR - filled), style="dim")

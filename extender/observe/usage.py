@@ -266,41 +266,68 @@ def usage_from_state(doc: Any) -> list[NodeUsage]:
         raise StateError(f"not a vramsched /state document ({type(exc).__name__}: {exc})") from None
 
 
+#: what an extender writes for a count or a size: a JSON integer in int64's range
+_INT64 = 1 << 63
+
+
+def _count(entry: Mapping[str, Any], key: str) -> int:
+    """A byte count, replica count or index as vramsched writes it: a whole number from 0 to
+    int64's largest. A float, a flag or a negative one is another program's document, and read
+    as one it would draw a bar of 10**18 characters or fail to print as JSON."""
+    value = entry[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _INT64:
+        raise ValueError(f"{key}={value!r} is not a whole number from 0 to 2**63 - 1")
+    return value
+
+
+def _optional_count(entry: Mapping[str, Any], key: str) -> int | None:
+    return None if entry.get(key) is None else _count(entry, key)
+
+
+def _text(entry: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
+    value = entry.get(key) if optional else entry[key]
+    if not isinstance(value, str) and not (optional and value is None):
+        raise ValueError(f"{key}={value!r} is not a string")
+    return value
+
+
 def _pods_from_state(entry: Mapping[str, Any]) -> tuple[PodShare, ...]:
     holders = entry.get("holders")
     if holders is None:  # an extender from before `holders`: keys only
         return tuple(PodShare(str(k), None) for k in entry.get("pods") or ())
     return tuple(
         PodShare(
-            str(h["pod"]),
-            None if h.get("bytes") is None else int(h["bytes"]),
-            None if h.get("modelMemory") is None else int(h["modelMemory"]),
+            _text(h, "pod"),
+            _optional_count(h, "bytes"),
+            _optional_count(h, "modelMemory"),
         )
         for h in holders
     )
 
 
 def _node_from_state(n: Mapping[str, Any]) -> NodeUsage:
-    name = str(n["name"])
+    name = _text(n, "name")
     devices = []
     for g in n["gpus"]:
-        index = int(g["index"])
+        index = _count(g, "index")
+        product = _text(g, "product")
         for s in g.get("slices") or ():
+            profile, slot = _text(s, "profile"), _count(s, "slot")
             devices.append(
                 DeviceUsage(
                     node=name,
                     gpu=index,
-                    device_id=f"{index}:{s['profile']}:{int(s['slot'])}",
-                    product=str(g["product"]),
+                    device_id=f"{index}:{profile}:{slot}",
+                    product=product,
                     sharing=MIG,
-                    resource=s.get("resource"),
-                    memory=int(s["memoryBytes"]),
-                    used=int(s["usedBytes"]),
-                    replicas=int(s["replicas"]),
-                    used_replicas=int(s["usedReplicas"]),
+                    resource=_text(s, "resource", optional=True),
+                    memory=_count(s, "memoryBytes"),
+                    used=_count(s, "usedBytes"),
+                    replicas=_count(s, "replicas"),
+                    used_replicas=_count(s, "usedReplicas"),
                     pods=_pods_from_state(s),
-                    profile=str(s["profile"]),
-                    slot=int(s["slot"]),
+                    profile=profile,
+                    slot=slot,
                 )
             )
         if "slices" in g:
@@ -310,17 +337,17 @@ def _node_from_state(n: Mapping[str, Any]) -> NodeUsage:
                 node=name,
                 gpu=index,
                 device_id=str(index),
-                product=str(g["product"]),
-                sharing=str(g["sharing"]),
-                resource=g.get("resource"),
-                memory=int(g["memoryBytes"]),
-                used=int(g["usedBytes"]),
-                replicas=int(g["replicas"]),
-                used_replicas=int(g["usedReplicas"]),
+                product=product,
+                sharing=_text(g, "sharing"),
+                resource=_text(g, "resource", optional=True),
+                memory=_count(g, "memoryBytes"),
+                used=_count(g, "usedBytes"),
+                replicas=_count(g, "replicas"),
+                used_replicas=_count(g, "usedReplicas"),
                 pods=_pods_from_state(g),
             )
         )
-    return NodeUsage(name, tuple(devices), n.get("problem"))
+    return NodeUsage(name, tuple(devices), _text(n, "problem", optional=True))
 
 
 # ----- filters, order, summary --------------------------------------------------------------------
