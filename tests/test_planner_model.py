@@ -550,36 +550,36 @@ def _distinct_cluster(sizes_gib: range, count: int) -> Capacity:
     return build_capacity(nodes)[1]
 
 
-def _check_solved(
-    cap: Capacity, demands: list[Demand], frag: FragIndex, solved, goals: int
-) -> None:
-    """The search's own plan (before solve_batch's check would drop it): never overcommits, never
-    worse than the greedy plan it started from on the first `goals` goals (pods left out first),
-    and its cost is the plan's exact evaluation."""
-    assert solved.choices is not None
-    assert valid(cap, demands, solved.choices, frag)
-    assert solved.cost[:goals] <= solved.greedy_cost[:goals]
-    assert evaluate(cap, demands, solved.choices, frag) == solved.cost
-
-
-def test_a_few_pods_on_many_distinct_nodes_take_the_candidate_subset_model():
-    """16 pods, 25 distinct candidate nodes (more than SMALL_EXACT): `solve_small`, which no other
-    unit test reached; a failure there only showed as the greedy plan (status ERROR). Under the
-    work clock, so that a loaded machine runs the same search."""
-    rng = random.Random(1)
-    cap = _distinct_cluster(range(40, 80), 1)
-    demands = [demand(f"p{i}", rng.randint(55, 79)) for i in range(16)]
+def _search(cap: Capacity, demands: list[Demand], search, goals: int):
+    """`solve_batch`'s plan, and `search`'s own plan for the same batch (before solve_batch's
+    check would drop it), both under the work clock so that a loaded machine runs the same
+    search. The search's plan never overcommits, is never worse than the greedy plan it started
+    from on the first `goals` goals (pods left out first), and its cost is its exact evaluation."""
     frag = FragIndex(cap, Workload.from_demands(demands))
     with clock.work_clock():
         plan = solve_batch(cap, demands, frag, time_limit=0.5, num_workers=1)
         lay = layout(cap, demands, frag, greedy_batch(cap, demands, frag))
-        solved = batch_solve.solve_small(lay, 0.5, 1)
-    assert plan.status != "ERROR" and plan.stats["candidateSubset"] >= 1
-    assert plan.stats["nodeCopies"] > model.SMALL_EXACT and len(demands) <= model.SMALL_BATCH
+        solved = search(lay, 0.5, 1)
+    assert plan.status != "ERROR"
+    assert solved.choices is not None
+    assert valid(cap, demands, solved.choices, frag)
+    assert solved.cost[:goals] <= solved.greedy_cost[:goals]
+    assert evaluate(cap, demands, solved.choices, frag) == solved.cost
+    return plan, solved
+
+
+def test_a_few_pods_on_many_distinct_nodes_take_the_candidate_subset_model():
+    """16 pods, 25 distinct candidate nodes (more than SMALL_EXACT): `solve_small`, which no other
+    unit test reached; a failure there only showed as the greedy plan (status ERROR)."""
+    rng = random.Random(1)
+    cap = _distinct_cluster(range(40, 80), 1)
+    demands = [demand(f"p{i}", rng.randint(55, 79)) for i in range(16)]
     # pods left out only: the model's second goal counts the 4 commonest pod types in rounded
     # units, so by the exact measure its plan may strand more than the greedy one (solve_batch
     # then keeps the greedy plan)
-    _check_solved(cap, demands, frag, solved, goals=1)
+    plan, _ = _search(cap, demands, batch_solve.solve_small, goals=1)
+    assert plan.stats["candidateSubset"] >= 1
+    assert plan.stats["nodeCopies"] > model.SMALL_EXACT and len(demands) <= model.SMALL_BATCH
 
 
 def test_a_large_batch_on_many_distinct_nodes_takes_the_neighbourhood_search():
@@ -588,12 +588,7 @@ def test_a_large_batch_on_many_distinct_nodes_takes_the_neighbourhood_search():
     rng = random.Random(0)
     cap = _distinct_cluster(range(40, 240), 1)
     demands = [demand(f"p{i}", rng.randint(60, 239)) for i in range(150)]
-    frag = FragIndex(cap, Workload.from_demands(demands))
-    with clock.work_clock():
-        plan = solve_batch(cap, demands, frag, time_limit=0.5, num_workers=1)
-        lay = layout(cap, demands, frag, greedy_batch(cap, demands, frag))
-        solved = batch_solve.solve_large(lay, 0.5, 1)
-    assert plan.status != "ERROR" and plan.stats["lnsRounds"] >= 1
+    # a round is kept only if the whole plan gains: no goal worse
+    plan, solved = _search(cap, demands, batch_solve.solve_large, goals=4)
+    assert plan.stats["lnsRounds"] >= 1 and solved.rounds >= 1
     assert plan.stats["nodeCopies"] > MAX_COPIES
-    assert solved.rounds >= 1
-    _check_solved(cap, demands, frag, solved, goals=4)  # a round is kept only if all goals gain
