@@ -194,6 +194,42 @@ def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     assert d.allowed and not d.patch
 
 
+@pytest.mark.parametrize(
+    ("command", "image", "args", "env", "says"),
+    [
+        (
+            ["text-generation-launcher"],
+            "ghcr.io/huggingface/text-generation-inference:3.3",
+            ["--model-id", "meta-llama/Meta-Llama-3-8B-Instruct"],
+            [{"name": "MAX_TOTAL_TOKENS", "value": "65536"}],
+            "max-total-tokens 65536 is longer than the 8192 tokens",
+        ),
+        (
+            ["python3", "-m", "sglang.launch_server"],
+            "lmsysorg/sglang:latest",
+            ["--model-path", "meta-llama/Meta-Llama-3-8B-Instruct", "--tp-size", "3"],
+            None,
+            "tp-size 3 does not divide the 32 attention heads",
+        ),
+        (
+            ["python3", "-m", "sglang.launch_server"],
+            "lmsysorg/sglang:latest",
+            ["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--max-running-requests", "0"],
+            None,
+            "max-running-requests 0 is not between 1 and",
+        ),
+    ],
+)
+def test_a_warning_names_the_engines_own_flag(
+    command: list[str], image: str, args: list[str], env: Any, says: str
+) -> None:
+    """It named vLLM's flag (`max-model-len`) for a TGI pod that set MAX_TOTAL_TOKENS."""
+    p = pod(None, command=command, args=args, env=env)
+    p["spec"]["containers"][0]["image"] = image
+    (w,) = decide(p).warnings
+    assert says in w, w
+
+
 def test_sglang_with_chunked_prefill_off_is_sized() -> None:
     """`--chunked-prefill-size -1` was read as a count below 1: "cannot size", nothing set."""
     p = pod(

@@ -14,7 +14,7 @@ from typing import Any
 
 from extender.sizing.engines import FLAGS, EngineSettings
 
-__all__ = ["Invocation", "parse_container", "ENGINE_ANNOTATION_VALUES"]
+__all__ = ["Invocation", "parse_container", "flag_names", "ENGINE_ANNOTATION_VALUES"]
 
 ENGINE_ANNOTATION_VALUES = ("vllm", "tgi", "sglang")
 
@@ -157,6 +157,16 @@ def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bo
                 found["model"] = tokens[i + 1]
                 break
     return found, fraction_set
+
+
+def flag_names(engine: str) -> dict[str, str]:
+    """EngineSettings field -> the engine's own long flag, without its dashes (TGI's
+    `max-total-tokens` for the context): how the estimate's errors name what the pod set."""
+    out: dict[str, str] = {}
+    for flag, field in _FLAGS.get(engine, {}).items():
+        if flag.startswith("--"):
+            out.setdefault(field, flag[2:])
+    return out
 
 
 def _tgi_env(env: Any, found: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ Every input error is a SizingError with one line naming the bad value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -201,14 +202,33 @@ def resolve_model(name: str) -> Model:
     )
 
 
-def _check(s: EngineSettings, a: Architecture, name: str) -> None:
+#: how the estimate's messages name each setting: `vramsched estimate`'s flags (vLLM's names)
+CLI_NAMES = {
+    "max_model_len": "max-model-len",
+    "max_num_seqs": "max-num-seqs",
+    "max_batched_tokens": "max-num-batched-tokens",
+    "kv_tokens": "max-total-tokens",
+    "cuda_graph_max_bs": "cuda-graph-max-bs",
+    "tp": "tensor-parallel-size",
+}
+
+
+def _check(
+    s: EngineSettings, a: Architecture, name: str, names: Mapping[str, str] | None = None
+) -> None:
+    """Refuse settings no engine runs with; `names` spells each field as the user wrote it (an
+    engine's own flag in the webhook), over CLI_NAMES."""
+
+    def named(setting: str) -> str:
+        return (names or {}).get(setting) or CLI_NAMES[setting]
+
     if s.engine not in ENGINES:
         raise SizingError(f"engine {s.engine!r} is not one of {', '.join(ENGINES)}")
     if not 1 <= s.tp <= MAX_TP:
-        raise SizingError(f"tensor-parallel-size {s.tp} is not between 1 and {MAX_TP}")
+        raise SizingError(f"{named('tp')} {s.tp} is not between 1 and {MAX_TP}")
     if a.heads % s.tp:
         raise SizingError(
-            f"tensor-parallel-size {s.tp} does not divide the {a.heads} attention heads of {name}"
+            f"{named('tp')} {s.tp} does not divide the {a.heads} attention heads of {name}"
         )
     if s.dtype and s.dtype.lower() not in _DTYPES:
         raise SizingError(f"dtype {s.dtype!r} is not one of bf16, fp16, fp8, int8")
@@ -218,13 +238,13 @@ def _check(s: EngineSettings, a: Architecture, name: str) -> None:
         and not s.kv_cache_dtype.lower().startswith("fp8")
     ):
         raise SizingError(f"kv-cache-dtype {s.kv_cache_dtype!r} is not auto or fp8")
-    for what, value, least in (
-        ("max-model-len", s.max_model_len, 1),
-        ("max-num-seqs", s.max_num_seqs, 1),
+    for setting, value, least in (
+        ("max_model_len", s.max_model_len, 1),
+        ("max_num_seqs", s.max_num_seqs, 1),
         # SGLang's --chunked-prefill-size: -1 (any size not above 0) turns chunking off.
-        ("max-num-batched-tokens", s.max_batched_tokens, None if s.engine == "sglang" else 1),
-        ("max-total-tokens", s.kv_tokens, 0),  # 0: the engine's default
-        ("cuda-graph-max-bs", s.cuda_graph_max_bs, 0),
+        ("max_batched_tokens", s.max_batched_tokens, None if s.engine == "sglang" else 1),
+        ("kv_tokens", s.kv_tokens, 0),  # 0: the engine's default
+        ("cuda_graph_max_bs", s.cuda_graph_max_bs, 0),
     ):
         if value is None or (least is None or value >= least) and value <= MAX_COUNT:
             continue
@@ -233,10 +253,11 @@ def _check(s: EngineSettings, a: Architecture, name: str) -> None:
             if least is None
             else f"not between {least} and {MAX_COUNT:,}"
         )
-        raise SizingError(f"{what} {value} is {wanted}")
+        raise SizingError(f"{named(setting)} {value} is {wanted}")
     if s.max_model_len and s.max_model_len > a.max_context:
         raise SizingError(
-            f"max-model-len {s.max_model_len} is longer than the {a.max_context} tokens {name} supports"
+            f"{named('max_model_len')} {s.max_model_len} is longer than the {a.max_context} "
+            f"tokens {name} supports"
         )
 
 
@@ -278,13 +299,14 @@ def estimate(
     gpu: str | None = None,
     gpu_memory: int | None = None,
     list_devices: bool = True,
+    names: Mapping[str, str] | None = None,
 ) -> Estimate:
     """Per-GPU memory for serving `model` with `settings`. `gpu` (a product name) sizes the
     engine defaults for that GPU and yields its flag; `gpu_memory` alone only picks the
-    defaults (SMALL_GPU: the optimistic end)."""
+    defaults (SMALL_GPU: the optimistic end). `names`: how errors name the settings (`_check`)."""
     a = model.architecture
     s = settings
-    _check(s, a, model.name)
+    _check(s, a, model.name, names)
     gpu_model = find_gpu(gpu) if gpu is not None else None
     memory = gpu_model.memory_bytes if gpu_model else gpu_memory
     product = gpu_model.product if gpu_model else ""

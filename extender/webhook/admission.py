@@ -31,7 +31,7 @@ import orjson
 from extender.demand import MAX_MODEL_MEMORY, MODEL_MEMORY, DemandError, pod_demand
 from extender.quantity import format_bytes
 from extender.sizing import catalogue
-from extender.sizing.engine_args import ENGINE_ANNOTATION_VALUES, Invocation
+from extender.sizing.engine_args import ENGINE_ANNOTATION_VALUES, Invocation, flag_names
 from extender.sizing.engines import FLAGS, EngineSettings
 from extender.sizing.errors import SizingError
 from extender.sizing.estimate import SMALL_GPU, Estimate, Model, estimate, format_quantity
@@ -135,9 +135,10 @@ def _size(
         return
     entry = catalogue.lookup(model)
     resolved = _catalogue_model(entry)
+    names = flag_names(settings.engine) if invocation is not None else None
     try:
-        conservative = estimate(resolved, settings, list_devices=False)
-        least = estimate(resolved, settings, gpu_memory=SMALL_GPU, list_devices=False)
+        conservative = estimate(resolved, settings, list_devices=False, names=names)
+        least = estimate(resolved, settings, gpu_memory=SMALL_GPU, list_devices=False, names=names)
     except SizingError as exc:
         d.warnings.append(f"vramsched: cannot size {entry.name}: {exc}")
         return
