@@ -309,3 +309,41 @@ def test_a_shard_whose_offsets_are_not_finite_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(_TINY))
     with pytest.raises(SizingError, match="model.safetensors: tensor 'w' has no data_offsets"):
         resolve_model(str(tmp_path))
+
+
+def _header(body: bytes, length: int | None = None) -> bytes:
+    """A safetensors header: its length (the body's unless given), then the body."""
+    return struct.pack("<Q", len(body) if length is None else length) + body
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"abc", "model.safetensors is not a safetensors file (shorter than 8 bytes)"),
+        (_header(b"{}", 256 * 1024 * 1024 + 1), "is not a safetensors file (header of 268435457"),
+        (_header(b"{}", 100), "model.safetensors is truncated (header of 100 bytes)"),
+        (_header(b"abc"), "model.safetensors has no valid safetensors JSON header"),
+        (_header(b"[]"), "model.safetensors has no valid safetensors JSON header"),
+        (_header(b"\xff\xfe"), "model.safetensors has no valid safetensors JSON header"),
+        (_header(b'{"w": {}}'), "model.safetensors: tensor 'w' has no data_offsets"),
+        (
+            _header(b'{"w": {"data_offsets": [10, 0]}}'),
+            "model.safetensors: tensor 'w' has negative size",
+        ),
+    ],
+)
+def test_a_broken_safetensors_file_is_one_line(tmp_path: Path, content: bytes, says: str) -> None:
+    """What a partly downloaded or foreign file gives: a line naming the file, never a
+    traceback, and only the header is read (a file claiming a header of 256 MiB and more is
+    refused before reading it)."""
+    (tmp_path / "model.safetensors").write_bytes(content)
+    (tmp_path / "config.json").write_text(json.dumps(_TINY))
+    with pytest.raises(SizingError) as exc:
+        resolve_model(str(tmp_path))
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_config_that_is_not_utf8_json_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(SizingError, match="config.json at .* is not valid JSON"):
+        resolve_model(str(tmp_path))
