@@ -327,6 +327,8 @@ def test_config_missing_fields_are_named(tmp_path: Path) -> None:
         # A whole float of any size passed, and its products overflowed a float: a traceback.
         ({"hidden_size": 1e300}, "hidden_size=1e+300 is more than 2**53"),
         ({"vocab_size": 2**53 + 1}, f"vocab_size={2**53 + 1} is more than 2**53"),
+        # an int beyond a float ended in an OverflowError inside is_whole (math.isfinite)
+        ({"vocab_size": 10**400}, "vocab_size=1000000000000000000000000000000"),
         ({"rope_scaling": {"type": "yarn", "factor": float("inf")}}, None),
         # A finite factor whose product is a float's infinity ended in an OverflowError.
         (

@@ -107,14 +107,14 @@ MAX_FIELD = 2**53
 
 
 def is_whole(value: Any) -> bool:
-    """Whether a config.json value is a whole number: json.loads gives ints, floats such as 4.0,
-    and also NaN and Infinity, which are not."""
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and int(value) == value
-    )
+    """Whether a config.json value is a whole number: json.loads gives ints of any size, floats
+    such as 4.0, and also NaN and Infinity, which are not. An int is never handed to a float
+    test: math.isfinite of one beyond a float raises OverflowError."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, float) and math.isfinite(value) and value.is_integer()
 
 
 def _whole_field(key: str, value: Any) -> int:
