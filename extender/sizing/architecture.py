@@ -16,7 +16,16 @@ from typing import Any
 
 from extender.sizing.errors import SizingError
 
-__all__ = ["Architecture", "Moe", "Mla", "FULL", "SLIDING", "architecture_from_config", "is_whole"]
+__all__ = [
+    "Architecture",
+    "Moe",
+    "Mla",
+    "FULL",
+    "SLIDING",
+    "MAX_FIELD",
+    "architecture_from_config",
+    "is_whole",
+]
 
 FULL = "full"
 SLIDING = "sliding"
@@ -102,7 +111,8 @@ class Architecture:
 #: so a count beyond this is a broken config, not a model (and would exhaust memory)
 MAX_LAYERS = 10_000
 #: the largest whole number a JSON number holds exactly (a float's 53-bit mantissa); a config
-#: field beyond it is not a model's size, and the products of such fields overflow a float
+#: field, or a checkpoint's byte count, beyond it is not a model's, and the products of such
+#: fields overflow a float
 MAX_FIELD = 2**53
 
 

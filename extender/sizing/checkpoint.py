@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extender.sizing.architecture import MAX_FIELD
 from extender.sizing.errors import SizingError
 
 __all__ = ["LocalModel", "read_model", "safetensors_header", "looks_local"]
 
 # A header larger than this is not a safetensors header (the biggest real ones are ~15 MB).
 MAX_HEADER_BYTES = 256 * 1024 * 1024
-#: 8 PiB: more than any checkpoint or tensor holds, and the largest byte count a JSON number
-#: (a float's 53-bit mantissa) holds exactly; beyond it a size is broken, not a model's
-MAX_BYTES = 2**53
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +76,7 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
             raise SizingError(f"{path.name}: tensor {name!r} has no data_offsets") from None
         if size < 0:
             raise SizingError(f"{path.name}: tensor {name!r} has negative size")
-        if size > MAX_BYTES:
+        if size > MAX_FIELD:  # 8 PiB: more than any tensor holds
             raise SizingError(f"{path.name}: tensor {name!r} has {size} bytes, more than 2**53")
         out[name] = size
     return out
@@ -120,7 +118,7 @@ def read_model(model: str) -> LocalModel:
         if (
             isinstance(total, int | float)
             and not isinstance(total, bool)
-            and 0 < total <= MAX_BYTES
+            and 0 < total <= MAX_FIELD
         ):
             index_total = int(total)
     present = {p.name for p in shards}
