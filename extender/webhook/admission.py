@@ -147,17 +147,18 @@ def _size(
             f"vramsched: {entry.name} runs with tensor-parallel-size {settings.tp} but the pod requests {gpus} GPU(s)"
         )
     declared = ann.get(MODEL_MEMORY)
-    if declared is None and conservative.reservation_per_gpu * gpus > MAX_MODEL_MEMORY:
+    pod_total = conservative.reservation_per_gpu * gpus
+    if declared is None and pod_total > MAX_MODEL_MEMORY:
         # The filter refuses more than this, so setting it would leave the pod unschedulable
         # with a message about an annotation the user never wrote.
         d.warnings.append(
             f"vramsched: cannot size {entry.name}: the estimate, "
-            f"{format_bytes(conservative.reservation_per_gpu * gpus)} ({_summary(conservative)}), "
+            f"{format_bytes(pod_total)} ({_summary(conservative)}), "
             f"is more than the {format_bytes(MAX_MODEL_MEMORY)} {MODEL_MEMORY} takes; lower the "
             "engine's context or sequences"
         )
     elif declared is None:
-        value = format_quantity(conservative.reservation_per_gpu * gpus)
+        value = format_quantity(pod_total)
         if isinstance((pod.get("metadata") or {}).get("annotations"), Mapping):  # even empty
             d.patch.append(
                 {
