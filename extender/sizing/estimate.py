@@ -15,6 +15,7 @@ from extender.quantity import GIB, MIB
 from extender.sizing import catalogue
 from extender.sizing.architecture import Architecture, architecture_from_config
 from extender.sizing.checkpoint import looks_local, read_model
+from extender.sizing.engine_args import flag_names
 from extender.sizing.engines import (
     ENGINES,
     FLAGS,
@@ -202,15 +203,9 @@ def resolve_model(name: str) -> Model:
     )
 
 
-#: how the estimate's messages name each setting: `vramsched estimate`'s flags (vLLM's names)
-CLI_NAMES = {
-    "max_model_len": "max-model-len",
-    "max_num_seqs": "max-num-seqs",
-    "max_batched_tokens": "max-num-batched-tokens",
-    "kv_tokens": "max-total-tokens",
-    "cuda_graph_max_bs": "cuda-graph-max-bs",
-    "tp": "tensor-parallel-size",
-}
+#: how the estimate's messages name each setting: `vramsched estimate`'s flags, which are
+#: vLLM's, and SGLang's for the two settings vLLM has no flag for (its token pool, graph batch)
+CLI_NAMES = {**flag_names("sglang"), **flag_names("vllm")}
 
 
 def _check(
