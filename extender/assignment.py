@@ -6,6 +6,7 @@ are read back from the pods, so nothing is lost and nothing is counted twice.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,14 @@ import orjson
 from extender.demand import ASSIGNMENT, GPU_INDEX, MAX_MODEL_MEMORY, PodRef
 from extender.ledger import Reservation
 
-__all__ = ["encode_assignment", "decode_assignment", "AssignmentError"]
+__all__ = ["encode_assignment", "decode_assignment", "AssignmentError", "DEVICE_ID"]
+
+#: a device ID as the inventory writes one: a GPU's index (`3`), or a MIG slice's
+#: `<gpu index>:<profile>:<slot>` (`3:1g.10gb:0`); ASCII digits, no sign or leading zero.
+#: Why so strict: the ledger counts a pod only on IDs it knows, while the device plugin reads
+#: a GPU index with int(), which also takes `03`, `+3` and `٣`; read loosely, one such ID would
+#: be a GPU the pod runs on and the ledger counts as free.
+DEVICE_ID = re.compile(r"(?:0|[1-9][0-9]{0,8})(?::[0-9a-z.+]+:(?:0|[1-9][0-9]{0,8}))?", re.ASCII)
 
 
 class AssignmentError(ValueError):
@@ -68,6 +76,9 @@ def _problem(node: Any, devices: Any, sizes: Any) -> str | None:
         return f"node {_short(node)} is not a name"
     if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
         return f"devices {_short(devices)} is not a list of device IDs"
+    odd = [d for d in devices if not DEVICE_ID.fullmatch(d)]
+    if odd:
+        return f"device {_short(odd[0])} is not a GPU index or a MIG slice's ID"
     if len(set(devices)) != len(devices):
         return f"devices {_short(devices)} names a device twice"
     if not isinstance(sizes, list) or len(sizes) != len(devices):

@@ -141,6 +141,19 @@ def test_an_unplaced_gpu_pod_waiting_beside_ours_makes_it_ambiguous():
     assert isinstance(got, Refusal) and got.ambiguous
 
 
+@pytest.mark.parametrize("device", ["03", "+3", " 3", "3_0", "\u0663", "\uff13", "-1", ""])
+def test_a_gpu_index_written_loosely_is_refused_not_read_as_another_gpu(device: str) -> None:
+    """int() reads `03`, `+3` and Arabic-Indic `3` as GPU 3, while the extender's ledger, which
+    knows GPU `3` only, counted such a pod on no GPU: the plugin handed out GPU 3 and the ledger
+    kept its memory free for the next pod."""
+    p = pod("loose", [0])
+    p["metadata"]["annotations"]["vramsched.io/assignment"] = orjson.dumps(
+        {"node": NODE, "devices": [device], "bytesPerDevice": 1}
+    ).decode()
+    got = identify(1, [kp("loose")], index(p), {}, GPU, NODE)
+    assert isinstance(got, Refusal) and "is not a GPU index or a MIG slice's ID" in got.reason
+
+
 def test_mig_assignments_are_refused():
     p = pod("mig", [0])
     p["metadata"]["annotations"]["vramsched.io/assignment"] = orjson.dumps(

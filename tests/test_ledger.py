@@ -177,12 +177,21 @@ def test_bound_pod_without_assignment_is_counted_conservatively():
         ('{"node":"n","devices":["0"],"bytesPerDevice":[-1]}', "-1 is not a whole number"),
         ('{"node":"n","devices":["0"],"bytesPerDevice":[18446744073709551615]}', "from 0 to 64Ti"),
         ('{"node":7,"devices":["0"],"bytesPerDevice":[1]}', "node 7 is not a name"),
+        ('{"node":"n","devices":["01"],"bytesPerDevice":[1]}', "is not a GPU index"),
+        ('{"node":"n","devices":["\u0661"],"bytesPerDevice":[1]}', "is not a GPU index"),
+        ('{"node":"n","devices":["+1"],"bytesPerDevice":[1]}', "is not a GPU index"),
+        ('{"node":"n","devices":["1 "],"bytesPerDevice":[1]}', "is not a GPU index"),
+        ('{"node":"n","devices":[""],"bytesPerDevice":[1]}', "is not a GPU index"),
+        ('{"node":"n","devices":["0:1g.10gb:01"],"bytesPerDevice":[1]}', "is not a GPU index"),
+        ('{"node":"n","devices":["0:1G.10GB:0"],"bytesPerDevice":[1]}', "is not a GPU index"),
     ],
 )
 def test_an_assignment_that_only_looks_like_one_is_counted_by_a_guess(body: str, says: str):
     """Read loosely, a string of devices became one device per character (a device held twice,
     over its replicas) and sizes beyond int64 or fractions were taken: the ledger then counted
-    the pod on devices it does not hold, or not at all."""
+    the pod on devices it does not hold, or not at all. A device ID the inventory would not write
+    (`01`, `+1`, digits of other scripts) was counted on no device, while the device plugin,
+    reading it with int(), handed the pod that GPU."""
     ref = PodRef("default", "odd", "u")
     with pytest.raises(AssignmentError, match=says):
         decode_assignment(ref, {"vramsched.io/assignment": body})

@@ -244,14 +244,16 @@ def test_assignment_forms_and_multi_gpu_pods(tmp_path: Path) -> None:
 def test_an_assignment_device_with_a_non_decimal_gpu_index_freezes_the_node(
     tmp_path: Path,
 ) -> None:
-    """A GPU index of "²" (a digit to str.isdigit, not a number int() reads) once raised."""
+    """A GPU index of "²" (a digit to str.isdigit, not a number int() reads) once raised; the
+    assignment is now refused as it is read, as every consumer of it reads it."""
     items = [
         node("h", H100, 1, mig_labels({"1g.10gb": 7})),
         pod("a", "5Gi", "h", {"node": "h", "devices": ["²:1g.10gb:0"], "bytesPerDevice": GIB}),
     ]
     snap = plan_mig.read_cluster(write_list(tmp_path / "c.yaml", items))
     (gpu,) = snap.gpus
-    assert gpu.frozen_reason is not None and "does not match" in gpu.frozen_reason
+    assert gpu.frozen_reason is not None
+    assert "device '²:1g.10gb:0' is not a GPU index or a MIG slice's ID" in gpu.frozen_reason
 
 
 def test_no_mig_gpus(tmp_path: Path) -> None:
