@@ -162,25 +162,65 @@ def container_requests(container: Any) -> dict[str, Any]:
 
 
 def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Effective pod request per resource: max(sum over containers, max over init containers)."""
+    """The pod's request per resource, as kube-scheduler and the kubelet count it
+    (component-helpers `PodRequests`): the app containers and the sidecars (init containers with
+    `restartPolicy: Always`, which keep running beside them) summed; a plain init container runs
+    beside the sidecars started before it, so the pod needs at least its request plus theirs;
+    pod-level `resources` replace the containers' CPU and memory; the RuntimeClass `overhead`
+    comes on top.
+
+    Why sidecars matter here: the kubelet keeps a sidecar's GPUs while the app containers run
+    (its device manager reuses only plain init containers' devices), so a pod with a GPU sidecar
+    holds more GPUs than the largest of its containers' requests."""
     containers = spec.get("containers") or []
     inits = spec.get("initContainers") or []
     if not isinstance(containers, list) or not isinstance(inits, list):
         raise DemandError("Pod spec.containers is not a list")
     total: dict[str, Any] = {}
     for c in containers:
-        for k, v in container_requests(c).items():
-            q = parse_quantity(v)
-            prev = total.get(k)
-            total[k] = (
-                q if prev is None else q + prev
-            )  # no Fraction + 0 for the usual single container
+        _add(total, container_requests(c))
+    sidecars: dict[str, Any] = {}
+    init_peak: dict[str, Any] = {}  # the most any init container's start holds at once
     for c in inits:
-        for k, v in container_requests(c).items():
-            q = parse_quantity(v)
-            if q > total.get(k, 0):
-                total[k] = q
+        own = container_requests(c)
+        if c.get("restartPolicy") == "Always":
+            _add(total, own)
+            _add(sidecars, own)
+            running = sidecars
+        else:
+            running = dict(sidecars)
+            _add(running, own)
+        for k, q in running.items():
+            if q > init_peak.get(k, 0):
+                init_peak[k] = q
+    for k, q in init_peak.items():
+        if q > total.get(k, 0):
+            total[k] = q
+    pod_level = spec.get("resources")
+    if pod_level:
+        if not isinstance(pod_level, Mapping):
+            raise DemandError("Pod spec.resources is not an object")
+        for k, v in container_requests({"resources": pod_level}).items():
+            if k in _POD_LEVEL:
+                total[k] = parse_quantity(v)
+    overhead = spec.get("overhead")
+    if overhead:
+        if not isinstance(overhead, Mapping):
+            raise DemandError("Pod spec.overhead is not an object")
+        _add(total, overhead)
     return total
+
+
+#: the resources pod-level `spec.resources` may set, of those vramsched reads
+_POD_LEVEL = frozenset({"cpu", "memory"})
+
+
+def _add(total: dict[str, Any], requests: Mapping[str, Any]) -> None:
+    """Add parsed `requests` to `total` in place (no Fraction + 0 for a resource seen once)."""
+    for k, v in requests.items():
+        q = parse_quantity(v)
+        prev = total.get(k)
+        total[k] = q if prev is None else q + prev
 
 
 def _env_from_pin_annotation(container: Mapping[str, Any]) -> bool:

@@ -42,6 +42,42 @@ def test_requests_default_from_limits_and_init_containers():
     assert pod_demand(p).gpu_count == 3
 
 
+def test_requests_are_counted_as_kube_scheduler_counts_them():
+    """component-helpers `PodRequests`: sidecars (restartPolicy Always) add to the app
+    containers, a plain init container runs beside the sidecars before it, pod-level resources
+    replace the containers' CPU and memory, and the RuntimeClass overhead comes on top. Counted
+    as a plain init container, a GPU sidecar was booked as if it gave its GPU back."""
+    p = pod("p", "30Gi")
+    main = p["spec"]["containers"][0]
+    main["resources"] = {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "2"}}
+
+    def init(name: str, gpus: str, cpu: str, sidecar: bool) -> dict:
+        c = {"name": name, "resources": {"limits": {"nvidia.com/gpu": gpus, "cpu": cpu}}}
+        return {**c, "restartPolicy": "Always"} if sidecar else c
+
+    p["spec"]["initContainers"] = [init("proxy", "1", "500m", True)]
+    d = pod_demand(p)
+    assert (d.gpu_count, d.cpu_milli, d.bytes_per_gpu) == (2, 2500, 15 * GIB)
+    # a plain init container beside the proxy: 1 + 2 GPUs at once, more than proxy + main
+    p["spec"]["initContainers"].append(init("warmup", "2", "1", False))
+    assert (pod_demand(p).gpu_count, pod_demand(p).cpu_milli) == (3, 2500)
+    # a sidecar after it adds to the containers' sum only: 1 + 1 + 1, still under warmup's 3
+    p["spec"]["initContainers"].append(init("agent", "1", "4", True))
+    assert (pod_demand(p).gpu_count, pod_demand(p).cpu_milli) == (3, 6500)
+    p["spec"]["resources"] = {"requests": {"cpu": "8", "memory": "1Gi", "nvidia.com/gpu": "9"}}
+    p["spec"]["overhead"] = {"cpu": "250m", "memory": "512Mi"}
+    d = pod_demand(p)
+    assert (d.gpu_count, d.cpu_milli, d.memory_bytes) == (3, 8250, GIB + GIB // 2)
+
+
+@pytest.mark.parametrize("field", ["resources", "overhead"])
+def test_pod_level_fields_of_the_wrong_shape_are_named(field: str) -> None:
+    p = pod("p", "8Gi")
+    p["spec"][field] = ["cpu"]
+    with pytest.raises(DemandError, match=f"spec.{field} is not an object"):
+        pod_demand(p)
+
+
 def test_absurd_gpu_count_and_fractional():
     with pytest.raises(DemandError, match="more than 64 GPUs"):
         pod_demand(pod("p", "8Gi", gpus=10**6))

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from extender.commands.device_plugin import replicas_to_serve
+from extender.demand import pod_demand
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2 as dp
 from extender.device_plugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from extender.device_plugin.api.generate import API_DIR, PROTOS, clean, generate
@@ -190,6 +191,30 @@ def test_containers_take_consecutive_slices_and_init_containers_the_first_gpus()
 def test_a_pod_asking_more_than_its_assignment_is_refused():
     p = pod("greedy", [1], containers=[("main", 2)])
     assert isinstance(container_slots(p, GPU, NODE), Refusal)
+
+
+def test_sidecars_keep_their_gpus_and_plain_init_containers_run_beside_them():
+    """The kubelet keeps a sidecar's devices while the app containers run and reuses only plain
+    init containers' devices; a plain init container runs beside the sidecars before it. Slots
+    that gave a plain init container the sidecar's GPU ran two containers on one booked GPU."""
+    p = pod(
+        "sides",
+        [4, 1, 6],
+        containers=[("main", 1)],
+        inits=[("proxy", 1, True), ("warmup", 2, False), ("agent", 1, True)],
+    )
+    slots = container_slots(p, GPU, NODE)
+    assert [(s.container, s.gpus, s.init) for s in slots] == [
+        ("proxy", (4,), False),
+        ("warmup", (1, 6), True),  # beside proxy: the GPUs after its GPU 4
+        ("agent", (1,), False),  # starts once warmup ended
+        ("main", (6,), False),
+    ]
+    # the extender books the same count: proxy + agent + main at once, proxy + warmup before
+    assert pod_demand(p).gpu_count == 3
+    inits = [("proxy", 1, True), ("warmup", 2, False)]
+    got = container_slots(pod("short", [4, 1], containers=[("main", 1)], inits=inits), GPU, NODE)
+    assert isinstance(got, Refusal) and "holds (2): 3 at once" in got.reason
 
 
 def test_preferred_devices_are_replicas_of_the_assigned_gpus():
@@ -611,7 +636,8 @@ def test_after_a_kubelet_restart_init_containers_the_plugin_never_saw_are_not_wa
         "side", [2, 5], containers=[("main", 1)], inits=[("sidecar", 1, True), ("warmup", 1, False)]
     )
     got = identify(1, [kp("side", sidecar=("x::2",), main=())], index(side), {}, GPU, NODE)
-    assert isinstance(got, Match) and got.slot.container == "warmup" and got.slot.gpus == (2,)
+    # it runs beside the sidecar, so not on the sidecar's GPU 2 (the pod is booked on 2 and 5)
+    assert isinstance(got, Match) and got.slot.container == "warmup" and got.slot.gpus == (5,)
 
 
 def admitted_status(p: dict[str, Any]) -> dict[str, Any]:

@@ -21,9 +21,13 @@ waits for nothing and is never a candidate (`ENDED`).
 
 Non-restartable init containers are not in PodResources `List`; the plugin remembers the ones it
 served (`served_init`), and takes one as allocated also when a container after it holds devices
-or the API shows the pod admitted (a kubelet restart lists pods admitted before). Their devices are the pod's first GPUs (the kubelet hands an init
-container's devices on to the app containers); app containers take consecutive slices of the
-assignment in spec order.
+or the API shows the pod admitted (a kubelet restart lists pods admitted before).
+
+Sidecars (init containers with `restartPolicy: Always`) and app containers take consecutive
+slices of the assignment in spec order. A plain init container runs beside the sidecars started
+before it, so it takes the GPUs after theirs; the kubelet hands its devices on to the app
+containers, which take the same GPUs next. The assignment holds as many GPUs as kube-scheduler
+counts for the pod (component-helpers `PodRequests`, extender.demand).
 """
 
 from __future__ import annotations
@@ -166,20 +170,32 @@ def container_slots(pod: Mapping[str, Any], resource: str, node: str) -> list[Sl
             "serves whole GPUs, not MIG slices"
         )
     out: list[Slot] = []
-    at = 0
+    at = 0  # the sidecars' and app containers' GPUs are consecutive, in spec order
     for name, count, init in wanted:
-        if init:  # runs before the app containers; the kubelet reuses its devices for them
-            chosen = gpus[:count]
-        else:
-            chosen = gpus[at : at + count]
+        # a plain init container runs beside the sidecars before it, so it takes the GPUs
+        # after theirs; the kubelet hands them on to the app containers, which follow
+        chosen = gpus[at : at + count]
+        if not init:
             at += count
         if len(chosen) != count:
             return Refusal(
-                f"pod {ref} requests more {resource} ({sum(w[1] for w in wanted if not w[2])}) "
-                f"than its assignment holds ({len(gpus)})"
+                f"pod {ref} requests more {resource} than its assignment holds ({len(gpus)}): "
+                f"{_needed(wanted)} at once"
             )
         out.append(Slot(name, count, chosen, init))
     return out
+
+
+def _needed(wanted: Sequence[tuple[str, int, bool]]) -> int:
+    """The GPUs a pod holds at once: sidecars and app containers summed, and a plain init
+    container beside the sidecars before it (component-helpers `PodRequests`)."""
+    held = peak = 0
+    for _, count, init in wanted:
+        if init:
+            peak = max(peak, held + count)
+        else:
+            held += count
+    return max(peak, held)
 
 
 class SlotCache:

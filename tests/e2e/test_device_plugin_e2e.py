@@ -172,9 +172,12 @@ class Stack:
         gpus: int = 1,
         selector: dict[str, str] | None = None,
         init_gpus: int = 0,
+        sidecar_gpus: int = 0,
     ) -> None:
         """A pod printing what it was handed; `init_gpus`: an init container `warmup` asking
-        for that many GPUs runs first and prints the same (`gpus` 0: none for `main`)."""
+        for that many GPUs runs first and prints the same (`gpus` 0: none for `main`);
+        `sidecar_gpus`: a sidecar `proxy` (restartPolicy Always) asking for that many starts
+        before it and keeps running."""
 
         def container(cname: str, count: int, script: str) -> dict[str, Any]:
             limits = {GPU: str(count)} if count else {}
@@ -194,8 +197,14 @@ class Stack:
             "terminationGracePeriodSeconds": 1,
             "containers": [container("main", gpus, PRINT + "sleep 3600 & wait")],
         }
+        inits = []
+        if sidecar_gpus:
+            proxy = container("proxy", sidecar_gpus, PRINT + "sleep 3600 & wait")
+            inits.append({**proxy, "restartPolicy": "Always"})
         if init_gpus:
-            spec["initContainers"] = [container("warmup", init_gpus, PRINT)]
+            inits.append(container("warmup", init_gpus, PRINT))
+        if inits:
+            spec["initContainers"] = inits
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -337,14 +346,27 @@ def handed(stack: Stack, p: Any, container: str = "main") -> tuple[list[int], li
 
 
 def gpu_containers(p: Any) -> list[tuple[str, int, bool]]:
-    """(container, GPUs it asks for, is a plain init container) in the kubelet's order."""
+    """(container, GPUs it asks for, is a plain init container) in the kubelet's order; a
+    sidecar (restartPolicy Always) keeps its GPUs like an app container."""
     out = []
     for group, init in ((p.spec.init_containers or [], True), (p.spec.containers, False)):
         for c in group:
             count = int(((c.resources and c.resources.limits) or {}).get(GPU, "0"))
             if count:
-                out.append((c.name, count, init))
+                out.append((c.name, count, init and c.restart_policy != "Always"))
     return out
+
+
+def gpus_at_once(p: Any) -> int:
+    """The GPUs a pod holds at once as kube-scheduler counts them: sidecars and app containers
+    summed, and a plain init container beside the sidecars started before it."""
+    held = peak = 0
+    for _, count, plain_init in gpu_containers(p):
+        if plain_init:
+            peak = max(peak, held + count)
+        else:
+            held += count
+    return max(peak, held)
 
 
 def booked(p: Any) -> list[int]:
@@ -356,7 +378,7 @@ def booked(p: Any) -> list[int]:
 
 def check_running_pods(stack: Stack, strategy: str = "envvar") -> dict[int, list[tuple[str, int]]]:
     """Every GPU container of every running pod on the node saw exactly its slice of the pod's
-    booked GPUs (an init container: the first ones). Then, per physical GPU by what the
+    booked GPUs (a plain init container: those after the sidecars before it). Then, per physical GPU by what the
     containers received, with the bytes each pod declared (its vramsched.io/model-memory over
     its GPU count, not vramsched's own bytesPerDevice), the sum never exceeds the GPU's memory
     and the pods never exceed its replicas. Returns GPU -> [(pod, bytes)]."""
@@ -375,7 +397,7 @@ def check_running_pods(stack: Stack, strategy: str = "envvar") -> dict[int, list
             else:
                 assert gpus == ["/var/run/nvidia-container-devices"], gpus
                 got = [uuid_to_index[u] for u in mounts]
-            slot = want[:count] if init else want[at : at + count]
+            slot = want[at : at + count]
             at += 0 if init else count
             assert sorted(got) == sorted(slot), (p.metadata.name, container, got, want)
             assert index == slot, (p.metadata.name, container, index, slot)
@@ -387,10 +409,8 @@ def check_running_pods(stack: Stack, strategy: str = "envvar") -> dict[int, list
         declared = int(
             kubernetes.utils.parse_quantity(p.metadata.annotations["vramsched.io/model-memory"])
         )
-        count = max(
-            sum(n for _, n, init in gpu_containers(p) if not init),
-            max((n for _, n, init in gpu_containers(p) if init), default=0),
-        )
+        count = gpus_at_once(p)
+        assert len(want) == count, (p.metadata.name, want)
         for gpu in got_pod:
             on_gpu[gpu].append((p.metadata.name, declared // count))
     for gpu, held in on_gpu.items():
@@ -529,6 +549,26 @@ def test_each_container_gets_exactly_the_gpu_vramsched_booked(stack: Stack) -> N
     assert stack.plugin.metric("ambiguous") == 0
     assert stack.plugin.metric("served") == len(names)
     assert stack.plugin.metric("refused") == 1  # the stranger
+    stack.delete_all()
+
+
+def test_a_gpu_sidecar_keeps_its_gpu_beside_the_app(stack: Stack) -> None:
+    """A sidecar holds its GPU while the app runs, and a plain init container after it runs
+    beside it: vramsched books the pod on 2 GPUs, as kube-scheduler counts it. Counted as a
+    plain init container, the sidecar was booked as if it gave its GPU back: 1 GPU booked, and
+    the plugin refused the pod for asking more than its assignment held."""
+    stack.create("sidecar", "40Gi", gpus=1, init_gpus=1, sidecar_gpus=1)
+    p = stack.settle({"sidecar"})["sidecar"]
+    assert p.status.phase == "Running", (p.status.reason, p.status.message)
+    want = booked(p)
+    proxy, warmup, main = (handed(stack, p, c)[0] for c in ("proxy", "warmup", "main"))
+    assert len(want) == 2 and proxy == want[:1] and warmup == main == want[1:], (
+        want,
+        proxy,
+        warmup,
+        main,
+    )
+    check_books(stack, check_running_pods(stack))
     stack.delete_all()
 
 
