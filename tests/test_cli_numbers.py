@@ -45,12 +45,19 @@ FLAGS: list[tuple[str, list[str], str, str, list[str]]] = [
     ("plan-defrag", [], "--workers", "2", ["0"]),
     ("plan-mig", ["--cluster", "c"], "--time-limit", "10", ["0", "inf"]),
     ("plan-mig", ["--cluster", "c"], "--workers", "2", ["0", "3"]),
-    ("estimate", ["m"], "--max-model-len", "8192", ["0", "x"]),
+    ("estimate", ["m"], "--max-model-len", "8192", ["0", "x", "1.5K", "-1", "9" * 40 + "k"]),
+    ("estimate", ["m"], "--max-num-batched-tokens", "8192", ["0", "2.5K", "3G"]),
     ("device-plugin", ["--node-name", "n"], "--replicas", "0", ["-1", "1025"]),
     ("device-plugin", ["--node-name", "n"], "--fake-gpus", "0", ["-1", "513"]),
     ("device-plugin", ["--node-name", "n"], "--fake-memory-mib", "16384", ["0"]),
     ("device-plugin", ["--node-name", "n"], "--probe-port", "0", ["-1", "65536"]),
 ]
+
+
+@pytest.mark.parametrize(("value", "tokens"), [("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600)])
+def test_estimate_takes_token_counts_as_vllm_spells_them(value: str, tokens: int) -> None:
+    args = build_parser().parse_args(["estimate", "m", "--max-model-len", value])
+    assert args.max_model_len == tokens
 
 
 @pytest.mark.parametrize(("command", "needs", "flag", "good", "bad"), FLAGS)

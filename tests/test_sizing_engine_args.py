@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from extender.sizing.engine_args import parse_container
+import pytest
+
+from extender.sizing.engine_args import human_readable_int, parse_container
 from extender.sizing.handoff import pod_engine, pod_fraction
 
 GIB = 1 << 30
@@ -45,6 +47,50 @@ def test_vllm_serve_positional_model_and_flags() -> None:
     )
     assert (s.kv_cache_dtype, s.enforce_eager, s.dtype) == ("fp8", True, "bf16")
     assert not inv.shell and not inv.fraction_flag_set
+
+
+@pytest.mark.parametrize(
+    ("context_flag", "batched_flag", "context", "batched"),
+    [
+        ("32k", "8k", 32_000, 8_000),  # lowercase: decimal
+        ("32K", "8K", 32_768, 8_192),  # uppercase: binary
+        ("25.6k", "6.4k", 25_600, 6_400),
+        ("1.001k", "512", 1_000, 512),  # vLLM multiplies in floats and truncates
+        ("auto", "2k", None, 2_000),  # vLLM fits the context to its memory: sized as unset
+        ("-1", "2k", None, 2_000),
+        ("1.5K", "1.5K", None, None),  # vLLM refuses decimals with a binary suffix
+    ],
+)
+def test_vllm_counts_take_its_human_readable_spelling(
+    context_flag: str, batched_flag: str, context: int | None, batched: int | None
+) -> None:
+    """vLLM reads `--max-model-len` and `--max-num-batched-tokens` with `human_readable_int`;
+    `32k` read as no flag at all sized a pod for the model's whole context."""
+    args = ["--model", "m", f"--max-model-len={context_flag}"]
+    inv = parse_container(
+        {
+            "image": "vllm/vllm-openai:v0.11.0",
+            "args": [*args, "--max-num-batched-tokens", batched_flag],
+        }
+    )
+    assert inv is not None
+    assert (inv.settings.max_model_len, inv.settings.max_batched_tokens) == (context, batched)
+
+
+def test_other_engines_take_plain_counts_only() -> None:
+    """TGI (clap) and SGLang (argparse int) read plain integers; `32k` is not one to them."""
+    for image, flag in (
+        ("ghcr.io/huggingface/text-generation-inference:3", "--max-total-tokens"),
+        ("lmsysorg/sglang:latest", "--context-length"),
+    ):
+        inv = parse_container({"image": image, "args": [flag, "32k"]})
+        assert inv is not None and inv.settings.max_model_len is None
+
+
+def test_human_readable_counts_beyond_a_float_stay_exact() -> None:
+    assert human_readable_int("9" * 400 + "k") == int("9" * 400) * 1000
+    with pytest.raises(ValueError):
+        human_readable_int("1e3k")
 
 
 def test_vllm_image_entrypoint_with_model_flag_and_existing_fraction() -> None:

@@ -180,6 +180,19 @@ def test_context_too_long_warns() -> None:
     assert "longer than the 8192 tokens" in w
 
 
+@pytest.mark.parametrize(
+    ("context", "memory"), [("32k", "26Gi"), ("32768", "26Gi"), ("auto", "38Gi"), ("-1", "38Gi")]
+)
+def test_vllm_human_readable_context_is_sized_as_vllm_reads_it(context: str, memory: str) -> None:
+    """`--max-model-len 32k` (32,000 tokens to vLLM) was read as no flag: the pod was sized
+    for Llama-3.1-8B's whole 131,072 tokens, 38Gi instead of 26Gi. `auto` lets vLLM fit the
+    context to its memory, at most the model's own."""
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    p = pod(None, command=["vllm", "serve"], args=[model, "--max-model-len", context])
+    patched = apply_json_patch(p, decide(p).patch)
+    assert patched["metadata"]["annotations"]["vramsched.io/model-memory"] == memory
+
+
 @pytest.mark.parametrize("seqs", ["9" * 400, "2147483648"])
 def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     """A 400-digit `--max-num-seqs` ended in an OverflowError inside the review (the API server

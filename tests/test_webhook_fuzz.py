@@ -55,6 +55,7 @@ FIELD_VALUES = {
 }
 NUMBERS = st.sampled_from(
     ["1", "2", "4", "8", "3", "0", "-1", "8192", "131072", "100000", "10" * 12, "9" * 400]
+    + ["32k", "32K", "1.5K", "0.001k", "auto", "9" * 400 + "k", "2T"]
 )
 PAIRS = st.sampled_from(sorted({(f, fld) for names in _FLAGS.values() for f, fld in names.items()}))
 

@@ -57,13 +57,22 @@ def number(
     return parse
 
 
-def whole(*, at_least: int = 0, at_most: int | None = None) -> Callable[[str], int]:
-    """A whole number within the bounds given."""
+def whole(
+    *,
+    at_least: int = 0,
+    at_most: int | None = None,
+    read: Callable[[str], int] = int,
+    spelled: str = "",
+) -> Callable[[str], int]:
+    """A whole number within the bounds given, read by `read` (`spelled`: its forms, for the
+    message)."""
     want = " ".join(("a whole number", _bounds(at_least, None, at_most)))
+    if spelled:
+        want += f" ({spelled})"
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = read(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
         if value < at_least or (at_most is not None and value > at_most):

@@ -10,6 +10,7 @@ import yaml
 
 from extender.commands.argtypes import whole
 from extender.quantity import format_bytes
+from extender.sizing.engine_args import human_readable_int
 from extender.sizing.engines import ENGINES, EngineSettings
 from extender.sizing.errors import SizingError
 from extender.sizing.estimate import MAX_COUNT, DeviceFit, Estimate, estimate, resolve_model
@@ -19,6 +20,8 @@ __all__ = ["register", "run", "render_text"]
 
 POSITIVE = whole(at_least=1)
 COUNT = whole(at_least=1, at_most=MAX_COUNT)
+#: token counts as vLLM spells them too (`32k`, `32K`), so a value copied from its flags works
+TOKENS = whole(at_least=1, at_most=MAX_COUNT, read=human_readable_int, spelled="32768, 32k or 32K")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument(
-        "--max-model-len", type=COUNT, default=None, help="context (default: the model's)"
+        "--max-model-len",
+        type=TOKENS,
+        default=None,
+        help="context (default: the model's); 32k is 32,000 tokens and 32K 32,768, as in vLLM",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -52,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="concurrent sequences, each held at full length in the KV cache (default 1)",
     )
-    p.add_argument("--max-num-batched-tokens", type=COUNT, default=None)
+    p.add_argument("--max-num-batched-tokens", type=TOKENS, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu", metavar="PRODUCT", help="size for this GPU and print its engine flag")

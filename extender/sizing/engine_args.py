@@ -7,14 +7,23 @@ that Kubernetes would substitute (`$(VAR)`) are unknown here and ignored.
 
 from __future__ import annotations
 
+import math
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 from extender.sizing.engines import FLAGS, EngineSettings
 
-__all__ = ["Invocation", "parse_container", "flag_names", "ENGINE_ANNOTATION_VALUES"]
+__all__ = [
+    "Invocation",
+    "parse_container",
+    "flag_names",
+    "human_readable_int",
+    "ENGINE_ANNOTATION_VALUES",
+]
 
 ENGINE_ANNOTATION_VALUES = ("vllm", "tgi", "sglang")
 
@@ -112,9 +121,45 @@ def _detect(tokens: Sequence[str], image: str) -> str | None:
     return None
 
 
-def _value(field: str, raw: str) -> Any:
+#: vLLM's fields whose flags take `32k` (32,000) or `32K` (32,768): vllm/utils/argparse_utils.py
+#: `human_readable_int`, used for `--max-model-len` and `--max-num-batched-tokens`
+_VLLM_HUMAN = frozenset({"max_model_len", "max_batched_tokens"})
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(raw: str) -> int:
+    """A count as vLLM reads `--max-model-len`: `32768`, `32k` (decimal: 32,000; decimals
+    allowed, `25.6k`) or `32K` (binary: 32,768; whole numbers only). ValueError otherwise.
+
+    Why mirror it rather than take ints only: `--max-model-len 32k` read as no flag at all
+    sized the pod for the model's whole context, 12 GiB too much for Llama-3.1-8B."""
+    text = raw.strip()
+    match = _HUMAN.fullmatch(text)
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        value = float(number) * _DECIMAL[suffix]  # as vLLM rounds: 1.001k is 1,000
+        if math.isfinite(value):
+            return int(value)
+        return int(Fraction(number) * _DECIMAL[suffix])  # beyond a float: exact, then refused
+    return int(number) * _BINARY[suffix]  # "1.5K": ValueError, as vLLM refuses it
+
+
+def _value(field: str, raw: str, engine: str = "") -> Any:
     if "$(" in raw or raw.startswith("$"):
         return None  # substituted by kubelet or the shell: unknown here
+    if engine == "vllm" and field in _VLLM_HUMAN:
+        if field == "max_model_len" and raw.strip().lower() in ("-1", "auto"):
+            # vLLM fits the context to the memory it is given: sized as unset, the model's
+            # whole context, the most vLLM takes
+            return None
+        try:
+            return human_readable_int(raw)
+        except ValueError:
+            return None
     if field in _INT_FIELDS:
         try:
             return int(raw)
@@ -144,7 +189,7 @@ def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bo
         field = names.get(flag)
         if field is not None:
             raw = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
-            value = _value(field, raw)
+            value = _value(field, raw, engine)
             if value is not None:
                 found[field] = value
             if not inline:
