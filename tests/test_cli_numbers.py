@@ -47,6 +47,7 @@ FLAGS: list[tuple[str, list[str], str, str, list[str]]] = [
     ("plan-mig", ["--cluster", "c"], "--workers", "2", ["0", "3"]),
     ("estimate", ["m"], "--max-model-len", "8192", ["0", "x", "1.5K", "-1", "9" * 40 + "k"]),
     ("estimate", ["m"], "--max-num-batched-tokens", "8192", ["0", "2.5K", "3G"]),
+    ("estimate", ["m"], "--kv-cache-memory-bytes", "8192", ["0", "1.5G", "9" * 17]),
     ("device-plugin", ["--node-name", "n"], "--replicas", "0", ["-1", "1025"]),
     ("device-plugin", ["--node-name", "n"], "--fake-gpus", "0", ["-1", "513"]),
     ("device-plugin", ["--node-name", "n"], "--fake-memory-mib", "16384", ["0"]),

@@ -6,6 +6,7 @@ Every expected number is written out from the model's config values, not from th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,23 @@ def test_estimate_total_adds_up_and_rounds_the_annotation_up() -> None:
     assert e.reservation_per_gpu % (256 * MIB) == 0
     assert 0 <= e.reservation_per_gpu - e.total_per_gpu < 256 * MIB
     assert e.annotation == f"vramsched.io/model-memory: {format_quantity(e.total_per_gpu)}"
+
+
+def test_vllm_kv_cache_memory_bytes_is_the_kv_cache_per_gpu() -> None:
+    """vLLM's `--kv-cache-memory-bytes` sizes its KV cache per GPU, whatever the memory
+    fraction; the estimate counted the sequences' cache instead, and a pod setting a larger
+    cache used more VRAM than its annotation said."""
+    model = resolve_model("qwen2.5-7b")
+    s = EngineSettings(max_model_len=8192, max_num_seqs=4, tp=2, kv_cache_bytes=20 * GIB)
+    e = estimate(model, s, list_devices=False)
+    one = estimate(model, replace(s, kv_cache_bytes=None, max_num_seqs=1), list_devices=False)
+    assert e.kv.per_gpu_bytes == 20 * GIB and e.sequences == 20 * GIB // one.kv.per_gpu_bytes
+    assert e.total_per_gpu == e.weights_per_gpu + 20 * GIB + e.overhead.total
+    assert "ignores --gpu-memory-utilization" in " ".join(e.notes)
+    with pytest.raises(SizingError, match="holds less than one sequence of 8192 tokens"):
+        estimate(model, replace(s, kv_cache_bytes=one.kv.per_gpu_bytes - 1))
+    with pytest.raises(SizingError, match="kv-cache-memory-bytes 0 is not between 1 and"):
+        estimate(model, replace(s, kv_cache_bytes=0))
 
 
 def test_tgi_total_leaves_its_ten_percent() -> None:

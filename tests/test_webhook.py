@@ -193,6 +193,20 @@ def test_vllm_human_readable_context_is_sized_as_vllm_reads_it(context: str, mem
     assert patched["metadata"]["annotations"]["vramsched.io/model-memory"] == memory
 
 
+def test_vllm_kv_cache_memory_bytes_sizes_the_pod_and_too_little_warns() -> None:
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    args = [model, "--max-model-len", "32k", "--kv-cache-memory-bytes=8G"]
+    p = pod(None, command=["vllm", "serve"], args=args)
+    patched = apply_json_patch(p, decide(p).patch)
+    assert patched["metadata"]["annotations"]["vramsched.io/model-memory"] == "30Gi"
+    d = decide(
+        pod(None, command=["vllm", "serve"], args=[*args[:-1], "--kv-cache-memory-bytes", "1G"])
+    )
+    (w,) = d.warnings
+    assert "kv-cache-memory-bytes 1,073,741,824 holds less than one sequence of 32000" in w
+    assert d.allowed and not d.patch
+
+
 @pytest.mark.parametrize("seqs", ["9" * 400, "2147483648"])
 def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     """A 400-digit `--max-num-seqs` ended in an OverflowError inside the review (the API server

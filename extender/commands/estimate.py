@@ -10,6 +10,7 @@ import yaml
 
 from extender.commands.argtypes import whole
 from extender.quantity import format_bytes
+from extender.sizing.architecture import MAX_FIELD
 from extender.sizing.engine_args import human_readable_int
 from extender.sizing.engines import ENGINES, EngineSettings
 from extender.sizing.errors import SizingError
@@ -20,6 +21,10 @@ __all__ = ["register", "run", "render_text"]
 
 POSITIVE = whole(at_least=1)
 COUNT = whole(at_least=1, at_most=MAX_COUNT)
+#: vLLM's --kv-cache-memory-bytes, spelled as vLLM reads it
+KV_BYTES = whole(
+    at_least=1, at_most=MAX_FIELD, read=human_readable_int, spelled="17179869184, 16G or 16g"
+)
 #: token counts as vLLM spells them too (`32k`, `32K`), so a value copied from its flags works
 TOKENS = whole(at_least=1, at_most=MAX_COUNT, read=human_readable_int, spelled="32768, 32k or 32K")
 
@@ -59,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="concurrent sequences, each held at full length in the KV cache (default 1)",
     )
     p.add_argument("--max-num-batched-tokens", type=TOKENS, default=None)
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=KV_BYTES,
+        default=None,
+        help="vLLM's KV cache per GPU, in place of the sequences' (16G is 16 GiB, 16g 16e9)",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=POSITIVE, default=1)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--gpu", metavar="PRODUCT", help="size for this GPU and print its engine flag")
@@ -73,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_bytes=args.kv_cache_memory_bytes,
         tp=args.tensor_parallel_size,
         dtype=args.dtype,
         quantization=args.quantization,

@@ -40,6 +40,7 @@ _FLAGS: dict[str, dict[str, str]] = {
         "--quantization": "quantization",
         "-q": "quantization",
         "--kv-cache-dtype": "kv_cache_dtype",
+        "--kv-cache-memory-bytes": "kv_cache_bytes",
     },
     "tgi": {
         "--model-id": "model",
@@ -73,6 +74,7 @@ _INT_FIELDS = {
     "max_num_seqs",
     "max_batched_tokens",
     "kv_tokens",
+    "kv_cache_bytes",
     "tp",
     "cuda_graph_max_bs",
 }
@@ -122,8 +124,9 @@ def _detect(tokens: Sequence[str], image: str) -> str | None:
 
 
 #: vLLM's fields whose flags take `32k` (32,000) or `32K` (32,768): vllm/utils/argparse_utils.py
-#: `human_readable_int`, used for `--max-model-len` and `--max-num-batched-tokens`
-_VLLM_HUMAN = frozenset({"max_model_len", "max_batched_tokens"})
+#: `human_readable_int`, used for `--max-model-len`, `--max-num-batched-tokens` and
+#: `--kv-cache-memory-bytes`
+_VLLM_HUMAN = frozenset({"max_model_len", "max_batched_tokens", "kv_cache_bytes"})
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

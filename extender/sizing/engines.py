@@ -82,6 +82,7 @@ class EngineSettings:
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     kv_tokens: int | None = None  # TGI --max-batch-total-tokens, SGLang --max-total-tokens
+    kv_cache_bytes: int | None = None  # vLLM --kv-cache-memory-bytes: the KV cache per GPU
     tp: int = 1
     dtype: str | None = None
     quantization: str | None = None

@@ -13,7 +13,7 @@ from typing import Any
 from extender.demand import MODEL_MEMORY
 from extender.quantity import GIB, MIB
 from extender.sizing import catalogue
-from extender.sizing.architecture import Architecture, architecture_from_config
+from extender.sizing.architecture import MAX_FIELD, Architecture, architecture_from_config
 from extender.sizing.checkpoint import looks_local, read_model
 from extender.sizing.engine_args import flag_names
 from extender.sizing.engines import (
@@ -249,6 +249,10 @@ def _check(
             else f"not between {least} and {MAX_COUNT:,}"
         )
         raise SizingError(f"{named(setting)} {value} is {wanted}")
+    if s.kv_cache_bytes is not None and not 1 <= s.kv_cache_bytes <= MAX_FIELD:
+        raise SizingError(
+            f"{named('kv_cache_bytes')} {s.kv_cache_bytes} is not between 1 and {MAX_FIELD:,}"
+        )
     if s.max_model_len and s.max_model_len > a.max_context:
         raise SizingError(
             f"{named('max_model_len')} {s.max_model_len} is longer than the {a.max_context} "
@@ -282,6 +286,37 @@ def _weights(m: Model, s: EngineSettings) -> tuple[int, int, int, int, str, list
     return params, checkpoint, weights, per_gpu, runtime.describe(), notes
 
 
+def _kv_of_bytes(
+    a: Architecture,
+    s: EngineSettings,
+    dtype_bytes: int,
+    context: int,
+    name: str,
+    names: Mapping[str, str] | None,
+) -> tuple[KvCache, int]:
+    """vLLM's `--kv-cache-memory-bytes`: the KV cache per GPU is that, whatever the memory
+    fraction says; and the full-length sequences it holds. vLLM refuses to start when it holds
+    not even one (`check_enough_kv_cache_memory`), so the estimate does too."""
+    one = kv_cache(
+        a,
+        dtype_bytes=dtype_bytes,
+        context=context,
+        sequences=1,
+        tp=s.tp,
+        windowed=windowed_kv(s.engine),
+    )
+    held = s.kv_cache_bytes or 0
+    if held < one.per_gpu_bytes:
+        flag = (names or {}).get("kv_cache_bytes") or CLI_NAMES["kv_cache_bytes"]
+        raise SizingError(
+            f"{flag} {held:,} holds less than one sequence of {context} tokens of {name} "
+            f"({one.per_gpu_bytes:,} bytes per GPU); vLLM would not start"
+        )
+    sequences = held // one.per_gpu_bytes
+    total = -(-one.total_bytes * held // one.per_gpu_bytes)
+    return replace(one, total_bytes=total, per_gpu_bytes=held), sequences
+
+
 def _total(weights_per_gpu: int, kv_per_gpu: int, o: Overhead) -> int:
     inside = weights_per_gpu + kv_per_gpu + o.inside
     return -(-int(inside * 1000) // int(o.wiggle * 1000)) + o.outside
@@ -309,7 +344,13 @@ def estimate(
     context = s.max_model_len or a.max_context
     kv_dtype = (s.kv_cache_dtype or "auto").lower()
     kv_bytes = _KV_BYTES.get(kv_dtype, 1)
-    if s.kv_tokens:
+    if s.kv_cache_bytes:
+        kv, sequences = _kv_of_bytes(a, s, kv_bytes, context, model.name, names)
+        notes.append(
+            "vLLM sizes its KV cache by --kv-cache-memory-bytes and ignores "
+            "--gpu-memory-utilization: the fractions below only say where the estimate fits"
+        )
+    elif s.kv_tokens:
         kv = kv_cache(
             a, dtype_bytes=kv_bytes, context=s.kv_tokens, sequences=1, tp=s.tp, windowed=False
         )
