@@ -207,6 +207,48 @@ def test_vllm_kv_cache_memory_bytes_sizes_the_pod_and_too_little_warns() -> None
     assert d.allowed and not d.patch
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "fixed"),
+    [
+        (["--gpu-memory-utilization", "0.9"], None, "--gpu-memory-utilization 0.9"),
+        (["--gpu-memory-utilization=0.5"], None, "--gpu-memory-utilization 0.5"),
+        (["--gpu-memory-utilization=$(VRAMSCHED_GPU_MEMORY_FRACTION)"], None, None),
+        ([], [{"name": "VLLM_FRACTION", "value": "0.9"}], None),  # not a vLLM setting
+    ],
+)
+def test_a_fraction_written_in_the_pod_is_not_booked_as_the_estimate(
+    args: list[str], env: list[dict[str, str]] | None, fixed: str | None
+) -> None:
+    """vLLM given `--gpu-memory-utilization 0.9` takes 90% of whichever GPU it gets: filled
+    with the estimate (23.75Gi), the pod was booked for a quarter of an 80 GiB GPU it fills.
+    Unset, it holds whole GPUs; a fraction vramsched fills in is booked as before."""
+    model = ["--model", "Qwen/Qwen2.5-7B-Instruct"]
+    p = pod(None, args=[*model, *args], env=env)
+    d = decide(p)
+    annotations = apply_json_patch(p, d.patch)["metadata"].get("annotations") or {}
+    if fixed is None:
+        assert annotations["vramsched.io/model-memory"] == "23.75Gi", d.warnings
+    else:
+        assert "vramsched.io/model-memory" not in annotations
+        (w,) = d.warnings
+        assert f"is given {fixed} in the pod" in w and "the pod holds whole GPUs" in w
+
+
+def test_tgi_takes_its_fraction_from_the_environment_too() -> None:
+    p = pod(
+        None,
+        command=["text-generation-launcher"],
+        args=["--model-id", "Qwen/Qwen2.5-7B-Instruct"],
+        env=[{"name": "CUDA_MEMORY_FRACTION", "value": "0.8"}],
+    )
+    (w,) = decide(p).warnings
+    assert "is given --cuda-memory-fraction 0.8 in the pod" in w
+    engine = p["spec"]["containers"][0]
+    declared = pod({"vramsched.io/model-memory": "40Gi"}, args=engine["args"], env=engine["env"])
+    declared["spec"]["containers"][0]["command"] = ["text-generation-launcher"]
+    assert not decide(declared).warnings  # declared by hand: the user's numbers stand
+
+
 @pytest.mark.parametrize("seqs", ["9" * 400, "2147483648"])
 def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     """A 400-digit `--max-num-seqs` ended in an OverflowError inside the review (the API server

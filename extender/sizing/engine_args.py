@@ -91,6 +91,9 @@ class Invocation:
     tokens: tuple[str, ...]  # command + args as the container runs them
     shell: bool  # the engine runs inside `sh -c ...`: flags cannot be appended to args
     fraction_flag_set: bool  # the container already passes the engine's memory flag
+    #: the value it passes there when written out (`0.9`), not a `$(VAR)` the kubelet or the
+    #: shell fills in: the engine then takes that share of whichever GPU the pod lands on
+    fixed_fraction: str | None = None
 
     @property
     def engine(self) -> str:
@@ -176,17 +179,20 @@ def _value(field: str, raw: str, engine: str = "") -> Any:
     return raw
 
 
-def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bool]:
+def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bool, str | None]:
     names = _FLAGS[engine]
     found: dict[str, Any] = {}
     fraction = FLAGS[engine]
     fraction_set = False
+    fixed: str | None = None
     i = 0
     while i < len(tokens):
         t = tokens[i]
         flag, _, inline = t.partition("=")
         if flag == fraction:
             fraction_set = True
+            raw = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
+            fixed = _literal(raw)  # the last one given wins, as with argparse and clap
         if flag == _EAGER.get(engine):
             found["enforce_eager"] = True
         field = names.get(flag)
@@ -204,7 +210,13 @@ def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bo
             if t == "serve" and not tokens[i + 1].startswith("-"):
                 found["model"] = tokens[i + 1]
                 break
-    return found, fraction_set
+    return found, fraction_set, fixed
+
+
+def _literal(raw: str) -> str | None:
+    """`raw` when it is written out, None when a variable fills it in (or it is empty)."""
+    raw = raw.strip()
+    return None if not raw or "$" in raw else raw
 
 
 def flag_names(engine: str) -> dict[str, str]:
@@ -217,18 +229,23 @@ def flag_names(engine: str) -> dict[str, str]:
     return out
 
 
-def _tgi_env(env: Any, found: dict[str, Any]) -> None:
-    """TGI's launcher reads every flag from the environment too (clap `env`)."""
+def _tgi_env(env: Any, found: dict[str, Any]) -> str | None:
+    """TGI's launcher reads every flag from the environment too (clap `env`); returns the
+    memory fraction written out there (`CUDA_MEMORY_FRACTION`), if any."""
+    fixed: str | None = None
     for entry in env if isinstance(env, list) else []:
         if not isinstance(entry, Mapping) or "value" not in entry:
             continue
         name = str(entry.get("name", ""))
         flag = "--" + name.lower().replace("_", "-")
+        if flag == FLAGS["tgi"]:
+            fixed = _literal(str(entry["value"]))
         field = _FLAGS["tgi"].get(flag)
         if field is not None and field not in found:
             value = _value(field, str(entry["value"]))
             if value is not None:
                 found[field] = value
+    return fixed
 
 
 def parse_container(
@@ -251,8 +268,9 @@ def parse_container(
     engine = engine or _detect(tokens, str(container.get("image") or ""))
     if engine is None:
         return None
-    found, fraction_set = _parse_flags(engine, tokens)
+    found, fraction_set, fixed = _parse_flags(engine, tokens)
     if engine == "tgi":
-        _tgi_env(container.get("env"), found)
+        from_env = _tgi_env(container.get("env"), found)
+        fixed = fixed if fraction_set else from_env  # clap: the command line beats the env
     settings = replace(EngineSettings(engine=engine), **found)
-    return Invocation(settings, tuple(command + args), shell, fraction_set)
+    return Invocation(settings, tuple(command + args), shell, fraction_set, fixed)

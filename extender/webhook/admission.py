@@ -148,7 +148,19 @@ def _size(
         )
     declared = ann.get(MODEL_MEMORY)
     pod_total = conservative.reservation_per_gpu * gpus
-    if declared is None and pod_total > MAX_MODEL_MEMORY:
+    fixed = invocation.fixed_fraction if invocation is not None else None
+    if declared is None and fixed is not None:
+        # The engine takes that share of whatever GPU it gets, not the estimate: booked by the
+        # estimate, the pod would use more than its books on a large GPU. Unset, it holds whole
+        # GPUs, which covers any share.
+        d.warnings.append(
+            f"vramsched: {entry.name} is given {FLAGS[settings.engine]} {fixed} in the pod, so "
+            f"{settings.engine} takes that share of whichever GPU the pod lands on, not the "
+            f"estimate ({format_bytes(pod_total)}); {MODEL_MEMORY} is left unset and the pod "
+            "holds whole GPUs. To share GPUs, drop the flag and set "
+            "vramsched.io/engine-args: inject"
+        )
+    elif declared is None and pod_total > MAX_MODEL_MEMORY:
         # The filter refuses more than this, so setting it would leave the pod unschedulable
         # with a message about an annotation the user never wrote.
         d.warnings.append(
