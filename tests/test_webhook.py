@@ -249,6 +249,29 @@ def test_tgi_takes_its_fraction_from_the_environment_too() -> None:
     assert not decide(declared).warnings  # declared by hand: the user's numbers stand
 
 
+@pytest.mark.parametrize(
+    ("command", "args"),
+    [
+        (["vllm", "serve"], ["meta-llama/Llama-3.3-70B-Instruct", "-pp", "2"]),
+        (["vllm", "serve"], ["meta-llama/Llama-3.3-70B-Instruct", "--pipeline-parallel-size=2"]),
+        (
+            ["python3", "-m", "sglang.launch_server"],
+            ["--model-path", "meta-llama/Llama-3.3-70B-Instruct", "--pp-size", "2"],
+        ),
+    ],
+)
+def test_pipeline_parallel_pods_are_not_estimated(command: list[str], args: list[str]) -> None:
+    """Read as one GPU each holding the whole 70B model, a pod split over two 80 GiB GPUs in
+    pipeline stages got an annotation no GPU meets, and waited for ever."""
+    d = decide(pod(None, command=command, args=args, gpus="2"))
+    (w,) = d.warnings
+    assert "runs with pipeline-parallel-size 2, which vramsched does not estimate" in w
+    assert d.allowed and not d.patch
+    declared = pod({"vramsched.io/model-memory": "120Gi"}, command=command, args=args, gpus="2")
+    d = decide(declared)
+    assert not d.warnings and d.allowed
+
+
 @pytest.mark.parametrize("seqs", ["9" * 400, "2147483648"])
 def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     """A 400-digit `--max-num-seqs` ended in an OverflowError inside the review (the API server

@@ -36,6 +36,8 @@ _FLAGS: dict[str, dict[str, str]] = {
         "--max-num-batched-tokens": "max_batched_tokens",
         "--tensor-parallel-size": "tp",
         "-tp": "tp",
+        "--pipeline-parallel-size": "pp",
+        "-pp": "pp",
         "--dtype": "dtype",
         "--quantization": "quantization",
         "-q": "quantization",
@@ -62,6 +64,8 @@ _FLAGS: dict[str, dict[str, str]] = {
         "--tp-size": "tp",
         "--tp": "tp",
         "--tensor-parallel-size": "tp",
+        "--pp-size": "pp",
+        "--pipeline-parallel-size": "pp",
         "--dtype": "dtype",
         "--quantization": "quantization",
         "--kv-cache-dtype": "kv_cache_dtype",
@@ -76,6 +80,7 @@ _INT_FIELDS = {
     "kv_tokens",
     "kv_cache_bytes",
     "tp",
+    "pp",
     "cuda_graph_max_bs",
 }
 # Spellings that mean the same thing to the estimator.

@@ -84,6 +84,7 @@ class EngineSettings:
     kv_tokens: int | None = None  # TGI --max-batch-total-tokens, SGLang --max-total-tokens
     kv_cache_bytes: int | None = None  # vLLM --kv-cache-memory-bytes: the KV cache per GPU
     tp: int = 1
+    pp: int = 1  # pipeline stages: not estimated (the webhook leaves such pods unfilled)
     dtype: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str | None = None

@@ -134,6 +134,16 @@ def _size(
             )
         return
     entry = catalogue.lookup(model)
+    if settings.pp > 1:
+        # Each stage holds some of the layers; estimated whole on every GPU, a model split
+        # over GPUs that could not hold it whole would get an annotation no GPU meets.
+        if ann.get(MODEL_MEMORY) is None:
+            d.warnings.append(
+                f"vramsched: {entry.name} runs with pipeline-parallel-size {settings.pp}, which "
+                f"vramsched does not estimate: {MODEL_MEMORY} is left unset and the pod holds "
+                "whole GPUs; set it by hand to share them"
+            )
+        return
     resolved = _catalogue_model(entry)
     names = flag_names(settings.engine) if invocation is not None else None
     try:
