@@ -272,6 +272,46 @@ def test_pipeline_parallel_pods_are_not_estimated(command: list[str], args: list
     assert not d.warnings and d.allowed
 
 
+@pytest.mark.parametrize(
+    ("command", "args", "env", "says"),
+    [
+        (
+            ["vllm", "serve"],
+            ["Qwen/Qwen2.5-7B-Instruct", "--speculative-config", '{"model": "Qwen/Qwen2.5-0.5B"}'],
+            None,
+            "--speculative-config (speculative decoding)",
+        ),
+        (
+            ["vllm", "serve"],
+            ["Qwen/Qwen2.5-7B-Instruct", "--enable-lora", "--max-lora-rank", "64"],
+            None,
+            "--enable-lora (LoRA adapters)",
+        ),
+        (
+            ["python3", "-m", "sglang.launch_server"],
+            ["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--speculative-algorithm=EAGLE"],
+            None,
+            "--speculative-algorithm (speculative decoding)",
+        ),
+        (
+            ["text-generation-launcher"],
+            ["--model-id", "Qwen/Qwen2.5-7B-Instruct"],
+            [{"name": "LORA_ADAPTERS", "value": "org/adapter"}],
+            "--lora-adapters (LoRA adapters)",
+        ),
+    ],
+)
+def test_what_loads_more_than_the_estimate_counts_is_not_sized(
+    command: list[str], args: list[str], env: list[dict[str, str]] | None, says: str
+) -> None:
+    """A draft model or LoRA slots take GPU memory the estimate leaves out: filled with it, the
+    pod would use more than its books."""
+    d = decide(pod(None, command=command, args=args, env=env))
+    (w,) = d.warnings
+    assert f"runs with {says}, which vramsched does not estimate" in w
+    assert d.allowed and not d.patch
+
+
 @pytest.mark.parametrize("seqs", ["9" * 400, "2147483648"])
 def test_a_count_beyond_int32_warns_and_sets_nothing(seqs: str) -> None:
     """A 400-digit `--max-num-seqs` ended in an OverflowError inside the review (the API server

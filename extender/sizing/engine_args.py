@@ -73,6 +73,22 @@ _FLAGS: dict[str, dict[str, str]] = {
     },
 }
 _EAGER = {"vllm": "--enforce-eager", "sglang": "--disable-cuda-graph"}
+#: flags that load more onto the GPU than the estimate counts (a draft model, LoRA slots): a
+#: pod using them is not sized, since an estimate without them would be too small
+_UNESTIMATED: dict[str, dict[str, str]] = {
+    "vllm": {
+        "--speculative-config": "speculative decoding",
+        "--speculative-model": "speculative decoding",
+        "--enable-lora": "LoRA adapters",
+    },
+    "tgi": {"--lora-adapters": "LoRA adapters"},
+    "sglang": {
+        "--speculative-algorithm": "speculative decoding",
+        "--speculative-draft-model-path": "speculative decoding",
+        "--enable-lora": "LoRA adapters",
+        "--lora-paths": "LoRA adapters",
+    },
+}
 _INT_FIELDS = {
     "max_model_len",
     "max_num_seqs",
@@ -99,6 +115,8 @@ class Invocation:
     #: the value it passes there when written out (`0.9`), not a `$(VAR)` the kubelet or the
     #: shell fills in: the engine then takes that share of whichever GPU the pod lands on
     fixed_fraction: str | None = None
+    #: what it runs that the estimate does not count (`--enable-lora (LoRA adapters)`)
+    unestimated: tuple[str, ...] = ()
 
     @property
     def engine(self) -> str:
@@ -278,4 +296,19 @@ def parse_container(
         from_env = _tgi_env(container.get("env"), found)
         fixed = fixed if fraction_set else from_env  # clap: the command line beats the env
     settings = replace(EngineSettings(engine=engine), **found)
-    return Invocation(settings, tuple(command + args), shell, fraction_set, fixed)
+    extra = _unestimated(engine, tokens, container.get("env"))
+    return Invocation(settings, tuple(command + args), shell, fraction_set, fixed, extra)
+
+
+def _unestimated(engine: str, tokens: Sequence[str], env: Any) -> tuple[str, ...]:
+    """The flags (TGI: or their environment variables) of `_UNESTIMATED` the container passes,
+    each with what it loads."""
+    known = _UNESTIMATED[engine]
+    given = [t.partition("=")[0] for t in tokens]
+    if engine == "tgi":
+        given += [
+            "--" + str(e.get("name", "")).lower().replace("_", "-")
+            for e in (env if isinstance(env, list) else [])
+            if isinstance(e, Mapping) and str(e.get("value") or "").strip()
+        ]
+    return tuple(dict.fromkeys(f"{f} ({known[f]})" for f in given if f in known))

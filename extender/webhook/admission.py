@@ -134,14 +134,17 @@ def _size(
             )
         return
     entry = catalogue.lookup(model)
-    if settings.pp > 1:
-        # Each stage holds some of the layers; estimated whole on every GPU, a model split
-        # over GPUs that could not hold it whole would get an annotation no GPU meets.
+    # Pipeline stages each hold some of the layers (estimated whole on every GPU, a model split
+    # over GPUs too small for it would get an annotation no GPU meets); a draft model or LoRA
+    # slots load more than the estimate counts (too small, the pod would run past its books).
+    unestimated = [f"pipeline-parallel-size {settings.pp}"] if settings.pp > 1 else []
+    unestimated += invocation.unestimated if invocation is not None else ()
+    if unestimated:
         if ann.get(MODEL_MEMORY) is None:
             d.warnings.append(
-                f"vramsched: {entry.name} runs with pipeline-parallel-size {settings.pp}, which "
-                f"vramsched does not estimate: {MODEL_MEMORY} is left unset and the pod holds "
-                "whole GPUs; set it by hand to share them"
+                f"vramsched: {entry.name} runs with {', '.join(unestimated)}, which vramsched "
+                f"does not estimate: {MODEL_MEMORY} is left unset and the pod holds whole GPUs; "
+                "set it by hand to share them"
             )
         return
     resolved = _catalogue_model(entry)
