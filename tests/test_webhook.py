@@ -272,6 +272,13 @@ def test_pipeline_parallel_pods_are_not_estimated(command: list[str], args: list
     assert not d.warnings and d.allowed
 
 
+def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    args = ["Qwen/Qwen2.5-7B-Instruct", f"--speculative-config={spec}"]
+    d = decide(pod(None, command=["vllm", "serve"], args=args))
+    assert d.patch and "set vramsched.io/model-memory=23.75Gi" in d.warnings[0]
+
+
 @pytest.mark.parametrize(
     ("command", "args", "env", "says"),
     [

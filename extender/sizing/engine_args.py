@@ -7,6 +7,7 @@ that Kubernetes would substitute (`$(VAR)`) are unknown here and ignored.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
@@ -300,11 +301,35 @@ def parse_container(
     return Invocation(settings, tuple(command + args), shell, fraction_set, fixed, extra)
 
 
+#: vLLM's speculative methods that propose tokens from the prompt, with no draft model to load
+_DRAFTLESS = frozenset({"ngram", "suffix"})
+
+
+def _next(tokens: Sequence[str], i: int) -> str:
+    return tokens[i + 1] if i + 1 < len(tokens) else ""
+
+
+def _draftless(config: str) -> bool:
+    """A `--speculative-config` (JSON) that loads no draft model: n-gram or suffix lookup."""
+    try:
+        parsed = json.loads(config)
+    except ValueError:
+        return False
+    return (
+        isinstance(parsed, dict) and parsed.get("method") in _DRAFTLESS and not parsed.get("model")
+    )
+
+
 def _unestimated(engine: str, tokens: Sequence[str], env: Any) -> tuple[str, ...]:
     """The flags (TGI: or their environment variables) of `_UNESTIMATED` the container passes,
     each with what it loads."""
     known = _UNESTIMATED[engine]
-    given = [t.partition("=")[0] for t in tokens]
+    given = [
+        flag
+        for i, t in enumerate(tokens)
+        for flag, eq, inline in [t.partition("=")]
+        if not (flag == "--speculative-config" and _draftless(inline if eq else _next(tokens, i)))
+    ]
     if engine == "tgi":
         given += [
             "--" + str(e.get("name", "")).lower().replace("_", "-")
