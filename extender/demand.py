@@ -25,6 +25,7 @@ from extender.quantity import (
 __all__ = [
     "well_formed_pod",
     "container_requests",
+    "pod_requests",
     "ANNOTATION_PREFIX",
     "MODEL_MEMORY",
     "ALLOWED_PRODUCTS",
@@ -161,7 +162,7 @@ def container_requests(container: Any) -> dict[str, Any]:
     return merged
 
 
-def _effective_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
+def pod_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The pod's request per resource, as kube-scheduler and the kubelet count it
     (component-helpers `PodRequests`): the app containers and the sidecars (init containers with
     `restartPolicy: Always`, which keep running beside them) summed; a plain init container runs
@@ -287,7 +288,7 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     if not isinstance(spec, Mapping):
         raise DemandError(f"pod {ref}: spec is missing")
     try:
-        requests = _effective_requests(spec)
+        requests = pod_requests(spec)
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid resource quantity: {exc}") from None
     gpu_resources = {

@@ -241,6 +241,25 @@ def test_assignment_forms_and_multi_gpu_pods(tmp_path: Path) -> None:
     assert any("ml/two" in n and "several" in n for n in snap.notes)
 
 
+def test_init_containers_and_sidecars_count_as_the_scheduler_counts_them(tmp_path: Path) -> None:
+    """plan-mig counted the app containers only: a pod with a MIG sidecar beside its MIG app
+    container was planned one slice, while the extender books two."""
+    limits = {"nvidia.com/mig-1g.10gb": "1"}
+
+    def init(name: str, sidecar: bool) -> dict:
+        c = {"name": name, "image": "x", "resources": {"limits": limits}}
+        return {**c, "restartPolicy": "Always"} if sidecar else c
+
+    side = pod("side", "8Gi", mig_limits=limits)
+    side["spec"]["initContainers"] = [init("proxy", True)]
+    warm = pod("warm", "8Gi", mig_limits=limits)
+    warm["spec"]["initContainers"] = [init("warmup", False)]  # done before the app starts
+    items = [node("h", H100, 1, mig_labels({"1g.10gb": 7})), side, warm]
+    snap = plan_mig.read_cluster(write_list(tmp_path / "c.yaml", items))
+    assert [p.key for p in snap.pending] == ["ml/warm"]
+    assert any("ml/side" in n and "several" in n for n in snap.notes)
+
+
 def test_an_assignment_device_with_a_non_decimal_gpu_index_freezes_the_node(
     tmp_path: Path,
 ) -> None:

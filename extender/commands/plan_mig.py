@@ -21,7 +21,14 @@ import yaml
 from extender import mig
 from extender.assignment import AssignmentError, decode_assignment
 from extender.commands.argtypes import number, output_file, whole
-from extender.demand import ASSIGNMENT, MODEL_MEMORY, container_requests, pod_ref
+from extender.demand import (
+    ASSIGNMENT,
+    MODEL_MEMORY,
+    DemandError,
+    container_requests,
+    pod_ref,
+    pod_requests,
+)
 from extender.inventory import GPU_RESOURCE, read_mig_labels
 from extender.planner.mig_geometry import (
     MIG_CONFIG_LABEL,
@@ -70,22 +77,39 @@ def _device_count(resource: str, value: Any) -> int:
     return int(q)
 
 
-def _requests(pod: dict) -> list[dict]:
-    return [container_requests(c) for c in (pod.get("spec") or {}).get("containers") or []]
+def _device_requests(pod: dict) -> dict[str, int]:
+    """The pod's GPU and MIG device requests as the scheduler's demand counts them
+    (`demand.pod_requests`: sidecars summed with the app containers, plain init containers
+    beside the sidecars before them); each container's value is checked first, so a bad one
+    is named as written."""
+    spec = pod.get("spec") or {}
+    for group in ("initContainers", "containers"):
+        for c in spec.get(group) or []:
+            for r, v in container_requests(c).items():
+                if r == GPU_RESOURCE or mig.profile_from_resource(r) is not None:
+                    _device_count(r, v)
+    try:
+        total = pod_requests(spec)
+    except (QuantityError, DemandError) as exc:
+        raise ValueError(str(exc)) from None
+    return {
+        r: int(v)
+        for r, v in total.items()
+        if r == GPU_RESOURCE or mig.profile_from_resource(r) is not None
+    }
 
 
 def _mig_requests(pod: dict) -> Counter:
     c: Counter = Counter()
-    for req in _requests(pod):
-        for r, v in req.items():
-            p = mig.profile_from_resource(r)
-            if p is not None:
-                c[p] += _device_count(r, v)
+    for r, n in _device_requests(pod).items():
+        p = mig.profile_from_resource(r)
+        if p is not None and n:
+            c[p] += n
     return c
 
 
 def _gpu_requests(pod: dict) -> int:
-    return sum(_device_count(GPU_RESOURCE, req.get(GPU_RESOURCE, 0)) for req in _requests(pod))
+    return _device_requests(pod).get(GPU_RESOURCE, 0)
 
 
 def _pending_pod(pod: dict) -> PendingPod | None:
