@@ -16,6 +16,8 @@ from builders import apply_json_patch
 
 from extender.demand import DemandError, pod_demand
 from extender.ledger import check_invariant
+from extender.sizing.engine_args import parse_container
+from extender.sizing.engines import FLAGS
 from extender.webhook.admission import ReviewError, decide, review
 from extender.webhook.certs import cert_covers, make_serving_cert, service_hosts
 from extender.webhook.launch import largest_device
@@ -23,6 +25,7 @@ from extender.webhook.server import create_webhook_app, ssl_context
 
 GIB = 1 << 30
 FIELD = "metadata.annotations['vramsched.io/gpu-memory-fraction']"
+FRACTION = "VRAMSCHED_GPU_MEMORY_FRACTION"
 
 
 def pod(
@@ -34,7 +37,10 @@ def pod(
     scheduler: str = "vramsched",
     name: str = "p",
     env: list[dict[str, Any]] | None = None,
+    handoff: bool = True,
 ) -> dict[str, Any]:
+    """A pod of one engine container; `handoff`: its engine reads its memory flag from the
+    fraction vramsched hands it, as a pod the webhook sizes must (appended to `args`)."""
     container: dict[str, Any] = {
         "name": "engine",
         "image": "vllm/vllm-openai:v0.10.1",
@@ -46,6 +52,9 @@ def pod(
         container["command"] = command
     if env is not None:
         container["env"] = env
+    found = parse_container(container)
+    if handoff and args is not None and found is not None and not found.shell:
+        container["args"] = [*args, f"{FLAGS[found.engine]}=$({FRACTION})"]
     meta: dict[str, Any] = {"name": name, "namespace": "default"}
     if annotations is not None:
         meta["annotations"] = annotations
@@ -208,30 +217,56 @@ def test_vllm_kv_cache_memory_bytes_sizes_the_pod_and_too_little_warns() -> None
 
 
 @pytest.mark.parametrize(
-    ("args", "env", "fixed"),
+    ("args", "env", "says"),
     [
-        (["--gpu-memory-utilization", "0.9"], None, "--gpu-memory-utilization 0.9"),
-        (["--gpu-memory-utilization=0.5"], None, "--gpu-memory-utilization 0.5"),
+        (["--gpu-memory-utilization", "0.9"], None, "is given --gpu-memory-utilization 0.9 in"),
+        (["--gpu-memory-utilization=0.5"], None, "is given --gpu-memory-utilization 0.5 in"),
         (["--gpu-memory-utilization=$(VRAMSCHED_GPU_MEMORY_FRACTION)"], None, None),
-        ([], [{"name": "VLLM_FRACTION", "value": "0.9"}], None),  # not a vLLM setting
+        # no flag at all: vLLM runs at its default, 0.9 of the GPU
+        ([], [{"name": "VLLM_FRACTION", "value": "0.9"}], "would run at vllm's default"),
+        ([], None, "would run at vllm's default --gpu-memory-utilization"),
     ],
 )
-def test_a_fraction_written_in_the_pod_is_not_booked_as_the_estimate(
-    args: list[str], env: list[dict[str, str]] | None, fixed: str | None
+def test_a_pod_is_filled_only_when_its_engine_takes_the_share_handed_to_it(
+    args: list[str], env: list[dict[str, str]] | None, says: str | None
 ) -> None:
-    """vLLM given `--gpu-memory-utilization 0.9` takes 90% of whichever GPU it gets: filled
-    with the estimate (23.75Gi), the pod was booked for a quarter of an 80 GiB GPU it fills.
-    Unset, it holds whole GPUs; a fraction vramsched fills in is booked as before."""
+    """vLLM given `--gpu-memory-utilization 0.9`, or no flag (its default is 0.9), takes 90% of
+    whichever GPU it gets: filled with the estimate (23.75Gi), the pod was booked for a quarter
+    of an 80 GiB GPU it fills. Unset, it holds whole GPUs; a pod whose engine reads the
+    fraction vramsched hands it is filled as before."""
     model = ["--model", "Qwen/Qwen2.5-7B-Instruct"]
-    p = pod(None, args=[*model, *args], env=env)
+    p = pod(None, args=[*model, *args], env=env, handoff=False)
     d = decide(p)
     annotations = apply_json_patch(p, d.patch)["metadata"].get("annotations") or {}
-    if fixed is None:
+    if says is None:
         assert annotations["vramsched.io/model-memory"] == "23.75Gi", d.warnings
     else:
         assert "vramsched.io/model-memory" not in annotations
         (w,) = d.warnings
-        assert f"is given {fixed} in the pod" in w and "the pod holds whole GPUs" in w
+        assert says in w and "the pod holds whole GPUs" in w
+
+
+def test_inject_wires_the_engine_unless_it_runs_in_a_shell() -> None:
+    model = ["--model", "Qwen/Qwen2.5-7B-Instruct"]
+    inject = {"vramsched.io/engine-args": "inject"}
+    d = decide(pod(inject, args=model, handoff=False))
+    assert any("set vramsched.io/model-memory=23.75Gi" in w for w in d.warnings)
+    script = ["sh", "-c"]
+    shell = pod(inject, command=script, args=["vllm serve Qwen/Qwen2.5-7B-Instruct"], handoff=False)
+    (w,) = decide(shell).warnings
+    assert "would run at vllm's default" in w
+    # a container vramsched recognises no engine in reads the fraction from its environment
+    custom = pod({"vramsched.io/model": "qwen2.5-7b"}, args=["serve"], handoff=False)
+    custom["spec"]["containers"][0]["image"] = "example.com/my-server:1"
+    assert any("set vramsched.io/model-memory=" in w for w in decide(custom).warnings)
+
+
+def test_a_declared_pod_whose_engine_runs_at_its_default_is_warned() -> None:
+    declared = {"vramsched.io/model-memory": "30Gi"}
+    d = decide(pod(declared, args=["--model", "Qwen/Qwen2.5-7B-Instruct"], handoff=False))
+    (w,) = d.warnings
+    assert "vllm is not given its share of the GPU (--gpu-memory-utilization)" in w
+    assert not decide(pod(declared, args=["--model", "Qwen/Qwen2.5-7B-Instruct"])).warnings
 
 
 def test_tgi_takes_its_fraction_from_the_environment_too() -> None:
@@ -240,11 +275,14 @@ def test_tgi_takes_its_fraction_from_the_environment_too() -> None:
         command=["text-generation-launcher"],
         args=["--model-id", "Qwen/Qwen2.5-7B-Instruct"],
         env=[{"name": "CUDA_MEMORY_FRACTION", "value": "0.8"}],
+        handoff=False,
     )
     (w,) = decide(p).warnings
     assert "is given --cuda-memory-fraction 0.8 in the pod" in w
     engine = p["spec"]["containers"][0]
-    declared = pod({"vramsched.io/model-memory": "40Gi"}, args=engine["args"], env=engine["env"])
+    declared = pod(
+        {"vramsched.io/model-memory": "40Gi"}, args=engine["args"], env=engine["env"], handoff=False
+    )
     declared["spec"]["containers"][0]["command"] = ["text-generation-launcher"]
     assert not decide(declared).warnings  # declared by hand: the user's numbers stand
 
@@ -506,7 +544,7 @@ def _review(
 
 
 def test_review_answers_with_a_base64_json_patch_and_warnings() -> None:
-    p = pod({"vramsched.io/model": "qwen2.5-7b"})
+    p = pod({"vramsched.io/model": "qwen2.5-7b"}, args=[])
     answer = review(_review(p))
     r = answer["response"]
     assert answer["apiVersion"] == "admission.k8s.io/v1" and r["uid"] == "u-1" and r["allowed"]

@@ -118,6 +118,9 @@ class Invocation:
     fixed_fraction: str | None = None
     #: what it runs that the estimate does not count (`--enable-lora (LoRA adapters)`)
     unestimated: tuple[str, ...] = ()
+    #: the memory flag (TGI: or its variable) is given from a variable, as the fraction
+    #: hand-off does (`--gpu-memory-utilization=$(VRAMSCHED_GPU_MEMORY_FRACTION)`)
+    fraction_from_variable: bool = False
 
     @property
     def engine(self) -> str:
@@ -253,23 +256,23 @@ def flag_names(engine: str) -> dict[str, str]:
     return out
 
 
-def _tgi_env(env: Any, found: dict[str, Any]) -> str | None:
-    """TGI's launcher reads every flag from the environment too (clap `env`); returns the
-    memory fraction written out there (`CUDA_MEMORY_FRACTION`), if any."""
-    fixed: str | None = None
+def _tgi_env(env: Any, found: dict[str, Any]) -> tuple[bool, str | None]:
+    """TGI's launcher reads every flag from the environment too (clap `env`); returns whether
+    the memory fraction (`CUDA_MEMORY_FRACTION`) is given there, and its value if written out."""
+    given, fixed = False, None
     for entry in env if isinstance(env, list) else []:
         if not isinstance(entry, Mapping) or "value" not in entry:
             continue
         name = str(entry.get("name", ""))
         flag = "--" + name.lower().replace("_", "-")
         if flag == FLAGS["tgi"]:
-            fixed = _literal(str(entry["value"]))
+            given, fixed = True, _literal(str(entry["value"]))
         field = _FLAGS["tgi"].get(flag)
         if field is not None and field not in found:
             value = _value(field, str(entry["value"]))
             if value is not None:
                 found[field] = value
-    return fixed
+    return given, fixed
 
 
 def parse_container(
@@ -293,12 +296,15 @@ def parse_container(
     if engine is None:
         return None
     found, fraction_set, fixed = _parse_flags(engine, tokens)
+    given = fraction_set
     if engine == "tgi":
-        from_env = _tgi_env(container.get("env"), found)
-        fixed = fixed if fraction_set else from_env  # clap: the command line beats the env
+        in_env, from_env = _tgi_env(container.get("env"), found)
+        if not fraction_set:  # clap: the command line beats the environment
+            given, fixed = in_env, from_env
     settings = replace(EngineSettings(engine=engine), **found)
     extra = _unestimated(engine, tokens, container.get("env"))
-    return Invocation(settings, tuple(command + args), shell, fraction_set, fixed, extra)
+    variable = given and fixed is None
+    return Invocation(settings, tuple(command + args), shell, fraction_set, fixed, extra, variable)
 
 
 #: vLLM's speculative methods that propose tokens from the prompt, with no draft model to load

@@ -161,28 +161,13 @@ def _size(
         )
     declared = ann.get(MODEL_MEMORY)
     pod_total = conservative.reservation_per_gpu * gpus
-    fixed = invocation.fixed_fraction if invocation is not None else None
-    if declared is None and fixed is not None:
-        # The engine takes that share of whatever GPU it gets, not the estimate: booked by the
-        # estimate, the pod would use more than its books on a large GPU. Unset, it holds whole
-        # GPUs, which covers any share.
-        d.warnings.append(
-            f"vramsched: {entry.name} is given {FLAGS[settings.engine]} {fixed} in the pod, so "
-            f"{settings.engine} takes that share of whichever GPU the pod lands on, not the "
-            f"estimate ({format_bytes(pod_total)}); {MODEL_MEMORY} is left unset and the pod "
-            "holds whole GPUs. To share GPUs, drop the flag and set "
-            "vramsched.io/engine-args: inject"
-        )
-    elif declared is None and pod_total > MAX_MODEL_MEMORY:
-        # The filter refuses more than this, so setting it would leave the pod unschedulable
-        # with a message about an annotation the user never wrote.
-        d.warnings.append(
-            f"vramsched: cannot size {entry.name}: the estimate, "
-            f"{format_bytes(pod_total)} ({_summary(conservative)}), "
-            f"is more than the {format_bytes(MAX_MODEL_MEMORY)} {MODEL_MEMORY} takes; lower the "
-            "engine's context or sequences"
-        )
-    elif declared is None:
+    flag = FLAGS[settings.engine]
+    handed = f"set {ENGINE_ARGS_ANNOTATION}: inject or pass {flag}=$({FRACTION_ENV})"
+    if declared is None:
+        why_not = _why_not_filled(entry.name, settings, invocation, ann, pod_total, conservative)
+        if why_not is not None:
+            d.warnings.append(why_not)
+            return
         value = format_quantity(pod_total)
         if isinstance((pod.get("metadata") or {}).get("annotations"), Mapping):  # even empty
             d.patch.append(
@@ -201,6 +186,11 @@ def _size(
             f"vramsched: set {MODEL_MEMORY}={value} from the estimate ({_summary(conservative)})"
         )
     else:
+        if _unwired(invocation, ann):
+            d.warnings.append(
+                f"vramsched: {settings.engine} is not given its share of the GPU ({flag}): it "
+                f"runs at its default and may take more than {MODEL_MEMORY}={declared}; {handed}"
+            )
         per_gpu = pod_demand(pod).bytes_per_gpu or 0
         if per_gpu < least.total_per_gpu:
             d.warnings.append(
@@ -213,6 +203,55 @@ def _size(
             f"vramsched: {entry.name} needs {format_bytes(conservative.reservation_per_gpu)} per GPU; "
             f"the largest GPU in the cluster has {format_bytes(largest)}: it fits no GPU"
         )
+
+
+def _unwired(invocation: Invocation | None, ann: Mapping[str, Any]) -> bool:
+    """A recognised engine that will run at its own default share of the GPU: no memory flag
+    from a variable, none written out, and no `engine-args: inject` the webhook can act on
+    (not into a shell script)."""
+    if invocation is None or invocation.fixed_fraction is not None:
+        return False
+    inject = str(ann.get(ENGINE_ARGS_ANNOTATION) or "").strip().lower() == "inject"
+    return not (invocation.fraction_from_variable or (inject and not invocation.shell))
+
+
+def _why_not_filled(
+    name: str,
+    settings: EngineSettings,
+    invocation: Invocation | None,
+    ann: Mapping[str, Any],
+    pod_total: int,
+    conservative: Estimate,
+) -> str | None:
+    """Why the estimate must not become the pod's model-memory, or None. Unset, the pod holds
+    whole GPUs, which covers whatever the engine takes; set, the engine must stay inside it."""
+    flag = FLAGS[settings.engine]
+    estimate_text = f"the estimate ({format_bytes(pod_total)})"
+    whole = f"{MODEL_MEMORY} is left unset and the pod holds whole GPUs"
+    fixed = invocation.fixed_fraction if invocation is not None else None
+    if fixed is not None:
+        return (
+            f"vramsched: {name} is given {flag} {fixed} in the pod, so {settings.engine} takes "
+            f"that share of whichever GPU the pod lands on, not {estimate_text}; {whole}. To "
+            f"share GPUs, drop the flag and set {ENGINE_ARGS_ANNOTATION}: inject"
+        )
+    if _unwired(invocation, ann):
+        # vLLM's default is 0.9 (0.92 from v0.20), TGI's 1.0: booked by the estimate, the
+        # engine would take the memory of the pods beside it
+        return (
+            f"vramsched: {name} would run at {settings.engine}'s default {flag}, a share of "
+            f"the whole GPU, not {estimate_text}; {whole}. To share GPUs, set "
+            f"{ENGINE_ARGS_ANNOTATION}: inject or pass {flag}=$({FRACTION_ENV})"
+        )
+    if pod_total > MAX_MODEL_MEMORY:
+        # the filter refuses more than this: set, the pod would wait on an annotation the
+        # user never wrote
+        return (
+            f"vramsched: cannot size {name}: the estimate, {format_bytes(pod_total)} "
+            f"({_summary(conservative)}), is more than the {format_bytes(MAX_MODEL_MEMORY)} "
+            f"{MODEL_MEMORY} takes; lower the engine's context or sequences"
+        )
+    return None
 
 
 def _catalogue_model(entry: catalogue.Entry) -> Model:
