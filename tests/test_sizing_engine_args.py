@@ -77,6 +77,27 @@ def test_vllm_counts_take_its_human_readable_spelling(
     assert (inv.settings.max_model_len, inv.settings.max_batched_tokens) == (context, batched)
 
 
+def test_vllm_flags_spelled_with_underscores_are_its_flags() -> None:
+    """vLLM's parser reads `--max_model_len` as `--max-model-len`: read exactly, such a flag was
+    ignored, and `--gpu_memory_utilization 0.9` or `--enable_lora` went unseen."""
+    inv = parse_container(
+        {
+            "image": "vllm/vllm-openai:v0.11.0",
+            "args": ["--model", "m", "--max_model_len=8192", "--tensor_parallel_size", "2"]
+            + ["--gpu_memory_utilization", "0.9", "--enable_lora", "--enforce_eager"],
+        }
+    )
+    assert inv is not None
+    assert (inv.settings.max_model_len, inv.settings.tp, inv.settings.enforce_eager) == (
+        8192,
+        2,
+        True,
+    )
+    assert inv.fixed_fraction == "0.9" and inv.unestimated == ("--enable-lora (LoRA adapters)",)
+    sglang = parse_container({"image": "lmsysorg/sglang", "args": ["--context_length", "8192"]})
+    assert sglang is not None and sglang.settings.max_model_len is None  # argparse: dashes only
+
+
 def test_other_engines_take_plain_counts_only() -> None:
     """TGI (clap) and SGLang (argparse int) read plain integers; `32k` is not one to them."""
     for image, flag in (

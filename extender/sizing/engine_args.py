@@ -214,8 +214,7 @@ def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bo
     fixed: str | None = None
     i = 0
     while i < len(tokens):
-        t = tokens[i]
-        flag, _, inline = t.partition("=")
+        flag, _, inline = _flag(engine, tokens[i])
         if flag == fraction:
             fraction_set = True
             raw = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
@@ -238,6 +237,17 @@ def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bo
                 found["model"] = tokens[i + 1]
                 break
     return found, fraction_set, fixed
+
+
+def _flag(engine: str, token: str) -> tuple[str, str, str]:
+    """`token` split at its first `=` into (flag, "=", inline value), the flag spelled as the
+    engine reads it: vLLM's parser takes `--max_model_len` for `--max-model-len` (underscores
+    in the name before any `.`, vllm/utils/argparse_utils.py `FlexibleArgumentParser`)."""
+    flag, eq, inline = token.partition("=")
+    if engine == "vllm" and flag.startswith("--") and "_" in flag:
+        name, dot, rest = flag[2:].partition(".")
+        flag = "--" + name.replace("_", "-") + dot + rest
+    return flag, eq, inline
 
 
 def _literal(raw: str) -> str | None:
@@ -333,7 +343,7 @@ def _unestimated(engine: str, tokens: Sequence[str], env: Any) -> tuple[str, ...
     given = [
         flag
         for i, t in enumerate(tokens)
-        for flag, eq, inline in [t.partition("=")]
+        for flag, eq, inline in [_flag(engine, t)]
         if not (flag == "--speculative-config" and _draftless(inline if eq else _next(tokens, i)))
     ]
     if engine == "tgi":
