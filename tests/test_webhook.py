@@ -333,6 +333,12 @@ def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
             "--enable-lora (LoRA adapters)",
         ),
         (
+            ["vllm", "serve"],
+            ["Qwen/Qwen2.5-7B-Instruct", "--config", "/etc/vllm/serve.yaml"],
+            None,
+            "--config (settings in a file)",
+        ),
+        (
             ["python3", "-m", "sglang.launch_server"],
             ["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--speculative-algorithm=EAGLE"],
             None,

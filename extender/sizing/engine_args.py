@@ -81,6 +81,8 @@ _UNESTIMATED: dict[str, dict[str, str]] = {
         "--speculative-config": "speculative decoding",
         "--speculative-model": "speculative decoding",
         "--enable-lora": "LoRA adapters",
+        # flags in a YAML file the webhook cannot read: any of the above, or a fraction
+        "--config": "settings in a file",
     },
     "tgi": {"--lora-adapters": "LoRA adapters"},
     "sglang": {
