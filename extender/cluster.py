@@ -109,7 +109,13 @@ class ClusterState:
             self._drop_usage(key)
             # An assumed reservation from our own bind stays until the watch shows the binding.
             if ours:
-                self.pending.add(key)
+                # A pod with scheduling gates (Kueue's admission gate, say) waits for whoever
+                # removes them, not for a scheduler: kube-scheduler does not try it, so neither
+                # the planner nor repacking works for it yet. It is still workload to come.
+                if spec.get("schedulingGates"):
+                    self.pending.discard(key)
+                else:
+                    self.pending.add(key)
                 self._unparsed[key] = None
             return
         self.pending.discard(key)

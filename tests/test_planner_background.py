@@ -547,6 +547,27 @@ def test_the_demand_mix_counts_our_pending_and_running_pods_by_kind():
     ]
 
 
+def test_a_gated_pod_waits_for_its_gates_not_for_the_planner():
+    """kube-scheduler does not try a pod with scheduling gates (Kueue holds pods so until it
+    admits them); planned all the same, it held room in later plans for a pod that may never
+    come. It stays workload to come, and is planned once its gates are removed."""
+    from extender.cluster import check_cluster
+
+    gated = pod("queued", "60Gi")
+    gated["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    c, planner, _ = setup(gated, pod("now", "30Gi"))
+    assert c.pending == {"default/now"}
+    plan = planner.plan_once()
+    assert plan is not None and planner.planned_node("default/queued") is None
+    assert sum(c.demand_mix.values()) == 2 and check_cluster(c) == []
+    c.upsert_pod(
+        {**gated, "spec": {k: v for k, v in gated["spec"].items() if k != "schedulingGates"}}
+    )
+    assert c.pending == {"default/now", "default/queued"}
+    planner.plan_once()
+    assert planner.planned_node("default/queued") in NODES
+
+
 def test_a_pod_planned_alone_is_placed_for_the_cluster_s_mix_not_its_own_type():
     # Alone, a 20 GiB pod leaves a usable gap on a or b either way; for the 40 GiB pods most of
     # the cluster runs, putting it on a leaves 20 GiB nobody of that kind can use.
