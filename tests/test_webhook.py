@@ -310,6 +310,14 @@ def test_pipeline_parallel_pods_are_not_estimated(command: list[str], args: list
     assert not d.warnings and d.allowed
 
 
+@pytest.mark.parametrize("config", ["[" * 100_000, "{", "null", '{"method": "ngram", "model": 7}'])
+def test_an_odd_speculative_config_is_left_unsized_without_a_crash(config: str) -> None:
+    """A 100,000-deep JSON array ended the review in a RecursionError (json.loads)."""
+    args = ["Qwen/Qwen2.5-7B-Instruct", "--speculative-config", config]
+    d = decide(pod(None, command=["vllm", "serve"], args=args))
+    assert d.allowed and not d.patch and "(speculative decoding)" in d.warnings[0]
+
+
 def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
     args = ["Qwen/Qwen2.5-7B-Instruct", f"--speculative-config={spec}"]

@@ -7,7 +7,6 @@ that Kubernetes would substitute (`$(VAR)`) are unknown here and ignored.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
@@ -15,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
+
+import orjson
 
 from extender.sizing.engines import FLAGS, EngineSettings
 
@@ -330,8 +331,8 @@ def _next(tokens: Sequence[str], i: int) -> str:
 def _draftless(config: str) -> bool:
     """A `--speculative-config` (JSON) that loads no draft model: n-gram or suffix lookup."""
     try:
-        parsed = json.loads(config)
-    except ValueError:
+        parsed = orjson.loads(config)  # nesting capped (json.loads recurses past the stack)
+    except orjson.JSONDecodeError:
         return False
     return (
         isinstance(parsed, dict) and parsed.get("method") in _DRAFTLESS and not parsed.get("model")
