@@ -325,6 +325,8 @@ def _header(body: bytes, length: int | None = None) -> bytes:
         (_header(b"abc"), "model.safetensors has no valid safetensors JSON header"),
         (_header(b"[]"), "model.safetensors has no valid safetensors JSON header"),
         (_header(b"\xff\xfe"), "model.safetensors has no valid safetensors JSON header"),
+        # json.loads recursed past the stack: a RecursionError traceback
+        (_header(b"[" * 100_000), "model.safetensors has no valid safetensors JSON header"),
         (_header(b'{"w": {}}'), "model.safetensors: tensor 'w' has no data_offsets"),
         (
             _header(b'{"w": {"data_offsets": [10, 0]}}'),

@@ -399,6 +399,13 @@ def test_a_broken_config_is_one_line_not_a_crash(
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_a_config_nested_past_the_stack_is_one_line(tmp_path: Path) -> None:
+    """json.loads recurses once per level: 100,000 nested arrays ended in a RecursionError."""
+    (tmp_path / "config.json").write_text("[" * 100_000)
+    with pytest.raises(SizingError, match="config.json at .* is nested too deeply"):
+        resolve_model(str(tmp_path))
+
+
 def test_config_only_directory_uses_the_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(lookup("qwen2.5-7b").config))
     e = estimate(

@@ -57,7 +57,7 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         raise SizingError(f"{path.name} is truncated (header of {length} bytes)")
     try:
         header = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
         raise SizingError(f"{path.name} has no valid safetensors JSON header") from None
     if not isinstance(header, dict):
         raise SizingError(f"{path.name} has no valid safetensors JSON header")
@@ -89,6 +89,8 @@ def _read_json(path: Path, what: str) -> Any:
         raise SizingError(f"cannot read {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise SizingError(f"{what} at {path} is not valid JSON ({exc})") from None
+    except RecursionError:  # json.loads recurses once per level of nesting
+        raise SizingError(f"{what} at {path} is nested too deeply to be a model's") from None
 
 
 def read_model(model: str) -> LocalModel:
