@@ -51,6 +51,9 @@ class ClusterState:
         self.nodes: dict[str, Mapping[str, Any]] = {}
         self.pods: dict[str, Mapping[str, Any]] = {}
         self.pending: set[str] = set()
+        #: pending pods of ours kube-scheduler nominated to a node after preempting for them
+        #: (`status.nominatedNodeName`): pod key -> node (`placement.nominated`)
+        self.nominated: dict[str, str] = {}
         self.scheduler_name = scheduler_name
         self.headroom = headroom
         #: pods bound before we saw an assignment for them, placed by a conservative guess.
@@ -117,8 +120,14 @@ class ClusterState:
                 else:
                     self.pending.add(key)
                 self._unparsed[key] = None
+                target = status.get("nominatedNodeName")
+                if target and isinstance(target, str):
+                    self.nominated[key] = target
+                else:
+                    self.nominated.pop(key, None)
             return
         self.pending.discard(key)
+        self.nominated.pop(key, None)
         self._unparsed.pop(key, None)
         demand = self._account_bound(ref, pod, node)
         self._mix.set(key, demand if ours else None)
@@ -128,6 +137,7 @@ class ClusterState:
         self._forget(key)
 
     def _forget(self, key: str) -> None:
+        self.nominated.pop(key, None)
         self._mix.set(key, None)
         self._unparsed.pop(key, None)
         self.pending.discard(key)

@@ -28,8 +28,10 @@ from extender.observe.pending import PendingReasons, outcome_class
 from extender.observe.usage import state_nodes, usage_from_ledger
 from extender.placement import (
     MAX_SCORE,
+    FilterOutcome,
     choose_devices,
     filter_nodes,
+    held_for_nominated,
     plugin_allows,
     preempt_victims,
     score_rows,
@@ -276,6 +278,8 @@ class ExtenderService:
             outcome = nominated_outcome(self.ledger, demand, names, nominated)
         else:
             outcome = filter_nodes(self.ledger, demand, names, explain_all=self.explain_all)
+        if self.cluster.nominated and demand.wants_gpu and outcome.feasible:
+            outcome = self._keep_nominated_room(demand, outcome)
         self.pending_reasons.note(
             demand.pod.key,
             "fits" if outcome.feasible else outcome_class(False, outcome.failed.values()),
@@ -298,6 +302,29 @@ class ExtenderService:
             NodeNames=outcome.feasible,
             FailedNodes=failed,
             FailedAndUnresolvableNodes=outcome.unresolvable,
+        )
+
+    def _keep_nominated_room(self, demand: Demand, outcome: FilterOutcome) -> FilterOutcome:
+        """Refuse the feasible nodes where pods kube-scheduler nominated there after preempting
+        for them would no longer fit beside this pod (`placement.nominated`)."""
+        by_node: dict[str, list[Demand]] = {}
+        feasible = set(outcome.feasible)
+        for key, node in self.cluster.nominated.items():
+            pod = self.cluster.pod(key) if node in feasible else None
+            if pod is None:
+                continue
+            try:
+                by_node.setdefault(node, []).append(self._demand(pod))
+            except DemandError:
+                continue
+        held = held_for_nominated(self.ledger, demand, outcome.feasible, by_node)
+        if not held:
+            return outcome
+        return FilterOutcome(
+            [n for n in outcome.feasible if n not in held],
+            {**outcome.failed, **held},
+            outcome.unresolvable,
+            outcome.explain_all,
         )
 
     # ----- prioritize --------------------------------------------------------------------------
@@ -494,6 +521,7 @@ class ExtenderService:
             "allocatedBytes": allocated,
             "capacityBytes": capacity,
             "pending": sorted(self.cluster.pending),
+            "nominated": dict(sorted(self.cluster.nominated.items())),
             "planner": self.planner_state(),
         }
 

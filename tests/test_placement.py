@@ -1,9 +1,10 @@
-from builders import cluster, gpu_node, mig_mixed_node, mig_single_node, pod
+from builders import cluster, gpu_node, mig_mixed_node, mig_single_node, pod, service
 
 from extender.demand import pod_demand
 from extender.ledger import check_invariant
 from extender.placement import choose_devices, filter_nodes, preempt_victims, score_nodes
 from extender.quantity import GIB
+from extender.wire import ExtenderArgs
 
 
 def place(c, p, node):
@@ -350,3 +351,30 @@ def test_answer_bands():
     # rather than 68 GiB of an exclusive 80 GB GPU
     only = dict(score_nodes(c.ledger, pod_demand(pod("q", "12Gi")), ["excl", "t4"]))
     assert only == {"excl": 0, "t4": 10}
+
+
+def test_room_freed_by_preemption_is_kept_for_the_nominated_pod():
+    """After preempting for a pod, kube-scheduler nominates it to the node and counts it there
+    against pods of lower or equal priority; extenders are not told. A lower-priority pod could
+    take the VRAM the victims freed, and the nominated pod would preempt again."""
+    preemptor = pod("preemptor", "60Gi", priority=100)
+    preemptor["status"]["nominatedNodeName"] = "a"
+    c = cluster(gpu_node("a", count=1, replicas=4), gpu_node("b", count=1, replicas=4), preemptor)
+    svc = service(c)
+    before = c.ledger.totals()
+
+    def feasible(p):
+        r = svc.filter(ExtenderArgs(Pod=p, NodeNames=["a", "b"]))
+        return r.NodeNames, r.FailedNodes
+
+    names, failed = feasible(pod("low", "30Gi", priority=0))
+    assert names == ["b"]
+    assert failed["a"] == "GPU memory here is kept for default/preemptor, nominated by preemption"
+    assert feasible(pod("same", "30Gi", priority=100))[0] == ["b"]  # equal priority: kept too
+    assert feasible(pod("higher", "30Gi", priority=200))[0] == ["a", "b"]  # as kube-scheduler
+    assert feasible(pod("small", "20Gi", priority=0))[0] == ["a", "b"]  # fits beside it
+    assert feasible(preemptor)[0] == ["a", "b"]  # its own room
+    assert c.ledger.totals() == before and check_invariant(c.ledger) == []
+    # bound (or nominated no more), it keeps nothing beyond what it holds
+    c.upsert_pod({**preemptor, "status": {"phase": "Pending"}})
+    assert not c.nominated and feasible(pod("low2", "30Gi"))[0] == ["a", "b"]

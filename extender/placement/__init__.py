@@ -10,17 +10,20 @@ Python only loops over the nodes it must explain.
   (`outcome` holds the answer);
 - `score`: prioritize's best-fit bands, kept per demand shape and patched where nodes changed;
 - `choose`: the devices a bind takes on one node;
-- `preempt`: the fewest victims that make room;
+- `preempt`: the fewest victims that make room; `nominated`: the room kept for the pods
+  kube-scheduler nominated to a node after preempting for them;
 - `views` and `cache`: the per-resource and per-node views of the arrays, and what is derived
   from them and kept with them.
 
 Imports run one way: outcome, cache, views, fit, reasons, filter, choose, score (preempt needs
-only fit); callers import from this package, which re-exports the public names.
+only fit; nominated, filter and choose); callers import from this package, which re-exports the
+public names.
 """
 
 from extender.placement.choose import choose_devices, plugin_allows
 from extender.placement.filter import filter_nodes
 from extender.placement.fit import device_need
+from extender.placement.nominated import held_for_nominated
 from extender.placement.outcome import FilterOutcome, SharedReasons
 from extender.placement.preempt import preempt_victims
 from extender.placement.reasons import ReasonKind
@@ -36,6 +39,7 @@ __all__ = [
     "choose_devices",
     "plugin_allows",
     "preempt_victims",
+    "held_for_nominated",
     "MAX_SCORE",
     "device_need",
     "score_rows",
