@@ -69,6 +69,22 @@ def test_fits_now_and_bad_demand() -> None:
     assert bad.error and "lots" in bad.error
 
 
+def test_a_gated_pod_is_said_to_wait_for_its_gates() -> None:
+    """A pod Kueue holds with a scheduling gate fits, and `why` said only that: vramsched would
+    not refuse it, so kube-scheduler's filters or a backoff must hold it. The gate does."""
+    from extender.observe.render import why_renderables
+
+    gated = pod("queued", "10Gi")
+    gated["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    c = cluster(gpu_node("x", count=1), gated)
+    e = explain(c.ledger, c.pod("default/queued"))
+    assert e.feasible == ["x"] and e.gates == ["kueue.x-k8s.io/admission"]
+    assert explanation_dict(e)["schedulingGates"] == ["kueue.x-k8s.io/admission"]
+    text = " ".join(str(getattr(r, "plain", r)) for r in why_renderables(e))
+    assert "held by scheduling gates (kueue.x-k8s.io/admission)" in text
+    assert "vramsched would not refuse it" not in text
+
+
 def test_mig_pod_gets_the_smallest_profile_that_holds_it() -> None:
     c = cluster(
         mig_mixed_node("m", {"1g.10gb": (2, 9728), "3g.40gb": (1, 40192)}),

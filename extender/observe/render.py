@@ -147,20 +147,29 @@ def why_renderables(e: Explanation, *, wide: bool = False, limit: int = 5) -> li
     out.append(head)
     if e.bound_to:
         out.append(Text(f"already bound to {e.bound_to}; this is what filter would say now"))
+    elif e.gates:
+        out.append(
+            Text(
+                f"held by scheduling gates ({', '.join(e.gates)}): kube-scheduler does not try "
+                "it until they are removed; this is what filter would say now",
+                style="yellow",
+            )
+        )
     if e.feasible:
         names = ", ".join(e.feasible[: None if wide else limit])
         more = "" if wide or len(e.feasible) <= limit else f" (+{len(e.feasible) - limit} more)"
         out.append(
             Text(f"fits now on {len(e.feasible)} of {e.nodes} nodes: {names}{more}", style="green")
         )
-        out.append(
-            Text(
-                "vramsched would not refuse it: if it is still pending, kube-scheduler's own "
-                "filters (CPU, memory, taints, affinity) or a retry backoff hold it "
-                "(kubectl describe pod)",
-                style="dim",
+        if not e.gates:  # else the gates hold it, said above
+            out.append(
+                Text(
+                    "vramsched would not refuse it: if it is still pending, kube-scheduler's own "
+                    "filters (CPU, memory, taints, affinity) or a retry backoff hold it "
+                    "(kubectl describe pod)",
+                    style="dim",
+                )
             )
-        )
         if not e.groups:
             return out
     else:

@@ -70,6 +70,8 @@ class Explanation:
     demand: str = ""
     error: str | None = None
     bound_to: str | None = None
+    #: the pod's scheduling gates: kube-scheduler does not try it until they are removed
+    gates: list[str] = field(default_factory=list)
     nodes: int = 0
     feasible: list[str] = field(default_factory=list)
     #: reason -> nodes, most nodes first; `unresolvable` marks reasons no eviction can change
@@ -91,9 +93,13 @@ def explain(
     except DemandError as exc:
         return Explanation(pod="?", error=str(exc))
     out = Explanation(pod=key)
-    bound = (pod.get("spec") or {}).get("nodeName")
+    spec = pod.get("spec") or {}
+    bound = spec.get("nodeName")
     if bound:
         out.bound_to = str(bound)
+    gates = spec.get("schedulingGates")
+    if isinstance(gates, list):
+        out.gates = [str(g.get("name")) for g in gates if isinstance(g, Mapping)]
     try:
         demand = pod_demand(pod, headroom=headroom)
     except DemandError as exc:
@@ -295,6 +301,7 @@ def explanation_dict(e: Explanation) -> dict[str, Any]:
         {
             "demand": e.demand,
             "boundTo": e.bound_to,
+            "schedulingGates": e.gates,
             "nodes": e.nodes,
             "feasible": e.feasible,
             "reasons": [
