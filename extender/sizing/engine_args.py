@@ -209,6 +209,10 @@ def _value(field: str, raw: str, engine: str = "") -> Any:
     return raw
 
 
+def _next(tokens: Sequence[str], i: int) -> str:
+    return tokens[i + 1] if i + 1 < len(tokens) else ""
+
+
 def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bool, str | None]:
     names = _FLAGS[engine]
     found: dict[str, Any] = {}
@@ -220,13 +224,13 @@ def _parse_flags(engine: str, tokens: Sequence[str]) -> tuple[dict[str, Any], bo
         flag, _, inline = _flag(engine, tokens[i])
         if flag == fraction:
             fraction_set = True
-            raw = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
+            raw = inline or _next(tokens, i)
             fixed = _literal(raw)  # the last one given wins, as with argparse and clap
         if flag == _EAGER.get(engine):
             found["enforce_eager"] = True
         field = names.get(flag)
         if field is not None:
-            raw = inline if inline else (tokens[i + 1] if i + 1 < len(tokens) else "")
+            raw = inline or _next(tokens, i)
             value = _value(field, raw, engine)
             if value is not None:
                 found[field] = value
@@ -322,10 +326,6 @@ def parse_container(
 
 #: vLLM's speculative methods that propose tokens from the prompt, with no draft model to load
 _DRAFTLESS = frozenset({"ngram", "suffix"})
-
-
-def _next(tokens: Sequence[str], i: int) -> str:
-    return tokens[i + 1] if i + 1 < len(tokens) else ""
 
 
 def _draftless(config: str) -> bool:
