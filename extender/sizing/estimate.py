@@ -208,14 +208,19 @@ def resolve_model(name: str) -> Model:
 CLI_NAMES = {**flag_names("sglang"), **flag_names("vllm")}
 
 
+def _flag_name(setting: str, names: Mapping[str, str] | None) -> str:
+    """How a message names `setting`: as the user wrote it (`names`: an engine's own flag in
+    the webhook), else as `vramsched estimate` spells it."""
+    return (names or {}).get(setting) or CLI_NAMES[setting]
+
+
 def _check(
     s: EngineSettings, a: Architecture, name: str, names: Mapping[str, str] | None = None
 ) -> None:
-    """Refuse settings no engine runs with; `names` spells each field as the user wrote it (an
-    engine's own flag in the webhook), over CLI_NAMES."""
+    """Refuse settings no engine runs with, each named by `_flag_name`."""
 
     def named(setting: str) -> str:
-        return (names or {}).get(setting) or CLI_NAMES[setting]
+        return _flag_name(setting, names)
 
     if s.engine not in ENGINES:
         raise SizingError(f"engine {s.engine!r} is not one of {', '.join(ENGINES)}")
@@ -307,9 +312,8 @@ def _kv_of_bytes(
     )
     held = s.kv_cache_bytes or 0
     if held < one.per_gpu_bytes:
-        flag = (names or {}).get("kv_cache_bytes") or CLI_NAMES["kv_cache_bytes"]
         raise SizingError(
-            f"{flag} {held:,} holds less than one sequence of {context} tokens of {name} "
+            f"{_flag_name('kv_cache_bytes', names)} {held:,} holds less than one sequence of {context} tokens of {name} "
             f"({one.per_gpu_bytes:,} bytes per GPU); vLLM would not start"
         )
     sequences = held // one.per_gpu_bytes
