@@ -161,8 +161,6 @@ def _size(
         )
     declared = ann.get(MODEL_MEMORY)
     pod_total = conservative.reservation_per_gpu * gpus
-    flag = FLAGS[settings.engine]
-    handed = f"set {ENGINE_ARGS_ANNOTATION}: inject or pass {flag}=$({FRACTION_ENV})"
     if declared is None:
         why_not = _why_not_filled(entry.name, settings, invocation, ann, pod_total, conservative)
         if why_not is not None:
@@ -188,8 +186,9 @@ def _size(
     else:
         if _unwired(invocation, ann):
             d.warnings.append(
-                f"vramsched: {settings.engine} is not given its share of the GPU ({flag}): it "
-                f"runs at its default and may take more than {MODEL_MEMORY}={declared}; {handed}"
+                f"vramsched: {settings.engine} is not given its share of the GPU "
+                f"({FLAGS[settings.engine]}): it runs at its default and may take more than "
+                f"{MODEL_MEMORY}={declared}; {_handoff(settings.engine)}"
             )
         per_gpu = pod_demand(pod).bytes_per_gpu or 0
         if per_gpu < least.total_per_gpu:
@@ -205,14 +204,23 @@ def _size(
         )
 
 
+def _inject_asked(ann: Mapping[str, Any]) -> bool:
+    """The pod asks the webhook to append the engine's memory flag (`engine-args: inject`)."""
+    return str(ann.get(ENGINE_ARGS_ANNOTATION) or "").strip().lower() == "inject"
+
+
+def _handoff(engine: str) -> str:
+    """The two ways to give `engine` the share vramsched hands it."""
+    return f"set {ENGINE_ARGS_ANNOTATION}: inject or pass {FLAGS[engine]}=$({FRACTION_ENV})"
+
+
 def _unwired(invocation: Invocation | None, ann: Mapping[str, Any]) -> bool:
     """A recognised engine that will run at its own default share of the GPU: no memory flag
     from a variable, none written out, and no `engine-args: inject` the webhook can act on
     (not into a shell script)."""
     if invocation is None or invocation.fixed_fraction is not None:
         return False
-    inject = str(ann.get(ENGINE_ARGS_ANNOTATION) or "").strip().lower() == "inject"
-    return not (invocation.fraction_from_variable or (inject and not invocation.shell))
+    return not (invocation.fraction_from_variable or (_inject_asked(ann) and not invocation.shell))
 
 
 def _why_not_filled(
@@ -240,8 +248,8 @@ def _why_not_filled(
         # engine would take the memory of the pods beside it
         return (
             f"vramsched: {name} would run at {settings.engine}'s default {flag}, a share of "
-            f"the whole GPU, not {estimate_text}; {whole}. To share GPUs, set "
-            f"{ENGINE_ARGS_ANNOTATION}: inject or pass {flag}=$({FRACTION_ENV})"
+            f"the whole GPU, not {estimate_text}; {whole}. To share GPUs, "
+            f"{_handoff(settings.engine)}"
         )
     if pod_total > MAX_MODEL_MEMORY:
         # the filter refuses more than this: set, the pod would wait on an annotation the
@@ -269,7 +277,7 @@ def _inject(
     d: Decision, pod: Mapping[str, Any], ann: Mapping[str, Any], invocation: Invocation | None
 ) -> None:
     """The downward-API env var in every GPU container, and the engine flag when asked."""
-    inject_args = str(ann.get(ENGINE_ARGS_ANNOTATION) or "").strip().lower() == "inject"
+    inject_args = _inject_asked(ann)
     engine = invocation.engine if invocation is not None else None
     for i, c in gpu_containers(pod):
         env = c.get("env") if isinstance(c.get("env"), list) else None
