@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extender.assignment import AssignmentError, decode_assignment
-from extender.demand import ASSIGNMENT, DemandError, pod_ref
+from extender.demand import ASSIGNMENT, DemandError, pod_ref, pod_requests
 from extender.quantity import QuantityError, parse_quantity
 
 __all__ = [
@@ -179,23 +179,21 @@ def container_slots(pod: Mapping[str, Any], resource: str, node: str) -> list[Sl
             at += count
         if len(chosen) != count:
             return Refusal(
-                f"pod {ref} requests more {resource} than its assignment holds ({len(gpus)}): "
-                f"{_needed(wanted)} at once"
+                f"pod {ref} requests more {resource} than its assignment holds ({len(gpus)})"
+                f"{_needed(pod, resource)}"
             )
         out.append(Slot(name, count, chosen, init))
     return out
 
 
-def _needed(wanted: Sequence[tuple[str, int, bool]]) -> int:
-    """The GPUs a pod holds at once: sidecars and app containers summed, and a plain init
-    container beside the sidecars before it (component-helpers `PodRequests`)."""
-    held = peak = 0
-    for _, count, init in wanted:
-        if init:
-            peak = max(peak, held + count)
-        else:
-            held += count
-    return max(peak, held)
+def _needed(pod: Mapping[str, Any], resource: str) -> str:
+    """`: N at once`, the GPUs the pod holds at once as the extender books them
+    (`demand.pod_requests`, kube-scheduler's count); empty if its requests do not parse."""
+    try:
+        count = pod_requests(pod.get("spec") or {}).get(resource, 0)
+    except (DemandError, QuantityError):
+        return ""
+    return f": {int(count)} at once"
 
 
 class SlotCache:
