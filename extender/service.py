@@ -306,7 +306,8 @@ class ExtenderService:
 
     def _keep_nominated_room(self, demand: Demand, outcome: FilterOutcome) -> FilterOutcome:
         """Refuse the feasible nodes where pods kube-scheduler nominated there after preempting
-        for them would no longer fit beside this pod (`placement.nominated`)."""
+        for them would no longer fit beside this pod (`placement.nominated`): only those nodes
+        are looked at."""
         by_node: dict[str, list[Demand]] = {}
         feasible = set(outcome.feasible)
         for key, node in self.cluster.nominated.items():
@@ -317,7 +318,7 @@ class ExtenderService:
                 by_node.setdefault(node, []).append(self._demand(pod))
             except DemandError:
                 continue
-        held = held_for_nominated(self.ledger, demand, outcome.feasible, by_node)
+        held = held_for_nominated(self.ledger, demand, by_node)
         if not held:
             return outcome
         return FilterOutcome(

@@ -21,20 +21,18 @@ __all__ = ["held_for_nominated"]
 
 
 def held_for_nominated(
-    ledger: Ledger,
-    demand: Demand,
-    feasible: Sequence[str],
-    nominated: Mapping[str, Sequence[Demand]],
+    ledger: Ledger, demand: Demand, nominated: Mapping[str, Sequence[Demand]]
 ) -> dict[str, str]:
-    """Of the `feasible` nodes, those where the pods nominated there (`nominated`: node -> their
-    demands) would leave no room for `demand`: node -> reason. Only nominated pods of at least
-    `demand`'s priority count, as in kube-scheduler, and not `demand`'s own pod nor one that
-    already holds GPUs (its bind is under way). The ledger is changed only during the call."""
+    """Of the nodes of `nominated` (node -> the demands of the pods nominated there; the caller
+    passes the nodes that otherwise fit `demand`), those where these pods would leave no room for
+    `demand`: node -> reason. Only nominated pods of at least `demand`'s priority count, as in
+    kube-scheduler, and not `demand`'s own pod nor one that already holds GPUs (its bind is under
+    way). The ledger is changed only during the call."""
     out: dict[str, str] = {}
-    for node in feasible:
+    for node, pods in nominated.items():
         ahead = [
             d
-            for d in nominated.get(node, ())
+            for d in pods
             if d.pod.key != demand.pod.key
             and d.wants_gpu
             and d.priority >= demand.priority
