@@ -7,7 +7,10 @@ A pod without the annotation reserves whole devices: the safe default.
 
 from __future__ import annotations
 
-from collections.abc import Mapping  # the typing alias makes isinstance() 5x slower, on every pod
+from collections.abc import (
+    Callable,
+    Mapping,  # the typing alias makes isinstance() 5x slower, on every pod
+)
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +165,9 @@ def container_requests(container: Any) -> dict[str, Any]:
     return merged
 
 
-def pod_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
+def pod_requests(
+    spec: Mapping[str, Any], status: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The pod's request per resource, as kube-scheduler and the kubelet count it
     (component-helpers `PodRequests`): the app containers and the sidecars (init containers with
     `restartPolicy: Always`, which keep running beside them) summed; a plain init container runs
@@ -172,31 +177,38 @@ def pod_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     Why sidecars matter here: the kubelet keeps a sidecar's GPUs while the app containers run
     (its device manager reuses only plain init containers' devices), so a pod with a GPU sidecar
-    holds more GPUs than the largest of its containers' requests."""
+    holds more GPUs than the largest of its containers' requests.
+
+    With the pod's `status`, a container's CPU and memory during an in-place resize count as
+    kube-scheduler counts them: the most of what the spec asks, what the kubelet allocated and
+    what the container runs with, as the kubelet holds the old size until the new one is
+    applied; a resize the kubelet calls infeasible leaves the spec out (it will not happen)."""
     containers = spec.get("containers") or []
     inits = spec.get("initContainers") or []
     if not isinstance(containers, list) or not isinstance(inits, list):
         raise DemandError("Pod spec.containers is not a list")
-    total: dict[str, Any] = {}
-    for c in containers:
-        _add(total, container_requests(c))
-    sidecars: dict[str, Any] = {}
-    init_peak: dict[str, Any] = {}  # the most any init container's start holds at once
-    for c in inits:
-        own = container_requests(c)
-        if c.get("restartPolicy") == "Always":
-            _add(total, own)
-            _add(sidecars, own)
-            running = sidecars
-        else:
-            running = dict(sidecars)
-            _add(running, own)
-        for k, q in running.items():
-            if q > init_peak.get(k, 0):
-                init_peak[k] = q
-    for k, q in init_peak.items():
-        if q > total.get(k, 0):
-            total[k] = q
+    total = _aggregate(containers, inits, container_requests)
+    statuses = _container_statuses(status)
+    if statuses:
+        infeasible = _resize_infeasible(status)
+        try:
+            allocated = _aggregate(
+                containers, inits, lambda c: _resized(c, statuses, infeasible, actuated=False)
+            )
+            actuated = _aggregate(
+                containers, inits, lambda c: _resized(c, statuses, infeasible, actuated=True)
+            )
+        except QuantityError:
+            # Not what a kubelet writes (the spec parsed): count the spec rather than leave a
+            # running pod uncounted for its status.
+            allocated = actuated = {}
+            infeasible = False
+        for k in _RESIZABLE:
+            sizes = [allocated.get(k, 0), actuated.get(k, 0)]
+            if not infeasible:
+                sizes.append(total.get(k, 0))
+            if max(sizes) or k in total:
+                total[k] = max(sizes)
     pod_level = spec.get("resources")
     if pod_level:
         if not isinstance(pod_level, Mapping):
@@ -210,6 +222,95 @@ def pod_requests(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise DemandError("Pod spec.overhead is not an object")
         _add(total, overhead)
     return total
+
+
+def _aggregate(
+    containers: list[Any],
+    inits: list[Any],
+    requests_of: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The containers' requests (each as `requests_of` reads it) combined by the sidecar rule of
+    `pod_requests`."""
+    total: dict[str, Any] = {}
+    for c in containers:
+        _add(total, requests_of(c))
+    sidecars: dict[str, Any] = {}
+    init_peak: dict[str, Any] = {}  # the most any init container's start holds at once
+    for c in inits:
+        own = requests_of(c)
+        if c.get("restartPolicy") == "Always":
+            _add(total, own)
+            _add(sidecars, own)
+            running = sidecars
+        else:
+            running = dict(sidecars)
+            _add(running, own)
+        for k, q in running.items():
+            if q > init_peak.get(k, 0):
+                init_peak[k] = q
+    for k, q in init_peak.items():
+        if q > total.get(k, 0):
+            total[k] = q
+    return total
+
+
+#: the resources an in-place resize may change (the API server refuses any other)
+_RESIZABLE = ("cpu", "memory")
+
+
+def _container_statuses(status: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    """The pod's container statuses (app and init) by container name; entries not shaped as the
+    kubelet writes them are left out, so the spec counts for their containers."""
+    if not isinstance(status, Mapping):
+        return {}
+    found: dict[str, Mapping[str, Any]] = {}
+    for group in ("initContainerStatuses", "containerStatuses"):
+        entries = status.get(group)
+        if not isinstance(entries, list):
+            continue
+        for entry in entries:
+            if isinstance(entry, Mapping) and isinstance(entry.get("name"), str):
+                found[entry["name"]] = entry
+    return found
+
+
+def _resize_infeasible(status: Mapping[str, Any] | None) -> bool:
+    """Whether the kubelet marked the pod's pending resize infeasible (condition
+    `PodResizePending`, reason `Infeasible`)."""
+    conditions = status.get("conditions") if isinstance(status, Mapping) else None
+    if not isinstance(conditions, list):
+        return False
+    for cond in conditions:
+        if isinstance(cond, Mapping) and cond.get("type") == "PodResizePending":
+            return cond.get("reason") == "Infeasible"
+    return False
+
+
+def _resized(
+    container: Mapping[str, Any],
+    statuses: Mapping[str, Mapping[str, Any]],
+    infeasible: bool,
+    *,
+    actuated: bool,
+) -> Mapping[str, Any]:
+    """A container's CPU and memory as the kubelet allocated them (`allocatedResources`) or, with
+    `actuated`, as it runs (`resources.requests`, else the allocation); the spec where the status
+    says nothing, nothing at all for an infeasible resize (as component-helpers reads them)."""
+    name = container.get("name") if isinstance(container, Mapping) else None
+    status = statuses.get(name) if isinstance(name, str) else None
+    found: Any = None
+    if status is not None:
+        if actuated:
+            running = status.get("resources")
+            if isinstance(running, Mapping) and isinstance(running.get("requests"), Mapping):
+                found = running["requests"]
+        if found is None and isinstance(status.get("allocatedResources"), Mapping):
+            found = status["allocatedResources"]
+    if found is None:
+        if infeasible:
+            return {}
+        found = container_requests(container)
+    return {k: v for k, v in found.items() if k in _RESIZABLE}
 
 
 #: the resources pod-level `spec.resources` may set, of those vramsched reads
@@ -288,7 +389,7 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     if not isinstance(spec, Mapping):
         raise DemandError(f"pod {ref}: spec is missing")
     try:
-        requests = pod_requests(spec)
+        requests = pod_requests(spec, pod.get("status"))
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid resource quantity: {exc}") from None
     gpu_resources = {

@@ -70,6 +70,83 @@ def test_requests_are_counted_as_kube_scheduler_counts_them():
     assert (d.gpu_count, d.cpu_milli, d.memory_bytes) == (3, 8250, GIB + GIB // 2)
 
 
+def _resizing(spec_cpu: str, allocated: str | None, running: str | None) -> dict:
+    """A bound one-GPU pod whose app container asks `spec_cpu` and whose status holds the
+    kubelet's allocation and the size it runs with (None: not reported)."""
+    p = pod("p", "8Gi")
+    c = p["spec"]["containers"][0]
+    c["name"] = "app"
+    c["resources"]["requests"]["cpu"] = spec_cpu
+    c["resources"]["requests"]["memory"] = "1Gi"
+    status: dict = {"name": "app"}
+    if allocated is not None:
+        status["allocatedResources"] = {"cpu": allocated, "memory": "1Gi", "nvidia.com/gpu": "1"}
+    if running is not None:
+        status["resources"] = {"requests": {"cpu": running, "memory": "1Gi"}}
+    p["spec"]["nodeName"] = "n1"
+    p["status"] = {"phase": "Running", "containerStatuses": [status]}
+    return p
+
+
+@pytest.mark.parametrize(
+    ("spec_cpu", "allocated", "running", "counted"),
+    [
+        ("2", None, None, 2000),  # no resize: the spec
+        ("1", "4", "4", 4000),  # shrinking: the kubelet still holds 4 until it applies 1
+        ("4", "2", "2", 4000),  # growing, not yet allocated: the spec already counts
+        ("4", "4", "2", 4000),  # allocated, not yet applied
+        ("1", "3", None, 3000),  # no running size reported: the allocation
+    ],
+)
+def test_a_resizing_container_counts_the_most_of_spec_allocation_and_running(
+    spec_cpu: str, allocated: str | None, running: str | None, counted: int
+) -> None:
+    """kube-scheduler counts a container during an in-place resize by the most of its spec, the
+    kubelet's allocation and what it runs with (component-helpers `PodRequests` with status
+    resources); counting the spec alone freed CPU on the node that the kubelet still holds."""
+    d = pod_demand(_resizing(spec_cpu, allocated, running))
+    assert (d.cpu_milli, d.memory_bytes, d.gpu_count) == (counted, GIB, 1)
+
+
+def test_an_infeasible_resize_leaves_the_spec_out() -> None:
+    """A resize the kubelet marks Infeasible will not happen: only what it allocated counts."""
+    p = _resizing("16", "2", "2")
+    assert pod_demand(p).cpu_milli == 16000
+    p["status"]["conditions"] = [
+        {"type": "PodResizePending", "status": "True", "reason": "Infeasible"}
+    ]
+    assert pod_demand(p).cpu_milli == 2000
+    p["status"]["conditions"][0]["reason"] = "Deferred"  # may still happen: the spec counts
+    assert pod_demand(p).cpu_milli == 16000
+
+
+def test_a_resizing_sidecar_and_statuses_not_as_the_kubelet_writes_them() -> None:
+    """Statuses are matched to containers by name, init containers' too, and combined by the
+    sidecar rule; an entry of the wrong shape is left out, so its container counts by spec."""
+    p = _resizing("1", "1", "1")
+    p["spec"]["initContainers"] = [
+        {
+            "name": "proxy",
+            "restartPolicy": "Always",
+            "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}},
+        }
+    ]
+    assert pod_demand(p).cpu_milli == 1500
+    p["status"]["initContainerStatuses"] = [
+        {"name": "proxy", "allocatedResources": {"cpu": "2", "memory": "256Mi"}}
+    ]
+    assert pod_demand(p).cpu_milli == 3000
+    p["status"]["initContainerStatuses"] = ["proxy", {"name": 7}, {"allocatedResources": []}]
+    p["status"]["containerStatuses"] = {"app": {}}
+    assert pod_demand(p).cpu_milli == 1500
+    p["status"]["containerStatuses"] = [{"name": "app", "allocatedResources": {"cpu": "2x"}}]
+    assert pod_demand(p).cpu_milli == 1500  # a quantity no kubelet writes: the spec counts
+    # GPUs cannot be resized: a GPU count in the status changes nothing
+    p = _resizing("1", "1", "1")
+    p["status"]["containerStatuses"][0]["allocatedResources"]["nvidia.com/gpu"] = "4"
+    assert pod_demand(p).gpu_count == 1
+
+
 @pytest.mark.parametrize("field", ["resources", "overhead"])
 def test_pod_level_fields_of_the_wrong_shape_are_named(field: str) -> None:
     p = pod("p", "8Gi")

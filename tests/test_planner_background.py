@@ -229,6 +229,25 @@ def test_cpu_and_memory_sums_and_the_demand_mix_follow_every_pod_event():
     assert c.demand_mix  # and pods of ours pending or running
 
 
+def test_cpu_held_during_an_in_place_resize_stays_counted():
+    """A pod shrunk in place holds its old CPU until the kubelet applies the new size: the
+    planner's books follow the status as kube-scheduler's do, and free it once applied."""
+    from extender.cluster import check_cluster
+
+    p = _with_requests(pod("p", node="a", phase="Running"), "1", "1Gi")
+    p["spec"]["containers"][0]["name"] = "app"
+    c = cluster(gpu_node("a"), p)
+    assert c.cpu_used == {"a": 1000}
+    held = {"name": "app", "allocatedResources": {"cpu": "4", "memory": "1Gi"}}
+    resizing = {**p, "status": {**p["status"], "containerStatuses": [held]}}
+    c.upsert_pod(resizing)
+    assert c.cpu_used == {"a": 4000} and check_cluster(c) == []
+    held["allocatedResources"]["cpu"] = "1"
+    done = {**p, "status": {**p["status"], "containerStatuses": [held]}}
+    c.upsert_pod(done)
+    assert c.cpu_used == {"a": 1000} and check_cluster(c) == []
+
+
 def test_check_cluster_notices_a_wrong_cpu_sum():
     from extender.cluster import check_cluster
 
