@@ -182,7 +182,8 @@ def pod_requests(
     With the pod's `status`, a container's CPU and memory during an in-place resize count as
     kube-scheduler counts them: the most of what the spec asks, what the kubelet allocated and
     what the container runs with, as the kubelet holds the old size until the new one is
-    applied; a resize the kubelet calls infeasible leaves the spec out (it will not happen)."""
+    applied; a resize the kubelet calls infeasible leaves the spec out (it will not happen).
+    A status quantity that does not parse raises QuantityError, as a spec's does."""
     containers = spec.get("containers") or []
     inits = spec.get("initContainers") or []
     if not isinstance(containers, list) or not isinstance(inits, list):
@@ -191,18 +192,12 @@ def pod_requests(
     statuses = _container_statuses(status)
     if statuses:
         infeasible = _resize_infeasible(status)
-        try:
-            allocated = _aggregate(
-                containers, inits, lambda c: _resized(c, statuses, infeasible, actuated=False)
-            )
-            actuated = _aggregate(
-                containers, inits, lambda c: _resized(c, statuses, infeasible, actuated=True)
-            )
-        except QuantityError:
-            # Not what a kubelet writes (the spec parsed): count the spec rather than leave a
-            # running pod uncounted for its status.
-            allocated = actuated = {}
-            infeasible = False
+        allocated = _aggregate(
+            containers, inits, lambda c: _resized(c, statuses, infeasible, actuated=False)
+        )
+        actuated = _aggregate(
+            containers, inits, lambda c: _resized(c, statuses, infeasible, actuated=True)
+        )
         for k in _RESIZABLE:
             sizes = [allocated.get(k, 0), actuated.get(k, 0)]
             if not infeasible:
@@ -377,6 +372,19 @@ def reads_pin_annotation(pod: Mapping[str, Any]) -> bool:
     return bool(gpu_containers) and all(_env_from_pin_annotation(c) for c in gpu_containers)
 
 
+def _host_requests(ref: PodRef, requests: Mapping[str, Any]) -> tuple[int, int]:
+    """CPU (millicores) and memory (bytes) of `pod_requests`' answer; DemandError if either is
+    negative or more than any node has."""
+    try:
+        cpu = parse_milli(requests["cpu"]) if "cpu" in requests else 0
+        memory = parse_bytes(requests["memory"], allow_zero=True) if "memory" in requests else 0
+    except QuantityError as exc:
+        raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
+    if cpu > HOST_MAX or memory > HOST_MAX:
+        raise DemandError(f"pod {ref}: cpu/memory request is more than any node has")
+    return cpu, memory
+
+
 def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     """Parse a Pod object (dict). Raises DemandError with a message fit for a filter `Error`.
 
@@ -389,7 +397,7 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     if not isinstance(spec, Mapping):
         raise DemandError(f"pod {ref}: spec is missing")
     try:
-        requests = pod_requests(spec, pod.get("status"))
+        requests = pod_requests(spec)
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid resource quantity: {exc}") from None
     gpu_resources = {
@@ -438,13 +446,13 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     priority = spec.get("priority") or 0
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise DemandError(f"pod {ref}: spec.priority {priority!r} is not an integer")
-    try:
-        cpu = parse_milli(requests["cpu"]) if "cpu" in requests else 0
-        memory = parse_bytes(requests["memory"], allow_zero=True) if "memory" in requests else 0
-    except QuantityError as exc:
-        raise DemandError(f"pod {ref}: invalid cpu/memory request: {exc}") from None
-    if cpu > HOST_MAX or memory > HOST_MAX:
-        raise DemandError(f"pod {ref}: cpu/memory request is more than any node has")
+    cpu, memory = _host_requests(ref, requests)
+    status = pod.get("status")
+    if _container_statuses(status):
+        try:
+            cpu, memory = _host_requests(ref, pod_requests(spec, status))
+        except (QuantityError, DemandError):
+            pass  # a status no kubelet writes (a negative size, say): the spec counts
     from_annotation = reads_pin_annotation(pod) if count else False
     pinned = from_annotation or (references_pin_configmap(pod) if count else False)
     return Demand(

@@ -139,8 +139,12 @@ def test_a_resizing_sidecar_and_statuses_not_as_the_kubelet_writes_them() -> Non
     p["status"]["initContainerStatuses"] = ["proxy", {"name": 7}, {"allocatedResources": []}]
     p["status"]["containerStatuses"] = {"app": {}}
     assert pod_demand(p).cpu_milli == 1500
-    p["status"]["containerStatuses"] = [{"name": "app", "allocatedResources": {"cpu": "2x"}}]
-    assert pod_demand(p).cpu_milli == 1500  # a quantity no kubelet writes: the spec counts
+    # quantities no kubelet writes leave the spec counted, rather than the pod unreadable
+    for cpu in ("2x", "-1", "1e30"):
+        p["status"]["containerStatuses"] = [{"name": "app", "allocatedResources": {"cpu": cpu}}]
+        p["status"]["conditions"] = [{"type": "PodResizePending", "reason": "Infeasible"}]
+        assert pod_demand(p).cpu_milli == 1500, cpu
+    del p["status"]["conditions"]
     # GPUs cannot be resized: a GPU count in the status changes nothing
     p = _resizing("1", "1", "1")
     p["status"]["containerStatuses"][0]["allocatedResources"]["nvidia.com/gpu"] = "4"
