@@ -16,6 +16,7 @@ from typing import Any
 from extender.assignment import AssignmentError, decode_assignment
 from extender.demand import (
     ASSIGNMENT,
+    MODEL_MEMORY,
     Demand,
     DemandError,
     PodRef,
@@ -29,7 +30,13 @@ from extender.placement import choose_devices, device_need
 from extender.planner.capacity import Kind, demand_kind
 from extender.planner.mix import DemandMix
 
-__all__ = ["ClusterState", "TERMINAL_PHASES", "DEFAULT_SCHEDULER_NAME", "check_cluster"]
+__all__ = [
+    "ClusterState",
+    "TERMINAL_PHASES",
+    "DEFAULT_SCHEDULER_NAME",
+    "check_cluster",
+    "whole_device_demand",
+]
 
 log = logging.getLogger(__name__)
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -181,22 +188,36 @@ class ClusterState:
             self.cpu_used[node], self.memory_used[node] = cpu_left, memory_left
 
     def _account_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str) -> Demand | None:
-        """Count a bound pod against the devices it holds; its demand, None if unreadable."""
-        meta = pod.get("metadata") or {}
+        """Count a bound pod against the devices it holds; its demand, None if unreadable.
+
+        A pod that runs whatever its annotation says (edited after bind, or bound by another
+        scheduler without our webhook's check) is counted on whole GPUs when the annotation is
+        what cannot be read: its GPUs are in use, and how much of them is unknown."""
         try:
             demand = pod_demand(pod, headroom=self.headroom)
         except DemandError as exc:
+            whole = whole_device_demand(pod, self.headroom)
             # The reason quotes the annotation; annotations are only ever logged at debug.
             log.warning(
-                "bound pod %s has an unreadable GPU demand; not counted (reason at debug level)",
+                "bound pod %s has an unreadable GPU demand; %s (reason at debug level)",
                 ref,
+                "not counted" if whole is None else "counted on whole GPUs",
             )
             log.debug("bound pod %s: %s", ref, exc)
-            self._drop_usage(ref.key)
+            if whole is None:
+                self._drop_usage(ref.key)
+            else:
+                self._count_bound(ref, pod, node, whole)
             return None
+        self._count_bound(ref, pod, node, demand)
+        return demand
+
+    def _count_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str, demand: Demand) -> None:
+        """Hold what the bound pod holds: its assignment when readable, else a guess."""
+        meta = pod.get("metadata") or {}
         self._set_usage(ref.key, node, demand.cpu_milli, demand.memory_bytes)
         if not demand.wants_gpu:
-            return demand
+            return
         try:
             res = decode_assignment(ref, meta.get("annotations") or {}, demand.priority)
         except AssignmentError as exc:
@@ -210,19 +231,18 @@ class ClusterState:
         if res is not None and res.node == node:
             self.guessed.discard(ref.key)
             self.ledger.record(res)
-            return demand
+            return
         existing = self.ledger.reservation(ref.key)
         if existing is not None and existing.node == node:
-            return demand  # already counted (our own bind, or an earlier guess)
+            return  # already counted (our own bind, or an earlier guess)
         self.ledger.release(ref.key)
         chosen = choose_devices(self.ledger, demand, node)
         guess = self._worst_case(demand, node) if isinstance(chosen, str) else chosen
         if guess is None:
             log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
-            return demand
+            return
         self.guessed.add(ref.key)
         self.ledger.record(guess)
-        return demand
 
     def _worst_case(self, demand, node: str) -> Reservation | None:
         """A pod running where it does not fit by our books: count it on the least used devices,
@@ -271,6 +291,20 @@ class ClusterState:
         }
 
 
+def whole_device_demand(pod: Mapping[str, Any], headroom: float = 0.0) -> Demand | None:
+    """A pod whose `model-memory` annotation cannot be read, as one asking whole devices (no
+    annotation); None when the rest of it cannot be read either."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if not isinstance(annotations, Mapping) or MODEL_MEMORY not in annotations:
+        return None
+    rest = {k: v for k, v in annotations.items() if k != MODEL_MEMORY}
+    try:
+        return pod_demand({**pod, "metadata": {**meta, "annotations": rest}}, headroom=headroom)
+    except DemandError:
+        return None
+
+
 def check_cluster(cluster: ClusterState) -> list[Violation]:
     """`check_invariant` plus the ledger's agreement with the pods it was derived from.
 
@@ -298,6 +332,8 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             mix[demand_kind(demand)] += 1
         if not node:
             continue
+        if demand is None:
+            demand = whole_device_demand(pod, cluster.headroom)  # as `_account_bound` counts it
         if demand is not None:
             cpu[node] = cpu.get(node, 0) + demand.cpu_milli
             memory[node] = memory.get(node, 0) + demand.memory_bytes

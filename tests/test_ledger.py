@@ -165,6 +165,46 @@ def test_bound_pod_without_assignment_is_counted_conservatively():
     assert "default/legacy" in c.guessed
 
 
+@pytest.mark.parametrize("value", ["16Gx", "0", "-4Gi", "1e400"])
+def test_a_bound_pod_whose_model_memory_is_unreadable_still_holds_its_gpu(value: str) -> None:
+    """Annotations are not checked by the API server and may be edited after bind. A running
+    pod whose `model-memory` no longer parses was counted on no GPU, so its GPU looked free
+    to the next pods while the pod used it; it is now counted on whole GPUs (or, with a readable
+    assignment, where the assignment says)."""
+    from extender.cluster import check_cluster
+
+    odd = pod("odd", value, node="n", phase="Running")
+    odd["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "2"
+    c = cluster(gpu_node("n", count=2, replicas=4), odd)
+    assert c.ledger.totals()[0] == 80 * GIB and "default/odd" in c.guessed
+    assert c.cpu_used == {"n": 2000} and check_cluster(c) == []
+    assert not c.demand_mix  # not a kind of pod to plan room for
+    # bound by vramsched, then edited: the assignment written at bind still says where and how much
+    booked = pod("booked", "30Gi", node="n", phase="Running")
+    booked["metadata"]["annotations"]["vramsched.io/assignment"] = (
+        '{"node":"n","devices":["1"],"bytesPerDevice":[32212254720]}'
+    )
+    c.upsert_pod(booked)
+    edited = {
+        **booked,
+        "metadata": {
+            **booked["metadata"],
+            "annotations": {
+                **booked["metadata"]["annotations"],
+                "vramsched.io/model-memory": value,
+            },
+        },
+    }
+    c.upsert_pod(edited)
+    assert c.ledger.reservation("default/booked").device_ids == ("1",)
+    assert c.ledger.totals()[0] == 110 * GIB and check_cluster(c) == []
+    # a pod whose GPU request itself is what cannot be read stays uncounted, as before
+    both = pod("both", None, node="n", phase="Running")
+    both["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/mig-1g.10gb"] = "1"
+    c.upsert_pod(both)
+    assert c.ledger.reservation("default/both") is None
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [

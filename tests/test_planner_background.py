@@ -166,7 +166,8 @@ def _with_requests(p: dict, cpu: str, memory: str) -> dict:
 
 
 def _reference_usage(c) -> tuple[dict, dict]:
-    """CPU/memory per node as the snapshot used to compute it: every live bound pod parsed again."""
+    """CPU/memory per node as the snapshot used to compute it: every live bound pod parsed again,
+    one whose annotation is unreadable as one that declares no memory."""
     from extender.demand import DemandError, pod_demand
 
     cpu: dict[str, int] = {}
@@ -178,7 +179,13 @@ def _reference_usage(c) -> tuple[dict, dict]:
         try:
             d = pod_demand(p)
         except DemandError:
-            continue
+            # counted as if it declared no memory (its annotation unreadable), else not at all
+            rest = dict(p["metadata"].get("annotations") or {})
+            rest.pop("vramsched.io/model-memory", None)
+            try:
+                d = pod_demand({**p, "metadata": {**p["metadata"], "annotations": rest}})
+            except DemandError:
+                continue
         cpu[node] = cpu.get(node, 0) + d.cpu_milli
         mem[node] = mem.get(node, 0) + d.memory_bytes
     return cpu, mem
