@@ -347,6 +347,12 @@ def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
             "--config (settings in a file)",
         ),
         (
+            ["vllm", "serve"],
+            ["Qwen/Qwen2.5-7B-Instruct", "--num-gpu-blocks-override=40000"],
+            None,
+            "--num-gpu-blocks-override (a fixed KV cache size)",
+        ),
+        (
             ["python3", "-m", "sglang.launch_server"],
             ["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--speculative-algorithm=EAGLE"],
             None,
@@ -363,8 +369,9 @@ def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
 def test_what_loads_more_than_the_estimate_counts_is_not_sized(
     command: list[str], args: list[str], env: list[dict[str, str]] | None, says: str
 ) -> None:
-    """A draft model or LoRA slots take GPU memory the estimate leaves out: filled with it, the
-    pod would use more than its books."""
+    """A draft model, LoRA slots or a KV cache of a fixed number of blocks (which vLLM allocates
+    whatever its memory fraction says) take GPU memory the estimate leaves out: filled with it,
+    the pod would use more than its books."""
     d = decide(pod(None, command=command, args=args, env=env))
     (w,) = d.warnings
     assert f"runs with {says}, which vramsched does not estimate" in w

@@ -75,13 +75,17 @@ _FLAGS: dict[str, dict[str, str]] = {
     },
 }
 _EAGER = {"vllm": "--enforce-eager", "sglang": "--disable-cuda-graph"}
-#: flags that load more onto the GPU than the estimate counts (a draft model, LoRA slots): a
-#: pod using them is not sized, since an estimate without them would be too small
+#: flags that load more onto the GPU than the estimate counts (a draft model, LoRA slots, a KV
+#: cache sized apart from the fraction): a pod using them is not sized, since an estimate
+#: without them would be too small
 _UNESTIMATED: dict[str, dict[str, str]] = {
     "vllm": {
         "--speculative-config": "speculative decoding",
         "--speculative-model": "speculative decoding",
         "--enable-lora": "LoRA adapters",
+        # a KV cache of that many blocks whatever the fraction leaves for it (vLLM replaces the
+        # count it works out from the free memory: `may_override_num_blocks`)
+        "--num-gpu-blocks-override": "a fixed KV cache size",
         # flags in a YAML file the webhook cannot read: any of the above, or a fraction
         "--config": "settings in a file",
     },
