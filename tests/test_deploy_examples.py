@@ -27,7 +27,7 @@ from extender import mig
 from extender.demand import MODEL_MEMORY, pod_demand
 from extender.inventory import GPU_RESOURCE, is_gpu_resource, node_inventory
 from extender.quantity import MIB, parse_bytes
-from extender.sizing.engines import FLAGS, outside
+from extender.sizing.engines import FLAGS, EngineSettings, outside
 from extender.sizing.handoff import FRACTION_ENV, FRACTION_FIELD_PATH, pod_engine, pod_fraction
 from extender.webhook.admission import decide
 
@@ -75,11 +75,16 @@ def test_vllm_memory_fraction_matches_the_reservation() -> None:
                 continue  # set at bind time: test_sizing_examples_*
             fraction = Fraction(flag_value(vllm["args"], "--gpu-memory-utilization"))
             reserved = parse_bytes(meta["annotations"][MODEL_MEMORY])
-            budget = fraction * _device_memory_bytes(spec)
-            # vLLM must stay inside its reservation, without wasting more than 10% of it.
-            assert Fraction(9, 10) * reserved <= budget <= reserved, (
-                f"{path.name}: {float(budget) / 2**30:.2f} GiB"
-            )
+            device = _device_memory_bytes(spec)
+            # vLLM's budget plus what it takes outside it (the CUDA context and graphs) stays
+            # inside the reservation, wasting at most the 1% of the device rounding to 0.01 may,
+            # as the fraction vramsched hands out at bind does.
+            used = fraction * device + outside(EngineSettings("vllm"), device)
+            assert used <= reserved, f"{path.name}: {float(used) / 2**30:.2f} GiB"
+            assert reserved - used <= device / 100, f"{path.name}: {float(used) / 2**30:.2f} GiB"
+            # and vLLM 0.21 and later keep the graphs outside the budget, as counted here
+            env = {e["name"]: e.get("value") for e in vllm.get("env", [])}
+            assert env.get("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS") == "0", path.name
             checked += 1
     assert checked >= 3
 

@@ -114,13 +114,63 @@ def test_named_model_gets_its_annotation_and_the_fraction_env() -> None:
         "set vramsched.io/model-memory=" in w and "Qwen/Qwen2.5-7B-Instruct" in w
         for w in d.warnings
     )
-    (env,) = out["spec"]["containers"][0]["env"]
-    assert env == {
-        "name": "VRAMSCHED_GPU_MEMORY_FRACTION",
-        "valueFrom": {"fieldRef": {"fieldPath": FIELD}},
-    }
+    assert out["spec"]["containers"][0]["env"] == [
+        {"name": "VRAMSCHED_GPU_MEMORY_FRACTION", "valueFrom": {"fieldRef": {"fieldPath": FIELD}}},
+        # vLLM 0.21 and later: CUDA graphs outside the fraction, as the estimate counts them
+        {"name": "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "value": "0"},
+    ]
     # The filled pod is one the filter accepts.
     assert pod_demand(out).bytes_per_gpu == int(float(memory[:-2]) * GIB)
+
+
+def _env_of(p: dict[str, Any], d: Any) -> dict[str, Any]:
+    out = apply_json_patch(p, d.patch)
+    return {
+        e["name"]: e.get("value", e.get("valueFrom"))
+        for e in out["spec"]["containers"][0].get("env", [])
+    }
+
+
+def test_vllm_at_the_handed_share_keeps_cuda_graphs_outside_it() -> None:
+    """From v0.21 vLLM takes its estimate of the CUDA graph pool out of the
+    --gpu-memory-utilization budget; the fraction vramsched hands it counts the pool outside,
+    as vLLM did before. Left at vLLM's default, the KV cache came out short by that pool (a
+    pod sized for one full-length sequence would not start). The webhook sets the variable
+    that keeps the graphs outside, only where vLLM takes vramsched's fraction."""
+    graphs = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
+    args = ["Qwen/Qwen2.5-7B-Instruct", "--max-model-len", "8192", "--max-num-seqs", "4"]
+    declared = {"vramsched.io/model-memory": "24Gi"}
+    # wired by the pod itself, or by the webhook on `inject`
+    for p in (
+        pod(declared, command=["vllm", "serve"], args=args),
+        pod(
+            {**declared, "vramsched.io/engine-args": "inject"},
+            command=["vllm", "serve"],
+            args=args,
+            handoff=False,
+        ),
+    ):
+        assert _env_of(p, decide(p))[graphs] == "0"
+    # the container's own value stands
+    p = pod(declared, command=["vllm", "serve"], args=args, env=[{"name": graphs, "value": "1"}])
+    env = _env_of(p, decide(p))
+    assert env[graphs] == "1" and "VRAMSCHED_GPU_MEMORY_FRACTION" in env
+    # not where vLLM runs at its own share (written out, or its default), nor for other engines
+    for p in (
+        pod(
+            declared,
+            command=["vllm", "serve"],
+            args=[*args, "--gpu-memory-utilization", "0.3"],
+            handoff=False,
+        ),
+        pod(declared, command=["vllm", "serve"], args=args, handoff=False),
+        pod(
+            declared,
+            command=["text-generation-launcher"],
+            args=["--model-id", "Qwen/Qwen2.5-7B-Instruct"],
+        ),
+    ):
+        assert graphs not in _env_of(p, decide(p))
 
 
 def test_model_from_engine_args_without_annotations_and_two_gpus() -> None:

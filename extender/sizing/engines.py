@@ -8,7 +8,8 @@ the flag covers (`inside`) and which part it takes on top (`outside`):
   must hold weights + peak activations + KV cache (vllm/v1/worker/gpu_worker.py
   determine_available_memory; vllm/utils/mem_utils.py memory_profiling). The CUDA context and
   NCCL buffers (allocated before the baseline snapshot) and the CUDA graph pool (captured
-  after the KV cache is sized) are outside it.
+  after the KV cache is sized; from v0.21.0 only with VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0,
+  which the hand-off sets: `ENGINE_ENV`) are outside it.
 * TGI `--cuda-memory-fraction`: caps torch at fraction x total and sizes the KV cache so that
   (1 - 0.9 x fraction) of the device stays free (server/.../utils/import_utils.py
   get_cuda_free_memory; TGI_WIGGLE_ROOM=0.90 in models/globals.py): everything of TGI's is
@@ -30,6 +31,7 @@ from extender.sizing.architecture import Architecture
 
 __all__ = [
     "ENGINES",
+    "ENGINE_ENV",
     "FLAGS",
     "EngineSettings",
     "Overhead",
@@ -56,6 +58,15 @@ CONTEXT_BYTES = 768 * MIB
 CONTEXT_BYTES_TP = 1792 * MIB
 # vLLM's CUDA graph pool: -0.45 .. +1.03 GiB measured (gpt-oss-120b the largest); rounded up.
 VLLM_GRAPH_BYTES = 1 * GIB
+#: From v0.21.0 vLLM estimates its CUDA graph pool before sizing the KV cache and takes it out of
+#: the `--gpu-memory-utilization` budget (gpu_worker.py, "CUDA graph memory profiling is enabled
+#: (default since v0.21.0)"); with this variable at 0 it captures the graphs after, outside the
+#: budget, as every earlier version does. The fraction above counts the pool outside, so vLLM
+#: runs with the variable at 0 (`ENGINE_ENV`); left at its default, the KV cache would come out
+#: smaller by vLLM's estimate of the pool than the estimate sized it.
+VLLM_GRAPH_PROFILER_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
+#: environment an engine needs, beside its fraction flag, to take what the estimate counts
+ENGINE_ENV: dict[str, dict[str, str]] = {"vllm": {VLLM_GRAPH_PROFILER_ENV: "0"}}
 # vLLM's profiled peak is the sampler on max_num_seqs rows of logits: 38.5-39.9 bytes per
 # (sequence x vocabulary entry) in those measurements (Llama-3.1-8B 4.76 GiB, Qwen3-0.6B and
 # Qwen3-32B 5.56/5.64 GiB, gpt-oss-20b 7.38 GiB, all at 1024 sequences); 40 is used.

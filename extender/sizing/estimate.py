@@ -19,6 +19,7 @@ from extender.sizing.engine_args import flag_names
 from extender.sizing.engines import (
     ENGINES,
     FLAGS,
+    VLLM_GRAPH_PROFILER_ENV,
     EngineSettings,
     Overhead,
     fraction,
@@ -378,6 +379,12 @@ def estimate(
     if a.moe is not None:
         notes.append(f"all {a.moe.experts} experts resident ({a.moe.top_k} active per token)")
     o = overhead(a, s, memory, product)
+    if s.engine == "vllm" and not s.enforce_eager:
+        notes.append(
+            f"vLLM 0.21 and later: run it with {VLLM_GRAPH_PROFILER_ENV}=0 (the webhook sets "
+            "it), or it counts its CUDA graphs inside the fraction and its KV cache comes out "
+            "smaller than this"
+        )
     if memory is None and s.engine == "vllm" and not s.max_num_seqs:
         notes.append(
             "vLLM's defaults for GPUs of 70 GiB and more assumed (1024 sequences, 8192 batched "

@@ -31,8 +31,13 @@ import orjson
 from extender.demand import MAX_MODEL_MEMORY, MODEL_MEMORY, DemandError, pod_demand
 from extender.quantity import format_bytes
 from extender.sizing import catalogue
-from extender.sizing.engine_args import ENGINE_ANNOTATION_VALUES, Invocation, flag_names
-from extender.sizing.engines import FLAGS, EngineSettings
+from extender.sizing.engine_args import (
+    ENGINE_ANNOTATION_VALUES,
+    Invocation,
+    flag_names,
+    parse_container,
+)
+from extender.sizing.engines import ENGINE_ENV, FLAGS, EngineSettings
 from extender.sizing.errors import SizingError
 from extender.sizing.estimate import SMALL_GPU, Estimate, Model, estimate, format_quantity
 from extender.sizing.handoff import (
@@ -214,6 +219,17 @@ def _handoff(engine: str) -> str:
     return f"set {ENGINE_ARGS_ANNOTATION}: inject or pass {FLAGS[engine]}=$({FRACTION_ENV})"
 
 
+def _takes_share(own: Invocation, inject_args: bool) -> bool:
+    """The container's engine will run at the fraction vramsched hands it: its memory flag
+    reads the variable, or the webhook appends the flag (asked, not a shell script, and no
+    flag of its own)."""
+    if own.fixed_fraction is not None:
+        return False
+    return own.fraction_from_variable or (
+        inject_args and not own.shell and not own.fraction_flag_set
+    )
+
+
 def _unwired(invocation: Invocation | None, ann: Mapping[str, Any]) -> bool:
     """A recognised engine that will run at its own default share of the GPU: no memory flag
     from a variable, none written out, and no `engine-args: inject` the webhook can act on
@@ -276,19 +292,31 @@ def _catalogue_model(entry: catalogue.Entry) -> Model:
 def _inject(
     d: Decision, pod: Mapping[str, Any], ann: Mapping[str, Any], invocation: Invocation | None
 ) -> None:
-    """The downward-API env var in every GPU container, and the engine flag when asked."""
+    """The downward-API env var in every GPU container, what its engine needs beside the flag
+    to take what the estimate counts (`ENGINE_ENV`), and the engine flag when asked."""
     inject_args = _inject_asked(ann)
     engine = invocation.engine if invocation is not None else None
+    hint = str(ann.get(ENGINE_ANNOTATION) or "").strip().lower() or None
     for i, c in gpu_containers(pod):
         env = c.get("env") if isinstance(c.get("env"), list) else None
-        if not any(isinstance(e, Mapping) and e.get("name") == FRACTION_ENV for e in env or []):
-            var = {
-                "name": FRACTION_ENV,
-                "valueFrom": {"fieldRef": {"fieldPath": FRACTION_FIELD_PATH}},
-            }
-            if env is None:
-                d.patch.append({"op": "add", "path": f"/spec/containers/{i}/env", "value": [var]})
-            else:
+        names = {e.get("name") for e in env or [] if isinstance(e, Mapping)}
+        adds: list[dict[str, Any]] = []
+        if FRACTION_ENV not in names:
+            adds.append(
+                {
+                    "name": FRACTION_ENV,
+                    "valueFrom": {"fieldRef": {"fieldPath": FRACTION_FIELD_PATH}},
+                }
+            )
+        own = parse_container(c, hint)
+        if own is not None and _takes_share(own, inject_args):
+            for key, value in ENGINE_ENV.get(own.engine, {}).items():
+                if key not in names:  # the container's own setting stands
+                    adds.append({"name": key, "value": value})
+        if adds and env is None:
+            d.patch.append({"op": "add", "path": f"/spec/containers/{i}/env", "value": adds})
+        else:
+            for var in adds:
                 d.patch.append({"op": "add", "path": f"/spec/containers/{i}/env/-", "value": var})
         if not inject_args:
             continue
