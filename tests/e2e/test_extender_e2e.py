@@ -678,7 +678,9 @@ def test_deployment_pods_pin_through_the_downward_api_and_each_bind_records_an_e
     )  # exclusive: cannot pin
     api = core(cp)
     template = example_template_pod(REPO_ROOT / "deploy" / "examples" / "pinned-deployment.yaml")
-    (env,) = template["spec"]["containers"][0]["env"]
+    (env,) = [
+        e for e in template["spec"]["containers"][0]["env"] if e["name"] == "NVIDIA_VISIBLE_DEVICES"
+    ]
     assert (
         env["valueFrom"]["fieldRef"]["fieldPath"]
         == "metadata.annotations['vramsched.io/gpu-index']"
