@@ -9,6 +9,7 @@ same run.
     .venv/bin/python benchmarks/planner_rules.py open-cost    # every list, both inflations
     .venv/bin/python benchmarks/planner_rules.py portfolio    # 12 lists, inflate 1.3, file order
     .venv/bin/python benchmarks/planner_rules.py portfolio --lists default gpuspec05 --shuffle-nodes 1
+    .venv/bin/python benchmarks/planner_rules.py idle-nodes --lists gpushare40 --inflate 0
 
 **variants** (`VARIANTS`): the planner (batches and all) with its one-pod rule replaced, on every
 trace list at inflate 1.3 in the file's node order and `--shuffle-orders` shuffled ones, and on
@@ -54,6 +55,11 @@ the same run:
 - **prefix**: replay the first `--prefix` share of the list, inflated as the run is, on the empty
   cluster under each rule, and report which rule wins there next to which wins on the whole list:
   whether an early choice would be right.
+
+**idle-nodes**: why a list's largest multi-GPU pods find no node. Each of `IDLE_POLICIES` replays
+the list (`--inflate`, `--shuffle-nodes`); at every arrival of a pod asking the list's largest GPU
+count K, the nodes that still have K idle GPUs are counted, and those of them that also have the
+pod's cores and host memory free, beside whether the pod was placed.
 
 Results go to benchmarks/results/planner_rules_<mode>.json and a table is printed. Why none of
 them is the planner's rule: docs/benchmarks/packing-experiments.md (open-cost: docs/packing.md).
@@ -719,10 +725,98 @@ def _write(path: Path, start: float, body: dict) -> None:
     print(f"results: {path}")
 
 
+#: idle-nodes: the planner and the baselines it trails where a largest pod finds no node
+IDLE_POLICIES = ("planner", "fgd", "hot-path", "first-fit")
+#: the one-pod rule each policy's single pods go through (`greedy.POLICIES`)
+_RULE_OF = {"planner": "fgd-packed"}
+
+
+def _counting_largest(rule: RuleFn, k: int, seen: list[dict]) -> RuleFn:
+    """`rule`, noting at each pod asking `k` GPUs how many nodes have `k` idle GPUs, how many of
+    those have the pod's cores and memory free too, and whether the rule placed it."""
+
+    def spy(cap: Capacity, demand: Demand, frag: FragIndex | None = None) -> Choice | None:
+        if demand.gpu_count != k:
+            return rule(cap, demand, frag)
+        _, per_node = idle_gpus(cap)
+        whole = per_node >= k
+        room = whole & (cap.cpu_free >= demand.cpu_milli) & (cap.mem_free >= demand.memory_bytes)
+        got = rule(cap, demand, frag)
+        seen.append(
+            {
+                "pod": demand.pod.name,
+                "nodesWithIdleGpus": int(whole.sum()),
+                "withHostRoom": int(room.sum()),
+                "placed": got is not None,
+            }
+        )
+        return got
+
+    return spy
+
+
+def idle_nodes_on_list(job: tuple[str, float, int | None]) -> dict:
+    """One list under every `IDLE_POLICIES` policy, with `_counting_largest` around its rule."""
+    pod_list, factor, shuffle = job
+    loaded = tp.load(pod_list, factor, shuffle)
+    nodes, tasks, bound, _, workload = loaded
+    largest = largest_pods([t.demand for t in tasks])
+    out: dict = {"list": pod_list, "inflate": factor, "shuffle": shuffle, "policies": {}}
+    if largest is None:
+        return out
+    k = largest[0]
+    out["gpus"] = k
+    for policy in IDLE_POLICIES:
+        name = _RULE_OF.get(policy, policy)
+        original = POLICIES[name]
+        seen: list[dict] = []
+        POLICIES[name] = _counting_largest(original, k, seen)
+        try:
+            r = run_policy(policy, nodes, tasks, bound, workload=workload, time_limit=0.25)
+        finally:
+            POLICIES[name] = original
+        out["policies"][policy] = {
+            "allocatedGpus": round(r.allocatedMemoryBytes / tp.GPU_MIB, 2),
+            "largestPods": seen,
+        }
+    return out
+
+
+def idle_nodes_table(runs: list[dict]) -> str:
+    """Per run, the last five arrivals of the largest pods: nodes with K idle GPUs (with the
+    pod's cores and memory free too), per policy; F marks a pod that found no node."""
+    lines = []
+    for run in runs:
+        if "gpus" not in run:
+            lines.append(f"{run['list']}: no pod asks 2 GPUs or more")
+            continue
+        order = "file order" if run["shuffle"] is None else f"order {run['shuffle']}"
+        lines.append(
+            f"{run['list']}, inflate {run['inflate']:g}, {order}: "
+            f"nodes with {run['gpus']} idle GPUs (and the pod's host room) at its last arrivals"
+        )
+        for policy, got in run["policies"].items():
+            cells = [
+                f"{p['nodesWithIdleGpus']} ({p['withHostRoom']}){'' if p['placed'] else ' F'}"
+                for p in got["largestPods"][-5:]
+            ]
+            lines.append(f"  {policy:<10} {got['allocatedGpus']:>10.2f} GPUs  " + ", ".join(cells))
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "mode", choices=["variants", "models", "whole-nodes", "profile", "open-cost", "portfolio"]
+        "mode",
+        choices=[
+            "variants",
+            "models",
+            "whole-nodes",
+            "profile",
+            "open-cost",
+            "portfolio",
+            "idle-nodes",
+        ],
     )
     ap.add_argument("--lists", nargs="*", help="pod lists (default: every list found)")
     ap.add_argument("--workers", type=whole(at_least=1), default=2)
@@ -739,9 +833,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--inflate",
         type=number(at_least=0, at_most=MAX_INFLATE),
         default=1.3,
-        help="portfolio",
+        help="portfolio, idle-nodes",
     )
-    ap.add_argument("--shuffle-nodes", type=whole(at_least=0), default=None, help="portfolio")
+    ap.add_argument(
+        "--shuffle-nodes", type=whole(at_least=0), default=None, help="portfolio, idle-nodes"
+    )
     ap.add_argument(
         "--checkpoints",
         type=number(at_least=0, at_most=1),
@@ -809,6 +905,13 @@ def main() -> int:
             llm_result = llm.result()
         print(variants_table(runs, llm_result))
         _write(out, start, {"runs": runs, "llmMixed": llm_result})
+        return 0
+    if args.mode == "idle-nodes":
+        idle_jobs = [(x, args.inflate, args.shuffle_nodes) for x in lists]
+        with ProcessPoolExecutor(args.workers) as pool:
+            runs = list(pool.map(idle_nodes_on_list, idle_jobs))
+        print(idle_nodes_table(runs))
+        _write(out, start, {"runs": runs})
         return 0
     portfolio_jobs = [
         (
