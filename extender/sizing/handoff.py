@@ -29,6 +29,7 @@ __all__ = [
     "MODEL_ANNOTATION",
     "gpu_containers",
     "pod_engine",
+    "engine_hint",
     "pod_fraction",
     "bind_fraction",
     "format_fraction",
@@ -61,9 +62,14 @@ def gpu_containers(pod: Mapping[str, Any]) -> Iterable[tuple[int, Mapping[str, A
             yield i, c
 
 
+def engine_hint(pod: Mapping[str, Any]) -> str | None:
+    """The engine the pod names in vramsched.io/engine (lower case), None when it names none."""
+    return str(_annotations(pod).get(ENGINE_ANNOTATION) or "").strip().lower() or None
+
+
 def pod_engine(pod: Mapping[str, Any]) -> Invocation | None:
     """The first GPU container's engine, if recognised (or named by vramsched.io/engine)."""
-    hint = str(_annotations(pod).get(ENGINE_ANNOTATION) or "").strip().lower() or None
+    hint = engine_hint(pod)
     for _, container in gpu_containers(pod):
         found = parse_container(container, hint)
         if found is not None:
