@@ -46,6 +46,7 @@ from extender.sizing.handoff import (
     FRACTION_ENV,
     FRACTION_FIELD_PATH,
     MODEL_ANNOTATION,
+    engine_hint,
     gpu_containers,
     pod_engine,
 )
@@ -221,22 +222,21 @@ def _handoff(engine: str) -> str:
 
 def _takes_share(own: Invocation, inject_args: bool) -> bool:
     """The container's engine will run at the fraction vramsched hands it: its memory flag
-    reads the variable, or the webhook appends the flag (asked, not a shell script, and no
-    flag of its own)."""
-    if own.fixed_fraction is not None:
-        return False
-    return own.fraction_from_variable or (
-        inject_args and not own.shell and not own.fraction_flag_set
+    reads a variable, or the webhook appends the flag (asked, and not into a shell script; a
+    flag of its own is either written out or read from a variable)."""
+    return own.fixed_fraction is None and (
+        own.fraction_from_variable or (inject_args and not own.shell)
     )
 
 
 def _unwired(invocation: Invocation | None, ann: Mapping[str, Any]) -> bool:
     """A recognised engine that will run at its own default share of the GPU: no memory flag
-    from a variable, none written out, and no `engine-args: inject` the webhook can act on
-    (not into a shell script)."""
-    if invocation is None or invocation.fixed_fraction is not None:
-        return False
-    return not (invocation.fraction_from_variable or (_inject_asked(ann) and not invocation.shell))
+    written out, and not at the share vramsched hands it (`_takes_share`)."""
+    return (
+        invocation is not None
+        and invocation.fixed_fraction is None
+        and not _takes_share(invocation, _inject_asked(ann))
+    )
 
 
 def _why_not_filled(
@@ -296,7 +296,7 @@ def _inject(
     to take what the estimate counts (`ENGINE_ENV`), and the engine flag when asked."""
     inject_args = _inject_asked(ann)
     engine = invocation.engine if invocation is not None else None
-    hint = str(ann.get(ENGINE_ANNOTATION) or "").strip().lower() or None
+    hint = engine_hint(pod)
     for i, c in gpu_containers(pod):
         env = c.get("env") if isinstance(c.get("env"), list) else None
         names = {e.get("name") for e in env or [] if isinstance(e, Mapping)}
