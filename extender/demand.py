@@ -183,6 +183,7 @@ def pod_requests(
     kube-scheduler counts them: the most of what the spec asks, what the kubelet allocated and
     what the container runs with, as the kubelet holds the old size until the new one is
     applied; a resize the kubelet calls infeasible leaves the spec out (it will not happen).
+    Pod-level `resources` count the same way during a pod-level resize (`_pod_level_resized`).
     A status quantity that does not parse raises QuantityError, as a spec's does."""
     containers = spec.get("containers") or []
     inits = spec.get("initContainers") or []
@@ -208,9 +209,12 @@ def pod_requests(
     if pod_level:
         if not isinstance(pod_level, Mapping):
             raise DemandError("Pod spec.resources is not an object")
-        for k, v in container_requests({"resources": pod_level}).items():
-            if k in _POD_LEVEL:
-                total[k] = parse_quantity(v)
+        level = {
+            k: parse_quantity(v)
+            for k, v in container_requests({"resources": pod_level}).items()
+            if k in _POD_LEVEL
+        }
+        total.update(_pod_level_resized(level, status))
     overhead = spec.get("overhead")
     if overhead:
         if not isinstance(overhead, Mapping):
@@ -269,6 +273,13 @@ def _container_statuses(status: Mapping[str, Any] | None) -> dict[str, Mapping[s
     return found
 
 
+def _pod_level_status(spec: Mapping[str, Any], status: Mapping[str, Any] | None) -> bool:
+    """Whether the pod sets pod-level resources and its status reports the running ones."""
+    return bool(spec.get("resources")) and (
+        isinstance(status, Mapping) and isinstance(status.get("resources"), Mapping)
+    )
+
+
 def _resize_infeasible(status: Mapping[str, Any] | None) -> bool:
     """Whether the kubelet marked the pod's pending resize infeasible (condition
     `PodResizePending`, reason `Infeasible`)."""
@@ -310,6 +321,31 @@ def _resized(
 
 #: the resources pod-level `spec.resources` may set, of those vramsched reads
 _POD_LEVEL = frozenset({"cpu", "memory"})
+
+
+def _pod_level_resized(
+    level: Mapping[str, Any], status: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The pod-level CPU and memory (`level`, from the spec) during a pod-level in-place resize, as
+    kube-scheduler 1.36 counts them (InPlacePodLevelResourcesVerticalScaling, on by default): once
+    the kubelet reports the pod's running `status.resources`, each resource the spec sets counts
+    at the most of the spec, that running size and `status.allocatedResources`, the spec left out
+    of an infeasible resize. Checked against a real kube-scheduler 1.36.3
+    (tests/e2e/test_pod_requests_e2e.py): a resource the spec does not set keeps its containers'
+    sum, and the RuntimeClass overhead comes on top of the status sizes too."""
+    if not isinstance(status, Mapping) or not isinstance(status.get("resources"), Mapping):
+        return dict(level)
+    infeasible = _resize_infeasible(status)
+    sources = [status["resources"].get("requests"), status.get("allocatedResources")]
+    out: dict[str, Any] = {}
+    for k, q in level.items():
+        sizes = [] if infeasible else [q]
+        sizes += [
+            parse_quantity(src[k]) for src in sources if isinstance(src, Mapping) and k in src
+        ]
+        if sizes:
+            out[k] = max(sizes)
+    return out
 
 
 def _add(total: dict[str, Any], requests: Mapping[str, Any]) -> None:
@@ -448,7 +484,7 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
         raise DemandError(f"pod {ref}: spec.priority {priority!r} is not an integer")
     cpu, memory = _host_requests(ref, requests)
     status = pod.get("status")
-    if _container_statuses(status):
+    if _container_statuses(status) or _pod_level_status(spec, status):
         try:
             cpu, memory = _host_requests(ref, pod_requests(spec, status))
         except (QuantityError, DemandError):

@@ -151,6 +151,82 @@ def test_a_resizing_sidecar_and_statuses_not_as_the_kubelet_writes_them() -> Non
     assert pod_demand(p).gpu_count == 1
 
 
+def _pod_level_resizing(status: dict) -> dict:
+    """A bound one-GPU pod with pod-level requests of 2 cores and 2 GiB, its container steady at
+    1 core, and the pod-level `status` fields given."""
+    p = _resizing("1", "1", "1")
+    p["spec"]["resources"] = {"requests": {"cpu": "2", "memory": "2Gi"}}
+    p["status"].update(status)
+    return p
+
+
+@pytest.mark.parametrize(
+    ("status", "cpu", "memory"),
+    [
+        ({}, 2000, 2 * GIB),  # no resize: the pod-level spec
+        # shrinking: the pod still runs at 5 cores and 3 GiB, allocated 4 cores
+        (
+            {
+                "resources": {"requests": {"cpu": "5", "memory": "3Gi"}},
+                "allocatedResources": {"cpu": "4"},
+            },
+            5000,
+            3 * GIB,
+        ),
+        # allocated, not yet running at it
+        (
+            {"resources": {"requests": {"cpu": "2500m"}}, "allocatedResources": {"cpu": "4"}},
+            4000,
+            2 * GIB,
+        ),
+        # no running size reported: kube-scheduler reads the pod-level status only with one
+        ({"allocatedResources": {"cpu": "4"}}, 2000, 2 * GIB),
+        # a running size without requests still lets the allocation count
+        (
+            {"resources": {"limits": {"cpu": "7"}}, "allocatedResources": {"cpu": "4"}},
+            4000,
+            2 * GIB,
+        ),
+        # an infeasible resize leaves the spec out: memory, which no status sizes, falls back to
+        # the container as the kubelet allocated it
+        (
+            {
+                "resources": {"requests": {"cpu": "1500m"}},
+                "allocatedResources": {"cpu": "1200m"},
+                "conditions": [{"type": "PodResizePending", "reason": "Infeasible"}],
+            },
+            1500,
+            GIB,
+        ),
+    ],
+)
+def test_a_pod_level_resize_counts_as_kube_scheduler_counts_it(
+    status: dict, cpu: int, memory: int
+) -> None:
+    """kube-scheduler 1.36 counts pod-level CPU and memory during a pod-level in-place resize by
+    the most of the spec, the running `status.resources` and `status.allocatedResources` (each
+    case checked against the real one in tests/e2e/test_pod_requests_e2e.py)."""
+    d = pod_demand(_pod_level_resizing(status))
+    assert (d.cpu_milli, d.memory_bytes) == (cpu, memory)
+
+
+def test_a_pod_level_status_sizes_only_what_the_spec_sets_and_overhead_adds() -> None:
+    """A resource the pod-level spec leaves to the containers keeps their sum whatever the status
+    says; the RuntimeClass overhead comes on top of a status size as of a spec one; a status no
+    kubelet writes leaves the spec counted."""
+    p = _pod_level_resizing(
+        {"resources": {"requests": {"cpu": "4", "memory": "6Gi"}}, "allocatedResources": {}}
+    )
+    p["spec"]["resources"] = {"requests": {"memory": "2Gi"}}
+    assert (pod_demand(p).cpu_milli, pod_demand(p).memory_bytes) == (1000, 6 * GIB)
+    p["spec"]["resources"] = {"requests": {"cpu": "2"}}
+    p["spec"]["overhead"] = {"cpu": "500m"}
+    assert (pod_demand(p).cpu_milli, pod_demand(p).memory_bytes) == (4500, GIB)
+    for bad in ("2x", "-1", "1e30", ["4"]):
+        p["status"]["resources"] = {"requests": {"cpu": bad}}
+        assert pod_demand(p).cpu_milli == 2500, bad
+
+
 @pytest.mark.parametrize("field", ["resources", "overhead"])
 def test_pod_level_fields_of_the_wrong_shape_are_named(field: str) -> None:
     p = pod("p", "8Gi")

@@ -1,0 +1,292 @@
+"""vramsched counts a running pod's CPU and memory as the real kube-scheduler does.
+
+The planner and repacking judge a node's free CPU and memory from `demand.pod_requests`; where it
+counts a running pod lower than kube-scheduler, they plan pods there that kube-scheduler refuses.
+Each case binds one pod to a node of its own, writes the status a kubelet would (an in-place
+resize of a container or of the whole pod, an infeasible one, a RuntimeClass overhead, a
+sidecar), reads the pod back as vramsched's informer would, and asks the real kube-scheduler:
+a pod asking for exactly the rest of the node must be placed there, and one asking a unit more
+must not. 1.36 only: 1.20 has neither in-place resize nor pod-level resources.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes.client
+import pytest
+from controlplane import ControlPlane
+
+from extender.demand import pod_requests
+from extender.quantity import parse_bytes, parse_milli
+
+NS = "default"
+SCHEDULER = "vramsched"
+#: each case's node: 8 cores and 8 GiB, so a probe asking the rest is a small number
+ALLOCATABLE = {"cpu": 8000, "memory": 8 << 30}
+OVERHEAD = "half-core-overhead"
+
+
+def _container(name: str = "app", cpu: str = "1", memory: str = "1Gi") -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": "busybox",
+        "resources": {"requests": {"cpu": cpu, "memory": memory}},
+    }
+
+
+def _running(name: str = "app", *, allocated: str | None, running: str | None) -> dict[str, Any]:
+    """A container status as the kubelet writes it, with CPU as allocated and as running."""
+    status: dict[str, Any] = {
+        "name": name,
+        "image": "busybox",
+        "imageID": "",
+        "ready": True,
+        "restartCount": 0,
+        "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+    }
+    if allocated is not None:
+        status["allocatedResources"] = {"cpu": allocated, "memory": "1Gi"}
+    if running is not None:
+        status["resources"] = {"requests": {"cpu": running, "memory": "1Gi"}}
+    return status
+
+
+INFEASIBLE = [{"type": "PodResizePending", "status": "True", "reason": "Infeasible"}]
+POD_LEVEL = {"resources": {"requests": {"cpu": "2", "memory": "2Gi"}}}
+STEADY = [_running(allocated="1", running="1")]
+
+#: (case, resource probed, spec fields beside one 1-core container, status written)
+CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
+    ("plain", "cpu", {}, None),
+    (
+        "container-shrinking",
+        "cpu",
+        {},
+        {"containerStatuses": [_running(allocated="3", running="3")]},
+    ),
+    (
+        "container-allocated-not-running",
+        "cpu",
+        {},
+        {"containerStatuses": [_running(allocated="4", running="2")]},
+    ),
+    (
+        "container-infeasible",
+        "cpu",
+        {"containers": [_container(cpu="6")]},
+        {"containerStatuses": [_running(allocated="3", running="2")], "conditions": INFEASIBLE},
+    ),
+    (
+        "sidecar-shrinking",
+        "cpu",
+        {"initContainers": [{**_container("proxy", cpu="500m"), "restartPolicy": "Always"}]},
+        {
+            "containerStatuses": STEADY,
+            "initContainerStatuses": [_running("proxy", allocated="2", running="2")],
+        },
+    ),
+    (
+        "overhead-shrinking",
+        "cpu",
+        {"runtimeClassName": OVERHEAD},
+        {"containerStatuses": [_running(allocated="3", running="3")]},
+    ),
+    ("pod-level", "cpu", POD_LEVEL, None),
+    (
+        "pod-level-shrinking",
+        "cpu",
+        POD_LEVEL,
+        {
+            "resources": {"requests": {"cpu": "5"}},
+            "allocatedResources": {"cpu": "4"},
+            "containerStatuses": STEADY,
+        },
+    ),
+    (
+        "pod-level-allocated-not-running",
+        "cpu",
+        POD_LEVEL,
+        {
+            "resources": {"requests": {"cpu": "2500m"}},
+            "allocatedResources": {"cpu": "4"},
+            "containerStatuses": STEADY,
+        },
+    ),
+    (
+        "pod-level-allocated-only",  # no running size reported yet: the spec
+        "cpu",
+        POD_LEVEL,
+        {"allocatedResources": {"cpu": "4"}, "containerStatuses": STEADY},
+    ),
+    (
+        "pod-level-running-limits-only",
+        "cpu",
+        POD_LEVEL,
+        {
+            "resources": {"limits": {"cpu": "7"}},
+            "allocatedResources": {"cpu": "4"},
+            "containerStatuses": STEADY,
+        },
+    ),
+    (
+        "pod-level-infeasible",
+        "cpu",
+        POD_LEVEL,
+        {
+            "resources": {"requests": {"cpu": "1500m"}},
+            "allocatedResources": {"cpu": "1200m"},
+            "containerStatuses": STEADY,
+            "conditions": INFEASIBLE,
+        },
+    ),
+    (
+        "pod-level-overhead-shrinking",
+        "cpu",
+        {**POD_LEVEL, "runtimeClassName": OVERHEAD},
+        {
+            "resources": {"requests": {"cpu": "3"}},
+            "allocatedResources": {"cpu": "3"},
+            "containerStatuses": STEADY,
+        },
+    ),
+    (
+        "pod-level-memory-only-cpu-in-status",  # the status sizes only what the spec sets
+        "cpu",
+        {"resources": {"requests": {"memory": "2Gi"}}},
+        {
+            "resources": {"requests": {"cpu": "4"}},
+            "allocatedResources": {"cpu": "4"},
+            "containerStatuses": STEADY,
+        },
+    ),
+    (
+        "pod-level-memory-shrinking",
+        "memory",
+        POD_LEVEL,
+        {
+            "resources": {"requests": {"cpu": "2", "memory": "5Gi"}},
+            "allocatedResources": {"cpu": "2", "memory": "5Gi"},
+            "containerStatuses": STEADY,
+        },
+    ),
+]
+
+
+@pytest.fixture
+def scheduler(cluster: ControlPlane) -> Iterator[ControlPlane]:
+    """kube-scheduler with its in-tree plugins only, and the RuntimeClass the cases use."""
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    with cluster.api_client() as client:
+        nodes = kubernetes.client.NodeV1Api(client)
+        nodes.create_runtime_class(
+            {
+                "apiVersion": "node.k8s.io/v1",
+                "kind": "RuntimeClass",
+                "metadata": {"name": OVERHEAD},
+                "handler": "runc",
+                "overhead": {"podFixed": {"cpu": "500m", "memory": "0"}},
+            }
+        )
+        try:
+            yield cluster
+        finally:
+            nodes.delete_runtime_class(OVERHEAD)
+
+
+def _amount(resource: str, quantity: Any) -> int:
+    """Millicores or bytes."""
+    return parse_milli(quantity) if resource == "cpu" else parse_bytes(quantity, allow_zero=True)
+
+
+def _probe_fits(cp: ControlPlane, node: str, name: str, resource: str, amount: int) -> bool:
+    """Whether kube-scheduler places a pod asking `amount` of `resource` on `node` (and nothing
+    of the other resource); the probe is deleted after."""
+    core = cp.core_v1()
+    quantity = f"{amount}m" if resource == "cpu" else str(amount)
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    core.create_namespaced_pod(
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "schedulerName": SCHEDULER,
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [term]
+                        }
+                    }
+                },
+                "containers": [
+                    {
+                        "name": "probe",
+                        "image": "busybox",
+                        "resources": {"requests": {resource: quantity}},
+                    }
+                ],
+            },
+        },
+    )
+
+    def decided() -> bool | None:
+        pod = core.read_namespaced_pod(name, NS)
+        if pod.spec.node_name:
+            return True
+        for cond in pod.status.conditions or []:
+            if cond.type == "PodScheduled" and cond.status == "False":
+                return False
+        return None
+
+    try:
+        verdict = cp.wait_for(
+            lambda: (v,) if (v := decided()) is not None else None,
+            timeout=30,
+            message=f"kube-scheduler's verdict on probe {name}",
+        )
+        return bool(verdict[0])
+    finally:
+        core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+        cp.wait_for(
+            lambda: name not in {p.metadata.name for p in core.list_namespaced_pod(NS).items},
+            message=f"probe {name} deleted",
+        )
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="in-place resize and pod-level resources came after 1.20")
+def test_running_pods_count_as_kube_scheduler_counts_them(scheduler: ControlPlane) -> None:
+    cp = scheduler
+    core = cp.core_v1()
+    api = cp.api_client()
+    kept_status = 0
+    for i, (case, resource, spec_extra, status) in enumerate(CASES):
+        node = f"requests-{i}"
+        cp.create_gpu_node(node, allocatable={"cpu": "8", "memory": str(ALLOCATABLE["memory"])})
+        spec = {"nodeName": node, "containers": [_container()], **spec_extra}
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"held-{i}"}, "spec": spec}
+        core.create_namespaced_pod(NS, body)
+        if status is not None:
+            core.patch_namespaced_pod_status(f"held-{i}", NS, {"status": status})
+        pod = api.sanitize_for_serialization(core.read_namespaced_pod(f"held-{i}", NS))
+        got = pod.get("status") or {}
+        if status is not None and all(k in got for k in status if k != "conditions"):
+            kept_status += 1
+        ours = _amount(resource, pod_requests(pod["spec"], got).get(resource, 0))
+        rest = ALLOCATABLE[resource] - ours
+        assert rest > 0, case
+        unit = 1 if resource == "cpu" else 1 << 20
+        # kube-scheduler's informer sees the status a moment after the write
+        time.sleep(0.5)
+        assert _probe_fits(cp, node, f"fits-{i}", resource, rest), (
+            f"{case}: vramsched counts {ours} {resource}, kube-scheduler more"
+        )
+        assert not _probe_fits(cp, node, f"over-{i}", resource, rest + unit), (
+            f"{case}: vramsched counts {ours} {resource}, kube-scheduler less"
+        )
+    # the API server kept every status written, so each case tested what it names
+    assert kept_status == sum(1 for c in CASES if c[3] is not None)
