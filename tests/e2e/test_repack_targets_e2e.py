@@ -1,0 +1,173 @@
+"""Live repacking judges a move's target node as the real kube-scheduler does.
+
+Before it evicts a running pod, `serve --repack` checks that the pod its controller re-creates may
+go to the node the plan moves it to (`repack_policy.schedulable_on`: nodeSelector, required node
+affinity, taints, cordon). A target it wrongly passes evicts a serving pod whose replacement then
+waits for a node it may not use. Here every pod shape meets every node shape on a real control
+plane: the pod, pinned to one node by a `metadata.name` field that every one of its affinity terms
+also requires, is placed by kube-scheduler exactly when vramsched's check passes the node. The
+one difference is by design: vramsched never moves a pod to a cordoned node, even one whose pods
+tolerate the cordon's taint.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from controlplane import ControlPlane
+
+from extender.repack_policy import schedulable_on
+
+NS = "default"
+SCHEDULER = "vramsched"
+UNSCHEDULABLE = "node.kubernetes.io/unschedulable"
+
+#: node name -> (labels, taints, cordoned)
+NODES: dict[str, tuple[dict[str, str], list[dict[str, str]], bool]] = {
+    "a100": ({"gpu": "a100", "zone": "z1", "mem": "80"}, [], False),
+    "h100": ({"gpu": "h100", "mem": "40"}, [], False),
+    "plain": ({"mem": "eighty"}, [], False),
+    "dedicated": (
+        {"gpu": "a100"},
+        [{"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}],
+        False,
+    ),
+    "evicting": ({}, [{"key": "dedicated", "value": "gpu", "effect": "NoExecute"}], False),
+    "preferred": ({}, [{"key": "dedicated", "value": "gpu", "effect": "PreferNoSchedule"}], False),
+    "keyonly": ({}, [{"key": "gpu-only", "effect": "NoSchedule"}], False),
+    "cordoned": ({"gpu": "a100"}, [], True),
+}
+
+
+def _affinity(*terms: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": t} for t in terms]
+                }
+            }
+        }
+    }
+
+
+def _expr(key: str, op: str, *values: str) -> dict[str, Any]:
+    e: dict[str, Any] = {"key": key, "operator": op}
+    if values:
+        e["values"] = list(values)
+    return e
+
+
+#: pod shape -> the spec fields it adds
+PODS: dict[str, dict[str, Any]] = {
+    "anywhere": {},
+    "selector-a100": {"nodeSelector": {"gpu": "a100"}},
+    "in-a100-h100": _affinity([_expr("gpu", "In", "a100", "h100")]),
+    "notin-a100": _affinity([_expr("gpu", "NotIn", "a100")]),
+    "zone-exists": _affinity([_expr("zone", "Exists")]),
+    "zone-absent": _affinity([_expr("zone", "DoesNotExist")]),
+    "mem-gt-50": _affinity([_expr("mem", "Gt", "50")]),
+    "mem-lt-50": _affinity([_expr("mem", "Lt", "50")]),
+    "h100-or-zone": _affinity([_expr("gpu", "In", "h100")], [_expr("zone", "Exists")]),
+    "two-in-one-term": _affinity([_expr("gpu", "In", "a100"), _expr("zone", "Exists")]),
+    "tolerates-everything": {"tolerations": [{"operator": "Exists"}]},
+    "tolerates-dedicated-gpu": {
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}
+        ]
+    },
+    "tolerates-dedicated-any": {"tolerations": [{"key": "dedicated", "operator": "Exists"}]},
+    "tolerates-dedicated-other-value": {
+        "tolerations": [{"key": "dedicated", "value": "cpu", "effect": "NoSchedule"}]
+    },
+    "tolerates-noexecute-for-a-while": {
+        "tolerations": [
+            {
+                "key": "dedicated",
+                "operator": "Equal",
+                "value": "gpu",
+                "effect": "NoExecute",
+                "tolerationSeconds": 30,
+            }
+        ]
+    },
+    "tolerates-keyonly": {"tolerations": [{"key": "gpu-only", "effect": "NoSchedule"}]},
+    "tolerates-cordon": {
+        "tolerations": [{"key": UNSCHEDULABLE, "operator": "Exists", "effect": "NoSchedule"}]
+    },
+    "selector-and-toleration": {
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+    },
+}
+
+
+def _pod(name: str, shape: dict[str, Any]) -> dict[str, Any]:
+    spec = {
+        "schedulerName": SCHEDULER,
+        "containers": [{"name": "app", "image": "busybox"}],
+        **copy.deepcopy(shape),
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def _pinned(pod: dict[str, Any], node: str) -> dict[str, Any]:
+    """The pod with every required affinity term (or a new one) also requiring `node` by name."""
+    out = copy.deepcopy(pod)
+    pin = [{"key": "metadata.name", "operator": "In", "values": [node]}]
+    required = (
+        out["spec"]
+        .setdefault("affinity", {})
+        .setdefault("nodeAffinity", {})
+        .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": [{}]})
+    )
+    for term in required["nodeSelectorTerms"]:
+        term["matchFields"] = pin
+    return out
+
+
+@pytest.mark.e2e
+def test_move_targets_are_judged_as_kube_scheduler_judges_them(cluster: ControlPlane) -> None:
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    core = cluster.core_v1()
+    api = cluster.api_client()
+    nodes: dict[str, dict[str, Any]] = {}
+    for name, (labels, taints, cordoned) in NODES.items():
+        cluster.create_gpu_node(name, labels=labels, taints=taints)
+        if cordoned:
+            core.patch_node(name, {"spec": {"unschedulable": True}})
+        nodes[name] = api.sanitize_for_serialization(core.read_node(name))
+    probes: dict[str, tuple[str, str]] = {}
+    for i, shape in enumerate(PODS):
+        for j, node in enumerate(NODES):
+            probe = f"target-{i}-{j}"
+            probes[probe] = (shape, node)
+            core.create_namespaced_pod(NS, _pinned(_pod(probe, PODS[shape]), node))
+
+    def verdicts() -> dict[str, bool] | None:
+        found: dict[str, bool] = {}
+        for p in core.list_namespaced_pod(NS).items:
+            if p.spec.node_name:
+                found[p.metadata.name] = True
+            elif any(
+                c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []
+            ):
+                found[p.metadata.name] = False
+        return found if len(found) == len(probes) else None
+
+    theirs = cluster.wait_for(verdicts, timeout=120, message="a verdict on every probe")
+    disagree = []
+    for probe, (shape, node) in probes.items():
+        ours = schedulable_on(_pod(probe, PODS[shape]), nodes[node])
+        if node == "cordoned" and shape in ("tolerates-everything", "tolerates-cordon"):
+            # by design stricter than kube-scheduler: never a move onto a cordoned node
+            assert theirs[probe] and ours is not None, (shape, node, ours)
+            continue
+        if (ours is None) != theirs[probe]:
+            disagree.append(f"{shape} on {node}: kube-scheduler {theirs[probe]}, vramsched {ours}")
+    assert not disagree, "\n".join(disagree)
+    # the shapes cover both answers on every node, and every node refuses some shape
+    assert all(any(theirs[p] for p, (_, n) in probes.items() if n == node) for node in NODES)
+    assert all(not all(theirs[p] for p, (_, n) in probes.items() if n == node) for node in NODES)
