@@ -22,20 +22,22 @@ from extender.demand import (
     PodRef,
     pod_demand,
     pod_ref,
+    pod_requests,
     well_formed_pod,
 )
-from extender.inventory import ReplicaPolicy, node_inventory
+from extender.inventory import ReplicaPolicy, is_gpu_resource, node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
 from extender.placement import choose_devices, device_need
 from extender.planner.capacity import Kind, demand_kind
 from extender.planner.mix import DemandMix
+from extender.quantity import QuantityError
 
 __all__ = [
     "ClusterState",
     "TERMINAL_PHASES",
     "DEFAULT_SCHEDULER_NAME",
     "check_cluster",
-    "whole_device_demand",
+    "guessed_demands",
 ]
 
 log = logging.getLogger(__name__)
@@ -196,18 +198,20 @@ class ClusterState:
         try:
             demand = pod_demand(pod, headroom=self.headroom)
         except DemandError as exc:
-            whole = whole_device_demand(pod, self.headroom)
+            parts = guessed_demands(pod, self.headroom)
             # The reason quotes the annotation; annotations are only ever logged at debug.
             log.warning(
                 "bound pod %s has an unreadable GPU demand; %s (reason at debug level)",
                 ref,
-                "not counted" if whole is None else "counted on whole GPUs",
+                "counted on whole GPUs" if parts else "not counted",
             )
             log.debug("bound pod %s: %s", ref, exc)
-            if whole is None:
+            if not parts:
                 self._drop_usage(ref.key)
+            elif len(parts) == 1:
+                self._count_bound(ref, pod, node, parts[0])
             else:
-                self._count_bound(ref, pod, node, whole)
+                self._count_several(ref, node, parts)
             return None
         self._count_bound(ref, pod, node, demand)
         return demand
@@ -243,6 +247,38 @@ class ClusterState:
             return
         self.guessed.add(ref.key)
         self.ledger.record(guess)
+
+    def _count_several(self, ref: PodRef, node: str, parts: tuple[Demand, ...]) -> None:
+        """Hold a running pod that asks several GPU resources (one `Demand` each; vramsched never
+        places such a pod, so it has no assignment) on whole devices of each, as one reservation."""
+        self._set_usage(ref.key, node, parts[0].cpu_milli, parts[0].memory_bytes)
+        existing = self.ledger.reservation(ref.key)
+        if existing is not None and existing.node == node:
+            return  # already counted
+        self.ledger.release(ref.key)
+        ids: list[str] = []
+        sizes: list[int] = []
+        for part in parts:
+            chosen = choose_devices(self.ledger, part, node)
+            guess = self._worst_case(part, node) if isinstance(chosen, str) else chosen
+            for device, size in zip(guess.device_ids, guess.bytes_per_device) if guess else ():
+                if device not in ids:  # a worst case falls back to any device of the node
+                    ids.append(device)
+                    sizes.append(size)
+        if not ids:
+            log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
+            return
+        self.guessed.add(ref.key)
+        self.ledger.record(
+            Reservation(
+                pod=ref,
+                node=node,
+                device_ids=tuple(ids),
+                bytes_per_device=tuple(sizes),
+                priority=parts[0].priority,
+                declared=False,
+            )
+        )
 
     def _worst_case(self, demand, node: str) -> Reservation | None:
         """A pod running where it does not fit by our books: count it on the least used devices,
@@ -291,18 +327,31 @@ class ClusterState:
         }
 
 
-def whole_device_demand(pod: Mapping[str, Any], headroom: float = 0.0) -> Demand | None:
-    """A pod whose `model-memory` annotation cannot be read, as one asking whole devices (no
-    annotation); None when the rest of it cannot be read either."""
+def guessed_demands(pod: Mapping[str, Any], headroom: float = 0.0) -> tuple[Demand, ...]:
+    """A running pod `pod_demand` cannot read, as the ledger counts it: as one asking whole
+    devices, with no `model-memory` (when that annotation is what does not parse), one `Demand`
+    per GPU resource when it asks several; () when nothing of it can be read."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
-    if not isinstance(annotations, Mapping) or MODEL_MEMORY not in annotations:
-        return None
-    rest = {k: v for k, v in annotations.items() if k != MODEL_MEMORY}
+    if isinstance(annotations, Mapping) and MODEL_MEMORY in annotations:
+        rest = {k: v for k, v in annotations.items() if k != MODEL_MEMORY}
+        pod = {**pod, "metadata": {**meta, "annotations": rest}}
     try:
-        return pod_demand({**pod, "metadata": {**meta, "annotations": rest}}, headroom=headroom)
+        return (pod_demand(pod, headroom=headroom),)
     except DemandError:
-        return None
+        pass
+    try:
+        spec = pod.get("spec") or {}
+        asked = sorted(
+            k
+            for k, v in pod_requests(spec).items()
+            if isinstance(k, str) and is_gpu_resource(k) and v
+        )
+        if len(asked) < 2:
+            return ()
+        return tuple(pod_demand(pod, headroom=headroom, gpu_resource=r) for r in asked)
+    except (DemandError, QuantityError):
+        return ()
 
 
 def check_cluster(cluster: ClusterState) -> list[Violation]:
@@ -325,24 +374,24 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
         node = spec.get("nodeName")
         res = cluster.ledger.reservation(key)
         try:
-            demand = pod_demand(pod, headroom=cluster.headroom)
+            demand: Demand | None = pod_demand(pod, headroom=cluster.headroom)
         except DemandError:
             demand = None
         if demand is not None and spec.get("schedulerName") == cluster.scheduler_name:
             mix[demand_kind(demand)] += 1
         if not node:
             continue
-        if demand is None:
-            demand = whole_device_demand(pod, cluster.headroom)  # as `_account_bound` counts it
-        if demand is not None:
-            cpu[node] = cpu.get(node, 0) + demand.cpu_milli
-            memory[node] = memory.get(node, 0) + demand.memory_bytes
+        # as `_account_bound` counts it
+        parts = (demand,) if demand is not None else guessed_demands(pod, cluster.headroom)
+        if parts:
+            cpu[node] = cpu.get(node, 0) + parts[0].cpu_milli
+            memory[node] = memory.get(node, 0) + parts[0].memory_bytes
         if res is not None and res.node != node:
             out.append(Violation(f"held on {res.node} but bound to {node}", key))
             continue
-        if demand is None:
+        if not parts:
             continue  # unreadable: logged when it was accounted, nothing to hold
-        if not demand.wants_gpu:
+        if not any(p.wants_gpu for p in parts):
             if res is not None:
                 out.append(Violation("holds GPUs but requests none", key))
             continue
@@ -352,6 +401,8 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
         if res is None:
             out.append(Violation(f"bound to {node} but missing from the ledger", key))
             continue
+        if len(parts) > 1:
+            continue  # no assignment is read for it: vramsched never places such a pod
         try:
             recorded = decode_assignment(
                 pod_ref(pod), (pod.get("metadata") or {}).get("annotations") or {}

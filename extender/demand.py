@@ -421,11 +421,15 @@ def _host_requests(ref: PodRef, requests: Mapping[str, Any]) -> tuple[int, int]:
     return cpu, memory
 
 
-def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
+def pod_demand(
+    pod: Mapping[str, Any], *, headroom: float = 0.0, gpu_resource: str | None = None
+) -> Demand:
     """Parse a Pod object (dict). Raises DemandError with a message fit for a filter `Error`.
 
     `headroom` is an operator option (fraction added to the declared memory); off by default
-    because the declared model memory is exactly what the pod reserves.
+    because the declared model memory is exactly what the pod reserves. `gpu_resource` reads
+    that GPU resource alone, for counting a running pod that asks several (vramsched schedules
+    no such pod, but another scheduler may run one on its nodes).
     """
     ref = pod_ref(pod)
     meta = pod["metadata"]
@@ -437,7 +441,9 @@ def pod_demand(pod: Mapping[str, Any], *, headroom: float = 0.0) -> Demand:
     except QuantityError as exc:
         raise DemandError(f"pod {ref}: invalid resource quantity: {exc}") from None
     gpu_resources = {
-        k: v for k, v in requests.items() if isinstance(k, str) and is_gpu_resource(k) and v != 0
+        k: v
+        for k, v in requests.items()
+        if isinstance(k, str) and is_gpu_resource(k) and v != 0 and gpu_resource in (None, k)
     }
     if len(gpu_resources) > 1:
         raise DemandError(

@@ -1,11 +1,12 @@
 import pytest
-from builders import cluster, gpu_node, pod
+from builders import cluster, gpu_node, mig_mixed_node, pod
 
 from extender.assignment import AssignmentError, decode_assignment, encode_assignment
-from extender.demand import PodRef
+from extender.demand import PodRef, pod_demand
 from extender.inventory import node_inventory
 from extender.ledger import Ledger, LedgerError, Reservation, check_invariant
-from extender.quantity import GIB
+from extender.placement import choose_devices
+from extender.quantity import GIB, MIB
 
 
 def _ledger(*nodes):
@@ -198,6 +199,34 @@ def test_a_bound_pod_whose_model_memory_is_unreadable_still_holds_its_gpu(value:
     c.upsert_pod(edited)
     assert c.ledger.reservation("default/booked").device_ids == ("1",)
     assert c.ledger.totals()[0] == 110 * GIB and check_cluster(c) == []
+
+
+@pytest.mark.parametrize("memory", [None, "30Gi", "oops"])
+def test_a_running_pod_asking_several_gpu_resources_holds_a_device_of_each(
+    memory: str | None,
+) -> None:
+    """vramsched refuses to schedule a pod asking two GPU resources, but another scheduler may
+    run one on its nodes (a MIG slice of two profiles, say). It was counted on no device, and not
+    even its CPU: both slices looked free. It now holds whole devices of each resource."""
+    from extender.cluster import check_cluster
+
+    node = mig_mixed_node("m", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)})
+    both = pod("both", memory, resource="nvidia.com/mig-1g.10gb", node="m", phase="Running")
+    requests = both["spec"]["containers"][0]["resources"]["requests"]
+    requests.update({"nvidia.com/mig-3g.40gb": "1", "cpu": "3"})
+    both["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/mig-3g.40gb"] = "1"
+    c = cluster(node, both)
+    held = c.ledger.reservation("default/both")
+    assert held is not None and sorted(held.bytes_per_device) == [9984 * MIB, 40192 * MIB]
+    assert len({d.split(":")[1] for d in held.device_ids}) == 2  # one slice of each profile
+    assert c.cpu_used == {"m": 3000} and "default/both" in c.guessed
+    assert check_cluster(c) == [] and not c.demand_mix
+    # the only 3g.40gb slice is taken; one 1g.10gb slice is left
+    for profile, room in (("3g.40gb", False), ("1g.10gb", True)):
+        wants = pod_demand(pod("next", None, resource=f"nvidia.com/mig-{profile}"))
+        assert isinstance(choose_devices(c.ledger, wants, "m"), Reservation) is room, profile
+    c.delete_pod("default/both")
+    assert c.ledger.totals()[0] == 0 and c.cpu_used.get("m", 0) == 0 and check_cluster(c) == []
 
 
 @pytest.mark.parametrize(
