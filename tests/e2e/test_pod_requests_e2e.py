@@ -1,10 +1,11 @@
-"""vramsched counts a running pod's CPU and memory as the real kube-scheduler does.
+"""vramsched counts a running pod's CPU, memory and GPUs as the real kube-scheduler does.
 
-The planner and repacking judge a node's free CPU and memory from `demand.pod_requests`; where it
-counts a running pod lower than kube-scheduler, they plan pods there that kube-scheduler refuses.
-Each case binds one pod to a node of its own, writes the status a kubelet would (an in-place
-resize of a container or of the whole pod, an infeasible one, a RuntimeClass overhead, a
-sidecar), reads the pod back as vramsched's informer would, and asks the real kube-scheduler:
+The ledger, the planner and repacking judge a node's free GPUs, CPU and memory from
+`demand.pod_demand`; where it counts a running pod lower than kube-scheduler, they plan pods there
+that kube-scheduler refuses. Each case binds one pod to a node of its own, writes the status a
+kubelet would (an in-place resize of a container or of the whole pod, an infeasible one, a
+RuntimeClass overhead, a sidecar), reads the pod back as vramsched's informer would, and asks the
+real kube-scheduler:
 a pod asking for exactly the rest of the node must be placed there, and one asking a unit more
 must not. 1.36 only: 1.20 has neither in-place resize nor pod-level resources.
 """
@@ -19,22 +20,27 @@ import kubernetes.client
 import pytest
 from controlplane import ControlPlane
 
-from extender.demand import pod_requests
-from extender.quantity import parse_bytes, parse_milli
+from extender.demand import pod_demand
 
 NS = "default"
 SCHEDULER = "vramsched"
-#: each case's node: 8 cores and 8 GiB, so a probe asking the rest is a small number
-ALLOCATABLE = {"cpu": 8000, "memory": 8 << 30}
+GPU = "nvidia.com/gpu"
+#: each case's node: 8 cores, 8 GiB and 8 GPUs, so a probe asking the rest is a small number
+ALLOCATABLE = {"cpu": 8000, "memory": 8 << 30, GPU: 8}
 OVERHEAD = "half-core-overhead"
 
 
-def _container(name: str = "app", cpu: str = "1", memory: str = "1Gi") -> dict[str, Any]:
-    return {
-        "name": name,
-        "image": "busybox",
-        "resources": {"requests": {"cpu": cpu, "memory": memory}},
-    }
+def _container(
+    name: str = "app", cpu: str = "1", memory: str = "1Gi", gpus: int = 0
+) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": cpu, "memory": memory}}
+    if gpus:
+        resources["limits"] = {GPU: str(gpus)}  # an extended resource's request defaults to it
+    return {"name": name, "image": "busybox", "resources": resources}
+
+
+def _sidecar(gpus: int) -> dict[str, Any]:
+    return {**_container("proxy", cpu="100m", gpus=gpus), "restartPolicy": "Always"}
 
 
 def _running(name: str = "app", *, allocated: str | None, running: str | None) -> dict[str, Any]:
@@ -162,6 +168,29 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
             "containerStatuses": STEADY,
         },
     ),
+    # GPUs: never resized; containers, sidecars and init containers combine as for CPU
+    ("gpu", GPU, {"containers": [_container(gpus=2)]}, None),
+    (
+        "gpu-sidecar",  # the kubelet keeps a sidecar's GPU while the app runs
+        GPU,
+        {"containers": [_container(gpus=1)], "initContainers": [_sidecar(1)]},
+        None,
+    ),
+    (
+        "gpu-init-then-app",  # a plain init container's GPUs go back before the app starts
+        GPU,
+        {"containers": [_container(gpus=1)], "initContainers": [_container("warmup", gpus=3)]},
+        None,
+    ),
+    (
+        "gpu-init-beside-sidecar",  # started after the sidecar, so it runs beside it
+        GPU,
+        {
+            "containers": [_container(gpus=1)],
+            "initContainers": [_sidecar(2), _container("warmup", gpus=4)],
+        },
+        None,
+    ),
     (
         "pod-level-memory-shrinking",
         "memory",
@@ -196,11 +225,6 @@ def scheduler(cluster: ControlPlane) -> Iterator[ControlPlane]:
             nodes.delete_runtime_class(OVERHEAD)
 
 
-def _amount(resource: str, quantity: Any) -> int:
-    """Millicores or bytes."""
-    return parse_milli(quantity) if resource == "cpu" else parse_bytes(quantity, allow_zero=True)
-
-
 def _probe_fits(cp: ControlPlane, node: str, name: str, resource: str, amount: int) -> bool:
     """Whether kube-scheduler places a pod asking `amount` of `resource` on `node` (and nothing
     of the other resource); the probe is deleted after."""
@@ -226,7 +250,12 @@ def _probe_fits(cp: ControlPlane, node: str, name: str, resource: str, amount: i
                     {
                         "name": "probe",
                         "image": "busybox",
-                        "resources": {"requests": {resource: quantity}},
+                        "resources": {
+                            "requests": {resource: quantity},
+                            "limits": {resource: quantity},
+                        }
+                        if resource == GPU
+                        else {"requests": {resource: quantity}},
                     }
                 ],
             },
@@ -266,7 +295,9 @@ def test_running_pods_count_as_kube_scheduler_counts_them(scheduler: ControlPlan
     kept_status = 0
     for i, (case, resource, spec_extra, status) in enumerate(CASES):
         node = f"requests-{i}"
-        cp.create_gpu_node(node, allocatable={"cpu": "8", "memory": str(ALLOCATABLE["memory"])})
+        cp.create_gpu_node(
+            node, allocatable={k: str(v) for k, v in ALLOCATABLE.items()} | {"cpu": "8"}
+        )
         spec = {"nodeName": node, "containers": [_container()], **spec_extra}
         body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"held-{i}"}, "spec": spec}
         core.create_namespaced_pod(NS, body)
@@ -276,10 +307,13 @@ def test_running_pods_count_as_kube_scheduler_counts_them(scheduler: ControlPlan
         got = pod.get("status") or {}
         if status is not None and all(k in got for k in status if k != "conditions"):
             kept_status += 1
-        ours = _amount(resource, pod_requests(pod["spec"], got).get(resource, 0))
+        counted = pod_demand(pod)
+        ours = {"cpu": counted.cpu_milli, "memory": counted.memory_bytes, GPU: counted.gpu_count}[
+            resource
+        ]
         rest = ALLOCATABLE[resource] - ours
         assert rest > 0, case
-        unit = 1 if resource == "cpu" else 1 << 20
+        unit = 1 << 20 if resource == "memory" else 1
         # kube-scheduler's informer sees the status a moment after the write
         time.sleep(0.5)
         assert _probe_fits(cp, node, f"fits-{i}", resource, rest), (
