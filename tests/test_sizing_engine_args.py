@@ -98,6 +98,43 @@ def test_vllm_flags_spelled_with_underscores_are_its_flags() -> None:
     assert sglang is not None and sglang.settings.max_model_len is None  # argparse: dashes only
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], None),  # vLLM's default: up to 512 tokens, where the graph pool was measured
+        (["--max-cudagraph-capture-size", "1024"], "up to 1024 tokens"),
+        (["--max_cudagraph_capture_size=256"], None),
+        (["--cudagraph-capture-sizes", "1", "2", "2048", "--max-model-len", "4096"], "2048"),
+        (["--cuda-graph-sizes", "1,2,1024"], "up to 1024 tokens"),
+        (["-cc.max_cudagraph_capture_size", "64"], None),
+        (["-cc.cudagraph_capture_sizes", "[1,2,4,8,16,32,64]"], None),
+        (["--compilation-config", '{"max_cudagraph_capture_size": 1024}'], "1024"),
+        (['--compilation-config={"cudagraph_capture_sizes": [1, 600]}'], "600"),
+        (["--compilation-config.max_cudagraph_capture_size=768"], "768"),
+        (["-O3"], None),
+        (["-O", '{"level": 3}'], None),
+        (["--max-cudagraph-capture-size", "$(SIZE)"], "not written out"),
+        (["--cudagraph-capture-sizes"], "not written out"),
+        # a smaller size set after a larger one does not hide it
+        (["--cudagraph-capture-sizes", "1", "1024", "--max-cudagraph-capture-size", "256"], "1024"),
+        (["--max-cudagraph-capture-size", "1024", "--enforce_eager"], None),  # no graphs at all
+    ],
+)
+def test_vllm_cuda_graphs_beyond_the_measured_sizes_are_not_estimated(
+    args: list[str], says: str | None
+) -> None:
+    """The estimate counts vLLM's CUDA graph pool at 1 GiB, measured at vLLM's default sizes (up
+    to 512 tokens). Larger graphs take more memory outside the fraction, so a pod capturing them
+    (or whose sizes the webhook cannot read) is left unsized, as one with a draft model is."""
+    inv = parse_container({"image": "vllm/vllm-openai:v0.11.0", "args": ["--model", "m", *args]})
+    assert inv is not None
+    graphs = [u for u in inv.unestimated if "CUDA graph" in u]
+    if says is None:
+        assert graphs == []
+    else:
+        assert len(graphs) == 1 and says in graphs[0], graphs
+
+
 def test_other_engines_take_plain_counts_only() -> None:
     """TGI (clap) and SGLang (argparse int) read plain integers; `32k` is not one to them."""
     for image, flag in (

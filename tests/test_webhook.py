@@ -403,6 +403,13 @@ def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
             "--num-gpu-blocks-override (a fixed KV cache size)",
         ),
         (
+            ["vllm", "serve"],
+            ["Qwen/Qwen2.5-7B-Instruct", "--max-cudagraph-capture-size", "1024"],
+            None,
+            "--max-cudagraph-capture-size (CUDA graphs up to 1024 tokens; the estimate counts up to "
+            "512)",
+        ),
+        (
             ["python3", "-m", "sglang.launch_server"],
             ["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--speculative-algorithm=EAGLE"],
             None,
@@ -419,9 +426,9 @@ def test_speculative_decoding_without_a_draft_model_is_sized() -> None:
 def test_what_loads_more_than_the_estimate_counts_is_not_sized(
     command: list[str], args: list[str], env: list[dict[str, str]] | None, says: str
 ) -> None:
-    """A draft model, LoRA slots or a KV cache of a fixed number of blocks (which vLLM allocates
-    whatever its memory fraction says) take GPU memory the estimate leaves out: filled with it,
-    the pod would use more than its books."""
+    """A draft model, LoRA slots, a KV cache of a fixed number of blocks (which vLLM allocates
+    whatever its memory fraction says) or CUDA graphs larger than vLLM's default take GPU memory
+    the estimate leaves out: filled with it, the pod would use more than its books."""
     d = decide(pod(None, command=command, args=args, env=env))
     (w,) = d.warnings
     assert f"runs with {says}, which vramsched does not estimate" in w

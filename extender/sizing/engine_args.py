@@ -343,9 +343,90 @@ def _draftless(config: str) -> bool:
     )
 
 
+#: the largest CUDA graph vLLM captures by default (`max_cudagraph_capture_size`: at most 512
+#: tokens); the 1 GiB the estimate counts for the graph pool was measured at vLLM's defaults
+VLLM_GRAPH_CAPTURE_MAX = 512
+#: vLLM's spellings of the CUDA graph sizes it captures: list flags (nargs, `--cuda-graph-sizes`
+#: before v0.12), the largest size, and both as fields of the compilation config (`-cc`)
+_GRAPH_LISTS = ("--cudagraph-capture-sizes", "--cuda-graph-sizes")
+_GRAPH_MAX = "--max-cudagraph-capture-size"
+_COMPILATION = ("--compilation-config", "-cc", "-O")
+_GRAPH_FIELDS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def _sizes(raw: Any) -> list[int] | None:
+    """Graph sizes written as a number, a flat JSON list of numbers or comma-separated text; None
+    if any entry is not a whole number written out (a variable, a nested list)."""
+    items = raw if isinstance(raw, list) else [raw]
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, bool) or isinstance(item, (list, dict)):
+            return None
+        if isinstance(item, int):
+            out.append(item)
+            continue
+        parts = [p for p in re.split(r"[\s,\[\]]+", str(item)) if p]
+        if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+            return None
+        out += [int(p) for p in parts]
+    return out
+
+
+def _graph_sizes(tokens: Sequence[str]) -> list[tuple[str, list[int] | None]]:
+    """Every setting of the CUDA graph sizes on a vLLM command line: the flag, and the sizes it
+    gives (None where they are not written out). Empty where vLLM keeps its default."""
+    found: list[tuple[str, list[int] | None]] = []
+    for i, token in enumerate(tokens):
+        flag, eq, inline = _flag("vllm", token)
+        base, dot, field = flag.partition(".")
+        if flag in _GRAPH_LISTS:
+            values = [inline] if eq else list(_list_values(tokens, i))
+            found.append((flag, _sizes(values) if values else None))
+        elif flag == _GRAPH_MAX:
+            found.append((flag, _sizes(inline if eq else _next(tokens, i))))
+        elif base in _COMPILATION and dot and field in _GRAPH_FIELDS:
+            raw = inline if eq else _next(tokens, i)
+            try:
+                value: Any = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                value = raw
+            found.append((flag, _sizes(value)))
+        elif flag in _COMPILATION and not dot:
+            try:
+                config = orjson.loads(inline if eq else _next(tokens, i))
+            except orjson.JSONDecodeError:
+                continue  # `-O3`, a level: no sizes
+            if isinstance(config, dict):
+                found += [(f"{flag} {n}", _sizes(config[n])) for n in _GRAPH_FIELDS if n in config]
+    return found
+
+
+def _list_values(tokens: Sequence[str], i: int) -> Sequence[str]:
+    """The values after an `nargs="+"` flag at `i`: up to the next flag."""
+    end = i + 1
+    while end < len(tokens) and not tokens[end].startswith("-"):
+        end += 1
+    return tokens[i + 1 : end]
+
+
+def _large_graphs(tokens: Sequence[str]) -> str | None:
+    """A vLLM command line that may capture CUDA graphs beyond the sizes the estimate measured
+    (any setting above them, or one not written out), described as `_unestimated` describes a
+    flag; None when it keeps within them or captures none (`--enforce-eager`)."""
+    if any(_flag("vllm", t)[0] == _EAGER["vllm"] for t in tokens):
+        return None
+    measured = f"the estimate counts up to {VLLM_GRAPH_CAPTURE_MAX}"
+    for flag, sizes in _graph_sizes(tokens):
+        if sizes is None:
+            return f"{flag} (CUDA graph sizes not written out; {measured})"
+        if max(sizes, default=0) > VLLM_GRAPH_CAPTURE_MAX:
+            return f"{flag} (CUDA graphs up to {max(sizes)} tokens; {measured})"
+    return None
+
+
 def _unestimated(engine: str, tokens: Sequence[str], env: Any) -> tuple[str, ...]:
     """The flags (TGI: or their environment variables) of `_UNESTIMATED` the container passes,
-    each with what it loads."""
+    each with what it loads; for vLLM also CUDA graphs larger than the estimate counts."""
     known = _UNESTIMATED[engine]
     given = [
         flag
@@ -359,4 +440,6 @@ def _unestimated(engine: str, tokens: Sequence[str], env: Any) -> tuple[str, ...
             for e in (env if isinstance(env, list) else [])
             if isinstance(e, Mapping) and str(e.get("value") or "").strip()
         ]
-    return tuple(dict.fromkeys(f"{f} ({known[f]})" for f in given if f in known))
+    found = [f"{f} ({known[f]})" for f in given if f in known]
+    large = _large_graphs(tokens) if engine == "vllm" else None
+    return tuple(dict.fromkeys(found + ([large] if large else [])))
