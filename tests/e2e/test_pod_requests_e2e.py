@@ -4,8 +4,8 @@ The ledger, the planner and repacking judge a node's free GPUs, CPU and memory f
 `demand.pod_demand`; where it counts a running pod lower than kube-scheduler, they plan pods there
 that kube-scheduler refuses. Each case binds one pod to a node of its own, writes the status a
 kubelet would (an in-place resize of a container or of the whole pod, an infeasible one, a
-RuntimeClass overhead, a sidecar), reads the pod back as vramsched's informer would, and asks the
-real kube-scheduler:
+RuntimeClass overhead, a sidecar, a finished pod, one being deleted), reads the pod back and sums
+it as vramsched's informer would, and asks the real kube-scheduler:
 a pod asking for exactly the rest of the node must be placed there, and one asking a unit more
 must not. 1.36 only: 1.20 has neither in-place resize nor pod-level resources.
 """
@@ -20,6 +20,7 @@ import kubernetes.client
 import pytest
 from controlplane import ControlPlane
 
+from extender.cluster import ClusterState
 from extender.demand import pod_demand
 
 NS = "default"
@@ -168,6 +169,9 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
             "containerStatuses": STEADY,
         },
     ),
+    # a pod that finished holds nothing; one being deleted holds all until the kubelet stops it
+    ("succeeded", "cpu", {}, {"phase": "Succeeded"}),
+    ("terminating", "cpu", {"terminationGracePeriodSeconds": 3600}, None),
     # GPUs: never resized; containers, sidecars and init containers combine as for CPU
     ("gpu", GPU, {"containers": [_container(gpus=2)]}, None),
     (
@@ -303,14 +307,21 @@ def test_running_pods_count_as_kube_scheduler_counts_them(scheduler: ControlPlan
         core.create_namespaced_pod(NS, body)
         if status is not None:
             core.patch_namespaced_pod_status(f"held-{i}", NS, {"status": status})
+        if case == "terminating":  # no kubelet confirms it: it stays terminating
+            core.delete_namespaced_pod(f"held-{i}", NS, grace_period_seconds=3600)
         pod = api.sanitize_for_serialization(core.read_namespaced_pod(f"held-{i}", NS))
         got = pod.get("status") or {}
         if status is not None and all(k in got for k in status if k != "conditions"):
             kept_status += 1
-        counted = pod_demand(pod)
-        ours = {"cpu": counted.cpu_milli, "memory": counted.memory_bytes, GPU: counted.gpu_count}[
-            resource
-        ]
+        # CPU and memory as the informer's ClusterState sums them per node; GPUs as it books them
+        state = ClusterState()
+        state.upsert_node(api.sanitize_for_serialization(core.read_node(node)))
+        state.upsert_pod(pod)
+        ours = {
+            "cpu": state.cpu_used.get(node, 0),
+            "memory": state.memory_used.get(node, 0),
+            GPU: pod_demand(pod).gpu_count,
+        }[resource]
         rest = ALLOCATABLE[resource] - ours
         assert rest > 0, case
         unit = 1 << 20 if resource == "memory" else 1
