@@ -223,9 +223,13 @@ class _Missing(Exception):
 
 
 def _allocatable_count(alloc: Mapping[str, Any], resource: str) -> int | None:
+    """How many of `resource` the node's allocatable lists. None when it lists nothing at all (a
+    hand-written cluster file: the labels stand); 0 when it lists other resources but not this
+    one, so no device plugin serves it. kube-scheduler then refuses the resource there too, unless
+    DRA fills it (DRAExtendedResource), and DRA's GPUs are not in vramsched's books."""
     raw = alloc.get(resource)
     if raw is None:
-        return None
+        return 0 if alloc else None
     try:
         value = parse_quantity(raw)
     except QuantityError:

@@ -42,6 +42,26 @@ def test_allocatable_below_labels_drops_unhealthy_gpus():
     assert len(inv.devices) == 3
 
 
+def test_gpus_no_device_plugin_advertises_are_not_offered():
+    """A node whose allocatable lists resources but not the GPU resource has no device plugin
+    serving its GPUs: kube-scheduler refuses GPU pods there, unless DRA fills the request
+    (DRAExtendedResource, on by default in 1.36), and DRA's GPUs are not in vramsched's books. A
+    node with no allocatable at all (a hand-written cluster file) keeps its labels' GPUs."""
+    for node in (
+        gpu_node("n", count=2, replicas=4),
+        mig_single_node("s", "1g.10gb", slices=14, memory_mib=9984),
+    ):
+        alloc = node["status"]["allocatable"]
+        del alloc["nvidia.com/gpu"]
+        node["status"]["capacity"] = dict(alloc)
+        assert node_inventory(node).problem == "node allocatable has no nvidia.com/gpu"
+        del node["status"]
+        assert node_inventory(node).problem is None and node_inventory(node).devices
+    mixed = mig_mixed_node("m", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)})
+    del mixed["status"]["allocatable"]["nvidia.com/mig-3g.40gb"]
+    assert {d.profile for d in node_inventory(mixed).devices} == {"1g.10gb"}
+
+
 def test_fixture_node_from_real_scheduler():
     from builders import fixture_nodes
 
