@@ -65,6 +65,20 @@ INFEASIBLE = [{"type": "PodResizePending", "status": "True", "reason": "Infeasib
 POD_LEVEL = {"resources": {"requests": {"cpu": "2", "memory": "2Gi"}}}
 STEADY = [_running(allocated="1", running="1")]
 
+
+def _pod_resize(
+    running: dict[str, Any] | None, allocated: dict[str, str], *, infeasible: bool = False
+) -> dict[str, Any]:
+    """A pod-level resize's status: the pod's running `resources` (None: not reported yet) and
+    `allocatedResources`, its one container steady at 1 core."""
+    status: dict[str, Any] = {"allocatedResources": allocated, "containerStatuses": STEADY}
+    if running is not None:
+        status["resources"] = running
+    if infeasible:
+        status["conditions"] = INFEASIBLE
+    return status
+
+
 #: (case, resource probed, spec fields beside one 1-core container, status written)
 CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
     ("plain", "cpu", {}, None),
@@ -106,68 +120,39 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
         "pod-level-shrinking",
         "cpu",
         POD_LEVEL,
-        {
-            "resources": {"requests": {"cpu": "5"}},
-            "allocatedResources": {"cpu": "4"},
-            "containerStatuses": STEADY,
-        },
+        _pod_resize({"requests": {"cpu": "5"}}, {"cpu": "4"}),
     ),
     (
         "pod-level-allocated-not-running",
         "cpu",
         POD_LEVEL,
-        {
-            "resources": {"requests": {"cpu": "2500m"}},
-            "allocatedResources": {"cpu": "4"},
-            "containerStatuses": STEADY,
-        },
+        _pod_resize({"requests": {"cpu": "2500m"}}, {"cpu": "4"}),
     ),
-    (
-        "pod-level-allocated-only",  # no running size reported yet: the spec
-        "cpu",
-        POD_LEVEL,
-        {"allocatedResources": {"cpu": "4"}, "containerStatuses": STEADY},
-    ),
+    # no running size reported yet: the spec
+    ("pod-level-allocated-only", "cpu", POD_LEVEL, _pod_resize(None, {"cpu": "4"})),
     (
         "pod-level-running-limits-only",
         "cpu",
         POD_LEVEL,
-        {
-            "resources": {"limits": {"cpu": "7"}},
-            "allocatedResources": {"cpu": "4"},
-            "containerStatuses": STEADY,
-        },
+        _pod_resize({"limits": {"cpu": "7"}}, {"cpu": "4"}),
     ),
     (
         "pod-level-infeasible",
         "cpu",
         POD_LEVEL,
-        {
-            "resources": {"requests": {"cpu": "1500m"}},
-            "allocatedResources": {"cpu": "1200m"},
-            "containerStatuses": STEADY,
-            "conditions": INFEASIBLE,
-        },
+        _pod_resize({"requests": {"cpu": "1500m"}}, {"cpu": "1200m"}, infeasible=True),
     ),
     (
         "pod-level-overhead-shrinking",
         "cpu",
         {**POD_LEVEL, "runtimeClassName": OVERHEAD},
-        {
-            "resources": {"requests": {"cpu": "3"}},
-            "allocatedResources": {"cpu": "3"},
-            "containerStatuses": STEADY,
-        },
+        _pod_resize({"requests": {"cpu": "3"}}, {"cpu": "3"}),
     ),
     (
         "pod-level-memory-only-cpu-in-status",  # the status sizes only what the spec sets
         "cpu",
         {"resources": {"requests": {"memory": "2Gi"}}},
-        {
-            "resources": {"requests": {"cpu": "4"}},
-            "allocatedResources": {"cpu": "4"},
-            "containerStatuses": STEADY,
-        },
+        _pod_resize({"requests": {"cpu": "4"}}, {"cpu": "4"}),
     ),
     # a pod that finished holds nothing; one being deleted holds all until the kubelet stops it
     ("succeeded", "cpu", {}, {"phase": "Succeeded"}),
@@ -199,11 +184,7 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = [
         "pod-level-memory-shrinking",
         "memory",
         POD_LEVEL,
-        {
-            "resources": {"requests": {"cpu": "2", "memory": "5Gi"}},
-            "allocatedResources": {"cpu": "2", "memory": "5Gi"},
-            "containerStatuses": STEADY,
-        },
+        _pod_resize({"requests": {"cpu": "2", "memory": "5Gi"}}, {"cpu": "2", "memory": "5Gi"}),
     ),
 ]
 
