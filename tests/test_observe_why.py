@@ -69,6 +69,24 @@ def test_fits_now_and_bad_demand() -> None:
     assert bad.error and "lots" in bad.error
 
 
+def test_a_bound_pod_whose_demand_cannot_be_read_says_where_it_is_counted() -> None:
+    """A running pod asking two GPU resources is refused by filter but held by the ledger on a
+    device of each: `why` says both, and names the pod once."""
+    from extender.observe.render import why_renderables
+
+    both = pod("both", None, resource="nvidia.com/mig-1g.10gb", node="m", phase="Running")
+    for part in ("requests", "limits"):
+        both["spec"]["containers"][0]["resources"][part]["nvidia.com/mig-3g.40gb"] = "1"
+    c = cluster(mig_mixed_node("m", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}), both)
+    e = explain(c.ledger, c.pod("default/both"), pods=c.pods)
+    assert e.error and "several GPU resources" in e.error
+    assert e.bound_to == "m" and sorted(e.held) == ["0:1g.10gb:0", "0:3g.40gb:0"]
+    lines = [str(r) for r in why_renderables(e)]
+    assert lines[0].startswith("pod default/both: requests several") and lines[0].count("pod ") == 1
+    assert lines[1] == "bound to m; the ledger counts it on 0:1g.10gb:0, 0:3g.40gb:0"
+    assert explanation_dict(e)["heldOn"] == e.held
+
+
 def test_a_gated_pod_is_said_to_wait_for_its_gates() -> None:
     """A pod Kueue holds with a scheduling gate fits, and `why` said only that: vramsched would
     not refuse it, so kube-scheduler's filters or a backoff must hold it. The gate does."""

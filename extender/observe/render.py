@@ -141,7 +141,11 @@ def why_renderables(e: Explanation, *, wide: bool = False, limit: int = 5) -> li
     out: list[RenderableType] = []
     head = Text(f"pod {e.pod}", style="bold")
     if e.error:
-        out.append(head + Text(f": {e.error}", style="red"))
+        # a demand error names the pod already
+        out.append(head + Text(f": {e.error.removeprefix(f'pod {e.pod}: ')}", style="red"))
+        if e.bound_to:
+            where = ", ".join(e.held) if e.held else "no device"
+            out.append(Text(f"bound to {e.bound_to}; the ledger counts it on {where}"))
         return out
     head.append(f" asks for {e.demand}", style="")
     out.append(head)

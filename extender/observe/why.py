@@ -70,6 +70,9 @@ class Explanation:
     demand: str = ""
     error: str | None = None
     bound_to: str | None = None
+    #: the devices the ledger holds a bound pod on (a pod whose demand cannot be read is still
+    #: counted, on whole devices: this says where)
+    held: list[str] = field(default_factory=list)
     #: the pod's scheduling gates: kube-scheduler does not try it until they are removed
     gates: list[str] = field(default_factory=list)
     nodes: int = 0
@@ -97,6 +100,9 @@ def explain(
     bound = spec.get("nodeName")
     if bound:
         out.bound_to = str(bound)
+        reservation = ledger.reservation(key)
+        if reservation is not None:
+            out.held = list(reservation.device_ids)
     gates = spec.get("schedulingGates")
     if isinstance(gates, list):
         out.gates = [str(g.get("name")) for g in gates if isinstance(g, Mapping)]
@@ -296,6 +302,8 @@ def explanation_dict(e: Explanation) -> dict[str, Any]:
     out: dict[str, Any] = {"pod": e.pod}
     if e.error:
         out["error"] = e.error
+        if e.bound_to:
+            out.update(boundTo=e.bound_to, heldOn=e.held)
         return out
     out.update(
         {
