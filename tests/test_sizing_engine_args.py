@@ -111,6 +111,7 @@ def test_vllm_flags_spelled_with_underscores_are_its_flags() -> None:
         (["--compilation-config", '{"max_cudagraph_capture_size": 1024}'], "1024"),
         (['--compilation-config={"cudagraph_capture_sizes": [1, 600]}'], "600"),
         (["--compilation-config.max_cudagraph_capture_size=768"], "768"),
+        (["-cc.max-cudagraph-capture-size", "1024"], "1024"),
         (["-O3"], None),
         (["-O", '{"level": 3}'], None),
         (["--max-cudagraph-capture-size", "$(SIZE)"], "not written out"),

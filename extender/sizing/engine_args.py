@@ -379,6 +379,7 @@ def _graph_sizes(tokens: Sequence[str]) -> list[tuple[str, list[int] | None]]:
     for i, token in enumerate(tokens):
         flag, eq, inline = _flag("vllm", token)
         base, dot, field = flag.partition(".")
+        field = field.replace("-", "_")  # `-cc.max-cudagraph-capture-size` names the same field
         if flag in _GRAPH_LISTS:
             values = [inline] if eq else list(_list_values(tokens, i))
             found.append((flag, _sizes(values) if values else None))
