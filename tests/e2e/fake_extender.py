@@ -91,7 +91,7 @@ class FakeExtender:
         if handler is not None:
             return handler(body)
         if self.forward_to is not None:
-            return self._forward(verb, body)
+            return self.forward(verb, body)
         return 200, self.default(verb, body)
 
     def default(self, verb: str, body: dict[str, Any]) -> Any:
@@ -122,7 +122,8 @@ class FakeExtender:
             _preload_content=False,  # the server answers a Status, not a Binding
         )
 
-    def _forward(self, verb: str, body: dict[str, Any]) -> tuple[int, Any]:
+    def forward(self, verb: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """Send the call on to `forward_to` and return its answer (a handler may call it)."""
         req = urllib.request.Request(
             f"{self.forward_to}/{verb}",
             data=json.dumps(body).encode(),

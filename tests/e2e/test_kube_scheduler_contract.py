@@ -198,7 +198,9 @@ def test_preemption_asks_vramsched_for_the_victims_by_uid(
         assert conditions["DisruptionTarget"].reason == "PreemptionByScheduler"
     api.delete_namespaced_pod("victim", NS, grace_period_seconds=0)  # what kubelet would confirm
     assert wait_bound(cp, api, ["preemptor"], timeout=90) == {"preemptor": "one-gpu"}
-    events = api.list_namespaced_event(NS, field_selector="involvedObject.name=victim").items
+    # by UID: events outlive a deleted pod of that name (another test's victim)
+    selector = f"involvedObject.name=victim,involvedObject.uid={victim_uid}"
+    events = api.list_namespaced_event(NS, field_selector=selector).items
     (preempted,) = [e.message for e in events if e.reason == "Preempted"]
     preemptor_uid = api.read_namespaced_pod("preemptor", NS).metadata.uid
     assert preempted == by_version(
