@@ -206,79 +206,57 @@ class ClusterState:
                 "counted on whole GPUs" if parts else "not counted",
             )
             log.debug("bound pod %s: %s", ref, exc)
-            if not parts:
-                self._drop_usage(ref.key)
-            elif len(parts) == 1:
-                self._count_bound(ref, pod, node, parts[0])
+            if parts:
+                self._count_bound(ref, pod, node, parts)
             else:
-                self._count_several(ref, node, parts)
+                self._drop_usage(ref.key)
             return None
-        self._count_bound(ref, pod, node, demand)
+        self._count_bound(ref, pod, node, (demand,))
         return demand
 
-    def _count_bound(self, ref: PodRef, pod: Mapping[str, Any], node: str, demand: Demand) -> None:
-        """Hold what the bound pod holds: its assignment when readable, else a guess."""
+    def _count_bound(
+        self, ref: PodRef, pod: Mapping[str, Any], node: str, parts: tuple[Demand, ...]
+    ) -> None:
+        """Hold what the bound pod holds: its assignment when readable, else a guess. `parts` is
+        its demand, or one per GPU resource for a pod asking several (`guessed_demands`; vramsched
+        never places such a pod, so no assignment is read for it: whole devices of each, as one
+        reservation)."""
         meta = pod.get("metadata") or {}
-        self._set_usage(ref.key, node, demand.cpu_milli, demand.memory_bytes)
-        if not demand.wants_gpu:
+        first = parts[0]
+        self._set_usage(ref.key, node, first.cpu_milli, first.memory_bytes)
+        if not any(p.wants_gpu for p in parts):
             return
-        try:
-            res = decode_assignment(ref, meta.get("annotations") or {}, demand.priority)
-        except AssignmentError as exc:
-            log.warning(
-                "bound pod %s has an unreadable %s annotation; counted by a guess (reason at debug level)",
-                ref,
-                ASSIGNMENT,
-            )
-            log.debug("%s", exc)
-            res = None
-        if res is not None and res.node == node:
-            self.guessed.discard(ref.key)
-            self.ledger.record(res)
-            return
+        if len(parts) == 1:
+            try:
+                res = decode_assignment(ref, meta.get("annotations") or {}, first.priority)
+            except AssignmentError as exc:
+                log.warning(
+                    "bound pod %s has an unreadable %s annotation; counted by a guess (reason at debug level)",
+                    ref,
+                    ASSIGNMENT,
+                )
+                log.debug("%s", exc)
+                res = None
+            if res is not None and res.node == node:
+                self.guessed.discard(ref.key)
+                self.ledger.record(res)
+                return
         existing = self.ledger.reservation(ref.key)
         if existing is not None and existing.node == node:
             return  # already counted (our own bind, or an earlier guess)
         self.ledger.release(ref.key)
-        chosen = choose_devices(self.ledger, demand, node)
-        guess = self._worst_case(demand, node) if isinstance(chosen, str) else chosen
-        if guess is None:
+        guesses = [g for g in (self._guess(p, node) for p in parts) if g is not None]
+        if not guesses:
             log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
             return
         self.guessed.add(ref.key)
-        self.ledger.record(guess)
+        self.ledger.record(guesses[0] if len(guesses) == 1 else _joined(guesses))
 
-    def _count_several(self, ref: PodRef, node: str, parts: tuple[Demand, ...]) -> None:
-        """Hold a running pod that asks several GPU resources (one `Demand` each; vramsched never
-        places such a pod, so it has no assignment) on whole devices of each, as one reservation."""
-        self._set_usage(ref.key, node, parts[0].cpu_milli, parts[0].memory_bytes)
-        existing = self.ledger.reservation(ref.key)
-        if existing is not None and existing.node == node:
-            return  # already counted
-        self.ledger.release(ref.key)
-        ids: list[str] = []
-        sizes: list[int] = []
-        for part in parts:
-            chosen = choose_devices(self.ledger, part, node)
-            guess = self._worst_case(part, node) if isinstance(chosen, str) else chosen
-            for device, size in zip(guess.device_ids, guess.bytes_per_device) if guess else ():
-                if device not in ids:  # a worst case falls back to any device of the node
-                    ids.append(device)
-                    sizes.append(size)
-        if not ids:
-            log.warning("bound pod %s on %s: no GPU devices to count it against", ref, node)
-            return
-        self.guessed.add(ref.key)
-        self.ledger.record(
-            Reservation(
-                pod=ref,
-                node=node,
-                device_ids=tuple(ids),
-                bytes_per_device=tuple(sizes),
-                priority=parts[0].priority,
-                declared=False,
-            )
-        )
+    def _guess(self, demand: Demand, node: str) -> Reservation | None:
+        """Where a bound pod with no readable assignment is counted: where bind would put it, or
+        where it does not fit by our books (`_worst_case`)."""
+        chosen = choose_devices(self.ledger, demand, node)
+        return self._worst_case(demand, node) if isinstance(chosen, str) else chosen
 
     def _worst_case(self, demand, node: str) -> Reservation | None:
         """A pod running where it does not fit by our books: count it on the least used devices,
@@ -327,19 +305,38 @@ class ClusterState:
         }
 
 
+def _joined(guesses: list[Reservation]) -> Reservation:
+    """One reservation holding every device of `guesses` (one pod's, one per GPU resource) once:
+    a worst case falls back to any device of the node, so two may name the same one."""
+    held: dict[str, int] = {}
+    for g in guesses:
+        for device, size in zip(g.device_ids, g.bytes_per_device):
+            held.setdefault(device, size)
+    first = guesses[0]
+    return Reservation(
+        pod=first.pod,
+        node=first.node,
+        device_ids=tuple(held),
+        bytes_per_device=tuple(held.values()),
+        priority=first.priority,
+        declared=False,
+    )
+
+
 def guessed_demands(pod: Mapping[str, Any], headroom: float = 0.0) -> tuple[Demand, ...]:
     """A running pod `pod_demand` cannot read, as the ledger counts it: as one asking whole
     devices, with no `model-memory` (when that annotation is what does not parse), one `Demand`
-    per GPU resource when it asks several; () when nothing of it can be read."""
+    per GPU resource when it asks several; () when nothing of it can be read. The callers have
+    already tried `pod_demand` on the pod as it is, so that is not tried again."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
     if isinstance(annotations, Mapping) and MODEL_MEMORY in annotations:
         rest = {k: v for k, v in annotations.items() if k != MODEL_MEMORY}
         pod = {**pod, "metadata": {**meta, "annotations": rest}}
-    try:
-        return (pod_demand(pod, headroom=headroom),)
-    except DemandError:
-        pass
+        try:
+            return (pod_demand(pod, headroom=headroom),)
+        except DemandError:
+            pass  # more than the annotation is unreadable: several GPU resources, say
     try:
         spec = pod.get("spec") or {}
         asked = sorted(
