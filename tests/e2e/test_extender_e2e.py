@@ -39,6 +39,7 @@ import orjson
 import pytest
 import yaml
 from controlplane import REPO_ROOT, Component, ControlPlane, free_port
+from fake_extender import FakeExtender
 
 from extender.bind_event import REASON
 from extender.cluster import ClusterState
@@ -239,6 +240,23 @@ def stack(
     try:
         yield cluster, ext
     finally:
+        ext.stop()
+
+
+@pytest.fixture
+def proxied_vramsched(
+    cluster: ControlPlane, extender_args: list[str]
+) -> Iterator[tuple[ControlPlane, Extender, FakeExtender]]:
+    """Like `stack`, with a recording proxy between kube-scheduler and vramsched (a test may
+    script a verb on it, and pass the call on with `FakeExtender.forward`)."""
+    ext = Extender(cluster, _grant_extender_rbac(cluster), extender_args)
+    ext.start()
+    proxy = FakeExtender(cluster, forward_to=ext.url)
+    start_shipped_scheduler(cluster, proxy.url)
+    try:
+        yield cluster, ext, proxy
+    finally:
+        proxy.close()
         ext.stop()
 
 

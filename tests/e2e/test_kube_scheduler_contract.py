@@ -29,6 +29,7 @@ from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     core,
     extender_args,
     gpu_pod,
+    proxied_vramsched,
     stack,
     start_shipped_scheduler,
     wait_bound,
@@ -134,22 +135,6 @@ def test_vramsched_copies_unresolvable_nodes_into_failed_nodes_only_below_1_21(
 
 
 # ----- preemption through the extender's preempt verb ---------------------------------------------
-
-
-@pytest.fixture
-def proxied_vramsched(
-    cluster: ControlPlane,
-) -> Iterator[tuple[ControlPlane, Extender, FakeExtender]]:
-    """vramsched + kube-scheduler running the shipped config, with a recording proxy between them."""
-    ext = Extender(cluster, _grant_extender_rbac(cluster), [])
-    ext.start()
-    proxy = FakeExtender(cluster, forward_to=ext.url)
-    start_shipped_scheduler(cluster, proxy.url)
-    try:
-        yield cluster, ext, proxy
-    finally:
-        proxy.close()
-        ext.stop()
 
 
 @pytest.mark.e2e

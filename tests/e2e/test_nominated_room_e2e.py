@@ -12,22 +12,21 @@ kube-scheduler and vramsched holds the preemptor's bind until the other pod's fi
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import kubernetes.client
 import pytest
 from controlplane import ControlPlane
 from fake_extender import FakeExtender
-from test_extender_e2e import (
+from test_extender_e2e import (  # noqa: F401 - fixtures are used by name
     NS,
     Extender,
-    _grant_extender_rbac,
     add_node,
     assert_sound,
     core,
+    extender_args,
     gpu_pod,
-    start_shipped_scheduler,
+    proxied_vramsched,
     wait_bound,
 )
 
@@ -35,23 +34,6 @@ from extender.inventory import ReplicaPolicy
 
 NODE = "two-a100"
 HIGH = "e2e-nominated-high"
-
-
-@pytest.fixture
-def pinned_behind_proxy(
-    cluster: ControlPlane,
-) -> Iterator[tuple[ControlPlane, FakeExtender]]:
-    """vramsched with exact per-GPU books (`--replica-policy pinned`), kube-scheduler running the
-    shipped config, and a recording proxy between them."""
-    ext = Extender(cluster, _grant_extender_rbac(cluster), ["--replica-policy", "pinned"])
-    ext.start()
-    proxy = FakeExtender(cluster, forward_to=ext.url)
-    start_shipped_scheduler(cluster, proxy.url)
-    try:
-        yield cluster, proxy
-    finally:
-        proxy.close()
-        ext.stop()
 
 
 def _pod(name: str, memory: str, *, gpus: int = 1, high: bool = False) -> dict[str, Any]:
@@ -63,10 +45,11 @@ def _pod(name: str, memory: str, *, gpus: int = 1, high: bool = False) -> dict[s
 
 @pytest.mark.e2e
 @pytest.mark.k8s("1.36", reason="1.20 never calls the preempt verb (kubernetes issue 102971)")
+@pytest.mark.parametrize("extender_args", [["--replica-policy", "pinned"]])  # exact per-GPU books
 def test_the_vram_preemption_freed_is_kept_for_the_preemptor(
-    pinned_behind_proxy: tuple[ControlPlane, FakeExtender],
+    proxied_vramsched: tuple[ControlPlane, Extender, FakeExtender], extender_args: list[str]
 ) -> None:
-    cp, proxy = pinned_behind_proxy
+    cp, _, proxy = proxied_vramsched
     api = core(cp)
     try:
         kubernetes.client.SchedulingV1Api(api.api_client).create_priority_class(
