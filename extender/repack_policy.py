@@ -17,6 +17,7 @@ nowhere else to go) and anything else are never moved.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,11 +25,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from extender.bind_event import bind_event
-from extender.demand import ANNOTATION_PREFIX, Demand, PodRef
+from extender.demand import ANNOTATION_PREFIX, Demand, DemandError, PodRef, pod_requests
+from extender.inventory import is_gpu_resource
 from extender.ledger import Ledger, LedgerError, Reservation
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
-from extender.quantity import INTEGER, format_bytes
+from extender.quantity import INTEGER, QuantityError, format_bytes, parse_quantity
 
 __all__ = [
     "MOVABLE",
@@ -44,6 +46,8 @@ __all__ = [
     "replaces",
     "same_shape",
     "schedulable_on",
+    "room_problem",
+    "plan_room_problem",
     "final_state_problem",
     "nominated_outcome",
     "eviction_body",
@@ -267,6 +271,108 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
             continue
         if not _tolerated(taint, spec.get("tolerations") or ()):
             return f"node {name} has taint {taint.get('key')} the pod does not tolerate"
+    return None
+
+
+#: the phases whose pods kube-scheduler no longer counts on their node
+_FINISHED = frozenset({"Succeeded", "Failed"})
+
+
+def _whole(value: object) -> int:
+    """A quantity as kube-scheduler compares it (rounded up to a whole unit); 0 if absent or
+    unreadable."""
+    try:
+        return math.ceil(parse_quantity(value)) if value is not None else 0
+    except QuantityError:
+        return 0
+
+
+def _unbooked_requests(pod: Mapping[str, Any]) -> dict[str, int]:
+    """The pod's requests that a plan does not book itself (CPU and memory are in its capacity,
+    GPUs in the ledger), each rounded up; {} for a pod whose requests do not parse."""
+    try:
+        total = pod_requests(pod.get("spec") or {}, pod.get("status"))
+    except (DemandError, QuantityError):
+        return {}
+    return {
+        str(k): math.ceil(q)
+        for k, q in total.items()
+        if k not in ("cpu", "memory") and not is_gpu_resource(str(k)) and q > 0
+    }
+
+
+def room_problem(
+    node: Mapping[str, Any],
+    staying: Sequence[Mapping[str, Any]],
+    arriving: Sequence[Mapping[str, Any]],
+) -> str | None:
+    """Why kube-scheduler's NodeResourcesFit would keep one of `arriving` off `node` once the
+    plan's moved pods have left it (`staying`: the pods still there), or None.
+
+    A plan books CPU, memory and GPUs itself; this checks the rest: the node's pod count, and every
+    other resource the arriving pods ask (ephemeral storage, hugepages, extended resources). A
+    resource the node's allocatable does not list counts as none, as kube-scheduler counts it; a
+    node that lists no allocatable at all (a hand-written cluster file) is not checked."""
+    alloc = (node.get("status") or {}).get("allocatable")
+    if not arriving or not isinstance(alloc, Mapping) or not alloc:
+        return None
+    name = str(_meta(node).get("name") or "?")
+    allowed, count = _whole(alloc.get("pods")), len(staying) + len(arriving)
+    if count > allowed:
+        return f"node {name} takes {allowed} pods and would hold {count}"
+    asked: dict[str, int] = {}
+    for pod in arriving:
+        for k, q in _unbooked_requests(pod).items():
+            asked[k] = asked.get(k, 0) + q
+    if not asked:
+        return None
+    held = dict.fromkeys(asked, 0)
+    for pod in staying:
+        for k, q in _unbooked_requests(pod).items():
+            if k in held:
+                held[k] += q
+    for k in sorted(asked):
+        free = max(0, _whole(alloc.get(k)) - held[k])
+        if asked[k] > free:
+            return f"node {name} has {free} of {k} free and the pods sent there ask {asked[k]}"
+    return None
+
+
+def plan_room_problem(
+    nodes: Mapping[str, Mapping[str, Any]],
+    pods: Mapping[str, Mapping[str, Any]],
+    blocked: Mapping[str, Any],
+    placement: Reservation,
+    moves: Sequence[PlannedMove],
+) -> tuple[str, str | None] | None:
+    """`room_problem` for every node a plan sends pods to, with the cluster's pods (`pods`, by
+    key) as they will be once the moved pods are gone: None, or (why, the moved pod to leave out
+    of the next plan: the last one sent to that node, None when only the blocked pod goes
+    there)."""
+    arriving: dict[str, list[tuple[Mapping[str, Any], str | None]]] = {placement.node: []}
+    arriving[placement.node].append((blocked, None))
+    leaving = {m.pod.key for m in moves}
+    for m in moves:
+        moved = pods.get(m.pod.key)
+        if moved is not None:
+            arriving.setdefault(m.target.node, []).append((moved, m.pod.key))
+    staying: dict[str, list[Mapping[str, Any]]] = {n: [] for n in arriving}
+    for key, pod in pods.items():
+        spec = pod.get("spec") or {}
+        where = spec.get("nodeName") if isinstance(spec, Mapping) else None
+        if (
+            where in staying
+            and key not in leaving
+            and (pod.get("status") or {}).get("phase") not in _FINISHED
+        ):
+            staying[where].append(pod)
+    for name, sent in arriving.items():
+        node = nodes.get(name)
+        why = None if node is None else room_problem(node, staying[name], [p for p, _ in sent])
+        if why is not None:
+            # leave out the last pod moved there, so that the next plan may send it elsewhere
+            who = next((k for _, k in reversed(sent) if k is not None), None)
+            return why, who
     return None
 
 

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -40,10 +41,13 @@ from extender.repack_policy import (
     REASON,
     Controller,
     MoveBudget,
+    PlannedMove,
     final_state_problem,
     movable,
     nominated_outcome,
+    plan_room_problem,
     replaces,
+    room_problem,
     schedulable_on,
 )
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
@@ -358,6 +362,90 @@ def test_a_target_must_pass_kube_schedulers_own_rules() -> None:
     assert "cordoned" in (schedulable_on(p, node) or "")
 
 
+def _asking(p: dict[str, Any], requests: dict[str, str]) -> dict[str, Any]:
+    """`p` with its container also asking `requests` (as requests and limits)."""
+    res = p["spec"]["containers"][0]["resources"]
+    res["requests"].update(requests)
+    res["limits"].update(requests)
+    return p
+
+
+def test_a_target_must_have_room_for_what_the_plan_does_not_book() -> None:
+    """The pod count and every resource other than CPU, memory and GPUs, as NodeResourcesFit
+    counts them: the pods staying on the node plus the ones the plan sends there."""
+    node = gpu_node("a", count=1)
+    node["status"]["allocatable"].update(
+        {"pods": "3", "ephemeral-storage": "10Gi", "example.com/nic": "2"}
+    )
+    staying = [bound("s1", 4, "a"), _asking(bound("s2", 4, "a"), {"ephemeral-storage": "6Gi"})]
+    assert room_problem(node, staying, [web("m", 4, "b")]) is None
+    two = [web("m", 4, "b"), web("n", 4, "b")]
+    assert room_problem(node, staying, two) == "node a takes 3 pods and would hold 4"
+    big = _asking(web("m", 4, "b"), {"ephemeral-storage": "5Gi"})
+    assert room_problem(node, staying, [big]) == (
+        f"node a has {4 * GIB} of ephemeral-storage free and the pods sent there ask {5 * GIB}"
+    )
+    assert (
+        room_problem(node, staying, [_asking(web("m", 4, "b"), {"ephemeral-storage": "4Gi"})])
+        is None
+    )
+    nic = _asking(web("m", 4, "b"), {"example.com/nic": "2"})
+    assert room_problem(node, staying, [nic]) is None
+    assert "example.com/nic" in (
+        room_problem(
+            node, [*staying[:1], _asking(bound("s3", 1, "a"), {"example.com/nic": "1"})], [nic]
+        )
+        or ""
+    )
+    # a resource the node does not list is one it has none of, as kube-scheduler counts it
+    pages = _asking(web("m", 4, "b"), {"hugepages-2Mi": "1Gi"})
+    assert "0 of hugepages-2Mi free" in (room_problem(node, staying, [pages]) or "")
+    # CPU, memory and GPUs are the plan's own books: not counted again here
+    heavy = _asking(web("m", 4, "b"), {"cpu": "500", "memory": "4Ti"})
+    heavy["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "9"
+    assert room_problem(node, staying, [heavy]) is None
+    # a node with no allocatable at all (a hand-written cluster file) is not checked
+    bare = {"metadata": {"name": "a"}, "status": {}}
+    assert room_problem(bare, staying, two) is None
+
+
+def test_a_plans_room_counts_the_pods_that_leave_and_blames_the_last_moved_pod() -> None:
+    nodes = {n: gpu_node(n, count=1) for n in NODES}
+    nodes["a"]["status"]["allocatable"]["pods"] = "2"
+    pods = {
+        f"default/{p['metadata']['name']}": p
+        for p in (bound("f1", 4, "a"), web("m1", 4, "a"), web("m2", 4, "b"), web("m3", 4, "b"))
+    }
+    finished = bound("done", 4, "a")
+    finished["status"]["phase"] = "Succeeded"  # kube-scheduler no longer counts it
+    pods["default/done"] = finished
+    blocked = pod("p", "16Gi", uid="p")
+    demand = pod_demand(blocked)
+
+    def move(name: str, source: str, target: str) -> PlannedMove:
+        d = pod_demand(pods[f"default/{name}"])
+        held = Reservation(d.pod, source, ("0",), (4 * GIB,))
+        return PlannedMove(
+            d.pod, d, held, replace(held, node=target), Controller("ReplicaSet", "x", "rs-x")
+        )
+
+    on_b = Reservation(demand.pod, "b", ("0",), (16 * GIB,))
+    # m2 to a: a would hold f1, m1 and m2
+    assert plan_room_problem(nodes, pods, blocked, on_b, [move("m2", "b", "a")]) == (
+        "node a takes 2 pods and would hold 3",
+        "default/m2",
+    )
+    # m1 leaves a as m2 arrives: still two
+    swap = [move("m1", "a", "b"), move("m2", "b", "a")]
+    assert plan_room_problem(nodes, pods, blocked, on_b, swap) is None
+    # the blocked pod alone is too many for a: nobody to leave out
+    on_a = Reservation(demand.pod, "a", ("0",), (16 * GIB,))
+    assert plan_room_problem(nodes, pods, blocked, on_a, []) == (
+        "node a takes 2 pods and would hold 3",
+        None,
+    )
+
+
 @pytest.mark.parametrize(
     ("label", "op", "value", "holds"),
     [
@@ -588,6 +676,30 @@ async def test_pods_without_consent_are_never_evicted(world: Any) -> None:
     assert w.evictions.calls == [] and w.repacker.stats.none == 1
     (event,) = await w.events()
     assert event["message"].startswith("no repack now: no plan within 3 move(s)")
+
+
+async def test_no_pod_is_evicted_for_a_target_without_a_pod_slot(world: Any) -> None:
+    """The only plan moves m2 to a, which takes 2 pods and holds f1 and m1: kube-scheduler would
+    keep m2's new pod off a, so nothing is evicted until a takes a third pod."""
+    w = world(fragmented())
+    full = gpu_node("a", count=1, memory_mib=24 * 1024, replicas=4)
+    full["status"]["allocatable"]["pods"] = "2"
+    w.source.apply("nodes", "MODIFIED", copy.deepcopy(full))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.repacker.run is None
+    # planned again without m2: no other plan exists
+    assert w.planned == 2 and w.repacker.stats.refused == 1
+    (event,) = await w.events()
+    assert (
+        "default/m2: the plan sends more pods than fit: node a takes 2 pods and would hold 3"
+        in (event["message"])
+    )
+    full["status"]["allocatable"]["pods"] = "3"
+    full["metadata"]["resourceVersion"] = "2"
+    w.source.apply("nodes", "MODIFIED", copy.deepcopy(full))
+    await w.step(advance=11)
+    assert w.evictions.real() == ["m2"]
 
 
 async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:

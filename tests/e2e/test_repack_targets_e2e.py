@@ -8,6 +8,10 @@ plane: the pod, pinned to one node by a `metadata.name` field that every one of 
 also requires, is placed by kube-scheduler exactly when vramsched's check passes the node. The
 one difference is by design: vramsched never moves a pod to a cordoned node, even one whose pods
 tolerate the cordon's taint.
+
+The second test does the same for a target's room in what a plan does not book itself
+(`repack_policy.room_problem`): the node's pod count, ephemeral storage, hugepages and extended
+resources other than GPUs, with pods already bound there.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import pytest
 from controlplane import ControlPlane
 
-from extender.repack_policy import schedulable_on
+from extender.repack_policy import room_problem, schedulable_on
 
 NS = "default"
 SCHEDULER = "vramsched"
@@ -171,3 +175,89 @@ def test_move_targets_are_judged_as_kube_scheduler_judges_them(cluster: ControlP
     # the shapes cover both answers on every node, and every node refuses some shape
     assert all(any(theirs[p] for p, (_, n) in probes.items() if n == node) for node in NODES)
     assert all(not all(theirs[p] for p, (_, n) in probes.items() if n == node) for node in NODES)
+
+
+#: node shape -> (allocatable over the defaults, the requests of each pod already bound there)
+ROOMY: dict[str, tuple[dict[str, str], list[dict[str, str]]]] = {
+    "slot-left": ({"pods": "3"}, [{}, {}]),
+    "no-slot": ({"pods": "2"}, [{}, {}]),
+    "disk": ({"ephemeral-storage": "10Gi"}, [{"ephemeral-storage": "6Gi"}]),
+    "nic": ({"example.com/nic": "2"}, [{"example.com/nic": "1"}]),
+    "pages": ({"hugepages-2Mi": "1Gi"}, [{"hugepages-2Mi": "256Mi", "memory": "64Mi"}]),
+    "lists-none": ({}, []),
+}
+
+#: pod shape -> its container's requests (and limits)
+ASKS: dict[str, dict[str, str]] = {
+    "nothing-else": {},
+    "disk-4Gi": {"ephemeral-storage": "4Gi"},
+    "disk-5Gi": {"ephemeral-storage": "5Gi"},
+    "nic-1": {"example.com/nic": "1"},
+    "nic-2": {"example.com/nic": "2"},
+    "pages-768Mi": {"hugepages-2Mi": "768Mi", "memory": "64Mi"},
+    "pages-1Gi": {"hugepages-2Mi": "1Gi", "memory": "64Mi"},
+}
+
+
+def _asking(name: str, requests: dict[str, str], node: str | None = None) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "app", "image": "busybox"}
+    if requests:
+        container["resources"] = {"requests": dict(requests), "limits": dict(requests)}
+    spec: dict[str, Any] = {"schedulerName": SCHEDULER, "containers": [container]}
+    if node:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.mark.e2e
+def test_move_targets_room_is_judged_as_kube_scheduler_judges_it(cluster: ControlPlane) -> None:
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    core = cluster.core_v1()
+    api = cluster.api_client()
+    probes: dict[str, tuple[str, str]] = {}
+    for i, shape in enumerate(ASKS):
+        for j, (alloc, residents) in enumerate(ROOMY.values()):
+            # a node per probe: a probe kube-scheduler places takes room the next one would see
+            node = f"room-{i}-{j}"
+            cluster.create_gpu_node(node, allocatable=alloc)
+            for k, requests in enumerate(residents):
+                core.create_namespaced_pod(NS, _asking(f"resident-{i}-{j}-{k}", requests, node))
+            probe = f"room-probe-{i}-{j}"
+            probes[probe] = (shape, node)
+            core.create_namespaced_pod(NS, _pinned(_asking(probe, ASKS[shape]), node))
+
+    def verdicts() -> dict[str, bool] | None:
+        found: dict[str, bool] = {}
+        for p in core.list_namespaced_pod(NS).items:
+            if p.metadata.name not in probes:
+                continue
+            if p.spec.node_name:
+                found[p.metadata.name] = True
+            elif any(
+                c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []
+            ):
+                found[p.metadata.name] = False
+        return found if len(found) == len(probes) else None
+
+    theirs = cluster.wait_for(verdicts, timeout=120, message="a verdict on every probe")
+    pods = [api.sanitize_for_serialization(p) for p in core.list_namespaced_pod(NS).items]
+    disagree = []
+    for probe, (shape, node) in probes.items():
+        staying = [
+            p for p in pods if p["metadata"]["name"].startswith("resident-" + node[5:] + "-")
+        ]
+        ours = room_problem(
+            api.sanitize_for_serialization(core.read_node(node)),
+            staying,
+            [_asking(probe, ASKS[shape])],
+        )
+        if (ours is None) != theirs[probe]:
+            disagree.append(f"{shape} on {node}: kube-scheduler {theirs[probe]}, vramsched {ours}")
+    assert not disagree, "\n".join(disagree)
+    # both answers on every node shape but the one with a slot left and nothing else listed
+    by_kind = {
+        kind: [theirs[f"room-probe-{i}-{j}"] for i in range(len(ASKS))]
+        for j, kind in enumerate(ROOMY)
+    }
+    assert not any(by_kind["no-slot"]) and all(any(v) for k, v in by_kind.items() if k != "no-slot")
+    assert all(not all(v) for v in by_kind.values())
