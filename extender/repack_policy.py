@@ -1,6 +1,7 @@
 """Live repacking's rules, pure (no I/O, no await): which running pods may be moved, how many
-moves the budget allows, whether a plan still holds on the live ledger, what filter answers for a
-pod a repack holds GPUs for, and what the Events say.
+moves the budget allows, whether a plan still holds on the live ledger, whether kube-scheduler
+would let each pod where the plan sends it, what filter answers for a pod a repack holds GPUs for,
+and what the Events say.
 
 `extender.live.repack` makes the API calls (evictions, events) and `extender.repack_holds` keeps a
 plan's GPUs held while it runs; what either of them decides is decided here, so it is tested on
@@ -30,6 +31,7 @@ from extender.inventory import is_gpu_resource
 from extender.ledger import Ledger, LedgerError, Reservation
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
+from extender.pod_affinity import affinity_problem, has_pod_affinity
 from extender.quantity import INTEGER, QuantityError, format_bytes, parse_quantity
 
 __all__ = [
@@ -47,7 +49,7 @@ __all__ = [
     "same_shape",
     "schedulable_on",
     "room_problem",
-    "plan_room_problem",
+    "plan_target_problem",
     "final_state_problem",
     "nominated_outcome",
     "eviction_body",
@@ -338,40 +340,62 @@ def room_problem(
     return None
 
 
-def plan_room_problem(
+def plan_target_problem(
     nodes: Mapping[str, Mapping[str, Any]],
     pods: Mapping[str, Mapping[str, Any]],
     blocked: Mapping[str, Any],
     placement: Reservation,
     moves: Sequence[PlannedMove],
 ) -> tuple[str, str | None] | None:
-    """`room_problem` for every node a plan sends pods to, with the cluster's pods (`pods`, by
-    key) as they will be once the moved pods are gone: None, or (why, the moved pod to leave out
-    of the next plan: the last one sent to that node, None when only the blocked pod goes
-    there)."""
-    arriving: dict[str, list[tuple[Mapping[str, Any], str | None]]] = {placement.node: []}
-    arriving[placement.node].append((blocked, None))
+    """What kube-scheduler would say against the plan's final state, on the rules a plan does not
+    model: `room_problem` for every node it sends pods to, then required inter-pod (anti-)affinity
+    for every pod it sends (`pod_affinity`), with the cluster's pods (`pods`, by key) as they will
+    be once the moved pods are gone. None, or (why, the moved pod to leave out of the next plan:
+    the pod that breaks a rule, or the last one sent to a node without room; None when only the
+    blocked pod is at fault)."""
     leaving = {m.pod.key for m in moves}
+    #: (the moved pod's key or None for the blocked pod, the pod, its node)
+    sent: list[tuple[str | None, Mapping[str, Any], str]] = [(None, blocked, placement.node)]
     for m in moves:
         moved = pods.get(m.pod.key)
         if moved is not None:
-            arriving.setdefault(m.target.node, []).append((moved, m.pod.key))
-    staying: dict[str, list[Mapping[str, Any]]] = {n: [] for n in arriving}
-    for key, pod in pods.items():
-        spec = pod.get("spec") or {}
+            sent.append((m.pod.key, moved, m.target.node))
+    staying: list[tuple[Mapping[str, Any], str]] = []
+    for key, running in pods.items():
+        spec = running.get("spec") or {}
         where = spec.get("nodeName") if isinstance(spec, Mapping) else None
         if (
-            where in staying
+            isinstance(where, str)
+            and where
             and key not in leaving
-            and (pod.get("status") or {}).get("phase") not in _FINISHED
+            and (running.get("status") or {}).get("phase") not in _FINISHED
         ):
-            staying[where].append(pod)
-    for name, sent in arriving.items():
+            staying.append((running, where))
+    for name in dict.fromkeys(node for _, _, node in sent):
         node = nodes.get(name)
-        why = None if node is None else room_problem(node, staying[name], [p for p, _ in sent])
+        there = [p for _, p, n in sent if n == name]
+        why = None
+        if node is not None:
+            why = room_problem(node, [p for p, n in staying if n == name], there)
         if why is not None:
             # leave out the last pod moved there, so that the next plan may send it elsewhere
-            who = next((k for _, k in reversed(sent) if k is not None), None)
+            who = next((k for k, _, n in reversed(sent) if n == name and k is not None), None)
+            return why, who
+    labels_of = {
+        name: {str(k): str(v) for k, v in (_meta(node).get("labels") or {}).items()}
+        for name, node in nodes.items()
+    }
+    final = staying + [(p, n) for _, p, n in sent]
+    # a pod stating no pod affinity meets only the terms of pods that state some
+    ruled = [j for j, (p, _) in enumerate(final) if has_pod_affinity(p)]
+    for i, (who, arriving, node_name) in enumerate(sent):
+        me = len(staying) + i
+        if has_pod_affinity(arriving):
+            others = final[:me] + final[me + 1 :]
+        else:
+            others = [final[j] for j in ruled if j != me]
+        why = affinity_problem(arriving, node_name, others, labels_of)
+        if why is not None:
             return why, who
     return None
 

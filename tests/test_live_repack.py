@@ -45,7 +45,7 @@ from extender.repack_policy import (
     final_state_problem,
     movable,
     nominated_outcome,
-    plan_room_problem,
+    plan_target_problem,
     replaces,
     room_problem,
     schedulable_on,
@@ -431,16 +431,16 @@ def test_a_plans_room_counts_the_pods_that_leave_and_blames_the_last_moved_pod()
 
     on_b = Reservation(demand.pod, "b", ("0",), (16 * GIB,))
     # m2 to a: a would hold f1, m1 and m2
-    assert plan_room_problem(nodes, pods, blocked, on_b, [move("m2", "b", "a")]) == (
+    assert plan_target_problem(nodes, pods, blocked, on_b, [move("m2", "b", "a")]) == (
         "node a takes 2 pods and would hold 3",
         "default/m2",
     )
     # m1 leaves a as m2 arrives: still two
     swap = [move("m1", "a", "b"), move("m2", "b", "a")]
-    assert plan_room_problem(nodes, pods, blocked, on_b, swap) is None
+    assert plan_target_problem(nodes, pods, blocked, on_b, swap) is None
     # the blocked pod alone is too many for a: nobody to leave out
     on_a = Reservation(demand.pod, "a", ("0",), (16 * GIB,))
-    assert plan_room_problem(nodes, pods, blocked, on_a, []) == (
+    assert plan_target_problem(nodes, pods, blocked, on_a, []) == (
         "node a takes 2 pods and would hold 3",
         None,
     )
@@ -692,7 +692,7 @@ async def test_no_pod_is_evicted_for_a_target_without_a_pod_slot(world: Any) -> 
     assert w.planned == 2 and w.repacker.stats.refused == 1
     (event,) = await w.events()
     assert (
-        "default/m2: the plan sends more pods than fit: node a takes 2 pods and would hold 3"
+        "pod default/m2 may not move there: node a takes 2 pods and would hold 3"
         in (event["message"])
     )
     full["status"]["allocatable"]["pods"] = "3"

@@ -12,8 +12,8 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
 2. **Plan** in a worker thread on a copy of the ledger, at most `allowance` moves, only pods
    `repack_policy.movable` accepts. Checked back on the event loop against the live ledger
    (`final_state_fits`, `final_state_problem`: the device plugin's bound, the pin rule) and
-   kube-scheduler's own rules for every target (`schedulable_on`, and `plan_room_problem`: the
-   pod count and the resources a plan does not book).
+   kube-scheduler's own rules for every target (`schedulable_on`, and `plan_target_problem`: the
+   pod count, the resources a plan does not book, inter-pod affinity).
 3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
    changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
    pod, up to `attempts` plans; nothing has been evicted yet.
@@ -71,7 +71,7 @@ from extender.repack_policy import (
     final_state_problem,
     movable,
     nominated_message,
-    plan_room_problem,
+    plan_target_problem,
     repack_event,
     schedulable_on,
 )
@@ -399,10 +399,13 @@ class Repacker:
             refusal = schedulable_on(moved, target)
             if refusal is not None:
                 return "refused", f"pod {m.pod.key} may not move there: {refusal}", m.pod.key
-        short = plan_room_problem(c.nodes, c.pods, pod, found.placement, moves)
-        if short is not None:
-            why, who = short
-            return "refused", f"the plan sends more pods than fit: {why}", who
+        problem = plan_target_problem(c.nodes, c.pods, pod, found.placement, moves)
+        if problem is not None:
+            why, who = problem
+            what = (
+                f"pod {who} may not move there" if who else "the plan puts it where it may not run"
+            )
+            return "refused", f"{what}: {why}", who
         return None
 
     async def _dry_run(self, moves: Sequence[PlannedMove]) -> dict[str, str]:
