@@ -26,6 +26,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from extender.label_selector import SelectorError, selector_matches
+
 __all__ = ["AffinityError", "affinity_problem", "has_pod_affinity"]
 
 
@@ -69,36 +71,6 @@ def _namespace(pod: Mapping[str, Any]) -> str:
     return str(ns) if ns else "default"
 
 
-def _selector_matches(selector: Any, labels: Mapping[str, str]) -> bool:
-    """A metav1.LabelSelector against labels: null selects nothing, {} everything."""
-    if selector is None:
-        return False
-    if not isinstance(selector, Mapping):
-        raise AffinityError("a labelSelector is not an object")
-    for key, value in (selector.get("matchLabels") or {}).items():
-        if labels.get(str(key)) != str(value):
-            return False
-    for expr in selector.get("matchExpressions") or ():
-        if not isinstance(expr, Mapping):
-            raise AffinityError("a matchExpressions entry is not an object")
-        key, op = str(expr.get("key") or ""), expr.get("operator")
-        values = {str(v) for v in expr.get("values") or ()}
-        has = key in labels
-        if op == "In":
-            ok = has and labels[key] in values
-        elif op == "NotIn":
-            ok = not has or labels[key] not in values
-        elif op == "Exists":
-            ok = has
-        elif op == "DoesNotExist":
-            ok = not has
-        else:
-            raise AffinityError(f"label selector operator {op!r} is not one of In, NotIn, Exists")
-        if not ok:
-            return False
-    return True
-
-
 def _terms(pod: Mapping[str, Any], kind: str) -> list[_Term]:
     """The pod's required terms of `kind` ("podAffinity" or "podAntiAffinity")."""
     affinity = _spec(pod).get("affinity")
@@ -132,7 +104,7 @@ def _terms(pod: Mapping[str, Any], kind: str) -> list[_Term]:
 def _matches(term: _Term, pod: Mapping[str, Any]) -> bool:
     if term.namespaces is not None and _namespace(pod) not in term.namespaces:
         return False
-    return _selector_matches(term.selector, _labels(pod))
+    return selector_matches(term.selector, _labels(pod))
 
 
 def _domain(labels_of: Mapping[str, Mapping[str, str]], node: str, key: str) -> str | None:
@@ -162,7 +134,7 @@ def affinity_problem(
     labels. Terms that cannot be read are a problem too (kube-scheduler refuses such a pod)."""
     try:
         return _problem(pod, node, others, labels_of)
-    except AffinityError as exc:
+    except (AffinityError, SelectorError) as exc:
         return f"its pod affinity cannot be read: {exc}"
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,10 +29,12 @@ from extender.bind_event import bind_event
 from extender.demand import ANNOTATION_PREFIX, Demand, DemandError, PodRef, pod_requests
 from extender.inventory import is_gpu_resource
 from extender.ledger import Ledger, LedgerError, Reservation
+from extender.node_rules import node_affinity_refusal, node_labels, node_name, untolerated_taint
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.pod_affinity import affinity_problem, has_pod_affinity
-from extender.quantity import INTEGER, QuantityError, format_bytes, parse_quantity
+from extender.quantity import QuantityError, format_bytes, parse_quantity
+from extender.topology_spread import has_hard_spread, spread_problem
 
 __all__ = [
     "MOVABLE",
@@ -174,105 +176,20 @@ def same_shape(a: Demand, b: Demand) -> bool:
 # ----- will kube-scheduler's own filters let the re-created pod onto the target node? -------------
 
 
-def _expression_holds(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    key, op = str(expr.get("key") or ""), expr.get("operator")
-    values = [str(v) for v in expr.get("values") or ()]
-    has = key in labels
-    if op == "In":
-        return has and labels[key] in values
-    if op == "NotIn":
-        return not has or labels[key] not in values
-    if op == "Exists":
-        return has
-    if op == "DoesNotExist":
-        return not has
-    if op in ("Gt", "Lt") and has and len(values) == 1:
-        left, right = _go_int(labels[key]), _go_int(values[0])
-        if left is None or right is None:
-            return False
-        return left > right if op == "Gt" else left < right
-    return False
-
-
-def _field_holds(expr: Mapping[str, Any], node_name: str) -> bool:
-    """A matchFields requirement: `metadata.name` In or NotIn one name, the only field a node
-    selector may name (the API server refuses others)."""
-    values = [str(v) for v in expr.get("values") or ()]
-    if expr.get("key") != "metadata.name" or len(values) != 1:
-        return False  # a parse error to kube-scheduler: the term matches no node
-    if expr.get("operator") == "In":
-        return node_name == values[0]
-    if expr.get("operator") == "NotIn":
-        return node_name != values[0]
-    return False
-
-
-def _term_holds(term: Mapping[str, Any], labels: Mapping[str, str], node_name: str) -> bool:
-    """A nodeSelectorTerm as component-helpers' nodeaffinity matches it: an empty term selects
-    no node (it is dropped before matching), else every expression and field must hold."""
-    expressions = term.get("matchExpressions") or ()
-    fields = term.get("matchFields") or ()
-    if not expressions and not fields:
-        return False
-    return all(_expression_holds(e, labels) for e in expressions) and all(
-        _field_holds(f, node_name) for f in fields
-    )
-
-
-def _go_int(text: str) -> int | None:
-    """A Gt/Lt operand as kube-scheduler reads it (Go's `strconv.ParseInt(s, 10, 64)`), or None
-    where it fails: `int()` also takes `1_0`, other scripts' digits and values beyond int64."""
-    if not INTEGER.fullmatch(text):
-        return None
-    value = int(text)
-    return value if -(1 << 63) <= value < 1 << 63 else None
-
-
-def _tolerated(taint: Mapping[str, Any], tolerations: Iterable[Any]) -> bool:
-    for t in tolerations:
-        if not isinstance(t, Mapping):
-            continue
-        if t.get("effect") and t.get("effect") != taint.get("effect"):
-            continue
-        if t.get("operator") == "Exists":
-            if not t.get("key") or t.get("key") == taint.get("key"):
-                return True
-        elif t.get("key") == taint.get("key") and (t.get("value") or "") == (
-            taint.get("value") or ""
-        ):
-            return True
-    return False
-
-
 def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
     """Why kube-scheduler would keep a pod with this spec off `node`, or None. The rules a plan
     cannot see, checked for a move's target: nodeSelector, required node affinity, taints that
     repel new pods (NoSchedule, NoExecute) and cordoned nodes. A move that fails them would
     leave its re-created pod waiting for a node it may not use."""
-    spec = pod.get("spec") or {}
-    node_meta = _meta(node)
-    labels = {str(k): str(v) for k, v in (node_meta.get("labels") or {}).items()}
-    name = str(node_meta.get("name") or "?")
-    for key, value in (spec.get("nodeSelector") or {}).items():
-        if labels.get(str(key)) != str(value):
-            return f"node {name} does not match nodeSelector {key}={value}"
-    required = (
-        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        or {}
-    ).get("nodeSelectorTerms") or []
-    terms = [t for t in required if isinstance(t, Mapping)]
-    if terms and not any(_term_holds(t, labels, name) for t in terms):
-        return f"node {name} does not match the pod's required node affinity"
-    node_spec = node.get("spec") or {}
-    if node_spec.get("unschedulable"):
+    refusal = node_affinity_refusal(pod, node)
+    if refusal is not None:
+        return refusal
+    name = node_name(node)
+    if (node.get("spec") or {}).get("unschedulable"):
         return f"node {name} is cordoned"
-    for taint in node_spec.get("taints") or ():
-        if not isinstance(taint, Mapping) or taint.get("effect") not in ("NoSchedule", "NoExecute"):
-            continue
-        if not _tolerated(taint, spec.get("tolerations") or ()):
-            return f"node {name} has taint {taint.get('key')} the pod does not tolerate"
+    taint = untolerated_taint(pod, node)
+    if taint is not None:
+        return f"node {name} has taint {taint.get('key')} the pod does not tolerate"
     return None
 
 
@@ -349,8 +266,8 @@ def plan_target_problem(
 ) -> tuple[str, str | None] | None:
     """What kube-scheduler would say against the plan's final state, on the rules a plan does not
     model: `room_problem` for every node it sends pods to, then required inter-pod (anti-)affinity
-    for every pod it sends (`pod_affinity`), with the cluster's pods (`pods`, by key) as they will
-    be once the moved pods are gone. None, or (why, the moved pod to leave out of the next plan:
+    (`pod_affinity`) and topology spread (`topology_spread`) for every pod it sends, with the
+    cluster's pods (`pods`, by key) as they will be once the moved pods are gone. None, or (why, the moved pod to leave out of the next plan:
     the pod that breaks a rule, or the last one sent to a node without room; None when only the
     blocked pod is at fault)."""
     leaving = {m.pod.key for m in moves}
@@ -381,20 +298,19 @@ def plan_target_problem(
             # leave out the last pod moved there, so that the next plan may send it elsewhere
             who = next((k for k, _, n in reversed(sent) if n == name and k is not None), None)
             return why, who
-    labels_of = {
-        name: {str(k): str(v) for k, v in (_meta(node).get("labels") or {}).items()}
-        for name, node in nodes.items()
-    }
+    labels_of = {name: node_labels(node) for name, node in nodes.items()}
     final = staying + [(p, n) for _, p, n in sent]
     # a pod stating no pod affinity meets only the terms of pods that state some
     ruled = [j for j, (p, _) in enumerate(final) if has_pod_affinity(p)]
-    for i, (who, arriving, node_name) in enumerate(sent):
+    for i, (who, arriving, target) in enumerate(sent):
         me = len(staying) + i
         if has_pod_affinity(arriving):
             others = final[:me] + final[me + 1 :]
         else:
             others = [final[j] for j in ruled if j != me]
-        why = affinity_problem(arriving, node_name, others, labels_of)
+        why = affinity_problem(arriving, target, others, labels_of)
+        if why is None and has_hard_spread(arriving):
+            why = spread_problem(arriving, target, final[:me] + final[me + 1 :], nodes)
         if why is not None:
             return why, who
     return None

@@ -1,0 +1,47 @@
+"""Kubernetes label selectors (metav1.LabelSelector) matched as apimachinery matches them. Pure.
+
+A null selector selects nothing and `{}` everything, as `LabelSelectorAsSelector` reads them. An
+operator other than In, NotIn, Exists and DoesNotExist is an error there, and here
+(`SelectorError`): kube-scheduler then refuses the pod that states it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["SelectorError", "selector_matches"]
+
+
+class SelectorError(ValueError):
+    """A selector apimachinery cannot read either."""
+
+
+def selector_matches(selector: Any, labels: Mapping[str, str]) -> bool:
+    """Whether `labels` match `selector` (None: no labels do)."""
+    if selector is None:
+        return False
+    if not isinstance(selector, Mapping):
+        raise SelectorError("a labelSelector is not an object")
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(str(key)) != str(value):
+            return False
+    for expr in selector.get("matchExpressions") or ():
+        if not isinstance(expr, Mapping):
+            raise SelectorError("a matchExpressions entry is not an object")
+        key, op = str(expr.get("key") or ""), expr.get("operator")
+        values = {str(v) for v in expr.get("values") or ()}
+        has = key in labels
+        if op == "In":
+            ok = has and labels[key] in values
+        elif op == "NotIn":
+            ok = not has or labels[key] not in values
+        elif op == "Exists":
+            ok = has
+        elif op == "DoesNotExist":
+            ok = not has
+        else:
+            raise SelectorError(f"label selector operator {op!r} is not one of In, NotIn, Exists")
+        if not ok:
+            return False
+    return True
