@@ -23,14 +23,21 @@ def selector_matches(selector: Any, labels: Mapping[str, str]) -> bool:
         return False
     if not isinstance(selector, Mapping):
         raise SelectorError("a labelSelector is not an object")
-    for key, value in (selector.get("matchLabels") or {}).items():
+    match_labels = selector.get("matchLabels") or {}
+    expressions = selector.get("matchExpressions") or ()
+    if not isinstance(match_labels, Mapping) or not isinstance(expressions, list | tuple):
+        raise SelectorError("matchLabels is not an object or matchExpressions not a list")
+    for key, value in match_labels.items():
         if labels.get(str(key)) != str(value):
             return False
-    for expr in selector.get("matchExpressions") or ():
+    for expr in expressions:
         if not isinstance(expr, Mapping):
             raise SelectorError("a matchExpressions entry is not an object")
         key, op = str(expr.get("key") or ""), expr.get("operator")
-        values = {str(v) for v in expr.get("values") or ()}
+        raw = expr.get("values") or ()
+        if not isinstance(raw, list | tuple):
+            raise SelectorError(f"the values of {key!r} are not a list")
+        values = {str(v) for v in raw}
         has = key in labels
         if op == "In":
             ok = has and labels[key] in values

@@ -8,9 +8,10 @@ spread counts only the nodes a pod's node affinity selects (`topology_spread`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from extender.object_fields import field, items, labels, mapping, name, spec
 from extender.quantity import INTEGER
 
 __all__ = ["node_labels", "node_name", "node_affinity_refusal", "untolerated_taint"]
@@ -19,67 +20,58 @@ __all__ = ["node_labels", "node_name", "node_affinity_refusal", "untolerated_tai
 REPELLING = ("NoSchedule", "NoExecute")
 
 
-def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = obj.get("metadata")
-    return meta if isinstance(meta, Mapping) else {}
-
-
-def _spec(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    spec = obj.get("spec")
-    return spec if isinstance(spec, Mapping) else {}
-
-
 def node_labels(node: Mapping[str, Any]) -> dict[str, str]:
-    labels = _meta(node).get("labels")
-    return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {}
+    return labels(node)
 
 
 def node_name(node: Mapping[str, Any]) -> str:
-    return str(_meta(node).get("name") or "?")
+    return name(node)
 
 
-def _expression_holds(expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+def _expression_holds(expr: Any, node: Mapping[str, str]) -> bool:
+    expr = mapping(expr)
     key, op = str(expr.get("key") or ""), expr.get("operator")
-    values = [str(v) for v in expr.get("values") or ()]
-    has = key in labels
+    values = [str(v) for v in items(expr.get("values"))]
+    has = key in node
     if op == "In":
-        return has and labels[key] in values
+        return has and node[key] in values
     if op == "NotIn":
-        return not has or labels[key] not in values
+        return not has or node[key] not in values
     if op == "Exists":
         return has
     if op == "DoesNotExist":
         return not has
     if op in ("Gt", "Lt") and has and len(values) == 1:
-        left, right = _go_int(labels[key]), _go_int(values[0])
+        left, right = _go_int(node[key]), _go_int(values[0])
         if left is None or right is None:
             return False
         return left > right if op == "Gt" else left < right
     return False
 
 
-def _field_holds(expr: Mapping[str, Any], name: str) -> bool:
+def _field_holds(expr: Any, node: str) -> bool:
     """A matchFields requirement: `metadata.name` In or NotIn one name, the only field a node
     selector may name (the API server refuses others)."""
-    values = [str(v) for v in expr.get("values") or ()]
+    expr = mapping(expr)
+    values = [str(v) for v in items(expr.get("values"))]
     if expr.get("key") != "metadata.name" or len(values) != 1:
         return False  # a parse error to kube-scheduler: the term matches no node
     if expr.get("operator") == "In":
-        return name == values[0]
+        return node == values[0]
     if expr.get("operator") == "NotIn":
-        return name != values[0]
+        return node != values[0]
     return False
 
 
-def _term_holds(term: Mapping[str, Any], labels: Mapping[str, str], name: str) -> bool:
+def _term_holds(term: Mapping[str, Any], node_labels: Mapping[str, str], node: str) -> bool:
     """A nodeSelectorTerm as component-helpers' nodeaffinity matches it: an empty term selects
     no node (it is dropped before matching), else every expression and field must hold."""
-    expressions = term.get("matchExpressions") or ()
-    fields = term.get("matchFields") or ()
+    expressions = items(term.get("matchExpressions"))
+    fields = items(term.get("matchFields"))
     if not expressions and not fields:
         return False
-    return all(_expression_holds(e, labels) for e in expressions) and all(
-        _field_holds(f, name) for f in fields
+    return all(_expression_holds(e, node_labels) for e in expressions) and all(
+        _field_holds(f, node) for f in fields
     )
 
 
@@ -94,24 +86,25 @@ def _go_int(text: str) -> int | None:
 
 def node_affinity_refusal(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
     """Why the pod's `nodeSelector` or required node affinity keeps it off `node`, or None."""
-    spec = _spec(pod)
-    labels, name = node_labels(node), node_name(node)
-    for key, value in (spec.get("nodeSelector") or {}).items():
-        if labels.get(str(key)) != str(value):
-            return f"node {name} does not match nodeSelector {key}={value}"
-    required = (
-        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        or {}
-    ).get("nodeSelectorTerms") or []
-    terms = [t for t in required if isinstance(t, Mapping)]
-    if terms and not any(_term_holds(t, labels, name) for t in terms):
-        return f"node {name} does not match the pod's required node affinity"
+    pod_spec = spec(pod)
+    on, called = labels(node), name(node)
+    for key, value in mapping(pod_spec.get("nodeSelector")).items():
+        if on.get(str(key)) != str(value):
+            return f"node {called} does not match nodeSelector {key}={value}"
+    required = field(
+        pod_spec,
+        "affinity",
+        "nodeAffinity",
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "nodeSelectorTerms",
+    )
+    terms = [t for t in items(required) if isinstance(t, Mapping)]
+    if terms and not any(_term_holds(t, on, called) for t in terms):
+        return f"node {called} does not match the pod's required node affinity"
     return None
 
 
-def _tolerated(taint: Mapping[str, Any], tolerations: Iterable[Any]) -> bool:
+def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Any]) -> bool:
     for t in tolerations:
         if not isinstance(t, Mapping):
             continue
@@ -130,8 +123,8 @@ def _tolerated(taint: Mapping[str, Any], tolerations: Iterable[Any]) -> bool:
 def untolerated_taint(pod: Mapping[str, Any], node: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The first taint of `node` that keeps new pods off (NoSchedule, NoExecute) and that the pod
     does not tolerate, or None."""
-    tolerations = _spec(pod).get("tolerations") or ()
-    for taint in _spec(node).get("taints") or ():
+    tolerations = items(spec(pod).get("tolerations"))
+    for taint in items(spec(node).get("taints")):
         if not isinstance(taint, Mapping) or taint.get("effect") not in REPELLING:
             continue
         if not _tolerated(taint, tolerations):

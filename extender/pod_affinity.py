@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from extender.label_selector import SelectorError, selector_matches
+from extender.object_fields import field, items, labels, mapping, name, namespace, spec
 
 __all__ = ["AffinityError", "affinity_problem", "has_pod_affinity"]
 
@@ -48,46 +49,27 @@ class _Term:
 def has_pod_affinity(pod: Mapping[str, Any]) -> bool:
     """Whether the pod states any pod affinity or anti-affinity: a pod that states none matters to
     another's placement only through that one's own terms."""
-    affinity = _spec(pod).get("affinity")
-    return isinstance(affinity, Mapping) and bool(
-        affinity.get("podAffinity") or affinity.get("podAntiAffinity")
-    )
-
-
-def _spec(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    spec = pod.get("spec")
-    return spec if isinstance(spec, Mapping) else {}
-
-
-def _labels(obj: Mapping[str, Any]) -> dict[str, str]:
-    meta = obj.get("metadata")
-    raw = meta.get("labels") if isinstance(meta, Mapping) else None
-    return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
-
-
-def _namespace(pod: Mapping[str, Any]) -> str:
-    meta = pod.get("metadata")
-    ns = meta.get("namespace") if isinstance(meta, Mapping) else None
-    return str(ns) if ns else "default"
+    affinity = mapping(spec(pod).get("affinity"))
+    return bool(affinity.get("podAffinity") or affinity.get("podAntiAffinity"))
 
 
 def _terms(pod: Mapping[str, Any], kind: str) -> list[_Term]:
     """The pod's required terms of `kind` ("podAffinity" or "podAntiAffinity")."""
-    affinity = _spec(pod).get("affinity")
-    block = affinity.get(kind) if isinstance(affinity, Mapping) else None
-    if not isinstance(block, Mapping):
+    raw = field(pod, "spec", "affinity", kind, "requiredDuringSchedulingIgnoredDuringExecution")
+    if raw is None:
         return []
-    raw = block.get("requiredDuringSchedulingIgnoredDuringExecution") or ()
+    if not isinstance(raw, list | tuple):
+        raise AffinityError(f"the {kind} terms are not a list")
     out = []
     for t in raw:
         if not isinstance(t, Mapping):
             raise AffinityError(f"a {kind} term is not an object")
-        names = frozenset(str(n) for n in t.get("namespaces") or ())
+        names = frozenset(str(n) for n in items(t.get("namespaces")))
         ns_selector = t.get("namespaceSelector")
         unknown = False
         namespaces: frozenset[str] | None
         if not names and ns_selector is None:
-            namespaces = frozenset({_namespace(pod)})
+            namespaces = frozenset({namespace(pod)})
         elif isinstance(ns_selector, Mapping) and (
             ns_selector.get("matchLabels") or ns_selector.get("matchExpressions")
         ):
@@ -102,9 +84,9 @@ def _terms(pod: Mapping[str, Any], kind: str) -> list[_Term]:
 
 
 def _matches(term: _Term, pod: Mapping[str, Any]) -> bool:
-    if term.namespaces is not None and _namespace(pod) not in term.namespaces:
+    if term.namespaces is not None and namespace(pod) not in term.namespaces:
         return False
-    return selector_matches(term.selector, _labels(pod))
+    return selector_matches(term.selector, labels(pod))
 
 
 def _domain(labels_of: Mapping[str, Mapping[str, str]], node: str, key: str) -> str | None:
@@ -138,6 +120,22 @@ def affinity_problem(
         return f"its pod affinity cannot be read: {exc}"
 
 
+def _excluding_key(
+    other: Mapping[str, Any],
+    where: str,
+    pod: Mapping[str, Any],
+    here: Mapping[str, str],
+    labels_of: Mapping[str, Mapping[str, str]],
+) -> str | None:
+    """The topology key of `other`'s first anti-affinity term that keeps `pod` out of its domain
+    (`here`: the labels of the node `pod` would go to), or None."""
+    for term in _terms(other, "podAntiAffinity"):
+        value = _domain(labels_of, where, term.topology_key)
+        if value is not None and here.get(term.topology_key) == value and _matches(term, pod):
+            return term.topology_key
+    return None
+
+
 def _problem(
     pod: Mapping[str, Any],
     node: str,
@@ -152,13 +150,12 @@ def _problem(
         if any(_matches(term, o) for o in _in_domain(others, labels_of, term.topology_key, value)):
             return f"node {node}: a pod its anti-affinity excludes runs in its {term.topology_key}"
     for other, where in others:
-        for term in _terms(other, "podAntiAffinity"):
-            value = _domain(labels_of, where, term.topology_key)
-            if value is not None and here.get(term.topology_key) == value and _matches(term, pod):
-                return (
-                    f"node {node}: pod {_namespace(other)}/{_name(other)}'s anti-affinity excludes "
-                    f"it from its {term.topology_key}"
-                )
+        try:
+            key = _excluding_key(other, where, pod, here, labels_of)
+        except (AffinityError, SelectorError):
+            continue  # kube-scheduler drops a running pod's terms it cannot read
+        if key is not None:
+            return f"node {node}: pod {namespace(other)}/{name(other)}'s anti-affinity excludes it from its {key}"
     terms = _terms(pod, "podAffinity")
     if not terms:
         return None
@@ -178,8 +175,3 @@ def _problem(
     if not pairs and all(_matches(t, pod) and not t.unknown_namespaces for t in terms):
         return None  # the first of a group that attracts itself
     return f"node {node}: no pod its affinity asks for runs in the same domain"
-
-
-def _name(pod: Mapping[str, Any]) -> str:
-    meta = pod.get("metadata")
-    return str(meta.get("name") or "?") if isinstance(meta, Mapping) else "?"

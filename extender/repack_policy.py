@@ -21,15 +21,19 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
+import orjson
 
 from extender.bind_event import bind_event
 from extender.demand import ANNOTATION_PREFIX, Demand, DemandError, PodRef, pod_requests
 from extender.inventory import is_gpu_resource
 from extender.ledger import Ledger, LedgerError, Reservation
 from extender.node_rules import node_affinity_refusal, node_labels, node_name, untolerated_taint
+from extender.object_fields import field, mapping, spec
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.pod_affinity import affinity_problem, has_pod_affinity
@@ -52,6 +56,8 @@ __all__ = [
     "schedulable_on",
     "room_problem",
     "plan_target_problem",
+    "target_problem",
+    "node_masks",
     "final_state_problem",
     "nominated_outcome",
     "eviction_body",
@@ -185,7 +191,7 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
     if refusal is not None:
         return refusal
     name = node_name(node)
-    if (node.get("spec") or {}).get("unschedulable"):
+    if spec(node).get("unschedulable"):
         return f"node {name} is cordoned"
     taint = untolerated_taint(pod, node)
     if taint is not None:
@@ -210,7 +216,7 @@ def _unbooked_requests(pod: Mapping[str, Any]) -> dict[str, int]:
     """The pod's requests that a plan does not book itself (CPU and memory are in its capacity,
     GPUs in the ledger), each rounded up; {} for a pod whose requests do not parse."""
     try:
-        total = pod_requests(pod.get("spec") or {}, pod.get("status"))
+        total = pod_requests(spec(pod), mapping(pod.get("status")))
     except (DemandError, QuantityError):
         return {}
     return {
@@ -232,10 +238,10 @@ def room_problem(
     other resource the arriving pods ask (ephemeral storage, hugepages, extended resources). A
     resource the node's allocatable does not list counts as none, as kube-scheduler counts it; a
     node that lists no allocatable at all (a hand-written cluster file) is not checked."""
-    alloc = (node.get("status") or {}).get("allocatable")
-    if not arriving or not isinstance(alloc, Mapping) or not alloc:
+    alloc = mapping(field(node, "status", "allocatable"))
+    if not arriving or not alloc:
         return None
-    name = str(_meta(node).get("name") or "?")
+    name = node_name(node)
     allowed, count = _whole(alloc.get("pods")), len(staying) + len(arriving)
     if count > allowed:
         return f"node {name} takes {allowed} pods and would hold {count}"
@@ -264,28 +270,37 @@ def plan_target_problem(
     placement: Reservation,
     moves: Sequence[PlannedMove],
 ) -> tuple[str, str | None] | None:
-    """What kube-scheduler would say against the plan's final state, on the rules a plan does not
-    model: `room_problem` for every node it sends pods to, then required inter-pod (anti-)affinity
-    (`pod_affinity`) and topology spread (`topology_spread`) for every pod it sends, with the
-    cluster's pods (`pods`, by key) as they will be once the moved pods are gone. None, or (why, the moved pod to leave out of the next plan:
-    the pod that breaks a rule, or the last one sent to a node without room; None when only the
-    blocked pod is at fault)."""
-    leaving = {m.pod.key for m in moves}
-    #: (the moved pod's key or None for the blocked pod, the pod, its node)
+    """`target_problem` for a repack plan: the blocked pod and every moved pod sent where the plan
+    says, the moved pods gone from where they were. None, or (why, the moved pod to leave out of
+    the next plan; None when only the blocked pod is at fault)."""
     sent: list[tuple[str | None, Mapping[str, Any], str]] = [(None, blocked, placement.node)]
     for m in moves:
         moved = pods.get(m.pod.key)
         if moved is not None:
             sent.append((m.pod.key, moved, m.target.node))
+    return target_problem(nodes, pods, sent, {m.pod.key for m in moves})
+
+
+def target_problem(
+    nodes: Mapping[str, Mapping[str, Any]],
+    pods: Mapping[str, Mapping[str, Any]],
+    sent: Sequence[tuple[str | None, Mapping[str, Any], str]],
+    leaving: Set[str],
+) -> tuple[str, str | None] | None:
+    """What kube-scheduler would say to pods sent to nodes, on the rules a plan does not model:
+    `room_problem` for every node they go to, then required inter-pod (anti-)affinity
+    (`pod_affinity`) and topology spread (`topology_spread`) for each, among the cluster's pods
+    (`pods`, by key) less those `leaving`. `sent`: (a key to blame or None, the pod, its node).
+    None, or (why, the key to blame: the pod that breaks a rule, or the last one sent to a node
+    without room)."""
     staying: list[tuple[Mapping[str, Any], str]] = []
     for key, running in pods.items():
-        spec = running.get("spec") or {}
-        where = spec.get("nodeName") if isinstance(spec, Mapping) else None
+        where = spec(running).get("nodeName")
         if (
             isinstance(where, str)
             and where
             and key not in leaving
-            and (running.get("status") or {}).get("phase") not in _FINISHED
+            and str(field(running, "status", "phase")) not in _FINISHED
         ):
             staying.append((running, where))
     for name in dict.fromkeys(node for _, _, node in sent):
@@ -314,6 +329,44 @@ def plan_target_problem(
         if why is not None:
             return why, who
     return None
+
+
+def node_masks(
+    nodes: Mapping[str, Mapping[str, Any]],
+    pods: Mapping[str, Mapping[str, Any]],
+    node_names: Sequence[str],
+) -> Callable[[str], np.ndarray | None]:
+    """Per pod key, the nodes (in ledger row order) whose labels, taints and cordon let its new
+    copy on (`schedulable_on`), worked out once per distinct set of the pod's node rules."""
+    cache: dict[bytes, np.ndarray] = {}
+
+    def mask(key: str) -> np.ndarray | None:
+        pod = pods.get(key)
+        if pod is None:
+            return None
+        rules = {
+            "nodeSelector": field(pod, "spec", "nodeSelector"),
+            "nodeAffinity": field(pod, "spec", "affinity", "nodeAffinity"),
+            "tolerations": field(pod, "spec", "tolerations"),
+        }
+        sig = orjson.dumps(rules, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+        if sig not in cache:
+            probe = {"spec": {"nodeSelector": rules["nodeSelector"] or {}, **_rest(rules)}}
+            cache[sig] = np.fromiter(
+                (n in nodes and schedulable_on(probe, nodes[n]) is None for n in node_names),
+                bool,
+                len(node_names),
+            )
+        return cache[sig]
+
+    return mask
+
+
+def _rest(rules: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"tolerations": rules["tolerations"] or []}
+    if rules["nodeAffinity"]:
+        out["affinity"] = {"nodeAffinity": rules["nodeAffinity"]}
+    return out
 
 
 # ----- the budget ----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 from extender.label_selector import SelectorError, selector_matches
 from extender.node_rules import node_affinity_refusal, node_labels, untolerated_taint
+from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
 __all__ = ["spread_problem", "has_hard_spread"]
 
@@ -42,27 +43,8 @@ class _Constraint:
     honor_taints: bool
 
 
-def _spec(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    spec = pod.get("spec")
-    return spec if isinstance(spec, Mapping) else {}
-
-
-def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = obj.get("metadata")
-    return meta if isinstance(meta, Mapping) else {}
-
-
-def _labels(pod: Mapping[str, Any]) -> dict[str, str]:
-    raw = _meta(pod).get("labels")
-    return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
-
-
-def _namespace(pod: Mapping[str, Any]) -> str:
-    return str(_meta(pod).get("namespace") or "default")
-
-
 def _hard(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    raw = _spec(pod).get("topologySpreadConstraints") or ()
+    raw = items(spec(pod).get("topologySpreadConstraints"))
     return [
         c for c in raw if isinstance(c, Mapping) and c.get("whenUnsatisfiable") == "DoNotSchedule"
     ]
@@ -74,18 +56,18 @@ def has_hard_spread(pod: Mapping[str, Any]) -> bool:
 
 
 def _constraints(pod: Mapping[str, Any]) -> list[_Constraint]:
-    own = _labels(pod)
+    own = labels(pod)
     out = []
     for c in _hard(pod):
         selector = c.get("labelSelector")
-        keys = [str(k) for k in c.get("matchLabelKeys") or () if str(k) in own]
+        keys = [str(k) for k in items(c.get("matchLabelKeys")) if str(k) in own]
         if keys:
             # kube-scheduler adds P's value of each key to the selector (the API server may have
             # added it already: adding it twice selects the same pods)
-            base = selector if isinstance(selector, Mapping) else {}
+            base = mapping(selector)
             selector = {
-                "matchLabels": {**(base.get("matchLabels") or {}), **{k: own[k] for k in keys}},
-                "matchExpressions": list(base.get("matchExpressions") or ()),
+                "matchLabels": {**mapping(base.get("matchLabels")), **{k: own[k] for k in keys}},
+                "matchExpressions": list(items(base.get("matchExpressions"))),
             }
         try:
             max_skew = int(c.get("maxSkew") or 0)
@@ -135,15 +117,15 @@ def _problem(
     for c in constraints:
         if c.key not in here:
             return f"node {node} has no {c.key} label its topology spread needs"
-    namespace = _namespace(pod)
+    own_namespace = namespace(pod)
     by_node: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for other, where in others:
-        if _namespace(other) == namespace and not _meta(other).get("deletionTimestamp"):
+        if namespace(other) == own_namespace and not meta(other).get("deletionTimestamp"):
             by_node[where].append(other)
     counts: list[dict[str, int]] = [{} for _ in constraints]
     for name, obj in nodes.items():
-        labels = node_labels(obj)
-        if any(c.key not in labels for c in constraints):
+        on = node_labels(obj)
+        if any(c.key not in on for c in constraints):
             continue
         affinity_ok = node_affinity_refusal(pod, obj) is None
         taints_ok: bool | None = None
@@ -155,10 +137,10 @@ def _problem(
                     taints_ok = untolerated_taint(pod, obj) is None
                 if not taints_ok:
                     continue
-            value = labels[c.key]
-            matched = sum(selector_matches(c.selector, _labels(p)) for p in by_node.get(name, ()))
+            value = on[c.key]
+            matched = sum(selector_matches(c.selector, labels(p)) for p in by_node.get(name, ()))
             counts[i][value] = counts[i].get(value, 0) + matched
-    own = _labels(pod)
+    own = labels(pod)
     for i, c in enumerate(constraints):
         domains = counts[i]
         fewest = min(domains.values()) if domains else 1 << 31

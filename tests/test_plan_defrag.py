@@ -126,3 +126,60 @@ def test_a_bad_source_is_one_line(tmp_path, capsys):
     assert main(["plan-defrag", "--cluster", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vramsched plan-defrag: cannot read") and err.count("\n") == 1
+
+
+def _write(tmp_path: Path, objects: list[dict]) -> str:
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objects}))
+    return str(f)
+
+
+def test_moves_go_only_where_kube_scheduler_lets_the_new_copy(tmp_path, capsys):
+    """Unrestricted, the plan moves a and b beside c on g1; kept to pool a (g0), they share one
+    GPU of g0 and c joins them."""
+    free = plan(capsys, "--cluster", _write(tmp_path, cluster_objects()))
+    assert {m["pod"]: m["to_node"] for m in free["moves"]} == {"default/a": "g1", "default/b": "g1"}
+    objects = cluster_objects()
+    objects[0]["metadata"]["labels"]["pool"] = "a"
+    for p in objects[2:4]:
+        p["spec"]["nodeSelector"] = {"pool": "a"}
+    kept = plan(capsys, "--cluster", _write(tmp_path, objects))
+    assert kept["gpusFreed"] == 2 and kept["leftOut"] == {} and len(kept["moves"]) == 2
+    assert {m["to_node"] for m in kept["moves"]} == {"g0"}
+    assert "prod/c" in {m["pod"] for m in kept["moves"]}
+    # a taint on g0 that c does not tolerate: c stays, and a and b share a GPU of g0
+    objects[0]["spec"] = {"taints": [{"key": "gpu", "effect": "NoSchedule"}]}
+    for p in objects[2:4]:
+        p["spec"]["tolerations"] = [{"key": "gpu", "operator": "Exists"}]
+    tainted = plan(capsys, "--cluster", _write(tmp_path, objects))
+    assert tainted["gpusFreed"] == 1 and len(tainted["moves"]) == 1
+    assert tainted["moves"][0]["pod"] in ("default/a", "default/b")
+
+
+def test_a_move_that_breaks_anti_affinity_is_left_out_and_said(tmp_path, capsys):
+    """a and b keep one replica per node: moving either beside the other frees a GPU, and
+    kube-scheduler would keep its new copy off that node."""
+    objects = [
+        gpu_node("g0", count=1, memory_mib=80 * 1024, replicas=4),
+        gpu_node("g1", count=1, memory_mib=80 * 1024, replicas=4),
+        bound_pod("a", "g0", "0", 20),
+        bound_pod("b", "g1", "0", 20),
+    ]
+    for p in objects[2:]:
+        p["metadata"]["labels"] = {"app": "x"}
+        term = {
+            "labelSelector": {"matchLabels": {"app": "x"}},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+        p["spec"]["affinity"] = {
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+        }
+    for n in objects[:2]:
+        n["metadata"]["labels"]["kubernetes.io/hostname"] = n["metadata"]["name"]
+    out = plan(capsys, "--cluster", _write(tmp_path, objects))
+    assert out["moves"] == [] and out["gpusFreed"] == 0
+    assert sorted(out["leftOut"]) == ["default/a", "default/b"]
+    assert all("anti-affinity" in why for why in out["leftOut"].values())
+    assert main(["plan-defrag", "--cluster", _write(tmp_path, objects), "--workers", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "left out: default/a: kube-scheduler would refuse its move (node g1:" in text

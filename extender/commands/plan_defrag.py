@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "server (--kubeconfig, $KUBECONFIG, ~/.kube/config, else in-cluster, as `vramsched top`) "
         "or a cluster file (--cluster) and proposes the fewest moves of GPU-sharing pods that "
         "free the most whole GPUs. Every move's target has room before any other move, so they "
-        "can be done one by one in any order. Nothing is evicted.",
+        "can be done one by one in any order, and kube-scheduler's own rules (node affinity, "
+        "taints, pod affinity, topology spread) let the pod's new copy there. Nothing is evicted.",
     )
     add_source_args(p, server=False)
     p.add_argument(
@@ -54,12 +55,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import orjson
 
     from extender.demand import DemandError, pod_demand
     from extender.planner.capacity import Capacity
     from extender.planner.defrag import Limits, plan_defrag
     from extender.quantity import format_bytes
+    from extender.repack_policy import node_masks, target_problem
 
     if args.kubeconfig and args.cluster:
         print(
@@ -81,10 +85,32 @@ def run(args: argparse.Namespace) -> int:
         except DemandError:
             continue
         demands[d.pod.key] = (d.cpu_milli, d.memory_bytes, d.resource)
-    limits = Limits(
-        args.max_moves, args.max_per_namespace, args.max_per_node, frozenset(args.exclude_namespace)
-    )
-    plan = plan_defrag(cap, demands, limits, time_limit=args.time_limit, num_workers=args.workers)
+    left_out: dict[str, str] = {}
+    mask = node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names)
+    for _ in range(ATTEMPTS):
+        limits = Limits(
+            args.max_moves,
+            args.max_per_namespace,
+            args.max_per_node,
+            frozenset(args.exclude_namespace),
+            frozenset(left_out),
+        )
+        plan = plan_defrag(
+            cap,
+            demands,
+            limits,
+            time_limit=args.time_limit,
+            num_workers=args.workers,
+            node_mask=mask,
+        )
+        sent = [(mv.pod, cluster.pods[mv.pod], mv.to_node) for mv in plan.moves]
+        problem = target_problem(cluster.nodes, cluster.pods, sent, {mv.pod for mv in plan.moves})
+        if problem is None:
+            break
+        why, who = problem
+        left_out[who or sent[-1][0] or "?"] = why
+    else:
+        plan = replace(plan, moves=[], freed=[], status="REFUSED")
     if args.json:
         body = {
             "status": plan.status,
@@ -92,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             "gpusFreed": len(plan.freed),
             "gpusFreedBound": plan.bound_freed,
             "moves": [m.__dict__ for m in plan.moves],
+            "leftOut": left_out,
             "freed": [{"node": n, "device": d} for n, d in plan.freed],
             "seconds": round(plan.seconds, 3),
         }
@@ -114,4 +141,10 @@ def run(args: argparse.Namespace) -> int:
         ]
         print_table(head, rows)
         print("GPUs freed: " + ", ".join(f"{n}/GPU {d}" for n, d in plan.freed))
+    for key, why in left_out.items():
+        print(f"left out: {key}: kube-scheduler would refuse its move ({why})")
     return 0
+
+
+#: plans tried, each without the pods whose moves kube-scheduler would refuse in the one before
+ATTEMPTS = 3

@@ -16,7 +16,7 @@ its room-now sense (`release=False`), the same model `repack` builds in its fina
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +38,8 @@ class Limits:
     max_per_namespace: int | None = None
     max_per_node: int | None = None
     exclude_namespaces: frozenset[str] = frozenset()
+    #: pods that must stay where they are (keys)
+    exclude_pods: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ def _movers(
             or n is None
             or not res.declared
             or res.pod.namespace in limits.exclude_namespaces
+            or res.key in limits.exclude_pods
         ):
             continue
         g = rows[0]
@@ -109,17 +112,24 @@ def plan_defrag(
     *,
     time_limit: float = 10.0,
     num_workers: int = 2,
+    node_mask: Callable[[str], np.ndarray | None] | None = None,
 ) -> DefragPlan:
-    """`demands` maps pod key -> (cpu milli, memory bytes, resource) of every bound pod we hold."""
+    """`demands` maps pod key -> (cpu milli, memory bytes, resource) of every bound pod we hold.
+    `node_mask(key)`: per node row, whether kube-scheduler would let that pod's new copy onto the
+    node (None: every node)."""
     start = clock.now()
     a = cap.arrays
     free_before = int((a.used_replicas == 0).sum())
     movers, sources, holders = _movers(cap, demands, limits)
 
     def restrict(i: int, rows: np.ndarray) -> np.ndarray:
-        """The same GPU product (the pod may depend on it), never the device it is on."""
+        """The same GPU product (the pod may depend on it), never the device it is on, and only
+        nodes `node_mask` allows."""
         g = movers[i].rows[0]
         kept: np.ndarray = (a.product_id[rows] == a.product_id[g]) & (rows != g)
+        mask = node_mask(movers[i].demand.pod.key) if node_mask is not None else None
+        if mask is not None:
+            kept &= mask[a.node_of[rows]]
         return kept
 
     mm = MoveModel(cap, range(len(a.node_names)), movers, release=False, restrict=restrict)

@@ -1,0 +1,143 @@
+"""kube-scheduler's rules as live repacking and plan-defrag read them never crash on malformed
+objects: a cluster file is not validated as the API server validates objects. Well-formed pods and
+nodes stating every field those rules read (pod affinity and anti-affinity, spread constraints,
+node affinity, tolerations, taints, requests, allocatable) get one to four fields replaced by a
+value of another type; each answer must be None or a reason.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extender.pod_affinity import affinity_problem
+from extender.repack_policy import room_problem, schedulable_on, target_problem
+from extender.topology_spread import spread_problem
+
+HOST = "kubernetes.io/hostname"
+SELECTOR = {
+    "matchLabels": {"app": "web"},
+    "matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["batch"]}],
+}
+TERM = {
+    "labelSelector": SELECTOR,
+    "topologyKey": "zone",
+    "namespaces": ["default"],
+    "namespaceSelector": {"matchLabels": {"team": "ml"}},
+}
+POD = {
+    "metadata": {"name": "p", "namespace": "default", "labels": {"app": "web", "tier": "front"}},
+    "spec": {
+        "nodeName": "a",
+        "nodeSelector": {"zone": "z1"},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [{"key": "gen", "operator": "Gt", "values": ["1"]}],
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": ["a"]}
+                            ],
+                        }
+                    ]
+                }
+            },
+            "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [TERM]},
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [{**TERM, "topologyKey": HOST}]
+            },
+        },
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "zone",
+                "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": SELECTOR,
+                "minDomains": 2,
+                "matchLabelKeys": ["tier"],
+                "nodeAffinityPolicy": "Honor",
+                "nodeTaintsPolicy": "Honor",
+            }
+        ],
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [
+            {
+                "name": "c",
+                "resources": {
+                    "requests": {"ephemeral-storage": "1Gi", "example.com/nic": "1"},
+                    "limits": {"example.com/nic": "1"},
+                },
+            }
+        ],
+    },
+    "status": {"phase": "Running"},
+}
+NODE = {
+    "metadata": {"name": "a", "labels": {"zone": "z1", HOST: "a", "gen": "2"}},
+    "spec": {
+        "taints": [{"key": "gpu", "value": "x", "effect": "NoSchedule"}],
+        "unschedulable": False,
+    },
+    "status": {"allocatable": {"pods": "110", "ephemeral-storage": "10Gi", "example.com/nic": "2"}},
+}
+GARBAGE = [None, 0, -1, "", "x", True, 2.5, [], {}, ["x"], {"x": 1}, [{"x": 1}]]
+
+
+def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [path] if path else []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*path, i))
+    return out
+
+
+def _mutated(template: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    paths = _paths(template)
+
+    def build(changes: list[tuple[int, int]]) -> dict[str, Any]:
+        out = copy.deepcopy(template)
+        for which, garbage in changes:
+            *head, last = paths[which]
+            parent: Any = out
+            for step in head:
+                try:
+                    parent = parent[step]
+                except (KeyError, IndexError, TypeError):
+                    break
+            else:
+                if isinstance(parent, dict | list):
+                    try:
+                        parent[last] = copy.deepcopy(GARBAGE[garbage])
+                    except (IndexError, TypeError):
+                        pass  # an earlier change replaced this field's parent
+        return out
+
+    change = st.tuples(st.integers(0, len(paths) - 1), st.integers(0, len(GARBAGE) - 1))
+    return st.lists(change, min_size=1, max_size=4).map(build)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(pod=_mutated(POD), a=_mutated(POD), b=_mutated(POD), node_a=_mutated(NODE))
+def test_malformed_objects_are_judged_never_crash(pod: Any, a: Any, b: Any, node_a: Any) -> None:
+    node_b = {**copy.deepcopy(NODE), "metadata": {"name": "b", "labels": {"zone": "z2", HOST: "b"}}}
+    nodes = {"a": node_a, "b": node_b}
+    others = [(a, "a"), (b, "b")]
+    for answer in (
+        schedulable_on(pod, node_a),
+        room_problem(node_a, [a, b], [pod]),
+        affinity_problem(pod, "a", others, {"a": {"zone": "z1", HOST: "a"}, "b": {"zone": "z1"}}),
+        spread_problem(pod, "a", others, nodes),
+        spread_problem(pod, "b", others, nodes),
+    ):
+        assert answer is None or isinstance(answer, str)
+    found = target_problem(
+        nodes, {"d/a": a, "d/b": b}, [(None, pod, "a"), ("d/b", b, "a")], {"d/b"}
+    )
+    assert found is None or (isinstance(found[0], str) and found[1] in (None, "d/b"))
