@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from extender.demand import ANNOTATION_PREFIX, Demand, DemandError, PodRef, pod_
 from extender.inventory import is_gpu_resource
 from extender.ledger import Ledger, LedgerError, Reservation
 from extender.node_rules import node_affinity_refusal, node_labels, node_name, untolerated_taint
-from extender.object_fields import field, mapping, spec
+from extender.object_fields import field, items, mapping, spec
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.pod_affinity import affinity_problem, has_pod_affinity
@@ -226,6 +226,39 @@ def _unbooked_requests(pod: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
+#: a host port as kube-scheduler's NodePorts keys it: (host IP, protocol, port)
+HostPort = tuple[str, str, int]
+
+
+def host_ports(pod: Mapping[str, Any]) -> list[HostPort]:
+    """The host ports the pod binds: its containers' and its sidecars' (init containers with
+    `restartPolicy: Always`, which run beside them), the IP defaulting to every address and the
+    protocol to TCP."""
+    containers = [
+        c
+        for c in items(spec(pod).get("initContainers"))
+        if isinstance(c, Mapping) and c.get("restartPolicy") == "Always"
+    ] + [c for c in items(spec(pod).get("containers")) if isinstance(c, Mapping)]
+    out = []
+    for c in containers:
+        for p in items(c.get("ports")):
+            port = mapping(p).get("hostPort")
+            if isinstance(port, int) and not isinstance(port, bool) and port > 0:
+                ip = str(mapping(p).get("hostIP") or "0.0.0.0")
+                out.append((ip, str(mapping(p).get("protocol") or "TCP"), port))
+    return out
+
+
+def _port_taken(used: Iterable[HostPort], wanted: HostPort) -> bool:
+    """NodePorts' conflict rule: the same protocol and port, on the same IP or where either side
+    binds every address."""
+    ip, protocol, port = wanted
+    return any(
+        p == protocol and n == port and (ip == "0.0.0.0" or i in ("0.0.0.0", ip))
+        for i, p, n in used
+    )
+
+
 def room_problem(
     node: Mapping[str, Any],
     staying: Sequence[Mapping[str, Any]],
@@ -234,14 +267,25 @@ def room_problem(
     """Why kube-scheduler's NodeResourcesFit would keep one of `arriving` off `node` once the
     plan's moved pods have left it (`staying`: the pods still there), or None.
 
-    A plan books CPU, memory and GPUs itself; this checks the rest: the node's pod count, and every
-    other resource the arriving pods ask (ephemeral storage, hugepages, extended resources). A
+    A plan books CPU, memory and GPUs itself; this checks the rest: the node's pod count, the host
+    ports the pods bind, and every other resource the arriving pods ask (ephemeral storage,
+    hugepages, extended resources). A
     resource the node's allocatable does not list counts as none, as kube-scheduler counts it; a
-    node that lists no allocatable at all (a hand-written cluster file) is not checked."""
-    alloc = mapping(field(node, "status", "allocatable"))
-    if not arriving or not alloc:
+    node that lists no allocatable at all (a hand-written cluster file) is checked for host ports
+    only."""
+    if not arriving:
         return None
     name = node_name(node)
+    used = [hp for pod in staying for hp in host_ports(pod)]
+    for pod in arriving:
+        for wanted in host_ports(pod):
+            if _port_taken(used, wanted):
+                ip, protocol, port = wanted
+                return f"node {name} has host port {protocol} {ip}:{port} taken"
+        used += host_ports(pod)
+    alloc = mapping(field(node, "status", "allocatable"))
+    if not alloc:
+        return None
     allowed, count = _whole(alloc.get("pods")), len(staying) + len(arriving)
     if count > allowed:
         return f"node {name} takes {allowed} pods and would hold {count}"

@@ -404,9 +404,43 @@ def test_a_target_must_have_room_for_what_the_plan_does_not_book() -> None:
     heavy = _asking(web("m", 4, "b"), {"cpu": "500", "memory": "4Ti"})
     heavy["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "9"
     assert room_problem(node, staying, [heavy]) is None
-    # a node with no allocatable at all (a hand-written cluster file) is not checked
+    # a node with no allocatable at all (a hand-written cluster file) is checked for ports only
     bare = {"metadata": {"name": "a"}, "status": {}}
     assert room_problem(bare, staying, two) is None
+
+
+def _binding(
+    p: dict[str, Any], port: int, *, sidecar: bool = False, **extra: Any
+) -> dict[str, Any]:
+    """`p` binding host port `port` (in a sidecar when asked)."""
+    spec = p["spec"]
+    ports = [{"containerPort": port, "hostPort": port, **extra}]
+    if sidecar:
+        spec["initContainers"] = [{"name": "s", "restartPolicy": "Always", "ports": ports}]
+    else:
+        spec["containers"][0]["ports"] = ports
+    return p
+
+
+def test_a_target_must_have_the_host_ports_the_pods_sent_there_bind() -> None:
+    node = gpu_node("a", count=1)
+    staying = [_binding(bound("s1", 4, "a"), 8000, hostIP="10.0.0.1")]
+    # every address conflicts with one, and one with every address; other IPs and UDP do not
+    assert room_problem(node, staying, [_binding(web("m", 4, "b"), 8000)]) == (
+        "node a has host port TCP 0.0.0.0:8000 taken"
+    )
+    assert (
+        room_problem(node, staying, [_binding(web("m", 4, "b"), 8000, hostIP="10.0.0.2")]) is None
+    )
+    assert room_problem(node, staying, [_binding(web("m", 4, "b"), 8000, protocol="UDP")]) is None
+    # a sidecar binds its port for the pod's life; a plain init container's ends before
+    side = [_binding(bound("s2", 4, "a"), 9000, sidecar=True)]
+    assert "9000 taken" in (room_problem(node, side, [_binding(web("m", 4, "b"), 9000)]) or "")
+    side[0]["spec"]["initContainers"][0].pop("restartPolicy")
+    assert room_problem(node, side, [_binding(web("m", 4, "b"), 9000)]) is None
+    # two pods sent to one node may not bind the same port either
+    two = [_binding(web("m", 4, "b"), 7000), _binding(web("n", 4, "b"), 7000)]
+    assert room_problem(node, [], two) == "node a has host port TCP 0.0.0.0:7000 taken"
 
 
 def test_a_plans_room_counts_the_pods_that_leave_and_blames_the_last_moved_pod() -> None:

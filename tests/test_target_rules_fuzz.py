@@ -71,7 +71,11 @@ POD = {
                     "requests": {"ephemeral-storage": "1Gi", "example.com/nic": "1"},
                     "limits": {"example.com/nic": "1"},
                 },
+                "ports": [{"containerPort": 80, "hostPort": 8000, "hostIP": "10.0.0.1"}],
             }
+        ],
+        "initContainers": [
+            {"name": "s", "restartPolicy": "Always", "ports": [{"hostPort": 53, "protocol": "UDP"}]}
         ],
     },
     "status": {"phase": "Running"},
