@@ -2,7 +2,7 @@
 required node affinity (NodeAffinity, with component-helpers' matching), and the taints that keep
 new pods off a node (TaintToleration). Pure (no I/O).
 
-Live repacking checks a move's target with them (`repack_policy.schedulable_on`), and topology
+Live repacking checks a move's target with them (`target_rules.schedulable_on`), and topology
 spread counts only the nodes a pod's node affinity selects (`topology_spread`).
 """
 

@@ -47,9 +47,8 @@ from extender.repack_policy import (
     nominated_outcome,
     plan_target_problem,
     replaces,
-    room_problem,
-    schedulable_on,
 )
+from extender.target_rules import room_problem, schedulable_on
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
 GIB = 1 << 30

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extender.pod_affinity import affinity_problem
-from extender.repack_policy import room_problem, schedulable_on, target_problem
+from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import spread_problem
 
 HOST = "kubernetes.io/hostname"

@@ -21,8 +21,8 @@ from extender.repack_policy import (
     Controller,
     PlannedMove,
     plan_target_problem,
-    schedulable_on,
 )
+from extender.target_rules import schedulable_on
 from extender.topology_spread import spread_problem
 
 HOST = "kubernetes.io/hostname"

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from extender.planner.capacity import Capacity
     from extender.planner.defrag import Limits, plan_defrag
     from extender.quantity import format_bytes
-    from extender.repack_policy import node_masks, target_problem
+    from extender.target_rules import node_masks, target_problem
 
     if args.kubeconfig and args.cluster:
         print(

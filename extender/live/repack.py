@@ -73,8 +73,8 @@ from extender.repack_policy import (
     nominated_message,
     plan_target_problem,
     repack_event,
-    schedulable_on,
 )
+from extender.target_rules import schedulable_on
 
 __all__ = ["Repacker", "RepackCollector"]
 

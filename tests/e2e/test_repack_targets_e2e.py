@@ -1,7 +1,7 @@
 """Live repacking judges a move's target node as the real kube-scheduler does.
 
 Before it evicts a running pod, `serve --repack` checks that the pod its controller re-creates may
-go to the node the plan moves it to (`repack_policy.schedulable_on`: nodeSelector, required node
+go to the node the plan moves it to (`target_rules.schedulable_on`: nodeSelector, required node
 affinity, taints, cordon). A target it wrongly passes evicts a serving pod whose replacement then
 waits for a node it may not use. Here every pod shape meets every node shape on a real control
 plane: the pod, pinned to one node by a `metadata.name` field that every one of its affinity terms
@@ -10,7 +10,7 @@ one difference is by design: vramsched never moves a pod to a cordoned node, eve
 tolerate the cordon's taint.
 
 The second test does the same for a target's room in what a plan does not book itself
-(`repack_policy.room_problem`): the node's pod count, host ports (a sidecar's too), ephemeral
+(`target_rules.room_problem`): the node's pod count, host ports (a sidecar's too), ephemeral
 storage, hugepages and extended resources other than GPUs, with pods already bound there.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from controlplane import ControlPlane
 
-from extender.repack_policy import room_problem, schedulable_on
+from extender.target_rules import room_problem, schedulable_on
 
 NS = "default"
 SCHEDULER = "vramsched"

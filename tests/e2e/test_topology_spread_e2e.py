@@ -20,7 +20,7 @@ import kubernetes
 import pytest
 from controlplane import ControlPlane
 
-from extender.repack_policy import schedulable_on
+from extender.target_rules import schedulable_on
 from extender.topology_spread import spread_problem
 
 NS = "default"
