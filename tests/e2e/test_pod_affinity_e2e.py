@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import kubernetes
 import pytest
 from controlplane import ControlPlane
+from verdicts import ensure_namespace, probe_alone
 
 from extender.pod_affinity import affinity_problem
 
@@ -136,11 +136,7 @@ def test_pod_affinity_is_judged_as_kube_scheduler_judges_it(cluster: ControlPlan
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
     core = cluster.core_v1()
     api = cluster.api_client()
-    try:
-        core.create_namespace({"metadata": {"name": OTHER}})
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 409:  # left by an earlier test of this session
-            raise
+    ensure_namespace(core, OTHER)
     for name, labels in NODES.items():
         cluster.create_gpu_node(name, labels=labels)
     for name, (namespace, node, labels, affinity) in RUNNING.items():
@@ -154,35 +150,16 @@ def test_pod_affinity_is_judged_as_kube_scheduler_judges_it(cluster: ControlPlan
         for name, (ns, node, _, _) in RUNNING.items()
     ]
 
-    def verdict(name: str) -> bool | None:
-        p = core.read_namespaced_pod(name, NS)
-        if p.spec.node_name:
-            return True
-        if any(c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []):
-            return False
-        return None
-
-    def gone(name: str) -> bool:
-        return not any(p.metadata.name == name for p in core.list_namespaced_pod(NS).items)
-
     disagree, placed = [], dict.fromkeys(NODES, 0)
     for i, (shape, (labels, affinity)) in enumerate(SHAPES.items()):
         for node in NODES:
-            probe = f"probe-{i}-{node}"
-            core.create_namespaced_pod(NS, _pinned(_pod(probe, labels, affinity), node))
-            theirs = cluster.wait_for(
-                lambda probe=probe: (v := verdict(probe)) is not None and (v,),
-                timeout=60,
-                message=f"a verdict on {probe}",
-            )[0]
-            # judged as the API server stored it: a 1.20 API server drops `namespaceSelector`
-            stored = api.sanitize_for_serialization(core.read_namespaced_pod(probe, NS))
+            probe = _pinned(_pod(f"probe-{i}-{node}", labels, affinity), node)
+            # judged as stored: a 1.20 API server drops `namespaceSelector`
+            theirs, stored = probe_alone(cluster, probe)
             ours = affinity_problem(stored, node, others, labels_of)
             if (ours is None) != theirs:
                 disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
             placed[node] += theirs
-            core.delete_namespaced_pod(probe, NS, grace_period_seconds=0)
-            cluster.wait_for(lambda probe=probe: gone(probe), timeout=30, message=f"{probe} gone")
     assert not disagree, "\n".join(disagree)
     # every node takes some shapes and refuses others
     assert all(0 < n < len(SHAPES) for n in placed.values()), placed

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from controlplane import ControlPlane
+from verdicts import verdicts
 
 from extender.target_rules import room_problem, schedulable_on
 
@@ -150,18 +151,9 @@ def test_move_targets_are_judged_as_kube_scheduler_judges_them(cluster: ControlP
             probes[probe] = (shape, node)
             core.create_namespaced_pod(NS, _pinned(_pod(probe, PODS[shape]), node))
 
-    def verdicts() -> dict[str, bool] | None:
-        found: dict[str, bool] = {}
-        for p in core.list_namespaced_pod(NS).items:
-            if p.spec.node_name:
-                found[p.metadata.name] = True
-            elif any(
-                c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []
-            ):
-                found[p.metadata.name] = False
-        return found if len(found) == len(probes) else None
-
-    theirs = cluster.wait_for(verdicts, timeout=120, message="a verdict on every probe")
+    theirs = cluster.wait_for(
+        lambda: verdicts(core, probes), timeout=120, message="a verdict on every probe"
+    )
     disagree = []
     for probe, (shape, node) in probes.items():
         ours = schedulable_on(_pod(probe, PODS[shape]), nodes[node])
@@ -247,20 +239,9 @@ def test_move_targets_room_is_judged_as_kube_scheduler_judges_it(cluster: Contro
             probes[probe] = (shape, node)
             core.create_namespaced_pod(NS, _pinned(_asking(probe, ASKS[shape]), node))
 
-    def verdicts() -> dict[str, bool] | None:
-        found: dict[str, bool] = {}
-        for p in core.list_namespaced_pod(NS).items:
-            if p.metadata.name not in probes:
-                continue
-            if p.spec.node_name:
-                found[p.metadata.name] = True
-            elif any(
-                c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []
-            ):
-                found[p.metadata.name] = False
-        return found if len(found) == len(probes) else None
-
-    theirs = cluster.wait_for(verdicts, timeout=120, message="a verdict on every probe")
+    theirs = cluster.wait_for(
+        lambda: verdicts(core, probes), timeout=120, message="a verdict on every probe"
+    )
     pods = [api.sanitize_for_serialization(p) for p in core.list_namespaced_pod(NS).items]
     disagree = []
     for probe, (shape, node) in probes.items():

@@ -16,9 +16,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import kubernetes
 import pytest
 from controlplane import ControlPlane
+from verdicts import ensure_namespace, probe_alone
 
 from extender.target_rules import schedulable_on
 from extender.topology_spread import spread_problem
@@ -156,11 +156,7 @@ def test_topology_spread_is_judged_as_kube_scheduler_judges_it(cluster: ControlP
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
     core = cluster.core_v1()
     api = cluster.api_client()
-    try:
-        core.create_namespace({"metadata": {"name": OTHER}})
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 409:  # left by an earlier test of this session
-            raise
+    ensure_namespace(core, OTHER)
     for name, (labels, taints) in NODES.items():
         cluster.create_gpu_node(
             name, labels={HOST: name, **labels}, allocatable={PIN + name: 1}, taints=taints
@@ -178,37 +174,17 @@ def test_topology_spread_is_judged_as_kube_scheduler_judges_it(cluster: ControlP
     ]
     assert others[4][0]["metadata"].get("deletionTimestamp")
 
-    def verdict(name: str) -> bool | None:
-        p = core.read_namespaced_pod(name, NS)
-        if p.spec.node_name:
-            return True
-        if any(c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []):
-            return False
-        return None
-
-    def gone(name: str) -> bool:
-        return not any(p.metadata.name == name for p in core.list_namespaced_pod(NS).items)
-
     disagree, placed = [], dict.fromkeys(SHAPES, 0)
     for i, shape in enumerate(SHAPES):
         for node in NODES:
-            probe = f"spread-{i}-{node}"
-            core.create_namespaced_pod(NS, _probe(probe, shape, node))
-            theirs = cluster.wait_for(
-                lambda probe=probe: (v := verdict(probe)) is not None and (v,),
-                timeout=60,
-                message=f"a verdict on {probe}",
-            )[0]
-            # judged as the API server stored it: 1.20 drops the fields it does not know
-            stored = api.sanitize_for_serialization(core.read_namespaced_pod(probe, NS))
+            # judged as stored: 1.20 drops the fields it does not know
+            theirs, stored = probe_alone(cluster, _probe(f"spread-{i}-{node}", shape, node))
             ours = schedulable_on(stored, nodes[node]) or spread_problem(
                 stored, node, others, nodes
             )
             if (ours is None) != theirs:
                 disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
             placed[shape] += theirs
-            core.delete_namespaced_pod(probe, NS, grace_period_seconds=0)
-            cluster.wait_for(lambda probe=probe: gone(probe), timeout=30, message=f"{probe} gone")
     assert not disagree, "\n".join(disagree)
     # spread refuses some nodes to most shapes, and the shapes differ in which
     assert len(set(placed.values())) > 2, placed
