@@ -735,6 +735,37 @@ async def test_no_pod_is_evicted_for_a_target_without_a_pod_slot(world: Any) -> 
     assert w.evictions.real() == ["m2"]
 
 
+@pytest.mark.parametrize("pool", ["a", "b"])
+async def test_the_blocked_pod_is_planned_only_onto_the_nodes_it_may_use(
+    world: Any, pool: str
+) -> None:
+    """Room for the 14Gi pod can be made on either node with one move (a 6Gi pod off a, or the
+    4Gi one off b). Kept to one node by its nodeSelector, the plan makes room there, whichever
+    the planner would choose unasked."""
+    p = pod("p", "14Gi", uid="p")
+    p["spec"]["nodeSelector"] = {"pool": pool}
+    w = world(
+        [
+            bound("f1", 4, "a"),
+            web("m1", 6, "a"),
+            web("ma", 6, "a"),
+            bound("f2", 10, "b"),
+            web("m2", 4, "b"),
+            p,
+        ]
+    )
+    for name in NODES:
+        labelled = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
+        labelled["metadata"]["labels"]["pool"] = name
+        labelled["metadata"]["resourceVersion"] = "2"
+        w.source.apply("nodes", "MODIFIED", labelled)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    evicted = w.evictions.real()
+    assert len(evicted) == 1 and evicted[0] in ({"a": ("m1", "ma"), "b": ("m2",)}[pool])
+    assert w.plan_kw[-1]["pod_nodes"].tolist() == [n == pool for n in NODES]
+
+
 async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:
     """One move per GPU: the 18Gi pod that needs two moves gets no plan; a pod of two GPUs is
     offered two moves (none helps here: every node has one GPU)."""

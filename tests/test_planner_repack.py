@@ -90,9 +90,14 @@ def place_all(cap: Capacity, pods: Sequence[Demand]) -> bool:
 
 
 def brute_force(
-    cap: Capacity, pod: Demand, running: Running, movable: Callable[[Demand], bool] | None = None
+    cap: Capacity,
+    pod: Demand,
+    running: Running,
+    movable: Callable[[Demand], bool] | None = None,
+    pod_nodes: np.ndarray | None = None,
 ) -> int | None:
-    """The fewest running pods to move so that they and `pod` all fit again; None: no number."""
+    """The fewest running pods to move so that they and `pod` all fit again, `pod` on a node
+    `pod_nodes` allows (None: any); None: no number."""
     ledger = cap.ledger
     pool = [(d, r) for d, r in running if movable is None or movable(d)]
     for size in range(len(pool) + 1):
@@ -100,13 +105,29 @@ def brute_force(
             for d, r in subset:
                 cap.remove(d, ledger.node_row(r.node) or 0)
             try:
-                ok = place_all(cap, [pod, *(d for d, _ in subset)])
+                ok = any(
+                    _placed_then(cap, pod, n, rows, [d for d, _ in subset])
+                    for n, rows in placements(cap, pod)
+                    if pod_nodes is None or pod_nodes[n]
+                )
             finally:
                 for d, r in subset:
                     cap.apply(d, r if r.device_ids else None, ledger.node_row(r.node) or 0)
             if ok:
                 return size
     return None
+
+
+def _placed_then(
+    cap: Capacity, d: Demand, n: int, rows: tuple[int, ...], rest: Sequence[Demand]
+) -> bool:
+    """Whether, with `d` on node `n` (`rows`), `rest` can all be placed (capacity restored)."""
+    res = reservation_for(cap, d, n, rows) if rows else None
+    cap.apply(d, res, n)
+    try:
+        return place_all(cap, rest)
+    finally:
+        cap.remove(d, n)
 
 
 def random_case(seed: int) -> tuple[Capacity, Demand, Running]:
@@ -197,6 +218,37 @@ def test_fewest_moves_is_the_brute_force_minimum_and_never_overcommits(seed):
     assert final_state_fits(cap, plan)
     assert_plan_is_sound(cap, plan, running)
     assert ledger_state(cap) != before or best == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_pod_goes_only_to_the_nodes_it_may_use(seed):
+    """kube-scheduler's labels and taints may leave the blocked pod some nodes only: the fewest
+    moves that put it on one of those, as the brute force finds them, and never elsewhere."""
+    cap, pod, running = random_case(seed)
+    rng = random.Random(seed)
+    n_nodes = len(cap.arrays.node_names)
+    pod_nodes = np.array([rng.random() < 0.5 for _ in range(n_nodes)])
+    best = brute_force(cap, pod, running, pod_nodes=pod_nodes)
+    found = search_repack(cap, pod, running, time_limit=10, num_workers=1, pod_nodes=pod_nodes)
+    if best is None:
+        assert found.plan is None and found.proven
+        return
+    plan = found.plan
+    assert plan is not None and len(plan.moves) == best and found.proven, found
+    assert pod_nodes[cap.ledger.node_row(plan.placement.node)]
+    assert_plan_is_sound(cap, plan, running)
+
+
+def test_a_pod_that_fits_only_where_it_may_not_go_is_not_said_to_fit():
+    cap, running = _two_gpus_half_full()
+    small = demand("small", 20)
+    assert plan_repack(cap, small, running, max_moves=0).placement.node == "n0"
+    elsewhere = np.array([False, True])
+    plan = plan_repack(cap, small, running, pod_nodes=elsewhere)
+    assert plan is not None and plan.placement.node == "n1"
+    nowhere = np.zeros(2, bool)
+    found = search_repack(cap, small, running, pod_nodes=nowhere)
+    assert found.plan is None and found.proven and "even if every movable pod left" in found.reason
 
 
 def test_the_random_cases_exercise_moves():

@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -74,7 +75,7 @@ from extender.repack_policy import (
     plan_target_problem,
     repack_event,
 )
-from extender.target_rules import schedulable_on
+from extender.target_rules import node_masks, schedulable_on
 
 __all__ = ["Repacker", "RepackCollector"]
 
@@ -96,6 +97,7 @@ class PlanFn(Protocol):
         num_workers: int = 2,
         place_rule: str | None = None,
         frag: FragIndex | None = None,
+        pod_nodes: np.ndarray | None = None,
     ) -> Any: ...
 
 
@@ -285,9 +287,20 @@ class Repacker:
             )
             pods = dict(self.cluster.pods)
             mix = Counter(self.cluster.demand_mix)
+            # the nodes kube-scheduler's labels, taints and cordon let the pod onto, read here
+            # on the event loop that owns the nodes
+            pod_nodes = node_masks(self.cluster.nodes, pods, cap.arrays.node_names)(key)
             loop = asyncio.get_running_loop()
             found, controllers = await loop.run_in_executor(
-                self._pool, self._solve, cap, demand, pods, mix, frozenset(excluded), allowance
+                self._pool,
+                self._solve,
+                cap,
+                demand,
+                pods,
+                mix,
+                frozenset(excluded),
+                allowance,
+                pod_nodes,
             )
             if found is None:
                 # no plan at all, or none without the pods that refused (a budget, a rule)
@@ -336,6 +349,7 @@ class Repacker:
         mix: Counter[Kind],
         excluded: frozenset[str],
         allowance: int,
+        pod_nodes: np.ndarray | None = None,
     ) -> tuple[Any, dict[str, Controller]]:
         """In a worker thread, on private copies: the running pods, which may move, the plan.
         Moved pods land where the planner would put them (`SEQUENTIAL_RULE` on FGD's measure,
@@ -370,6 +384,7 @@ class Repacker:
             frag=FragIndex(
                 cap, Workload.from_counts(mix), count_foreign=False, open_cost=self.open_cost
             ),
+            pod_nodes=pod_nodes,
         )
         return found, controllers
 

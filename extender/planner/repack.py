@@ -168,6 +168,7 @@ def plan_repack(
     num_workers: int = 2,
     place_rule: str | None = None,
     frag: FragIndex | None = None,
+    pod_nodes: np.ndarray | None = None,
 ) -> RepackPlan | None:
     """The fewest moves that make `pod` fit (see the module docstring), or None."""
     return search_repack(
@@ -180,6 +181,7 @@ def plan_repack(
         num_workers=num_workers,
         place_rule=place_rule,
         frag=frag,
+        pod_nodes=pod_nodes,
     ).plan
 
 
@@ -195,18 +197,23 @@ def search_repack(
     neighbourhood: Neighbourhood = Neighbourhood(),
     place_rule: str | None = None,
     frag: FragIndex | None = None,
+    pod_nodes: np.ndarray | None = None,
 ) -> RepackSearch:
+    """`pod_nodes`: per node row, whether the pod may go there (None: every node); the moved
+    pods' targets are not limited by it."""
     start = clock.now()
     deadline = start + time_limit
     rule = Rule(place_rule, frag)
     now = rule.choose(cap, pod)
-    if now is not None:
+    if now is not None and (pod_nodes is None or _allows(cap, pod_nodes, now.node)):
         plan = RepackPlan(pod, now, (), "FITS", True, clock.now() - start)
         return RepackSearch(plan, True, "FITS", "fits without moves", 0, seconds=plan.seconds)
     limit = INF if max_moves is None else max(0, max_moves)
     pool = Pool(cap, pod, running, movable)
     everyone = np.ones(len(pool), bool)
     valid = node_bounds(cap, pod, pool, everyone)
+    if pod_nodes is not None:
+        valid = (np.where(pod_nodes, valid[0], INF), valid[1], valid[2])
     bounds = valid[0]
     lowest = int(bounds.min(initial=INF))
     if lowest >= INF or lowest > limit:
@@ -221,6 +228,8 @@ def search_repack(
     # not out of the bound nor the exact model: with other moves around, such a move can count
     keep = ~pool.dominating(pod)
     rank, held, cost = node_bounds(cap, pod, pool, keep) if not keep.all() else valid
+    if pod_nodes is not None:
+        rank = np.where(pod_nodes, rank, INF)
     hard = needs_gpu_movers(cap, pod, pool, keep, rank)
     ranked = [int(n) for n in np.lexsort((held, hard, rank)) if rank[n] <= limit]
     nh = neighbourhood
@@ -257,7 +266,9 @@ def search_repack(
         t = clock.now()
         until = t + nh.counts_share * (deadline - t)
         counted, status = solve_counts(cap, pod, pool, better, until, num_workers)
-        if counted is not None:
+        if counted is not None and (
+            pod_nodes is None or _allows(cap, pod_nodes, counted.placement.node)
+        ):
             optimal = len(counted.moves) <= lowest
             return _found(counted, status, optimal, lowest, start, len(a.node_names), len(pool), 1)
     status, n_nodes, n_movers = "UNKNOWN", 0, 0
@@ -288,6 +299,11 @@ def search_repack(
         return _found(best, "GREEDY", False, lowest, start, n_nodes, n_movers, len(rounds))
     why = "no plan found in the neighbourhood searched"
     return _none(False, status, why, lowest, start, n_nodes, n_movers, len(rounds))
+
+
+def _allows(cap: Capacity, pod_nodes: np.ndarray, node: str) -> bool:
+    row = cap.ledger.node_row(node)
+    return row is not None and bool(pod_nodes[row])
 
 
 def _found(
