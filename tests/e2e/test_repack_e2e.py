@@ -84,13 +84,22 @@ def _revoke(cp: ControlPlane, objects: list[tuple[str, str]]) -> None:
                     raise
 
 
-def web_deployment(replicas: int) -> dict[str, Any]:
-    """4Gi per pod, movable: vramsched may evict them, their ReplicaSet re-creates them."""
+def web_deployment(replicas: int, *, one_per_node: bool = False) -> dict[str, Any]:
+    """4Gi per pod, movable: vramsched may evict them, their ReplicaSet re-creates them.
+    `one_per_node`: the replicas keep apart by required pod anti-affinity on the hostname."""
     template = gpu_pod("unused", "4Gi")
     template["metadata"] = {
         "labels": dict(APP),
         "annotations": {"vramsched.io/model-memory": "4Gi", "vramsched.io/movable": "true"},
     }
+    if one_per_node:
+        term = {
+            "labelSelector": {"matchLabels": dict(APP)},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+        template["spec"]["affinity"] = {
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+        }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -145,7 +154,11 @@ def repack_stack(cluster: ControlPlane) -> Iterator[tuple[ControlPlane, Extender
                 apps = kubernetes.client.AppsV1Api(client)
                 policy = kubernetes.client.PolicyV1Api(client)
                 api = kubernetes.client.CoreV1Api(client)
-                apps.delete_namespaced_deployment("web", NS, propagation_policy="Foreground")
+                try:
+                    apps.delete_namespaced_deployment("web", NS, propagation_policy="Foreground")
+                except kubernetes.client.ApiException as exc:
+                    if exc.status != 404:  # the test ended before it made one
+                        raise
                 for pdb in policy.list_namespaced_pod_disruption_budget(NS).items:
                     policy.delete_namespaced_pod_disruption_budget(pdb.metadata.name, NS)
                 cluster.wait_for(
@@ -294,3 +307,45 @@ def test_repack_evicts_through_the_api_and_places_everyone_where_the_plan_said(
         metrics = resp.read().decode()
     assert "vramsched_repack_moves_total 1.0" in metrics
     assert 'vramsched_repack_plans_total{outcome="done"} 1.0' in metrics
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
+def test_repack_moves_no_replica_beside_one_its_anti_affinity_keeps_away(
+    repack_stack: tuple[ControlPlane, Extender, PodLifecycle],
+) -> None:
+    """The fragmented GPUs of the test above, the two web replicas kept one per node: the only
+    plan moves gpu-b's replica beside gpu-a's, where kube-scheduler would never place its new
+    copy. vramsched refuses the plan and says why; nothing is evicted."""
+    cp, ext, lifecycle = repack_stack
+    api = core(cp)
+    with cp.api_client() as client:
+        apps = kubernetes.client.AppsV1Api(client)
+        # gpu-a: f1 12Gi, gpu-b: f2 6Gi (one node cordoned at a time); then a replica on each:
+        # gpu-a 16Gi used (8 free), gpu-b 10Gi (14 free)
+        for pod, node in (("f1", "gpu-a"), ("f2", "gpu-b")):
+            (other,) = [n for n in NODES if n != node]
+            cordon(api, other, True)
+            api.create_namespaced_pod(NS, gpu_pod(pod, "12Gi" if pod == "f1" else "6Gi"))
+            assert wait_bound(cp, api, [pod])[pod] == node
+            cordon(api, other, False)
+        apps.create_namespaced_deployment(NS, web_deployment(2, one_per_node=True))
+        cp.wait_for(
+            lambda: sorted(p.spec.node_name or "" for p in web_pods(api)) == sorted(NODES),
+            timeout=60,
+            message="one web replica bound to each node",
+        )
+    before = {p.metadata.uid for p in web_pods(api)}
+    api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+    p_uid = api.read_namespaced_pod("p", NS).metadata.uid
+    refused = cp.wait_for(
+        lambda: [m for m in events_of(api, p_uid, "VramschedRepack") if "no repack now" in m],
+        timeout=90,
+        message="vramsched says why it moves nothing",
+    )
+    assert "anti-affinity" in refused[0] and "node gpu-a" in refused[0], refused
+    assert {p.metadata.uid for p in web_pods(api)} == before
+    assert lifecycle.terminated == {}
+    assert api.read_namespaced_pod("p", NS).spec.node_name is None
+    repack = ext.get("/state")["planner"]["repack"]
+    assert repack["moves"] == 0 and repack["refused"] >= 1
