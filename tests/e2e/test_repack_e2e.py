@@ -129,6 +129,21 @@ def events_of(api: kubernetes.client.CoreV1Api, uid: str, reason: str) -> list[s
     return [e.message or "" for e in items if e.reason == reason]
 
 
+def blocked_and_refused(
+    cp: ControlPlane, api: kubernetes.client.CoreV1Api, what: str
+) -> tuple[str, list[str]]:
+    """Create pod p (16Gi), which fits on neither fragmented GPU, and wait for vramsched's
+    `no repack now` Events on it: (its UID, their messages)."""
+    api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+    uid = api.read_namespaced_pod("p", NS).metadata.uid
+    refused = cp.wait_for(
+        lambda: [m for m in events_of(api, uid, "VramschedRepack") if "no repack now" in m],
+        timeout=90,
+        message=f"vramsched says {what}",
+    )
+    return uid, refused
+
+
 @pytest.fixture
 def repack_stack(cluster: ControlPlane) -> Iterator[tuple[ControlPlane, Extender, PodLifecycle]]:
     """Extender with --repack (leader election as deployed), kube-scheduler, the controllers,
@@ -232,13 +247,7 @@ def test_repack_evicts_through_the_api_and_places_everyone_where_the_plan_said(
         )
 
         # 16Gi fits on neither GPU; moving gpu-b's web pod to gpu-a makes 18Gi free on gpu-b.
-        api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
-        p_uid = api.read_namespaced_pod("p", NS).metadata.uid
-        refused = cp.wait_for(
-            lambda: [m for m in events_of(api, p_uid, "VramschedRepack") if "no repack now" in m],
-            timeout=90,
-            message="vramsched says the budget refuses the move",
-        )
+        p_uid, refused = blocked_and_refused(cp, api, "the budget refuses the move")
         assert "PodDisruptionBudget allows no disruption now" in refused[0], refused
         assert on_b.metadata.name in refused[0]
         # the dry run changed nothing: both web pods are the same, none is terminating
@@ -336,13 +345,7 @@ def test_repack_moves_no_replica_beside_one_its_anti_affinity_keeps_away(
             message="one web replica bound to each node",
         )
     before = {p.metadata.uid for p in web_pods(api)}
-    api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
-    p_uid = api.read_namespaced_pod("p", NS).metadata.uid
-    refused = cp.wait_for(
-        lambda: [m for m in events_of(api, p_uid, "VramschedRepack") if "no repack now" in m],
-        timeout=90,
-        message="vramsched says why it moves nothing",
-    )
+    _, refused = blocked_and_refused(cp, api, "why it moves nothing")
     assert "anti-affinity" in refused[0] and "node gpu-a" in refused[0], refused
     assert {p.metadata.uid for p in web_pods(api)} == before
     assert lifecycle.terminated == {}
