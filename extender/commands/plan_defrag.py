@@ -103,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
             num_workers=args.workers,
             node_mask=mask,
         )
-        sent = [(mv.pod, cluster.pods[mv.pod], mv.to_node) for mv in plan.moves]
+        sent = [
+            (mv.pod, moved, mv.to_node)
+            for mv in plan.moves
+            if (moved := cluster.pods.get(mv.pod)) is not None
+        ]
         problem = target_problem(cluster.nodes, cluster.pods, sent, {mv.pod for mv in plan.moves})
         if problem is None:
             break

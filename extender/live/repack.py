@@ -13,7 +13,8 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    `repack_policy.movable` accepts. Checked back on the event loop against the live ledger
    (`final_state_fits`, `final_state_problem`: the device plugin's bound, the pin rule) and
    kube-scheduler's own rules for every target (`schedulable_on`, and `plan_target_problem`: the
-   pod count, the resources a plan does not book, inter-pod affinity).
+   pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
+   spread). The blocked pod itself is planned only onto the nodes `schedulable_on` allows.
 3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
    changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
    pod, up to `attempts` plans; nothing has been evicted yet.
