@@ -766,6 +766,29 @@ async def test_the_blocked_pod_is_planned_only_onto_the_nodes_it_may_use(
     assert w.plan_kw[-1]["pod_nodes"].tolist() == [n == pool for n in NODES]
 
 
+@pytest.mark.parametrize(("kept", "moved"), [("m2", "m3"), ("m3", "m2")])
+async def test_moved_pods_are_planned_only_onto_the_nodes_they_may_use(
+    world: Any, kept: str, moved: str
+) -> None:
+    """Either of b's two movable pods leaving makes room for the 14Gi pod there, each by one
+    move to a. The one kept to b by its nodeSelector is never planned onto a: the one plan made
+    moves the other."""
+    pods = [bound("f1", 12, "a"), bound("f2", 6, "b"), web("m2", 4, "b"), web("m3", 2, "b")]
+    pods.append(pod("p", "14Gi", uid="p"))
+    for p in pods:
+        if p["metadata"]["name"] == kept:
+            p["spec"]["nodeSelector"] = {"pool": "b"}
+    w = world(pods)
+    for name in NODES:
+        labelled = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
+        labelled["metadata"]["labels"]["pool"] = name
+        labelled["metadata"]["resourceVersion"] = "2"
+        w.source.apply("nodes", "MODIFIED", labelled)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == [moved] and w.planned == 1
+
+
 async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:
     """One move per GPU: the 18Gi pod that needs two moves gets no plan; a pod of two GPUs is
     offered two moves (none helps here: every node has one GPU)."""

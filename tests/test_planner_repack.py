@@ -13,6 +13,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -73,16 +74,22 @@ def placements(cap: Capacity, d: Demand) -> list[tuple[int, tuple[int, ...]]]:
     return out
 
 
-def place_all(cap: Capacity, pods: Sequence[Demand]) -> bool:
-    """Whether `pods` can all be placed together now (exhaustive, capacity restored)."""
+def place_all(
+    cap: Capacity, pods: Sequence[Demand], allowed: Callable[[Demand], Any] | None = None
+) -> bool:
+    """Whether `pods` can all be placed together now, each on a node `allowed` gives it (None:
+    any); exhaustive, capacity restored."""
     if not pods:
         return True
     d, rest = pods[0], pods[1:]
+    mask = allowed(d) if allowed is not None else None
     for n, rows in placements(cap, d):
+        if mask is not None and not mask[n]:
+            continue
         res = reservation_for(cap, d, n, rows) if rows else None
         cap.apply(d, res, n)
         try:
-            if place_all(cap, rest):
+            if place_all(cap, rest, allowed):
                 return True
         finally:
             cap.remove(d, n)
@@ -95,9 +102,11 @@ def brute_force(
     running: Running,
     movable: Callable[[Demand], bool] | None = None,
     pod_nodes: np.ndarray | None = None,
+    target_nodes: Callable[[Demand], Any] | None = None,
 ) -> int | None:
     """The fewest running pods to move so that they and `pod` all fit again, `pod` on a node
-    `pod_nodes` allows (None: any); None: no number."""
+    `pod_nodes` allows and each moved pod on one `target_nodes` allows (None: any); None: no
+    number."""
     ledger = cap.ledger
     pool = [(d, r) for d, r in running if movable is None or movable(d)]
     for size in range(len(pool) + 1):
@@ -106,7 +115,7 @@ def brute_force(
                 cap.remove(d, ledger.node_row(r.node) or 0)
             try:
                 ok = any(
-                    _placed_then(cap, pod, n, rows, [d for d, _ in subset])
+                    _placed_then(cap, pod, n, rows, [d for d, _ in subset], target_nodes)
                     for n, rows in placements(cap, pod)
                     if pod_nodes is None or pod_nodes[n]
                 )
@@ -119,13 +128,18 @@ def brute_force(
 
 
 def _placed_then(
-    cap: Capacity, d: Demand, n: int, rows: tuple[int, ...], rest: Sequence[Demand]
+    cap: Capacity,
+    d: Demand,
+    n: int,
+    rows: tuple[int, ...],
+    rest: Sequence[Demand],
+    allowed: Callable[[Demand], Any] | None = None,
 ) -> bool:
     """Whether, with `d` on node `n` (`rows`), `rest` can all be placed (capacity restored)."""
     res = reservation_for(cap, d, n, rows) if rows else None
     cap.apply(d, res, n)
     try:
-        return place_all(cap, rest)
+        return place_all(cap, rest, allowed)
     finally:
         cap.remove(d, n)
 
@@ -236,6 +250,33 @@ def test_the_pod_goes_only_to_the_nodes_it_may_use(seed):
     plan = found.plan
     assert plan is not None and len(plan.moves) == best and found.proven, found
     assert pod_nodes[cap.ledger.node_row(plan.placement.node)]
+    assert_plan_is_sound(cap, plan, running)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_moved_pods_go_only_to_the_nodes_they_may_use(seed):
+    """Each running pod may go to some nodes only (its own kept for staying): the fewest moves,
+    as the brute force finds them with every moved pod on a node it may use, and no plan that
+    sends one elsewhere."""
+    cap, pod, running = random_case(seed)
+    rng = random.Random(1000 + seed)
+    n_nodes = len(cap.arrays.node_names)
+    masks = {d.pod.key: np.array([rng.random() < 0.6 for _ in range(n_nodes)]) for d, _ in running}
+
+    def target_nodes(d: Demand) -> np.ndarray | None:
+        return masks.get(d.pod.key)
+
+    best = brute_force(cap, pod, running, target_nodes=target_nodes)
+    found = search_repack(
+        cap, pod, running, time_limit=10, num_workers=1, target_nodes=target_nodes
+    )
+    if best is None:
+        assert found.plan is None and found.proven, found
+        return
+    plan = found.plan
+    assert plan is not None and len(plan.moves) == best and found.proven, found
+    for mv in plan.moves:
+        assert masks[mv.pod.key][cap.ledger.node_row(mv.target.node)], mv
     assert_plan_is_sound(cap, plan, running)
 
 

@@ -14,7 +14,8 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    (`final_state_fits`, `final_state_problem`: the device plugin's bound, the pin rule) and
    kube-scheduler's own rules for every target (`schedulable_on`, and `plan_target_problem`: the
    pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
-   spread). The blocked pod itself is planned only onto the nodes `schedulable_on` allows.
+   spread). The plan itself keeps the blocked pod and the moved pods to the nodes
+   `schedulable_on` allows them.
 3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
    changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
    pod, up to `attempts` plans; nothing has been evicted yet.
@@ -99,6 +100,7 @@ class PlanFn(Protocol):
         place_rule: str | None = None,
         frag: FragIndex | None = None,
         pod_nodes: np.ndarray | None = None,
+        target_nodes: Callable[[Demand], np.ndarray | None] | None = None,
     ) -> Any: ...
 
 
@@ -288,9 +290,10 @@ class Repacker:
             )
             pods = dict(self.cluster.pods)
             mix = Counter(self.cluster.demand_mix)
-            # the nodes kube-scheduler's labels, taints and cordon let the pod onto, read here
-            # on the event loop that owns the nodes
-            pod_nodes = node_masks(self.cluster.nodes, pods, cap.arrays.node_names)(key)
+            # per pod, the nodes kube-scheduler's labels, taints and cordon let it onto: the
+            # blocked pod's worked out here, the moved pods' in the worker, on copies
+            masks = node_masks(dict(self.cluster.nodes), pods, cap.arrays.node_names)
+            pod_nodes = masks(key)
             loop = asyncio.get_running_loop()
             found, controllers = await loop.run_in_executor(
                 self._pool,
@@ -302,6 +305,7 @@ class Repacker:
                 frozenset(excluded),
                 allowance,
                 pod_nodes,
+                masks,
             )
             if found is None:
                 # no plan at all, or none without the pods that refused (a budget, a rule)
@@ -351,6 +355,7 @@ class Repacker:
         excluded: frozenset[str],
         allowance: int,
         pod_nodes: np.ndarray | None = None,
+        masks: Callable[[str], np.ndarray | None] | None = None,
     ) -> tuple[Any, dict[str, Controller]]:
         """In a worker thread, on private copies: the running pods, which may move, the plan.
         Moved pods land where the planner would put them (`SEQUENTIAL_RULE` on FGD's measure,
@@ -386,6 +391,7 @@ class Repacker:
                 cap, Workload.from_counts(mix), count_foreign=False, open_cost=self.open_cost
             ),
             pod_nodes=pod_nodes,
+            target_nodes=(lambda d: masks(d.pod.key)) if masks is not None else None,
         )
         return found, controllers
 

@@ -80,7 +80,7 @@ from extender.planner import clock
 from extender.planner.capacity import Capacity, FragIndex
 from extender.planner.repack_counts import solve_counts
 from extender.planner.repack_model import destinations, solve_round
-from extender.planner.repack_plan import Move, RepackPlan, Rule, final_state_fits
+from extender.planner.repack_plan import Move, RepackPlan, Rule, TargetNodes, final_state_fits
 from extender.planner.repack_pool import (
     INF,
     Movable,
@@ -169,6 +169,7 @@ def plan_repack(
     place_rule: str | None = None,
     frag: FragIndex | None = None,
     pod_nodes: np.ndarray | None = None,
+    target_nodes: TargetNodes | None = None,
 ) -> RepackPlan | None:
     """The fewest moves that make `pod` fit (see the module docstring), or None."""
     return search_repack(
@@ -182,6 +183,7 @@ def plan_repack(
         place_rule=place_rule,
         frag=frag,
         pod_nodes=pod_nodes,
+        target_nodes=target_nodes,
     ).plan
 
 
@@ -198,12 +200,14 @@ def search_repack(
     place_rule: str | None = None,
     frag: FragIndex | None = None,
     pod_nodes: np.ndarray | None = None,
+    target_nodes: TargetNodes | None = None,
 ) -> RepackSearch:
-    """`pod_nodes`: per node row, whether the pod may go there (None: every node); the moved
-    pods' targets are not limited by it."""
+    """`pod_nodes`: per node row, whether the pod may go there (None: every node).
+    `target_nodes(demand)`: the same for each moved pod's new place (a pod that stays keeps its
+    node)."""
     start = clock.now()
     deadline = start + time_limit
-    rule = Rule(place_rule, frag)
+    rule = Rule(place_rule, frag, target_nodes)
     now = rule.choose(cap, pod)
     if now is not None and (pod_nodes is None or _allows(cap, pod_nodes, now.node)):
         plan = RepackPlan(pod, now, (), "FITS", True, clock.now() - start)
@@ -266,9 +270,7 @@ def search_repack(
         t = clock.now()
         until = t + nh.counts_share * (deadline - t)
         counted, status = solve_counts(cap, pod, pool, better, until, num_workers)
-        if counted is not None and (
-            pod_nodes is None or _allows(cap, pod_nodes, counted.placement.node)
-        ):
+        if counted is not None and _keeps_to(cap, counted, pod_nodes, target_nodes):
             optimal = len(counted.moves) <= lowest
             return _found(counted, status, optimal, lowest, start, len(a.node_names), len(pool), 1)
     status, n_nodes, n_movers = "UNKNOWN", 0, 0
@@ -285,7 +287,7 @@ def search_repack(
             nodes = sorted(on | destinations(cap, active, on, nh.destinations, nh.max_destinations))
         n_nodes, n_movers = len(nodes), len(active)
         found, status = solve_round(
-            cap, pod, active, nodes, chosen, bounds, better, deadline, num_workers
+            cap, pod, active, nodes, chosen, bounds, better, deadline, num_workers, target_nodes
         )
         if found is not None:
             optimal = len(found.moves) <= lowest or (exact and status == "OPTIMAL")
@@ -304,6 +306,25 @@ def search_repack(
 def _allows(cap: Capacity, pod_nodes: np.ndarray, node: str) -> bool:
     row = cap.ledger.node_row(node)
     return row is not None and bool(pod_nodes[row])
+
+
+def _keeps_to(
+    cap: Capacity,
+    plan: RepackPlan,
+    pod_nodes: np.ndarray | None,
+    target_nodes: TargetNodes | None,
+) -> bool:
+    """Whether the plan puts the pod and every moved pod only where they may go (the count
+    model knows pods by kind, not which nodes each may use: its plan is checked after)."""
+    if pod_nodes is not None and not _allows(cap, pod_nodes, plan.placement.node):
+        return False
+    if target_nodes is None:
+        return True
+    for m in plan.moves:
+        mask = target_nodes(m.demand)
+        if mask is not None and not _allows(cap, mask, m.target.node):
+            return False
+    return True
 
 
 def _found(

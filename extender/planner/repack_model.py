@@ -12,7 +12,13 @@ from ortools.sat.python import cp_model
 from extender.demand import Demand
 from extender.planner.capacity import Capacity, candidates, demand_kind
 from extender.planner.move_model import MoveModel, Mover, reservation_for
-from extender.planner.repack_plan import Move, RepackPlan, final_state_fits, source_of
+from extender.planner.repack_plan import (
+    Move,
+    RepackPlan,
+    TargetNodes,
+    final_state_fits,
+    source_of,
+)
 from extender.planner.repack_pool import INF
 from extender.planner.staged import Settings, Stage, staged_solve
 
@@ -60,25 +66,37 @@ def solve_round(
     limit: int,
     deadline: float,
     num_workers: int,
+    target_nodes: TargetNodes | None = None,
 ) -> tuple[RepackPlan | None, str]:
-    """One CP-SAT model: the pod on one of `chosen`, the movers anywhere in `nodes`."""
+    """One CP-SAT model: the pod on one of `chosen`, the movers anywhere in `nodes` that
+    `target_nodes` allows them (their own node always: a pod that stays is no new copy)."""
     a = cap.arrays
     allowed = np.zeros(len(a.node_names), bool)
     allowed[list(chosen)] = True
     everyone = [Mover(pod, required=True), *movers]
+    masks = [allowed] + [
+        target_nodes(mv.demand) if target_nodes is not None else None for mv in movers
+    ]
 
     def restrict(i: int, rows: np.ndarray) -> np.ndarray:
-        if i:
+        mask = masks[i]
+        if mask is None:
             return np.ones(len(rows), bool)
-        kept: np.ndarray = allowed[a.node_of[rows]]
+        kept: np.ndarray = mask[a.node_of[rows]]
+        if i:  # a moved pod may stay where it is: that is no new copy
+            kept |= np.isin(rows, everyone[i].rows)
         return kept
 
     mm = MoveModel(cap, nodes, everyone, release=True, restrict=restrict)
     m = mm.model
-    if pod.gpu_count == 0:  # no rows to restrict: keep the pod off the nodes not chosen
-        for (i, n), yv in mm.y_vars.items():
-            if i == 0 and not allowed[n]:
-                m.add(yv == 0)
+    # a GPU-less pod has no rows to restrict: keep it off the nodes it may not use (a moved
+    # one may stay on its own)
+    for (i, n), yv in mm.y_vars.items():
+        mask = masks[i]
+        if everyone[i].demand.gpu_count or mask is None or mask[n]:
+            continue
+        if i == 0 or n != everyone[i].node:
+            m.add(yv == 0)
     moves = sum(mm.placed[1:]) if len(mm.placed) > 1 else 0
     if limit < INF:
         m.add(moves <= limit)

@@ -3,6 +3,7 @@ and where a pod that fits goes (`Rule`). Shared by the search steps of `repack`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +13,11 @@ from extender.ledger import Reservation
 from extender.planner.capacity import Capacity, FragIndex, candidates
 from extender.planner.move_model import Mover, reservation_for
 
-__all__ = ["Move", "RepackPlan", "Rule", "final_state_fits", "source_of", "by_pod"]
+__all__ = ["Move", "RepackPlan", "Rule", "TargetNodes", "final_state_fits", "source_of", "by_pod"]
+
+#: per pod, the node rows it may be placed on (None: every node): what kube-scheduler's labels,
+#: taints and cordon allow its new copy
+TargetNodes = Callable[[Demand], "np.ndarray | None"]
 
 
 @dataclass(frozen=True)
@@ -42,12 +47,24 @@ class Rule:
     place): by default its best fit (least memory left on its devices, then lowest node; a
     GPU-less pod: least CPU left); with `name`, one of `greedy.POLICIES` (the simulator passes
     the planner's, so moved pods land where the planner would put them), on `frag` kept
-    current as the search changes the capacity and undoes it."""
+    current as the search changes the capacity and undoes it. With `allowed`, a pod whose rule's
+    choice is a node it may not use takes its best fit among the nodes it may."""
 
     name: str | None = None
     frag: FragIndex | None = None
+    allowed: TargetNodes | None = None
 
     def choose(self, cap: Capacity, d: Demand) -> Reservation | None:
+        res = self._choose(cap, d)
+        mask = self.allowed(d) if self.allowed is not None and res is not None else None
+        if res is None or mask is None:
+            return res
+        row = cap.ledger.node_row(res.node)
+        if row is not None and mask[row]:
+            return res
+        return _best_fit(cap, d, mask)
+
+    def _choose(self, cap: Capacity, d: Demand) -> Reservation | None:
         if self.name is not None:
             from extender.planner.greedy import choose
 
@@ -56,12 +73,7 @@ class Rule:
                 return None
             res, n, _ = ch
             return res if res is not None else reservation_for(cap, d, n, ())
-        c = candidates(cap, d)
-        if len(c) == 0:
-            return None
-        key = c.leftover(cap.arrays) if d.gpu_count else cap.cpu_free[c.node]
-        i = int(np.lexsort((c.node, key))[0])
-        return reservation_for(cap, d, int(c.node[i]), c.devices[i].tolist())
+        return _best_fit(cap, d)
 
     def apply(self, cap: Capacity, d: Demand, res: Reservation | None, n: int) -> None:
         cap.apply(d, res, n)
@@ -72,6 +84,19 @@ class Rule:
         cap.remove(d, n)
         if self.frag is not None:
             self.frag.refresh([n])
+
+
+def _best_fit(cap: Capacity, d: Demand, mask: np.ndarray | None = None) -> Reservation | None:
+    """Least memory left on its devices, then lowest node (a GPU-less pod: least CPU left),
+    among the nodes `mask` allows."""
+    c = candidates(cap, d)
+    if mask is not None and len(c):
+        c = c.take(np.flatnonzero(mask[c.node]))
+    if len(c) == 0:
+        return None
+    key = c.leftover(cap.arrays) if d.gpu_count else cap.cpu_free[c.node]
+    i = int(np.lexsort((c.node, key))[0])
+    return reservation_for(cap, d, int(c.node[i]), c.devices[i].tolist())
 
 
 def final_state_fits(cap: Capacity, plan: RepackPlan) -> bool:

@@ -450,9 +450,12 @@ class Greedy:
             self.ranks[kind] = node_bounds(cap, d, self.pool, ~self.pool.dominating(d))
         rank, held, cost = self.ranks[kind]
         keep = ~self.pool.dominating(d) & ~self.gone
+        mask = self.rule.allowed(d) if self.rule.allowed is not None else None
         for n in [int(x) for x in np.lexsort((held, rank))[:CHAIN_NODES]]:
             if rank[n] > left:
                 break
+            if mask is not None and not mask[n]:
+                continue
             mark, moves_before = len(self.undo), len(self.moves)
             made = self._make_room(d, keep, n, cost, left, depth - 1)
             if made is not None:
