@@ -735,6 +735,15 @@ async def test_no_pod_is_evicted_for_a_target_without_a_pod_slot(world: Any) -> 
     assert w.evictions.real() == ["m2"]
 
 
+def label_pools(w: World) -> None:
+    """Label each node `pool=<its name>`, for pods kept to one node by a nodeSelector."""
+    for name in NODES:
+        labelled = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
+        labelled["metadata"]["labels"]["pool"] = name
+        labelled["metadata"]["resourceVersion"] = "2"
+        w.source.apply("nodes", "MODIFIED", labelled)
+
+
 @pytest.mark.parametrize("pool", ["a", "b"])
 async def test_the_blocked_pod_is_planned_only_onto_the_nodes_it_may_use(
     world: Any, pool: str
@@ -754,11 +763,7 @@ async def test_the_blocked_pod_is_planned_only_onto_the_nodes_it_may_use(
             p,
         ]
     )
-    for name in NODES:
-        labelled = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
-        labelled["metadata"]["labels"]["pool"] = name
-        labelled["metadata"]["resourceVersion"] = "2"
-        w.source.apply("nodes", "MODIFIED", labelled)
+    label_pools(w)
     w.filter("default/p")
     await w.step(advance=1.5)
     evicted = w.evictions.real()
@@ -779,11 +784,7 @@ async def test_moved_pods_are_planned_only_onto_the_nodes_they_may_use(
         if p["metadata"]["name"] == kept:
             p["spec"]["nodeSelector"] = {"pool": "b"}
     w = world(pods)
-    for name in NODES:
-        labelled = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
-        labelled["metadata"]["labels"]["pool"] = name
-        labelled["metadata"]["resourceVersion"] = "2"
-        w.source.apply("nodes", "MODIFIED", labelled)
+    label_pools(w)
     w.filter("default/p")
     await w.step(advance=1.5)
     assert w.evictions.real() == [moved] and w.planned == 1
