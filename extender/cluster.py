@@ -17,6 +17,7 @@ from extender.assignment import AssignmentError, decode_assignment
 from extender.demand import (
     ASSIGNMENT,
     MODEL_MEMORY,
+    TERMINAL_PHASES,
     Demand,
     DemandError,
     PodRef,
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 DEFAULT_SCHEDULER_NAME = "vramsched"
 
 

@@ -26,6 +26,7 @@ from extender.quantity import (
 )
 
 __all__ = [
+    "TERMINAL_PHASES",
     "well_formed_pod",
     "container_requests",
     "pod_requests",
@@ -61,6 +62,11 @@ PIN_FIELD_PATH = f"metadata.annotations['{GPU_INDEX}']"
 MAX_MODEL_MEMORY = 64 * 1024**4
 # kube-scheduler would never find a node with more; a larger request is a mistake, not a demand.
 MAX_GPUS_PER_POD = 64
+
+
+#: the pod phases after which its containers are gone: the kubelet holds nothing for it, and
+#: kube-scheduler no longer counts it on its node
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 class DemandError(ValueError):

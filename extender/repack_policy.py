@@ -25,8 +25,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from extender.bind_event import bind_event
-from extender.demand import ANNOTATION_PREFIX, Demand, PodRef
+from extender.demand import ANNOTATION_PREFIX, TERMINAL_PHASES, Demand, PodRef
 from extender.ledger import Ledger, LedgerError, Reservation
+from extender.object_fields import meta
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.quantity import format_bytes
@@ -69,7 +70,6 @@ ABANDONED_REASON = "VramschedRepackAbandoned"
 
 _TEMPLATE_HASH = "pod-template-hash"
 _RECREATING = frozenset({"ReplicaSet", "StatefulSet"})
-_TERMINAL = frozenset({"Succeeded", "Failed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +95,8 @@ class PlannedMove:
     controller: Controller
 
 
-def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    meta = pod.get("metadata")
-    return meta if isinstance(meta, Mapping) else {}
-
-
 def _controller_ref(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    for ref in _meta(pod).get("ownerReferences") or ():
+    for ref in meta(pod).get("ownerReferences") or ():
         if isinstance(ref, Mapping) and ref.get("controller") is True:
             return ref
     return None
@@ -110,15 +105,15 @@ def _controller_ref(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def movable(pod: Mapping[str, Any]) -> Controller | str:
     """The controller that will re-create this running pod if it is evicted, or why it may not
     be moved (a short phrase for logs)."""
-    meta = _meta(pod)
-    annotations = meta.get("annotations") or {}
+    pod_meta = meta(pod)
+    annotations = pod_meta.get("annotations") or {}
     if not isinstance(annotations, Mapping) or annotations.get(MOVABLE) != "true":
         return f"not annotated {MOVABLE}: true"
-    if meta.get("deletionTimestamp"):
+    if pod_meta.get("deletionTimestamp"):
         return "terminating"
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
-    if not spec.get("nodeName") or status.get("phase") in _TERMINAL:
+    if not spec.get("nodeName") or status.get("phase") in TERMINAL_PHASES:
         return "not running"
     ref = _controller_ref(pod)
     if ref is None:
@@ -130,7 +125,7 @@ def movable(pod: Mapping[str, Any]) -> Controller | str:
         isinstance(v, Mapping) and v.get("persistentVolumeClaim") for v in spec.get("volumes") or ()
     ):
         return "StatefulSet pod with a PersistentVolumeClaim (its volume may be tied to its node)"
-    labels = meta.get("labels") or {}
+    labels = pod_meta.get("labels") or {}
     return Controller(
         kind,
         str(ref.get("name") or ""),
@@ -146,14 +141,14 @@ def replaces(controller: Controller, moved: PodRef, pod: Mapping[str, Any]) -> b
     ref = _controller_ref(pod)
     if ref is None or str(ref.get("uid") or "") != controller.uid or not controller.uid:
         return False
-    meta = _meta(pod)
+    pod_meta = meta(pod)
     if controller.kind == "StatefulSet":
         return (
-            meta.get("name") == moved.name
-            and (meta.get("namespace") or "default") == moved.namespace
-            and str(meta.get("uid") or "") != moved.uid
+            pod_meta.get("name") == moved.name
+            and (pod_meta.get("namespace") or "default") == moved.namespace
+            and str(pod_meta.get("uid") or "") != moved.uid
         )
-    labels = meta.get("labels") or {}
+    labels = pod_meta.get("labels") or {}
     return str(labels.get(_TEMPLATE_HASH) or "") == controller.template_hash
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from extender.demand import DemandError, pod_requests
+from extender.demand import TERMINAL_PHASES, DemandError, pod_requests
 from extender.inventory import is_gpu_resource
 from extender.node_rules import node_affinity_refusal, node_labels, node_name, untolerated_taint
 from extender.object_fields import field, items, mapping, spec
@@ -58,10 +58,6 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
     if taint is not None:
         return f"node {name} has taint {taint.get('key')} the pod does not tolerate"
     return None
-
-
-#: the phases whose pods kube-scheduler no longer counts on their node
-_FINISHED = frozenset({"Succeeded", "Failed"})
 
 
 def _whole(value: object) -> int:
@@ -186,7 +182,7 @@ def target_problem(
             isinstance(where, str)
             and where
             and key not in leaving
-            and str(field(running, "status", "phase")) not in _FINISHED
+            and str(field(running, "status", "phase")) not in TERMINAL_PHASES
         ):
             staying.append((running, where))
     for name in dict.fromkeys(node for _, _, node in sent):
