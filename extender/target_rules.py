@@ -134,11 +134,12 @@ def room_problem(
     name = node_name(node)
     used = [hp for pod in staying for hp in host_ports(pod)]
     for pod in arriving:
-        for wanted in host_ports(pod):
+        ports = host_ports(pod)
+        for wanted in ports:
             if _port_taken(used, wanted):
                 ip, protocol, port = wanted
                 return f"node {name} has host port {protocol} {ip}:{port} taken"
-        used += host_ports(pod)
+        used += ports
     alloc = mapping(field(node, "status", "allocatable"))
     if not alloc:
         return None
