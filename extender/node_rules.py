@@ -14,7 +14,13 @@ from typing import Any
 from extender.object_fields import field, items, labels, mapping, name, spec
 from extender.quantity import INTEGER
 
-__all__ = ["node_labels", "node_name", "node_affinity_refusal", "untolerated_taint"]
+__all__ = [
+    "node_labels",
+    "node_name",
+    "node_affinity_refusal",
+    "selector_terms_hold",
+    "untolerated_taint",
+]
 
 #: the taint effects that keep a new pod off a node
 REPELLING = ("NoSchedule", "NoExecute")
@@ -65,14 +71,22 @@ def _field_holds(expr: Any, node: str) -> bool:
 
 def _term_holds(term: Mapping[str, Any], node_labels: Mapping[str, str], node: str) -> bool:
     """A nodeSelectorTerm as component-helpers' nodeaffinity matches it: an empty term selects
-    no node (it is dropped before matching), else every expression and field must hold."""
+    no node (it is dropped before matching), else every expression and field must hold. Fields
+    are skipped for a node without a name, as there: a volume's node affinity is matched on a
+    node made of labels alone, so its `matchFields` never narrow it."""
     expressions = items(term.get("matchExpressions"))
     fields = items(term.get("matchFields"))
     if not expressions and not fields:
         return False
-    return all(_expression_holds(e, node_labels) for e in expressions) and all(
-        _field_holds(f, node) for f in fields
+    return all(_expression_holds(e, node_labels) for e in expressions) and (
+        not node or all(_field_holds(f, node) for f in fields)
     )
+
+
+def selector_terms_hold(terms: Sequence[Any], on: Mapping[str, str], node: str) -> bool:
+    """Whether a NodeSelector's terms select a node with labels `on` and name `node`: any one
+    term holds. A pod's node affinity and a PersistentVolume's are matched alike."""
+    return any(_term_holds(t, on, node) for t in terms if isinstance(t, Mapping))
 
 
 def _go_int(text: str) -> int | None:
@@ -99,7 +113,7 @@ def node_affinity_refusal(pod: Mapping[str, Any], node: Mapping[str, Any]) -> st
         "nodeSelectorTerms",
     )
     terms = [t for t in items(required) if isinstance(t, Mapping)]
-    if terms and not any(_term_holds(t, on, called) for t in terms):
+    if terms and not selector_terms_hold(terms, on, called):
         return f"node {called} does not match the pod's required node affinity"
     return None
 

@@ -5,7 +5,8 @@ A plan (live repacking's, `plan-defrag`'s) books GPUs in the ledger and CPU and 
 capacity. Before a pod is evicted for it, each pod it sends somewhere must also pass the rest of
 what kube-scheduler checks, or the evicted pod's new copy waits for a node it may not use:
 
-- `schedulable_on`: the node's labels (`nodeSelector`, required node affinity), taints, cordon;
+- `schedulable_on`: the node's labels (`nodeSelector`, required node affinity), taints, cordon,
+  and, given the claims and volumes read (`volume_rules.Storage`), where the pod's volumes reach;
 - `room_problem`: the node's pod count, host ports and every resource beside CPU, memory and GPUs;
 - `target_problem`: both of the last for every node, then required pod affinity and anti-affinity
   (`pod_affinity`) and `DoNotSchedule` topology spread (`topology_spread`), on the cluster as it
@@ -13,7 +14,8 @@ what kube-scheduler checks, or the evicted pod's new copy waits for a node it ma
 - `node_masks`: `schedulable_on` for every node at once, for a model to offer only those.
 
 Each matches a real kube-scheduler (1.20 and 1.36) case by case in the e2e tests
-(`test_repack_targets_e2e.py`, `test_pod_affinity_e2e.py`, `test_topology_spread_e2e.py`).
+(`test_repack_targets_e2e.py`, `test_pod_affinity_e2e.py`, `test_topology_spread_e2e.py`,
+`test_volume_rules_e2e.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from extender.object_fields import field, items, mapping, spec
 from extender.pod_affinity import affinity_problem, has_pod_affinity
 from extender.quantity import QuantityError, parse_quantity
 from extender.topology_spread import has_hard_spread, spread_problem
+from extender.volume_rules import Storage, claim_keys, volume_refusal
 
 __all__ = [
     "HostPort",
@@ -43,11 +46,15 @@ __all__ = [
 ]
 
 
-def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | None:
+def schedulable_on(
+    pod: Mapping[str, Any], node: Mapping[str, Any], storage: Storage | None = None
+) -> str | None:
     """Why kube-scheduler would keep a pod with this spec off `node`, or None. The rules a plan
     cannot see, checked for a move's target: nodeSelector, required node affinity, taints that
-    repel new pods (NoSchedule, NoExecute) and cordoned nodes. A move that fails them would
-    leave its re-created pod waiting for a node it may not use."""
+    repel new pods (NoSchedule, NoExecute), cordoned nodes and, with `storage`, the node
+    affinity and zones of the volumes its claims are bound to (`volume_rules`; without it they are
+    not checked). A move that fails them would leave its re-created pod waiting for a node it may
+    not use."""
     refusal = node_affinity_refusal(pod, node)
     if refusal is not None:
         return refusal
@@ -57,6 +64,8 @@ def schedulable_on(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str | Non
     taint = untolerated_taint(pod, node)
     if taint is not None:
         return f"node {name} has taint {taint.get('key')} the pod does not tolerate"
+    if storage is not None:
+        return volume_refusal(pod, node, storage)
     return None
 
 
@@ -218,9 +227,11 @@ def node_masks(
     nodes: Mapping[str, Mapping[str, Any]],
     pods: Mapping[str, Mapping[str, Any]],
     node_names: Sequence[str],
+    storage: Storage | None = None,
 ) -> Callable[[str], np.ndarray | None]:
-    """Per pod key, the nodes (in ledger row order) whose labels, taints and cordon let its new
-    copy on (`schedulable_on`), worked out once per distinct set of the pod's node rules."""
+    """Per pod key, the nodes (in ledger row order) whose labels, taints, cordon and (with
+    `storage`) volumes let its new copy on (`schedulable_on`), worked out once per distinct set
+    of the pod's node rules and claims."""
     cache: dict[bytes, np.ndarray] = {}
 
     def mask(key: str) -> np.ndarray | None:
@@ -231,12 +242,13 @@ def node_masks(
             "nodeSelector": field(pod, "spec", "nodeSelector"),
             "nodeAffinity": field(pod, "spec", "affinity", "nodeAffinity"),
             "tolerations": field(pod, "spec", "tolerations"),
+            "claims": claim_keys(pod) if storage is not None else None,
         }
         # schedulable_on reads no other field of the pod
         sig = orjson.dumps(rules, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
         if sig not in cache:
             cache[sig] = np.fromiter(
-                (n in nodes and schedulable_on(pod, nodes[n]) is None for n in node_names),
+                (n in nodes and schedulable_on(pod, nodes[n], storage) is None for n in node_names),
                 bool,
                 len(node_names),
             )

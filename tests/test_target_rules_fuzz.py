@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from extender.pod_affinity import affinity_problem
 from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import spread_problem
+from extender.volume_rules import BIND_COMPLETED, Storage, volume_refusal
 
 HOST = "kubernetes.io/hostname"
 SELECTOR = {
@@ -145,3 +146,47 @@ def test_malformed_objects_are_judged_never_crash(pod: Any, a: Any, b: Any, node
         nodes, {"d/a": a, "d/b": b}, [(None, pod, "a"), ("d/b", b, "a")], {"d/b"}
     )
     assert found is None or (isinstance(found[0], str) and found[1] in (None, "d/b"))
+
+
+CLAIMED = {
+    "metadata": {"name": "v", "namespace": "default"},
+    "spec": {
+        "volumes": [
+            {"name": "d", "persistentVolumeClaim": {"claimName": "data"}},
+            {"name": "e", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+        ]
+    },
+}
+CLAIM = {
+    "kind": "PersistentVolumeClaim",
+    "metadata": {"name": "data", "namespace": "default", "annotations": {BIND_COMPLETED: "yes"}},
+    "spec": {"volumeName": "pv"},
+}
+VOLUME = {
+    "kind": "PersistentVolume",
+    "metadata": {"name": "pv", "labels": {"topology.kubernetes.io/zone": "z1__z2"}},
+    "spec": {
+        "nodeAffinity": {
+            "required": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}],
+                        "matchFields": [
+                            {"key": "metadata.name", "operator": "In", "values": ["b"]}
+                        ],
+                    }
+                ]
+            }
+        }
+    },
+}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(pod=_mutated(CLAIMED), claim=_mutated(CLAIM), volume=_mutated(VOLUME), node=_mutated(NODE))
+def test_malformed_claims_and_volumes_are_judged_never_crash(
+    pod: Any, claim: Any, volume: Any, node: Any
+) -> None:
+    storage = Storage.from_objects([claim, volume])
+    for answer in (volume_refusal(pod, node, storage), schedulable_on(pod, node, storage)):
+        assert answer is None or isinstance(answer, str)

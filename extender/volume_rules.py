@@ -1,0 +1,144 @@
+"""Where a pod's PersistentVolumeClaims let it run, read as kube-scheduler's VolumeBinding and
+VolumeZone filters read a claim that is already bound. Pure (no I/O).
+
+A moved pod's new copy mounts the same claims, so it may only go where their volumes reach: a
+local volume's node, a zonal disk's zone. Live repacking reads the claims and volumes of the pods
+it may move (`Storage`) and keeps each to the nodes `volume_refusal` passes.
+
+What is checked, for every `persistentVolumeClaim` volume of the pod:
+- the claim exists, is not being deleted and is bound (`spec.volumeName` and the PV controller's
+  `pv.kubernetes.io/bind-completed` annotation, as VolumeBinding asks), and its volume exists;
+- the volume's required node affinity matches the node's labels (VolumeBinding; matched on labels
+  only, as `CheckNodeAffinity` does, so a `matchFields` requirement is not applied);
+- the volume's zone and region labels (`topology.kubernetes.io/zone`, its beta name, and the
+  region pair; a value may list zones joined by `__`) hold a value the node has, on a node that
+  has any of those labels (VolumeZone; a beta label on the volume matches the node's GA label,
+  as kube-scheduler does since 1.21).
+
+A claim that is not bound is refused, though kube-scheduler would bind one whose StorageClass
+waits for the first consumer: vramsched does not read StorageClasses, and a running pod's claims
+are bound. Not checked: generic ephemeral volumes (the new copy gets a claim of its own), CSI
+attach limits, and the topology an in-tree volume gains when it is migrated to CSI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from extender.node_rules import node_labels, node_name, selector_terms_hold
+from extender.object_fields import items, labels, mapping, meta, spec
+
+__all__ = ["BIND_COMPLETED", "Storage", "claim_keys", "volume_refusal"]
+
+#: set by the PV controller once a claim's binding is complete
+BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
+
+_BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
+_BETA_REGION = "failure-domain.beta.kubernetes.io/region"
+_ZONE = "topology.kubernetes.io/zone"
+_REGION = "topology.kubernetes.io/region"
+#: VolumeZone's labels, in its order, and the GA name a beta one is also matched under
+_TOPOLOGY = (_BETA_ZONE, _BETA_REGION, _ZONE, _REGION)
+_GA = {_BETA_ZONE: _ZONE, _BETA_REGION: _REGION}
+
+
+def _namespace(pod: Mapping[str, Any]) -> str:
+    return str(meta(pod).get("namespace") or "default")
+
+
+def claim_keys(pod: Mapping[str, Any]) -> list[str]:
+    """`namespace/name` of every claim the pod mounts (its `persistentVolumeClaim` volumes), in
+    order; a volume naming no claim gives `namespace/`."""
+    ns = _namespace(pod)
+    keys = []
+    for volume in items(spec(pod).get("volumes")):
+        claim = mapping(volume).get("persistentVolumeClaim")
+        if isinstance(claim, Mapping):
+            keys.append(f"{ns}/{claim.get('claimName') or ''}")
+    return keys
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The claims and volumes read for a set of pods, by `namespace/name` and by name. A key
+    mapped to None was read and does not exist; a key absent was not read (the check refuses: it
+    cannot tell), unless `complete` says the maps hold every claim and volume there is."""
+
+    claims: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    volumes: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    complete: bool = False
+
+    @classmethod
+    def from_objects(cls, objects: Iterable[Mapping[str, Any]]) -> Storage:
+        """From full lists of PersistentVolumeClaims and PersistentVolumes (other kinds are
+        skipped): a claim or volume not among them does not exist."""
+        claims: dict[str, Mapping[str, Any] | None] = {}
+        volumes: dict[str, Mapping[str, Any] | None] = {}
+        for obj in objects:
+            kind, m = obj.get("kind"), meta(obj)
+            if kind == "PersistentVolumeClaim":
+                claims[f"{m.get('namespace') or 'default'}/{m.get('name') or ''}"] = obj
+            elif kind == "PersistentVolume":
+                volumes[str(m.get("name") or "")] = obj
+        return cls(claims, volumes, complete=True)
+
+    def claim(self, key: str) -> tuple[bool, Mapping[str, Any] | None]:
+        """(whether it was read, the claim or None)."""
+        return (self.complete or key in self.claims, self.claims.get(key))
+
+    def volume(self, name: str) -> tuple[bool, Mapping[str, Any] | None]:
+        return (self.complete or name in self.volumes, self.volumes.get(name))
+
+
+def _zones(value: str) -> set[str] | None:
+    """A topology label's value as VolumeZone reads it: zones joined by `__`, each trimmed; None
+    (the label is ignored) where one is empty."""
+    zones = [z.strip() for z in value.split("__")]
+    return None if any(not z for z in zones) else set(zones)
+
+
+def _zone_refusal(volume: Mapping[str, Any], on: Mapping[str, str]) -> str | None:
+    if not any(k in on for k in _TOPOLOGY):
+        return None  # a node without zone labels takes any volume (a one-zone cluster)
+    pv_labels = labels(volume)
+    for key in _TOPOLOGY:
+        if key not in pv_labels:
+            continue
+        zones = _zones(pv_labels[key])
+        if zones is None:
+            continue
+        value = on.get(key, on.get(_GA.get(key, key)))
+        if value is None or value not in zones:
+            return f"{key} {pv_labels[key]}"
+    return None
+
+
+def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Storage) -> str | None:
+    """Why the pod's claims keep it off `node`, or None (see the module docstring)."""
+    on, called = node_labels(node), node_name(node)
+    for key in claim_keys(pod):
+        read, claim = storage.claim(key)
+        if not read:
+            return f"its claim {key} could not be read"
+        if claim is None:
+            return f"its claim {key} does not exist"
+        claim_meta = meta(claim)
+        if claim_meta.get("deletionTimestamp"):
+            return f"its claim {key} is being deleted"
+        pv = str(spec(claim).get("volumeName") or "")
+        if not pv or BIND_COMPLETED not in mapping(claim_meta.get("annotations")):
+            return f"its claim {key} is not bound"
+        read, volume = storage.volume(pv)
+        if not read:
+            return f"volume {pv} of its claim {key} could not be read"
+        if volume is None:
+            return f"volume {pv} of its claim {key} does not exist"
+        required = mapping(mapping(spec(volume).get("nodeAffinity")).get("required"))
+        if required and not selector_terms_hold(items(required.get("nodeSelectorTerms")), on, ""):
+            return f"node {called} is outside the node affinity of volume {pv}"
+        zone = _zone_refusal(volume, on)
+        if zone is not None:
+            return f"node {called} is outside volume {pv}'s {zone}"
+    return None

@@ -1,0 +1,170 @@
+"""volume_rules: where a pod's bound claims let it run (the e2e test puts each case beside a real
+kube-scheduler; these pin the reading down without one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extender.target_rules import node_masks, schedulable_on
+from extender.volume_rules import BIND_COMPLETED, Storage, claim_keys, volume_refusal
+
+ZONE = "topology.kubernetes.io/zone"
+BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
+
+
+def node(name: str, **labels: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}}}
+
+
+def pod(*claims: str, namespace: str = "ml") -> dict[str, Any]:
+    volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {}}]
+    volumes += [{"name": c, "persistentVolumeClaim": {"claimName": c}} for c in claims]
+    return {"metadata": {"name": "p", "namespace": namespace}, "spec": {"volumes": volumes}}
+
+
+def claim(name: str, volume: str | None, *, bound: bool = True, **meta: Any) -> dict[str, Any]:
+    annotations = {BIND_COMPLETED: "yes"} if bound else {}
+    return {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": "ml", "annotations": annotations, **meta},
+        "spec": {"volumeName": volume} if volume else {},
+    }
+
+
+def volume(name: str, labels: dict[str, str] | None = None, **terms: list[Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if terms:
+        spec["nodeAffinity"] = {"required": {"nodeSelectorTerms": terms["terms"]}}
+    return {
+        "kind": "PersistentVolume",
+        "metadata": {"name": name, "labels": labels or {}},
+        "spec": spec,
+    }
+
+
+def expr(key: str, *values: str) -> dict[str, Any]:
+    return {"key": key, "operator": "In", "values": list(values)}
+
+
+def test_claim_keys_are_the_pods_claims_in_its_namespace() -> None:
+    p = pod("a", "b")
+    p["spec"]["volumes"].append({"name": "e", "ephemeral": {"volumeClaimTemplate": {}}})
+    p["spec"]["volumes"].append({"name": "n", "persistentVolumeClaim": {}})
+    assert claim_keys(p) == ["ml/a", "ml/b", "ml/"]
+    assert claim_keys({"metadata": {"name": "q"}, "spec": {}}) == []
+
+
+def test_a_local_volume_keeps_the_pod_on_its_node() -> None:
+    storage = Storage.from_objects(
+        [
+            claim("data", "pv"),
+            volume("pv", terms=[{"matchExpressions": [expr("kubernetes.io/hostname", "a")]}]),
+        ]
+    )
+    assert volume_refusal(pod("data"), node("a"), storage) is None
+    assert volume_refusal(pod("data"), node("b"), storage) == (
+        "node b is outside the node affinity of volume pv"
+    )
+
+
+def test_any_term_of_the_volumes_affinity_will_do_and_its_fields_do_not_count() -> None:
+    terms = [
+        {"matchExpressions": [expr(ZONE, "z2")], "matchFields": [expr("metadata.name", "a")]},
+        {"matchFields": [expr("metadata.name", "nowhere")]},
+    ]
+    storage = Storage.from_objects([claim("data", "pv"), volume("pv", terms=terms)])
+    # the second term is fields alone: matched on labels only, it holds everywhere
+    assert volume_refusal(pod("data"), node("c"), storage) is None
+    only_first = Storage.from_objects([claim("data", "pv"), volume("pv", terms=terms[:1])])
+    assert volume_refusal(pod("data"), node("a", **{ZONE: "z1"}), only_first) is not None
+    assert volume_refusal(pod("data"), node("b", **{ZONE: "z2"}), only_first) is None
+
+
+@pytest.mark.parametrize(
+    ("pv_labels", "node_labels", "fits"),
+    [
+        ({ZONE: "z1"}, {ZONE: "z1"}, True),
+        ({ZONE: "z1"}, {ZONE: "z2"}, False),
+        ({ZONE: "z1__z2"}, {ZONE: "z2"}, True),
+        ({ZONE: " z1 __z3"}, {ZONE: "z1"}, True),
+        ({ZONE: "z1____z2"}, {ZONE: "z3"}, True),  # an empty zone: the label is ignored
+        ({ZONE: "z1"}, {}, True),  # a node without zone labels takes any volume
+        ({ZONE: "z1"}, {"topology.kubernetes.io/region": "r1"}, False),
+        ({BETA_ZONE: "z1"}, {ZONE: "z1"}, True),  # beta on the volume, GA on the node
+        ({ZONE: "z1"}, {BETA_ZONE: "z1"}, False),  # not the other way round
+        ({"other": "x"}, {ZONE: "z1"}, True),
+    ],
+)
+def test_zone_labels_are_read_as_volumezone_reads_them(
+    pv_labels: dict[str, str], node_labels: dict[str, str], fits: bool
+) -> None:
+    storage = Storage.from_objects([claim("data", "pv"), volume("pv", pv_labels)])
+    refusal = volume_refusal(pod("data"), node("n", **node_labels), storage)
+    assert (refusal is None) == fits, refusal
+
+
+@pytest.mark.parametrize(
+    ("objects", "why"),
+    [
+        ([], "its claim ml/data does not exist"),
+        (
+            [claim("data", "pv", deletionTimestamp="2026-01-01T00:00:00Z"), volume("pv")],
+            "is being deleted",
+        ),
+        ([claim("data", None), volume("pv")], "its claim ml/data is not bound"),
+        ([claim("data", "pv", bound=False), volume("pv")], "its claim ml/data is not bound"),
+        ([claim("data", "pv")], "volume pv of its claim ml/data does not exist"),
+    ],
+)
+def test_a_claim_that_is_not_bound_and_whole_keeps_the_pod_put(
+    objects: list[dict[str, Any]], why: str
+) -> None:
+    refusal = volume_refusal(pod("data"), node("a"), Storage.from_objects(objects))
+    assert refusal is not None and why in refusal
+
+
+def test_what_was_not_read_refuses_and_what_was_read_as_absent_does_not_exist() -> None:
+    p = pod("data")
+    assert volume_refusal(p, node("a"), Storage()) == "its claim ml/data could not be read"
+    assert volume_refusal(p, node("a"), Storage({"ml/data": None})) == (
+        "its claim ml/data does not exist"
+    )
+    read = Storage({"ml/data": claim("data", "pv")})
+    assert volume_refusal(p, node("a"), read) == "volume pv of its claim ml/data could not be read"
+    assert (
+        volume_refusal(
+            p, node("a"), Storage({"ml/data": claim("data", "pv")}, {"pv": volume("pv")})
+        )
+        is None
+    )
+    # a pod without claims needs nothing read
+    assert volume_refusal(pod(), node("a"), Storage()) is None
+
+
+def test_every_claim_must_reach_the_node() -> None:
+    storage = Storage.from_objects(
+        [
+            claim("a", "pv-a"),
+            claim("b", "pv-b"),
+            volume("pv-a", {ZONE: "z1"}),
+            volume("pv-b", terms=[{"matchExpressions": [expr("kubernetes.io/hostname", "n2")]}]),
+        ]
+    )
+    assert volume_refusal(pod("a"), node("n1", **{ZONE: "z1"}), storage) is None
+    refusal = volume_refusal(pod("a", "b"), node("n1", **{ZONE: "z1"}), storage)
+    assert refusal == "node n1 is outside the node affinity of volume pv-b"
+
+
+def test_schedulable_on_and_the_masks_check_volumes_only_when_given_storage() -> None:
+    storage = Storage.from_objects([claim("data", "pv"), volume("pv", {ZONE: "z1"})])
+    nodes = {"a": node("a", **{ZONE: "z1"}), "b": node("b", **{ZONE: "z2"})}
+    p = pod("data")
+    assert schedulable_on(p, nodes["b"]) is None  # the simulator's call: no volumes known
+    assert schedulable_on(p, nodes["b"], storage) == (f"node b is outside volume pv's {ZONE} z1")
+    other = pod("data", namespace="elsewhere")  # the same claim name in another namespace
+    masks = node_masks(nodes, {"ml/p": p, "elsewhere/p": other}, ["a", "b"], storage)
+    assert masks("ml/p").tolist() == [True, False]
+    assert masks("elsewhere/p").tolist() == [False, False]  # its claim does not exist
+    assert node_masks(nodes, {"ml/p": p}, ["a", "b"])("ml/p").tolist() == [True, True]
