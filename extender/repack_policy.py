@@ -10,8 +10,8 @@ plain objects.
 A pod is *movable* only when its owner asked for it and something will bring it back: the
 annotation `vramsched.io/movable: "true"` and a controller that re-creates an evicted pod from
 the same template. A ReplicaSet (a Deployment's too) does, under a new name; a StatefulSet does
-under the same name, once the old pod is gone, and only a pod without PersistentVolumeClaims
-is moved (its volume may be tied to its node or zone, which no plan here knows about). Bare pods,
+under the same name, once the old pod is gone, with the same PersistentVolumeClaims (a pod with
+claims moves only where their volumes reach: `volume_rules`, checked with the targets). Bare pods,
 Jobs (an evicted pod counts as a failure against `backoffLimit`), DaemonSets (one pod per node,
 nowhere else to go) and anything else are never moved.
 """
@@ -121,10 +121,6 @@ def movable(pod: Mapping[str, Any]) -> Controller | str:
     kind = str(ref.get("kind") or "")
     if kind not in _RECREATING or not str(ref.get("apiVersion") or "").startswith("apps/"):
         return f"its controller ({kind or '?'}) does not re-create it elsewhere"
-    if kind == "StatefulSet" and any(
-        isinstance(v, Mapping) and v.get("persistentVolumeClaim") for v in spec.get("volumes") or ()
-    ):
-        return "StatefulSet pod with a PersistentVolumeClaim (its volume may be tied to its node)"
     labels = pod_meta.get("labels") or {}
     return Controller(
         kind,

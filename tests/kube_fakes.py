@@ -24,6 +24,9 @@ class FakeApi:
         self.calls: list[tuple[Any, ...]] = []
         self.pods: dict[str, dict[str, Any]] = {}
         self.configmaps: dict[str, dict[str, Any]] = {}
+        #: PersistentVolumeClaims by namespace/name, PersistentVolumes by name
+        self.claims: dict[str, dict[str, Any]] = {}
+        self.volumes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.on_exhausted: Callable[[str], None] | None = None
         #: per write call: an ApiError to raise (once), or a callable run before answering
@@ -104,6 +107,21 @@ class FakeApi:
         if pod is None:
             raise ApiError(404, "NotFound", "")
         return copy.deepcopy(pod)
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        self.calls.append(("read_claim", namespace, name))
+        self._maybe_fail("read_claim")
+        claim = self.claims.get(f"{namespace}/{name}")
+        if claim is None:
+            raise ApiError(404, "NotFound", "")
+        return copy.deepcopy(claim)
+
+    def read_volume(self, name: str) -> dict[str, Any]:
+        self.calls.append(("read_volume", name))
+        volume = self.volumes.get(name)
+        if volume is None:
+            raise ApiError(404, "NotFound", "")
+        return copy.deepcopy(volume)
 
     def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None:
         self.calls.append(("create_binding", namespace, name, copy.deepcopy(dict(body))))

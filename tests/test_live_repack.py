@@ -49,6 +49,7 @@ from extender.repack_policy import (
     replaces,
 )
 from extender.target_rules import room_problem, schedulable_on
+from extender.volume_rules import BIND_COMPLETED
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
 GIB = 1 << 30
@@ -283,9 +284,10 @@ def test_only_consenting_pods_whose_controller_recreates_them_are_movable() -> N
     terminating = web("m", 4, "a")
     terminating["metadata"]["deletionTimestamp"] = "now"
     refused["terminating"] = terminating
+    # a claim does not stop a move: where its volume reaches is checked for the target
     with_claim = copy.deepcopy(sts)
     with_claim["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "d"}}]
-    refused["statefulset with a claim"] = with_claim
+    assert movable(with_claim) == Controller("StatefulSet", "db", "sts-db")
     for what, p in refused.items():
         assert isinstance(movable(p), str), what
 
@@ -788,6 +790,87 @@ async def test_moved_pods_are_planned_only_onto_the_nodes_they_may_use(
     w.filter("default/p")
     await w.step(advance=1.5)
     assert w.evictions.real() == [moved] and w.planned == 1
+
+
+def with_claim(w: World, p: dict[str, Any], pool: str) -> None:
+    """Mount a claim on `p`, bound to a volume that only nodes labelled `pool=<pool>` reach."""
+    claim = f"data-{p['metadata']['name']}"
+    p["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]
+    w.api.claims[f"default/{claim}"] = {
+        "metadata": {"name": claim, "namespace": "default", "annotations": {BIND_COMPLETED: "yes"}},
+        "spec": {"volumeName": f"pv-{claim}"},
+    }
+    term = {"matchExpressions": [{"key": "pool", "operator": "In", "values": [pool]}]}
+    w.api.volumes[f"pv-{claim}"] = {
+        "metadata": {"name": f"pv-{claim}"},
+        "spec": {"nodeAffinity": {"required": {"nodeSelectorTerms": [term]}}},
+    }
+
+
+@pytest.mark.parametrize(("kept", "moved"), [("m2", "m3"), ("m3", "m2")])
+async def test_moved_pods_are_planned_only_where_their_volumes_reach(
+    world: Any, kept: str, moved: str
+) -> None:
+    """As above, with the pod kept to b by its claim's volume (a local volume on b) instead of
+    a nodeSelector: the claim and volume are read, and the one plan moves the other pod."""
+    pods = [bound("f1", 12, "a"), bound("f2", 6, "b"), web("m2", 4, "b"), web("m3", 2, "b")]
+    pods.append(pod("p", "14Gi", uid="p"))
+    w = world(pods)
+    label_pools(w)
+    for p in pods:
+        if p["metadata"]["name"] == kept:
+            with_claim(w, p, "b")
+            w.api.add_pod(p)
+            p["metadata"]["resourceVersion"] = "2"
+            w.source.apply("pods", "MODIFIED", copy.deepcopy(p))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == [moved] and w.planned == 1
+    reads = [c for c in w.api.calls if c[0] in ("read_claim", "read_volume")]
+    assert reads == [("read_claim", "default", f"data-{kept}"), ("read_volume", f"pv-data-{kept}")]
+
+
+async def test_a_pod_whose_claim_cannot_be_read_is_not_moved(world: Any) -> None:
+    """The only move takes m2 off b. Its claim's read is refused (no RBAC for it, say):
+    vramsched cannot tell where the volume reaches, so nothing is evicted and the pod is told."""
+    pods = fragmented()
+    w = world(pods)
+    m2 = next(p for p in pods if p["metadata"]["name"] == "m2")
+    with_claim(w, m2, "a")  # a reaches it, but the read fails
+    w.api.add_pod(m2)
+    m2["metadata"]["resourceVersion"] = "2"
+    w.source.apply("pods", "MODIFIED", copy.deepcopy(m2))
+    w.api.fail["read_claim"] = [ApiError(403, "Forbidden", "cannot get persistentvolumeclaims")]
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.repacker.stats.refused == 1
+    (told,) = [e["message"] for e in await w.events()]
+    assert told == (
+        "no repack now: no plan within 3 move(s) of movable pods (left out: default/m2: "
+        "its claim default/data-m2 could not be read (403 Forbidden))"
+    )
+
+
+async def test_the_blocked_pod_is_planned_only_where_its_volume_reaches(world: Any) -> None:
+    """As the nodeSelector test above, with the blocked pod kept to b by its claim's volume."""
+    p = pod("p", "14Gi", uid="p")
+    w = world(
+        [
+            bound("f1", 4, "a"),
+            web("m1", 6, "a"),
+            web("ma", 6, "a"),
+            bound("f2", 10, "b"),
+            web("m2", 4, "b"),
+        ]
+    )
+    label_pools(w)
+    with_claim(w, p, "b")
+    w.api.add_pod(p)
+    w.source.apply("pods", "ADDED", copy.deepcopy(p))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["m2"]
+    assert w.plan_kw[-1]["pod_nodes"].tolist() == [n == "b" for n in NODES]
 
 
 async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:

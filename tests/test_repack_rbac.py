@@ -1,5 +1,6 @@
-"""deploy/repack grants live repacking exactly the one right it adds (create Evictions) to the
-pods' ServiceAccount, the base role does not, and its Deployment patch only adds `--repack`."""
+"""deploy/repack grants live repacking exactly the rights it adds (create Evictions, read claims
+and volumes) to the pods' ServiceAccount, the base role does not, and its Deployment patch only
+adds `--repack`."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from test_deploy_rbac import rules_of
 REPACK = DEPLOY / "repack"
 
 
-def test_repack_role_only_creates_evictions() -> None:
+def test_repack_role_only_creates_evictions_and_reads_claims_and_volumes() -> None:
     objs = load(REPACK / "rbac.yaml")
     assert rules_of(objs, "ClusterRole", "vramsched-extender-repack") == {
         ("", "pods/eviction", "create", None),
+        ("", "persistentvolumeclaims", "get", None),
+        ("", "persistentvolumes", "get", None),
     }
     binding = one(objs, "ClusterRoleBinding", "vramsched-extender-repack")
     assert binding["roleRef"] == {

@@ -75,6 +75,10 @@ class KubeApi(Protocol):
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any]: ...
 
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    def read_volume(self, name: str) -> dict[str, Any]: ...
+
     def create_binding(self, namespace: str, name: str, body: Mapping[str, Any]) -> None: ...
 
     def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -86,7 +90,12 @@ class KubeApi(Protocol):
     def server_version(self) -> dict[str, Any]: ...
 
 
-_PATHS = {"nodes": "/api/v1/nodes", "pods": "/api/v1/pods"}
+_PATHS = {
+    "nodes": "/api/v1/nodes",
+    "pods": "/api/v1/pods",
+    "persistentvolumeclaims": "/api/v1/persistentvolumeclaims",
+    "persistentvolumes": "/api/v1/persistentvolumes",
+}
 
 
 class ClientApi:
@@ -274,6 +283,17 @@ class ClientApi:
         return self._json(
             "GET", f"/api/v1/namespaces/{namespace}/pods/{name}", timeout=self.write_timeout
         )
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """A PersistentVolumeClaim (live repacking: where a movable pod's volumes reach)."""
+        return self._json(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}",
+            timeout=self.write_timeout,
+        )
+
+    def read_volume(self, name: str) -> dict[str, Any]:
+        return self._json("GET", f"/api/v1/persistentvolumes/{name}", timeout=self.write_timeout)
 
     def server_version(self) -> dict[str, Any]:
         """GET /version (readable by anyone: the system:public-info-viewer role)."""

@@ -15,7 +15,8 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    kube-scheduler's own rules for every target (`schedulable_on`, and `plan_target_problem`: the
    pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
    spread). The plan itself keeps the blocked pod and the moved pods to the nodes
-   `schedulable_on` allows them.
+   `schedulable_on` allows them, volumes included: the claims of the blocked pod and of every
+   pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put).
 3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
    changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
    pod, up to `attempts` plans; nothing has been evicted yet.
@@ -58,12 +59,14 @@ from extender.ledger import Reservation
 from extender.live.api_client import ApiError, KubeApi
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
+from extender.object_fields import meta, spec
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
 from extender.repack_holds import RepackRun, TargetState
 from extender.repack_policy import (
     ABANDONED_REASON,
+    MOVABLE,
     NOMINATED,
     Controller,
     MoveBudget,
@@ -78,6 +81,7 @@ from extender.repack_policy import (
     repack_event,
 )
 from extender.target_rules import node_masks, schedulable_on
+from extender.volume_rules import Storage, claim_keys
 
 __all__ = ["Repacker", "RepackCollector"]
 
@@ -278,9 +282,9 @@ class Repacker:
             demand = pod_demand(pod or {}, headroom=self.cluster.headroom)
         except DemandError:
             return
-        if not demand.wants_gpu:
+        if not demand.wants_gpu or self.budget.allowance(demand.gpu_count) <= 0:
             return
-        excluded: dict[str, str] = {}
+        storage, excluded = await self._storage(dict(self.cluster.pods), key)
         for _ in range(self.attempts):
             allowance = self.budget.allowance(demand.gpu_count)
             if allowance <= 0:
@@ -292,7 +296,7 @@ class Repacker:
             mix = Counter(self.cluster.demand_mix)
             # per pod, the nodes kube-scheduler's labels, taints and cordon let it onto: the
             # blocked pod's worked out here, the moved pods' in the worker, on copies
-            masks = node_masks(dict(self.cluster.nodes), pods, cap.arrays.node_names)
+            masks = node_masks(dict(self.cluster.nodes), pods, cap.arrays.node_names, storage)
             pod_nodes = masks(key)
             loop = asyncio.get_running_loop()
             found, controllers = await loop.run_in_executor(
@@ -321,7 +325,7 @@ class Repacker:
                 PlannedMove(m.pod, m.demand, m.source, m.target, controllers[m.pod.key])
                 for m in found.moves
             ]
-            problem = self._check(demand, found, moves)
+            problem = self._check(demand, found, moves, storage)
             if problem is not None:
                 kind, what, who = problem
                 if kind == "stale":
@@ -396,7 +400,7 @@ class Repacker:
         return found, controllers
 
     def _check(
-        self, blocked: Demand, found: Any, moves: Sequence[PlannedMove]
+        self, blocked: Demand, found: Any, moves: Sequence[PlannedMove], storage: Storage
     ) -> tuple[str, str, str | None] | None:
         """Whether the plan still holds now and kube-scheduler would let every pod where it goes:
         None, or (kind, why, the moved pod to leave out next time or None)."""
@@ -411,14 +415,14 @@ class Repacker:
         node = c.nodes.get(found.placement.node)
         if pod is None or node is None:
             return "stale", "the pod or its node is gone", None
-        refusal = schedulable_on(pod, node)
+        refusal = schedulable_on(pod, node, storage)
         if refusal is not None:
             return "refused", f"the plan puts it where it may not run ({refusal})", None
         for m in moves:
             moved, target = c.pod(m.pod.key), c.nodes.get(m.target.node)
             if moved is None or target is None:
                 return "stale", f"pod {m.pod.key} or node {m.target.node} is gone", None
-            refusal = schedulable_on(moved, target)
+            refusal = schedulable_on(moved, target, storage)
             if refusal is not None:
                 return "refused", f"pod {m.pod.key} may not move there: {refusal}", m.pod.key
         problem = plan_target_problem(c.nodes, c.pods, pod, found.placement, moves)
@@ -429,6 +433,70 @@ class Repacker:
             )
             return "refused", f"{what}: {why}", who
         return None
+
+    async def _storage(
+        self, pods: Mapping[str, Mapping[str, Any]], blocked: str
+    ) -> tuple[Storage, dict[str, str]]:
+        """The claims and volumes of the blocked pod and of every pod marked movable that holds
+        GPUs, read now (a GET each; most pods have none), and the movable pods whose claims or
+        volumes the API did not answer for (no RBAC, a timeout) with why: those stay where they
+        are, since vramsched cannot tell where their volumes reach."""
+        claims: dict[str, Mapping[str, Any] | None] = {}
+        volumes: dict[str, Mapping[str, Any] | None] = {}
+        #: claim key -> why it could not be read, or its volume
+        unread: dict[str, str] = {}
+        kept: dict[str, str] = {}
+        holding = {r.key for r in self.cluster.ledger.reservations()}
+        for key, pod in pods.items():
+            annotations = meta(pod).get("annotations")
+            marked = isinstance(annotations, Mapping) and annotations.get(MOVABLE) == "true"
+            if key != blocked and not (marked and key in holding):
+                continue
+            for claim_key in claim_keys(pod):
+                if (
+                    claim_key.partition("/")[2]
+                    and claim_key not in claims
+                    and claim_key not in unread
+                ):
+                    why = await self._read_claim(claim_key, claims, volumes)
+                    if why is not None:
+                        unread[claim_key] = why
+                if claim_key in unread and key != blocked:
+                    kept.setdefault(key, unread[claim_key])
+        return Storage(claims, volumes), kept
+
+    async def _read_claim(
+        self,
+        claim_key: str,
+        claims: dict[str, Mapping[str, Any] | None],
+        volumes: dict[str, Mapping[str, Any] | None],
+    ) -> str | None:
+        """Read a claim into `claims` and its volume into `volumes`; why one could not be."""
+        namespace, _, name = claim_key.partition("/")
+        why, claim = await self._read(self.api.read_claim, namespace, name)
+        if why is not None:
+            return f"its claim {claim_key} could not be read ({why})"
+        claims[claim_key] = claim
+        volume = str(spec(claim).get("volumeName") or "") if claim else ""
+        if volume and volume not in volumes:
+            why, found = await self._read(self.api.read_volume, volume)
+            if why is not None:
+                return f"volume {volume} of its claim {claim_key} could not be read ({why})"
+            volumes[volume] = found
+        return None
+
+    async def _read(
+        self, fn: Callable[..., Any], *args: Any
+    ) -> tuple[str | None, Mapping[str, Any] | None]:
+        """(None, the object or None if it does not exist), or (why it could not be read, None)."""
+        try:
+            got = await self._call(fn, *args)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None, None
+            log.info("repack could not read", extra={"fields": {"what": args, "why": str(exc)}})
+            return f"{exc.status} {exc.reason}".strip(), None
+        return (None, got) if isinstance(got, Mapping) else ("not an object", None)
 
     async def _dry_run(self, moves: Sequence[PlannedMove]) -> dict[str, str]:
         """Ask the API server whether each eviction would be accepted now; nothing changes."""

@@ -84,10 +84,17 @@ def _revoke(cp: ControlPlane, objects: list[tuple[str, str]]) -> None:
                     raise
 
 
-def web_deployment(replicas: int, *, one_per_node: bool = False) -> dict[str, Any]:
+def web_deployment(
+    replicas: int, *, one_per_node: bool = False, claim: str | None = None
+) -> dict[str, Any]:
     """4Gi per pod, movable: vramsched may evict them, their ReplicaSet re-creates them.
-    `one_per_node`: the replicas keep apart by required pod anti-affinity on the hostname."""
+    `one_per_node`: the replicas keep apart by required pod anti-affinity on the hostname.
+    `claim`: they mount that PersistentVolumeClaim."""
     template = gpu_pod("unused", "4Gi")
+    if claim is not None:
+        template["spec"]["volumes"] = [
+            {"name": "cache", "persistentVolumeClaim": {"claimName": claim}}
+        ]
     template["metadata"] = {
         "labels": dict(APP),
         "annotations": {"vramsched.io/model-memory": "4Gi", "vramsched.io/movable": "true"},
@@ -352,3 +359,114 @@ def test_repack_moves_no_replica_beside_one_its_anti_affinity_keeps_away(
     assert api.read_namespaced_pod("p", NS).spec.node_name is None
     repack = ext.get("/state")["planner"]["repack"]
     assert repack["moves"] == 0 and repack["refused"] >= 1
+
+
+def bound_claim(api: kubernetes.client.CoreV1Api, name: str, nodes: list[str]) -> None:
+    """Claim `name` in NS, bound (as the PV controller binds) to a local volume on `nodes`."""
+    term = {
+        "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]
+    }
+    api.create_persistent_volume(
+        {
+            "metadata": {"name": f"pv-{name}"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "local",
+                "local": {"path": f"/mnt/{name}"},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [term]}},
+                "claimRef": {"namespace": NS, "name": name},
+            },
+        }
+    )
+    api.create_namespaced_persistent_volume_claim(
+        NS,
+        {
+            "metadata": {
+                "name": name,
+                "annotations": {"pv.kubernetes.io/bind-completed": "yes"},
+            },
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "local",
+                "resources": {"requests": {"storage": "1Gi"}},
+                "volumeName": f"pv-{name}",
+            },
+        },
+    )
+
+
+def drop_claim(api: kubernetes.client.CoreV1Api, name: str) -> None:
+    """Delete the claim and its volume (no controller here removes their protection)."""
+    for patch, delete, args in (
+        (
+            api.patch_namespaced_persistent_volume_claim,
+            api.delete_namespaced_persistent_volume_claim,
+            (name, NS),
+        ),
+        (api.patch_persistent_volume, api.delete_persistent_volume, (f"pv-{name}",)),
+    ):
+        patch(*args, {"metadata": {"finalizers": None}})
+        delete(*args)
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
+@pytest.mark.parametrize("reach", ["both nodes", "its node"])
+def test_repack_moves_a_pod_with_a_claim_only_where_its_volume_reaches(
+    repack_stack: tuple[ControlPlane, Extender, PodLifecycle], reach: str
+) -> None:
+    """The fragmented GPUs of the first test, with the web replica on gpu-b mounting a claim
+    bound to a local volume (gpu-a's second pod is a bare one). The only plan moves the replica
+    to gpu-a. With the volume on both nodes (read with the shipped role), it moves and its new
+    copy is bound on gpu-a; with the volume on gpu-b alone, nothing is evicted."""
+    cp, ext, lifecycle = repack_stack
+    api = core(cp)
+    bound_claim(api, "web-cache", list(NODES) if reach == "both nodes" else ["gpu-b"])
+    try:
+        with cp.api_client() as client:
+            apps = kubernetes.client.AppsV1Api(client)
+            # gpu-a: f1 12Gi + f3 4Gi (8 free); gpu-b: f2 6Gi + the web replica 4Gi (14 free)
+            cordon(api, "gpu-b", True)
+            api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
+            api.create_namespaced_pod(NS, gpu_pod("f3", "4Gi"))
+            assert set(wait_bound(cp, api, ["f1", "f3"]).values()) == {"gpu-a"}
+            cordon(api, "gpu-b", False)
+            cordon(api, "gpu-a", True)
+            api.create_namespaced_pod(NS, gpu_pod("f2", "6Gi"))
+            apps.create_namespaced_deployment(NS, web_deployment(1, claim="web-cache"))
+            assert wait_bound(cp, api, ["f2"])["f2"] == "gpu-b"
+            (before,) = cp.wait_for(
+                lambda: [p for p in web_pods(api) if p.spec.node_name == "gpu-b"],
+                timeout=60,
+                message="the web replica bound to gpu-b",
+            )
+            cordon(api, "gpu-a", False)
+        if reach == "its node":
+            _, refused = blocked_and_refused(cp, api, "that no plan is left")
+            assert "no plan within" in refused[0], refused
+            assert [p.metadata.uid for p in web_pods(api)] == [before.metadata.uid]
+            assert lifecycle.terminated == {}
+            assert api.read_namespaced_pod("p", NS).spec.node_name is None
+            repack = ext.get("/state")["planner"]["repack"]
+            assert repack["moves"] == 0 and repack["none"] >= 1
+            return
+        api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+        assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
+        (new,) = cp.wait_for(
+            lambda: [
+                p
+                for p in web_pods(api)
+                if p.metadata.name != before.metadata.name
+                and p.spec.node_name
+                and not p.metadata.deletion_timestamp
+            ],
+            timeout=60,
+            message="the re-created web pod bound",
+        )
+        assert new.spec.node_name == "gpu-a"
+        assert new.spec.volumes[0].persistent_volume_claim.claim_name == "web-cache"
+        assert set(lifecycle.terminated) == {before.metadata.name}
+        assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+    finally:
+        drop_claim(api, "web-cache")
