@@ -1,8 +1,9 @@
 """The embedded cluster: a Kubernetes `List` of Nodes and Pods read from a file.
 
 Accepts exactly what `kubectl get nodes,pods -A -o yaml` (or `-o json`) prints, or
-several YAML documents. JSON is parsed with orjson, so a generated 100,000-pod cluster
-loads in seconds; YAML uses the C loader when PyYAML has it.
+several YAML documents; `plan-defrag` also reads the PersistentVolumeClaims and
+PersistentVolumes of the same file (`kinds`). JSON is parsed with orjson, so a generated
+100,000-pod cluster loads in seconds; YAML uses the C loader when PyYAML has it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,18 @@ from typing import Any
 import orjson
 import yaml
 
-__all__ = ["ClusterFileError", "read_cluster_file", "iter_objects", "given_twice"]
+__all__ = [
+    "CLUSTER_KINDS",
+    "STORAGE_KINDS",
+    "ClusterFileError",
+    "read_cluster_file",
+    "iter_objects",
+    "given_twice",
+]
+
+#: what a cluster file is read for by default, and what plan-defrag also reads of it
+CLUSTER_KINDS = ("Node", "Pod")
+STORAGE_KINDS = ("PersistentVolumeClaim", "PersistentVolume")
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -24,13 +36,15 @@ class ClusterFileError(ValueError):
     path."""
 
 
-def iter_objects(doc: Any) -> Iterator[Mapping[str, Any]]:
-    """Objects of a document: a `List`/`NodeList`/`PodList`, a single object, or a list."""
+def iter_objects(doc: Any, kinds: Iterable[str] = CLUSTER_KINDS) -> Iterator[Mapping[str, Any]]:
+    """Objects of `kinds` in a document: a `List`/`NodeList`/`PodList`, a single object, or a
+    list."""
+    kinds = tuple(kinds)
     if doc is None:
         return
     if isinstance(doc, list):
         for item in doc:
-            yield from iter_objects(item)
+            yield from iter_objects(item, kinds)
         return
     if not isinstance(doc, Mapping):
         raise ClusterFileError(f"expected a Kubernetes object, got {type(doc).__name__}")
@@ -40,13 +54,15 @@ def iter_objects(doc: Any) -> Iterator[Mapping[str, Any]]:
         for item in doc.get("items") or []:
             if isinstance(item, Mapping) and item_kind and "kind" not in item:
                 item = {**item, "kind": item_kind}
-            yield from iter_objects(item)
+            yield from iter_objects(item, kinds)
         return
-    if kind in ("Node", "Pod"):
+    if kind in kinds:
         yield doc
 
 
-def read_cluster_file(path: str | Path) -> list[Mapping[str, Any]]:
+def read_cluster_file(
+    path: str | Path, kinds: Iterable[str] = CLUSTER_KINDS
+) -> list[Mapping[str, Any]]:
     data = Path(path).read_bytes()
     head = data.lstrip()[:1]
     try:
@@ -59,7 +75,7 @@ def read_cluster_file(path: str | Path) -> list[Mapping[str, Any]]:
     out: list[Mapping[str, Any]] = []
     try:
         for doc in docs:
-            out.extend(iter_objects(doc))
+            out.extend(iter_objects(doc, kinds))
     except ClusterFileError as exc:
         raise ClusterFileError(f"{path}: {exc}") from None
     if twice := given_twice(out):
@@ -68,17 +84,18 @@ def read_cluster_file(path: str | Path) -> list[Mapping[str, Any]]:
 
 
 def given_twice(objects: Iterable[Mapping[str, Any]]) -> str | None:
-    """The first Node (by name) or Pod (by namespace/name) that `objects` hold twice, or None.
-    The API server holds one object per name, and so does every reader of the file: the last
-    one would silently stand for both."""
+    """The first object (a Pod or a claim by namespace/name, else by name) that `objects` hold
+    twice, or None. The API server holds one object per name, and so does every reader of the
+    file: the last one would silently stand for both."""
     seen: set[tuple[str, str, str]] = set()
     for obj in objects:
         meta = obj.get("metadata")
         if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
             continue  # left out wherever objects are read
         kind, name = str(obj.get("kind")), meta["name"]
-        namespace = str(meta.get("namespace") or "default") if kind == "Pod" else ""
+        namespaced = kind in ("Pod", "PersistentVolumeClaim")
+        namespace = str(meta.get("namespace") or "default") if namespaced else ""
         if (kind, namespace, name) in seen:
-            return f"pod {namespace}/{name}" if kind == "Pod" else f"node {name}"
+            return f"{kind.lower()} {namespace}/{name}" if namespaced else f"{kind.lower()} {name}"
         seen.add((kind, namespace, name))
     return None

@@ -50,17 +50,33 @@ def cluster_objects() -> list[dict]:
 
 
 class StubApi(BaseHTTPRequestHandler):
-    """GET /api/v1/nodes and /api/v1/pods: the objects as one page of a List."""
+    """GET /api/v1/nodes, pods, persistentvolumeclaims and persistentvolumes: the objects as one
+    page of a List."""
 
     objects: list[dict] = []
+    #: answer 403 to the claims and volumes, as a role without them does
+    refuse_storage = False
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
-        kinds = {"/api/v1/nodes": "Node", "/api/v1/pods": "Pod"}
+        if self.refuse_storage and path.startswith("/api/v1/persistentvolume"):
+            self.send_error(403)
+            return
+        kinds = {
+            "/api/v1/nodes": "Node",
+            "/api/v1/pods": "Pod",
+            "/api/v1/persistentvolumeclaims": "PersistentVolumeClaim",
+            "/api/v1/persistentvolumes": "PersistentVolume",
+        }
         if path not in kinds:
             self.send_error(404)
             return
-        items = [o for o in self.objects if o["kind"] == kinds[path]]
+        # as the API lists them: the items name no kind
+        items = [
+            {k: v for k, v in o.items() if k != "kind"}
+            for o in self.objects
+            if o["kind"] == kinds[path]
+        ]
         body = json.dumps(
             {"kind": kinds[path] + "List", "metadata": {"resourceVersion": "7"}, "items": items}
         ).encode()
@@ -77,6 +93,7 @@ class StubApi(BaseHTTPRequestHandler):
 @pytest.fixture
 def api_server(tmp_path: Path):
     StubApi.objects = cluster_objects()
+    StubApi.refuse_storage = False
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubApi)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -154,6 +171,55 @@ def test_moves_go_only_where_kube_scheduler_lets_the_new_copy(tmp_path, capsys):
     tainted = plan(capsys, "--cluster", _write(tmp_path, objects))
     assert tainted["gpusFreed"] == 1 and len(tainted["moves"]) == 1
     assert tainted["moves"][0]["pod"] in ("default/a", "default/b")
+
+
+def with_volume(objects: list[dict], *pools: str) -> list[dict]:
+    """Pod a mounts claim data, bound to a volume that only nodes labelled pool=<one of pools>
+    reach (g0 is labelled pool=a, g1 pool=b)."""
+    objects[0]["metadata"]["labels"]["pool"] = "a"
+    objects[1]["metadata"]["labels"]["pool"] = "b"
+    objects[2]["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": "data"}}]
+    term = {"matchExpressions": [{"key": "pool", "operator": "In", "values": list(pools)}]}
+    return [
+        *objects,
+        {
+            "kind": "PersistentVolumeClaim",
+            "metadata": {
+                "name": "data",
+                "namespace": "default",
+                "annotations": {"pv.kubernetes.io/bind-completed": "yes"},
+            },
+            "spec": {"volumeName": "pv-data"},
+        },
+        {
+            "kind": "PersistentVolume",
+            "metadata": {"name": "pv-data"},
+            "spec": {"nodeAffinity": {"required": {"nodeSelectorTerms": [term]}}},
+        },
+    ]
+
+
+def test_a_pod_moves_only_where_its_volume_reaches(api_server, tmp_path, capsys):
+    """With a's volume reaching both nodes, a and b move to g1, as without volumes. With it
+    reaching only g0, no move takes a off g0, read from a file or from the API; with a file that
+    holds no claims, a never moves."""
+    free = plan(capsys, "--cluster", _write(tmp_path, with_volume(cluster_objects(), "a", "b")))
+    assert {m["pod"]: m["to_node"] for m in free["moves"]} == {"default/a": "g1", "default/b": "g1"}
+    kept_objects = with_volume(cluster_objects(), "a")
+    kept = plan(capsys, "--cluster", _write(tmp_path, kept_objects))
+    assert kept["gpusFreed"] >= 1
+    assert all(m["to_node"] == "g0" for m in kept["moves"] if m["pod"] == "default/a")
+    StubApi.objects = kept_objects
+    assert plan(capsys, "--kubeconfig", str(api_server)) == kept
+    no_claims = [o for o in kept_objects if o["kind"] in ("Node", "Pod")]
+    unread = plan(capsys, "--cluster", _write(tmp_path, no_claims))
+    assert "default/a" not in {m["pod"] for m in unread["moves"]}
+    StubApi.objects, StubApi.refuse_storage = with_volume(cluster_objects(), "a", "b"), True
+    assert main(["plan-defrag", "--kubeconfig", str(api_server), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "default/a" not in {m["pod"] for m in json.loads(out)["moves"]}
+    assert err.startswith("vramsched plan-defrag: cannot list claims and volumes from the API")
+    assert err.endswith("; pods with claims stay put\n") and err.count("\n") == 1
 
 
 def test_a_move_that_breaks_anti_affinity_is_left_out_and_said(tmp_path, capsys):

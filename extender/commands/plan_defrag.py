@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from extender.commands.argtypes import number, whole
-from extender.observe.sources import SourceError, add_source_args, load_cluster
+from extender.observe.sources import SourceError, add_source_args, load_cluster, load_storage
 from extender.text_table import print_table
 
 __all__ = ["register", "run"]
@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "or a cluster file (--cluster) and proposes the fewest moves of GPU-sharing pods that "
         "free the most whole GPUs. Every move's target has room before any other move, so they "
         "can be done one by one in any order, and kube-scheduler's own rules (node affinity, "
-        "taints, pod affinity, topology spread) let the pod's new copy there. Nothing is evicted.",
+        "taints, pod affinity, topology spread, where its volumes reach) let the pod's new copy "
+        "there. A pod with PersistentVolumeClaims moves only if its claims and their volumes "
+        "are read: listed from the API server, or in the cluster file. Nothing is evicted.",
     )
     add_source_args(p, server=False)
     p.add_argument(
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     except SourceError as exc:
         print(f"vramsched plan-defrag: {exc}", file=sys.stderr)
         return 2
+    storage, unread = load_storage(args)
+    if unread is not None:
+        print(f"vramsched plan-defrag: {unread}; pods with claims stay put", file=sys.stderr)
     cap = Capacity.from_ledger(cluster.ledger, cluster.cpu_used, cluster.memory_used)
     demands = {}
     for pod in cluster.pods.values():
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         demands[d.pod.key] = (d.cpu_milli, d.memory_bytes, d.resource)
     left_out: dict[str, str] = {}
-    mask = node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names)
+    mask = node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names, storage)
     for _ in range(ATTEMPTS):
         limits = Limits(
             args.max_moves,

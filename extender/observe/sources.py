@@ -3,7 +3,8 @@
 The API's nodes and pods go through `LiveSource.apply`, the very code the live informers feed, so
 the ledger built here is the one a freshly started vramsched would hold: same GFD label parsing,
 same assignment annotations read back, same guesses for pods bound by someone else. A cluster
-file goes through `ClusterState.load`, as `serve --cluster` does.
+file goes through `ClusterState.load`, as `serve --cluster` does. `load_storage` reads the
+PersistentVolumeClaims and PersistentVolumes beside them, for `plan-defrag`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import orjson
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.inventory import ReplicaPolicy
-from extender.source_file import ClusterFileError, read_cluster_file
+from extender.source_file import STORAGE_KINDS, ClusterFileError, read_cluster_file
+from extender.volume_rules import Storage
 
 __all__ = [
     "SourceError",
@@ -29,6 +31,7 @@ __all__ = [
     "cluster_from_kube",
     "state_from_server",
     "load_cluster",
+    "load_storage",
 ]
 
 
@@ -172,3 +175,28 @@ def load_cluster(args: argparse.Namespace, *, headroom: float = 0.0) -> ClusterS
         headroom=headroom,
         replica_policy=args.replica_policy,
     )
+
+
+def load_storage(args: argparse.Namespace) -> tuple[Storage, str | None]:
+    """The claims and volumes of the source `load_cluster` read (after it, so the source is
+    known to be readable), and why they could not be read, if so. A file's are those it holds
+    (`kubectl get nodes,pods,pvc,pv -A -o yaml`), none if it holds none. Unread, every pod with
+    a claim stays where it is."""
+    if args.cluster:
+        try:
+            return Storage.from_objects(read_cluster_file(args.cluster, STORAGE_KINDS)), None
+        except (ClusterFileError, OSError) as exc:
+            return Storage(), f"cannot read the claims and volumes of {args.cluster}: {exc}"
+    from extender.live.api_client import ApiError, ClientApi, KubeconfigError
+
+    kubeconfig = default_kubeconfig(args.kubeconfig)
+    objects: list[dict[str, Any]] = []
+    try:
+        api = ClientApi(kubeconfig)
+        for kind, plural in zip(STORAGE_KINDS, ("persistentvolumeclaims", "persistentvolumes")):
+            items, _ = api.list(plural)
+            objects += [{**item, "kind": kind} for item in items]
+    except (ApiError, KubeconfigError) as exc:
+        where = kubeconfig or "the in-cluster ServiceAccount"
+        return Storage(), f"cannot list claims and volumes from the API server ({where}): {exc}"
+    return Storage.from_objects(objects), None
