@@ -27,7 +27,7 @@ from controlplane import DEFAULT_CONTROLLERS, ControlPlane
 
 __all__ = ["CONTROLLERS", "PodLifecycle", "Terminated", "start_controllers"]
 
-CONTROLLERS = (*DEFAULT_CONTROLLERS, "disruption-controller")
+CONTROLLERS = (*DEFAULT_CONTROLLERS, "disruption-controller", "statefulset-controller")
 
 
 def start_controllers(cp: ControlPlane) -> None:

@@ -4,8 +4,8 @@ kube-controller-manager re-creating evicted pods.
 The deployed stack of test_extender_e2e (kube-scheduler with the shipped configuration and
 leader election, `vramsched serve --kubeconfig` as the deploy ServiceAccount with the roles of
 deploy/rbac.yaml, its leader-election Role, and deploy/repack/rbac.yaml: nothing more), plus
-kube-controller-manager with Deployments, ReplicaSets, the garbage collector and the disruption
-controller (controller_manager.py). The nodes are API objects without a kubelet:
+kube-controller-manager with Deployments, ReplicaSets, StatefulSets, the garbage collector and
+the disruption controller (controller_manager.py). The nodes are API objects without a kubelet:
 `controller_manager.PodLifecycle` marks their pods Running and Ready and finishes graceful
 deletions after a second, as a kubelet would once the containers stopped. An eviction of a pod
 on such a node is a graceful deletion like any other: the pod keeps its GPU in vramsched's
@@ -470,3 +470,92 @@ def test_repack_moves_a_pod_with_a_claim_only_where_its_volume_reaches(
         assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     finally:
         drop_claim(api, "web-cache")
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
+def test_repack_moves_a_statefulset_pod_with_its_claim(
+    repack_stack: tuple[ControlPlane, Extender, PodLifecycle],
+) -> None:
+    """The scene of the claim test with a StatefulSet's pod web-0 in the replica's place, its
+    claim cache-web-0 (from the set's volumeClaimTemplates, made beforehand and bound to a local
+    volume on both nodes). The StatefulSet re-creates web-0 under its own name once the evicted
+    one is gone; vramsched holds gpu-a for it by that name, and it mounts the same claim there."""
+    cp, ext, lifecycle = repack_stack
+    api = core(cp)
+    bound_claim(api, "cache-web-0", list(NODES))
+    template = web_deployment(1, claim="unused")["spec"]["template"]
+    template["spec"].pop("volumes")
+    template["spec"]["containers"][0]["volumeMounts"] = [{"name": "cache", "mountPath": "/c"}]
+    claim_template = {
+        "metadata": {"name": "cache"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "local",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    with cp.api_client() as client:
+        apps = kubernetes.client.AppsV1Api(client)
+        try:
+            cordon(api, "gpu-b", True)
+            api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
+            api.create_namespaced_pod(NS, gpu_pod("f3", "4Gi"))
+            assert set(wait_bound(cp, api, ["f1", "f3"]).values()) == {"gpu-a"}
+            cordon(api, "gpu-b", False)
+            cordon(api, "gpu-a", True)
+            api.create_namespaced_pod(NS, gpu_pod("f2", "6Gi"))
+            apps.create_namespaced_stateful_set(
+                NS,
+                {
+                    "metadata": {"name": "web"},
+                    "spec": {
+                        "replicas": 1,
+                        "serviceName": "web",
+                        "selector": {"matchLabels": dict(APP)},
+                        "template": template,
+                        "volumeClaimTemplates": [claim_template],
+                    },
+                },
+            )
+            assert wait_bound(cp, api, ["f2", "web-0"]) == {"f2": "gpu-b", "web-0": "gpu-b"}
+            before = api.read_namespaced_pod("web-0", NS)
+            cordon(api, "gpu-a", False)
+
+            api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+            assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
+            again = cp.wait_for(
+                lambda: (
+                    (q := api.read_namespaced_pod("web-0", NS)).metadata.uid != before.metadata.uid
+                    and q.spec.node_name
+                    and q
+                ),
+                timeout=60,
+                message="web-0 re-created and bound",
+            )
+            assert again.spec.node_name == "gpu-a"
+            assert assignment(again) == {
+                "node": "gpu-a",
+                "devices": ["0"],
+                "bytesPerDevice": [4 * GIB],
+            }
+            (volume,) = [v for v in again.spec.volumes if v.persistent_volume_claim]
+            assert volume.persistent_volume_claim.claim_name == "cache-web-0"
+            assert set(lifecycle.terminated) == {"web-0"}
+            state = cp.wait_for(
+                lambda: (s := ext.get("/state")) and s["planner"]["repack"]["last"] and s,
+                timeout=30,
+                message="the repack plan ended",
+            )
+            last = state["planner"]["repack"]["last"]
+            assert last["phase"] == "done", last
+            assert last["moves"][0]["replacement"] == f"{NS}/web-0", last
+            assert_sound(api, ReplicaPolicy.DISTRIBUTED)
+        finally:
+            apps.delete_namespaced_stateful_set("web", NS, propagation_policy="Foreground")
+            cp.wait_for(
+                lambda: not apps.list_namespaced_stateful_set(NS).items and not web_pods(api),
+                timeout=60,
+                message="the web StatefulSet and its pod deleted",
+            )
+            drop_claim(api, "cache-web-0")
