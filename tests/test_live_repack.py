@@ -746,6 +746,18 @@ def label_pools(w: World) -> None:
         w.source.apply("nodes", "MODIFIED", labelled)
 
 
+def room_on_either_node() -> list[dict[str, Any]]:
+    """a: 4 fixed + two movable 6Gi (8 free); b: 10 fixed + a movable 4Gi (10 free). Room for a
+    14Gi pod is made on either node by one move: a 6Gi pod off a, or the 4Gi one off b."""
+    return [
+        bound("f1", 4, "a"),
+        web("m1", 6, "a"),
+        web("ma", 6, "a"),
+        bound("f2", 10, "b"),
+        web("m2", 4, "b"),
+    ]
+
+
 @pytest.mark.parametrize("pool", ["a", "b"])
 async def test_the_blocked_pod_is_planned_only_onto_the_nodes_it_may_use(
     world: Any, pool: str
@@ -755,16 +767,7 @@ async def test_the_blocked_pod_is_planned_only_onto_the_nodes_it_may_use(
     the planner would choose unasked."""
     p = pod("p", "14Gi", uid="p")
     p["spec"]["nodeSelector"] = {"pool": pool}
-    w = world(
-        [
-            bound("f1", 4, "a"),
-            web("m1", 6, "a"),
-            web("ma", 6, "a"),
-            bound("f2", 10, "b"),
-            web("m2", 4, "b"),
-            p,
-        ]
-    )
+    w = world([*room_on_either_node(), p])
     label_pools(w)
     w.filter("default/p")
     await w.step(advance=1.5)
@@ -854,15 +857,7 @@ async def test_a_pod_whose_claim_cannot_be_read_is_not_moved(world: Any) -> None
 async def test_the_blocked_pod_is_planned_only_where_its_volume_reaches(world: Any) -> None:
     """As the nodeSelector test above, with the blocked pod kept to b by its claim's volume."""
     p = pod("p", "14Gi", uid="p")
-    w = world(
-        [
-            bound("f1", 4, "a"),
-            web("m1", 6, "a"),
-            web("ma", 6, "a"),
-            bound("f2", 10, "b"),
-            web("m2", 4, "b"),
-        ]
-    )
+    w = world(room_on_either_node())
     label_pools(w)
     with_claim(w, p, "b")
     w.api.add_pod(p)

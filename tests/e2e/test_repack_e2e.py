@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes.client
@@ -410,6 +410,23 @@ def drop_claim(api: kubernetes.client.CoreV1Api, name: str) -> None:
         delete(*args)
 
 
+def fill_around(
+    cp: ControlPlane, api: kubernetes.client.CoreV1Api, make_replica: Callable[[], None]
+) -> None:
+    """gpu-a: bare pods f1 12Gi + f3 4Gi (8 free); gpu-b: f2 6Gi + the 4Gi replica
+    `make_replica` creates (14 free), each node cordoned while the other fills. The replica's
+    binding is the caller's to wait for; gpu-a is uncordoned by the caller once it is bound."""
+    cordon(api, "gpu-b", True)
+    api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
+    api.create_namespaced_pod(NS, gpu_pod("f3", "4Gi"))
+    assert set(wait_bound(cp, api, ["f1", "f3"]).values()) == {"gpu-a"}
+    cordon(api, "gpu-b", False)
+    cordon(api, "gpu-a", True)
+    api.create_namespaced_pod(NS, gpu_pod("f2", "6Gi"))
+    make_replica()
+    assert wait_bound(cp, api, ["f2"])["f2"] == "gpu-b"
+
+
 @pytest.mark.e2e
 @pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
 @pytest.mark.parametrize("reach", ["both nodes", "its node"])
@@ -426,16 +443,11 @@ def test_repack_moves_a_pod_with_a_claim_only_where_its_volume_reaches(
     try:
         with cp.api_client() as client:
             apps = kubernetes.client.AppsV1Api(client)
-            # gpu-a: f1 12Gi + f3 4Gi (8 free); gpu-b: f2 6Gi + the web replica 4Gi (14 free)
-            cordon(api, "gpu-b", True)
-            api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
-            api.create_namespaced_pod(NS, gpu_pod("f3", "4Gi"))
-            assert set(wait_bound(cp, api, ["f1", "f3"]).values()) == {"gpu-a"}
-            cordon(api, "gpu-b", False)
-            cordon(api, "gpu-a", True)
-            api.create_namespaced_pod(NS, gpu_pod("f2", "6Gi"))
-            apps.create_namespaced_deployment(NS, web_deployment(1, claim="web-cache"))
-            assert wait_bound(cp, api, ["f2"])["f2"] == "gpu-b"
+            fill_around(
+                cp,
+                api,
+                lambda: apps.create_namespaced_deployment(NS, web_deployment(1, claim="web-cache")),
+            )
             (before,) = cp.wait_for(
                 lambda: [p for p in web_pods(api) if p.spec.node_name == "gpu-b"],
                 timeout=60,
@@ -498,27 +510,18 @@ def test_repack_moves_a_statefulset_pod_with_its_claim(
     with cp.api_client() as client:
         apps = kubernetes.client.AppsV1Api(client)
         try:
-            cordon(api, "gpu-b", True)
-            api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
-            api.create_namespaced_pod(NS, gpu_pod("f3", "4Gi"))
-            assert set(wait_bound(cp, api, ["f1", "f3"]).values()) == {"gpu-a"}
-            cordon(api, "gpu-b", False)
-            cordon(api, "gpu-a", True)
-            api.create_namespaced_pod(NS, gpu_pod("f2", "6Gi"))
-            apps.create_namespaced_stateful_set(
-                NS,
-                {
-                    "metadata": {"name": "web"},
-                    "spec": {
-                        "replicas": 1,
-                        "serviceName": "web",
-                        "selector": {"matchLabels": dict(APP)},
-                        "template": template,
-                        "volumeClaimTemplates": [claim_template],
-                    },
+            web = {
+                "metadata": {"name": "web"},
+                "spec": {
+                    "replicas": 1,
+                    "serviceName": "web",
+                    "selector": {"matchLabels": dict(APP)},
+                    "template": template,
+                    "volumeClaimTemplates": [claim_template],
                 },
-            )
-            assert wait_bound(cp, api, ["f2", "web-0"]) == {"f2": "gpu-b", "web-0": "gpu-b"}
+            }
+            fill_around(cp, api, lambda: apps.create_namespaced_stateful_set(NS, web))
+            assert wait_bound(cp, api, ["web-0"]) == {"web-0": "gpu-b"}
             before = api.read_namespaced_pod("web-0", NS)
             cordon(api, "gpu-a", False)
 
