@@ -1,13 +1,12 @@
 """Where a pod's PersistentVolumeClaims let it run, read as kube-scheduler's VolumeBinding and
-VolumeZone filters read a claim that is already bound. Pure (no I/O).
+VolumeZone filters read them. Pure (no I/O).
 
 A moved pod's new copy mounts the same claims, so it may only go where their volumes reach: a
 local volume's node, a zonal disk's zone. Live repacking reads the claims and volumes of the pods
 it may move (`Storage`) and keeps each to the nodes `volume_refusal` passes.
 
 What is checked, for every `persistentVolumeClaim` volume of the pod:
-- the claim exists, is not being deleted and is bound (`spec.volumeName` and the PV controller's
-  `pv.kubernetes.io/bind-completed` annotation, as VolumeBinding asks), and its volume exists;
+- the claim exists and is not being deleted, and the volume it names (`spec.volumeName`) exists;
 - the volume's required node affinity matches the node's labels (VolumeBinding; matched on labels
   only, as `CheckNodeAffinity` does, so a `matchFields` requirement is not applied);
 - the volume's zone and region labels (`topology.kubernetes.io/zone`, its beta name, and the
@@ -15,10 +14,12 @@ What is checked, for every `persistentVolumeClaim` volume of the pod:
   has any of those labels (VolumeZone; a beta label on the volume matches the node's GA label,
   as kube-scheduler does since 1.21).
 
-A claim that is not bound is refused, though kube-scheduler would bind one whose StorageClass
-waits for the first consumer: vramsched does not read StorageClasses, and a running pod's claims
-are bound. Not checked: generic ephemeral volumes (the new copy gets a claim of its own), CSI
-attach limits, and the topology an in-tree volume gains when it is migrated to CSI.
+A claim that names no volume yet sets no bound: kube-scheduler binds it where it places the pod
+(its StorageClass waits for the first consumer), which vramsched does not judge. One that must be
+bound first (an Immediate StorageClass) fails kube-scheduler's PreFilter on every node, so no
+extender sees the pod; a running pod's claims are bound. Not checked: generic ephemeral volumes
+(the new copy gets a claim of its own), CSI attach limits, where a provisioner can create a
+volume, and the topology an in-tree volume gains when it is migrated to CSI.
 """
 
 from __future__ import annotations
@@ -30,10 +31,7 @@ from typing import Any
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, spec
 
-__all__ = ["BIND_COMPLETED", "Storage", "claim_keys", "volume_refusal"]
-
-#: set by the PV controller once a claim's binding is complete
-BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
+__all__ = ["Storage", "claim_keys", "volume_refusal"]
 
 _BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
 _BETA_REGION = "failure-domain.beta.kubernetes.io/region"
@@ -124,12 +122,11 @@ def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Sto
             return f"its claim {key} could not be read"
         if claim is None:
             return f"its claim {key} does not exist"
-        claim_meta = meta(claim)
-        if claim_meta.get("deletionTimestamp"):
+        if meta(claim).get("deletionTimestamp"):
             return f"its claim {key} is being deleted"
         pv = str(spec(claim).get("volumeName") or "")
-        if not pv or BIND_COMPLETED not in mapping(claim_meta.get("annotations")):
-            return f"its claim {key} is not bound"
+        if not pv:
+            continue  # bound where kube-scheduler places the pod (see the module docstring)
         read, volume = storage.volume(pv)
         if not read:
             return f"volume {pv} of its claim {key} could not be read"

@@ -49,8 +49,10 @@ from extender.repack_policy import (
     replaces,
 )
 from extender.target_rules import room_problem, schedulable_on
-from extender.volume_rules import BIND_COMPLETED
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
+
+#: what the PV controller sets on a claim once it is bound
+BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
 
 GIB = 1 << 30
 NODES = ["a", "b"]
@@ -866,6 +868,23 @@ async def test_the_blocked_pod_is_planned_only_where_its_volume_reaches(world: A
     await w.step(advance=1.5)
     assert w.evictions.real() == ["m2"]
     assert w.plan_kw[-1]["pod_nodes"].tolist() == [n == "b" for n in NODES]
+
+
+async def test_a_waiting_pod_whose_claim_is_not_bound_yet_is_still_planned(world: Any) -> None:
+    """A new StatefulSet replica's claim of a WaitForFirstConsumer class names no volume until
+    kube-scheduler places the pod: it keeps the pod off no node, and the plan goes ahead."""
+    p = pod("p", "16Gi", uid="p")
+    p["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": "data-p"}}]
+    w = world(fragmented()[:-1])  # all but its own p, which mounts no claim
+    w.api.claims["default/data-p"] = {"metadata": {"name": "data-p", "namespace": "default"}}
+    w.api.add_pod(p)
+    w.source.apply("pods", "ADDED", copy.deepcopy(p))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["m2"]
+    assert [c for c in w.api.calls if c[0] in ("read_claim", "read_volume")] == [
+        ("read_claim", "default", "data-p")
+    ]
 
 
 async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:

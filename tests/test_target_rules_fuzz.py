@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 from extender.pod_affinity import affinity_problem
 from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import spread_problem
-from extender.volume_rules import BIND_COMPLETED, Storage, volume_refusal
+from extender.volume_rules import Storage, volume_refusal
+
+#: what the PV controller sets on a claim once it is bound
+BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
 
 HOST = "kubernetes.io/hostname"
 SELECTOR = {

@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 
 from extender.target_rules import node_masks, schedulable_on
-from extender.volume_rules import BIND_COMPLETED, Storage, claim_keys, volume_refusal
+from extender.volume_rules import Storage, claim_keys, volume_refusal
+
+#: what the PV controller sets on a claim once it is bound
+BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
 
 ZONE = "topology.kubernetes.io/zone"
 BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
@@ -113,16 +116,26 @@ def test_zone_labels_are_read_as_volumezone_reads_them(
             [claim("data", "pv", deletionTimestamp="2026-01-01T00:00:00Z"), volume("pv")],
             "is being deleted",
         ),
-        ([claim("data", None), volume("pv")], "its claim ml/data is not bound"),
-        ([claim("data", "pv", bound=False), volume("pv")], "its claim ml/data is not bound"),
         ([claim("data", "pv")], "volume pv of its claim ml/data does not exist"),
     ],
 )
-def test_a_claim_that_is_not_bound_and_whole_keeps_the_pod_put(
+def test_a_claim_that_is_gone_or_going_keeps_the_pod_off_every_node(
     objects: list[dict[str, Any]], why: str
 ) -> None:
     refusal = volume_refusal(pod("data"), node("a"), Storage.from_objects(objects))
     assert refusal is not None and why in refusal
+
+
+def test_a_claim_not_bound_yet_sets_no_bound_and_a_named_volume_is_checked() -> None:
+    """A claim naming no volume is bound where kube-scheduler places the pod (a waiting pod's
+    claim of a WaitForFirstConsumer class): no bound. One naming a volume before the PV controller
+    finished binding is held to that volume, as kube-scheduler holds a pre-bound claim."""
+    local = volume("pv", terms=[{"matchExpressions": [expr("kubernetes.io/hostname", "a")]}])
+    unbound = Storage.from_objects([claim("data", None, bound=False)])
+    assert volume_refusal(pod("data"), node("b"), unbound) is None
+    pre_bound = Storage.from_objects([claim("data", "pv", bound=False), local])
+    assert volume_refusal(pod("data"), node("a"), pre_bound) is None
+    assert volume_refusal(pod("data"), node("b"), pre_bound) is not None
 
 
 def test_what_was_not_read_refuses_and_what_was_read_as_absent_does_not_exist() -> None:
