@@ -309,6 +309,41 @@ class ControlPlane:
         self.stop_scheduler()
         if config is None:
             config = self.scheduler_config()
+        granted = False
+        for attempt in range(3):
+            # ports are picked free, but another process may take one first: retry on EADDRINUSE
+            argv, text, doc = self._scheduler_argv(config, extender_url, leader_elect)
+            if leader_elect and not granted:
+                election = doc.get("leaderElection") or {}
+                lease = (
+                    election.get("resourceNamespace", "kube-system"),
+                    election.get("resourceName", "kube-scheduler"),
+                )
+                self._grant_scheduler_lease(*lease)
+                self._scheduler_lease = lease
+                granted = True
+            self.scheduler_config_path = self.workdir / "kube-scheduler.config.yaml"
+            self.scheduler_config_path.write_text(text)
+            argv += [f"--config={self.scheduler_config_path}", *extra_args]
+            self.scheduler = Component("kube-scheduler", argv, self.logs_dir / "kube-scheduler.log")
+            self.scheduler.start()
+            try:
+                self._wait_ready(self.scheduler, self._scheduler_healthy)
+                break
+            except ControlPlaneError as exc:
+                self.scheduler.stop()
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+        if leader_elect:
+            # A leader that cannot renew its lease for renewDeadline (10 s: an API server
+            # outage) exits ("leaderelection lost"); deployed, kubelet restarts it.
+            self.scheduler.supervise()
+        return self.scheduler_config_path
+
+    def _scheduler_argv(
+        self, config: str | Mapping[str, Any], extender_url: str | None, leader_elect: bool
+    ) -> tuple[list[str], str, dict[str, Any]]:
+        """kube-scheduler's flags and config text on freshly picked ports, and the config."""
         self.scheduler_secure_port = free_port()
         argv = [
             str(self.bin_dir / "kube-scheduler"),
@@ -326,40 +361,21 @@ class ControlPlane:
             doc = yaml.safe_load(text)
             argv.append(f"--leader-elect={str(bool(leader_elect)).lower()}")
             self.scheduler_healthz_port = self.scheduler_metrics_port = self.scheduler_secure_port
-        else:
-            parsed = yaml.safe_load(config) if isinstance(config, str) else copy.deepcopy(config)
-            doc = overlay_fields(
-                to_v1beta1(parsed),
-                kubeconfig=self.scheduler_kubeconfig_path,
-                extender_url=extender_url,
-            )
-            self.scheduler_healthz_port, self.scheduler_metrics_port = free_ports(2)
-            doc["healthzBindAddress"] = f"127.0.0.1:{self.scheduler_healthz_port}"
-            doc["metricsBindAddress"] = f"127.0.0.1:{self.scheduler_metrics_port}"
-            doc["leaderElection"] = {
-                **(doc.get("leaderElection") or {}),
-                "leaderElect": bool(leader_elect),
-            }
-            text = yaml.safe_dump(doc, sort_keys=False)
-        if leader_elect:
-            election = doc.get("leaderElection") or {}
-            lease = (
-                election.get("resourceNamespace", "kube-system"),
-                election.get("resourceName", "kube-scheduler"),
-            )
-            self._grant_scheduler_lease(*lease)
-            self._scheduler_lease = lease
-        self.scheduler_config_path = self.workdir / "kube-scheduler.config.yaml"
-        self.scheduler_config_path.write_text(text)
-        argv += [f"--config={self.scheduler_config_path}", *extra_args]
-        self.scheduler = Component("kube-scheduler", argv, self.logs_dir / "kube-scheduler.log")
-        self.scheduler.start()
-        self._wait_ready(self.scheduler, self._scheduler_healthy)
-        if leader_elect:
-            # A leader that cannot renew its lease for renewDeadline (10 s: an API server
-            # outage) exits ("leaderelection lost"); deployed, kubelet restarts it.
-            self.scheduler.supervise()
-        return self.scheduler_config_path
+            return argv, text, doc
+        parsed = yaml.safe_load(config) if isinstance(config, str) else copy.deepcopy(config)
+        doc = overlay_fields(
+            to_v1beta1(parsed),
+            kubeconfig=self.scheduler_kubeconfig_path,
+            extender_url=extender_url,
+        )
+        self.scheduler_healthz_port, self.scheduler_metrics_port = free_ports(2)
+        doc["healthzBindAddress"] = f"127.0.0.1:{self.scheduler_healthz_port}"
+        doc["metricsBindAddress"] = f"127.0.0.1:{self.scheduler_metrics_port}"
+        doc["leaderElection"] = {
+            **(doc.get("leaderElection") or {}),
+            "leaderElect": bool(leader_elect),
+        }
+        return argv, yaml.safe_dump(doc, sort_keys=False), doc
 
     def stop_scheduler(self, *, keep_lease: bool = False) -> None:
         """Stop kube-scheduler; a lease it held for leader election is deleted unless

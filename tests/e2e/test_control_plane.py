@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import controlplane
 import kubernetes.client
 import kubernetes.config
 import pytest
@@ -25,6 +27,7 @@ from controlplane import (
     to_v1beta1,
 )
 from fake_extender import FakeExtender
+from processes import free_port
 
 GPU = "nvidia.com/gpu"
 
@@ -103,6 +106,28 @@ def test_scheduler_binds_pod_of_its_profile_and_ignores_others(cluster: ControlP
         ]
         # Created first, so the scheduler had it in hand before it bound 'plain'.
         assert bound_node(core, "other-scheduler") is None
+
+
+@pytest.mark.e2e
+def test_scheduler_start_retries_a_port_another_process_took(
+    cluster: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ports are picked free and used a moment later: a port taken in between (by any
+    process's outgoing connection, say) makes kube-scheduler exit at startup. start_scheduler
+    then picks another, as the API server and etcd starts do."""
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picks = iter([port])
+    monkeypatch.setattr(controlplane, "free_port", lambda: next(picks, None) or free_port())
+    try:
+        cluster.start_scheduler(ControlPlane.scheduler_config("vramsched"))
+        assert cluster.scheduler_secure_port != port and cluster.scheduler.running()
+        log = (cluster.logs_dir / "kube-scheduler.log").read_text()
+        assert f"listen tcp 127.0.0.1:{port}: bind: address already in use" in log
+    finally:
+        taken.close()
 
 
 @pytest.mark.e2e
