@@ -835,6 +835,27 @@ async def test_moved_pods_are_planned_only_where_their_volumes_reach(
     assert reads == [("read_claim", "default", f"data-{kept}"), ("read_volume", f"pv-data-{kept}")]
 
 
+async def test_no_plan_names_the_movable_pods_their_rules_keep_in_place(world: Any) -> None:
+    """The only move takes m2 off b, and its volume is on b alone: no plan, and the waiting pod
+    is told which movable pod may go nowhere else (m1, free to move, is not named)."""
+    pods = fragmented()
+    w = world(pods)
+    label_pools(w)
+    m2 = next(p for p in pods if p["metadata"]["name"] == "m2")
+    with_claim(w, m2, "b")
+    w.api.add_pod(m2)
+    m2["metadata"]["resourceVersion"] = "2"
+    w.source.apply("pods", "MODIFIED", copy.deepcopy(m2))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.repacker.stats.none == 1
+    (told,) = [e["message"] for e in await w.events()]
+    assert told == (
+        "no repack now: no plan within 3 move(s) of movable pods; 1 movable pod(s) may go to no "
+        "other node by their node rules or volumes: default/m2"
+    )
+
+
 async def test_a_pod_whose_claim_cannot_be_read_is_not_moved(world: Any) -> None:
     """The only move takes m2 off b. Its claim's read is refused (no RBAC for it, say):
     vramsched cannot tell where the volume reaches, so nothing is evicted and the pod is told."""

@@ -87,6 +87,9 @@ __all__ = ["Repacker", "RepackCollector"]
 
 log = logging.getLogger(__name__)
 
+#: movable pods named in a "no plan" message when rules keep them to their nodes
+KEPT_NAMED = 5
+
 
 class PlanFn(Protocol):
     """`extender.planner.repack.plan_repack`'s signature (tests hand in a scripted one)."""
@@ -317,7 +320,8 @@ class Repacker:
                     self.stats.refused += 1
                 else:
                     self.stats.none += 1
-                self._tell(demand.pod, self._none_message(allowance, excluded))
+                kept = self._kept_to_their_nodes(cap, controllers, masks)
+                self._tell(demand.pod, self._none_message(allowance, excluded, kept))
                 return
             if not found.moves:
                 return  # it fits now: kube-scheduler's next try places it
@@ -657,12 +661,40 @@ class Repacker:
         self.events.emit(pod.namespace, repack_event(pod, message, time.time(), self.instance))
 
     @staticmethod
-    def _none_message(allowance: int, excluded: Mapping[str, str]) -> str:
+    def _none_message(allowance: int, excluded: Mapping[str, str], kept: Sequence[str] = ()) -> str:
         text = f"no repack now: no plan within {allowance} move(s) of movable pods"
         if excluded:
             left_out = "; ".join(f"{k}: {v}" for k, v in sorted(excluded.items()))
             text += f" (left out: {left_out})"
+        if kept:
+            named = ", ".join(kept[:KEPT_NAMED]) + (", ..." if len(kept) > KEPT_NAMED else "")
+            text += (
+                f"; {len(kept)} movable pod(s) may go to no other node by their node rules "
+                f"or volumes: {named}"
+            )
         return text
+
+    def _kept_to_their_nodes(
+        self,
+        cap: Capacity,
+        movers: Mapping[str, Controller],
+        masks: Callable[[str], np.ndarray | None],
+    ) -> list[str]:
+        """The movable pods whose nodeSelector, affinity, taints or volumes allow them no node
+        but their own: why a plan may be missing though pods are marked movable."""
+        names = list(cap.arrays.node_names)
+        if len(names) < 2:
+            return []  # nowhere else to go for anyone: no rule to blame
+        where = {r.key: r.node for r in cap.ledger.reservations()}
+        kept = []
+        for key in sorted(movers):
+            mask = masks(key)
+            own = where.get(key)
+            if mask is None or own is None:
+                continue
+            if not any(bool(mask[i]) for i, n in enumerate(names) if n != own):
+                kept.append(key)
+        return kept
 
     def state(self) -> dict[str, Any]:
         """For /state (under `planner.repack`)."""
