@@ -297,8 +297,8 @@ class Repacker:
             )
             pods = dict(self.cluster.pods)
             mix = Counter(self.cluster.demand_mix)
-            # per pod, the nodes kube-scheduler's labels, taints and cordon let it onto: the
-            # blocked pod's worked out here, the moved pods' in the worker, on copies
+            # per pod, the nodes kube-scheduler's labels, taints, cordon and its volumes let it
+            # onto: the blocked pod's worked out here, the moved pods' in the worker, on copies
             masks = node_masks(dict(self.cluster.nodes), pods, cap.arrays.node_names, storage)
             pod_nodes = masks(key)
             loop = asyncio.get_running_loop()
