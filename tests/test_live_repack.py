@@ -798,7 +798,8 @@ async def test_moved_pods_are_planned_only_onto_the_nodes_they_may_use(
 
 
 def with_claim(w: World, p: dict[str, Any], pool: str) -> None:
-    """Mount a claim on `p`, bound to a volume that only nodes labelled `pool=<pool>` reach."""
+    """Mount a claim on `p`, bound to a volume that only nodes labelled `pool=<pool>` reach. A
+    running pod's change reaches the API and the watch; a new pod is the caller's to add."""
     claim = f"data-{p['metadata']['name']}"
     p["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]
     w.api.claims[f"default/{claim}"] = {
@@ -810,6 +811,10 @@ def with_claim(w: World, p: dict[str, Any], pool: str) -> None:
         "metadata": {"name": f"pv-{claim}"},
         "spec": {"nodeAffinity": {"required": {"nodeSelectorTerms": [term]}}},
     }
+    if p["spec"].get("nodeName"):
+        w.api.add_pod(p)
+        p["metadata"]["resourceVersion"] = "2"
+        w.source.apply("pods", "MODIFIED", copy.deepcopy(p))
 
 
 @pytest.mark.parametrize(("kept", "moved"), [("m2", "m3"), ("m3", "m2")])
@@ -825,9 +830,6 @@ async def test_moved_pods_are_planned_only_where_their_volumes_reach(
     for p in pods:
         if p["metadata"]["name"] == kept:
             with_claim(w, p, "b")
-            w.api.add_pod(p)
-            p["metadata"]["resourceVersion"] = "2"
-            w.source.apply("pods", "MODIFIED", copy.deepcopy(p))
     w.filter("default/p")
     await w.step(advance=1.5)
     assert w.evictions.real() == [moved] and w.planned == 1
@@ -843,9 +845,6 @@ async def test_no_plan_names_the_movable_pods_their_rules_keep_in_place(world: A
     label_pools(w)
     m2 = next(p for p in pods if p["metadata"]["name"] == "m2")
     with_claim(w, m2, "b")
-    w.api.add_pod(m2)
-    m2["metadata"]["resourceVersion"] = "2"
-    w.source.apply("pods", "MODIFIED", copy.deepcopy(m2))
     w.filter("default/p")
     await w.step(advance=1.5)
     assert w.evictions.calls == [] and w.repacker.stats.none == 1
@@ -863,9 +862,6 @@ async def test_a_pod_whose_claim_cannot_be_read_is_not_moved(world: Any) -> None
     w = world(pods)
     m2 = next(p for p in pods if p["metadata"]["name"] == "m2")
     with_claim(w, m2, "a")  # a reaches it, but the read fails
-    w.api.add_pod(m2)
-    m2["metadata"]["resourceVersion"] = "2"
-    w.source.apply("pods", "MODIFIED", copy.deepcopy(m2))
     w.api.fail["read_claim"] = [ApiError(403, "Forbidden", "cannot get persistentvolumeclaims")]
     w.filter("default/p")
     await w.step(advance=1.5)
