@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extender.node_rules import node_labels, node_name, selector_terms_hold
-from extender.object_fields import items, labels, mapping, meta, spec
+from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
 __all__ = ["Storage", "claim_keys", "volume_refusal"]
 
@@ -42,14 +42,10 @@ _TOPOLOGY = (_BETA_ZONE, _BETA_REGION, _ZONE, _REGION)
 _GA = {_BETA_ZONE: _ZONE, _BETA_REGION: _REGION}
 
 
-def _namespace(pod: Mapping[str, Any]) -> str:
-    return str(meta(pod).get("namespace") or "default")
-
-
 def claim_keys(pod: Mapping[str, Any]) -> list[str]:
     """`namespace/name` of every claim the pod mounts (its `persistentVolumeClaim` volumes), in
     order; a volume naming no claim gives `namespace/`."""
-    ns = _namespace(pod)
+    ns = namespace(pod)
     keys = []
     for volume in items(spec(pod).get("volumes")):
         claim = mapping(volume).get("persistentVolumeClaim")
@@ -75,11 +71,11 @@ class Storage:
         claims: dict[str, Mapping[str, Any] | None] = {}
         volumes: dict[str, Mapping[str, Any] | None] = {}
         for obj in objects:
-            kind, m = obj.get("kind"), meta(obj)
+            kind, called = obj.get("kind"), str(meta(obj).get("name") or "")
             if kind == "PersistentVolumeClaim":
-                claims[f"{m.get('namespace') or 'default'}/{m.get('name') or ''}"] = obj
+                claims[f"{namespace(obj)}/{called}"] = obj
             elif kind == "PersistentVolume":
-                volumes[str(m.get("name") or "")] = obj
+                volumes[called] = obj
         return cls(claims, volumes, complete=True)
 
     def claim(self, key: str) -> tuple[bool, Mapping[str, Any] | None]:

@@ -59,14 +59,13 @@ from extender.ledger import Reservation
 from extender.live.api_client import ApiError, KubeApi
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
-from extender.object_fields import meta, spec
+from extender.object_fields import spec
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
 from extender.repack_holds import RepackRun, TargetState
 from extender.repack_policy import (
     ABANDONED_REASON,
-    MOVABLE,
     NOMINATED,
     Controller,
     MoveBudget,
@@ -441,7 +440,7 @@ class Repacker:
     async def _storage(
         self, pods: Mapping[str, Mapping[str, Any]], blocked: str
     ) -> tuple[Storage, dict[str, str]]:
-        """The claims and volumes of the blocked pod and of every pod marked movable that holds
+        """The claims and volumes of the blocked pod and of every movable pod (`movable`) that holds
         GPUs, read now (a GET each; most pods have none), and the movable pods whose claims or
         volumes the API did not answer for (no RBAC, a timeout) with why: those stay where they
         are, since vramsched cannot tell where their volumes reach."""
@@ -452,9 +451,7 @@ class Repacker:
         kept: dict[str, str] = {}
         holding = {r.key for r in self.cluster.ledger.reservations()}
         for key, pod in pods.items():
-            annotations = meta(pod).get("annotations")
-            marked = isinstance(annotations, Mapping) and annotations.get(MOVABLE) == "true"
-            if key != blocked and not (marked and key in holding):
+            if key != blocked and not (key in holding and isinstance(movable(pod), Controller)):
                 continue
             for claim_key in claim_keys(pod):
                 if (
