@@ -17,21 +17,22 @@ What is checked, for every `persistentVolumeClaim` volume of the pod:
 A claim that names no volume yet sets no bound: kube-scheduler binds it where it places the pod
 (its StorageClass waits for the first consumer), which vramsched does not judge. One that must be
 bound first (an Immediate StorageClass) fails kube-scheduler's PreFilter on every node, so no
-extender sees the pod; a running pod's claims are bound. Not checked: generic ephemeral volumes
-(the new copy gets a claim of its own), CSI attach limits, where a provisioner can create a
-volume, and the topology an in-tree volume gains when it is migrated to CSI.
+extender sees the pod; a running pod's claims are bound. Not checked here: generic ephemeral
+volumes (the new copy gets a claim of its own), where a provisioner can create a volume, and the
+topology an in-tree volume gains when it is migrated to CSI. CSI attach limits depend on the
+other pods on the node: `attach_limits` counts them, with the lists `Storage` also carries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
-__all__ = ["Storage", "claim_keys", "volume_refusal"]
+__all__ = ["ATTACH_KINDS", "Storage", "claim_keys", "volume_refusal"]
 
 _BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
 _BETA_REGION = "failure-domain.beta.kubernetes.io/region"
@@ -54,29 +55,61 @@ def claim_keys(pod: Mapping[str, Any]) -> list[str]:
     return keys
 
 
+#: the kinds `Storage.from_objects` reads, beside claims and volumes: what CSI attach limits need
+#: (`attach_limits`)
+ATTACH_KINDS = ("CSINode", "VolumeAttachment", "StorageClass")
+
+
 @dataclass(frozen=True)
 class Storage:
     """The claims and volumes read for a set of pods, by `namespace/name` and by name. A key
     mapped to None was read and does not exist; a key absent was not read (the check refuses: it
-    cannot tell), unless `complete` says the maps hold every claim and volume there is."""
+    cannot tell), unless `complete` says the maps hold every claim and volume there is.
+
+    For CSI attach limits (`attach_limits`), the cluster's CSINodes by name, its
+    VolumeAttachments and its StorageClasses by name, each listed in full, or None where that
+    list was not read."""
 
     claims: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
     volumes: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
     complete: bool = False
+    csinodes: Mapping[str, Mapping[str, Any]] | None = None
+    attachments: Sequence[Mapping[str, Any]] | None = None
+    classes: Mapping[str, Mapping[str, Any]] | None = None
 
     @classmethod
-    def from_objects(cls, objects: Iterable[Mapping[str, Any]]) -> Storage:
-        """From full lists of PersistentVolumeClaims and PersistentVolumes (other kinds are
-        skipped): a claim or volume not among them does not exist."""
+    def from_objects(
+        cls, objects: Iterable[Mapping[str, Any]], listed: Iterable[str] = ATTACH_KINDS
+    ) -> Storage:
+        """From full lists of PersistentVolumeClaims and PersistentVolumes, and of the kinds of
+        `ATTACH_KINDS` in `listed` (other kinds are skipped): a claim or volume not among them
+        does not exist. A kind of `ATTACH_KINDS` not in `listed` stays unread."""
         claims: dict[str, Mapping[str, Any] | None] = {}
         volumes: dict[str, Mapping[str, Any] | None] = {}
+        csinodes: dict[str, Mapping[str, Any]] = {}
+        attachments: list[Mapping[str, Any]] = []
+        classes: dict[str, Mapping[str, Any]] = {}
         for obj in objects:
             kind, called = obj.get("kind"), str(meta(obj).get("name") or "")
             if kind == "PersistentVolumeClaim":
                 claims[f"{namespace(obj)}/{called}"] = obj
             elif kind == "PersistentVolume":
                 volumes[called] = obj
-        return cls(claims, volumes, complete=True)
+            elif kind == "CSINode":
+                csinodes[called] = obj
+            elif kind == "VolumeAttachment":
+                attachments.append(obj)
+            elif kind == "StorageClass":
+                classes[called] = obj
+        kinds = set(listed)
+        return cls(
+            claims,
+            volumes,
+            complete=True,
+            csinodes=csinodes if "CSINode" in kinds else None,
+            attachments=attachments if "VolumeAttachment" in kinds else None,
+            classes=classes if "StorageClass" in kinds else None,
+        )
 
     def claim(self, key: str) -> tuple[bool, Mapping[str, Any] | None]:
         """(whether it was read, the claim or None)."""

@@ -1,0 +1,237 @@
+"""CSI attach limits, read as kube-scheduler's NodeVolumeLimits filter reads them. Pure (no I/O).
+
+A cloud block disk (EBS, Persistent Disk, Azure Disk) is attached to the node its pod runs on,
+and a node takes only so many: the CSI driver reports how many in the node's CSINode
+(`spec.drivers[].allocatable.count`). A moved pod's new copy attaches its volumes where the plan
+sends it, so a move must not take that node past its limit: kube-scheduler would keep the copy
+off it, and the copy would wait for a node the plan never meant.
+
+Counted per driver, each volume once (`driver/volumeHandle`), as kube-scheduler counts them:
+- a claim bound to a CSI volume (`spec.csi` of its PersistentVolume): that volume;
+- a claim not bound yet: a volume of its StorageClass's provisioner, one per claim;
+- a generic ephemeral volume of a pod sent to a node: likewise (its new copy gets a new claim);
+- on the node: the volumes of the pods already there, and those of the VolumeAttachments that
+  name it that no pod there uses, each under its attacher (kube-scheduler counts them since 1.32,
+  so that a disk still detaching from a pod gone counts; vramsched counts them on every
+  version). A pod that brings back a volume only an attachment holds adds it again, as
+  kube-scheduler counts it.
+
+A pod is refused when, for a driver its volumes use, the node's volumes of that driver and the
+new ones exceed the limit. Volumes of other kinds (hostPath, NFS, local), inline CSI volumes and
+drivers the CSINode gives no count are not limited; in-tree volumes migrated to CSI are not
+counted. What was not read (a claim, a volume, a list) refuses: vramsched cannot count it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from extender.node_rules import node_name
+from extender.object_fields import field, items, mapping, meta, namespace, spec
+from extender.volume_rules import Storage
+
+__all__ = ["attach_refusal", "claims_there", "limits", "needs_counting"]
+
+#: the annotation that makes a StorageClass the default for claims that name none
+DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
+
+
+class _Unreadable(Exception):
+    """Something the count needs was not read."""
+
+
+def limits(csinode: Mapping[str, Any] | None) -> dict[str, int]:
+    """Per CSI driver, the volumes the node takes (drivers without a count take any number)."""
+    out: dict[str, int] = {}
+    for driver in items(spec(csinode).get("drivers")):
+        count = field(driver, "allocatable", "count")
+        name = mapping(driver).get("name")
+        if isinstance(name, str) and isinstance(count, int) and not isinstance(count, bool):
+            out[name] = count
+    return out
+
+
+def _class_name(claim_spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> str:
+    name = claim_spec.get("storageClassName")
+    if name is None:  # the beta annotation, still read by kube-scheduler
+        name = annotations.get("volume.beta.kubernetes.io/storage-class")
+    return name if isinstance(name, str) else ""
+
+
+def _default_class(classes: Mapping[str, Mapping[str, Any]]) -> str:
+    """The class the DefaultStorageClass admission gives a claim that names none: the newest of
+    those marked default, or none."""
+    marked = [
+        (str(meta(c).get("creationTimestamp") or ""), name)
+        for name, c in classes.items()
+        if mapping(meta(c).get("annotations")).get(DEFAULT_CLASS) == "true"
+    ]
+    return max(marked)[1] if marked else ""
+
+
+def _provisioned(class_name: str, key: str, storage: Storage) -> tuple[str, str] | None:
+    """The volume a claim not bound yet will get: (driver, a name of its own), or None when its
+    class is unknown (kube-scheduler does not count it then)."""
+    if not class_name:
+        return None
+    if storage.classes is None:
+        raise _Unreadable("the StorageClasses could not be read")
+    # a StorageClass keeps its fields at the top level, not under `spec`
+    provisioner = mapping(storage.classes.get(class_name)).get("provisioner")
+    if not isinstance(provisioner, str) or not provisioner:
+        return None
+    return provisioner, f"{provisioner}/claim {key}"
+
+
+def _bound_volume(name: str, storage: Storage, whose: str) -> tuple[str, str] | None:
+    read, volume = storage.volume(name)
+    if not read:
+        raise _Unreadable(f"volume {name} of {whose} could not be read")
+    csi = mapping(spec(volume).get("csi"))
+    driver, handle = csi.get("driver"), csi.get("volumeHandle")
+    if volume is None or not isinstance(driver, str) or not isinstance(handle, str):
+        return None
+    return driver, f"{driver}/{handle}"
+
+
+def _claim_volume(key: str, storage: Storage, arriving: bool) -> tuple[str, str] | None:
+    """The CSI volume a claim stands for, or None where kube-scheduler counts none."""
+    read, claim = storage.claim(key)
+    if not read:
+        raise _Unreadable(f"claim {key} could not be read")
+    if claim is None:
+        if arriving:
+            raise _Unreadable(f"claim {key} does not exist")
+        return None  # kube-scheduler skips a missing claim of a pod already there
+    claim_spec = spec(claim)
+    volume = str(claim_spec.get("volumeName") or "")
+    if volume:
+        read, pv = storage.volume(volume)
+        if not read or pv is not None:
+            return _bound_volume(volume, storage, f"claim {key}")
+    # not bound yet, or to a volume that is not there: counted by its class
+    name = _class_name(claim_spec, mapping(meta(claim).get("annotations")))
+    return _provisioned(name, key, storage)
+
+
+def _pod_volumes(
+    pod: Mapping[str, Any], storage: Storage, arriving: bool
+) -> Iterator[tuple[str, str]]:
+    """(driver, volume) for every counted volume of the pod. An arriving pod's generic
+    ephemeral volume is a new one of its template's class: its new copy gets a claim of its own."""
+    ns = namespace(pod)
+    pod_name = str(meta(pod).get("name") or "")
+    for volume in items(spec(pod).get("volumes")):
+        volume = mapping(volume)
+        claim = mapping(volume.get("persistentVolumeClaim"))
+        ephemeral = mapping(volume.get("ephemeral"))
+        found: tuple[str, str] | None = None
+        if claim:
+            found = _claim_volume(f"{ns}/{claim.get('claimName') or ''}", storage, arriving)
+        elif ephemeral:
+            key = f"{ns}/{pod_name}-{volume.get('name') or ''}"
+            if arriving:
+                template = spec(ephemeral.get("volumeClaimTemplate"))
+                class_name = _class_name(template, {})
+                if not class_name and storage.classes is not None:
+                    class_name = _default_class(storage.classes)
+                found = _provisioned(class_name, f"{key} (new)", storage)
+            else:
+                found = _claim_volume(key, storage, arriving=False)
+        if found is not None:
+            yield found
+
+
+def needs_counting(pods: Sequence[Mapping[str, Any]], storage: Storage) -> bool:
+    """Whether pods sent to a node may have volumes to count against its attach limits: an
+    ephemeral volume, or a claim not known to be bound to a volume of another kind. Only then
+    does `attach_refusal` need the node's CSINode, its pods' claims and the lists."""
+    for pod in pods:
+        ns = namespace(pod)
+        for volume in items(spec(pod).get("volumes")):
+            volume = mapping(volume)
+            if volume.get("ephemeral") is not None:
+                return True
+            claim = volume.get("persistentVolumeClaim")
+            if claim is None:
+                continue
+            _, found = storage.claim(f"{ns}/{mapping(claim).get('claimName') or ''}")
+            pv = str(spec(found).get("volumeName") or "")
+            _, bound = storage.volume(pv) if pv else (False, None)
+            if bound is None or spec(bound).get("csi") is not None:
+                return True
+    return False
+
+
+def claims_there(pod: Mapping[str, Any]) -> list[str]:
+    """`namespace/name` of every claim a pod on a node holds, its generic ephemeral volumes'
+    (`<pod>-<volume>`) among them: what counting its volumes reads."""
+    ns, pod_name = namespace(pod), str(meta(pod).get("name") or "")
+    keys = []
+    for volume in items(spec(pod).get("volumes")):
+        volume = mapping(volume)
+        claim = volume.get("persistentVolumeClaim")
+        if claim is not None:
+            keys.append(f"{ns}/{mapping(claim).get('claimName') or ''}")
+        elif volume.get("ephemeral") is not None:
+            keys.append(f"{ns}/{pod_name}-{volume.get('name') or ''}")
+    return keys
+
+
+def _attached(node: str, storage: Storage) -> Iterator[tuple[str, str]]:
+    """(driver, volume) of every VolumeAttachment that names the node."""
+    if storage.attachments is None:
+        raise _Unreadable("the VolumeAttachments could not be read")
+    for va in storage.attachments:
+        va_spec = spec(va)
+        driver = va_spec.get("attacher")
+        if va_spec.get("nodeName") != node or not isinstance(driver, str):
+            continue
+        source = mapping(va_spec.get("source"))
+        pv = source.get("persistentVolumeName")
+        if isinstance(pv, str) and pv:
+            found = _bound_volume(pv, storage, f"VolumeAttachment {meta(va).get('name')}")
+            if found is not None:  # named by its attacher, as kube-scheduler names it
+                yield driver, f"{driver}/{found[1].partition('/')[2]}"
+            continue
+        handle = field(source, "inlineVolumeSpec", "csi", "volumeHandle")
+        if isinstance(handle, str):
+            yield driver, f"{driver}/{handle}"
+
+
+def attach_refusal(
+    node: Mapping[str, Any],
+    staying: Sequence[Mapping[str, Any]],
+    arriving: Sequence[Mapping[str, Any]],
+    storage: Storage,
+) -> str | None:
+    """Why kube-scheduler's NodeVolumeLimits would keep one of `arriving` off `node`, with
+    `staying` (the pods still there once the plan's moved pods have left) on it, or None."""
+    name = node_name(node)
+    try:
+        new: dict[str, str] = {}
+        for pod in arriving:
+            new.update((v, d) for d, v in _pod_volumes(pod, storage, arriving=True))
+        if not new:
+            return None
+        if storage.csinodes is None:
+            raise _Unreadable("the CSINodes could not be read")
+        caps = limits(storage.csinodes.get(name))
+        if not caps.keys() & set(new.values()):
+            return None
+        there: dict[str, str] = {}
+        for pod in staying:
+            there.update((v, d) for d, v in _pod_volumes(pod, storage, arriving=False))
+        attached = {v: d for d, v in _attached(name, storage) if v not in there}
+    except _Unreadable as exc:
+        return f"its volumes cannot be counted against node {name}'s attach limits: {exc}"
+    for driver, cap in sorted(caps.items()):
+        # a volume only an attachment holds is new all the same: kube-scheduler counts it twice
+        added = [v for v, d in new.items() if d == driver and v not in there]
+        if not added:
+            continue
+        held = sum(d == driver for d in [*there.values(), *attached.values()])
+        if held + len(added) > cap:
+            return f"node {name} takes {cap} volumes of {driver} and would hold {held + len(added)}"
+    return None

@@ -1,0 +1,275 @@
+"""A node's CSI attach limits are judged as the real kube-scheduler judges them.
+
+Before it evicts a running pod, `serve --repack` checks that the pod's re-created copy may attach
+its CSI volumes where the plan sends it (`attach_limits.attach_refusal`), as kube-scheduler's
+NodeVolumeLimits filter does: a driver's limit is `allocatable.count` in the node's CSINode, and
+the volumes (`driver/volumeHandle`, each once) already on the node plus the arriving pod's new
+ones must not exceed it. Here 10 claim shapes meet 4 nodes: limits of 1 and 2 for driver a, 1 and
+0 for driver b, driver a listed without a count, and no CSINode at all. Holder pods are created
+with `spec.nodeName` set (no scheduler, no kubelet: kube-scheduler counts an assigned pod's
+volumes all the same) and claims are bound as the PV controller binds them, so no controller is
+needed. Each probe is pinned to one node by a `metadata.name` field; kube-scheduler places it
+exactly when vramsched's check passes the node.
+
+Two volumes share a handle and one handle is used by both drivers, so a volume is told by its
+driver and handle, not by its PV's name; a hostPath volume is not counted; a probe mounting one
+claim twice counts it once. VolumeAttachments name w1 and w2: kube-scheduler counts them since
+1.32 (as `attacher/handle` of their PV, under the attacher; vramsched counts them on every
+version), 1.20 does not: those verdicts are `OLD_NO_ATTACHMENTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes.client
+import pytest
+from controlplane import ControlPlane
+from verdicts import probe_alone
+
+from extender.attach_limits import attach_refusal
+from extender.volume_rules import Storage
+
+#: what the PV controller sets on a claim once it is bound
+BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
+
+NS = "default"
+SCHEDULER = "vramsched"
+A = "a.csi.example.com"
+B = "b.csi.example.com"
+
+NODES = ("w1", "w2", "w3", "w4")
+
+#: node -> its CSINode's drivers: driver -> allocatable count, or None for a driver listed without
+#: one (no limit); w3 has no CSINode at all
+CSI_NODES: dict[str, dict[str, int | None]] = {
+    "w1": {A: 1},
+    "w2": {A: 2, B: 1},
+    "w4": {A: None, B: 0},
+}
+
+#: volume -> (CSI driver or None for a hostPath volume, volume handle); claim `c-<volume>` is
+#: bound to each
+VOLUMES: dict[str, tuple[str | None, str]] = {
+    "a-1": (A, "disk-1"),
+    "a-1-alias": (A, "disk-1"),  # another PV of the same disk
+    "a-2": (A, "disk-2"),
+    "a-3": (A, "disk-3"),
+    "a-4": (A, "disk-4"),
+    "a-va": (A, "disk-va"),
+    "a-5": (A, "disk-5"),
+    "b-1": (B, "disk-5"),  # the same handle as a-5's, of another driver
+    "host": (None, ""),
+}
+
+#: holder pod -> (the node it is on, the claims it mounts)
+HOLDERS: dict[str, tuple[str, list[str]]] = {
+    "hold-w1": ("w1", ["c-a-1"]),
+    "hold-w2": ("w2", ["c-a-2", "c-host"]),  # a hostPath volume is not counted
+    "hold-w4": ("w4", ["c-a-5"]),
+}
+
+#: VolumeAttachment -> (node, attacher, volume)
+ATTACHMENTS: dict[str, tuple[str, str, str]] = {
+    "va-w1": ("w1", A, "a-1"),  # the volume hold-w1 mounts: counted once
+    "va-w1-by-b": ("w1", B, "a-3"),  # counted as `b/disk-3`, of b: w1 still lacks `a/disk-3`
+    "va-w2": ("w2", A, "a-va"),  # no pod mounts it
+    "va-w2-hostpath": ("w2", A, "host"),  # not a CSI volume: not counted
+    "va-w2-gone": ("w2", A, "pv-gone"),  # no such volume: not counted
+}
+
+#: probe shape -> the claims it mounts
+SHAPES: dict[str, list[str]] = {
+    "no-claims": [],
+    "host": ["c-host"],
+    "held-on-w1": ["c-a-1"],
+    "alias-of-held-on-w1": ["c-a-1-alias"],
+    "held-on-w2": ["c-a-2"],
+    "new-a": ["c-a-3"],
+    "new-a-twice": ["c-a-3", "c-a-4"],
+    "one-claim-twice": ["c-a-3", "c-a-3"],
+    "attached-on-w2": ["c-a-va"],
+    "b": ["c-b-1"],
+}
+
+#: shapes 1.20's kube-scheduler judges otherwise on one node: it does not count VolumeAttachments
+#: (1.32 does, and vramsched follows it), so w2 has room for one more volume of driver a. And 1.32
+#: counts the attached volume that no pod on w2 mounts twice when the arriving pod mounts it (it
+#: takes only the pods' volumes off the arriving pod's, not the attached ones): `attached-on-w2`
+#: does not fit on w2 there, though it is the same volume
+OLD_NO_ATTACHMENTS = {
+    ("held-on-w1", "w2"),
+    ("alias-of-held-on-w1", "w2"),
+    ("new-a", "w2"),
+    ("one-claim-twice", "w2"),
+    ("attached-on-w2", "w2"),
+}
+
+
+def _is(key: str, *values: str) -> dict[str, Any]:
+    return {"key": key, "operator": "In", "values": list(values)}
+
+
+def _csi_node(name: str, drivers: dict[str, int | None]) -> dict[str, Any]:
+    entries = []
+    for driver, count in drivers.items():
+        entry: dict[str, Any] = {"name": driver, "nodeID": f"{name}-id", "topologyKeys": None}
+        if count is not None:
+            entry["allocatable"] = {"count": count}
+        entries.append(entry)
+    return {"metadata": {"name": name}, "spec": {"drivers": entries}}
+
+
+def _volume(name: str, driver: str | None, handle: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "capacity": {"storage": "1Gi"},
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": "manual",
+    }
+    if driver is None:
+        spec["hostPath"] = {"path": f"/tmp/{name}"}
+    else:
+        spec["csi"] = {"driver": driver, "volumeHandle": handle}
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+def _claim(name: str, volume: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": NS, "annotations": {BIND_COMPLETED: "yes"}},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "manual",
+            "resources": {"requests": {"storage": "1Gi"}},
+            "volumeName": volume,
+        },
+    }
+
+
+def _attachment(name: str, node: str, attacher: str, volume: str) -> dict[str, Any]:
+    source = {"persistentVolumeName": volume}
+    return {
+        "metadata": {"name": name},
+        "spec": {"attacher": attacher, "nodeName": node, "source": source},
+    }
+
+
+def _pod(name: str, claims: list[str], spec: dict[str, Any]) -> dict[str, Any]:
+    spec = {
+        "containers": [{"name": "app", "image": "busybox"}],
+        "volumes": [
+            {"name": f"v{i}", "persistentVolumeClaim": {"claimName": c}}
+            for i, c in enumerate(claims)
+        ],
+        **spec,
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def _holder(name: str, node: str, claims: list[str]) -> dict[str, Any]:
+    """A pod already on `node`: created with `spec.nodeName`, so no scheduler places it (and,
+    with no kubelet, it stays Pending there)."""
+    return _pod(name, claims, {"nodeName": node, "schedulerName": "nobody"})
+
+
+def _probe(name: str, claims: list[str], node: str) -> dict[str, Any]:
+    """A pod for SCHEDULER that only `node` may take."""
+    terms = [{"matchFields": [_is("metadata.name", node)]}]
+    affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
+    return _pod(name, claims, {"schedulerName": SCHEDULER, "affinity": {"nodeAffinity": affinity}})
+
+
+def _objects(
+    core: kubernetes.client.CoreV1Api,
+    storage_v1: kubernetes.client.StorageV1Api,
+    api: kubernetes.client.ApiClient,
+) -> list[dict[str, Any]]:
+    """Every object of the kinds the rule reads, as listed, each with its "kind"."""
+    lists: dict[str, list[Any]] = {
+        "PersistentVolume": core.list_persistent_volume().items,
+        "PersistentVolumeClaim": core.list_namespaced_persistent_volume_claim(NS).items,
+        "CSINode": storage_v1.list_csi_node().items,
+        "VolumeAttachment": storage_v1.list_volume_attachment().items,
+        "StorageClass": storage_v1.list_storage_class().items,
+    }
+    return [
+        {"kind": kind, **api.sanitize_for_serialization(o)}
+        for kind, items in lists.items()
+        for o in items
+    ]
+
+
+def _gone(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Delete (or unblock) something the test made; one it never made is no error."""
+    try:
+        call(*args, **kwargs)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+@pytest.mark.e2e
+def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
+    cluster: ControlPlane,
+) -> None:
+    """Every shape on every node: kube-scheduler places it exactly when vramsched's rule passes
+    it (but for `OLD_NO_ATTACHMENTS` on 1.20)."""
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    for name in NODES:
+        cluster.create_gpu_node(name)
+    try:
+        for name, drivers in CSI_NODES.items():
+            storage_v1.create_csi_node(_csi_node(name, drivers))
+        for name, (driver, handle) in VOLUMES.items():
+            core.create_persistent_volume(_volume(name, driver, handle))
+            core.create_namespaced_persistent_volume_claim(NS, _claim(f"c-{name}", name))
+        for name, (node, attacher, volume) in ATTACHMENTS.items():
+            storage_v1.create_volume_attachment(_attachment(name, node, attacher, volume))
+        for name, (node, claims) in HOLDERS.items():
+            core.create_namespaced_pod(NS, _holder(name, node, claims))
+
+        nodes = {n: api.sanitize_for_serialization(core.read_node(n)) for n in NODES}
+        staying_on: dict[str, list[dict[str, Any]]] = {n: [] for n in NODES}
+        for name, (node, _) in HOLDERS.items():
+            held = api.sanitize_for_serialization(core.read_namespaced_pod(name, NS))
+            staying_on[node].append(held)
+        storage = Storage.from_objects(_objects(core, storage_v1, api))
+
+        old = cluster.release.minor < (1, 32)
+        disagree, placed = [], dict.fromkeys(NODES, 0)
+        theirs_on: dict[tuple[str, str], bool] = {}
+        for i, (shape, claims) in enumerate(SHAPES.items()):
+            for node in NODES:
+                theirs, stored = probe_alone(cluster, _probe(f"probe-{i}-{node}", claims, node))
+                ours = attach_refusal(nodes[node], staying_on[node], [stored], storage)
+                differs = (ours is None) != theirs
+                expected = old and (shape, node) in OLD_NO_ATTACHMENTS
+                if differs != expected:
+                    disagree.append(
+                        f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}"
+                        + (" (they should differ on this version)" if expected else "")
+                    )
+                placed[node] += theirs
+                theirs_on[shape, node] = theirs
+        assert not disagree, "\n".join(disagree)
+        # the VolumeAttachment's volume is counted exactly where the version says so
+        assert {theirs_on[s] for s in OLD_NO_ATTACHMENTS} == {old}, theirs_on
+        # a node with limits takes some shapes and refuses others; a node with none takes all
+        assert all(0 < placed[n] < len(SHAPES) for n in CSI_NODES), placed
+        assert placed["w3"] == len(SHAPES), placed
+        assert not theirs_on["new-a", "w1"], theirs_on
+    finally:
+        for name in HOLDERS:
+            _gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
+        for name in ATTACHMENTS:
+            _gone(storage_v1.delete_volume_attachment, name)
+        for name in CSI_NODES:
+            _gone(storage_v1.delete_csi_node, name)
+        for name in VOLUMES:
+            unheld = {"metadata": {"finalizers": None}}
+            _gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
+            _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
+            _gone(core.patch_persistent_volume, name, unheld)
+            _gone(core.delete_persistent_volume, name)
