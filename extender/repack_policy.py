@@ -32,6 +32,7 @@ from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.quantity import format_bytes
 from extender.target_rules import target_problem
+from extender.volume_rules import Storage
 
 __all__ = [
     "MOVABLE",
@@ -167,16 +168,18 @@ def plan_target_problem(
     blocked: Mapping[str, Any],
     placement: Reservation,
     moves: Sequence[PlannedMove],
+    storage: Storage | None = None,
 ) -> tuple[str, str | None] | None:
     """`target_problem` for a repack plan: the blocked pod and every moved pod sent where the plan
-    says, the moved pods gone from where they were. None, or (why, the moved pod to leave out of
-    the next plan; None when only the blocked pod is at fault)."""
+    says, the moved pods gone from where they were (with `storage`, attach limits checked too).
+    None, or (why, the moved pod to leave out of the next plan; None when only the blocked pod is
+    at fault)."""
     sent: list[tuple[str | None, Mapping[str, Any], str]] = [(None, blocked, placement.node)]
     for m in moves:
         moved = pods.get(m.pod.key)
         if moved is not None:
             sent.append((m.pod.key, moved, m.target.node))
-    return target_problem(nodes, pods, sent, {m.pod.key for m in moves})
+    return target_problem(nodes, pods, sent, {m.pod.key for m in moves}, storage)
 
 
 # ----- the budget ----------------------------------------------------------------------------------

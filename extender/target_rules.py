@@ -8,7 +8,8 @@ what kube-scheduler checks, or the evicted pod's new copy waits for a node it ma
 - `schedulable_on`: the node's labels (`nodeSelector`, required node affinity), taints, cordon,
   and, given the claims and volumes read (`volume_rules.Storage`), where the pod's volumes reach;
 - `room_problem`: the node's pod count, host ports and every resource beside CPU, memory and GPUs;
-- `target_problem`: both of the last for every node, then required pod affinity and anti-affinity
+- `target_problem`: both of the last for every node (with the storage read, its CSI attach
+  limits too: `attach_limits`), then required pod affinity and anti-affinity
   (`pod_affinity`) and `DoNotSchedule` topology spread (`topology_spread`), on the cluster as it
   will be once the moved pods are gone;
 - `node_masks`: `schedulable_on` for every node at once, for a model to offer only those.
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from extender.attach_limits import attach_refusal, needs_counting
 from extender.demand import TERMINAL_PHASES, DemandError, pod_requests
 from extender.inventory import is_gpu_resource
 from extender.node_rules import node_affinity_refusal, node_labels, node_name, untolerated_taint
@@ -178,13 +180,14 @@ def target_problem(
     pods: Mapping[str, Mapping[str, Any]],
     sent: Sequence[tuple[str | None, Mapping[str, Any], str]],
     leaving: Set[str],
+    storage: Storage | None = None,
 ) -> tuple[str, str | None] | None:
     """What kube-scheduler would say to pods sent to nodes, on the rules a plan does not model:
-    `room_problem` for every node they go to, then required inter-pod (anti-)affinity
-    (`pod_affinity`) and topology spread (`topology_spread`) for each, among the cluster's pods
-    (`pods`, by key) less those `leaving`. `sent`: (a key to blame or None, the pod, its node).
-    None, or (why, the key to blame: the pod that breaks a rule, or the last one sent to a node
-    without room)."""
+    `room_problem` for every node they go to and, with `storage`, its CSI attach limits
+    (`attach_limits`), then required inter-pod (anti-)affinity (`pod_affinity`) and topology
+    spread (`topology_spread`) for each, among the cluster's pods (`pods`, by key) less those
+    `leaving`. `sent`: (a key to blame or None, the pod, its node). None, or (why, the key to
+    blame: the pod that breaks a rule, or the last one sent to a node without room)."""
     staying: list[tuple[Mapping[str, Any], str]] = []
     for key, running in pods.items():
         where = spec(running).get("nodeName")
@@ -198,13 +201,17 @@ def target_problem(
     for name in dict.fromkeys(node for _, _, node in sent):
         node = nodes.get(name)
         there = [p for _, p, n in sent if n == name]
-        why = None
+        why, to_blame = None, [(k, p) for k, p, n in reversed(sent) if n == name]
         if node is not None:
-            why = room_problem(node, [p for p, n in staying if n == name], there)
+            kept = [p for p, n in staying if n == name]
+            why = room_problem(node, kept, there)
+            if why is None and storage is not None:
+                why = attach_refusal(node, kept, there, storage)
+                # the pods without volumes to count are not what fills the node's limit
+                to_blame = [(k, p) for k, p in to_blame if needs_counting([p], storage)]
         if why is not None:
             # leave out the last pod moved there, so that the next plan may send it elsewhere
-            who = next((k for k, _, n in reversed(sent) if n == name and k is not None), None)
-            return why, who
+            return why, next((k for k, _ in to_blame if k is not None), None)
     labels_of = {name: node_labels(node) for name, node in nodes.items()}
     final = staying + [(p, n) for _, p, n in sent]
     # a pod stating no pod affinity meets only the terms of pods that state some

@@ -36,6 +36,8 @@ class FakeApi:
     # ----- informer side ----------------------------------------------------------------------------
     def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
         self.calls.append(("list", kind))
+        if kind not in self.lists:  # a kind no test scripted: as if the RBAC did not allow it
+            raise ApiError(403, "Forbidden", f"{kind} is forbidden")
         if not self.lists[kind]:
             self._exhausted(kind)
             raise ApiError(0, "Exhausted", "no more scripted lists")

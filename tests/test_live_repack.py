@@ -873,6 +873,70 @@ async def test_a_pod_whose_claim_cannot_be_read_is_not_moved(world: Any) -> None
     )
 
 
+#: the CSI driver of the attach-limit tests' disks
+DISK = "disk.csi.example.com"
+
+
+def with_disk(w: World, p: dict[str, Any]) -> None:
+    """As `with_claim`, with a CSI disk that reaches every node: only attach limits bound it."""
+    with_claim(w, p, "any")
+    claim = p["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    w.api.volumes[f"pv-{claim}"]["spec"] = {"csi": {"driver": DISK, "volumeHandle": claim}}
+
+
+def attach_lists(w: World, limit: int) -> None:
+    """Node a takes `limit` disks, b any number; no VolumeAttachments, no StorageClasses. Each
+    list answers every attempt (a plan refused is made again)."""
+    nodes = [
+        {"metadata": {"name": n}, "spec": {"drivers": [{"name": DISK, "nodeID": n, **count}]}}
+        for n, count in (("a", {"allocatable": {"count": limit}}), ("b", {}))
+    ]
+    for kind, found in (("csinodes", nodes), ("volumeattachments", []), ("storageclasses", [])):
+        w.api.lists[kind] = [(found, "1")] * 4
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_a_move_keeps_to_the_targets_attach_limit(world: Any, limit: int) -> None:
+    """The only move takes m2 and its disk to a, where f1 holds a disk of the same driver. With
+    room for two, m2 moves; with room for one, kube-scheduler would keep its new copy off a, so
+    nothing is evicted and the waiting pod is told why."""
+    pods = fragmented()
+    w = world(pods)
+    for p in pods:
+        if p["metadata"]["name"] in ("f1", "m2"):
+            with_disk(w, p)
+    attach_lists(w, limit)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    reads = [c[1:] for c in w.api.calls if c[0] in ("read_claim", "list") and c[1] != "pods"]
+    assert ("default", "data-f1") in reads and ("csinodes",) in reads
+    if limit == 2:
+        assert w.evictions.real() == ["m2"]
+        return
+    assert w.evictions.calls == [] and w.repacker.stats.refused == 1
+    (told,) = [e["message"] for e in await w.events()]
+    assert told == (
+        "no repack now: no plan within 3 move(s) of movable pods (left out: default/m2: "
+        f"pod default/m2 may not move there: node a takes 1 volumes of {DISK} and would hold 2)"
+    )
+
+
+async def test_unlisted_attach_limits_keep_a_disk_in_place(world: Any) -> None:
+    """The same move, with the CSINodes not listable (no RBAC for them): vramsched cannot count
+    the disks on a, so m2 stays."""
+    pods = fragmented()
+    w = world(pods)
+    for p in pods:
+        if p["metadata"]["name"] == "m2":
+            with_disk(w, p)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == []
+    (told,) = [e["message"] for e in await w.events()]
+    assert "its volumes cannot be counted against node a's attach limits" in told, told
+    assert "the CSINodes could not be read" in told, told
+
+
 async def test_the_blocked_pod_is_planned_only_where_its_volume_reaches(world: Any) -> None:
     """As the nodeSelector test above, with the blocked pod kept to b by its claim's volume."""
     p = pod("p", "14Gi", uid="p")

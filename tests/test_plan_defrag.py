@@ -50,8 +50,8 @@ def cluster_objects() -> list[dict]:
 
 
 class StubApi(BaseHTTPRequestHandler):
-    """GET /api/v1/nodes, pods, persistentvolumeclaims and persistentvolumes: the objects as one
-    page of a List."""
+    """GET /api/v1/nodes, pods, persistentvolumeclaims and persistentvolumes, and storage.k8s.io's
+    csinodes, volumeattachments and storageclasses: the objects as one page of a List."""
 
     objects: list[dict] = []
     #: answer 403 to the claims and volumes, as a role without them does
@@ -67,6 +67,9 @@ class StubApi(BaseHTTPRequestHandler):
             "/api/v1/pods": "Pod",
             "/api/v1/persistentvolumeclaims": "PersistentVolumeClaim",
             "/api/v1/persistentvolumes": "PersistentVolume",
+            "/apis/storage.k8s.io/v1/csinodes": "CSINode",
+            "/apis/storage.k8s.io/v1/volumeattachments": "VolumeAttachment",
+            "/apis/storage.k8s.io/v1/storageclasses": "StorageClass",
         }
         if path not in kinds:
             self.send_error(404)
@@ -220,6 +223,61 @@ def test_a_pod_moves_only_where_its_volume_reaches(api_server, tmp_path, capsys)
     assert "default/a" not in {m["pod"] for m in json.loads(out)["moves"]}
     assert err.startswith("vramsched plan-defrag: cannot list claims and volumes from the API")
     assert err.endswith("; pods with claims stay put\n") and err.count("\n") == 1
+
+
+def with_disks(objects: list[dict], limit: int) -> list[dict]:
+    """Pods a (on g0) and c (on g1) each mount a CSI disk of one driver; g1's CSINode takes
+    `limit` of them. c is kept to g1 by a nodeSelector, so a plan that frees two GPUs moves a
+    and b to g1."""
+    driver = "disk.csi.example.com"
+    objects[1]["metadata"]["labels"]["pool"] = "b"
+    objects[4]["spec"]["nodeSelector"] = {"pool": "b"}
+    extra: list[dict] = [
+        {
+            "kind": "CSINode",
+            "metadata": {"name": "g1"},
+            "spec": {
+                "drivers": [{"name": driver, "nodeID": "g1", "allocatable": {"count": limit}}]
+            },
+        }
+    ]
+    for p in (objects[2], objects[4]):
+        name, ns = p["metadata"]["name"], p["metadata"]["namespace"]
+        p["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": name}}]
+        extra.append(
+            {
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"volumeName": f"pv-{name}"},
+            }
+        )
+        csi = {"driver": driver, "volumeHandle": name}
+        extra.append(
+            {"kind": "PersistentVolume", "metadata": {"name": f"pv-{name}"}, "spec": {"csi": csi}}
+        )
+    return [*objects, *extra]
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_move_keeps_to_the_targets_attach_limit(api_server, tmp_path, capsys, limit):
+    """Without limits a and b move to g1. Where g1 takes one disk and c's is there, a's move is
+    left out and said, read from a file or from the API; where it takes two, a moves."""
+    objects = with_disks(cluster_objects(), limit)
+    found = plan(capsys, "--cluster", _write(tmp_path, objects))
+    moved = {m["pod"]: m["to_node"] for m in found["moves"]}
+    if limit == 2:
+        assert moved == {"default/a": "g1", "default/b": "g1"} and found["leftOut"] == {}
+        return
+    assert moved.get("default/a") != "g1"
+    assert found["leftOut"] == {
+        "default/a": "node g1 takes 1 volumes of disk.csi.example.com and would hold 2"
+    }
+    StubApi.objects = objects
+    assert plan(capsys, "--kubeconfig", str(api_server)) == found
+    # a file without the CSINodes cannot tell: a stays, and says why
+    no_limits = [o for o in objects if o["kind"] != "CSINode"]
+    unread = plan(capsys, "--cluster", _write(tmp_path, no_limits))
+    assert "the CSINodes could not be read" in unread["leftOut"]["default/a"]
 
 
 def test_a_move_that_breaks_anti_affinity_is_left_out_and_said(tmp_path, capsys):

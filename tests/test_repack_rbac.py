@@ -1,5 +1,5 @@
 """deploy/repack grants live repacking exactly the rights it adds (create Evictions, read claims
-and volumes) to the pods' ServiceAccount, the base role does not, and its Deployment patch only
+and volumes, list what CSI attach limits need) to the pods' ServiceAccount, the base role does not, and its Deployment patch only
 adds `--repack`."""
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from test_deploy_rbac import rules_of
 REPACK = DEPLOY / "repack"
 
 
-def test_repack_role_only_creates_evictions_and_reads_claims_and_volumes() -> None:
+def test_repack_role_only_creates_evictions_and_reads_storage() -> None:
     objs = load(REPACK / "rbac.yaml")
     assert rules_of(objs, "ClusterRole", "vramsched-extender-repack") == {
         ("", "pods/eviction", "create", None),
         ("", "persistentvolumeclaims", "get", None),
         ("", "persistentvolumes", "get", None),
+        ("storage.k8s.io", "csinodes", "list", None),
+        ("storage.k8s.io", "volumeattachments", "list", None),
+        ("storage.k8s.io", "storageclasses", "list", None),
     }
     binding = one(objs, "ClusterRoleBinding", "vramsched-extender-repack")
     assert binding["roleRef"] == {

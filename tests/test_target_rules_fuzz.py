@@ -13,6 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extender.attach_limits import attach_refusal
 from extender.pod_affinity import affinity_problem
 from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import spread_problem
@@ -193,3 +194,57 @@ def test_malformed_claims_and_volumes_are_judged_never_crash(
     storage = Storage.from_objects([claim, volume])
     for answer in (volume_refusal(pod, node, storage), schedulable_on(pod, node, storage)):
         assert answer is None or isinstance(answer, str)
+
+
+DISK = "disk.csi.example.com"
+CSI_VOLUME = {
+    "kind": "PersistentVolume",
+    "metadata": {"name": "pv"},
+    "spec": {"csi": {"driver": DISK, "volumeHandle": "h1"}},
+}
+CSI_NODE = {
+    "kind": "CSINode",
+    "metadata": {"name": "a"},
+    "spec": {"drivers": [{"name": DISK, "nodeID": "a", "allocatable": {"count": 1}}]},
+}
+ATTACHMENT = {
+    "kind": "VolumeAttachment",
+    "metadata": {"name": "va"},
+    "spec": {
+        "attacher": DISK,
+        "nodeName": "a",
+        "source": {
+            "persistentVolumeName": "pv",
+            "inlineVolumeSpec": {"csi": {"volumeHandle": "x"}},
+        },
+    },
+}
+CLASS = {
+    "kind": "StorageClass",
+    "metadata": {
+        "name": "fast",
+        "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+    },
+    "provisioner": DISK,
+}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    pod=_mutated(CLAIMED),
+    there=_mutated(CLAIMED),
+    objects=st.tuples(*(_mutated(o) for o in (CLAIM, CSI_VOLUME, CSI_NODE, ATTACHMENT, CLASS))),
+)
+def test_malformed_attach_limit_objects_are_judged_never_crash(
+    pod: Any, there: Any, objects: Any
+) -> None:
+    """`attach_limits` reads CSINodes, VolumeAttachments and StorageClasses besides claims and
+    volumes; any of them malformed gives an answer, not an exception."""
+    storage = Storage.from_objects(objects)
+    node = {"metadata": {"name": "a"}}
+    answer = attach_refusal(node, [there], [pod], storage)
+    assert answer is None or isinstance(answer, str)
+    if isinstance(there.get("spec"), dict):
+        there["spec"]["nodeName"] = "a"  # a pod on the target, its volumes counted there
+    found = target_problem({"a": node}, {"d/t": there}, [("d/p", pod, "a")], set(), storage)
+    assert found is None or (isinstance(found[0], str) and found[1] in (None, "d/p"))

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     storage, unread = load_storage(args)
     if unread is not None:
-        print(f"vramsched plan-defrag: {unread}; pods with claims stay put", file=sys.stderr)
+        print(f"vramsched plan-defrag: {unread}", file=sys.stderr)
     cap = Capacity.from_ledger(cluster.ledger, cluster.cpu_used, cluster.memory_used)
     demands = {}
     for pod in cluster.pods.values():
@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
             for mv in plan.moves
             if (moved := cluster.pods.get(mv.pod)) is not None
         ]
-        problem = target_problem(cluster.nodes, cluster.pods, sent, {mv.pod for mv in plan.moves})
+        leaving = {mv.pod for mv in plan.moves}
+        problem = target_problem(cluster.nodes, cluster.pods, sent, leaving, storage)
         if problem is None:
             break
         why, who = problem

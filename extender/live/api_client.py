@@ -95,6 +95,9 @@ _PATHS = {
     "pods": "/api/v1/pods",
     "persistentvolumeclaims": "/api/v1/persistentvolumeclaims",
     "persistentvolumes": "/api/v1/persistentvolumes",
+    "csinodes": "/apis/storage.k8s.io/v1/csinodes",
+    "volumeattachments": "/apis/storage.k8s.io/v1/volumeattachments",
+    "storageclasses": "/apis/storage.k8s.io/v1/storageclasses",
 }
 
 

@@ -16,7 +16,9 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
    spread). The plan itself keeps the blocked pod and the moved pods to the nodes
    `schedulable_on` allows them, volumes included: the claims of the blocked pod and of every
-   pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put).
+   pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put), and
+   once a plan sends pods with volumes to count, what their targets' CSI attach limits need
+   (`storage_reads.StorageReads`, `attach_limits`).
 3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
    changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
    pod, up to `attempts` plans; nothing has been evicted yet.
@@ -59,7 +61,7 @@ from extender.ledger import Reservation
 from extender.live.api_client import ApiError, KubeApi
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
-from extender.object_fields import spec
+from extender.live.storage_reads import StorageReads
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
@@ -80,7 +82,7 @@ from extender.repack_policy import (
     repack_event,
 )
 from extender.target_rules import node_masks, schedulable_on
-from extender.volume_rules import Storage, claim_keys
+from extender.volume_rules import Storage
 
 __all__ = ["Repacker", "RepackCollector"]
 
@@ -157,6 +159,7 @@ class Repacker:
     ) -> None:
         self.cluster = cluster
         self.api = api
+        self.reads = StorageReads(api, self._call)
         self.evict = evict
         self.plan = plan
         self.budget = budget
@@ -328,6 +331,13 @@ class Repacker:
                 PlannedMove(m.pod, m.demand, m.source, m.target, controllers[m.pod.key])
                 for m in found.moves
             ]
+            sent = [(self.cluster.pod(key) or {}, found.placement.node)] + [
+                (self.cluster.pod(m.pod.key) or {}, m.target.node) for m in moves
+            ]
+            # attach limits on the targets: read only when a pod sent there has volumes to count
+            storage = await self.reads.for_targets(
+                storage, dict(self.cluster.pods), sent, {m.pod.key for m in moves}
+            )
             problem = self._check(demand, found, moves, storage)
             if problem is not None:
                 kind, what, who = problem
@@ -428,7 +438,7 @@ class Repacker:
             refusal = schedulable_on(moved, target, storage)
             if refusal is not None:
                 return "refused", f"pod {m.pod.key} may not move there: {refusal}", m.pod.key
-        problem = plan_target_problem(c.nodes, c.pods, pod, found.placement, moves)
+        problem = plan_target_problem(c.nodes, c.pods, pod, found.placement, moves, storage)
         if problem is not None:
             why, who = problem
             what = (
@@ -441,63 +451,16 @@ class Repacker:
         self, pods: Mapping[str, Mapping[str, Any]], blocked: str
     ) -> tuple[Storage, dict[str, str]]:
         """The claims and volumes of the blocked pod and of every movable pod (`movable`) that holds
-        GPUs, read now (a GET each; most pods have none), and the movable pods whose claims or
-        volumes the API did not answer for (no RBAC, a timeout) with why: those stay where they
-        are, since vramsched cannot tell where their volumes reach."""
-        claims: dict[str, Mapping[str, Any] | None] = {}
-        volumes: dict[str, Mapping[str, Any] | None] = {}
-        #: claim key -> why it could not be read, or its volume
-        unread: dict[str, str] = {}
-        kept: dict[str, str] = {}
+        GPUs (`StorageReads.for_pods`), and the movable pods whose claims or volumes the API did
+        not answer for (no RBAC, a timeout) with why: those stay where they are, since vramsched
+        cannot tell where their volumes reach."""
         holding = {r.key for r in self.cluster.ledger.reservations()}
-        for key, pod in pods.items():
-            if key != blocked and not (key in holding and isinstance(movable(pod), Controller)):
-                continue
-            for claim_key in claim_keys(pod):
-                if (
-                    claim_key.partition("/")[2]
-                    and claim_key not in claims
-                    and claim_key not in unread
-                ):
-                    why = await self._read_claim(claim_key, claims, volumes)
-                    if why is not None:
-                        unread[claim_key] = why
-                if claim_key in unread and key != blocked:
-                    kept.setdefault(key, unread[claim_key])
-        return Storage(claims, volumes), kept
-
-    async def _read_claim(
-        self,
-        claim_key: str,
-        claims: dict[str, Mapping[str, Any] | None],
-        volumes: dict[str, Mapping[str, Any] | None],
-    ) -> str | None:
-        """Read a claim into `claims` and its volume into `volumes`; why one could not be."""
-        namespace, _, name = claim_key.partition("/")
-        why, claim = await self._read(self.api.read_claim, namespace, name)
-        if why is not None:
-            return f"its claim {claim_key} could not be read ({why})"
-        claims[claim_key] = claim
-        volume = str(spec(claim).get("volumeName") or "") if claim else ""
-        if volume and volume not in volumes:
-            why, found = await self._read(self.api.read_volume, volume)
-            if why is not None:
-                return f"volume {volume} of its claim {claim_key} could not be read ({why})"
-            volumes[volume] = found
-        return None
-
-    async def _read(
-        self, fn: Callable[..., Any], *args: Any
-    ) -> tuple[str | None, Mapping[str, Any] | None]:
-        """(None, the object or None if it does not exist), or (why it could not be read, None)."""
-        try:
-            got = await self._call(fn, *args)
-        except ApiError as exc:
-            if exc.status == 404:
-                return None, None
-            log.info("repack could not read", extra={"fields": {"what": args, "why": str(exc)}})
-            return f"{exc.status} {exc.reason}".strip(), None
-        return (None, got) if isinstance(got, Mapping) else ("not an object", None)
+        wanted = [
+            key
+            for key, pod in pods.items()
+            if key == blocked or (key in holding and isinstance(movable(pod), Controller))
+        ]
+        return await self.reads.for_pods(pods, wanted, blocked)
 
     async def _dry_run(self, moves: Sequence[PlannedMove]) -> dict[str, str]:
         """Ask the API server whether each eviction would be accepted now; nothing changes."""

@@ -21,7 +21,7 @@ import orjson
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.inventory import ReplicaPolicy
 from extender.source_file import STORAGE_KINDS, ClusterFileError, read_cluster_file
-from extender.volume_rules import Storage
+from extender.volume_rules import ATTACH_KINDS, Storage
 
 __all__ = [
     "SourceError",
@@ -179,17 +179,27 @@ def load_cluster(args: argparse.Namespace, *, headroom: float = 0.0) -> ClusterS
 
 def load_storage(args: argparse.Namespace) -> tuple[Storage, str | None]:
     """The claims and volumes of the source `load_cluster` read (after it, so the source is
-    known to be readable), and why they could not be read, if so. A file's are those it holds
-    (`kubectl get nodes,pods,pvc,pv -A -o yaml`), none if it holds none. Unread, every pod with
-    a claim stays where it is."""
+    known to be readable), and why they could not be read, if so; with them what CSI attach limits
+    need (`ATTACH_KINDS`). A file's are those it holds (`kubectl get
+    nodes,pods,pvc,pv,csinodes,volumeattachments,storageclasses -A -o yaml`), none if it holds
+    none; a file with no object of the attach kinds has not read them. Unread, every pod with a
+    claim stays where it is (without the attach kinds, every pod whose volumes they would
+    count)."""
     if args.cluster:
         try:
-            return Storage.from_objects(read_cluster_file(args.cluster, STORAGE_KINDS)), None
+            held = list(read_cluster_file(args.cluster, STORAGE_KINDS + ATTACH_KINDS))
         except (ClusterFileError, OSError) as exc:
-            return Storage(), f"cannot read the claims and volumes of {args.cluster}: {exc}"
+            return Storage(), (
+                f"cannot read the claims and volumes of {args.cluster}: {exc}; "
+                "pods with claims stay put"
+            )
+        # a file with any of them was dumped with all three (none of a kind is then none)
+        dumped = any(o.get("kind") in ATTACH_KINDS for o in held)
+        return Storage.from_objects(held, ATTACH_KINDS if dumped else ()), None
     from extender.live.api_client import ApiError, ClientApi, KubeconfigError
 
     kubeconfig = default_kubeconfig(args.kubeconfig)
+    where = kubeconfig or "the in-cluster ServiceAccount"
     objects: list[dict[str, Any]] = []
     try:
         api = ClientApi(kubeconfig)
@@ -197,6 +207,23 @@ def load_storage(args: argparse.Namespace) -> tuple[Storage, str | None]:
             items, _ = api.list(plural)
             objects += [{**item, "kind": kind} for item in items]
     except (ApiError, KubeconfigError) as exc:
-        where = kubeconfig or "the in-cluster ServiceAccount"
-        return Storage(), f"cannot list claims and volumes from the API server ({where}): {exc}"
-    return Storage.from_objects(objects), None
+        return Storage(), (
+            f"cannot list claims and volumes from the API server ({where}): {exc}; "
+            "pods with claims stay put"
+        )
+    listed: list[str] = []
+    unread: list[str] = []
+    for kind, plural in zip(ATTACH_KINDS, ("csinodes", "volumeattachments", "storageclasses")):
+        try:
+            items, _ = api.list(plural)
+        except ApiError as exc:
+            unread.append(f"{plural} ({exc})")
+            continue
+        listed.append(kind)
+        objects += [{**item, "kind": kind} for item in items]
+    if not unread:
+        return Storage.from_objects(objects, listed), None
+    return Storage.from_objects(objects, listed), (
+        f"cannot list {', '.join(unread)} from the API server ({where}); "
+        "pods whose volumes attach limits count stay put"
+    )

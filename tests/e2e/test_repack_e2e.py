@@ -361,11 +361,27 @@ def test_repack_moves_no_replica_beside_one_its_anti_affinity_keeps_away(
     assert repack["moves"] == 0 and repack["refused"] >= 1
 
 
-def bound_claim(api: kubernetes.client.CoreV1Api, name: str, nodes: list[str]) -> None:
-    """Claim `name` in NS, bound (as the PV controller binds) to a local volume on `nodes`."""
+#: the CSI driver of the attach-limit test's disks (no such driver runs: the disks are API
+#: objects, counted by kube-scheduler and vramsched alike)
+DISK = "disk.csi.example.com"
+
+
+def bound_claim(
+    api: kubernetes.client.CoreV1Api, name: str, nodes: list[str], *, disk: bool = False
+) -> None:
+    """Claim `name` in NS, bound (as the PV controller binds) to a local volume on `nodes`, or
+    (`disk`) to a CSI disk of driver DISK that any node may attach."""
     term = {
         "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]
     }
+    source: dict[str, Any] = (
+        {"csi": {"driver": DISK, "volumeHandle": name}}
+        if disk
+        else {
+            "local": {"path": f"/mnt/{name}"},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [term]}},
+        }
+    )
     api.create_persistent_volume(
         {
             "metadata": {"name": f"pv-{name}"},
@@ -373,8 +389,7 @@ def bound_claim(api: kubernetes.client.CoreV1Api, name: str, nodes: list[str]) -
                 "capacity": {"storage": "1Gi"},
                 "accessModes": ["ReadWriteOnce"],
                 "storageClassName": "local",
-                "local": {"path": f"/mnt/{name}"},
-                "nodeAffinity": {"required": {"nodeSelectorTerms": [term]}},
+                **source,
                 "claimRef": {"namespace": NS, "name": name},
             },
         }
@@ -411,13 +426,20 @@ def drop_claim(api: kubernetes.client.CoreV1Api, name: str) -> None:
 
 
 def fill_around(
-    cp: ControlPlane, api: kubernetes.client.CoreV1Api, make_replica: Callable[[], None]
+    cp: ControlPlane,
+    api: kubernetes.client.CoreV1Api,
+    make_replica: Callable[[], None],
+    f1_claim: str | None = None,
 ) -> None:
     """gpu-a: bare pods f1 12Gi + f3 4Gi (8 free); gpu-b: f2 6Gi + the 4Gi replica
     `make_replica` creates (14 free), each node cordoned while the other fills. The replica's
-    binding is the caller's to wait for; gpu-a is uncordoned by the caller once it is bound."""
+    binding is the caller's to wait for; gpu-a is uncordoned by the caller once it is bound.
+    `f1_claim`: f1 mounts that claim."""
     cordon(api, "gpu-b", True)
-    api.create_namespaced_pod(NS, gpu_pod("f1", "12Gi"))
+    f1 = gpu_pod("f1", "12Gi")
+    if f1_claim is not None:
+        f1["spec"]["volumes"] = [{"name": "d", "persistentVolumeClaim": {"claimName": f1_claim}}]
+    api.create_namespaced_pod(NS, f1)
     api.create_namespaced_pod(NS, gpu_pod("f3", "4Gi"))
     assert set(wait_bound(cp, api, ["f1", "f3"]).values()) == {"gpu-a"}
     cordon(api, "gpu-b", False)
@@ -486,6 +508,70 @@ def test_repack_moves_a_pod_with_a_claim_only_where_its_volume_reaches(
         assert_sound(api, ReplicaPolicy.DISTRIBUTED)
     finally:
         drop_claim(api, "web-cache")
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
+@pytest.mark.parametrize("limit", [2, 1])
+def test_repack_keeps_a_moved_disk_within_the_targets_attach_limit(
+    repack_stack: tuple[ControlPlane, Extender, PodLifecycle], limit: int
+) -> None:
+    """The claim test's scene with CSI disks: the web replica's on gpu-b, f1's on gpu-a, and
+    gpu-a's CSINode takes `limit` disks of their driver (listed with the shipped role). Where it
+    takes two, the replica moves and kube-scheduler binds its new copy on gpu-a; where it takes
+    one, nothing is evicted and the waiting pod is told why."""
+    cp, ext, lifecycle = repack_stack
+    api = core(cp)
+    bound_claim(api, "web-disk", [], disk=True)
+    bound_claim(api, "f1-disk", [], disk=True)
+    driver = {"name": DISK, "nodeID": "gpu-a", "allocatable": {"count": limit}}
+    try:
+        with cp.api_client() as client:
+            storage = kubernetes.client.StorageV1Api(client)
+            storage.create_csi_node({"metadata": {"name": "gpu-a"}, "spec": {"drivers": [driver]}})
+            apps = kubernetes.client.AppsV1Api(client)
+            fill_around(
+                cp,
+                api,
+                lambda: apps.create_namespaced_deployment(NS, web_deployment(1, claim="web-disk")),
+                f1_claim="f1-disk",
+            )
+            (before,) = cp.wait_for(
+                lambda: [p for p in web_pods(api) if p.spec.node_name == "gpu-b"],
+                timeout=60,
+                message="the web replica bound to gpu-b",
+            )
+            cordon(api, "gpu-a", False)
+            if limit == 1:
+                _, refused = blocked_and_refused(cp, api, "that the disk may not move")
+                name = f"{NS}/{before.metadata.name}"
+                assert refused[0].endswith(
+                    f"(left out: {name}: pod {name} may not move there: node gpu-a takes 1 "
+                    f"volumes of {DISK} and would hold 2)"
+                ), refused
+                assert [p.metadata.uid for p in web_pods(api)] == [before.metadata.uid]
+                assert lifecycle.terminated == {}
+                return
+            api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+            assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
+            (new,) = cp.wait_for(
+                lambda: [
+                    p
+                    for p in web_pods(api)
+                    if p.metadata.name != before.metadata.name
+                    and p.spec.node_name
+                    and not p.metadata.deletion_timestamp
+                ],
+                timeout=60,
+                message="the re-created web pod bound",
+            )
+            assert new.spec.node_name == "gpu-a"
+            assert set(lifecycle.terminated) == {before.metadata.name}
+    finally:
+        with cp.api_client() as client:
+            kubernetes.client.StorageV1Api(client).delete_csi_node("gpu-a")
+        drop_claim(api, "web-disk")
+        drop_claim(api, "f1-disk")
 
 
 @pytest.mark.e2e

@@ -1,0 +1,138 @@
+"""What live repacking reads of storage before it moves pods: claims, their volumes and, for CSI
+attach limits, the CSINodes, VolumeAttachments and StorageClasses. GETs and LISTs made per repack
+attempt rather than watched: only pods that may move, or nodes a plan sends pods with volumes to,
+need them, and a feature that is off by default should not hold every claim in memory.
+
+Whatever the API does not answer for (no RBAC, a timeout) stays unread in the `Storage` returned,
+and the rules that need it refuse (`volume_rules`, `attach_limits`): vramsched does not move a pod
+where it cannot tell whether its volumes follow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from extender.attach_limits import claims_there, needs_counting
+from extender.demand import TERMINAL_PHASES
+from extender.live.api_client import ApiError, KubeApi
+from extender.object_fields import field, name, spec
+from extender.volume_rules import ATTACH_KINDS, Storage, claim_keys
+
+__all__ = ["StorageReads"]
+
+log = logging.getLogger("vramsched.repack")
+
+#: the API's plural of each of `ATTACH_KINDS`, in its order
+_PLURALS = ("csinodes", "volumeattachments", "storageclasses")
+
+
+class StorageReads:
+    """The reads, through `call` (which runs a blocking `api` method off the event loop)."""
+
+    def __init__(self, api: KubeApi, call: Callable[..., Awaitable[Any]]) -> None:
+        self.api = api
+        self.call = call
+
+    async def for_pods(
+        self, pods: Mapping[str, Mapping[str, Any]], wanted: Collection[str], blocked: str
+    ) -> tuple[Storage, dict[str, str]]:
+        """The claims and volumes of the pods `wanted` (a GET each; most pods have none), and
+        those of them but `blocked` whose claims or volumes could not be read, with why: they
+        stay where they are."""
+        claims: dict[str, Mapping[str, Any] | None] = {}
+        volumes: dict[str, Mapping[str, Any] | None] = {}
+        #: claim key -> why it could not be read
+        unread: dict[str, str] = {}
+        kept: dict[str, str] = {}
+        for key in wanted:
+            for claim_key in claim_keys(pods.get(key) or {}):
+                if (
+                    claim_key.partition("/")[2]
+                    and claim_key not in claims
+                    and claim_key not in unread
+                ):
+                    why = await self.claim(claim_key, claims, volumes)
+                    if why is not None:
+                        unread[claim_key] = why
+                if claim_key in unread and key != blocked:
+                    kept.setdefault(key, unread[claim_key])
+        return Storage(claims, volumes), kept
+
+    async def for_targets(
+        self,
+        storage: Storage,
+        pods: Mapping[str, Mapping[str, Any]],
+        sent: Sequence[tuple[Mapping[str, Any], str]],
+        leaving: Collection[str],
+    ) -> Storage:
+        """`storage` with what counting attach limits on the nodes of `sent` (pod, node) needs,
+        when a pod sent has volumes to count (`attach_limits.needs_counting`): the claims of the
+        pods staying on those nodes, and the three lists. Otherwise `storage` as it is."""
+        targets = {node for pod, node in sent if needs_counting([pod], storage)}
+        if not targets:
+            return storage
+        claims, volumes = dict(storage.claims), dict(storage.volumes)
+        for key, pod in pods.items():
+            if (
+                key in leaving
+                or spec(pod).get("nodeName") not in targets
+                or field(pod, "status", "phase") in TERMINAL_PHASES
+            ):
+                continue
+            for claim_key in claims_there(pod):
+                if claim_key.partition("/")[2] and claim_key not in claims:
+                    await self.claim(claim_key, claims, volumes)  # unread: the check refuses
+        lists: dict[str, list[Mapping[str, Any]]] = {}
+        for kind, plural in zip(ATTACH_KINDS, _PLURALS, strict=True):
+            try:
+                found, _ = await self.call(self.api.list, plural)
+            except ApiError as exc:
+                log.info(
+                    "repack could not list", extra={"fields": {"what": plural, "why": str(exc)}}
+                )
+                continue
+            lists[kind] = [o for o in found if isinstance(o, Mapping)]
+        csinodes = lists.get("CSINode")
+        classes = lists.get("StorageClass")
+        return Storage(
+            claims,
+            volumes,
+            csinodes=None if csinodes is None else {name(o): o for o in csinodes},
+            attachments=lists.get("VolumeAttachment"),
+            classes=None if classes is None else {name(o): o for o in classes},
+        )
+
+    async def claim(
+        self,
+        claim_key: str,
+        claims: dict[str, Mapping[str, Any] | None],
+        volumes: dict[str, Mapping[str, Any] | None],
+    ) -> str | None:
+        """Read a claim into `claims` and its volume into `volumes`; why one could not be."""
+        namespace, _, called = claim_key.partition("/")
+        why, claim = await self.read(self.api.read_claim, namespace, called)
+        if why is not None:
+            return f"its claim {claim_key} could not be read ({why})"
+        claims[claim_key] = claim
+        volume = str(spec(claim).get("volumeName") or "") if claim else ""
+        if volume and volume not in volumes:
+            why, found = await self.read(self.api.read_volume, volume)
+            if why is not None:
+                return f"volume {volume} of its claim {claim_key} could not be read ({why})"
+            volumes[volume] = found
+        return None
+
+    async def read(
+        self, fn: Callable[..., Any], *args: Any
+    ) -> tuple[str | None, Mapping[str, Any] | None]:
+        """(None, the object or None if it does not exist), or (why it could not be read, None)."""
+        try:
+            got = await self.call(fn, *args)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None, None
+            log.info("repack could not read", extra={"fields": {"what": args, "why": str(exc)}})
+            return f"{exc.status} {exc.reason}".strip(), None
+        return (None, got) if isinstance(got, Mapping) else ("not an object", None)
