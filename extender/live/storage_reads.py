@@ -22,7 +22,7 @@ from extender.volume_rules import ATTACH_KINDS, Storage, claim_keys
 
 __all__ = ["StorageReads"]
 
-log = logging.getLogger("vramsched.repack")
+log = logging.getLogger(__name__)
 
 #: the API's plural of each of `ATTACH_KINDS`, in its order
 _PLURALS = ("csinodes", "volumeattachments", "storageclasses")

@@ -449,6 +449,24 @@ def fill_around(
     assert wait_bound(cp, api, ["f2"])["f2"] == "gpu-b"
 
 
+def placed_by_a_move(cp: ControlPlane, api: kubernetes.client.CoreV1Api, moved: str) -> Any:
+    """Create pod p (16Gi), which fits only once the web replica `moved` leaves gpu-b, and wait
+    for p bound there and the replica's new copy bound on gpu-a: that copy."""
+    api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
+    assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
+    (new,) = cp.wait_for(
+        lambda: [
+            p
+            for p in web_pods(api)
+            if p.metadata.name != moved and p.spec.node_name and not p.metadata.deletion_timestamp
+        ],
+        timeout=60,
+        message="the re-created web pod bound",
+    )
+    assert new.spec.node_name == "gpu-a"
+    return new
+
+
 @pytest.mark.e2e
 @pytest.mark.k8s("1.36", reason="build.sh builds no kube-controller-manager for 1.20")
 @pytest.mark.parametrize("reach", ["both nodes", "its node"])
@@ -489,20 +507,7 @@ def test_repack_moves_a_pod_with_a_claim_only_where_its_volume_reaches(
             repack = ext.get("/state")["planner"]["repack"]
             assert repack["moves"] == 0 and repack["none"] >= 1
             return
-        api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
-        assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
-        (new,) = cp.wait_for(
-            lambda: [
-                p
-                for p in web_pods(api)
-                if p.metadata.name != before.metadata.name
-                and p.spec.node_name
-                and not p.metadata.deletion_timestamp
-            ],
-            timeout=60,
-            message="the re-created web pod bound",
-        )
-        assert new.spec.node_name == "gpu-a"
+        new = placed_by_a_move(cp, api, before.metadata.name)
         assert new.spec.volumes[0].persistent_volume_claim.claim_name == "web-cache"
         assert set(lifecycle.terminated) == {before.metadata.name}
         assert_sound(api, ReplicaPolicy.DISTRIBUTED)
@@ -552,20 +557,7 @@ def test_repack_keeps_a_moved_disk_within_the_targets_attach_limit(
                 assert [p.metadata.uid for p in web_pods(api)] == [before.metadata.uid]
                 assert lifecycle.terminated == {}
                 return
-            api.create_namespaced_pod(NS, gpu_pod("p", "16Gi"))
-            assert wait_bound(cp, api, ["p"], timeout=120)["p"] == "gpu-b"
-            (new,) = cp.wait_for(
-                lambda: [
-                    p
-                    for p in web_pods(api)
-                    if p.metadata.name != before.metadata.name
-                    and p.spec.node_name
-                    and not p.metadata.deletion_timestamp
-                ],
-                timeout=60,
-                message="the re-created web pod bound",
-            )
-            assert new.spec.node_name == "gpu-a"
+            placed_by_a_move(cp, api, before.metadata.name)
             assert set(lifecycle.terminated) == {before.metadata.name}
     finally:
         with cp.api_client() as client:
