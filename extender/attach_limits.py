@@ -231,7 +231,9 @@ def attach_refusal(
         added = [v for v, d in new.items() if d == driver and v not in there]
         if not added:
             continue
-        held = sum(d == driver for d in [*there.values(), *attached.values()])
-        if held + len(added) > cap:
-            return f"node {name} takes {cap} volumes of {driver} and would hold {held + len(added)}"
+        count = len(added) + sum(d == driver for d in [*there.values(), *attached.values()])
+        if count > cap:
+            return (
+                f"node {name} attaches at most {cap} volume(s) of {driver} and would hold {count}"
+            )
     return None

@@ -82,7 +82,7 @@ def test_limits_read_counts_and_skip_drivers_without_one() -> None:
 
 def test_a_new_volume_past_the_limit_is_refused() -> None:
     why = attach_refusal(NODE, [pod("holder", "c-pa1")], [pod("p", "c-pa2")], scene())
-    assert why == f"node n1 takes 1 volumes of {A} and would hold 2"
+    assert why == f"node n1 attaches at most 1 volume(s) of {A} and would hold 2"
 
 
 def test_a_volume_already_there_counts_once() -> None:
@@ -135,7 +135,7 @@ def test_claims_not_bound_count_as_new_volumes_of_their_class() -> None:
     storage = scene(sc, claim("c-new", None, "fast"), claim("c-new2", None, "fast"), limit=2)
     assert attach_refusal(NODE, [pod("holder", "c-pa1")], [pod("p", "c-new")], storage) is None
     why = attach_refusal(NODE, [pod("holder", "c-pa1")], [pod("p", "c-new", "c-new2")], storage)
-    assert why == f"node n1 takes 2 volumes of {A} and would hold 3"
+    assert why == f"node n1 attaches at most 2 volume(s) of {A} and would hold 3"
     # a class that is not there, or no class: not counted, as kube-scheduler does
     storage = scene(claim("c-lost-class", None, "gone"), claim("c-no-class", None))
     holder = [pod("holder", "c-pa1")]

@@ -917,7 +917,7 @@ async def test_a_move_keeps_to_the_targets_attach_limit(world: Any, limit: int) 
     (told,) = [e["message"] for e in await w.events()]
     assert told == (
         "no repack now: no plan within 3 move(s) of movable pods (left out: default/m2: "
-        f"pod default/m2 may not move there: node a takes 1 volumes of {DISK} and would hold 2)"
+        f"pod default/m2 may not move there: node a attaches at most 1 volume(s) of {DISK} and would hold 2)"
     )
 
 

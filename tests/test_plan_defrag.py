@@ -270,7 +270,7 @@ def test_a_move_keeps_to_the_targets_attach_limit(api_server, tmp_path, capsys, 
         return
     assert moved.get("default/a") != "g1"
     assert found["leftOut"] == {
-        "default/a": "node g1 takes 1 volumes of disk.csi.example.com and would hold 2"
+        "default/a": "node g1 attaches at most 1 volume(s) of disk.csi.example.com and would hold 2"
     }
     StubApi.objects = objects
     assert plan(capsys, "--kubeconfig", str(api_server)) == found

@@ -551,8 +551,8 @@ def test_repack_keeps_a_moved_disk_within_the_targets_attach_limit(
                 _, refused = blocked_and_refused(cp, api, "that the disk may not move")
                 name = f"{NS}/{before.metadata.name}"
                 assert refused[0].endswith(
-                    f"(left out: {name}: pod {name} may not move there: node gpu-a takes 1 "
-                    f"volumes of {DISK} and would hold 2)"
+                    f"(left out: {name}: pod {name} may not move there: node gpu-a attaches at "
+                    f"most 1 volume(s) of {DISK} and would hold 2)"
                 ), refused
                 assert [p.metadata.uid for p in web_pods(api)] == [before.metadata.uid]
                 assert lifecycle.terminated == {}
