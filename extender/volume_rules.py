@@ -32,7 +32,7 @@ from typing import Any
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
-__all__ = ["ATTACH_KINDS", "Storage", "claim_keys", "volume_refusal"]
+__all__ = ["ATTACH_KINDS", "ATTACH_LISTS", "Storage", "claim_keys", "volume_refusal"]
 
 _BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
 _BETA_REGION = "failure-domain.beta.kubernetes.io/region"
@@ -56,8 +56,13 @@ def claim_keys(pod: Mapping[str, Any]) -> list[str]:
 
 
 #: the kinds `Storage.from_objects` reads, beside claims and volumes: what CSI attach limits need
-#: (`attach_limits`)
-ATTACH_KINDS = ("CSINode", "VolumeAttachment", "StorageClass")
+#: (`attach_limits`), each with the API's plural for it
+ATTACH_LISTS = {
+    "CSINode": "csinodes",
+    "VolumeAttachment": "volumeattachments",
+    "StorageClass": "storageclasses",
+}
+ATTACH_KINDS = tuple(ATTACH_LISTS)
 
 
 @dataclass(frozen=True)

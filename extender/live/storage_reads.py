@@ -18,14 +18,11 @@ from extender.attach_limits import claims_there, needs_counting
 from extender.demand import TERMINAL_PHASES
 from extender.live.api_client import ApiError, KubeApi
 from extender.object_fields import field, name, spec
-from extender.volume_rules import ATTACH_KINDS, Storage, claim_keys
+from extender.volume_rules import ATTACH_LISTS, Storage, claim_keys
 
 __all__ = ["StorageReads"]
 
 log = logging.getLogger(__name__)
-
-#: the API's plural of each of `ATTACH_KINDS`, in its order
-_PLURALS = ("csinodes", "volumeattachments", "storageclasses")
 
 
 class StorageReads:
@@ -85,7 +82,7 @@ class StorageReads:
                 if claim_key.partition("/")[2] and claim_key not in claims:
                     await self.claim(claim_key, claims, volumes)  # unread: the check refuses
         lists: dict[str, list[Mapping[str, Any]]] = {}
-        for kind, plural in zip(ATTACH_KINDS, _PLURALS, strict=True):
+        for kind, plural in ATTACH_LISTS.items():
             try:
                 found, _ = await self.call(self.api.list, plural)
             except ApiError as exc:

@@ -21,7 +21,7 @@ import orjson
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.inventory import ReplicaPolicy
 from extender.source_file import STORAGE_KINDS, ClusterFileError, read_cluster_file
-from extender.volume_rules import ATTACH_KINDS, Storage
+from extender.volume_rules import ATTACH_KINDS, ATTACH_LISTS, Storage
 
 __all__ = [
     "SourceError",
@@ -213,7 +213,7 @@ def load_storage(args: argparse.Namespace) -> tuple[Storage, str | None]:
         )
     listed: list[str] = []
     unread: list[str] = []
-    for kind, plural in zip(ATTACH_KINDS, ("csinodes", "volumeattachments", "storageclasses")):
+    for kind, plural in ATTACH_LISTS.items():
         try:
             items, _ = api.list(plural)
         except ApiError as exc:
