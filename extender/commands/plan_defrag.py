@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from extender.commands.argtypes import number, whole
 from extender.observe.sources import SourceError, add_source_args, load_cluster, load_storage
 from extender.text_table import print_table
 
 __all__ = ["register", "run"]
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from typing import Any
+
+    import numpy as np
+
+    from extender.volume_rules import Storage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,9 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "or a cluster file (--cluster) and proposes the fewest moves of GPU-sharing pods that "
         "free the most whole GPUs. Every move's target has room before any other move, so they "
         "can be done one by one in any order, and kube-scheduler's own rules (node affinity, "
-        "taints, pod affinity, topology spread, where its volumes reach) let the pod's new copy "
-        "there. A pod with PersistentVolumeClaims moves only if its claims and their volumes "
-        "are read: listed from the API server, or in the cluster file. Nothing is evicted.",
+        "taints, pod affinity, topology spread, where its volumes reach, CSI attach limits) let "
+        "the pod's new copy there. A pod with PersistentVolumeClaims moves only if its claims "
+        "and their volumes are read, and one with CSI volumes to another node only if the "
+        "CSINodes, VolumeAttachments and StorageClasses are: listed from the API server, or in "
+        "the cluster file. Nothing is evicted.",
     )
     add_source_args(p, server=False)
     p.add_argument(
@@ -91,7 +102,19 @@ def run(args: argparse.Namespace) -> int:
             continue
         demands[d.pod.key] = (d.cpu_milli, d.memory_bytes, d.resource)
     left_out: dict[str, str] = {}
-    mask = node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names, storage)
+    mask, kept = kept_home(
+        node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names, storage),
+        cluster.pods,
+        cap.arrays.node_names,
+        storage,
+    )
+    if kept and args.cluster:
+        print(
+            f"vramsched plan-defrag: {args.cluster} holds no CSINodes, VolumeAttachments or "
+            f"StorageClasses; {len(kept)} pod(s) whose volumes attach limits count stay on "
+            "their nodes",
+            file=sys.stderr,
+        )
     for _ in range(ATTEMPTS):
         limits = Limits(
             args.max_moves,
@@ -158,3 +181,36 @@ def run(args: argparse.Namespace) -> int:
 
 #: plans tried, each without the pods whose moves kube-scheduler would refuse in the one before
 ATTEMPTS = 3
+
+
+def kept_home(
+    mask: Callable[[str], np.ndarray | None],
+    pods: Mapping[str, Mapping[str, Any]],
+    node_names: Sequence[str],
+    storage: Storage,
+) -> tuple[Callable[[str], np.ndarray | None], list[str]]:
+    """`mask`, with every bound pod whose volumes attach limits would count kept to its own node
+    when what counting needs was not read (a move within the node attaches nothing new): the
+    model then never proposes the moves the check would refuse one by one. And those pods."""
+    import numpy as np
+
+    from extender.attach_limits import needs_counting
+    from extender.object_fields import spec
+
+    if None not in (storage.csinodes, storage.attachments, storage.classes):
+        return mask, []
+    names = np.asarray(node_names, dtype=object)
+    home = {
+        key: str(spec(pod).get("nodeName"))
+        for key, pod in pods.items()
+        if spec(pod).get("nodeName") and needs_counting([pod], storage)
+    }
+
+    def kept(key: str) -> np.ndarray | None:
+        allowed = mask(key)
+        if key not in home:
+            return allowed
+        own: np.ndarray = names == home[key]
+        return own if allowed is None else own & allowed
+
+    return kept, sorted(home)
