@@ -923,7 +923,7 @@ async def test_a_move_keeps_to_the_targets_attach_limit(world: Any, limit: int) 
 
 async def test_unlisted_attach_limits_keep_a_disk_in_place(world: Any) -> None:
     """The same move, with the CSINodes not listable (no RBAC for them): vramsched cannot count
-    the disks on a, so m2 stays."""
+    the disks on a, so m2 is left out before any plan, and stays."""
     pods = fragmented()
     w = world(pods)
     for p in pods:
@@ -931,10 +931,19 @@ async def test_unlisted_attach_limits_keep_a_disk_in_place(world: Any) -> None:
             with_disk(w, p)
     w.filter("default/p")
     await w.step(advance=1.5)
-    assert w.evictions.calls == []
+    assert w.evictions.calls == [] and w.planned == 1
     (told,) = [e["message"] for e in await w.events()]
-    assert "its volumes cannot be counted against node a's attach limits" in told, told
-    assert "the CSINodes could not be read" in told, told
+    assert told == (
+        "no repack now: no plan within 3 move(s) of movable pods (left out: default/m2: its "
+        "volumes cannot be counted against attach limits: the csinodes could not be listed "
+        "(403 Forbidden))"
+    )
+    # read once, before planning: each list is asked for once
+    assert [c[1] for c in w.api.calls if c[0] == "list" and c[1] != "pods"][-3:] == [
+        "csinodes",
+        "volumeattachments",
+        "storageclasses",
+    ]
 
 
 async def test_the_blocked_pod_is_planned_only_where_its_volume_reaches(world: Any) -> None:

@@ -16,9 +16,10 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
    spread). The plan itself keeps the blocked pod and the moved pods to the nodes
    `schedulable_on` allows them, volumes included: the claims of the blocked pod and of every
-   pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put), and
-   once a plan sends pods with volumes to count, what their targets' CSI attach limits need
-   (`storage_reads.StorageReads`, `attach_limits`).
+   pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put),
+   with the lists CSI attach limits need when one of them has CSI volumes, and once a plan sends
+   such pods somewhere, the claims of the pods on their targets (`storage_reads.StorageReads`,
+   `attach_limits`).
 3. **Dry run** every eviction (`dryRun=All`: the API server checks PodDisruptionBudgets and
    changes nothing). A refusal (429: a budget allows no disruption now) plans again without that
    pod, up to `attempts` plans; nothing has been evicted yet.

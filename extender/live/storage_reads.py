@@ -1,7 +1,8 @@
 """What live repacking reads of storage before it moves pods: claims, their volumes and, for CSI
 attach limits, the CSINodes, VolumeAttachments and StorageClasses. GETs and LISTs made per repack
-attempt rather than watched: only pods that may move, or nodes a plan sends pods with volumes to,
-need them, and a feature that is off by default should not hold every claim in memory.
+attempt rather than watched: only pods that may move (the lists only when one of them has CSI
+volumes), and the pods on the nodes a plan sends such pods to, need them, and a feature that is
+off by default should not hold every claim in memory.
 
 Whatever the API does not answer for (no RBAC, a timeout) stays unread in the `Storage` returned,
 and the rules that need it refuse (`volume_rules`, `attach_limits`): vramsched does not move a pod
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from extender.attach_limits import claims_there, needs_counting
@@ -35,9 +37,10 @@ class StorageReads:
     async def for_pods(
         self, pods: Mapping[str, Mapping[str, Any]], wanted: Collection[str], blocked: str
     ) -> tuple[Storage, dict[str, str]]:
-        """The claims and volumes of the pods `wanted` (a GET each; most pods have none), and
-        those of them but `blocked` whose claims or volumes could not be read, with why: they
-        stay where they are."""
+        """The claims and volumes of the pods `wanted` (a GET each; most pods have none) and, when
+        one of them has volumes attach limits would count (`attach_limits.needs_counting`), the
+        three lists those need (a LIST each); and those pods but `blocked` whose claims, volumes
+        or lists could not be read, with why: they stay where they are."""
         claims: dict[str, Mapping[str, Any] | None] = {}
         volumes: dict[str, Mapping[str, Any] | None] = {}
         #: claim key -> why it could not be read
@@ -55,7 +58,16 @@ class StorageReads:
                         unread[claim_key] = why
                 if claim_key in unread and key != blocked:
                     kept.setdefault(key, unread[claim_key])
-        return Storage(claims, volumes), kept
+        storage = Storage(claims, volumes)
+        counted = [k for k in wanted if k not in kept and needs_counting([pods[k]], storage)]
+        if not counted:
+            return storage, kept
+        storage, why = await self._lists(storage)
+        if why is not None:
+            for key in counted:
+                if key != blocked:
+                    kept[key] = f"its volumes cannot be counted against attach limits: {why}"
+        return storage, kept
 
     async def for_targets(
         self,
@@ -64,9 +76,9 @@ class StorageReads:
         sent: Sequence[tuple[Mapping[str, Any], str]],
         leaving: Collection[str],
     ) -> Storage:
-        """`storage` with what counting attach limits on the nodes of `sent` (pod, node) needs,
-        when a pod sent has volumes to count (`attach_limits.needs_counting`): the claims of the
-        pods staying on those nodes, and the three lists. Otherwise `storage` as it is."""
+        """`storage` with the claims of the pods staying on the nodes of `sent` (pod, node) where
+        a pod sent has volumes to count (`attach_limits.needs_counting`): what counting attach
+        limits there needs beside the lists `for_pods` read."""
         targets = {node for pod, node in sent if needs_counting([pod], storage)}
         if not targets:
             return storage
@@ -81,7 +93,13 @@ class StorageReads:
             for claim_key in claims_there(pod):
                 if claim_key.partition("/")[2] and claim_key not in claims:
                     await self.claim(claim_key, claims, volumes)  # unread: the check refuses
+        return replace(storage, claims=claims, volumes=volumes)
+
+    async def _lists(self, storage: Storage) -> tuple[Storage, str | None]:
+        """`storage` with the CSINodes, VolumeAttachments and StorageClasses, and why one of them
+        could not be listed (it stays None, so the check refuses what it would count)."""
         lists: dict[str, list[Mapping[str, Any]]] = {}
+        why = None
         for kind, plural in ATTACH_LISTS.items():
             try:
                 found, _ = await self.call(self.api.list, plural)
@@ -89,17 +107,17 @@ class StorageReads:
                 log.info(
                     "repack could not list", extra={"fields": {"what": plural, "why": str(exc)}}
                 )
+                why = why or f"the {plural} could not be listed ({exc.status} {exc.reason})"
                 continue
             lists[kind] = [o for o in found if isinstance(o, Mapping)]
         csinodes = lists.get("CSINode")
         classes = lists.get("StorageClass")
-        return Storage(
-            claims,
-            volumes,
+        return replace(
+            storage,
             csinodes=None if csinodes is None else {name(o): o for o in csinodes},
             attachments=lists.get("VolumeAttachment"),
             classes=None if classes is None else {name(o): o for o in classes},
-        )
+        ), why
 
     async def claim(
         self,
