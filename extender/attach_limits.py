@@ -28,10 +28,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from extender.node_rules import node_name
-from extender.object_fields import field, items, mapping, meta, namespace, spec
-from extender.volume_rules import Storage
+from extender.object_fields import field, items, mapping, meta, spec
+from extender.volume_rules import Storage, pod_claims
 
-__all__ = ["attach_refusal", "claims_there", "limits", "needs_counting"]
+__all__ = ["attach_refusal", "limits", "needs_counting"]
 
 #: the annotation that makes a StorageClass the default for claims that name none
 DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
@@ -120,25 +120,14 @@ def _pod_volumes(
 ) -> Iterator[tuple[str, str]]:
     """(driver, volume) for every counted volume of the pod. An arriving pod's generic
     ephemeral volume is a new one of its template's class: its new copy gets a claim of its own."""
-    ns = namespace(pod)
-    pod_name = str(meta(pod).get("name") or "")
-    for volume in items(spec(pod).get("volumes")):
-        volume = mapping(volume)
-        claim = mapping(volume.get("persistentVolumeClaim"))
-        ephemeral = mapping(volume.get("ephemeral"))
-        found: tuple[str, str] | None = None
-        if claim:
-            found = _claim_volume(f"{ns}/{claim.get('claimName') or ''}", storage, arriving)
-        elif ephemeral:
-            key = f"{ns}/{pod_name}-{volume.get('name') or ''}"
-            if arriving:
-                template = spec(ephemeral.get("volumeClaimTemplate"))
-                class_name = _class_name(template, {})
-                if not class_name and storage.classes is not None:
-                    class_name = _default_class(storage.classes)
-                found = _provisioned(class_name, f"{key} (new)", storage)
-            else:
-                found = _claim_volume(key, storage, arriving=False)
+    for key, template in pod_claims(pod):
+        if template is not None and arriving:
+            class_name = _class_name(template, {})
+            if not class_name and storage.classes is not None:
+                class_name = _default_class(storage.classes)
+            found = _provisioned(class_name, f"{key} (new)", storage)
+        else:
+            found = _claim_volume(key, storage, arriving and template is None)
         if found is not None:
             yield found
 
@@ -148,35 +137,15 @@ def needs_counting(pods: Sequence[Mapping[str, Any]], storage: Storage) -> bool:
     ephemeral volume, or a claim not known to be bound to a volume of another kind. Only then
     does `attach_refusal` need the node's CSINode, its pods' claims and the lists."""
     for pod in pods:
-        ns = namespace(pod)
-        for volume in items(spec(pod).get("volumes")):
-            volume = mapping(volume)
-            if volume.get("ephemeral") is not None:
+        for key, template in pod_claims(pod):
+            if template is not None:
                 return True
-            claim = volume.get("persistentVolumeClaim")
-            if claim is None:
-                continue
-            _, found = storage.claim(f"{ns}/{mapping(claim).get('claimName') or ''}")
+            _, found = storage.claim(key)
             pv = str(spec(found).get("volumeName") or "")
             _, bound = storage.volume(pv) if pv else (False, None)
             if bound is None or spec(bound).get("csi") is not None:
                 return True
     return False
-
-
-def claims_there(pod: Mapping[str, Any]) -> list[str]:
-    """`namespace/name` of every claim a pod on a node holds, its generic ephemeral volumes'
-    (`<pod>-<volume>`) among them: what counting its volumes reads."""
-    ns, pod_name = namespace(pod), str(meta(pod).get("name") or "")
-    keys = []
-    for volume in items(spec(pod).get("volumes")):
-        volume = mapping(volume)
-        claim = volume.get("persistentVolumeClaim")
-        if claim is not None:
-            keys.append(f"{ns}/{mapping(claim).get('claimName') or ''}")
-        elif volume.get("ephemeral") is not None:
-            keys.append(f"{ns}/{pod_name}-{volume.get('name') or ''}")
-    return keys
 
 
 def _attached(node: str, storage: Storage) -> Iterator[tuple[str, str]]:

@@ -25,14 +25,14 @@ other pods on the node: `attach_limits` counts them, with the lists `Storage` al
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
-__all__ = ["ATTACH_KINDS", "ATTACH_LISTS", "Storage", "claim_keys", "volume_refusal"]
+__all__ = ["ATTACH_KINDS", "ATTACH_LISTS", "Storage", "claim_keys", "pod_claims", "volume_refusal"]
 
 _BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
 _BETA_REGION = "failure-domain.beta.kubernetes.io/region"
@@ -43,16 +43,25 @@ _TOPOLOGY = (_BETA_ZONE, _BETA_REGION, _ZONE, _REGION)
 _GA = {_BETA_ZONE: _ZONE, _BETA_REGION: _REGION}
 
 
-def claim_keys(pod: Mapping[str, Any]) -> list[str]:
-    """`namespace/name` of every claim the pod mounts (its `persistentVolumeClaim` volumes), in
-    order; a volume naming no claim gives `namespace/`."""
-    ns = namespace(pod)
-    keys = []
+def pod_claims(pod: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any] | None]]:
+    """Per claim the pod mounts, in order: its `namespace/name` (a volume naming no claim gives
+    `namespace/`; a generic ephemeral volume's claim is `<pod>-<volume>`), and for an ephemeral
+    volume its claim template's spec (None for a `persistentVolumeClaim` volume)."""
+    ns, pod_name = namespace(pod), str(meta(pod).get("name") or "")
     for volume in items(spec(pod).get("volumes")):
-        claim = mapping(volume).get("persistentVolumeClaim")
+        volume = mapping(volume)
+        claim = volume.get("persistentVolumeClaim")
         if isinstance(claim, Mapping):
-            keys.append(f"{ns}/{claim.get('claimName') or ''}")
-    return keys
+            yield f"{ns}/{claim.get('claimName') or ''}", None
+        elif volume.get("ephemeral") is not None:
+            template = spec(mapping(volume["ephemeral"]).get("volumeClaimTemplate"))
+            yield f"{ns}/{pod_name}-{volume.get('name') or ''}", template
+
+
+def claim_keys(pod: Mapping[str, Any]) -> list[str]:
+    """`namespace/name` of every claim the pod mounts through `persistentVolumeClaim` volumes, in
+    order; a volume naming no claim gives `namespace/`."""
+    return [key for key, template in pod_claims(pod) if template is None]
 
 
 #: the kinds `Storage.from_objects` reads, beside claims and volumes: what CSI attach limits need

@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from extender.attach_limits import claims_there, needs_counting
+from extender.attach_limits import needs_counting
 from extender.demand import TERMINAL_PHASES
 from extender.live.api_client import ApiError, KubeApi
 from extender.object_fields import field, name, spec
-from extender.volume_rules import ATTACH_LISTS, Storage, claim_keys
+from extender.volume_rules import ATTACH_LISTS, Storage, claim_keys, pod_claims
 
 __all__ = ["StorageReads"]
 
@@ -90,7 +90,7 @@ class StorageReads:
                 or field(pod, "status", "phase") in TERMINAL_PHASES
             ):
                 continue
-            for claim_key in claims_there(pod):
+            for claim_key, _ in pod_claims(pod):
                 if claim_key.partition("/")[2] and claim_key not in claims:
                     await self.claim(claim_key, claims, volumes)  # unread: the check refuses
         return replace(storage, claims=claims, volumes=volumes)
