@@ -16,10 +16,15 @@ Counted per driver, each volume once (`driver/volumeHandle`), as kube-scheduler 
   version). A pod that brings back a volume only an attachment holds adds it again, as
   kube-scheduler counts it.
 
+In-tree disks (`awsElasticBlockStore`, `gcePersistentDisk`, `azureDisk`, `cinder`), as volumes,
+as a StorageClass's provisioner or inline in the pod, count as the CSI driver they migrated to,
+under its handle (`csi_migration`), on nodes that have a CSINode.
+
 A pod is refused when, for a driver its volumes use, the node's volumes of that driver and the
 new ones exceed the limit. Volumes of other kinds (hostPath, NFS, local), inline CSI volumes and
-drivers the CSINode gives no count are not limited; in-tree volumes migrated to CSI are not
-counted. What was not read (a claim, a volume, a list) refuses: vramsched cannot count it.
+drivers the CSINode gives no count are not limited. What was not read (a claim, a volume, a
+list) refuses: vramsched cannot count it; so does an inline in-tree disk that names no disk, as
+kube-scheduler's filter fails on it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from extender.csi_migration import Untranslatable, csi_driver, translate_inline, translate_volume
 from extender.node_rules import node_name
 from extender.object_fields import field, items, mapping, meta, spec
 from extender.volume_rules import Storage, pod_claims
@@ -81,17 +87,31 @@ def _provisioned(class_name: str, key: str, storage: Storage) -> tuple[str, str]
     provisioner = mapping(storage.classes.get(class_name)).get("provisioner")
     if not isinstance(provisioner, str) or not provisioner:
         return None
-    return provisioner, f"{provisioner}/claim {key}"
+    driver = csi_driver(provisioner)
+    return driver, f"{driver}/claim {key}"
 
 
-def _bound_volume(name: str, storage: Storage, whose: str) -> tuple[str, str] | None:
+def _bound_volume(
+    name: str, storage: Storage, whose: str, *, migrated: bool = True
+) -> tuple[str, str] | None:
+    """(driver, volume) of PersistentVolume `name`: its `spec.csi`, or with `migrated` the CSI
+    driver an in-tree disk migrated to; None when it is neither."""
     read, volume = storage.volume(name)
     if not read:
         raise _Unreadable(f"volume {name} of {whose} could not be read")
+    if volume is None:
+        return None
     csi = mapping(spec(volume).get("csi"))
     driver, handle = csi.get("driver"), csi.get("volumeHandle")
-    if volume is None or not isinstance(driver, str) or not isinstance(handle, str):
-        return None
+    if not isinstance(driver, str) or not isinstance(handle, str):
+        if not migrated:
+            return None
+        try:
+            driver, handle = translate_volume(volume) or (None, None)
+        except Untranslatable:  # kube-scheduler does not count it either
+            return None
+        if driver is None:
+            return None
     return driver, f"{driver}/{handle}"
 
 
@@ -132,18 +152,52 @@ def _pod_volumes(
             yield found
 
 
+def _inline_volumes(pod: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """(driver, volume) of the pod's inline in-tree disks, counted as their CSI driver's."""
+    for volume in items(spec(pod).get("volumes")):
+        try:
+            found = translate_inline(mapping(volume))
+        except Untranslatable as exc:
+            name = mapping(volume).get("name")
+            raise _Unreadable(
+                f"inline volume {name} of pod {meta(pod).get('name')}: {exc}"
+            ) from exc
+        if found is not None:
+            yield found[0], f"{found[0]}/{found[1]}"
+
+
+def _has_inline(pod: Mapping[str, Any]) -> bool:
+    try:
+        return any(True for _ in _inline_volumes(pod))
+    except _Unreadable:
+        return True
+
+
+def _counted_kind(volume: Mapping[str, Any]) -> bool:
+    """Whether a volume is of a kind attach limits count: CSI, or an in-tree disk migrated to it."""
+    if spec(volume).get("csi") is not None:
+        return True
+    try:
+        return translate_volume(volume) is not None
+    except Untranslatable:
+        return False
+
+
 def needs_counting(pods: Sequence[Mapping[str, Any]], storage: Storage) -> bool:
     """Whether pods sent to a node may have volumes to count against its attach limits: an
-    ephemeral volume, or a claim not known to be bound to a volume of another kind. Only then
-    does `attach_refusal` need the node's CSINode, its pods' claims and the lists."""
+    ephemeral volume, an inline in-tree disk, or a claim not known to be bound to a volume of a
+    kind not counted. Only then does `attach_refusal` need the node's CSINode, its pods' claims
+    and the lists."""
     for pod in pods:
+        if _has_inline(pod):
+            return True
         for key, template in pod_claims(pod):
             if template is not None:
                 return True
             _, found = storage.claim(key)
             pv = str(spec(found).get("volumeName") or "")
             _, bound = storage.volume(pv) if pv else (False, None)
-            if bound is None or spec(bound).get("csi") is not None:
+            if bound is None or _counted_kind(bound):
                 return True
     return False
 
@@ -160,7 +214,10 @@ def _attached(node: str, storage: Storage) -> Iterator[tuple[str, str]]:
         source = mapping(va_spec.get("source"))
         pv = source.get("persistentVolumeName")
         if isinstance(pv, str) and pv:
-            found = _bound_volume(pv, storage, f"VolumeAttachment {meta(va).get('name')}")
+            # kube-scheduler reads an attachment's volume as CSI only: an in-tree disk's is not
+            # counted (checked against 1.36)
+            whose = f"VolumeAttachment {meta(va).get('name')}"
+            found = _bound_volume(pv, storage, whose, migrated=False)
             if found is not None:  # named by its attacher, as kube-scheduler names it
                 yield driver, f"{driver}/{found[1].partition('/')[2]}"
             continue
@@ -182,16 +239,22 @@ def attach_refusal(
         new: dict[str, str] = {}
         for pod in arriving:
             new.update((v, d) for d, v in _pod_volumes(pod, storage, arriving=True))
-        if not new:
+        if not new and not any(_has_inline(pod) for pod in arriving):
             return None
         if storage.csinodes is None:
             raise _Unreadable("the CSINodes could not be read")
-        caps = limits(storage.csinodes.get(name))
+        csinode = storage.csinodes.get(name)
+        if csinode is None:  # kube-scheduler then counts no in-tree disk, and has no limit
+            return None
+        for pod in arriving:
+            new.update((v, d) for d, v in _inline_volumes(pod))
+        caps = limits(csinode)
         if not caps.keys() & set(new.values()):
             return None
         there: dict[str, str] = {}
         for pod in staying:
             there.update((v, d) for d, v in _pod_volumes(pod, storage, arriving=False))
+            there.update((v, d) for d, v in _inline_volumes(pod))
         attached = {v: d for d, v in _attached(name, storage) if v not in there}
     except _Unreadable as exc:
         return f"its volumes cannot be counted against node {name}'s attach limits: {exc}"

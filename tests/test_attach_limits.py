@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extender.attach_limits import attach_refusal, limits
+from extender.attach_limits import attach_refusal, limits, needs_counting
 from extender.volume_rules import Storage
 
 A, B = "a.csi.example.com", "b.csi.example.com"
@@ -191,3 +191,110 @@ def test_what_was_not_read_refuses(storage: Storage, why: str) -> None:
 
 def test_nothing_to_count_needs_nothing_read() -> None:
     assert attach_refusal(NODE, [pod("holder", "c-x")], [pod("p")], Storage()) is None
+
+
+EBS, PD = "ebs.csi.aws.com", "pd.csi.storage.gke.io"
+
+
+def in_tree(name: str, source: dict[str, Any], **labels: str) -> dict[str, Any]:
+    """A PersistentVolume of an in-tree type, as clusters made before CSI migration hold them."""
+    meta: dict[str, Any] = {"name": name, "labels": labels}
+    return {"kind": "PersistentVolume", "metadata": meta, "spec": source}
+
+
+def with_inline(name: str, *sources: dict[str, Any]) -> dict[str, Any]:
+    """A pod that mounts in-tree disks inline, no claim."""
+    volumes = [{"name": f"d{i}", **s} for i, s in enumerate(sources)]
+    return {"metadata": {"name": name, "namespace": "default"}, "spec": {"volumes": volumes}}
+
+
+def migrated_scene(*extra: dict[str, Any], ebs: int = 1) -> Storage:
+    """n1 takes `ebs` EBS disks and one Persistent Disk; pv e-held is the in-tree EBS disk
+    vol-held (claim c-e-held), e-new another, csi-held the CSI form of vol-held, g-held a zonal
+    in-tree Persistent Disk."""
+    pvs = [
+        in_tree("e-held", {"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-held"}}),
+        in_tree("e-new", {"awsElasticBlockStore": {"volumeID": "vol-new"}}),
+        {
+            "kind": "PersistentVolume",
+            "metadata": {"name": "csi-held"},
+            "spec": {"csi": {"driver": EBS, "volumeHandle": "vol-held"}},
+        },
+        in_tree(
+            "g-held",
+            {"gcePersistentDisk": {"pdName": "pd-held"}},
+            **{"topology.kubernetes.io/zone": "us-central1-a"},
+        ),
+        {
+            "kind": "PersistentVolume",
+            "metadata": {"name": "g-csi"},
+            "spec": {
+                "csi": {
+                    "driver": PD,
+                    "volumeHandle": "projects/UNSPECIFIED/zones/us-central1-a/disks/pd-held",
+                }
+            },
+        },
+        in_tree("g-new", {"gcePersistentDisk": {"pdName": "pd-new"}}),
+    ]
+    claims = [claim(f"c-{v['metadata']['name']}", v["metadata"]["name"]) for v in pvs]
+    counts = {"ebs_csi_aws_com": ebs, "pd_csi_storage_gke_io": 1}
+    return Storage.from_objects([csinode("n1", **counts), *pvs, *claims, *extra])
+
+
+def test_in_tree_disks_count_as_the_csi_driver_they_migrated_to() -> None:
+    storage = migrated_scene()
+    holder = [pod("holder", "c-e-held", "c-g-held")]
+    why = attach_refusal(NODE, holder, [pod("p", "c-e-new")], storage)
+    assert why == f"node n1 attaches at most 1 volume(s) of {EBS} and would hold 2"
+    assert attach_refusal(NODE, holder, [pod("p", "c-g-new")], storage) is not None
+    assert attach_refusal(NODE, holder, [pod("p", "c-e-new")], migrated_scene(ebs=2)) is None
+    # the same disk in CSI form, or in-tree with its zone spelled into the handle, counts once
+    assert attach_refusal(NODE, holder, [pod("p", "c-csi-held")], storage) is None
+    assert attach_refusal(NODE, holder, [pod("p", "c-g-csi")], storage) is None
+
+
+def test_inline_in_tree_disks_count_on_nodes_with_a_csinode() -> None:
+    storage = migrated_scene()
+    holder = [pod("holder", "c-e-held")]
+    new = with_inline("p", {"awsElasticBlockStore": {"volumeID": "vol-inline"}})
+    assert attach_refusal(NODE, holder, [new], storage) is not None
+    assert attach_refusal(NODE, [], [new], storage) is None
+    # `aws://<zone>/vol-held` inline is the disk the holder's volume holds
+    same = with_inline("p", {"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-held"}})
+    assert attach_refusal(NODE, holder, [same], storage) is None
+    # a pod there that holds a disk inline counts it too
+    assert attach_refusal(NODE, [new], [pod("p", "c-e-new")], storage) is not None
+    # no CSINode: kube-scheduler counts no in-tree disk there
+    assert attach_refusal({"metadata": {"name": "n2"}}, holder, [new], storage) is None
+
+
+def test_an_inline_disk_that_names_no_disk_refuses_where_counted() -> None:
+    bad = with_inline("p", {"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/not-a-volume"}})
+    why = attach_refusal(NODE, [], [bad], migrated_scene())
+    assert why is not None and "inline volume d0 of pod p" in why, why
+    assert attach_refusal({"metadata": {"name": "n2"}}, [], [bad], migrated_scene()) is None
+
+
+def test_an_in_tree_class_provisions_for_its_csi_driver() -> None:
+    sc = storage_class("gp2", "kubernetes.io/aws-ebs")
+    storage = migrated_scene(sc, claim("c-unbound", None, "gp2"))
+    why = attach_refusal(NODE, [pod("holder", "c-e-held")], [pod("p", "c-unbound")], storage)
+    assert why == f"node n1 attaches at most 1 volume(s) of {EBS} and would hold 2"
+
+
+def test_an_attachment_of_an_in_tree_volume_is_not_counted() -> None:
+    # kube-scheduler reads an attachment's volume only as CSI (1.36, the e2e test)
+    storage = migrated_scene(attachment("e-held", driver=EBS))
+    assert attach_refusal(NODE, [], [pod("p", "c-e-new")], storage) is None
+    # the CSI form of the same disk, attached, counts
+    storage = migrated_scene(attachment("csi-held", driver=EBS))
+    assert attach_refusal(NODE, [], [pod("p", "c-e-new")], storage) is not None
+
+
+def test_needs_counting_sees_in_tree_disks() -> None:
+    storage = migrated_scene(volume("ph", None), claim("c-ph", "ph"))
+    assert needs_counting([pod("p", "c-e-new")], storage)
+    assert needs_counting([with_inline("p", {"gcePersistentDisk": {"pdName": "x"}})], storage)
+    assert not needs_counting([pod("p", "c-ph")], storage)
+    assert not needs_counting([with_inline("p", {"emptyDir": {}})], storage)

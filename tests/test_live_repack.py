@@ -921,6 +921,40 @@ async def test_a_move_keeps_to_the_targets_attach_limit(world: Any, limit: int) 
     )
 
 
+EBS = "ebs.csi.aws.com"
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+async def test_in_tree_disks_count_against_their_csi_drivers_limit(world: Any, limit: int) -> None:
+    """The same move with in-tree disks, as clusters older than CSI migration hold them: m2's
+    claim is bound to an `awsElasticBlockStore` volume and f1 mounts an EBS disk inline. Both
+    count against a's limit for `ebs.csi.aws.com`, the driver EBS migrated to."""
+    pods = fragmented()
+    w = world(pods)
+    for p in pods:
+        if p["metadata"]["name"] == "m2":
+            with_claim(w, p, "any")
+            pv = w.api.volumes["pv-data-m2"]
+            pv["spec"] = {"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-m2"}}
+        if p["metadata"]["name"] == "f1":
+            p["spec"]["volumes"] = [{"name": "d", "awsElasticBlockStore": {"volumeID": "vol-f1"}}]
+            w.api.add_pod(p)
+            p["metadata"]["resourceVersion"] = "2"
+            w.source.apply("pods", "MODIFIED", copy.deepcopy(p))
+    attach_lists(w, limit)
+    for found, _ in w.api.lists["csinodes"]:
+        for node in found:
+            node["spec"]["drivers"][0]["name"] = EBS
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    if limit == 2:
+        assert w.evictions.real() == ["m2"]
+        return
+    assert w.evictions.calls == [] and w.repacker.stats.refused == 1
+    (told,) = [e["message"] for e in await w.events()]
+    assert told.endswith(f"node a attaches at most 1 volume(s) of {EBS} and would hold 2)"), told
+
+
 async def test_unlisted_attach_limits_keep_a_disk_in_place(world: Any) -> None:
     """The same move, with the CSINodes not listable (no RBAC for them): vramsched cannot count
     the disks on a, so m2 is left out before any plan, and stays."""

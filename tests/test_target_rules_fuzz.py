@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extender.attach_limits import attach_refusal
+from extender.attach_limits import attach_refusal, needs_counting
 from extender.pod_affinity import affinity_problem
 from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import spread_problem
@@ -248,3 +248,49 @@ def test_malformed_attach_limit_objects_are_judged_never_crash(
         there["spec"]["nodeName"] = "a"  # a pod on the target, its volumes counted there
     found = target_problem({"a": node}, {"d/t": there}, [("d/p", pod, "a")], set(), storage)
     assert found is None or (isinstance(found[0], str) and found[1] in (None, "d/p"))
+
+
+EBS = "ebs.csi.aws.com"
+IN_TREE_POD = {
+    "metadata": {"name": "v", "namespace": "default"},
+    "spec": {
+        "volumes": [
+            {"name": "d", "persistentVolumeClaim": {"claimName": "data"}},
+            {"name": "i", "awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-1"}},
+            {"name": "g", "gcePersistentDisk": {"pdName": "pd-1"}},
+        ]
+    },
+}
+IN_TREE_VOLUME = {
+    "kind": "PersistentVolume",
+    "metadata": {"name": "pv", "labels": {"topology.kubernetes.io/zone": "us-east1-a__us-east1-b"}},
+    "spec": {"gcePersistentDisk": {"pdName": "pd-2"}, "awsElasticBlockStore": {"volumeID": "v"}},
+}
+IN_TREE_NODE = {
+    "kind": "CSINode",
+    "metadata": {"name": "a"},
+    "spec": {"drivers": [{"name": EBS, "nodeID": "a", "allocatable": {"count": 1}}]},
+}
+IN_TREE_CLASS = {
+    "kind": "StorageClass",
+    "metadata": {"name": "gp2"},
+    "provisioner": "kubernetes.io/aws-ebs",
+}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    pod=_mutated(IN_TREE_POD),
+    there=_mutated(IN_TREE_POD),
+    objects=st.tuples(
+        *(_mutated(o) for o in (CLAIM, IN_TREE_VOLUME, IN_TREE_NODE, ATTACHMENT, IN_TREE_CLASS))
+    ),
+)
+def test_malformed_in_tree_disks_are_judged_never_crash(pod: Any, there: Any, objects: Any) -> None:
+    """In-tree disks (volumes and inline) are translated to their CSI driver; malformed ones give
+    an answer, not an exception, and so does `needs_counting`."""
+    storage = Storage.from_objects(objects)
+    node = {"metadata": {"name": "a"}}
+    answer = attach_refusal(node, [there], [pod], storage)
+    assert answer is None or isinstance(answer, str)
+    assert isinstance(needs_counting([pod, there], storage), bool)

@@ -273,3 +273,151 @@ def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
             _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
             _gone(core.patch_persistent_volume, name, unheld)
             _gone(core.delete_persistent_volume, name)
+
+
+EBS = "ebs.csi.aws.com"
+PD = "pd.csi.storage.gke.io"
+AZURE = "disk.csi.azure.com"
+
+#: what a kubelet with CSI migration on writes on its CSINode (read only before 1.2x's GA)
+MIGRATED_PLUGINS = "storage.alpha.kubernetes.io/migrated-plugins"
+
+#: node -> its CSINode's counts; m3 has no CSINode (no in-tree disk is counted there)
+MIGRATED_NODES: dict[str, dict[str, int | None]] = {
+    "m1": {EBS: 1, PD: 1, AZURE: 0},
+    "m2": {EBS: 2, PD: 2, AZURE: None},
+}
+
+#: PersistentVolume -> (its source, its labels); claim `c-<volume>` is bound to each
+IN_TREE: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "ebs-held": ({"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-held"}}, {}),
+    "ebs-held-csi": ({"csi": {"driver": EBS, "volumeHandle": "vol-held"}}, {}),
+    "ebs-new": ({"awsElasticBlockStore": {"volumeID": "vol-new"}}, {}),
+    "ebs-att": ({"awsElasticBlockStore": {"volumeID": "vol-att"}}, {}),
+    "pd-held": (
+        {"gcePersistentDisk": {"pdName": "pd-held"}},
+        {"failure-domain.beta.kubernetes.io/zone": "us-central1-a"},
+    ),
+    "pd-held-csi": (
+        {
+            "csi": {
+                "driver": PD,
+                "volumeHandle": "projects/UNSPECIFIED/zones/us-central1-a/disks/pd-held",
+            }
+        },
+        {},
+    ),
+    "pd-new": ({"gcePersistentDisk": {"pdName": "pd-new"}}, {}),
+}
+
+#: holder pod -> (its node, claims, inline volumes)
+IN_TREE_HOLDERS: dict[str, tuple[str, list[str]]] = {
+    "mhold-m1": ("m1", ["c-ebs-held", "c-pd-held"]),
+    "mhold-m2": ("m2", ["c-ebs-held"]),
+}
+
+#: an in-tree disk attached to m2 that no pod there mounts: kube-scheduler reads an attachment's
+#: volume as CSI only, so it is not counted (m2 takes one more EBS disk, not two)
+IN_TREE_ATTACHMENTS = {"va-m2-ebs": ("m2", EBS, "ebs-att")}
+
+AZURE_URI = "/subscriptions/s/resourceGroups/r/providers/Microsoft.Compute/disks/{}"
+
+#: probe shape -> (claims, inline volumes)
+IN_TREE_SHAPES: dict[str, tuple[list[str], list[dict[str, Any]]]] = {
+    "ebs-new": (["c-ebs-new"], []),
+    "ebs-held-as-csi": (["c-ebs-held-csi"], []),
+    "ebs-inline-new": ([], [{"awsElasticBlockStore": {"volumeID": "vol-inline"}}]),
+    "ebs-inline-held": ([], [{"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-held"}}]),
+    "ebs-new-and-inline": (["c-ebs-new"], [{"awsElasticBlockStore": {"volumeID": "vol-inline"}}]),
+    "pd-new": (["c-pd-new"], []),
+    "pd-held-as-csi": (["c-pd-held-csi"], []),
+    "pd-inline-new": ([], [{"gcePersistentDisk": {"pdName": "pd-inline"}}]),
+    "azure-inline": (
+        [],
+        [{"azureDisk": {"diskName": "d1", "diskURI": AZURE_URI.format("d1"), "kind": "Managed"}}],
+    ),
+}
+
+
+def _in_tree_volume(name: str, source: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+    spec = {
+        "capacity": {"storage": "1Gi"},
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": "manual",
+        **source,
+    }
+    return {"metadata": {"name": name, "labels": labels}, "spec": spec}
+
+
+def _with_inline(pod: dict[str, Any], inline: list[dict[str, Any]]) -> dict[str, Any]:
+    first = len(pod["spec"]["volumes"])
+    pod["spec"]["volumes"] += [{"name": f"d{first + i}", **s} for i, s in enumerate(inline)]
+    return pod
+
+
+@pytest.mark.e2e
+def test_migrated_in_tree_disks_are_counted_as_kube_scheduler_counts_them(
+    cluster: ControlPlane,
+) -> None:
+    """In-tree disks (volumes, inline, attached) count as their CSI driver's, each disk once in
+    whatever form: kube-scheduler places every shape on every node exactly when vramsched's rule
+    passes it (1.20, without CSI migration on by default, counts none: `OLD_*` below)."""
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    nodes = (*MIGRATED_NODES, "m3")
+    for name in nodes:
+        cluster.create_gpu_node(name)
+    try:
+        plugins = "kubernetes.io/aws-ebs,kubernetes.io/azure-disk,kubernetes.io/gce-pd"
+        for name, drivers in MIGRATED_NODES.items():
+            body = _csi_node(name, drivers)
+            body["metadata"]["annotations"] = {MIGRATED_PLUGINS: plugins}
+            storage_v1.create_csi_node(body)
+        for name, (source, labels) in IN_TREE.items():
+            core.create_persistent_volume(_in_tree_volume(name, source, labels))
+            core.create_namespaced_persistent_volume_claim(NS, _claim(f"c-{name}", name))
+        for name, (node, attacher, volume) in IN_TREE_ATTACHMENTS.items():
+            storage_v1.create_volume_attachment(_attachment(name, node, attacher, volume))
+        for name, (node, claims) in IN_TREE_HOLDERS.items():
+            core.create_namespaced_pod(NS, _holder(name, node, claims))
+
+        read = {n: api.sanitize_for_serialization(core.read_node(n)) for n in nodes}
+        staying_on: dict[str, list[dict[str, Any]]] = {n: [] for n in nodes}
+        for name, (node, _) in IN_TREE_HOLDERS.items():
+            held = api.sanitize_for_serialization(core.read_namespaced_pod(name, NS))
+            staying_on[node].append(held)
+        storage = Storage.from_objects(_objects(core, storage_v1, api))
+
+        old = cluster.release.minor < (1, 32)
+        theirs_on: dict[tuple[str, str], bool] = {}
+        ours_on: dict[tuple[str, str], bool] = {}
+        for i, (shape, (claims, inline)) in enumerate(IN_TREE_SHAPES.items()):
+            for node in nodes:
+                probe = _with_inline(_probe(f"mprobe-{i}-{node}", claims, node), inline)
+                theirs, stored = probe_alone(cluster, probe)
+                ours = attach_refusal(read[node], staying_on[node], [stored], storage)
+                theirs_on[shape, node], ours_on[shape, node] = theirs, ours is None
+        if not old:
+            disagree = [f"{k}: kube-scheduler {v}" for k, v in theirs_on.items() if ours_on[k] != v]
+            assert not disagree, "\n".join(disagree)
+        else:  # no in-tree disk is counted: every probe is placed
+            assert all(theirs_on.values()), theirs_on
+        # the in-tree disk only attached to m2 leaves room for one new EBS disk there, not two
+        assert ours_on["ebs-new", "m2"] and not ours_on["ebs-new-and-inline", "m2"], ours_on
+        # each node with limits refuses some shape; the node without a CSINode takes all
+        assert all(not all(ours_on[s, n] for s in IN_TREE_SHAPES) for n in MIGRATED_NODES)
+        assert all(ours_on[s, "m3"] for s in IN_TREE_SHAPES), ours_on
+    finally:
+        for name in IN_TREE_HOLDERS:
+            _gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
+        for name in IN_TREE_ATTACHMENTS:
+            _gone(storage_v1.delete_volume_attachment, name)
+        for name in MIGRATED_NODES:
+            _gone(storage_v1.delete_csi_node, name)
+        for name in IN_TREE:
+            unheld = {"metadata": {"finalizers": None}}
+            _gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
+            _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
+            _gone(core.patch_persistent_volume, name, unheld)
+            _gone(core.delete_persistent_volume, name)
