@@ -20,7 +20,9 @@ version), 1.20 does not: those verdicts are `OLD_NO_ATTACHMENTS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import kubernetes.client
@@ -208,6 +210,60 @@ def _gone(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
             raise
 
 
+@dataclass
+class Scene:
+    """What a test puts on its nodes: CSINodes (name -> body), PersistentVolumes (name -> body;
+    claim `c-<name>` is bound to each), VolumeAttachments (name -> node, attacher, volume) and
+    holder pods (name -> node, claims)."""
+
+    csi_nodes: dict[str, dict[str, Any]]
+    volumes: dict[str, dict[str, Any]]
+    attachments: dict[str, tuple[str, str, str]]
+    holders: dict[str, tuple[str, list[str]]]
+
+
+@contextmanager
+def _scene(
+    cluster: ControlPlane, nodes: Iterable[str], scene: Scene
+) -> Iterator[tuple[dict[str, Any], dict[str, list[dict[str, Any]]], Storage]]:
+    """Create the nodes and the scene; yield each node as read, the holders on each node, and the
+    storage objects as vramsched reads them; delete the scene again."""
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    nodes = list(nodes)
+    for name in nodes:
+        cluster.create_gpu_node(name)
+    try:
+        for body in scene.csi_nodes.values():
+            storage_v1.create_csi_node(body)
+        for name, body in scene.volumes.items():
+            core.create_persistent_volume(body)
+            core.create_namespaced_persistent_volume_claim(NS, _claim(f"c-{name}", name))
+        for name, (node, attacher, volume) in scene.attachments.items():
+            storage_v1.create_volume_attachment(_attachment(name, node, attacher, volume))
+        for name, (node, claims) in scene.holders.items():
+            core.create_namespaced_pod(NS, _holder(name, node, claims))
+        read = {n: api.sanitize_for_serialization(core.read_node(n)) for n in nodes}
+        staying_on: dict[str, list[dict[str, Any]]] = {n: [] for n in nodes}
+        for name, (node, _) in scene.holders.items():
+            held = api.sanitize_for_serialization(core.read_namespaced_pod(name, NS))
+            staying_on[node].append(held)
+        yield read, staying_on, Storage.from_objects(_objects(core, storage_v1, api))
+    finally:
+        for name in scene.holders:
+            _gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
+        for name in scene.attachments:
+            _gone(storage_v1.delete_volume_attachment, name)
+        for name in scene.csi_nodes:
+            _gone(storage_v1.delete_csi_node, name)
+        for name in scene.volumes:
+            unheld = {"metadata": {"finalizers": None}}
+            _gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
+            _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
+            _gone(core.patch_persistent_volume, name, unheld)
+            _gone(core.delete_persistent_volume, name)
+
+
 @pytest.mark.e2e
 def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
     cluster: ControlPlane,
@@ -215,28 +271,13 @@ def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
     """Every shape on every node: kube-scheduler places it exactly when vramsched's rule passes
     it (but for `OLD_NO_ATTACHMENTS` on 1.20)."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
-    core, api = cluster.core_v1(), cluster.api_client()
-    storage_v1 = kubernetes.client.StorageV1Api(api)
-    for name in NODES:
-        cluster.create_gpu_node(name)
-    try:
-        for name, drivers in CSI_NODES.items():
-            storage_v1.create_csi_node(_csi_node(name, drivers))
-        for name, (driver, handle) in VOLUMES.items():
-            core.create_persistent_volume(_volume(name, driver, handle))
-            core.create_namespaced_persistent_volume_claim(NS, _claim(f"c-{name}", name))
-        for name, (node, attacher, volume) in ATTACHMENTS.items():
-            storage_v1.create_volume_attachment(_attachment(name, node, attacher, volume))
-        for name, (node, claims) in HOLDERS.items():
-            core.create_namespaced_pod(NS, _holder(name, node, claims))
-
-        nodes = {n: api.sanitize_for_serialization(core.read_node(n)) for n in NODES}
-        staying_on: dict[str, list[dict[str, Any]]] = {n: [] for n in NODES}
-        for name, (node, _) in HOLDERS.items():
-            held = api.sanitize_for_serialization(core.read_namespaced_pod(name, NS))
-            staying_on[node].append(held)
-        storage = Storage.from_objects(_objects(core, storage_v1, api))
-
+    scene = Scene(
+        csi_nodes={n: _csi_node(n, drivers) for n, drivers in CSI_NODES.items()},
+        volumes={n: _volume(n, driver, handle) for n, (driver, handle) in VOLUMES.items()},
+        attachments=ATTACHMENTS,
+        holders=HOLDERS,
+    )
+    with _scene(cluster, NODES, scene) as (nodes, staying_on, storage):
         old = cluster.release.minor < (1, 32)
         disagree, placed = [], dict.fromkeys(NODES, 0)
         theirs_on: dict[tuple[str, str], bool] = {}
@@ -253,26 +294,13 @@ def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
                     )
                 placed[node] += theirs
                 theirs_on[shape, node] = theirs
-        assert not disagree, "\n".join(disagree)
-        # the VolumeAttachment's volume is counted exactly where the version says so
-        assert {theirs_on[s] for s in OLD_NO_ATTACHMENTS} == {old}, theirs_on
-        # a node with limits takes some shapes and refuses others; a node with none takes all
-        assert all(0 < placed[n] < len(SHAPES) for n in CSI_NODES), placed
-        assert placed["w3"] == len(SHAPES), placed
-        assert not theirs_on["new-a", "w1"], theirs_on
-    finally:
-        for name in HOLDERS:
-            _gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
-        for name in ATTACHMENTS:
-            _gone(storage_v1.delete_volume_attachment, name)
-        for name in CSI_NODES:
-            _gone(storage_v1.delete_csi_node, name)
-        for name in VOLUMES:
-            unheld = {"metadata": {"finalizers": None}}
-            _gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
-            _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
-            _gone(core.patch_persistent_volume, name, unheld)
-            _gone(core.delete_persistent_volume, name)
+    assert not disagree, "\n".join(disagree)
+    # the VolumeAttachment's volume is counted exactly where the version says so
+    assert {theirs_on[s] for s in OLD_NO_ATTACHMENTS} == {old}, theirs_on
+    # a node with limits takes some shapes and refuses others; a node with none takes all
+    assert all(0 < placed[n] < len(SHAPES) for n in CSI_NODES), placed
+    assert placed["w3"] == len(SHAPES), placed
+    assert not theirs_on["new-a", "w1"], theirs_on
 
 
 EBS = "ebs.csi.aws.com"
@@ -310,7 +338,7 @@ IN_TREE: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "pd-new": ({"gcePersistentDisk": {"pdName": "pd-new"}}, {}),
 }
 
-#: holder pod -> (its node, claims, inline volumes)
+#: holder pod -> (its node, the claims it mounts)
 IN_TREE_HOLDERS: dict[str, tuple[str, list[str]]] = {
     "mhold-m1": ("m1", ["c-ebs-held", "c-pd-held"]),
     "mhold-m2": ("m2", ["c-ebs-held"]),
@@ -361,63 +389,36 @@ def test_migrated_in_tree_disks_are_counted_as_kube_scheduler_counts_them(
 ) -> None:
     """In-tree disks (volumes, inline, attached) count as their CSI driver's, each disk once in
     whatever form: kube-scheduler places every shape on every node exactly when vramsched's rule
-    passes it (1.20, without CSI migration on by default, counts none: `OLD_*` below)."""
+    passes it (1.20, without CSI migration on by default, counts none of them)."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
-    core, api = cluster.core_v1(), cluster.api_client()
-    storage_v1 = kubernetes.client.StorageV1Api(api)
+    plugins = "kubernetes.io/aws-ebs,kubernetes.io/azure-disk,kubernetes.io/gce-pd"
+    csi_nodes = {}
+    for name, drivers in MIGRATED_NODES.items():
+        csi_nodes[name] = _csi_node(name, drivers)
+        csi_nodes[name]["metadata"]["annotations"] = {MIGRATED_PLUGINS: plugins}
+    scene = Scene(
+        csi_nodes=csi_nodes,
+        volumes={n: _in_tree_volume(n, source, on) for n, (source, on) in IN_TREE.items()},
+        attachments=IN_TREE_ATTACHMENTS,
+        holders=IN_TREE_HOLDERS,
+    )
     nodes = (*MIGRATED_NODES, "m3")
-    for name in nodes:
-        cluster.create_gpu_node(name)
-    try:
-        plugins = "kubernetes.io/aws-ebs,kubernetes.io/azure-disk,kubernetes.io/gce-pd"
-        for name, drivers in MIGRATED_NODES.items():
-            body = _csi_node(name, drivers)
-            body["metadata"]["annotations"] = {MIGRATED_PLUGINS: plugins}
-            storage_v1.create_csi_node(body)
-        for name, (source, labels) in IN_TREE.items():
-            core.create_persistent_volume(_in_tree_volume(name, source, labels))
-            core.create_namespaced_persistent_volume_claim(NS, _claim(f"c-{name}", name))
-        for name, (node, attacher, volume) in IN_TREE_ATTACHMENTS.items():
-            storage_v1.create_volume_attachment(_attachment(name, node, attacher, volume))
-        for name, (node, claims) in IN_TREE_HOLDERS.items():
-            core.create_namespaced_pod(NS, _holder(name, node, claims))
-
-        read = {n: api.sanitize_for_serialization(core.read_node(n)) for n in nodes}
-        staying_on: dict[str, list[dict[str, Any]]] = {n: [] for n in nodes}
-        for name, (node, _) in IN_TREE_HOLDERS.items():
-            held = api.sanitize_for_serialization(core.read_namespaced_pod(name, NS))
-            staying_on[node].append(held)
-        storage = Storage.from_objects(_objects(core, storage_v1, api))
-
-        old = cluster.release.minor < (1, 32)
-        theirs_on: dict[tuple[str, str], bool] = {}
-        ours_on: dict[tuple[str, str], bool] = {}
+    theirs_on: dict[tuple[str, str], bool] = {}
+    ours_on: dict[tuple[str, str], bool] = {}
+    with _scene(cluster, nodes, scene) as (read, staying_on, storage):
         for i, (shape, (claims, inline)) in enumerate(IN_TREE_SHAPES.items()):
             for node in nodes:
                 probe = _with_inline(_probe(f"mprobe-{i}-{node}", claims, node), inline)
                 theirs, stored = probe_alone(cluster, probe)
                 ours = attach_refusal(read[node], staying_on[node], [stored], storage)
                 theirs_on[shape, node], ours_on[shape, node] = theirs, ours is None
-        if not old:
-            disagree = [f"{k}: kube-scheduler {v}" for k, v in theirs_on.items() if ours_on[k] != v]
-            assert not disagree, "\n".join(disagree)
-        else:  # no in-tree disk is counted: every probe is placed
-            assert all(theirs_on.values()), theirs_on
-        # the in-tree disk only attached to m2 leaves room for one new EBS disk there, not two
-        assert ours_on["ebs-new", "m2"] and not ours_on["ebs-new-and-inline", "m2"], ours_on
-        # each node with limits refuses some shape; the node without a CSINode takes all
-        assert all(not all(ours_on[s, n] for s in IN_TREE_SHAPES) for n in MIGRATED_NODES)
-        assert all(ours_on[s, "m3"] for s in IN_TREE_SHAPES), ours_on
-    finally:
-        for name in IN_TREE_HOLDERS:
-            _gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
-        for name in IN_TREE_ATTACHMENTS:
-            _gone(storage_v1.delete_volume_attachment, name)
-        for name in MIGRATED_NODES:
-            _gone(storage_v1.delete_csi_node, name)
-        for name in IN_TREE:
-            unheld = {"metadata": {"finalizers": None}}
-            _gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
-            _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
-            _gone(core.patch_persistent_volume, name, unheld)
-            _gone(core.delete_persistent_volume, name)
+    if cluster.release.minor >= (1, 32):
+        disagree = [f"{k}: kube-scheduler {v}" for k, v in theirs_on.items() if ours_on[k] != v]
+        assert not disagree, "\n".join(disagree)
+    else:  # no in-tree disk is counted: every probe is placed
+        assert all(theirs_on.values()), theirs_on
+    # the in-tree disk only attached to m2 leaves room for one new EBS disk there, not two
+    assert ours_on["ebs-new", "m2"] and not ours_on["ebs-new-and-inline", "m2"], ours_on
+    # each node with limits refuses some shape; the node without a CSINode takes all
+    assert all(not all(ours_on[s, n] for s in IN_TREE_SHAPES) for n in MIGRATED_NODES)
+    assert all(ours_on[s, "m3"] for s in IN_TREE_SHAPES), ours_on
