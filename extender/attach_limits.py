@@ -167,6 +167,7 @@ def _inline_volumes(pod: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def _has_inline(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod mounts an in-tree disk inline (one that names no disk counts: it refuses)."""
     try:
         return any(True for _ in _inline_volumes(pod))
     except _Unreadable:

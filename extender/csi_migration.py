@@ -67,6 +67,8 @@ def _ebs_handle(volume_id: str) -> str:
 
 
 def _pd_handle(pd_name: str, zone_label: str) -> str:
+    """The Persistent Disk driver's ID for disk `pd_name`: it names the zone (or, for a disk in
+    several zones, their one region), so the in-tree and CSI forms of a disk match."""
     zones = zone_label.split("__")
     if len(zones) == 1 and zones[0]:
         return f"projects/{_UNSPECIFIED}/zones/{zones[0]}/disks/{pd_name}"
@@ -84,11 +86,14 @@ def _pd_handle(pd_name: str, zone_label: str) -> str:
 
 
 def _text(source: Mapping[str, Any], key: str) -> str:
+    """A string field, or "" (a cluster file is not validated)."""
     value = source.get(key)
     return value if isinstance(value, str) else ""
 
 
 def _translate(source: Mapping[str, Any], zone: str) -> tuple[str, str] | None:
+    """(driver, handle) of the first migrated in-tree field of a volume source (a PV's spec or a
+    pod's volume); `zone` is the volume's zone label, for a Persistent Disk's handle."""
     for key, (_, driver) in _MIGRATED.items():
         if source.get(key) is None:
             continue
