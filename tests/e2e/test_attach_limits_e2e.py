@@ -20,24 +20,23 @@ version), 1.20 does not: those verdicts are `OLD_NO_ATTACHMENTS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import kubernetes.client
 import pytest
 from controlplane import ControlPlane
+from storage_scene import (
+    SCHEDULER,
+    Scene,
+    csi_node,
+    in_tree_volume,
+    probe,
+    staged,
+    with_inline,
+)
 from verdicts import probe_alone
 
 from extender.attach_limits import attach_refusal
-from extender.volume_rules import Storage
 
-#: what the PV controller sets on a claim once it is bound
-BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
-
-NS = "default"
-SCHEDULER = "vramsched"
 A = "a.csi.example.com"
 B = "b.csi.example.com"
 
@@ -109,20 +108,6 @@ OLD_NO_ATTACHMENTS = {
 }
 
 
-def _is(key: str, *values: str) -> dict[str, Any]:
-    return {"key": key, "operator": "In", "values": list(values)}
-
-
-def _csi_node(name: str, drivers: dict[str, int | None]) -> dict[str, Any]:
-    entries = []
-    for driver, count in drivers.items():
-        entry: dict[str, Any] = {"name": driver, "nodeID": f"{name}-id", "topologyKeys": None}
-        if count is not None:
-            entry["allocatable"] = {"count": count}
-        entries.append(entry)
-    return {"metadata": {"name": name}, "spec": {"drivers": entries}}
-
-
 def _volume(name: str, driver: str | None, handle: str) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "capacity": {"storage": "1Gi"},
@@ -136,134 +121,6 @@ def _volume(name: str, driver: str | None, handle: str) -> dict[str, Any]:
     return {"metadata": {"name": name}, "spec": spec}
 
 
-def _claim(name: str, volume: str) -> dict[str, Any]:
-    return {
-        "metadata": {"name": name, "namespace": NS, "annotations": {BIND_COMPLETED: "yes"}},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "manual",
-            "resources": {"requests": {"storage": "1Gi"}},
-            "volumeName": volume,
-        },
-    }
-
-
-def _attachment(name: str, node: str, attacher: str, volume: str) -> dict[str, Any]:
-    source = {"persistentVolumeName": volume}
-    return {
-        "metadata": {"name": name},
-        "spec": {"attacher": attacher, "nodeName": node, "source": source},
-    }
-
-
-def _pod(name: str, claims: list[str], spec: dict[str, Any]) -> dict[str, Any]:
-    spec = {
-        "containers": [{"name": "app", "image": "busybox"}],
-        "volumes": [
-            {"name": f"v{i}", "persistentVolumeClaim": {"claimName": c}}
-            for i, c in enumerate(claims)
-        ],
-        **spec,
-    }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
-
-
-def _holder(name: str, node: str, claims: list[str]) -> dict[str, Any]:
-    """A pod already on `node`: created with `spec.nodeName`, so no scheduler places it (and,
-    with no kubelet, it stays Pending there)."""
-    return _pod(name, claims, {"nodeName": node, "schedulerName": "nobody"})
-
-
-def _probe(name: str, claims: list[str], node: str) -> dict[str, Any]:
-    """A pod for SCHEDULER that only `node` may take."""
-    terms = [{"matchFields": [_is("metadata.name", node)]}]
-    affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
-    return _pod(name, claims, {"schedulerName": SCHEDULER, "affinity": {"nodeAffinity": affinity}})
-
-
-def _objects(
-    core: kubernetes.client.CoreV1Api,
-    storage_v1: kubernetes.client.StorageV1Api,
-    api: kubernetes.client.ApiClient,
-) -> list[dict[str, Any]]:
-    """Every object of the kinds the rule reads, as listed, each with its "kind"."""
-    lists: dict[str, list[Any]] = {
-        "PersistentVolume": core.list_persistent_volume().items,
-        "PersistentVolumeClaim": core.list_namespaced_persistent_volume_claim(NS).items,
-        "CSINode": storage_v1.list_csi_node().items,
-        "VolumeAttachment": storage_v1.list_volume_attachment().items,
-        "StorageClass": storage_v1.list_storage_class().items,
-    }
-    return [
-        {"kind": kind, **api.sanitize_for_serialization(o)}
-        for kind, items in lists.items()
-        for o in items
-    ]
-
-
-def _gone(call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Delete (or unblock) something the test made; one it never made is no error."""
-    try:
-        call(*args, **kwargs)
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 404:
-            raise
-
-
-@dataclass
-class Scene:
-    """What a test puts on its nodes: CSINodes (name -> body), PersistentVolumes (name -> body;
-    claim `c-<name>` is bound to each), VolumeAttachments (name -> node, attacher, volume) and
-    holder pods (name -> node, claims)."""
-
-    csi_nodes: dict[str, dict[str, Any]]
-    volumes: dict[str, dict[str, Any]]
-    attachments: dict[str, tuple[str, str, str]]
-    holders: dict[str, tuple[str, list[str]]]
-
-
-@contextmanager
-def _scene(
-    cluster: ControlPlane, nodes: Iterable[str], scene: Scene
-) -> Iterator[tuple[dict[str, Any], dict[str, list[dict[str, Any]]], Storage]]:
-    """Create the nodes and the scene; yield each node as read, the holders on each node, and the
-    storage objects as vramsched reads them; delete the scene again."""
-    core, api = cluster.core_v1(), cluster.api_client()
-    storage_v1 = kubernetes.client.StorageV1Api(api)
-    nodes = list(nodes)
-    for name in nodes:
-        cluster.create_gpu_node(name)
-    try:
-        for body in scene.csi_nodes.values():
-            storage_v1.create_csi_node(body)
-        for name, body in scene.volumes.items():
-            core.create_persistent_volume(body)
-            core.create_namespaced_persistent_volume_claim(NS, _claim(f"c-{name}", name))
-        for name, (node, attacher, volume) in scene.attachments.items():
-            storage_v1.create_volume_attachment(_attachment(name, node, attacher, volume))
-        for name, (node, claims) in scene.holders.items():
-            core.create_namespaced_pod(NS, _holder(name, node, claims))
-        read = {n: api.sanitize_for_serialization(core.read_node(n)) for n in nodes}
-        staying_on: dict[str, list[dict[str, Any]]] = {n: [] for n in nodes}
-        for name, (node, _) in scene.holders.items():
-            held = api.sanitize_for_serialization(core.read_namespaced_pod(name, NS))
-            staying_on[node].append(held)
-        yield read, staying_on, Storage.from_objects(_objects(core, storage_v1, api))
-    finally:
-        for name in scene.holders:
-            _gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
-        for name in scene.attachments:
-            _gone(storage_v1.delete_volume_attachment, name)
-        for name in scene.csi_nodes:
-            _gone(storage_v1.delete_csi_node, name)
-        for name in scene.volumes:
-            unheld = {"metadata": {"finalizers": None}}
-            _gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
-            _gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
-            _gone(core.patch_persistent_volume, name, unheld)
-            _gone(core.delete_persistent_volume, name)
-
-
 @pytest.mark.e2e
 def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
     cluster: ControlPlane,
@@ -272,18 +129,18 @@ def test_csi_attach_limits_are_judged_as_kube_scheduler_judges_them(
     it (but for `OLD_NO_ATTACHMENTS` on 1.20)."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
     scene = Scene(
-        csi_nodes={n: _csi_node(n, drivers) for n, drivers in CSI_NODES.items()},
+        csi_nodes={n: csi_node(n, drivers) for n, drivers in CSI_NODES.items()},
         volumes={n: _volume(n, driver, handle) for n, (driver, handle) in VOLUMES.items()},
         attachments=ATTACHMENTS,
         holders=HOLDERS,
     )
-    with _scene(cluster, NODES, scene) as (nodes, staying_on, storage):
+    with staged(cluster, dict.fromkeys(NODES, {}), scene) as (nodes, staying_on, storage):
         old = cluster.release.minor < (1, 32)
         disagree, placed = [], dict.fromkeys(NODES, 0)
         theirs_on: dict[tuple[str, str], bool] = {}
         for i, (shape, claims) in enumerate(SHAPES.items()):
             for node in NODES:
-                theirs, stored = probe_alone(cluster, _probe(f"probe-{i}-{node}", claims, node))
+                theirs, stored = probe_alone(cluster, probe(f"probe-{i}-{node}", claims, node))
                 ours = attach_refusal(nodes[node], staying_on[node], [stored], storage)
                 differs = (ours is None) != theirs
                 expected = old and (shape, node) in OLD_NO_ATTACHMENTS
@@ -307,8 +164,8 @@ EBS = "ebs.csi.aws.com"
 PD = "pd.csi.storage.gke.io"
 AZURE = "disk.csi.azure.com"
 
-#: what a kubelet with CSI migration on writes on its CSINode (read only before 1.2x's GA)
-MIGRATED_PLUGINS = "storage.alpha.kubernetes.io/migrated-plugins"
+#: the in-tree plugins the CSINodes list as migrated, as a kubelet with CSI migration lists them
+MIGRATED = ("kubernetes.io/aws-ebs", "kubernetes.io/azure-disk", "kubernetes.io/gce-pd")
 
 #: node -> its CSINode's counts; m3 has no CSINode (no in-tree disk is counted there)
 MIGRATED_NODES: dict[str, dict[str, int | None]] = {
@@ -367,22 +224,6 @@ IN_TREE_SHAPES: dict[str, tuple[list[str], list[dict[str, Any]]]] = {
 }
 
 
-def _in_tree_volume(name: str, source: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
-    spec = {
-        "capacity": {"storage": "1Gi"},
-        "accessModes": ["ReadWriteOnce"],
-        "storageClassName": "manual",
-        **source,
-    }
-    return {"metadata": {"name": name, "labels": labels}, "spec": spec}
-
-
-def _with_inline(pod: dict[str, Any], inline: list[dict[str, Any]]) -> dict[str, Any]:
-    first = len(pod["spec"]["volumes"])
-    pod["spec"]["volumes"] += [{"name": f"d{first + i}", **s} for i, s in enumerate(inline)]
-    return pod
-
-
 @pytest.mark.e2e
 def test_migrated_in_tree_disks_are_counted_as_kube_scheduler_counts_them(
     cluster: ControlPlane,
@@ -391,25 +232,20 @@ def test_migrated_in_tree_disks_are_counted_as_kube_scheduler_counts_them(
     whatever form: kube-scheduler places every shape on every node exactly when vramsched's rule
     passes it (1.20, without CSI migration on by default, counts none of them)."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
-    plugins = "kubernetes.io/aws-ebs,kubernetes.io/azure-disk,kubernetes.io/gce-pd"
-    csi_nodes = {}
-    for name, drivers in MIGRATED_NODES.items():
-        csi_nodes[name] = _csi_node(name, drivers)
-        csi_nodes[name]["metadata"]["annotations"] = {MIGRATED_PLUGINS: plugins}
     scene = Scene(
-        csi_nodes=csi_nodes,
-        volumes={n: _in_tree_volume(n, source, on) for n, (source, on) in IN_TREE.items()},
+        csi_nodes={n: csi_node(n, drivers, MIGRATED) for n, drivers in MIGRATED_NODES.items()},
+        volumes={n: in_tree_volume(n, source, on) for n, (source, on) in IN_TREE.items()},
         attachments=IN_TREE_ATTACHMENTS,
         holders=IN_TREE_HOLDERS,
     )
     nodes = (*MIGRATED_NODES, "m3")
     theirs_on: dict[tuple[str, str], bool] = {}
     ours_on: dict[tuple[str, str], bool] = {}
-    with _scene(cluster, nodes, scene) as (read, staying_on, storage):
+    with staged(cluster, dict.fromkeys(nodes, {}), scene) as (read, staying_on, storage):
         for i, (shape, (claims, inline)) in enumerate(IN_TREE_SHAPES.items()):
             for node in nodes:
-                probe = _with_inline(_probe(f"mprobe-{i}-{node}", claims, node), inline)
-                theirs, stored = probe_alone(cluster, probe)
+                pod = with_inline(probe(f"mprobe-{i}-{node}", claims, node), inline)
+                theirs, stored = probe_alone(cluster, pod)
                 ours = attach_refusal(read[node], staying_on[node], [stored], storage)
                 theirs_on[shape, node], ours_on[shape, node] = theirs, ours is None
     if cluster.release.minor >= (1, 32):
