@@ -14,13 +14,18 @@ What is checked, for every `persistentVolumeClaim` volume of the pod:
   has any of those labels (VolumeZone; a beta label on the volume matches the node's GA label,
   as kube-scheduler does since 1.21).
 
+A volume of an in-tree type migrated to CSI (`awsElasticBlockStore`, ...) is judged, on a node
+whose CSINode lists its plugin as migrated, by its node affinity translated to the CSI driver
+(`csi_migration.migrated_affinity`: its zone must be on the driver's zone label); elsewhere as it
+is. So such a volume needs the CSINodes read (`Storage.csinodes`), or it refuses.
+
 A claim that names no volume yet sets no bound: kube-scheduler binds it where it places the pod
 (its StorageClass waits for the first consumer), which vramsched does not judge. One that must be
 bound first (an Immediate StorageClass) fails kube-scheduler's PreFilter on every node, so no
 extender sees the pod; a running pod's claims are bound. Not checked here: generic ephemeral
-volumes (the new copy gets a claim of its own), where a provisioner can create a volume, and the
-topology an in-tree volume gains when it is migrated to CSI. CSI attach limits depend on the
-other pods on the node: `attach_limits` counts them, with the lists `Storage` also carries.
+volumes (the new copy gets a claim of its own) and where a provisioner can create a volume. CSI
+attach limits depend on the other pods on the node: `attach_limits` counts them, with the lists
+`Storage` also carries.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from extender.csi_migration import Untranslatable, in_tree_plugin, migrated_affinity, migrated_on
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
@@ -176,6 +182,15 @@ def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Sto
         if volume is None:
             return f"volume {pv} of its claim {key} does not exist"
         required = mapping(mapping(spec(volume).get("nodeAffinity")).get("required"))
+        plugin = in_tree_plugin(volume)
+        if plugin is not None:
+            if storage.csinodes is None:
+                return f"volume {pv} of its claim {key} is in-tree and the CSINodes were not read"
+            if migrated_on(storage.csinodes.get(called), plugin):
+                try:
+                    required = migrated_affinity(volume)
+                except Untranslatable as exc:
+                    return f"volume {pv} of its claim {key} cannot be migrated to CSI: {exc}"
         if required and not selector_terms_hold(items(required.get("nodeSelectorTerms")), on, ""):
             return f"node {called} is outside the node affinity of volume {pv}"
         zone = _zone_refusal(volume, on)

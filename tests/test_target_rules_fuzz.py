@@ -251,6 +251,8 @@ def test_malformed_attach_limit_objects_are_judged_never_crash(
 
 
 EBS = "ebs.csi.aws.com"
+BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
+BETA_REGION = "failure-domain.beta.kubernetes.io/region"
 IN_TREE_POD = {
     "metadata": {"name": "v", "namespace": "default"},
     "spec": {
@@ -264,12 +266,38 @@ IN_TREE_POD = {
 IN_TREE_VOLUME = {
     "kind": "PersistentVolume",
     "metadata": {"name": "pv", "labels": {"topology.kubernetes.io/zone": "us-east1-a__us-east1-b"}},
-    "spec": {"gcePersistentDisk": {"pdName": "pd-2"}, "awsElasticBlockStore": {"volumeID": "v"}},
+    "spec": {
+        "gcePersistentDisk": {"pdName": "pd-2"},
+        "awsElasticBlockStore": {"volumeID": "v"},
+        "nodeAffinity": {
+            "required": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {"key": BETA_ZONE, "operator": "In", "values": ["us-east1-a"]},
+                            {"key": BETA_REGION, "operator": "In", "values": ["us-east1"]},
+                        ]
+                    }
+                ]
+            }
+        },
+    },
 }
 IN_TREE_NODE = {
     "kind": "CSINode",
-    "metadata": {"name": "a"},
+    "metadata": {
+        "name": "a",
+        "annotations": {
+            "storage.alpha.kubernetes.io/migrated-plugins": "kubernetes.io/aws-ebs,kubernetes.io/gce-pd"
+        },
+    },
     "spec": {"drivers": [{"name": EBS, "nodeID": "a", "allocatable": {"count": 1}}]},
+}
+ZONED_NODE = {
+    "metadata": {
+        "name": "a",
+        "labels": {"topology.ebs.csi.aws.com/zone": "us-east1-a", BETA_ZONE: "us-east1-a"},
+    }
 }
 IN_TREE_CLASS = {
     "kind": "StorageClass",
@@ -285,12 +313,18 @@ IN_TREE_CLASS = {
     objects=st.tuples(
         *(_mutated(o) for o in (CLAIM, IN_TREE_VOLUME, IN_TREE_NODE, ATTACHMENT, IN_TREE_CLASS))
     ),
+    node=_mutated(ZONED_NODE),
 )
-def test_malformed_in_tree_disks_are_judged_never_crash(pod: Any, there: Any, objects: Any) -> None:
-    """In-tree disks (volumes and inline) are translated to their CSI driver; malformed ones give
-    an answer, not an exception, and so does `needs_counting`."""
+def test_malformed_in_tree_disks_are_judged_never_crash(
+    pod: Any, there: Any, objects: Any, node: Any
+) -> None:
+    """In-tree disks (volumes and inline) are translated to their CSI driver, and a migrated
+    volume's topology to the driver's zone label; malformed ones give an answer, not an
+    exception, and so does `needs_counting`."""
     storage = Storage.from_objects(objects)
-    node = {"metadata": {"name": "a"}}
-    answer = attach_refusal(node, [there], [pod], storage)
-    assert answer is None or isinstance(answer, str)
+    for answer in (
+        attach_refusal(node, [there], [pod], storage),
+        volume_refusal(pod, node, storage),
+    ):
+        assert answer is None or isinstance(answer, str)
     assert isinstance(needs_counting([pod, there], storage), bool)

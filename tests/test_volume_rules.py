@@ -181,3 +181,63 @@ def test_schedulable_on_and_the_masks_check_volumes_only_when_given_storage() ->
     assert masks("ml/p").tolist() == [True, False]
     assert masks("elsewhere/p").tolist() == [False, False]  # its claim does not exist
     assert node_masks(nodes, {"ml/p": p}, ["a", "b"])("ml/p").tolist() == [True, True]
+
+
+EBS_ZONE = "topology.ebs.csi.aws.com/zone"
+MIGRATED = "storage.alpha.kubernetes.io/migrated-plugins"
+
+
+def csinode(name: str, *plugins: str) -> dict[str, Any]:
+    annotations = {MIGRATED: ",".join(plugins)} if plugins else {}
+    return {"kind": "CSINode", "metadata": {"name": name, "annotations": annotations}}
+
+
+def ebs(name: str, volume_id: str = "vol-1", **labels: str) -> dict[str, Any]:
+    pv = volume(name, labels)
+    pv["spec"]["awsElasticBlockStore"] = {"volumeID": volume_id}
+    return pv
+
+
+def test_a_migrated_in_tree_volume_needs_its_drivers_zone_label() -> None:
+    """On a node whose CSINode lists the plugin as migrated, an EBS volume in zone z1 needs the
+    EBS driver's zone label z1 (VolumeBinding, translated), and the node's own zone labels must
+    still hold z1 if it has any (VolumeZone). Elsewhere only the zone labels are read."""
+    objects = [
+        claim("data", "pv"),
+        ebs("pv", **{ZONE: "z1"}),
+        *(csinode(n, "kubernetes.io/aws-ebs") for n in ("both", "ga", "driver", "elsewhere")),
+        csinode("plain"),
+    ]
+    storage = Storage.from_objects(objects)
+    nodes = {
+        "both": node("both", **{ZONE: "z1", EBS_ZONE: "z1"}),
+        "ga": node("ga", **{ZONE: "z1"}),
+        "driver": node("driver", **{EBS_ZONE: "z1"}),
+        "elsewhere": node("elsewhere", **{ZONE: "z2", EBS_ZONE: "z1"}),
+        "plain": node("plain", **{ZONE: "z1"}),  # a CSINode that lists nothing
+        "none": node("none", **{ZONE: "z1"}),  # no CSINode at all
+    }
+    verdicts = {n: volume_refusal(pod("data"), v, storage) for n, v in nodes.items()}
+    assert verdicts == {
+        "both": None,
+        "ga": "node ga is outside the node affinity of volume pv",
+        "driver": None,
+        "elsewhere": f"node elsewhere is outside volume pv's {ZONE} z1",
+        "plain": None,
+        "none": None,
+    }
+
+
+def test_an_in_tree_volume_needs_the_csinodes_read_and_a_translatable_id() -> None:
+    objects = [claim("data", "pv"), ebs("pv", volume_id="aws://z1/not-a-volume")]
+    unread = Storage.from_objects(objects, listed=())
+    assert volume_refusal(pod("data"), node("a"), unread) == (
+        "volume pv of its claim ml/data is in-tree and the CSINodes were not read"
+    )
+    storage = Storage.from_objects([*objects, csinode("a", "kubernetes.io/aws-ebs")])
+    refusal = volume_refusal(pod("data"), node("a"), storage)
+    assert refusal is not None and refusal.startswith(
+        "volume pv of its claim ml/data cannot be migrated to CSI: invalid format"
+    )
+    # where the plugin is not migrated, the volume is used as it is
+    assert volume_refusal(pod("data"), node("b"), storage) is None

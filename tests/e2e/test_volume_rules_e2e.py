@@ -12,14 +12,20 @@ Two shapes hold a claim not fully bound, of a class that is not WaitForFirstCons
 kube-scheduler refuses those pods on every node before any filter (VolumeBinding's PreFilter), so
 no extender is asked about them, and vramsched's rule sets no bound for a claim naming no volume.
 For those the test asserts that premise: refused on every node.
+
+The second test stages in-tree volumes (EBS, Persistent Disk, Azure Disk, Cinder) on nodes whose
+CSINodes list their plugins as migrated, or not, with and without the CSI drivers' zone labels:
+kube-scheduler matches such a volume's node affinity translated to its driver.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from controlplane import ControlPlane
+from storage_scene import Scene, csi_node, in_tree_volume, probe, staged
 from verdicts import probe_alone
 
 from extender.volume_rules import Storage, volume_refusal
@@ -202,3 +208,111 @@ def test_bound_claims_are_judged_as_kube_scheduler_judges_them(cluster: ControlP
         for name in VOLUMES:
             core.patch_persistent_volume(name, {"metadata": {"finalizers": None}})
             core.delete_persistent_volume(name)
+
+
+#: each in-tree plugin migrated to CSI, with its driver's zone label
+DRIVER_ZONES = {
+    "kubernetes.io/aws-ebs": "topology.ebs.csi.aws.com/zone",
+    "kubernetes.io/gce-pd": "topology.gke.io/zone",
+    "kubernetes.io/azure-disk": "topology.disk.csi.azure.com/zone",
+    "kubernetes.io/cinder": "topology.cinder.csi.openstack.org/zone",
+}
+BETA_REGION = "failure-domain.beta.kubernetes.io/region"
+
+
+def _driver_zones(zone: str) -> dict[str, str]:
+    return {key: zone for key in DRIVER_ZONES.values()}
+
+
+#: node -> (labels, the plugins its CSINode lists as migrated, or None for no CSINode)
+MIGRATION_NODES: dict[str, tuple[dict[str, str], tuple[str, ...] | None]] = {
+    "t1": ({ZONE: "z1", REGION: "r1", **_driver_zones("z1")}, tuple(DRIVER_ZONES)),
+    "t2": ({ZONE: "z1", REGION: "r1"}, tuple(DRIVER_ZONES)),  # no driver labels
+    "t3": (_driver_zones("z1"), tuple(DRIVER_ZONES)),  # only the drivers' labels
+    "t4": ({ZONE: "z2", REGION: "r1", **_driver_zones("z2")}, tuple(DRIVER_ZONES)),
+    "t5": ({ZONE: "z2", REGION: "r1", **_driver_zones("z1")}, tuple(DRIVER_ZONES)),
+    "t6": ({ZONE: "z1", REGION: "r1"}, ()),  # a CSINode that lists nothing
+    "t7": ({}, None),
+}
+
+EBS = {"awsElasticBlockStore": {"volumeID": "vol-1"}}
+AZURE_URI = "/subscriptions/s/resourceGroups/r/providers/Microsoft.Compute/disks/d1"
+
+#: volume -> (its in-tree source, labels, nodeAffinity or None); claim `c-<volume>` is bound to
+#: each and a probe mounts it
+IN_TREE: dict[str, tuple[dict[str, Any], dict[str, str], dict[str, Any] | None]] = {
+    "ebs-z1": (EBS, {ZONE: "z1"}, None),
+    "pd-z1": ({"gcePersistentDisk": {"pdName": "pd-1"}}, {ZONE: "z1"}, None),
+    "azure-z1": (
+        {"azureDisk": {"diskName": "d1", "diskURI": AZURE_URI, "kind": "Managed"}},
+        {ZONE: "z1"},
+        None,
+    ),
+    "cinder-z1": ({"cinder": {"volumeID": "c-1"}}, {ZONE: "z1"}, None),
+    "ebs-beta-z1": (EBS, {BETA_ZONE: "z1"}, None),
+    "ebs-z1-z2": (EBS, {ZONE: "z1__z2"}, None),
+    "ebs-affinity-z1": (EBS, {}, _affinity([_is(ZONE, "z1")])),
+    "ebs-affinity-beta": (EBS, {}, _affinity([_is(BETA_ZONE, "z1"), _is(BETA_REGION, "r1")])),
+    "ebs-no-zone": (EBS, {}, None),
+    "ebs-bad-id": ({"awsElasticBlockStore": {"volumeID": "aws://z1/not-a-volume"}}, {}, None),
+}
+
+
+#: shapes 1.20's kube-scheduler judges otherwise, read without migration: it matches a volume's
+#: beta zone label only to the node's beta label (as `OLD_VOLUMEZONE`)
+OLD_BETA_ZONE = {("ebs-beta-z1", n) for n in ("t1", "t2", "t6")}
+
+#: a CSINode whose driver list is empty reads back as null, which the client refuses
+OTHER_DRIVER = {"other.csi.example.com": None}
+
+
+@pytest.mark.e2e
+def test_migrated_in_tree_volumes_are_judged_by_their_drivers_zone(cluster: ControlPlane) -> None:
+    """On a node whose CSINode lists an in-tree plugin as migrated, kube-scheduler judges that
+    plugin's volumes by their node affinity translated to the CSI driver: the zone must be on the
+    driver's zone label (EBS, Persistent Disk, Cinder; an Azure Disk's is not translated). Every
+    volume on every node: kube-scheduler places the probe exactly when vramsched's rule passes
+    the node. 1.20 turns CSI migration on for none of these types by default, so there the
+    verdicts are those of the volumes read as they are (but for `OLD_BETA_ZONE`)."""
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    scene = Scene(
+        csi_nodes={
+            n: csi_node(n, OTHER_DRIVER, migrated)
+            for n, (_, migrated) in MIGRATION_NODES.items()
+            if migrated is not None
+        },
+        volumes={
+            n: in_tree_volume(n, source, on, affinity)
+            for n, (source, on, affinity) in IN_TREE.items()
+        },
+        attachments={},
+        holders={},
+    )
+    nodes = {n: on for n, (on, _) in MIGRATION_NODES.items()}
+    old = cluster.release.minor < (1, 21)
+    disagree = []
+    placed = dict.fromkeys(nodes, 0)
+    theirs_on: dict[tuple[str, str], bool] = {}
+    with staged(cluster, nodes, scene) as (read, _, storage):
+        if old:
+            storage = replace(storage, csinodes={})  # no node migrates anything
+        for i, volume in enumerate(IN_TREE):
+            for node in nodes:
+                pod = probe(f"tprobe-{i}-{node}", [f"c-{volume}"], node)
+                theirs, stored = probe_alone(cluster, pod)
+                ours = volume_refusal(stored, read[node], storage)
+                expected = old and (volume, node) in OLD_BETA_ZONE
+                if ((ours is None) != theirs) != expected:
+                    disagree.append(
+                        f"{volume} on {node}: kube-scheduler {theirs}, vramsched {ours}"
+                    )
+                placed[node] += theirs
+                theirs_on[volume, node] = theirs
+    assert not disagree, "\n".join(disagree)
+    # the same labels with the plugins migrated and without: only the migrated node wants the
+    # driver's zone label (on 1.20 neither does)
+    assert (theirs_on["ebs-z1", "t2"], theirs_on["ebs-z1", "t6"]) == (old, True), theirs_on
+    # every node takes some volumes and refuses others; the one with neither a CSINode nor
+    # labels takes every volume without node affinity
+    assert all(0 < n < len(IN_TREE) for n in placed.values()), placed
+    assert placed["t7"] == sum(affinity is None for _, _, affinity in IN_TREE.values()), placed
