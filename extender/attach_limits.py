@@ -32,7 +32,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from extender.csi_migration import Untranslatable, csi_driver, translate_inline, translate_volume
+from extender.csi_migration import (
+    Untranslatable,
+    csi_driver,
+    in_tree_plugin,
+    translate_inline,
+    translate_volume,
+)
 from extender.node_rules import node_name
 from extender.object_fields import field, items, mapping, meta, spec
 from extender.volume_rules import Storage, pod_claims
@@ -175,13 +181,10 @@ def _has_inline(pod: Mapping[str, Any]) -> bool:
 
 
 def _counted_kind(volume: Mapping[str, Any]) -> bool:
-    """Whether a volume is of a kind attach limits count: CSI, or an in-tree disk migrated to it."""
-    if spec(volume).get("csi") is not None:
-        return True
-    try:
-        return translate_volume(volume) is not None
-    except Untranslatable:
-        return False
+    """Whether a volume is of a kind attach limits may count: CSI, or an in-tree disk migrated to
+    it. A malformed one of those kinds is too: reading the lists for it costs little, and the
+    volume rules want the CSINodes for any in-tree volume (`volume_rules`)."""
+    return spec(volume).get("csi") is not None or in_tree_plugin(volume) is not None
 
 
 def needs_counting(pods: Sequence[Mapping[str, Any]], storage: Storage) -> bool:

@@ -298,3 +298,8 @@ def test_needs_counting_sees_in_tree_disks() -> None:
     assert needs_counting([with_inline("p", {"gcePersistentDisk": {"pdName": "x"}})], storage)
     assert not needs_counting([pod("p", "c-ph")], storage)
     assert not needs_counting([with_inline("p", {"emptyDir": {}})], storage)
+    # an in-tree volume upstream cannot translate counts nothing, but its pod needs the CSINodes
+    # read all the same: the volume rules refuse it where its plugin is migrated
+    bad = in_tree("e-bad", {"awsElasticBlockStore": {"volumeID": "aws://z/not-a-volume"}})
+    storage = migrated_scene(bad, claim("c-e-bad", "e-bad"))
+    assert needs_counting([pod("p", "c-e-bad")], storage)

@@ -922,6 +922,7 @@ async def test_a_move_keeps_to_the_targets_attach_limit(world: Any, limit: int) 
 
 
 EBS = "ebs.csi.aws.com"
+MIGRATED = "storage.alpha.kubernetes.io/migrated-plugins"
 
 
 @pytest.mark.parametrize("limit", [1, 2])
@@ -953,6 +954,46 @@ async def test_in_tree_disks_count_against_their_csi_drivers_limit(world: Any, l
     assert w.evictions.calls == [] and w.repacker.stats.refused == 1
     (told,) = [e["message"] for e in await w.events()]
     assert told.endswith(f"node a attaches at most 1 volume(s) of {EBS} and would hold 2)"), told
+
+
+@pytest.mark.parametrize("driver_label", [True, False])
+async def test_a_migrated_in_tree_volume_moves_only_where_its_drivers_zone_is(
+    world: Any, driver_label: bool
+) -> None:
+    """m2's claim is bound to an in-tree EBS volume in zone z1, and a's CSINode lists the EBS
+    plugin as migrated: kube-scheduler then wants a in z1 by the EBS driver's zone label, not
+    only by `topology.kubernetes.io/zone`. Without that label m2 may stay only where it is, and
+    no plan is made."""
+    pods = fragmented()
+    w = world(pods)
+    for p in pods:
+        if p["metadata"]["name"] == "m2":
+            with_claim(w, p, "any")
+            pv = w.api.volumes["pv-data-m2"]
+            pv["metadata"]["labels"] = {"topology.kubernetes.io/zone": "z1"}
+            pv["spec"] = {"awsElasticBlockStore": {"volumeID": "vol-m2"}}
+    attach_lists(w, 2)
+    for found, _ in w.api.lists["csinodes"]:
+        for node in found:
+            node["metadata"]["annotations"] = {MIGRATED: "kubernetes.io/aws-ebs"}
+    for name in NODES:
+        zoned = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
+        zoned["metadata"]["labels"]["topology.kubernetes.io/zone"] = "z1"
+        if driver_label:
+            zoned["metadata"]["labels"]["topology.ebs.csi.aws.com/zone"] = "z1"
+        zoned["metadata"]["resourceVersion"] = "2"
+        w.source.apply("nodes", "MODIFIED", zoned)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    if driver_label:
+        assert w.evictions.real() == ["m2"]
+        return
+    assert w.evictions.calls == [] and w.repacker.stats.none == 1
+    (told,) = [e["message"] for e in await w.events()]
+    assert told == (
+        "no repack now: no plan within 3 move(s) of movable pods; 1 movable pod(s) may go to no "
+        "other node by their node rules or volumes: default/m2"
+    )
 
 
 async def test_unlisted_attach_limits_keep_a_disk_in_place(world: Any) -> None:
