@@ -19,7 +19,7 @@ from typing import Any
 from extender.attach_limits import needs_counting
 from extender.demand import TERMINAL_PHASES
 from extender.live.api_client import ApiError, KubeApi
-from extender.object_fields import field, name, spec
+from extender.object_fields import field, spec
 from extender.volume_rules import ATTACH_LISTS, Storage, claim_keys, pod_claims
 
 __all__ = ["StorageReads"]
@@ -98,7 +98,8 @@ class StorageReads:
     async def _lists(self, storage: Storage) -> tuple[Storage, str | None]:
         """`storage` with the CSINodes, VolumeAttachments and StorageClasses, and why one of them
         could not be listed (it stays None, so the check refuses what it would count)."""
-        lists: dict[str, list[Mapping[str, Any]]] = {}
+        objects: list[Mapping[str, Any]] = []
+        listed = []
         why = None
         for kind, plural in ATTACH_LISTS.items():
             try:
@@ -109,14 +110,12 @@ class StorageReads:
                 )
                 why = why or f"the {plural} could not be listed ({exc.status} {exc.reason})"
                 continue
-            lists[kind] = [o for o in found if isinstance(o, Mapping)]
-        csinodes = lists.get("CSINode")
-        classes = lists.get("StorageClass")
+            listed.append(kind)
+            # a list's items carry no kind of their own
+            objects += [{**o, "kind": kind} for o in found if isinstance(o, Mapping)]
+        read = Storage.from_objects(objects, listed)
         return replace(
-            storage,
-            csinodes=None if csinodes is None else {name(o): o for o in csinodes},
-            attachments=lists.get("VolumeAttachment"),
-            classes=None if classes is None else {name(o): o for o in classes},
+            storage, csinodes=read.csinodes, attachments=read.attachments, classes=read.classes
         ), why
 
     async def claim(
