@@ -39,6 +39,7 @@ from extender.csi_migration import (
     translate_inline,
     translate_volume,
 )
+from extender.delayed_binding import claim_class
 from extender.node_rules import node_name
 from extender.object_fields import field, items, mapping, meta, spec
 from extender.volume_rules import Storage, pod_claims
@@ -62,13 +63,6 @@ def limits(csinode: Mapping[str, Any] | None) -> dict[str, int]:
         if isinstance(name, str) and isinstance(count, int) and not isinstance(count, bool):
             out[name] = count
     return out
-
-
-def _class_name(claim_spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> str:
-    name = claim_spec.get("storageClassName")
-    if name is None:  # the beta annotation, still read by kube-scheduler
-        name = annotations.get("volume.beta.kubernetes.io/storage-class")
-    return name if isinstance(name, str) else ""
 
 
 def _default_class(classes: Mapping[str, Mapping[str, Any]]) -> str:
@@ -137,7 +131,7 @@ def _claim_volume(key: str, storage: Storage, arriving: bool) -> tuple[str, str]
         if not read or pv is not None:
             return _bound_volume(volume, storage, f"claim {key}")
     # not bound yet, or to a volume that is not there: counted by its class
-    name = _class_name(claim_spec, mapping(meta(claim).get("annotations")))
+    name = claim_class(claim)
     return _provisioned(name, key, storage)
 
 
@@ -148,7 +142,7 @@ def _pod_volumes(
     ephemeral volume is a new one of its template's class: its new copy gets a claim of its own."""
     for key, template in pod_claims(pod):
         if template is not None and arriving:
-            class_name = _class_name(template, {})
+            class_name = claim_class({"spec": template})
             if not class_name and storage.classes is not None:
                 class_name = _default_class(storage.classes)
             found = _provisioned(class_name, f"{key} (new)", storage)

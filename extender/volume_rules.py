@@ -19,13 +19,14 @@ whose CSINode lists its plugin as migrated, by its node affinity translated to t
 (`csi_migration.migrated_affinity`: its zone must be on the driver's zone label); elsewhere as it
 is. So such a volume needs the CSINodes read (`Storage.csinodes`), or it refuses.
 
-A claim that names no volume yet sets no bound: kube-scheduler binds it where it places the pod
-(its StorageClass waits for the first consumer), which vramsched does not judge. One that must be
-bound first (an Immediate StorageClass) fails kube-scheduler's PreFilter on every node, so no
-extender sees the pod; a running pod's claims are bound. Not checked here: generic ephemeral
-volumes (the new copy gets a claim of its own) and where a provisioner can create a volume. CSI
-attach limits depend on the other pods on the node: `attach_limits` counts them, with the lists
-`Storage` also carries.
+A claim that names no volume yet, of a class that waits for the first consumer, is bound where
+kube-scheduler places the pod: to a free volume that reaches the node, or to one its class
+provisions there (`delayed_binding`; this needs the StorageClasses and every PersistentVolume
+read). One that must be bound first (an Immediate class, or none) fails kube-scheduler's
+PreFilter on every node, so no extender sees the pod, and sets no bound here; a running pod's
+claims are bound. Not checked here: generic ephemeral volumes (the new copy gets a claim of its
+own) and a provisioner's reported capacity. CSI attach limits depend on the other pods on the
+node: `attach_limits` counts them, with the lists `Storage` also carries.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extender.csi_migration import Untranslatable, in_tree_plugin, migrated_affinity, migrated_on
+from extender.delayed_binding import binding_refusal, claim_class, waits_for_consumer
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
@@ -86,6 +88,9 @@ class Storage:
     mapped to None was read and does not exist; a key absent was not read (the check refuses: it
     cannot tell), unless `complete` says the maps hold every claim and volume there is.
 
+    `volumes_listed` says the volumes map holds every PersistentVolume there is (listed for
+    claims that wait for their first consumer), though not every claim.
+
     For CSI attach limits (`attach_limits`), the cluster's CSINodes by name, its
     VolumeAttachments and its StorageClasses by name, each listed in full, or None where that
     list was not read."""
@@ -93,6 +98,7 @@ class Storage:
     claims: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
     volumes: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
     complete: bool = False
+    volumes_listed: bool = False
     csinodes: Mapping[str, Mapping[str, Any]] | None = None
     attachments: Sequence[Mapping[str, Any]] | None = None
     classes: Mapping[str, Mapping[str, Any]] | None = None
@@ -138,6 +144,12 @@ class Storage:
     def volume(self, name: str) -> tuple[bool, Mapping[str, Any] | None]:
         return (self.complete or name in self.volumes, self.volumes.get(name))
 
+    def every_volume(self) -> list[Mapping[str, Any]] | None:
+        """Every PersistentVolume, or None where they were not all read."""
+        if not (self.complete or self.volumes_listed):
+            return None
+        return [v for v in self.volumes.values() if v is not None]
+
 
 def _zones(value: str) -> set[str] | None:
     """A topology label's value as VolumeZone reads it: zones joined by `__`, each trimmed; None
@@ -165,6 +177,7 @@ def _zone_refusal(volume: Mapping[str, Any], on: Mapping[str, str]) -> str | Non
 def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Storage) -> str | None:
     """Why the pod's claims keep it off `node`, or None (see the module docstring)."""
     on, called = node_labels(node), node_name(node)
+    waiting: list[tuple[str, Mapping[str, Any]]] = []
     for key in claim_keys(pod):
         read, claim = storage.claim(key)
         if not read:
@@ -175,7 +188,8 @@ def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Sto
             return f"its claim {key} is being deleted"
         pv = str(spec(claim).get("volumeName") or "")
         if not pv:
-            continue  # bound where kube-scheduler places the pod (see the module docstring)
+            waiting.append((key, claim))  # bound where kube-scheduler places the pod
+            continue
         read, volume = storage.volume(pv)
         if not read:
             return f"volume {pv} of its claim {key} could not be read"
@@ -196,4 +210,25 @@ def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Sto
         zone = _zone_refusal(volume, on)
         if zone is not None:
             return f"node {called} is outside volume {pv}'s {zone}"
-    return None
+    return _waiting_refusal(waiting, called, on, storage) if waiting else None
+
+
+def _waiting_refusal(
+    claims: list[tuple[str, Mapping[str, Any]]],
+    node: str,
+    on: Mapping[str, str],
+    storage: Storage,
+) -> str | None:
+    """Why the claims that name no volume yet cannot be bound on `node` (`delayed_binding`)."""
+    named = [(k, c) for k, c in claims if claim_class(c)]
+    if not named:
+        return None  # kube-scheduler places the pod nowhere before they are bound
+    if storage.classes is None:
+        return f"the StorageClasses its claim {named[0][0]} needs could not be read"
+    waiting = [(k, c) for k, c in named if waits_for_consumer(c, storage.classes)]
+    if not waiting:
+        return None  # kube-scheduler places the pod nowhere before they are bound
+    volumes = storage.every_volume()
+    if volumes is None:
+        return f"the PersistentVolumes its claim {waiting[0][0]} may bind to could not be read"
+    return binding_refusal(waiting, volumes, storage.classes, node, on)

@@ -1035,21 +1035,93 @@ async def test_the_blocked_pod_is_planned_only_where_its_volume_reaches(world: A
     assert w.plan_kw[-1]["pod_nodes"].tolist() == [n == "b" for n in NODES]
 
 
-async def test_a_waiting_pod_whose_claim_is_not_bound_yet_is_still_planned(world: Any) -> None:
-    """A new StatefulSet replica's claim of a WaitForFirstConsumer class names no volume until
-    kube-scheduler places the pod: it keeps the pod off no node, and the plan goes ahead."""
-    p = pod("p", "16Gi", uid="p")
+def waiting_for_consumer(w: World, p: dict[str, Any], provisioner: str, volume_on: str) -> None:
+    """Give the waiting pod `p` a claim of a WaitForFirstConsumer class of `provisioner` that
+    names no volume yet, and the cluster one free local volume of that class on node `volume_on`
+    (by its `pool` label). Each list answers every attempt."""
     p["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": "data-p"}}]
+    w.api.claims["default/data-p"] = {
+        "metadata": {"name": "data-p", "namespace": "default"},
+        "spec": {
+            "storageClassName": "local",
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    term = {"matchExpressions": [{"key": "pool", "operator": "In", "values": [volume_on]}]}
+    volume = {
+        "metadata": {"name": f"local-{volume_on}"},
+        "spec": {
+            "storageClassName": "local",
+            "capacity": {"storage": "10Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [term]}},
+        },
+        "status": {"phase": "Available"},
+    }
+    local = {
+        "metadata": {"name": "local"},
+        "provisioner": provisioner,
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }
+    for kind, found in (
+        ("persistentvolumes", [volume]),
+        ("csinodes", []),
+        ("volumeattachments", []),
+        ("storageclasses", [local]),
+    ):
+        w.api.lists[kind] = [(found, "1")] * 4
+
+
+@pytest.mark.parametrize(
+    ("provisioner", "volume_on", "planned_on"),
+    [
+        ("ebs.csi.aws.com", "a", ["a", "b"]),  # provisioned wherever it is placed
+        ("kubernetes.io/no-provisioner", "b", ["b"]),  # only the free local volume's node
+        ("kubernetes.io/no-provisioner", "a", ["a"]),
+    ],
+)
+async def test_a_waiting_pods_claim_that_waits_for_it_is_planned_where_it_can_bind(
+    world: Any, provisioner: str, volume_on: str, planned_on: list[str]
+) -> None:
+    """A new StatefulSet replica's claim of a WaitForFirstConsumer class names no volume until
+    kube-scheduler places the pod. It keeps the pod off no node its class can provision on; a
+    class without a provisioner (local volumes made by hand) keeps it to the nodes a free volume
+    of the class reaches. Only b can be freed for it (by moving m2)."""
+    p = pod("p", "16Gi", uid="p")
     w = world(fragmented()[:-1])  # all but its own p, which mounts no claim
-    w.api.claims["default/data-p"] = {"metadata": {"name": "data-p", "namespace": "default"}}
+    label_pools(w)
+    waiting_for_consumer(w, p, provisioner, volume_on)
     w.api.add_pod(p)
     w.source.apply("pods", "ADDED", copy.deepcopy(p))
     w.filter("default/p")
     await w.step(advance=1.5)
-    assert w.evictions.real() == ["m2"]
-    assert [c for c in w.api.calls if c[0] in ("read_claim", "read_volume")] == [
-        ("read_claim", "default", "data-p")
-    ]
+    assert w.plan_kw[-1]["pod_nodes"].tolist() == [n in planned_on for n in NODES]
+    assert w.evictions.real() == (["m2"] if "b" in planned_on else [])
+    assert ("list", "persistentvolumes") in w.api.calls
+
+
+async def test_a_waiting_claim_without_the_volumes_listed_keeps_the_pod_unplanned(
+    world: Any,
+) -> None:
+    """The same with the PersistentVolumes not listable (no RBAC for them): vramsched cannot tell
+    where the claim binds, so no node is open to the pod and nothing is evicted."""
+    p = pod("p", "16Gi", uid="p")
+    w = world(fragmented()[:-1])
+    label_pools(w)
+    waiting_for_consumer(w, p, "kubernetes.io/no-provisioner", "b")
+    del w.api.lists["persistentvolumes"]
+    w.api.add_pod(p)
+    w.source.apply("pods", "ADDED", copy.deepcopy(p))
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == []
+    (told,) = [e["message"] for e in await w.events()]
+    assert told == (
+        "no repack now: no plan within 3 move(s) of movable pods; the waiting pod may go to no "
+        "node (on a: the PersistentVolumes its claim default/data-p may bind to could not be "
+        "read)"
+    )
 
 
 async def test_the_cap_per_gpu_scales_with_the_gpus_the_pod_asks(world: Any) -> None:

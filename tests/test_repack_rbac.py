@@ -1,5 +1,5 @@
 """deploy/repack grants live repacking exactly the rights it adds (create Evictions, read claims
-and volumes, list what CSI attach limits need) to the pods' ServiceAccount, the base role does not, and its Deployment patch only
+and volumes, list the volumes and what CSI attach limits need) to the pods' ServiceAccount, the base role does not, and its Deployment patch only
 adds `--repack`."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def test_repack_role_only_creates_evictions_and_reads_storage() -> None:
         ("", "pods/eviction", "create", None),
         ("", "persistentvolumeclaims", "get", None),
         ("", "persistentvolumes", "get", None),
+        ("", "persistentvolumes", "list", None),
         ("storage.k8s.io", "csinodes", "list", None),
         ("storage.k8s.io", "volumeattachments", "list", None),
         ("storage.k8s.io", "storageclasses", "list", None),

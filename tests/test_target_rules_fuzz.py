@@ -328,3 +328,60 @@ def test_malformed_in_tree_disks_are_judged_never_crash(
     ):
         assert answer is None or isinstance(answer, str)
     assert isinstance(needs_counting([pod, there], storage), bool)
+
+
+WAITING_CLAIM = {
+    "kind": "PersistentVolumeClaim",
+    "metadata": {
+        "name": "data",
+        "namespace": "default",
+        "uid": "u1",
+        "annotations": {"volume.beta.kubernetes.io/storage-class": "local"},
+    },
+    "spec": {
+        "storageClassName": "local",
+        "accessModes": ["ReadWriteOnce"],
+        "volumeMode": "Filesystem",
+        "resources": {"requests": {"storage": "1Gi"}},
+        "selector": {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["a"]}]},
+    },
+}
+FREE_VOLUME = {
+    "kind": "PersistentVolume",
+    "metadata": {"name": "pv", "labels": {"tier": "a"}},
+    "spec": {
+        "storageClassName": "local",
+        "capacity": {"storage": "5Gi"},
+        "accessModes": ["ReadWriteOnce"],
+        "claimRef": {"name": "data", "namespace": "default", "uid": "u1"},
+        "nodeAffinity": {
+            "required": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": HOST, "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        },
+    },
+    "status": {"phase": "Available"},
+}
+WAITING_CLASS = {
+    "kind": "StorageClass",
+    "metadata": {"name": "local"},
+    "provisioner": "example.com/local",
+    "volumeBindingMode": "WaitForFirstConsumer",
+    "allowedTopologies": [{"matchLabelExpressions": [{"key": "zone", "values": ["z1"]}]}],
+}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    pod=_mutated(CLAIMED),
+    objects=st.tuples(*(_mutated(o) for o in (WAITING_CLAIM, FREE_VOLUME, WAITING_CLASS))),
+    node=_mutated(NODE),
+)
+def test_malformed_waiting_claims_are_judged_never_crash(pod: Any, objects: Any, node: Any) -> None:
+    """A claim that waits for its pod is matched to volumes and its class's topology; malformed
+    claims, volumes, classes and nodes give an answer, not an exception."""
+    storage = Storage.from_objects(objects)
+    answer = volume_refusal(pod, node, storage)
+    assert answer is None or isinstance(answer, str)

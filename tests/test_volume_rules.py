@@ -241,3 +241,58 @@ def test_an_in_tree_volume_needs_the_csinodes_read_and_a_translatable_id() -> No
     )
     # where the plugin is not migrated, the volume is used as it is
     assert volume_refusal(pod("data"), node("b"), storage) is None
+
+
+LOCAL = {
+    "kind": "StorageClass",
+    "metadata": {"name": "local"},
+    "provisioner": "kubernetes.io/no-provisioner",
+    "volumeBindingMode": "WaitForFirstConsumer",
+}
+
+
+def waiting_claim(name: str, cls: str = "local") -> dict[str, Any]:
+    """A claim that names no volume yet."""
+    found = claim(name, None, bound=False)
+    found["spec"] = {"storageClassName": cls, "resources": {"requests": {"storage": "1Gi"}}}
+    return found
+
+
+def free_local(name: str, node_name: str) -> dict[str, Any]:
+    pv = volume(name, terms=[{"matchExpressions": [expr("kubernetes.io/hostname", node_name)]}])
+    pv["spec"].update(storageClassName="local", capacity={"storage": "5Gi"})
+    pv["status"] = {"phase": "Available"}
+    return pv
+
+
+def test_a_claim_that_waits_for_its_pod_binds_where_a_free_volume_reaches() -> None:
+    storage = Storage.from_objects([waiting_claim("data"), free_local("pv", "a"), LOCAL])
+    assert volume_refusal(pod("data"), node("a"), storage) is None
+    assert volume_refusal(pod("data"), node("b"), storage) == (
+        "no volume of class local on node b is free for its claim ml/data"
+    )
+    # bound claims are checked first, the waiting ones then together
+    both = Storage.from_objects(
+        [waiting_claim("data"), free_local("pv", "a"), LOCAL, claim("db", "pv-z"), volume("pv-z")]
+    )
+    assert volume_refusal(pod("db", "data"), node("a"), both) is None
+
+
+def test_a_waiting_claim_needs_its_class_and_every_volume_read() -> None:
+    p = pod("data")
+    claims = {"ml/data": waiting_claim("data")}
+    assert volume_refusal(p, node("a"), Storage(claims)) == (
+        "the StorageClasses its claim ml/data needs could not be read"
+    )
+    classes = {"local": LOCAL}
+    assert volume_refusal(p, node("a"), Storage(claims, classes=classes)) == (
+        "the PersistentVolumes its claim ml/data may bind to could not be read"
+    )
+    listed = Storage(claims, {"pv": free_local("pv", "a")}, volumes_listed=True, classes=classes)
+    assert volume_refusal(p, node("a"), listed) is None
+    # a claim of no class, of an Immediate class or of a class that is gone sets no bound:
+    # kube-scheduler places its pod nowhere until it is bound, so no extender is asked
+    assert volume_refusal(pod("x"), node("a"), Storage({"ml/x": waiting_claim("x", "")})) is None
+    immediate = {"local": {**LOCAL, "volumeBindingMode": "Immediate"}}
+    assert volume_refusal(p, node("a"), Storage(claims, classes=immediate)) is None
+    assert volume_refusal(p, node("a"), Storage(claims, classes={})) is None

@@ -324,7 +324,11 @@ class Repacker:
                 else:
                     self.stats.none += 1
                 kept = self._kept_to_their_nodes(cap, controllers, masks)
-                self._tell(demand.pod, self._none_message(allowance, excluded, kept))
+                message = self._none_message(allowance, excluded, kept)
+                if pod_nodes is not None and not pod_nodes.any():
+                    nowhere = self._nowhere(pods.get(key) or {}, cap.arrays.node_names, storage)
+                    message += f"; {nowhere}"
+                self._tell(demand.pod, message)
                 return
             if not found.moves:
                 return  # it fits now: kube-scheduler's next try places it
@@ -634,6 +638,14 @@ class Repacker:
                 f"or volumes: {named}"
             )
         return text
+
+    def _nowhere(self, pod: Mapping[str, Any], names: Sequence[str], storage: Storage) -> str:
+        """Why the waiting pod may go to no node of `names`: what keeps it off the first."""
+        for name in names:
+            why = schedulable_on(pod, self.cluster.nodes.get(name) or {}, storage)
+            if why is not None:
+                return f"the waiting pod may go to no node (on {name}: {why})"
+        return "the waiting pod may go to no node"
 
     def _kept_to_their_nodes(
         self,

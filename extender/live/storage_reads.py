@@ -19,7 +19,7 @@ from typing import Any
 from extender.attach_limits import needs_counting
 from extender.demand import TERMINAL_PHASES
 from extender.live.api_client import ApiError, KubeApi
-from extender.object_fields import field, spec
+from extender.object_fields import field, name, spec
 from extender.volume_rules import ATTACH_LISTS, Storage, claim_keys, pod_claims
 
 __all__ = ["StorageReads"]
@@ -59,6 +59,12 @@ class StorageReads:
                 if claim_key in unread and key != blocked:
                     kept.setdefault(key, unread[claim_key])
         storage = Storage(claims, volumes)
+        if any(c is not None and not spec(c).get("volumeName") for c in claims.values()):
+            storage, why = await self._volumes(storage)
+            if why is not None:
+                for key in wanted:
+                    if key != blocked and _has_unbound(pods.get(key) or {}, storage):
+                        kept.setdefault(key, why)
         counted = [k for k in wanted if k not in kept and needs_counting([pods[k]], storage)]
         if not counted:
             return storage, kept
@@ -94,6 +100,24 @@ class StorageReads:
                 if claim_key.partition("/")[2] and claim_key not in claims:
                     await self.claim(claim_key, claims, volumes)  # unread: the check refuses
         return replace(storage, claims=claims, volumes=volumes)
+
+    async def _volumes(self, storage: Storage) -> tuple[Storage, str | None]:
+        """`storage` with every PersistentVolume (the volumes a claim that names none yet may be
+        bound to), and why they could not be listed."""
+        try:
+            found, _ = await self.call(self.api.list, "persistentvolumes")
+        except ApiError as exc:
+            log.info(
+                "repack could not list",
+                extra={"fields": {"what": "persistentvolumes", "why": str(exc)}},
+            )
+            return storage, (
+                f"its claims' volumes cannot be chosen: the persistentvolumes could not be "
+                f"listed ({exc.status} {exc.reason})"
+            )
+        volumes = dict(storage.volumes)
+        volumes.update((name(o), o) for o in found if isinstance(o, Mapping))
+        return replace(storage, volumes=volumes, volumes_listed=True), None
 
     async def _lists(self, storage: Storage) -> tuple[Storage, str | None]:
         """`storage` with the CSINodes, VolumeAttachments and StorageClasses, and why one of them
@@ -150,3 +174,12 @@ class StorageReads:
             log.info("repack could not read", extra={"fields": {"what": args, "why": str(exc)}})
             return f"{exc.status} {exc.reason}".strip(), None
         return (None, got) if isinstance(got, Mapping) else ("not an object", None)
+
+
+def _has_unbound(pod: Mapping[str, Any], storage: Storage) -> bool:
+    """Whether one of the pod's claims was read and names no volume yet."""
+    for key in claim_keys(pod):
+        _, claim = storage.claim(key)
+        if claim is not None and not spec(claim).get("volumeName"):
+            return True
+    return False

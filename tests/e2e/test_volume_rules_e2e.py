@@ -16,6 +16,12 @@ For those the test asserts that premise: refused on every node.
 The second test stages in-tree volumes (EBS, Persistent Disk, Azure Disk, Cinder) on nodes whose
 CSINodes list their plugins as migrated, or not, with and without the CSI drivers' zone labels:
 kube-scheduler matches such a volume's node affinity translated to its driver.
+
+The third gives probes claims of WaitForFirstConsumer classes, which name no volume until their
+pod is placed, on nodes with free local volumes: kube-scheduler passes a node when each claim
+gets a volume there or its class provisions there. No PV controller or provisioner runs, so a
+pass shows as kube-scheduler's PreBind starting to bind (a volume's `claimRef`, or the claim's
+selected node), and the test undoes that binding before the next probe.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import kubernetes.client
 import pytest
 from controlplane import ControlPlane
-from storage_scene import Scene, csi_node, in_tree_volume, probe, staged
+from storage_scene import Scene, csi_node, gone, in_tree_volume, objects, probe, staged
 from verdicts import probe_alone
 
 from extender.volume_rules import Storage, volume_refusal
@@ -316,3 +323,180 @@ def test_migrated_in_tree_volumes_are_judged_by_their_drivers_zone(cluster: Cont
     # labels takes every volume without node affinity
     assert all(0 < n < len(IN_TREE) for n in placed.values()), placed
     assert placed["t7"] == sum(affinity is None for _, _, affinity in IN_TREE.values()), placed
+
+
+#: node -> labels, for the claims that wait for their pod
+BINDING_NODES: dict[str, dict[str, str]] = {
+    "u1": {HOST: "u1", ZONE: "z1"},
+    "u2": {HOST: "u2", ZONE: "z2"},
+    "u3": {HOST: "u3"},
+    "u4": {HOST: "u4", ZONE: "z1"},
+}
+WAIT = "WaitForFirstConsumer"
+#: what kube-scheduler sets on a claim it asks to be provisioned for a node
+SELECTED_NODE = "volume.kubernetes.io/selected-node"
+
+#: StorageClass -> (provisioner, allowedTopologies), each binding when its pod is placed
+BINDING_CLASSES: dict[str, tuple[str, list[dict[str, Any]]]] = {
+    "wffc-local": ("kubernetes.io/no-provisioner", []),
+    "wffc-any": ("example.com/any", []),
+    "wffc-z1": (
+        "example.com/zonal",
+        [{"matchLabelExpressions": [{"key": ZONE, "values": ["z1"]}]}],
+    ),
+}
+
+#: free PersistentVolume -> (class, node it is on, size, access mode, more spec, labels)
+FREE_VOLUMES: dict[str, tuple[str, str, str, str, dict[str, Any], dict[str, str]]] = {
+    "lv-u1-1g": ("wffc-local", "u1", "1Gi", "ReadWriteOnce", {}, {}),
+    "lv-u1-10g": ("wffc-local", "u1", "10Gi", "ReadWriteOnce", {}, {}),
+    "lv-u2-rwx": ("wffc-local", "u2", "10Gi", "ReadWriteMany", {}, {}),
+    "lv-u3-block": ("wffc-local", "u3", "10Gi", "ReadWriteOnce", {"volumeMode": "Block"}, {}),
+    "lv-u4-fast": ("wffc-local", "u4", "10Gi", "ReadWriteOnce", {}, {"tier": "fast"}),
+    "zv-u2": ("wffc-z1", "u2", "10Gi", "ReadWriteOnce", {}, {}),
+}
+
+#: probe shape -> its claims: (class, size, more spec, annotations)
+WAITING_SHAPES: dict[str, list[tuple[str, str, dict[str, Any], dict[str, str]]]] = {
+    "local-1g": [("wffc-local", "1Gi", {}, {})],
+    "local-2g": [("wffc-local", "2Gi", {}, {})],
+    "local-20g": [("wffc-local", "20Gi", {}, {})],
+    "local-block": [("wffc-local", "2Gi", {"volumeMode": "Block"}, {})],
+    "local-fast": [("wffc-local", "2Gi", {"selector": {"matchLabels": {"tier": "fast"}}}, {})],
+    "local-rwx": [("wffc-local", "2Gi", {"accessModes": ["ReadWriteMany"]}, {})],
+    "local-two": [("wffc-local", "1Gi", {}, {}), ("wffc-local", "2Gi", {}, {})],
+    "any": [("wffc-any", "1Gi", {}, {})],
+    "z1": [("wffc-z1", "1Gi", {}, {})],
+    "selected-u4": [("wffc-any", "1Gi", {}, {SELECTED_NODE: "u4"})],
+}
+
+
+def _free_volume(
+    name: str, cls: str, node: str, size: str, mode: str, more: dict[str, Any], on: dict[str, str]
+) -> dict[str, Any]:
+    spec = {
+        "capacity": {"storage": size},
+        "accessModes": [mode],
+        "storageClassName": cls,
+        "local": {"path": f"/mnt/{name}"},
+        "nodeAffinity": _affinity([_is(HOST, node)]),
+        **more,
+    }
+    return {"metadata": {"name": name, "labels": on}, "spec": spec}
+
+
+def _waiting_claim(
+    name: str, cls: str, size: str, more: dict[str, Any], annotations: dict[str, str]
+) -> dict[str, Any]:
+    spec = {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": cls,
+        "resources": {"requests": {"storage": size}},
+        **more,
+    }
+    meta = {"name": name, "namespace": NS, "annotations": annotations}
+    return {"metadata": meta, "spec": spec}
+
+
+def _binding_verdict(cluster: ControlPlane, name: str, claims: list[str], node: str) -> bool:
+    """kube-scheduler's verdict on probe `name`, pinned to `node`: placed, or past its filters,
+    which shows as its PreBind binding a claim (a free volume's `claimRef` names it) or asking
+    for one to be provisioned on `node` (the claim's `volume.kubernetes.io/selected-node`). No PV
+    controller or provisioner runs, so the binding itself never completes."""
+    core = cluster.core_v1()
+
+    def verdict() -> tuple[bool] | None:
+        pod = core.read_namespaced_pod(name, NS)
+        if pod.spec.node_name:
+            return (True,)
+        for claim in claims:
+            found = core.read_namespaced_persistent_volume_claim(claim, NS)
+            if (found.metadata.annotations or {}).get(SELECTED_NODE) == node:
+                return (True,)
+        for pv in core.list_persistent_volume().items:
+            if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
+                return (True,)
+        conditions = pod.status.conditions or []
+        if any(c.type == "PodScheduled" and c.status == "False" for c in conditions):
+            return (False,)
+        return None
+
+    return cluster.wait_for(verdict, timeout=60, message=f"a verdict on {name}")[0]
+
+
+def _unbind(cluster: ControlPlane, name: str, claims: list[str]) -> None:
+    """Delete the probe and its claims, and free the volumes kube-scheduler bound them to."""
+    core = cluster.core_v1()
+    gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
+    for claim in claims:
+        gone(core.patch_namespaced_persistent_volume_claim, claim, NS, UNHELD)
+        gone(core.delete_namespaced_persistent_volume_claim, claim, NS)
+    for pv in core.list_persistent_volume().items:
+        if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
+            core.patch_persistent_volume(pv.metadata.name, {"spec": {"claimRef": None}})
+    cluster.wait_for(
+        lambda: all(p.metadata.name != name for p in core.list_namespaced_pod(NS).items),
+        timeout=30,
+        message=f"{name} gone",
+    )
+
+
+UNHELD = {"metadata": {"finalizers": None}}
+
+
+@pytest.mark.e2e
+def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
+    cluster: ControlPlane,
+) -> None:
+    """Claims of WaitForFirstConsumer classes name no volume until their pod is placed: a node
+    passes when each gets a free local volume there (size, access and volume mode, selector, one
+    volume per claim) or a class that provisions there (a provisioner, `allowedTopologies`). Every
+    shape on every node: kube-scheduler passes the node exactly when vramsched's rule does."""
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    for name, on in BINDING_NODES.items():
+        cluster.create_gpu_node(name, labels=on)
+    disagree: list[str] = []
+    placed = dict.fromkeys(BINDING_NODES, 0)
+    try:
+        for name, (provisioner, topologies) in BINDING_CLASSES.items():
+            body: dict[str, Any] = {
+                "metadata": {"name": name},
+                "provisioner": provisioner,
+                "volumeBindingMode": WAIT,
+            }
+            if topologies:
+                body["allowedTopologies"] = topologies
+            storage_v1.create_storage_class(body)
+        for name, fields in FREE_VOLUMES.items():
+            core.create_persistent_volume(_free_volume(name, *fields))
+            core.patch_persistent_volume_status(name, {"status": {"phase": "Available"}})
+        read = {n: api.sanitize_for_serialization(core.read_node(n)) for n in BINDING_NODES}
+        for i, (shape, claims) in enumerate(WAITING_SHAPES.items()):
+            for node in BINDING_NODES:
+                name = f"bprobe-{i}-{node}"
+                names = [f"{name}-{j}" for j in range(len(claims))]
+                for claim, fields in zip(names, claims, strict=True):
+                    core.create_namespaced_persistent_volume_claim(
+                        NS, _waiting_claim(claim, *fields)
+                    )
+                storage = Storage.from_objects(objects(core, storage_v1, api))
+                try:
+                    stored = core.create_namespaced_pod(NS, probe(name, names, node))
+                    theirs = _binding_verdict(cluster, name, names, node)
+                finally:
+                    _unbind(cluster, name, names)
+                ours = volume_refusal(api.sanitize_for_serialization(stored), read[node], storage)
+                if (ours is None) != theirs:
+                    disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
+                placed[node] += theirs
+    finally:
+        for name in FREE_VOLUMES:
+            gone(core.patch_persistent_volume, name, UNHELD)
+            gone(core.delete_persistent_volume, name)
+        for name in BINDING_CLASSES:
+            gone(storage_v1.delete_storage_class, name)
+    assert not disagree, "\n".join(disagree)
+    # every node passes some shapes and refuses others
+    assert all(0 < n < len(WAITING_SHAPES) for n in placed.values()), placed
