@@ -10,16 +10,20 @@ a node only if every such claim gets a volume there:
   bound to this claim by its `claimRef`, if it reaches the node. Each volume serves one claim,
   the claims taken smallest request first, each the smallest volume that fits;
 - else a new volume of the class, if the class has a provisioner (not
-  `kubernetes.io/no-provisioner`, the class of statically made local volumes) and its
-  `allowedTopologies` admit the node.
+  `kubernetes.io/no-provisioner`, the class of statically made local volumes), its
+  `allowedTopologies` admit the node and, where the provisioner is a CSI driver that reports its
+  capacity (`CSIDriver.spec.storageCapacity`), one of its CSIStorageCapacity objects for the
+  class reaches the node (`nodeTopology`) with room for the claim (`maximumVolumeSize`, else
+  `capacity`): a local-disk driver such as TopoLVM then places a claim only where the disk has
+  room.
 
 A claim that already names a node (`volume.kubernetes.io/selected-node`: kube-scheduler chose it
-and a provisioner is at work) passes only that node. The provisioner's reported capacity
-(CSIStorageCapacity) is not checked.
+and a provisioner is at work) passes only that node.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -31,6 +35,7 @@ from extender.quantity import QuantityError, parse_quantity
 
 __all__ = [
     "NO_PROVISIONER",
+    "Unread",
     "SELECTED_NODE",
     "binding_refusal",
     "claim_class",
@@ -46,6 +51,10 @@ SELECTED_NODE = "volume.kubernetes.io/selected-node"
 #: the class annotation that came before `storageClassName`, still read first
 _BETA_CLASS = "volume.beta.kubernetes.io/storage-class"
 _REQUEST = ("spec", "resources", "requests", "storage")
+
+
+class Unread(Exception):
+    """Something the decision needs was not read."""
 
 
 def _class_of(obj: Mapping[str, Any]) -> str:
@@ -166,15 +175,63 @@ def _topology_holds(terms: Any, on: Mapping[str, str]) -> bool:
     return False
 
 
+def _room_refusal(
+    claim: Mapping[str, Any],
+    class_name: str,
+    provisioner: str,
+    on: Mapping[str, str],
+    drivers: Mapping[str, Mapping[str, Any]] | None,
+    capacities: Sequence[Mapping[str, Any]] | None,
+) -> bool:
+    """Whether the provisioner, a CSI driver that reports its capacity, has no room for the
+    claim that reaches the node (upstream's `hasEnoughCapacity`). `Unread` where the CSIDrivers
+    or the CSIStorageCapacities it needs were not read."""
+    if field(claim, *_REQUEST) is None:
+        return False  # nothing asked, nothing to check
+    if drivers is None:
+        raise Unread("the CSIDrivers could not be read")
+    if field(drivers.get(provisioner), "spec", "storageCapacity") is not True:
+        return False
+    if capacities is None:
+        raise Unread("the CSIStorageCapacities could not be read")
+    wanted = _storage(claim, *_REQUEST)
+    if wanted is None:
+        return True
+    for capacity in map(mapping, capacities):
+        if capacity.get("storageClassName") != class_name:
+            continue
+        room = capacity.get("maximumVolumeSize")
+        if room is None:
+            room = capacity.get("capacity")
+        try:
+            # both as whole bytes, rounded up, as `Quantity.Value()` gives them
+            if room is None or math.ceil(parse_quantity(room)) < math.ceil(wanted):
+                continue
+        except QuantityError:
+            continue
+        topology = capacity.get("nodeTopology")
+        try:
+            if topology is not None and selector_matches(topology, on):
+                return False
+        except SelectorError:
+            continue  # upstream logs it and skips the object
+    return True
+
+
 def binding_refusal(
     claims: Sequence[tuple[str, Mapping[str, Any]]],
     volumes: Iterable[Mapping[str, Any]],
     classes: Mapping[str, Mapping[str, Any]],
     node: str,
     on: Mapping[str, str],
+    *,
+    drivers: Mapping[str, Mapping[str, Any]] | None = None,
+    capacities: Sequence[Mapping[str, Any]] | None = None,
 ) -> str | None:
     """Why kube-scheduler cannot bind the claims (`namespace/name`, claim), each waiting for its
-    first consumer, on node `node` with labels `on`; or None. `volumes`: every PersistentVolume."""
+    first consumer, on node `node` with labels `on`; or None. `volumes`: every PersistentVolume;
+    `drivers`: the CSIDrivers by name, `capacities`: every CSIStorageCapacity (None where not
+    read: a claim that needs them refuses)."""
     by_class: dict[str, list[Mapping[str, Any]]] = {}
     for volume in volumes:
         by_class.setdefault(volume_class(volume), []).append(volume)
@@ -196,8 +253,14 @@ def binding_refusal(
                 continue
         cls = mapping(classes.get(name))
         provisioner = cls.get("provisioner")
-        if not provisioner or provisioner == NO_PROVISIONER:
+        if not isinstance(provisioner, str) or not provisioner or provisioner == NO_PROVISIONER:
             return f"no volume of class {name} on node {node} is free for its claim {key}"
         if not _topology_holds(cls.get("allowedTopologies"), on):
             return f"class {name} of its claim {key} does not provision on node {node}"
+        try:
+            full = _room_refusal(claim, name, provisioner, on, drivers, capacities)
+        except Unread as exc:
+            return f"its claim {key} cannot be judged: {exc}"
+        if full:
+            return f"{provisioner} reports no room on node {node} for its claim {key}"
     return None

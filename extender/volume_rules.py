@@ -21,12 +21,13 @@ is. So such a volume needs the CSINodes read (`Storage.csinodes`), or it refuses
 
 A claim that names no volume yet, of a class that waits for the first consumer, is bound where
 kube-scheduler places the pod: to a free volume that reaches the node, or to one its class
-provisions there (`delayed_binding`; this needs the StorageClasses and every PersistentVolume
-read). One that must be bound first (an Immediate class, or none) fails kube-scheduler's
-PreFilter on every node, so no extender sees the pod, and sets no bound here; a running pod's
-claims are bound. Not checked here: generic ephemeral volumes (the new copy gets a claim of its
-own) and a provisioner's reported capacity. CSI attach limits depend on the other pods on the
-node: `attach_limits` counts them, with the lists `Storage` also carries.
+provisions there with room (`delayed_binding`; this needs the StorageClasses, every
+PersistentVolume and, for provisioned claims, the CSIDrivers and CSIStorageCapacities read). One
+that must be bound first (an Immediate class, or none) fails kube-scheduler's PreFilter on every
+node, so no extender sees the pod, and sets no bound here; a running pod's claims are bound. Not
+checked here: generic ephemeral volumes (the new copy gets a claim of its own). CSI attach limits
+depend on the other pods on the node: `attach_limits` counts them, with the lists `Storage` also
+carries.
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ from extender.delayed_binding import binding_refusal, claim_class, waits_for_con
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
-__all__ = ["ATTACH_KINDS", "ATTACH_LISTS", "Storage", "claim_keys", "pod_claims", "volume_refusal"]
+__all__ = [
+    "ATTACH_KINDS",
+    "ATTACH_LISTS",
+    "CAPACITY_KINDS",
+    "CAPACITY_LISTS",
+    "Storage",
+    "claim_keys",
+    "pod_claims",
+    "volume_refusal",
+]
 
 _BETA_ZONE = "failure-domain.beta.kubernetes.io/zone"
 _BETA_REGION = "failure-domain.beta.kubernetes.io/region"
@@ -80,6 +90,10 @@ ATTACH_LISTS = {
     "StorageClass": "storageclasses",
 }
 ATTACH_KINDS = tuple(ATTACH_LISTS)
+#: the kinds beside every PersistentVolume that where a waiting claim binds needs
+#: (`delayed_binding`): whether a CSI driver reports its capacity, and the capacity it reports
+CAPACITY_LISTS = {"CSIDriver": "csidrivers", "CSIStorageCapacity": "csistoragecapacities"}
+CAPACITY_KINDS = tuple(CAPACITY_LISTS)
 
 
 @dataclass(frozen=True)
@@ -92,8 +106,9 @@ class Storage:
     claims that wait for their first consumer), though not every claim.
 
     For CSI attach limits (`attach_limits`), the cluster's CSINodes by name, its
-    VolumeAttachments and its StorageClasses by name, each listed in full, or None where that
-    list was not read."""
+    VolumeAttachments and its StorageClasses by name, and for claims that wait for their pod
+    (`delayed_binding`) its CSIDrivers by name and its CSIStorageCapacities, each listed in
+    full, or None where that list was not read."""
 
     claims: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
     volumes: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
@@ -102,19 +117,25 @@ class Storage:
     csinodes: Mapping[str, Mapping[str, Any]] | None = None
     attachments: Sequence[Mapping[str, Any]] | None = None
     classes: Mapping[str, Mapping[str, Any]] | None = None
+    drivers: Mapping[str, Mapping[str, Any]] | None = None
+    capacities: Sequence[Mapping[str, Any]] | None = None
 
     @classmethod
     def from_objects(
-        cls, objects: Iterable[Mapping[str, Any]], listed: Iterable[str] = ATTACH_KINDS
+        cls,
+        objects: Iterable[Mapping[str, Any]],
+        listed: Iterable[str] = ATTACH_KINDS + CAPACITY_KINDS,
     ) -> Storage:
         """From full lists of PersistentVolumeClaims and PersistentVolumes, and of the kinds of
-        `ATTACH_KINDS` in `listed` (other kinds are skipped): a claim or volume not among them
-        does not exist. A kind of `ATTACH_KINDS` not in `listed` stays unread."""
+        `ATTACH_KINDS` and `CAPACITY_KINDS` in `listed` (other kinds are skipped): a claim or
+        volume not among them does not exist. Such a kind not in `listed` stays unread."""
         claims: dict[str, Mapping[str, Any] | None] = {}
         volumes: dict[str, Mapping[str, Any] | None] = {}
         csinodes: dict[str, Mapping[str, Any]] = {}
         attachments: list[Mapping[str, Any]] = []
         classes: dict[str, Mapping[str, Any]] = {}
+        drivers: dict[str, Mapping[str, Any]] = {}
+        capacities: list[Mapping[str, Any]] = []
         for obj in objects:
             kind, called = obj.get("kind"), str(meta(obj).get("name") or "")
             if kind == "PersistentVolumeClaim":
@@ -127,6 +148,10 @@ class Storage:
                 attachments.append(obj)
             elif kind == "StorageClass":
                 classes[called] = obj
+            elif kind == "CSIDriver":
+                drivers[called] = obj
+            elif kind == "CSIStorageCapacity":
+                capacities.append(obj)
         kinds = set(listed)
         return cls(
             claims,
@@ -135,6 +160,8 @@ class Storage:
             csinodes=csinodes if "CSINode" in kinds else None,
             attachments=attachments if "VolumeAttachment" in kinds else None,
             classes=classes if "StorageClass" in kinds else None,
+            drivers=drivers if "CSIDriver" in kinds else None,
+            capacities=capacities if "CSIStorageCapacity" in kinds else None,
         )
 
     def claim(self, key: str) -> tuple[bool, Mapping[str, Any] | None]:
@@ -231,4 +258,12 @@ def _waiting_refusal(
     volumes = storage.every_volume()
     if volumes is None:
         return f"the PersistentVolumes its claim {waiting[0][0]} may bind to could not be read"
-    return binding_refusal(waiting, volumes, storage.classes, node, on)
+    return binding_refusal(
+        waiting,
+        volumes,
+        storage.classes,
+        node,
+        on,
+        drivers=storage.drivers,
+        capacities=storage.capacities,
+    )

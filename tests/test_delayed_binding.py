@@ -50,6 +50,19 @@ def on(node: str, **labels: str) -> dict[str, str]:
     return {HOST: node, **labels}
 
 
+def judge(
+    claims: list[tuple[str, dict[str, Any]]],
+    volumes: list[dict[str, Any]],
+    classes: dict[str, dict[str, Any]],
+    node: str,
+    labels: dict[str, str],
+    **lists: Any,
+) -> str | None:
+    """`binding_refusal` in a cluster whose CSI drivers report no capacity, unless `lists` say."""
+    lists = {"drivers": {}, "capacities": [], **lists}
+    return binding_refusal(claims, volumes, classes, node, labels, **lists)
+
+
 WAIT = "WaitForFirstConsumer"
 CLASSES = {
     "local": {"provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": WAIT},
@@ -122,22 +135,22 @@ def test_claims_are_matched_smallest_first_each_to_its_own_volume() -> None:
     volume all the same; with one volume only one claim fits."""
     claims = [("ml/big", claim("big", "8Gi")), ("ml/small", claim("small", "1Gi"))]
     volumes = [volume("v10", "10Gi"), volume("v5", "5Gi")]
-    assert binding_refusal(claims, volumes, CLASSES, "n1", on("n1")) is None
-    refusal = binding_refusal(claims, volumes[:1], CLASSES, "n1", on("n1"))
+    assert judge(claims, volumes, CLASSES, "n1", on("n1")) is None
+    refusal = judge(claims, volumes[:1], CLASSES, "n1", on("n1"))
     assert refusal == "no volume of class local on node n1 is free for its claim ml/big"
 
 
 def test_a_class_with_a_provisioner_provisions_where_its_topology_allows() -> None:
     wanted = [("ml/data", claim(cls="any"))]
-    assert binding_refusal(wanted, [], CLASSES, "n1", on("n1")) is None
+    assert judge(wanted, [], CLASSES, "n1", on("n1")) is None
     zonal = [("ml/data", claim(cls="z1"))]
-    assert binding_refusal(zonal, [], CLASSES, "n1", on("n1", **{ZONE: "z1"})) is None
-    assert binding_refusal(zonal, [], CLASSES, "n2", on("n2", **{ZONE: "z2"})) == (
+    assert judge(zonal, [], CLASSES, "n1", on("n1", **{ZONE: "z1"})) is None
+    assert judge(zonal, [], CLASSES, "n2", on("n2", **{ZONE: "z2"})) == (
         "class z1 of its claim ml/data does not provision on node n2"
     )
     # a free volume of the class that reaches the node is bound first, wherever it provisions
     static = [volume("v", node="n2", cls="z1")]
-    assert binding_refusal(zonal, static, CLASSES, "n2", on("n2", **{ZONE: "z2"})) is None
+    assert judge(zonal, static, CLASSES, "n2", on("n2", **{ZONE: "z2"})) is None
 
 
 @pytest.mark.parametrize(
@@ -171,21 +184,21 @@ def test_allowed_topologies_are_read_as_upstream_reads_them(
     topologies: list[dict[str, Any]], admits: bool
 ) -> None:
     classes = {"c": {**CLASSES["any"], "allowedTopologies": topologies}}
-    refusal = binding_refusal([("ml/d", claim(cls="c"))], [], classes, "n", on("n", **{ZONE: "z1"}))
+    refusal = judge([("ml/d", claim(cls="c"))], [], classes, "n", on("n", **{ZONE: "z1"}))
     assert (refusal is None) == admits, refusal
 
 
 def test_a_claim_being_provisioned_for_a_node_allows_that_node_only() -> None:
     chosen = claim(cls="any")
     chosen["metadata"]["annotations"] = {"volume.kubernetes.io/selected-node": "n1"}
-    assert binding_refusal([("ml/data", chosen)], [], CLASSES, "n1", on("n1")) is None
-    assert binding_refusal([("ml/data", chosen)], [], CLASSES, "n2", on("n2")) == (
+    assert judge([("ml/data", chosen)], [], CLASSES, "n1", on("n1")) is None
+    assert judge([("ml/data", chosen)], [], CLASSES, "n2", on("n2")) == (
         "its claim ml/data is being provisioned for node n1"
     )
     # and is not matched to a free volume: it waits for its provisioner
     local = claim()
     local["metadata"]["annotations"] = {"volume.kubernetes.io/selected-node": "n1"}
-    assert binding_refusal([("ml/data", local)], [volume("v")], CLASSES, "n1", on("n1")) == (
+    assert judge([("ml/data", local)], [volume("v")], CLASSES, "n1", on("n1")) == (
         "no volume of class local on node n1 is free for its claim ml/data"
     )
 
@@ -208,5 +221,54 @@ def test_classes_are_read_beta_annotation_first() -> None:
 
 def test_a_selector_upstream_cannot_read_refuses() -> None:
     odd = claim(selector={"matchExpressions": [{"key": "k", "operator": "Near"}]})
-    refusal = binding_refusal([("ml/data", odd)], [volume("v")], CLASSES, "n1", on("n1"))
+    refusal = judge([("ml/data", odd)], [volume("v")], CLASSES, "n1", on("n1"))
     assert refusal is not None and refusal.startswith("its claim ml/data has a selector")
+
+
+TOPOLVM = "topolvm.io"
+
+
+def capacity(size: str | None, zone: str | None = "z1", **more: Any) -> dict[str, Any]:
+    """A CSIStorageCapacity of class `any` for the nodes in `zone` (None: no topology)."""
+    found: dict[str, Any] = {"metadata": {"name": f"cap-{size}"}, "storageClassName": "any"}
+    if size is not None:
+        found["capacity"] = size
+    if zone is not None:
+        found["nodeTopology"] = {"matchLabels": {ZONE: zone}}
+    return {**found, **more}
+
+
+def test_a_driver_that_reports_capacity_provisions_only_where_it_has_room() -> None:
+    """A CSI driver with `storageCapacity` (a local-disk one, TopoLVM say) provisions a claim
+    only on a node one of its CSIStorageCapacity objects for the class reaches with room for it:
+    `maximumVolumeSize` where set, else `capacity`, compared in whole bytes."""
+    classes = {"any": {**CLASSES["any"], "provisioner": TOPOLVM}}
+    tracked = {TOPOLVM: {"metadata": {"name": TOPOLVM}, "spec": {"storageCapacity": True}}}
+    wanted = [("ml/data", claim(cls="any", size="2Gi"))]
+    z1 = on("n1", **{ZONE: "z1"})
+
+    def verdict(*capacities: dict[str, Any], drivers: Any = tracked) -> str | None:
+        return judge(wanted, [], classes, "n1", z1, drivers=drivers, capacities=list(capacities))
+
+    assert verdict(capacity("3Gi")) is None
+    assert verdict(capacity("2Gi")) is None
+    full = f"{TOPOLVM} reports no room on node n1 for its claim ml/data"
+    assert verdict(capacity("1Gi")) == full
+    assert verdict() == full
+    assert verdict(capacity("3Gi", zone="z2")) == full  # reaches other nodes
+    assert verdict(capacity("3Gi", zone=None)) == full  # reaches no node
+    assert verdict(capacity("3Gi", storageClassName="other")) == full
+    # the largest volume it can make counts before its total
+    assert verdict(capacity("9Gi", maximumVolumeSize="1Gi")) == full
+    assert verdict(capacity("1Gi", maximumVolumeSize="3Gi")) is None
+    assert verdict(capacity("1Gi"), capacity("5Gi")) is None
+    # a driver that does not report capacity, or no CSIDriver at all: no check
+    assert verdict(drivers={TOPOLVM: {"spec": {"storageCapacity": False}}}) is None
+    assert verdict(drivers={}) is None
+    # what was not read refuses
+    unread = judge(wanted, [], classes, "n1", z1, drivers=None)
+    assert unread == "its claim ml/data cannot be judged: the CSIDrivers could not be read"
+    unread = judge(wanted, [], classes, "n1", z1, drivers=tracked, capacities=None)
+    assert unread == (
+        "its claim ml/data cannot be judged: the CSIStorageCapacities could not be read"
+    )

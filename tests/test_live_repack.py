@@ -1069,6 +1069,8 @@ def waiting_for_consumer(w: World, p: dict[str, Any], provisioner: str, volume_o
         ("csinodes", []),
         ("volumeattachments", []),
         ("storageclasses", [local]),
+        ("csidrivers", []),
+        ("csistoragecapacities", []),
     ):
         w.api.lists[kind] = [(found, "1")] * 4
 

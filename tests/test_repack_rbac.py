@@ -31,6 +31,8 @@ def test_repack_role_only_creates_evictions_and_reads_storage() -> None:
         ("storage.k8s.io", "csinodes", "list", None),
         ("storage.k8s.io", "volumeattachments", "list", None),
         ("storage.k8s.io", "storageclasses", "list", None),
+        ("storage.k8s.io", "csidrivers", "list", None),
+        ("storage.k8s.io", "csistoragecapacities", "list", None),
     }
     binding = one(objs, "ClusterRoleBinding", "vramsched-extender-repack")
     assert binding["roleRef"] == {

@@ -373,15 +373,33 @@ WAITING_CLASS = {
 }
 
 
+TRACKED_DRIVER = {
+    "kind": "CSIDriver",
+    "metadata": {"name": "example.com/local"},
+    "spec": {"storageCapacity": True},
+}
+ROOM = {
+    "kind": "CSIStorageCapacity",
+    "metadata": {"name": "room", "namespace": "default"},
+    "storageClassName": "local",
+    "capacity": "10Gi",
+    "maximumVolumeSize": "5Gi",
+    "nodeTopology": {"matchLabels": {"zone": "z1"}},
+}
+
+
 @settings(max_examples=1500, deadline=None)
 @given(
     pod=_mutated(CLAIMED),
-    objects=st.tuples(*(_mutated(o) for o in (WAITING_CLAIM, FREE_VOLUME, WAITING_CLASS))),
+    objects=st.tuples(
+        *(_mutated(o) for o in (WAITING_CLAIM, FREE_VOLUME, WAITING_CLASS, TRACKED_DRIVER, ROOM))
+    ),
     node=_mutated(NODE),
 )
 def test_malformed_waiting_claims_are_judged_never_crash(pod: Any, objects: Any, node: Any) -> None:
-    """A claim that waits for its pod is matched to volumes and its class's topology; malformed
-    claims, volumes, classes and nodes give an answer, not an exception."""
+    """A claim that waits for its pod is matched to volumes, its class's topology and its
+    provisioner's reported room; malformed claims, volumes, classes, drivers, capacities and
+    nodes give an answer, not an exception."""
     storage = Storage.from_objects(objects)
     answer = volume_refusal(pod, node, storage)
     assert answer is None or isinstance(answer, str)

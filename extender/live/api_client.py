@@ -98,6 +98,8 @@ _PATHS = {
     "csinodes": "/apis/storage.k8s.io/v1/csinodes",
     "volumeattachments": "/apis/storage.k8s.io/v1/volumeattachments",
     "storageclasses": "/apis/storage.k8s.io/v1/storageclasses",
+    "csidrivers": "/apis/storage.k8s.io/v1/csidrivers",
+    "csistoragecapacities": "/apis/storage.k8s.io/v1/csistoragecapacities",
 }
 
 

@@ -19,8 +19,14 @@ from typing import Any
 from extender.attach_limits import needs_counting
 from extender.demand import TERMINAL_PHASES
 from extender.live.api_client import ApiError, KubeApi
-from extender.object_fields import field, name, spec
-from extender.volume_rules import ATTACH_LISTS, Storage, claim_keys, pod_claims
+from extender.object_fields import field, spec
+from extender.volume_rules import (
+    ATTACH_LISTS,
+    CAPACITY_LISTS,
+    Storage,
+    claim_keys,
+    pod_claims,
+)
 
 __all__ = ["StorageReads"]
 
@@ -103,29 +109,36 @@ class StorageReads:
 
     async def _volumes(self, storage: Storage) -> tuple[Storage, str | None]:
         """`storage` with every PersistentVolume (the volumes a claim that names none yet may be
-        bound to), and why they could not be listed."""
-        try:
-            found, _ = await self.call(self.api.list, "persistentvolumes")
-        except ApiError as exc:
-            log.info(
-                "repack could not list",
-                extra={"fields": {"what": "persistentvolumes", "why": str(exc)}},
-            )
-            return storage, (
-                f"its claims' volumes cannot be chosen: the persistentvolumes could not be "
-                f"listed ({exc.status} {exc.reason})"
-            )
-        volumes = dict(storage.volumes)
-        volumes.update((name(o), o) for o in found if isinstance(o, Mapping))
-        return replace(storage, volumes=volumes, volumes_listed=True), None
+        bound to), and why they could not be listed; and with the CSIDrivers and
+        CSIStorageCapacities (whether a provisioner has room), None where they could not be (a
+        claim whose provisioner needs them then refuses)."""
+        read, why = await self._listed({"PersistentVolume": "persistentvolumes"})
+        if why is not None:
+            return storage, f"its claims' volumes cannot be chosen: {why}"
+        room, _ = await self._listed(CAPACITY_LISTS)
+        return replace(
+            storage,
+            volumes={**storage.volumes, **read.volumes},
+            volumes_listed=True,
+            drivers=room.drivers,
+            capacities=room.capacities,
+        ), None
 
     async def _lists(self, storage: Storage) -> tuple[Storage, str | None]:
         """`storage` with the CSINodes, VolumeAttachments and StorageClasses, and why one of them
         could not be listed (it stays None, so the check refuses what it would count)."""
+        read, why = await self._listed(ATTACH_LISTS)
+        return replace(
+            storage, csinodes=read.csinodes, attachments=read.attachments, classes=read.classes
+        ), why
+
+    async def _listed(self, lists: Mapping[str, str]) -> tuple[Storage, str | None]:
+        """The kinds of `lists` (kind -> plural) as a `Storage`, a kind that could not be listed
+        left unread, and why the first of those could not be."""
         objects: list[Mapping[str, Any]] = []
         listed = []
         why = None
-        for kind, plural in ATTACH_LISTS.items():
+        for kind, plural in lists.items():
             try:
                 found, _ = await self.call(self.api.list, plural)
             except ApiError as exc:
@@ -137,10 +150,7 @@ class StorageReads:
             listed.append(kind)
             # a list's items carry no kind of their own
             objects += [{**o, "kind": kind} for o in found if isinstance(o, Mapping)]
-        read = Storage.from_objects(objects, listed)
-        return replace(
-            storage, csinodes=read.csinodes, attachments=read.attachments, classes=read.classes
-        ), why
+        return Storage.from_objects(objects, listed), why
 
     async def claim(
         self,

@@ -120,7 +120,15 @@ def objects(
         "CSINode": storage_v1.list_csi_node().items,
         "VolumeAttachment": storage_v1.list_volume_attachment().items,
         "StorageClass": storage_v1.list_storage_class().items,
+        "CSIDriver": storage_v1.list_csi_driver().items,
     }
+    try:
+        found = storage_v1.list_csi_storage_capacity_for_all_namespaces().items
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        found = []  # storage.k8s.io/v1 has none before 1.24, and kube-scheduler reads none
+    lists["CSIStorageCapacity"] = found
     return [
         {"kind": kind, **api.sanitize_for_serialization(o)}
         for kind, items in lists.items()

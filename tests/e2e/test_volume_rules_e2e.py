@@ -336,10 +336,23 @@ WAIT = "WaitForFirstConsumer"
 #: what kube-scheduler sets on a claim it asks to be provisioned for a node
 SELECTED_NODE = "volume.kubernetes.io/selected-node"
 
+#: a CSI driver that reports its capacity (as TopoLVM does for local disks), and what it reports
+#: for class wffc-room: room for a 5Gi volume (of 10Gi) in z1, for 1Gi in z2
+ROOM_DRIVER = "topolvm.example.com"
+ROOM: dict[str, dict[str, Any]] = {
+    "room-z1": {
+        "capacity": "10Gi",
+        "maximumVolumeSize": "5Gi",
+        "nodeTopology": {"matchLabels": {ZONE: "z1"}},
+    },
+    "room-z2": {"capacity": "1Gi", "nodeTopology": {"matchLabels": {ZONE: "z2"}}},
+}
+
 #: StorageClass -> (provisioner, allowedTopologies), each binding when its pod is placed
 BINDING_CLASSES: dict[str, tuple[str, list[dict[str, Any]]]] = {
     "wffc-local": ("kubernetes.io/no-provisioner", []),
     "wffc-any": ("example.com/any", []),
+    "wffc-room": (ROOM_DRIVER, []),
     "wffc-z1": (
         "example.com/zonal",
         [{"matchLabelExpressions": [{"key": ZONE, "values": ["z1"]}]}],
@@ -368,6 +381,8 @@ WAITING_SHAPES: dict[str, list[tuple[str, str, dict[str, Any], dict[str, str]]]]
     "any": [("wffc-any", "1Gi", {}, {})],
     "z1": [("wffc-z1", "1Gi", {}, {})],
     "selected-u4": [("wffc-any", "1Gi", {}, {SELECTED_NODE: "u4"})],
+    "room-2g": [("wffc-room", "2Gi", {}, {})],
+    "room-8g": [("wffc-room", "8Gi", {}, {})],
 }
 
 
@@ -450,8 +465,9 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
 ) -> None:
     """Claims of WaitForFirstConsumer classes name no volume until their pod is placed: a node
     passes when each gets a free local volume there (size, access and volume mode, selector, one
-    volume per claim) or a class that provisions there (a provisioner, `allowedTopologies`). Every
-    shape on every node: kube-scheduler passes the node exactly when vramsched's rule does."""
+    volume per claim) or a class that provisions there (a provisioner, `allowedTopologies`, room
+    its CSI driver reports; 1.20 checks no room). Every shape on every node: kube-scheduler passes
+    the node exactly when vramsched's rule does."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
     core, api = cluster.core_v1(), cluster.api_client()
     storage_v1 = kubernetes.client.StorageV1Api(api)
@@ -469,6 +485,12 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
             if topologies:
                 body["allowedTopologies"] = topologies
             storage_v1.create_storage_class(body)
+        driver = {"metadata": {"name": ROOM_DRIVER}, "spec": {"storageCapacity": True}}
+        storage_v1.create_csi_driver(driver)
+        if cluster.release.minor >= (1, 24):  # CSIStorageCapacity is in storage.k8s.io/v1
+            for name, fields in ROOM.items():
+                body = {"metadata": {"name": name}, "storageClassName": "wffc-room", **fields}
+                storage_v1.create_namespaced_csi_storage_capacity(NS, body)
         for name, fields in FREE_VOLUMES.items():
             core.create_persistent_volume(_free_volume(name, *fields))
             core.patch_persistent_volume_status(name, {"status": {"phase": "Available"}})
@@ -497,6 +519,10 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
             gone(core.delete_persistent_volume, name)
         for name in BINDING_CLASSES:
             gone(storage_v1.delete_storage_class, name)
+        gone(storage_v1.delete_csi_driver, ROOM_DRIVER)
+        if cluster.release.minor >= (1, 24):
+            for name in ROOM:
+                gone(storage_v1.delete_namespaced_csi_storage_capacity, name, NS)
     assert not disagree, "\n".join(disagree)
     # every node passes some shapes and refuses others
     assert all(0 < n < len(WAITING_SHAPES) for n in placed.values()), placed
