@@ -39,15 +39,12 @@ from extender.csi_migration import (
     translate_inline,
     translate_volume,
 )
-from extender.delayed_binding import claim_class
+from extender.delayed_binding import claim_class, default_class
 from extender.node_rules import node_name
 from extender.object_fields import field, items, mapping, meta, spec
 from extender.volume_rules import Storage, pod_claims
 
 __all__ = ["attach_refusal", "limits", "needs_counting"]
-
-#: the annotation that makes a StorageClass the default for claims that name none
-DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
 
 
 class _Unreadable(Exception):
@@ -63,17 +60,6 @@ def limits(csinode: Mapping[str, Any] | None) -> dict[str, int]:
         if isinstance(name, str) and isinstance(count, int) and not isinstance(count, bool):
             out[name] = count
     return out
-
-
-def _default_class(classes: Mapping[str, Mapping[str, Any]]) -> str:
-    """The class the DefaultStorageClass admission gives a claim that names none: the newest of
-    those marked default, or none."""
-    marked = [
-        (str(meta(c).get("creationTimestamp") or ""), name)
-        for name, c in classes.items()
-        if mapping(meta(c).get("annotations")).get(DEFAULT_CLASS) == "true"
-    ]
-    return max(marked)[1] if marked else ""
 
 
 def _provisioned(class_name: str, key: str, storage: Storage) -> tuple[str, str] | None:
@@ -144,7 +130,7 @@ def _pod_volumes(
         if template is not None and arriving:
             class_name = claim_class({"spec": template})
             if not class_name and storage.classes is not None:
-                class_name = _default_class(storage.classes)
+                class_name = default_class(storage.classes)
             found = _provisioned(class_name, f"{key} (new)", storage)
         else:
             found = _claim_volume(key, storage, arriving and template is None)

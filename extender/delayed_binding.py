@@ -39,6 +39,7 @@ __all__ = [
     "SELECTED_NODE",
     "binding_refusal",
     "claim_class",
+    "default_class",
     "matching_volume",
     "volume_class",
     "waits_for_consumer",
@@ -48,6 +49,8 @@ __all__ = [
 NO_PROVISIONER = "kubernetes.io/no-provisioner"
 #: set on a claim once kube-scheduler chose the node its volume is provisioned for
 SELECTED_NODE = "volume.kubernetes.io/selected-node"
+#: the annotation that makes a StorageClass the default for claims that name none
+DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
 #: the class annotation that came before `storageClassName`, still read first
 _BETA_CLASS = "volume.beta.kubernetes.io/storage-class"
 _REQUEST = ("spec", "resources", "requests", "storage")
@@ -75,6 +78,17 @@ def claim_class(claim: Mapping[str, Any]) -> str:
 def volume_class(volume: Mapping[str, Any]) -> str:
     """The StorageClass a PersistentVolume belongs to ("" for none)."""
     return _class_of(volume)
+
+
+def default_class(classes: Mapping[str, Mapping[str, Any]]) -> str:
+    """The class the DefaultStorageClass admission gives a claim that names none: the newest of
+    those marked default, or none."""
+    marked = [
+        (str(meta(c).get("creationTimestamp") or ""), name)
+        for name, c in classes.items()
+        if mapping(meta(c).get("annotations")).get(DEFAULT_CLASS) == "true"
+    ]
+    return max(marked)[1] if marked else ""
 
 
 def waits_for_consumer(claim: Mapping[str, Any], classes: Mapping[str, Mapping[str, Any]]) -> bool:

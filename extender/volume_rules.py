@@ -24,10 +24,13 @@ kube-scheduler places the pod: to a free volume that reaches the node, or to one
 provisions there with room (`delayed_binding`; this needs the StorageClasses, every
 PersistentVolume and, for provisioned claims, the CSIDrivers and CSIStorageCapacities read). One
 that must be bound first (an Immediate class, or none) fails kube-scheduler's PreFilter on every
-node, so no extender sees the pod, and sets no bound here; a running pod's claims are bound. Not
-checked here: generic ephemeral volumes (the new copy gets a claim of its own). CSI attach limits
-depend on the other pods on the node: `attach_limits` counts them, with the lists `Storage` also
-carries.
+node, so no extender sees the pod, and sets no bound here; a running pod's claims are bound.
+
+A generic ephemeral volume is judged as the new claim its template makes (a moved pod's new copy
+gets a claim of its own; the template's class, else the default one): bound where the pod is
+placed if its class waits for the first consumer, else made before the pod is placed, wherever
+its class provisions, which is not judged. CSI attach limits depend on the other pods on the
+node: `attach_limits` counts them, with the lists `Storage` also carries.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extender.csi_migration import Untranslatable, in_tree_plugin, migrated_affinity, migrated_on
-from extender.delayed_binding import binding_refusal, claim_class, waits_for_consumer
+from extender.delayed_binding import (
+    binding_refusal,
+    claim_class,
+    default_class,
+    waits_for_consumer,
+)
 from extender.node_rules import node_labels, node_name, selector_terms_hold
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
 
@@ -237,21 +245,41 @@ def volume_refusal(pod: Mapping[str, Any], node: Mapping[str, Any], storage: Sto
         zone = _zone_refusal(volume, on)
         if zone is not None:
             return f"node {called} is outside volume {pv}'s {zone}"
-    return _waiting_refusal(waiting, called, on, storage) if waiting else None
+    templates = [(key, t) for key, t in pod_claims(pod) if t is not None]
+    if not waiting and not templates:
+        return None
+    return _waiting_refusal(waiting, templates, called, on, storage)
+
+
+def _new_claim(
+    key: str, template: Mapping[str, Any], classes: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The claim an ephemeral volume's template makes (`key` is `namespace/name`), with the
+    default class where the template names none, as the DefaultStorageClass admission sets it."""
+    namespace_, _, name = key.partition("/")
+    claim_spec = dict(template)
+    if claim_spec.get("storageClassName") is None:
+        claim_spec["storageClassName"] = default_class(classes)
+    return {"metadata": {"name": name, "namespace": namespace_}, "spec": claim_spec}
 
 
 def _waiting_refusal(
     claims: list[tuple[str, Mapping[str, Any]]],
+    templates: list[tuple[str, Mapping[str, Any]]],
     node: str,
     on: Mapping[str, str],
     storage: Storage,
 ) -> str | None:
-    """Why the claims that name no volume yet cannot be bound on `node` (`delayed_binding`)."""
+    """Why the claims that name no volume yet, and the claims the pod's ephemeral volumes will
+    make (`templates`, each judged as a new claim), cannot be bound on `node`
+    (`delayed_binding`)."""
     named = [(k, c) for k, c in claims if claim_class(c)]
-    if not named:
+    if not named and not templates:
         return None  # kube-scheduler places the pod nowhere before they are bound
     if storage.classes is None:
-        return f"the StorageClasses its claim {named[0][0]} needs could not be read"
+        key = (named or templates)[0][0]
+        return f"the StorageClasses its claim {key} needs could not be read"
+    named += [(k, _new_claim(k, t, storage.classes)) for k, t in templates]
     waiting = [(k, c) for k, c in named if waits_for_consumer(c, storage.classes)]
     if not waiting:
         return None  # kube-scheduler places the pod nowhere before they are bound

@@ -243,6 +243,7 @@ def test_an_in_tree_volume_needs_the_csinodes_read_and_a_translatable_id() -> No
     assert volume_refusal(pod("data"), node("b"), storage) is None
 
 
+DEFAULT = "storageclass.kubernetes.io/is-default-class"
 LOCAL = {
     "kind": "StorageClass",
     "metadata": {"name": "local"},
@@ -296,3 +297,34 @@ def test_a_waiting_claim_needs_its_class_and_every_volume_read() -> None:
     immediate = {"local": {**LOCAL, "volumeBindingMode": "Immediate"}}
     assert volume_refusal(p, node("a"), Storage(claims, classes=immediate)) is None
     assert volume_refusal(p, node("a"), Storage(claims, classes={})) is None
+
+
+def ephemeral_pod(template: dict[str, Any]) -> dict[str, Any]:
+    """A pod of ml whose volume `scratch` is a generic ephemeral one of `template`."""
+    p = pod()
+    claim_template = {"volumeClaimTemplate": {"spec": template}}
+    p["spec"]["volumes"] = [{"name": "scratch", "ephemeral": claim_template}]
+    return p
+
+
+def test_an_ephemeral_volume_is_judged_as_the_new_claim_its_template_makes() -> None:
+    """A moved pod's new copy gets a new claim from the template: one of a class that waits for
+    the pod is bound where it is placed, so only where a free volume reaches or its class
+    provisions. A template that names no class gets the default one."""
+    asks = {"resources": {"requests": {"storage": "1Gi"}}}
+    local = ephemeral_pod({"storageClassName": "local", **asks})
+    storage = Storage.from_objects([free_local("pv", "a"), LOCAL])
+    assert volume_refusal(local, node("a"), storage) is None
+    assert volume_refusal(local, node("b"), storage) == (
+        "no volume of class local on node b is free for its claim ml/p-scratch"
+    )
+    unnamed = ephemeral_pod(asks)
+    marked = {**LOCAL, "metadata": {"name": "local", "annotations": {DEFAULT: "true"}}}
+    assert volume_refusal(unnamed, node("b"), Storage.from_objects([marked])) is not None
+    assert volume_refusal(unnamed, node("b"), Storage.from_objects([LOCAL])) is None  # no default
+    # made before the pod is placed, wherever its class provisions: not judged
+    immediate = {**LOCAL, "volumeBindingMode": "Immediate"}
+    assert volume_refusal(local, node("b"), Storage.from_objects([immediate])) is None
+    assert volume_refusal(local, node("b"), Storage()) == (
+        "the StorageClasses its claim ml/p-scratch needs could not be read"
+    )

@@ -65,11 +65,12 @@ class StorageReads:
                 if claim_key in unread and key != blocked:
                     kept.setdefault(key, unread[claim_key])
         storage = Storage(claims, volumes)
-        if any(c is not None and not spec(c).get("volumeName") for c in claims.values()):
+        binding = [k for k in wanted if _binds_where_placed(pods.get(k) or {}, storage)]
+        if binding:
             storage, why = await self._volumes(storage)
             if why is not None:
-                for key in wanted:
-                    if key != blocked and _has_unbound(pods.get(key) or {}, storage):
+                for key in binding:
+                    if key != blocked:
                         kept.setdefault(key, why)
         counted = [k for k in wanted if k not in kept and needs_counting([pods[k]], storage)]
         if not counted:
@@ -186,9 +187,12 @@ class StorageReads:
         return (None, got) if isinstance(got, Mapping) else ("not an object", None)
 
 
-def _has_unbound(pod: Mapping[str, Any], storage: Storage) -> bool:
-    """Whether one of the pod's claims was read and names no volume yet."""
-    for key in claim_keys(pod):
+def _binds_where_placed(pod: Mapping[str, Any], storage: Storage) -> bool:
+    """Whether a claim of the pod may be bound only once it is placed: one read that names no
+    volume yet, or the new one an ephemeral volume makes."""
+    for key, template in pod_claims(pod):
+        if template is not None:
+            return True
         _, claim = storage.claim(key)
         if claim is not None and not spec(claim).get("volumeName"):
             return True
