@@ -26,8 +26,8 @@ also judges a PersistentVolume of that type by its translated node affinity (`mi
 its zone requirement, or else its zone label, names the driver's own zone label (EBS
 `topology.ebs.csi.aws.com/zone`, Persistent Disk `topology.gke.io/zone`, Cinder
 `topology.cinder.csi.openstack.org/zone`), which the driver's node plugin sets. A node without
-that label cannot take the volume there. An Azure Disk volume's node affinity is translated as it
-is (kube-scheduler 1.36 places one with a zone label on a node with only the GA zone label).
+that label cannot take the volume there. An Azure Disk volume's node affinity is kept as it is
+(kube-scheduler 1.36 places one with a zone label on a node with only the GA zone label).
 """
 
 from __future__ import annotations
@@ -201,10 +201,12 @@ def migrated_affinity(pv: Mapping[str, Any]) -> dict[str, Any]:
     affinity before the volume's labels) becomes the driver's zone label in every requirement;
     where no requirement lists a zone, the volume's zone label's zones (joined by `__`) are
     required of the driver's label in every term; a beta region requirement becomes the GA one.
-    An Azure Disk volume's is left as it is. Empty where nothing is required. `Untranslatable` where upstream's translation fails (an
-    EBS volume ID or Persistent Disk zones it cannot read; also a volume naming no disk, which
-    the API server does not store): kube-scheduler then refuses the volume on every node it is
-    migrated on. `ValueError` for a volume of no migrated type (see `in_tree_plugin`)."""
+    An Azure Disk volume's is left as it is. Empty where nothing is required.
+
+    `Untranslatable` where upstream's translation fails (an EBS volume ID or Persistent Disk
+    zones it cannot read; also a volume naming no disk, which the API server does not store):
+    kube-scheduler then refuses the volume on every node it is migrated on. `ValueError` for a
+    volume of no migrated type (see `in_tree_plugin`)."""
     kind = next((k for k in _MIGRATED if spec(pv).get(k) is not None), None)
     if kind is None:
         raise ValueError("not a volume of a migrated in-tree type")

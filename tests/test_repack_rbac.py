@@ -1,6 +1,6 @@
 """deploy/repack grants live repacking exactly the rights it adds (create Evictions, read claims
-and volumes, list the volumes and what CSI attach limits need) to the pods' ServiceAccount, the base role does not, and its Deployment patch only
-adds `--repack`."""
+and volumes, list the volumes and what CSI attach limits need) to the pods' ServiceAccount, the
+base role does not, and its Deployment patch only adds `--repack`."""
 
 from __future__ import annotations
 

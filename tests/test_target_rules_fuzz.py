@@ -288,7 +288,9 @@ IN_TREE_NODE = {
     "metadata": {
         "name": "a",
         "annotations": {
-            "storage.alpha.kubernetes.io/migrated-plugins": "kubernetes.io/aws-ebs,kubernetes.io/gce-pd"
+            "storage.alpha.kubernetes.io/migrated-plugins": (
+                "kubernetes.io/aws-ebs,kubernetes.io/gce-pd"
+            )
         },
     },
     "spec": {"drivers": [{"name": EBS, "nodeID": "a", "allocatable": {"count": 1}}]},
