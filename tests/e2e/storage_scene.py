@@ -20,7 +20,10 @@ from controlplane import ControlPlane
 from extender.volume_rules import Storage
 
 __all__ = [
+    "SELECTED_NODE",
+    "UNHELD",
     "Scene",
+    "binding_verdict",
     "attachment",
     "claim",
     "csi_node",
@@ -30,6 +33,7 @@ __all__ = [
     "objects",
     "probe",
     "staged",
+    "unbind",
     "with_inline",
 ]
 
@@ -37,6 +41,11 @@ __all__ = [
 BIND_COMPLETED = "pv.kubernetes.io/bind-completed"
 #: what a kubelet with CSI migration on writes on its CSINode
 MIGRATED_PLUGINS = "storage.alpha.kubernetes.io/migrated-plugins"
+
+#: what kube-scheduler sets on a claim it asks to be provisioned for a node
+SELECTED_NODE = "volume.kubernetes.io/selected-node"
+#: a patch that drops the finalizers (with no controller running, nothing else removes them)
+UNHELD = {"metadata": {"finalizers": None}}
 
 NS = "default"
 SCHEDULER = "vramsched"
@@ -191,10 +200,9 @@ def staged(
         for name in scene.csi_nodes:
             gone(storage_v1.delete_csi_node, name)
         for name in scene.volumes:
-            unheld = {"metadata": {"finalizers": None}}
-            gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, unheld)
+            gone(core.patch_namespaced_persistent_volume_claim, f"c-{name}", NS, UNHELD)
             gone(core.delete_namespaced_persistent_volume_claim, f"c-{name}", NS)
-            gone(core.patch_persistent_volume, name, unheld)
+            gone(core.patch_persistent_volume, name, UNHELD)
             gone(core.delete_persistent_volume, name)
 
 
@@ -222,3 +230,46 @@ def with_inline(pod: dict[str, Any], inline: list[dict[str, Any]]) -> dict[str, 
     first = len(pod["spec"]["volumes"])
     pod["spec"]["volumes"] += [{"name": f"d{first + i}", **s} for i, s in enumerate(inline)]
     return pod
+
+
+def binding_verdict(cluster: ControlPlane, name: str, claims: list[str], node: str) -> bool:
+    """kube-scheduler's verdict on probe `name`, pinned to `node`: placed, or past its filters,
+    which shows as its PreBind binding a claim (a free volume's `claimRef` names it) or asking
+    for one to be provisioned on `node` (the claim's `volume.kubernetes.io/selected-node`). No PV
+    controller or provisioner runs, so the binding itself never completes."""
+    core = cluster.core_v1()
+
+    def verdict() -> tuple[bool] | None:
+        pod = core.read_namespaced_pod(name, NS)
+        if pod.spec.node_name:
+            return (True,)
+        for claim in claims:
+            found = core.read_namespaced_persistent_volume_claim(claim, NS)
+            if (found.metadata.annotations or {}).get(SELECTED_NODE) == node:
+                return (True,)
+        for pv in core.list_persistent_volume().items:
+            if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
+                return (True,)
+        conditions = pod.status.conditions or []
+        if any(c.type == "PodScheduled" and c.status == "False" for c in conditions):
+            return (False,)
+        return None
+
+    return cluster.wait_for(verdict, timeout=60, message=f"a verdict on {name}")[0]
+
+
+def unbind(cluster: ControlPlane, name: str, claims: list[str]) -> None:
+    """Delete the probe and its claims, and free the volumes kube-scheduler bound them to."""
+    core = cluster.core_v1()
+    gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
+    for claim in claims:
+        gone(core.patch_namespaced_persistent_volume_claim, claim, NS, UNHELD)
+        gone(core.delete_namespaced_persistent_volume_claim, claim, NS)
+    for pv in core.list_persistent_volume().items:
+        if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
+            core.patch_persistent_volume(pv.metadata.name, {"spec": {"claimRef": None}})
+    cluster.wait_for(
+        lambda: all(p.metadata.name != name for p in core.list_namespaced_pod(NS).items),
+        timeout=30,
+        message=f"{name} gone",
+    )

@@ -16,26 +16,38 @@ driver and handle, not by its PV's name; a hostPath volume is not counted; a pro
 claim twice counts it once. VolumeAttachments name w1 and w2: kube-scheduler counts them since
 1.32 (as `attacher/handle` of their PV, under the attacher; vramsched counts them on every
 version), 1.20 does not: those verdicts are `OLD_NO_ATTACHMENTS`.
+
+The last test gives probes claims of a WaitForFirstConsumer class, which name no volume until
+their pod is placed and count as new volumes of the class's provisioner. No provisioner runs, so
+a pass shows as kube-scheduler's PreBind asking for the claims to be provisioned on the node
+(`storage_scene.binding_verdict`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import kubernetes.client
 import pytest
 from controlplane import ControlPlane
 from storage_scene import (
+    NS,
     SCHEDULER,
     Scene,
+    binding_verdict,
     csi_node,
+    gone,
     in_tree_volume,
+    objects,
     probe,
     staged,
+    unbind,
     with_inline,
 )
 from verdicts import probe_alone
 
 from extender.attach_limits import attach_refusal
+from extender.volume_rules import Storage
 
 A = "a.csi.example.com"
 B = "b.csi.example.com"
@@ -258,3 +270,85 @@ def test_migrated_in_tree_disks_are_counted_as_kube_scheduler_counts_them(
     # each node with limits refuses some shape; the node without a CSINode takes all
     assert all(not all(ours_on[s, n] for s in IN_TREE_SHAPES) for n in MIGRATED_NODES)
     assert all(ours_on[s, "m3"] for s in IN_TREE_SHAPES), ours_on
+
+
+#: node -> its CSINode's counts of driver a; x3 has no CSINode. hold-x1 keeps one of x1's one slot
+WAITING_NODES: dict[str, dict[str, int | None]] = {"x1": {A: 1}, "x2": {A: 2}}
+WAITING_VOLUMES = {"a-hx": (A, "disk-hx"), "a-b": (A, "disk-b")}
+
+#: probe shape -> (bound claims it mounts, how many claims of class wffc-a it brings, each naming
+#: no volume until the probe is placed)
+WAITING_SHAPES: dict[str, tuple[list[str], int]] = {
+    "one": ([], 1),
+    "two": ([], 2),
+    "three": ([], 3),
+    "bound-and-one": (["c-a-b"], 1),
+    "bound-and-two": (["c-a-b"], 2),
+}
+
+
+def _waiting(name: str) -> dict[str, Any]:
+    """A claim of class wffc-a that names no volume: bound where its pod is placed."""
+    spec = {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": "wffc-a",
+        "resources": {"requests": {"storage": "1Gi"}},
+    }
+    return {"metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+@pytest.mark.e2e
+def test_claims_that_wait_for_their_pod_count_as_kube_scheduler_counts_them(
+    cluster: ControlPlane,
+) -> None:
+    """A claim of a WaitForFirstConsumer class names no volume until its pod is placed: it
+    counts as a new volume of its class's provisioner, beside the node's and the pod's bound
+    ones. Every shape on every node: kube-scheduler passes the node (placing the probe, or
+    starting to provision its claims there) exactly when vramsched's rule does."""
+    cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    scene = Scene(
+        csi_nodes={n: csi_node(n, drivers) for n, drivers in WAITING_NODES.items()},
+        volumes={n: _volume(n, driver, handle) for n, (driver, handle) in WAITING_VOLUMES.items()},
+        attachments={},
+        holders={"hold-x1": ("x1", ["c-a-hx"])},
+    )
+    waits = {
+        "metadata": {"name": "wffc-a"},
+        "provisioner": A,
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }
+    storage_v1.create_storage_class(waits)
+    nodes = (*WAITING_NODES, "x3")
+    theirs_on: dict[tuple[str, str], bool] = {}
+    disagree = []
+    try:
+        with staged(cluster, dict.fromkeys(nodes, {}), scene) as (read, staying_on, _):
+            for i, (shape, (bound, waiting)) in enumerate(WAITING_SHAPES.items()):
+                for node in nodes:
+                    name = f"wprobe-{i}-{node}"
+                    names = [f"{name}-{j}" for j in range(waiting)]
+                    for claim in names:
+                        core.create_namespaced_persistent_volume_claim(NS, _waiting(claim))
+                    storage = Storage.from_objects(objects(core, storage_v1, api))
+                    try:
+                        made = core.create_namespaced_pod(NS, probe(name, bound + names, node))
+                        theirs = binding_verdict(cluster, name, names, node)
+                    finally:
+                        unbind(cluster, name, names)
+                    stored = api.sanitize_for_serialization(made)
+                    ours = attach_refusal(read[node], staying_on[node], [stored], storage)
+                    if (ours is None) != theirs:
+                        disagree.append(
+                            f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}"
+                        )
+                    theirs_on[shape, node] = theirs
+    finally:
+        gone(storage_v1.delete_storage_class, "wffc-a")
+    assert not disagree, "\n".join(disagree)
+    # x1 is full, x3 has no limit; x2 takes two volumes of a, not three
+    assert not any(theirs_on[s, "x1"] for s in WAITING_SHAPES), theirs_on
+    assert all(theirs_on[s, "x3"] for s in WAITING_SHAPES), theirs_on
+    assert theirs_on["two", "x2"] and not theirs_on["three", "x2"], theirs_on
+    assert theirs_on["bound-and-one", "x2"] and not theirs_on["bound-and-two", "x2"], theirs_on

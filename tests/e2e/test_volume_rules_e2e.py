@@ -32,7 +32,19 @@ from typing import Any
 import kubernetes.client
 import pytest
 from controlplane import ControlPlane
-from storage_scene import Scene, csi_node, gone, in_tree_volume, objects, probe, staged
+from storage_scene import (
+    SELECTED_NODE,
+    UNHELD,
+    Scene,
+    binding_verdict,
+    csi_node,
+    gone,
+    in_tree_volume,
+    objects,
+    probe,
+    staged,
+    unbind,
+)
 from verdicts import probe_alone
 
 from extender.volume_rules import Storage, volume_refusal
@@ -333,8 +345,6 @@ BINDING_NODES: dict[str, dict[str, str]] = {
     "u4": {HOST: "u4", ZONE: "z1"},
 }
 WAIT = "WaitForFirstConsumer"
-#: what kube-scheduler sets on a claim it asks to be provisioned for a node
-SELECTED_NODE = "volume.kubernetes.io/selected-node"
 
 #: a CSI driver that reports its capacity (as TopoLVM does for local disks), and what it reports
 #: for class wffc-room: room for a 5Gi volume (of 10Gi) in z1, for 1Gi in z2
@@ -413,52 +423,6 @@ def _waiting_claim(
     return {"metadata": meta, "spec": spec}
 
 
-def _binding_verdict(cluster: ControlPlane, name: str, claims: list[str], node: str) -> bool:
-    """kube-scheduler's verdict on probe `name`, pinned to `node`: placed, or past its filters,
-    which shows as its PreBind binding a claim (a free volume's `claimRef` names it) or asking
-    for one to be provisioned on `node` (the claim's `volume.kubernetes.io/selected-node`). No PV
-    controller or provisioner runs, so the binding itself never completes."""
-    core = cluster.core_v1()
-
-    def verdict() -> tuple[bool] | None:
-        pod = core.read_namespaced_pod(name, NS)
-        if pod.spec.node_name:
-            return (True,)
-        for claim in claims:
-            found = core.read_namespaced_persistent_volume_claim(claim, NS)
-            if (found.metadata.annotations or {}).get(SELECTED_NODE) == node:
-                return (True,)
-        for pv in core.list_persistent_volume().items:
-            if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
-                return (True,)
-        conditions = pod.status.conditions or []
-        if any(c.type == "PodScheduled" and c.status == "False" for c in conditions):
-            return (False,)
-        return None
-
-    return cluster.wait_for(verdict, timeout=60, message=f"a verdict on {name}")[0]
-
-
-def _unbind(cluster: ControlPlane, name: str, claims: list[str]) -> None:
-    """Delete the probe and its claims, and free the volumes kube-scheduler bound them to."""
-    core = cluster.core_v1()
-    gone(core.delete_namespaced_pod, name, NS, grace_period_seconds=0)
-    for claim in claims:
-        gone(core.patch_namespaced_persistent_volume_claim, claim, NS, UNHELD)
-        gone(core.delete_namespaced_persistent_volume_claim, claim, NS)
-    for pv in core.list_persistent_volume().items:
-        if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
-            core.patch_persistent_volume(pv.metadata.name, {"spec": {"claimRef": None}})
-    cluster.wait_for(
-        lambda: all(p.metadata.name != name for p in core.list_namespaced_pod(NS).items),
-        timeout=30,
-        message=f"{name} gone",
-    )
-
-
-UNHELD = {"metadata": {"finalizers": None}}
-
-
 @pytest.mark.e2e
 def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
     cluster: ControlPlane,
@@ -506,9 +470,9 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
                 storage = Storage.from_objects(objects(core, storage_v1, api))
                 try:
                     stored = core.create_namespaced_pod(NS, probe(name, names, node))
-                    theirs = _binding_verdict(cluster, name, names, node)
+                    theirs = binding_verdict(cluster, name, names, node)
                 finally:
-                    _unbind(cluster, name, names)
+                    unbind(cluster, name, names)
                 ours = volume_refusal(api.sanitize_for_serialization(stored), read[node], storage)
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
