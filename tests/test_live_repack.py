@@ -925,6 +925,15 @@ EBS = "ebs.csi.aws.com"
 MIGRATED = "storage.alpha.kubernetes.io/migrated-plugins"
 
 
+def with_ebs_claim(w: World, p: dict[str, Any], volume_id: str, **labels: str) -> None:
+    """As `with_claim`, bound to an in-tree EBS volume (with `labels`) that reaches every node."""
+    with_claim(w, p, "any")
+    claim = p["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    pv = w.api.volumes[f"pv-{claim}"]
+    pv["metadata"]["labels"] = labels
+    pv["spec"] = {"awsElasticBlockStore": {"volumeID": volume_id}}
+
+
 @pytest.mark.parametrize("limit", [1, 2])
 async def test_in_tree_disks_count_against_their_csi_drivers_limit(world: Any, limit: int) -> None:
     """The same move with in-tree disks, as clusters older than CSI migration hold them: m2's
@@ -934,9 +943,7 @@ async def test_in_tree_disks_count_against_their_csi_drivers_limit(world: Any, l
     w = world(pods)
     for p in pods:
         if p["metadata"]["name"] == "m2":
-            with_claim(w, p, "any")
-            pv = w.api.volumes["pv-data-m2"]
-            pv["spec"] = {"awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-m2"}}
+            with_ebs_claim(w, p, "aws://us-east-1a/vol-m2")
         if p["metadata"]["name"] == "f1":
             p["spec"]["volumes"] = [{"name": "d", "awsElasticBlockStore": {"volumeID": "vol-f1"}}]
             w.api.add_pod(p)
@@ -968,10 +975,7 @@ async def test_a_migrated_in_tree_volume_moves_only_where_its_drivers_zone_is(
     w = world(pods)
     for p in pods:
         if p["metadata"]["name"] == "m2":
-            with_claim(w, p, "any")
-            pv = w.api.volumes["pv-data-m2"]
-            pv["metadata"]["labels"] = {"topology.kubernetes.io/zone": "z1"}
-            pv["spec"] = {"awsElasticBlockStore": {"volumeID": "vol-m2"}}
+            with_ebs_claim(w, p, "vol-m2", **{"topology.kubernetes.io/zone": "z1"})
     attach_lists(w, 2)
     for found, _ in w.api.lists["csinodes"]:
         for node in found:
