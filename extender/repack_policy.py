@@ -31,6 +31,8 @@ from extender.object_fields import meta
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.quantity import format_bytes
+from extender.scheduler_profile import SchedulerProfile
+from extender.spread_defaults import SpreadDefaults
 from extender.target_rules import target_problem
 from extender.volume_rules import Storage
 
@@ -169,9 +171,13 @@ def plan_target_problem(
     placement: Reservation,
     moves: Sequence[PlannedMove],
     storage: Storage | None = None,
+    *,
+    profile: SchedulerProfile | None = None,
+    spread: SpreadDefaults | None = None,
 ) -> tuple[str, str | None] | None:
     """`target_problem` for a repack plan: the blocked pod and every moved pod sent where the plan
-    says, the moved pods gone from where they were (with `storage`, attach limits checked too).
+    says, the moved pods gone from where they were (with `storage`, attach limits checked too;
+    with `profile` and `spread`, the scheduler profile's arguments).
     None, or (why, the moved pod to leave out of the next plan; None when only the blocked pod is
     at fault)."""
     sent: list[tuple[str | None, Mapping[str, Any], str]] = [(None, blocked, placement.node)]
@@ -179,7 +185,8 @@ def plan_target_problem(
         moved = pods.get(m.pod.key)
         if moved is not None:
             sent.append((m.pod.key, moved, m.target.node))
-    return target_problem(nodes, pods, sent, {m.pod.key for m in moves}, storage)
+    leaving = {m.pod.key for m in moves}
+    return target_problem(nodes, pods, sent, leaving, storage, profile=profile, spread=spread)
 
 
 # ----- the budget ----------------------------------------------------------------------------------

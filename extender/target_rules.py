@@ -35,6 +35,8 @@ from extender.node_rules import node_affinity_refusal, node_labels, node_name, u
 from extender.object_fields import field, items, mapping, spec
 from extender.pod_affinity import affinity_problem, has_pod_affinity
 from extender.quantity import QuantityError, parse_quantity
+from extender.scheduler_profile import SchedulerProfile
+from extender.spread_defaults import SpreadDefaults
 from extender.topology_spread import has_hard_spread, spread_problem
 from extender.volume_rules import Storage, claim_keys, volume_refusal
 
@@ -131,6 +133,7 @@ def room_problem(
     node: Mapping[str, Any],
     staying: Sequence[Mapping[str, Any]],
     arriving: Sequence[Mapping[str, Any]],
+    profile: SchedulerProfile | None = None,
 ) -> str | None:
     """Why kube-scheduler's NodeResourcesFit or NodePorts would keep one of `arriving` off `node`
     once the plan's moved pods have left it (`staying`: the pods still there), or None.
@@ -139,7 +142,8 @@ def room_problem(
     ports the pods bind, and every other resource the arriving pods ask (ephemeral storage,
     hugepages, extended resources). A resource the node's allocatable does not list counts as
     none, as kube-scheduler counts it; a node that lists no allocatable at all (a hand-written
-    cluster file) is checked for host ports only."""
+    cluster file) is checked for host ports only. The extended resources the scheduler `profile`
+    tells NodeResourcesFit to ignore are not checked."""
     if not arriving:
         return None
     name = node_name(node)
@@ -160,7 +164,8 @@ def room_problem(
     asked: dict[str, int] = {}
     for pod in arriving:
         for k, q in _unbooked_requests(pod).items():
-            asked[k] = asked.get(k, 0) + q
+            if profile is None or not profile.ignores(k):
+                asked[k] = asked.get(k, 0) + q
     if not asked:
         return None
     held = dict.fromkeys(asked, 0)
@@ -181,13 +186,18 @@ def target_problem(
     sent: Sequence[tuple[str | None, Mapping[str, Any], str]],
     leaving: Set[str],
     storage: Storage | None = None,
+    *,
+    profile: SchedulerProfile | None = None,
+    spread: SpreadDefaults | None = None,
 ) -> tuple[str, str | None] | None:
     """What kube-scheduler would say to pods sent to nodes, on the rules a plan does not model:
     `room_problem` for every node they go to and, with `storage`, its CSI attach limits
     (`attach_limits`), then required inter-pod (anti-)affinity (`pod_affinity`) and topology
     spread (`topology_spread`) for each, among the cluster's pods (`pods`, by key) less those
-    `leaving`. `sent`: (a key to blame or None, the pod, its node). None, or (why, the key to
-    blame: the pod that breaks a rule, or the last one sent to a node without room)."""
+    `leaving`. `sent`: (a key to blame or None, the pod, its node). `profile` and `spread`: the
+    scheduler profile's ignored resources and default spread constraints (none without). None, or
+    (why, the key to blame: the pod that breaks a rule, or the last one sent to a node without
+    room)."""
     staying: list[tuple[Mapping[str, Any], str]] = []
     for key, running in pods.items():
         where = spec(running).get("nodeName")
@@ -204,7 +214,7 @@ def target_problem(
         why, to_blame = None, [(k, p) for k, p, n in reversed(sent) if n == name]
         if node is not None:
             kept = [p for p, n in staying if n == name]
-            why = room_problem(node, kept, there)
+            why = room_problem(node, kept, there, profile)
             if why is None and storage is not None:
                 why = attach_refusal(node, kept, there, storage)
                 # the pods without volumes to count are not what fills the node's limit
@@ -223,8 +233,8 @@ def target_problem(
         else:
             others = [final[j] for j in ruled if j != me]
         why = affinity_problem(arriving, target, others, labels_of)
-        if why is None and has_hard_spread(arriving):
-            why = spread_problem(arriving, target, final[:me] + final[me + 1 :], nodes)
+        if why is None and has_hard_spread(arriving, spread):
+            why = spread_problem(arriving, target, final[:me] + final[me + 1 :], nodes, spread)
         if why is not None:
             return why, who
     return None

@@ -15,8 +15,14 @@ value of each `matchLabelKeys` key):
 - the pods in N's domain, plus one if P matches the selector, minus the fewest in any domain
   (0 while there are fewer domains than `minDomains`) may not exceed `maxSkew`.
 
-Only a pod's own constraints are read: a scheduler configuration's default constraints are
-ScheduleAnyway unless set otherwise, and those do not refuse a node.
+A pod that states no constraint gets the scheduler profile's `DoNotSchedule` default ones
+(`spread_defaults`, given as `defaults`; without, none: the system defaults are ScheduleAnyway
+and refuse no node).
+
+An empty selector (`{}`) counts every pod of the namespace. kube-scheduler 1.27 to 1.36 count none
+with it (a short cut for null selectors that caught `{}` too; fixed upstream after 1.36), so there
+vramsched is the stricter: it may keep a pod off a node that kube-scheduler would allow, never the
+other way round.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 from extender.label_selector import SelectorError, selector_matches
 from extender.node_rules import node_affinity_refusal, node_labels, untolerated_taint
 from extender.object_fields import items, labels, mapping, meta, namespace, spec
+from extender.spread_defaults import SpreadDefaults
 
 __all__ = ["spread_problem", "has_hard_spread"]
 
@@ -43,22 +50,25 @@ class _Constraint:
     honor_taints: bool
 
 
-def _hard(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def _hard(pod: Mapping[str, Any], defaults: SpreadDefaults | None) -> Sequence[Mapping[str, Any]]:
     raw = items(spec(pod).get("topologySpreadConstraints"))
+    if not raw and defaults is not None:
+        return defaults.for_pod(pod)
     return [
         c for c in raw if isinstance(c, Mapping) and c.get("whenUnsatisfiable") == "DoNotSchedule"
     ]
 
 
-def has_hard_spread(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod states a spread constraint that can refuse a node."""
-    return bool(_hard(pod))
+def has_hard_spread(pod: Mapping[str, Any], defaults: SpreadDefaults | None = None) -> bool:
+    """Whether the pod has a spread constraint that can refuse a node: its own, or else one of
+    the profile's `defaults`."""
+    return bool(_hard(pod, defaults))
 
 
-def _constraints(pod: Mapping[str, Any]) -> list[_Constraint]:
+def _constraints(pod: Mapping[str, Any], defaults: SpreadDefaults | None) -> list[_Constraint]:
     own = labels(pod)
     out = []
-    for c in _hard(pod):
+    for c in _hard(pod, defaults):
         selector = c.get("labelSelector")
         keys = [str(k) for k in items(c.get("matchLabelKeys")) if str(k) in own]
         if keys:
@@ -92,13 +102,15 @@ def spread_problem(
     node: str,
     others: Sequence[tuple[Mapping[str, Any], str]],
     nodes: Mapping[str, Mapping[str, Any]],
+    defaults: SpreadDefaults | None = None,
 ) -> str | None:
     """Why kube-scheduler's PodTopologySpread filter would keep `pod` off `node`, or None.
 
-    `others`: every other pod that runs (or will run) with its node; `nodes`: every node by name.
+    `others`: every other pod that runs (or will run) with its node; `nodes`: every node by name;
+    `defaults`: the scheduler profile's, for a pod that states no constraint.
     A constraint that cannot be read is a problem too (kube-scheduler refuses such a pod)."""
     try:
-        constraints = _constraints(pod)
+        constraints = _constraints(pod, defaults)
         if not constraints:
             return None
         return _problem(pod, node, constraints, others, nodes)

@@ -27,6 +27,8 @@ class FakeApi:
         #: PersistentVolumeClaims by namespace/name, PersistentVolumes by name
         self.claims: dict[str, dict[str, Any]] = {}
         self.volumes: dict[str, dict[str, Any]] = {}
+        #: what `list_in` answers, by kind: the objects of every namespace, or an error to raise
+        self.namespaced: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
         self.on_exhausted: Callable[[str], None] | None = None
         #: per write call: an ApiError to raise (once), or a callable run before answering
@@ -46,6 +48,21 @@ class FakeApi:
             raise answer
         items, rv = answer
         return copy.deepcopy(items), rv
+
+    def list_in(self, kind: str, namespace: str) -> list[dict[str, Any]]:
+        """The objects of `namespaced[kind]` in `namespace`; a kind not there answers 403, an
+        ApiError put there is raised."""
+        self.calls.append(("list_in", kind, namespace))
+        if kind not in self.namespaced:
+            raise ApiError(403, "Forbidden", f"{kind} is forbidden")
+        found = self.namespaced[kind]
+        if isinstance(found, BaseException):
+            raise found
+        return [
+            copy.deepcopy(o)
+            for o in found
+            if (o.get("metadata") or {}).get("namespace", "default") == namespace
+        ]
 
     def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         self.calls.append(("watch", kind, resource_version))

@@ -48,6 +48,7 @@ from extender.repack_policy import (
     plan_target_problem,
     replaces,
 )
+from extender.scheduler_profile import SchedulerProfile
 from extender.target_rules import room_problem, schedulable_on
 from extender.wire import ExtenderArgs, ExtenderBindingArgs
 
@@ -151,6 +152,7 @@ class World:
         per_minute: int = 6,
         leader: Callable[[], bool | None] = lambda: True,
         open_cost: float = 0.0,
+        profile: SchedulerProfile | None = None,
     ) -> None:
         self.api = FakeApi()
         self.cluster = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
@@ -183,6 +185,7 @@ class World:
             hold_ttl=30.0,
             release_slack=10.0,
             open_cost=open_cost,
+            profile=profile,
         )
         self.plans = NominatingPlanSource(self.repacker)
         self.service = live_service(
@@ -797,6 +800,72 @@ async def test_moved_pods_are_planned_only_onto_the_nodes_they_may_use(
     assert w.evictions.real() == [moved] and w.planned == 1
 
 
+#: a scheduler profile that spreads every pod by zone, as `--scheduler-config` reads it
+ZONE_SPREAD = SchedulerProfile(
+    default_spread=({"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"},)
+)
+WEB_RS = {
+    "metadata": {"name": "web-abc", "namespace": "default"},
+    "spec": {"selector": {"matchLabels": {"pod-template-hash": "abc"}}},
+}
+
+
+def zones(w: World) -> None:
+    """Node a in zone z1, b in z2."""
+    for name, zone in zip(NODES, ("z1", "z2"), strict=True):
+        labelled = gpu_node(name, count=1, memory_mib=24 * 1024, replicas=4)
+        labelled["metadata"]["labels"]["zone"] = zone
+        labelled["metadata"]["resourceVersion"] = "2"
+        w.source.apply("nodes", "MODIFIED", labelled)
+
+
+async def test_a_move_keeps_the_profiles_default_spread(world: Any) -> None:
+    """The only plan moves m2 next to m1, both of ReplicaSet web-abc: the profile's default
+    spread (by the ReplicaSet's selector) keeps m2's new copy off zone z1, so nothing moves. Had
+    the ReplicaSet not been found, kube-scheduler would give m2 no default constraint."""
+    w = world(fragmented(), profile=ZONE_SPREAD)
+    zones(w)
+    w.api.namespaced = {"services": [], "replicasets": [WEB_RS]}
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == [] and w.repacker.stats.refused == 1
+    (event,) = await w.events()
+    assert (
+        "pod default/m2 may not move there: node a: its zone z1 would hold 2 more matching pods "
+        "than the emptiest domain, over its maxSkew 1" in event["message"]
+    )
+    assert ("list_in", "replicasets", "default") in w.api.calls
+
+    found = world(fragmented(), profile=ZONE_SPREAD)
+    zones(found)
+    found.api.namespaced = {"services": [], "replicasets": []}
+    found.filter("default/p")
+    await found.step(advance=1.5)
+    assert found.evictions.real() == ["m2"]
+
+
+async def test_unread_default_spread_selectors_move_nothing(world: Any) -> None:
+    """Without the Services the profile's default spread selects by, no plan runs; without a
+    profile that has one, they are not read at all."""
+    w = world(fragmented(), profile=ZONE_SPREAD)
+    zones(w)
+    w.api.namespaced = {"replicasets": [WEB_RS]}  # Services: forbidden
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.calls == []
+    (event,) = await w.events()
+    assert event["message"] == (
+        "no repack now: the services of namespace default that its default topology spread "
+        "selects by could not be read (Forbidden)"
+    )
+    plain = world(fragmented())
+    zones(plain)
+    plain.filter("default/p")
+    await plain.step(advance=1.5)
+    assert plain.evictions.real() == ["m2"]
+    assert not [c for c in plain.api.calls if c[0] == "list_in"]
+
+
 def with_claim(w: World, p: dict[str, Any], pool: str) -> None:
     """Mount a claim on `p`, bound to a volume that only nodes labelled `pool=<pool>` reach. A
     running pod's change reaches the API and the watch; a new pod is the caller's to add."""
@@ -1245,6 +1314,26 @@ def test_serve_flags() -> None:
         with pytest.raises(SystemExit) as stop:
             parser.parse_args(["serve", f"--repack-max-moves-per-{flag}", "0"])
         assert stop.value.code == 2
+
+
+def test_scheduler_config_is_read_before_the_server_starts(tmp_path: Any) -> None:
+    """`--scheduler-config` names what is wrong and stops serve before anything runs."""
+    parser = build_parser()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
+        "profiles: [{schedulerName: other}]\n"
+    )
+    live = ["serve", "--kubeconfig", str(tmp_path / "none"), "--scheduler-config"]
+    with pytest.raises(SystemExit, match="is read by --repack only"):
+        args = parser.parse_args([*live, str(config)])
+        args.run(args)
+    with pytest.raises(SystemExit, match=r"config.yaml: no profile has schedulerName 'vramsched'"):
+        args = parser.parse_args([*live, str(config), "--repack"])
+        args.run(args)
+    with pytest.raises(SystemExit, match=r"missing.yaml: No such file"):
+        args = parser.parse_args([*live, str(tmp_path / "missing.yaml"), "--repack"])
+        args.run(args)
 
 
 def test_repack_leaves_the_service_alone_when_off() -> None:

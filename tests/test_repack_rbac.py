@@ -1,5 +1,6 @@
 """deploy/repack grants live repacking exactly the rights it adds (create Evictions, read claims
-and volumes, list the volumes and what CSI attach limits need) to the pods' ServiceAccount, the
+and volumes, list the volumes and what CSI attach limits need, list what default spread selects
+by) to the pods' ServiceAccount, the
 base role does not, and its Deployment patch only adds `--repack`."""
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def test_repack_role_only_creates_evictions_and_reads_storage() -> None:
         ("storage.k8s.io", "storageclasses", "list", None),
         ("storage.k8s.io", "csidrivers", "list", None),
         ("storage.k8s.io", "csistoragecapacities", "list", None),
+        ("", "services", "list", None),
+        ("", "replicationcontrollers", "list", None),
+        ("apps", "replicasets", "list", None),
+        ("apps", "statefulsets", "list", None),
     }
     binding = one(objs, "ClusterRoleBinding", "vramsched-extender-repack")
     assert binding["roleRef"] == {
@@ -58,11 +63,17 @@ def test_kustomize_renders_the_repack_rbac() -> None:
     assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}
 
 
-def test_repack_patch_only_adds_the_flag() -> None:
+def test_repack_patch_only_adds_repacking_and_the_scheduler_profile() -> None:
     patch = load(REPACK / "extender-args.patch.yaml")[0]
     (patched,) = patch["spec"]["template"]["spec"]["containers"]
-    assert set(patched) == {"name", "args"}
+    assert set(patched) == {"name", "args", "volumeMounts"}
     base = container(deployment(), patched["name"])
-    assert patched["args"] == base["args"] + ["--repack"]
+    config = "/etc/vramsched/KubeSchedulerConfiguration.yaml"
+    assert patched["args"] == base["args"] + ["--repack", "--scheduler-config", config]
     parsed = serve_args(patched["args"])
     assert parsed.repack is True and parsed.kubeconfig is None  # in-cluster: live mode
+    # the extender reads the very file the scheduler container mounts
+    scheduler = container(deployment(), "kube-scheduler")
+    (mount,) = patched["volumeMounts"]
+    assert mount in scheduler["volumeMounts"] and mount["readOnly"] is True
+    assert f"--config={config}" in scheduler["command"] + scheduler.get("args", [])

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from extender.attach_limits import attach_refusal, needs_counting
 from extender.pod_affinity import affinity_problem
+from extender.spread_defaults import SpreadDefaults
 from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import spread_problem
 from extender.volume_rules import Storage, volume_refusal
@@ -93,6 +94,7 @@ NODE = {
     },
     "status": {"allocatable": {"pods": "110", "ephemeral-storage": "10Gi", "example.com/nic": "2"}},
 }
+CONTROLLER_KINDS = ("ReplicaSet", "StatefulSet", "ReplicationController")
 GARBAGE = [None, 0, -1, "", "x", True, 2.5, [], {}, ["x"], {"x": 1}, [{"x": 1}]]
 
 
@@ -150,6 +152,50 @@ def test_malformed_objects_are_judged_never_crash(pod: Any, a: Any, b: Any, node
         nodes, {"d/a": a, "d/b": b}, [(None, pod, "a"), ("d/b", b, "a")], {"d/b"}
     )
     assert found is None or (isinstance(found[0], str) and found[1] in (None, "d/b"))
+
+
+OWNED = {
+    "metadata": {
+        "name": "p",
+        "namespace": "default",
+        "labels": {"app": "web", "tier": "front"},
+        "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs", "controller": True},
+            {"apiVersion": "v1", "kind": "ReplicationController", "name": "rc"},
+        ],
+    },
+    "spec": {"containers": [{"name": "c"}]},
+}
+SERVICE = {"metadata": {"name": "s", "namespace": "default"}, "spec": {"selector": {"app": "web"}}}
+OWNERS = {"metadata": {"name": "rs", "namespace": "default"}, "spec": {"selector": SELECTOR}}
+DEFAULT_SPREAD = ({"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"},)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    pod=_mutated(OWNED),
+    service=_mutated(SERVICE),
+    owner=_mutated(OWNERS),
+    a=_mutated(POD),
+    node_a=_mutated(NODE),
+)
+def test_malformed_default_spread_selectors_are_judged_never_crash(
+    pod: Any, service: Any, owner: Any, a: Any, node_a: Any
+) -> None:
+    """A pod without constraints of its own, the Service and controllers its default spread
+    selects by, and its neighbours, malformed."""
+    node_b = {**copy.deepcopy(NODE), "metadata": {"name": "b", "labels": {"zone": "z2", HOST: "b"}}}
+    nodes = {"a": node_a, "b": node_b}
+    spread = SpreadDefaults(
+        DEFAULT_SPREAD,
+        [service, copy.deepcopy(SERVICE)],
+        {(kind, "default", name): owner for kind in CONTROLLER_KINDS for name in ("rs", "rc")},
+    )
+    for node in nodes:
+        answer = spread_problem(pod, node, [(a, "a"), (pod, "b")], nodes, spread)
+        assert answer is None or isinstance(answer, str)
+    found = target_problem(nodes, {"d/a": a}, [(None, pod, "a")], set(), spread=spread)
+    assert found is None or isinstance(found[0], str)
 
 
 CLAIMED = {

@@ -20,6 +20,11 @@ from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
 from extender.placement import warm
 from extender.repack_policy import MOVES_PER_GPU
+from extender.scheduler_profile import (
+    SchedulerConfigError,
+    SchedulerProfile,
+    parse_scheduler_profile,
+)
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -174,6 +179,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default off; docs/repack-live.md)",
     )
     p.add_argument(
+        "--scheduler-config",
+        metavar="FILE",
+        help="--repack: the KubeSchedulerConfiguration of the kube-scheduler that calls vramsched, "
+        "so that plans are checked with its profile's NodeResourcesFit ignored resources and "
+        "PodTopologySpread default constraints (default: the defaults, as deploy/ runs it)",
+    )
+    p.add_argument(
         "--repack-max-moves-per-gpu",
         type=whole(at_least=1),
         default=MOVES_PER_GPU,
@@ -217,10 +229,31 @@ def run(args: argparse.Namespace) -> int:
     if args.repack and args.cluster:
         raise SystemExit("--repack needs live mode (--kubeconfig, or in-cluster): it evicts pods")
     webhook.check_arguments(args)
+    args.scheduler_profile = _scheduler_profile(args)
     try:
         return _run_loop(_serve(args))
     except KeyboardInterrupt:
         return 0
+
+
+def _scheduler_profile(args: argparse.Namespace) -> SchedulerProfile:
+    """The profile of `--scheduler-config` that schedules `--scheduler-name`'s pods; a file that
+    cannot be read, or has no such profile, stops the server before it starts."""
+    if not args.scheduler_config:
+        return SchedulerProfile(name=args.scheduler_name)
+    if not args.repack:
+        raise SystemExit("--scheduler-config is read by --repack only: add --repack or drop it")
+    try:
+        with open(args.scheduler_config, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise SystemExit(
+            f"--scheduler-config {args.scheduler_config}: {exc.strerror or exc}"
+        ) from None
+    try:
+        return parse_scheduler_profile(text, args.scheduler_name)
+    except SchedulerConfigError as exc:
+        raise SystemExit(f"--scheduler-config {args.scheduler_config}: {exc}") from None
 
 
 def _run_loop(main) -> int:
@@ -453,6 +486,7 @@ def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSourc
         ),
         time_limit=args.planner_time_limit,
         open_cost=args.open_gpu_cost,
+        profile=args.scheduler_profile,
     )
 
 

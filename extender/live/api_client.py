@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -65,6 +65,8 @@ class KubeApi(Protocol):
 
     def list(self, kind: str) -> tuple[list[dict[str, Any]], str]: ...
 
+    def list_in(self, kind: str, namespace: str) -> Sequence[dict[str, Any]]: ...
+
     def watch(
         self, kind: str, resource_version: str, timeout_s: int
     ) -> Iterator[dict[str, Any]]: ...
@@ -100,6 +102,14 @@ _PATHS = {
     "storageclasses": "/apis/storage.k8s.io/v1/storageclasses",
     "csidrivers": "/apis/storage.k8s.io/v1/csidrivers",
     "csistoragecapacities": "/apis/storage.k8s.io/v1/csistoragecapacities",
+}
+
+#: kinds read one namespace at a time (`list_in`): what default topology spread selects by
+_NAMESPACED = {
+    "services": "/api/v1/namespaces/{}/services",
+    "replicationcontrollers": "/api/v1/namespaces/{}/replicationcontrollers",
+    "replicasets": "/apis/apps/v1/namespaces/{}/replicasets",
+    "statefulsets": "/apis/apps/v1/namespaces/{}/statefulsets",
 }
 
 
@@ -240,6 +250,10 @@ class ClientApi:
     def list(self, kind: str) -> tuple[list[dict[str, Any]], str]:
         """A consistent list in pages; 410 on an expired continue token is the caller's relist."""
         return self.list_paged(_PATHS[kind])
+
+    def list_in(self, kind: str, namespace: str) -> Sequence[dict[str, Any]]:
+        """Every object of `kind` (a key of `_NAMESPACED`) in `namespace`."""
+        return self.list_paged(_NAMESPACED[kind].format(namespace))[0]
 
     def watch(self, kind: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         """Opens the watch now (so the caller knows the API answered), then streams its events."""

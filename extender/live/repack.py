@@ -14,7 +14,8 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    (`final_state_fits`, `final_state_problem`: the device plugin's bound, the pin rule) and
    kube-scheduler's own rules for every target (`schedulable_on`, and `plan_target_problem`: the
    pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
-   spread). The plan itself keeps the blocked pod and the moved pods to the nodes
+   spread, with the scheduler profile's ignored resources and default spread constraints: the
+   Services and controllers those select by are read per plan, `spread_reads`). The plan itself keeps the blocked pod and the moved pods to the nodes
    `schedulable_on` allows them, volumes included: the claims of the blocked pod and of every
    pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put),
    with the lists CSI attach limits need when one of them has CSI volumes, and once a plan sends
@@ -62,6 +63,7 @@ from extender.ledger import Reservation
 from extender.live.api_client import ApiError, KubeApi
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
+from extender.live.spread_reads import read_spread_defaults
 from extender.live.storage_reads import StorageReads
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
@@ -82,6 +84,8 @@ from extender.repack_policy import (
     plan_target_problem,
     repack_event,
 )
+from extender.scheduler_profile import SchedulerProfile
+from extender.spread_defaults import SpreadDefaults
 from extender.target_rules import node_masks, schedulable_on
 from extender.volume_rules import Storage
 
@@ -157,6 +161,7 @@ class Repacker:
         tick: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         eviction_version: str = "policy/v1",
+        profile: SchedulerProfile | None = None,
     ) -> None:
         self.cluster = cluster
         self.api = api
@@ -179,6 +184,8 @@ class Repacker:
         self.tick = tick
         self.clock = clock
         self.eviction_version = eviction_version
+        #: the scheduler profile's arguments the target checks read (`--scheduler-config`)
+        self.profile = profile if profile is not None else SchedulerProfile()
         self.instance = socket.gethostname()
         self.stats = RepackStats()
         self.run: RepackRun | None = None
@@ -343,7 +350,15 @@ class Repacker:
             storage = await self.reads.for_targets(
                 storage, dict(self.cluster.pods), sent, {m.pod.key for m in moves}
             )
-            problem = self._check(demand, found, moves, storage)
+            # the profile's default spread: read only when a pod sent somewhere gets it
+            spread, unread = await read_spread_defaults(
+                self.api, self._call, self.profile.default_spread, [p for p, _ in sent]
+            )
+            if unread is not None:
+                self.stats.refused += 1
+                self._tell(demand.pod, f"no repack now: {unread}")
+                return
+            problem = self._check(demand, found, moves, storage, spread)
             if problem is not None:
                 kind, what, who = problem
                 if kind == "stale":
@@ -418,7 +433,12 @@ class Repacker:
         return found, controllers
 
     def _check(
-        self, blocked: Demand, found: Any, moves: Sequence[PlannedMove], storage: Storage
+        self,
+        blocked: Demand,
+        found: Any,
+        moves: Sequence[PlannedMove],
+        storage: Storage,
+        spread: SpreadDefaults | None = None,
     ) -> tuple[str, str, str | None] | None:
         """Whether the plan still holds now and kube-scheduler would let every pod where it goes:
         None, or (kind, why, the moved pod to leave out next time or None)."""
@@ -443,7 +463,16 @@ class Repacker:
             refusal = schedulable_on(moved, target, storage)
             if refusal is not None:
                 return "refused", f"pod {m.pod.key} may not move there: {refusal}", m.pod.key
-        problem = plan_target_problem(c.nodes, c.pods, pod, found.placement, moves, storage)
+        problem = plan_target_problem(
+            c.nodes,
+            c.pods,
+            pod,
+            found.placement,
+            moves,
+            storage,
+            profile=self.profile,
+            spread=spread,
+        )
         if problem is not None:
             why, who = problem
             what = (
