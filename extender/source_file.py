@@ -27,6 +27,9 @@ __all__ = [
 #: what a cluster file is read for by default, and what plan-defrag also reads of it
 CLUSTER_KINDS = ("Node", "Pod")
 STORAGE_KINDS = ("PersistentVolumeClaim", "PersistentVolume")
+#: what a scheduler profile's default topology spread selects by (`spread_defaults`)
+SPREAD_KINDS = ("Service", "ReplicationController", "ReplicaSet", "StatefulSet")
+_NAMESPACED = frozenset({"Pod", "PersistentVolumeClaim", *SPREAD_KINDS})
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -93,7 +96,7 @@ def given_twice(objects: Iterable[Mapping[str, Any]]) -> str | None:
         if not isinstance(meta, Mapping) or not isinstance(meta.get("name"), str):
             continue  # left out wherever objects are read
         kind, name = str(obj.get("kind")), meta["name"]
-        namespaced = kind in ("Pod", "PersistentVolumeClaim")
+        namespaced = kind in _NAMESPACED
         namespace = str(meta.get("namespace") or "default") if namespaced else ""
         if (kind, namespace, name) in seen:
             return f"{kind.lower()} {namespace}/{name}" if namespaced else f"{kind.lower()} {name}"

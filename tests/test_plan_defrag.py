@@ -50,16 +50,22 @@ def cluster_objects() -> list[dict]:
 
 
 class StubApi(BaseHTTPRequestHandler):
-    """GET /api/v1/nodes, pods, persistentvolumeclaims and persistentvolumes, and storage.k8s.io's
-    csinodes, volumeattachments and storageclasses: the objects as one page of a List."""
+    """GET /api/v1/nodes, pods, persistentvolumeclaims, persistentvolumes, services and
+    replicationcontrollers, storage.k8s.io's csinodes, volumeattachments and storageclasses, and
+    apps' replicasets and statefulsets: the objects as one page of a List."""
 
     objects: list[dict] = []
     #: answer 403 to the claims and volumes, as a role without them does
     refuse_storage = False
+    #: answer 403 to the Services, as a role without them does
+    refuse_services = False
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
         if self.refuse_storage and path.startswith("/api/v1/persistentvolume"):
+            self.send_error(403)
+            return
+        if self.refuse_services and path == "/api/v1/services":
             self.send_error(403)
             return
         kinds = {
@@ -70,6 +76,10 @@ class StubApi(BaseHTTPRequestHandler):
             "/apis/storage.k8s.io/v1/csinodes": "CSINode",
             "/apis/storage.k8s.io/v1/volumeattachments": "VolumeAttachment",
             "/apis/storage.k8s.io/v1/storageclasses": "StorageClass",
+            "/api/v1/services": "Service",
+            "/api/v1/replicationcontrollers": "ReplicationController",
+            "/apis/apps/v1/replicasets": "ReplicaSet",
+            "/apis/apps/v1/statefulsets": "StatefulSet",
         }
         if path not in kinds:
             self.send_error(404)
@@ -97,6 +107,7 @@ class StubApi(BaseHTTPRequestHandler):
 def api_server(tmp_path: Path):
     StubApi.objects = cluster_objects()
     StubApi.refuse_storage = False
+    StubApi.refuse_services = False
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubApi)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -311,3 +322,81 @@ def test_a_move_that_breaks_anti_affinity_is_left_out_and_said(tmp_path, capsys)
     assert main(["plan-defrag", "--cluster", _write(tmp_path, objects), "--workers", "1"]) == 0
     text = capsys.readouterr().out
     assert "left out: default/a: kube-scheduler would refuse its move (node g1:" in text
+
+
+SPREAD_CONFIG = """
+apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+profiles:
+  - schedulerName: vramsched
+    pluginConfig:
+      - name: PodTopologySpread
+        args:
+          defaultingType: List
+          defaultConstraints:
+            - {maxSkew: 1, topologyKey: zone, whenUnsatisfiable: DoNotSchedule}
+"""
+
+
+def spread_objects() -> list[dict]:
+    """a on g0 (zone z0) and b on g1 (z1), both selected by Service x: moving either beside the
+    other frees a GPU, and a profile that spreads by zone keeps its new copy off."""
+    objects = [
+        gpu_node("g0", count=1, memory_mib=80 * 1024, replicas=4),
+        gpu_node("g1", count=1, memory_mib=80 * 1024, replicas=4),
+        bound_pod("a", "g0", "0", 20),
+        bound_pod("b", "g1", "0", 20),
+        {
+            "kind": "Service",
+            "metadata": {"name": "x", "namespace": "default"},
+            "spec": {"selector": {"app": "x"}},
+        },
+        # a Service of the same name in another namespace is another object
+        {
+            "kind": "Service",
+            "metadata": {"name": "x", "namespace": "prod"},
+            "spec": {"selector": {"app": "x"}},
+        },
+    ]
+    for zone, n in enumerate(objects[:2]):
+        n["metadata"]["labels"]["zone"] = f"z{zone}"
+    for p in objects[2:4]:
+        p["metadata"]["labels"] = {"app": "x"}
+    return objects
+
+
+def test_the_profiles_default_spread_keeps_moves_off(api_server, tmp_path, capsys):
+    config = tmp_path / "scheduler.yaml"
+    config.write_text(SPREAD_CONFIG)
+    source = _write(tmp_path, spread_objects())
+    assert plan(capsys, "--cluster", source)["gpusFreed"] == 1
+    kept = plan(capsys, "--cluster", source, "--scheduler-config", str(config))
+    assert kept["moves"] == [] and sorted(kept["leftOut"]) == ["default/a", "default/b"]
+    assert all("over its maxSkew 1" in why for why in kept["leftOut"].values())
+    # the same read from the API server, Services listed there
+    StubApi.objects = spread_objects()
+    live = ["--kubeconfig", str(api_server), "--scheduler-config", str(config)]
+    assert plan(capsys, *live) == kept
+
+
+def test_a_bad_scheduler_config_or_unread_services_stop_it(api_server, tmp_path, capsys):
+    config = tmp_path / "scheduler.yaml"
+    config.write_text(SPREAD_CONFIG.replace("List", "Lists"))
+    source = _write(tmp_path, spread_objects())
+    assert main(["plan-defrag", "--cluster", source, "--scheduler-config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"vramsched plan-defrag: --scheduler-config {config}: PodTopologySpread defaultingType "
+        "'Lists' is not List or System\n"
+    )
+    config.write_text(SPREAD_CONFIG)
+    StubApi.objects = spread_objects()
+    StubApi.refuse_services = True
+    live = ["--kubeconfig", str(api_server), "--scheduler-config", str(config)]
+    assert main(["plan-defrag", *live]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "vramsched plan-defrag: cannot list the Services and controllers the scheduler profile's "
+        "default spread selects by from the API server"
+    )
+    assert "403" in err and err.count("\n") == 1

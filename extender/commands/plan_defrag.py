@@ -7,7 +7,15 @@ import sys
 from typing import TYPE_CHECKING
 
 from extender.commands.argtypes import number, whole
-from extender.observe.sources import SourceError, add_source_args, load_cluster, load_storage
+from extender.observe.sources import (
+    SourceError,
+    add_source_args,
+    load_cluster,
+    load_profile,
+    load_spread_defaults,
+    load_storage,
+)
+from extender.scheduler_profile import SchedulerConfigError
 from extender.text_table import print_table
 
 __all__ = ["register", "run"]
@@ -34,9 +42,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the pod's new copy there. A pod with PersistentVolumeClaims moves only if its claims "
         "and their volumes are read, and one with CSI volumes to another node only if the "
         "CSINodes, VolumeAttachments and StorageClasses are: listed from the API server, or in "
-        "the cluster file. Nothing is evicted.",
+        "the cluster file. With --scheduler-config, the scheduler profile's ignored resources and "
+        "default spread constraints count too (the Services and controllers those select by are "
+        "listed, or taken from the file). Nothing is evicted.",
     )
     add_source_args(p, server=False)
+    p.add_argument(
+        "--scheduler-config",
+        metavar="FILE",
+        help="the KubeSchedulerConfiguration of the kube-scheduler that places the moved pods: "
+        "moves are checked with its profile's ignored resources and default spread constraints "
+        "(--scheduler-name's profile; default: the defaults)",
+    )
     p.add_argument(
         "--max-moves", type=whole(at_least=0), default=None, help="at most N moves in total"
     )
@@ -84,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        profile = load_profile(args.scheduler_config, args.scheduler_name)
+    except SchedulerConfigError as exc:
+        print(f"vramsched plan-defrag: --scheduler-config {exc}", file=sys.stderr)
+        return 2
+    try:
         cluster = load_cluster(args)
+        spread = load_spread_defaults(args, profile)
     except SourceError as exc:
         print(f"vramsched plan-defrag: {exc}", file=sys.stderr)
         return 2
@@ -137,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
             if (moved := cluster.pods.get(mv.pod)) is not None
         ]
         leaving = {mv.pod for mv in plan.moves}
-        problem = target_problem(cluster.nodes, cluster.pods, sent, leaving, storage)
+        problem = target_problem(
+            cluster.nodes, cluster.pods, sent, leaving, storage, profile=profile, spread=spread
+        )
         if problem is None:
             break
         why, who = problem

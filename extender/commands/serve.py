@@ -18,13 +18,10 @@ from extender.embedded import EmbeddedBinder
 from extender.inventory import ReplicaPolicy
 from extender.logs import setup_logging
 from extender.observe.leader import LeaseLeader, kube_lease_reader, parse_lease_name
+from extender.observe.sources import load_profile
 from extender.placement import warm
 from extender.repack_policy import MOVES_PER_GPU
-from extender.scheduler_profile import (
-    SchedulerConfigError,
-    SchedulerProfile,
-    parse_scheduler_profile,
-)
+from extender.scheduler_profile import SchedulerConfigError, SchedulerProfile
 from extender.server import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENCY,
@@ -244,16 +241,9 @@ def _scheduler_profile(args: argparse.Namespace) -> SchedulerProfile:
     if not args.repack:
         raise SystemExit("--scheduler-config is read by --repack only: add --repack or drop it")
     try:
-        with open(args.scheduler_config, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise SystemExit(
-            f"--scheduler-config {args.scheduler_config}: {exc.strerror or exc}"
-        ) from None
-    try:
-        return parse_scheduler_profile(text, args.scheduler_name)
+        return load_profile(args.scheduler_config, args.scheduler_name)
     except SchedulerConfigError as exc:
-        raise SystemExit(f"--scheduler-config {args.scheduler_config}: {exc}") from None
+        raise SystemExit(f"--scheduler-config {exc}") from None
 
 
 def _run_loop(main) -> int:

@@ -102,6 +102,10 @@ _PATHS = {
     "storageclasses": "/apis/storage.k8s.io/v1/storageclasses",
     "csidrivers": "/apis/storage.k8s.io/v1/csidrivers",
     "csistoragecapacities": "/apis/storage.k8s.io/v1/csistoragecapacities",
+    "services": "/api/v1/services",
+    "replicationcontrollers": "/api/v1/replicationcontrollers",
+    "replicasets": "/apis/apps/v1/replicasets",
+    "statefulsets": "/apis/apps/v1/statefulsets",
 }
 
 #: kinds read one namespace at a time (`list_in`): what default topology spread selects by

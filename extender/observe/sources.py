@@ -4,7 +4,9 @@ The API's nodes and pods go through `LiveSource.apply`, the very code the live i
 the ledger built here is the one a freshly started vramsched would hold: same GFD label parsing,
 same assignment annotations read back, same guesses for pods bound by someone else. A cluster
 file goes through `ClusterState.load`, as `serve --cluster` does. `load_storage` reads the
-PersistentVolumeClaims and PersistentVolumes beside them, for `plan-defrag`.
+PersistentVolumeClaims and PersistentVolumes beside them, for `plan-defrag`; `load_profile` a
+scheduler configuration's profile (`serve --repack` and `plan-defrag`), and `load_spread_defaults`
+what its default spread selects by.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ import orjson
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.inventory import ReplicaPolicy
-from extender.source_file import STORAGE_KINDS, ClusterFileError, read_cluster_file
+from extender.object_fields import name as name_of
+from extender.object_fields import namespace as namespace_of
+from extender.scheduler_profile import (
+    SchedulerConfigError,
+    SchedulerProfile,
+    parse_scheduler_profile,
+)
+from extender.source_file import SPREAD_KINDS, STORAGE_KINDS, ClusterFileError, read_cluster_file
+from extender.spread_defaults import SpreadDefaults
 from extender.volume_rules import ATTACH_KINDS, ATTACH_LISTS, Storage
 
 __all__ = [
@@ -32,6 +42,8 @@ __all__ = [
     "state_from_server",
     "load_cluster",
     "load_storage",
+    "load_profile",
+    "load_spread_defaults",
 ]
 
 
@@ -227,3 +239,61 @@ def load_storage(args: argparse.Namespace) -> tuple[Storage, str | None]:
         f"cannot list {', '.join(unread)} from the API server ({where}); "
         "pods whose volumes attach limits count stay put"
     )
+
+
+def load_profile(path: str | None, scheduler_name: str) -> SchedulerProfile:
+    """The profile of the scheduler configuration at `path` that schedules `scheduler_name`'s
+    pods (`scheduler_profile`); the defaults without a path. SchedulerConfigError names the file
+    and what is wrong with it."""
+    if not path:
+        return SchedulerProfile(name=scheduler_name)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SchedulerConfigError(f"{path}: {why}") from None
+    try:
+        return parse_scheduler_profile(text, scheduler_name)
+    except SchedulerConfigError as exc:
+        raise SchedulerConfigError(f"{path}: {exc}") from None
+
+
+def load_spread_defaults(
+    args: argparse.Namespace, profile: SchedulerProfile
+) -> SpreadDefaults | None:
+    """The profile's default spread with every Service, ReplicationController, ReplicaSet and
+    StatefulSet of the source `load_cluster` read (a file's are those it holds); None when the
+    profile has no `DoNotSchedule` default. SourceError when they cannot be read: a pod's
+    default constraints cannot be told without them."""
+    if not profile.default_spread:
+        return None
+    if args.cluster:
+        try:
+            held = read_cluster_file(args.cluster, SPREAD_KINDS)
+        except (ClusterFileError, OSError) as exc:
+            raise SourceError(
+                f"cannot read the Services and controllers of {args.cluster}: {exc}"
+            ) from None
+    else:
+        from extender.live.api_client import ApiError, ClientApi, KubeconfigError
+
+        kubeconfig = default_kubeconfig(args.kubeconfig)
+        held = []
+        try:
+            api = ClientApi(kubeconfig)
+            for kind in SPREAD_KINDS:
+                items, _ = api.list(kind.lower() + "s")
+                held += [{**item, "kind": kind} for item in items]
+        except (ApiError, KubeconfigError) as exc:
+            where = kubeconfig or "the in-cluster ServiceAccount"
+            raise SourceError(
+                f"cannot list the Services and controllers the scheduler profile's default "
+                f"spread selects by from the API server ({where}): {exc}"
+            ) from None
+    services = [o for o in held if o.get("kind") == "Service"]
+    controllers = {
+        (str(o.get("kind")), namespace_of(o), name_of(o)): o
+        for o in held
+        if o.get("kind") != "Service"
+    }
+    return SpreadDefaults(profile.default_spread, services, controllers)

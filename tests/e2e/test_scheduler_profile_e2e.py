@@ -14,6 +14,7 @@ reads them (`spread_reads`, through vramsched's own API client).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 from typing import Any
@@ -26,6 +27,8 @@ from verdicts import NS, probe_alone
 
 from extender.live.api_client import ClientApi
 from extender.live.spread_reads import read_spread_defaults
+from extender.object_fields import namespace
+from extender.observe.sources import load_spread_defaults
 from extender.scheduler_profile import SchedulerProfile, parse_scheduler_profile
 from extender.spread_defaults import SpreadDefaults
 from extender.target_rules import schedulable_on, target_problem
@@ -78,66 +81,31 @@ PLUGIN_CONFIG = [
 ]
 
 
-def _template(labels: dict[str, str]) -> dict[str, Any]:
-    return {
+def _controller(
+    kind: str, name: str, selector: dict[str, Any], labels: dict[str, str], **extra: Any
+) -> tuple[str, dict[str, Any]]:
+    """(apiVersion, object) with no replicas, so that nothing acts on it here."""
+    template = {
         "metadata": {"labels": labels},
         "spec": {"containers": [{"name": "app", "image": "busybox"}]},
     }
+    body = {"replicas": 0, "selector": selector, "template": template, **extra}
+    version = "v1" if kind == "ReplicationController" else "apps/v1"
+    return version, {"kind": kind, "metadata": {"name": name}, "spec": body}
 
 
 def _controllers() -> list[tuple[str, dict[str, Any]]]:
-    """(apiVersion, object): no replicas, so that nothing acts on them here."""
-    rs = {"matchLabels": {"rev": "r1"}}
     rs_expr = {
         "matchLabels": {"app": "llm"},
         "matchExpressions": [{"key": "rev", "operator": "In", "values": ["r2"]}],
     }
+    chat = {"app": "chat", "shard": "s1"}
+    llm_r2 = {"app": "llm", "rev": "r2"}
     return [
-        (
-            "apps/v1",
-            {
-                "kind": "ReplicaSet",
-                "metadata": {"name": "rs-r1"},
-                "spec": {"replicas": 0, "selector": rs, "template": _template({"rev": "r1"})},
-            },
-        ),
-        (
-            "apps/v1",
-            {
-                "kind": "ReplicaSet",
-                "metadata": {"name": "rs-expr"},
-                "spec": {
-                    "replicas": 0,
-                    "selector": rs_expr,
-                    "template": _template({"app": "llm", "rev": "r2"}),
-                },
-            },
-        ),
-        (
-            "apps/v1",
-            {
-                "kind": "StatefulSet",
-                "metadata": {"name": "ss-chat"},
-                "spec": {
-                    "replicas": 0,
-                    "serviceName": "svc-chat",
-                    "selector": {"matchLabels": {"app": "chat", "shard": "s1"}},
-                    "template": _template({"app": "chat", "shard": "s1"}),
-                },
-            },
-        ),
-        (
-            "v1",
-            {
-                "kind": "ReplicationController",
-                "metadata": {"name": "rc-llm"},
-                "spec": {
-                    "replicas": 0,
-                    "selector": {"app": "llm", "rev": "r2"},
-                    "template": _template({"app": "llm", "rev": "r2"}),
-                },
-            },
-        ),
+        _controller("ReplicaSet", "rs-r1", {"matchLabels": {"rev": "r1"}}, {"rev": "r1"}),
+        _controller("ReplicaSet", "rs-expr", rs_expr, llm_r2),
+        _controller("StatefulSet", "ss-chat", {"matchLabels": chat}, chat, serviceName="svc-chat"),
+        _controller("ReplicationController", "rc-llm", llm_r2, llm_r2),
     ]
 
 
@@ -298,6 +266,15 @@ def test_scheduler_profile_is_read_as_kube_scheduler_reads_it(cluster: ControlPl
             "ReplicationController",
         }
         assert {s["metadata"]["name"] for s in spread.services} >= set(SERVICES)
+        # plan-defrag lists them cluster-wide: the same objects of NS
+        listed = load_spread_defaults(
+            argparse.Namespace(cluster=None, kubeconfig=str(cluster.kubeconfig_path)), profile
+        )
+        assert listed is not None
+        assert {k for k in listed.controllers if k[1] == NS} == set(spread.controllers)
+        assert {s["metadata"]["uid"] for s in listed.services if namespace(s) == NS} == {
+            s["metadata"]["uid"] for s in spread.services
+        }
         nodes = {n: api.sanitize_for_serialization(core.read_node(n)) for n in NODES}
 
         disagree, placed = [], dict.fromkeys(SHAPES, 0)
