@@ -4,7 +4,9 @@ holder pods on labelled nodes, made and removed again around a test (`staged`), 
 pinned to one node each (`probe`, judged with `verdicts.probe_alone`).
 
 Claims are bound as the PV controller binds them and holders are created with `spec.nodeName`
-set, so neither a controller nor a kubelet is needed.
+set, so neither a controller nor a kubelet is needed. A probe's generic ephemeral volumes
+(`ephemeral`) get their claims as the ephemeral volume controller makes them, while a scheduling
+gate holds the probe back (`release_ephemeral`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ __all__ = [
     "Scene",
     "binding_verdict",
     "attachment",
+    "ephemeral",
+    "release_ephemeral",
     "claim",
     "csi_node",
     "holder",
@@ -251,7 +255,11 @@ def binding_verdict(cluster: ControlPlane, name: str, claims: list[str], node: s
             if pv.spec.claim_ref is not None and pv.spec.claim_ref.name in claims:
                 return (True,)
         conditions = pod.status.conditions or []
-        if any(c.type == "PodScheduled" and c.status == "False" for c in conditions):
+        # a gated pod is marked unscheduled too, before kube-scheduler has judged it
+        if any(
+            c.type == "PodScheduled" and c.status == "False" and c.reason != "SchedulingGated"
+            for c in conditions
+        ):
             return (False,)
         return None
 
@@ -273,3 +281,46 @@ def unbind(cluster: ControlPlane, name: str, claims: list[str]) -> None:
         timeout=30,
         message=f"{name} gone",
     )
+
+
+#: the scheduling gate that holds a probe with ephemeral volumes back until their claims exist
+GATE = "vramsched.io/test"
+
+
+def ephemeral(body: dict[str, Any], templates: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """`body` (a probe) with a generic ephemeral volume per claim spec of `templates` (`e0`,
+    `e1`, ...), held back from kube-scheduler by a scheduling gate (1.26+) until
+    `release_ephemeral` makes their claims."""
+    body["spec"]["volumes"] = list(body["spec"].get("volumes") or []) + [
+        {"name": f"e{j}", "ephemeral": {"volumeClaimTemplate": {"spec": dict(t)}}}
+        for j, t in enumerate(templates)
+    ]
+    body["spec"]["schedulingGates"] = [{"name": GATE}]
+    return body
+
+
+def release_ephemeral(cluster: ControlPlane, made: Any) -> list[str]:
+    """The claims of the created probe `made`'s ephemeral volumes, made as the ephemeral volume
+    controller makes them (`<pod>-<volume>`, owned by the pod, the template's spec), then its
+    gate lifted so that kube-scheduler judges it; their names."""
+    core, api = cluster.core_v1(), cluster.api_client()
+    name = made.metadata.name
+    owner = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": name,
+        "uid": made.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    names = []
+    for volume in made.spec.volumes:
+        if volume.ephemeral is None:
+            continue
+        claim_name = f"{name}-{volume.name}"
+        spec = api.sanitize_for_serialization(volume.ephemeral.volume_claim_template.spec)
+        body = {"metadata": {"name": claim_name, "ownerReferences": [owner]}, "spec": spec}
+        core.create_namespaced_persistent_volume_claim(NS, body)
+        names.append(claim_name)
+    core.patch_namespaced_pod(name, NS, [{"op": "remove", "path": "/spec/schedulingGates"}])
+    return names

@@ -17,14 +17,17 @@ claim twice counts it once. VolumeAttachments name w1 and w2: kube-scheduler cou
 1.32 (as `attacher/handle` of their PV, under the attacher; vramsched counts them on every
 version), 1.20 does not: those verdicts are `OLD_NO_ATTACHMENTS`.
 
-The last test gives probes claims of a WaitForFirstConsumer class, which name no volume until
-their pod is placed and count as new volumes of the class's provisioner. No provisioner runs, so
-a pass shows as kube-scheduler's PreBind asking for the claims to be provisioned on the node
+The last two tests give probes claims of a WaitForFirstConsumer class, which name no volume until
+their pod is placed and count as new volumes of the class's provisioner: as claims, and (1.36) as
+generic ephemeral volumes judged from their templates. No provisioner runs, so a pass shows as
+kube-scheduler's PreBind asking for the claims to be provisioned on the node
 (`storage_scene.binding_verdict`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kubernetes.client
@@ -36,10 +39,12 @@ from storage_scene import (
     Scene,
     binding_verdict,
     csi_node,
+    ephemeral,
     gone,
     in_tree_volume,
     objects,
     probe,
+    release_ephemeral,
     staged,
     unbind,
     with_inline,
@@ -274,6 +279,7 @@ def test_migrated_in_tree_disks_are_counted_as_kube_scheduler_counts_them(
 
 #: node -> its CSINode's counts of driver a; x3 has no CSINode. hold-x1 keeps one of x1's one slot
 WAITING_NODES: dict[str, dict[str, int | None]] = {"x1": {A: 1}, "x2": {A: 2}}
+WAITING_ON = (*WAITING_NODES, "x3")
 WAITING_VOLUMES = {"a-hx": (A, "disk-hx"), "a-b": (A, "disk-b")}
 
 #: probe shape -> (bound claims it mounts, how many claims of class wffc-a it brings, each naming
@@ -297,17 +303,15 @@ def _waiting(name: str) -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": NS}, "spec": spec}
 
 
-@pytest.mark.e2e
-def test_claims_that_wait_for_their_pod_count_as_kube_scheduler_counts_them(
+@contextmanager
+def waiting_scene(
     cluster: ControlPlane,
-) -> None:
-    """A claim of a WaitForFirstConsumer class names no volume until its pod is placed: it
-    counts as a new volume of its class's provisioner, beside the node's and the pod's bound
-    ones. Every shape on every node: kube-scheduler passes the node (placing the probe, or
-    starting to provision its claims there) exactly when vramsched's rule does."""
+) -> Iterator[tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]]:
+    """x1 (room for no more volumes of A: a holder's disk fills it), x2 (room for two), x3 (no
+    CSINode), the volumes the shapes hold, and class wffc-a: the nodes as read and the pods on
+    them. Removed again after."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
-    core, api = cluster.core_v1(), cluster.api_client()
-    storage_v1 = kubernetes.client.StorageV1Api(api)
+    storage_v1 = kubernetes.client.StorageV1Api(cluster.api_client())
     scene = Scene(
         csi_nodes={n: csi_node(n, drivers) for n, drivers in WAITING_NODES.items()},
         volumes={n: _volume(n, driver, handle) for n, (driver, handle) in WAITING_VOLUMES.items()},
@@ -320,35 +324,83 @@ def test_claims_that_wait_for_their_pod_count_as_kube_scheduler_counts_them(
         "volumeBindingMode": "WaitForFirstConsumer",
     }
     storage_v1.create_storage_class(waits)
-    nodes = (*WAITING_NODES, "x3")
-    theirs_on: dict[tuple[str, str], bool] = {}
-    disagree = []
     try:
-        with staged(cluster, dict.fromkeys(nodes, {}), scene) as (read, staying_on, _):
-            for i, (shape, (bound, waiting)) in enumerate(WAITING_SHAPES.items()):
-                for node in nodes:
-                    name = f"wprobe-{i}-{node}"
-                    names = [f"{name}-{j}" for j in range(waiting)]
-                    for claim in names:
-                        core.create_namespaced_persistent_volume_claim(NS, _waiting(claim))
-                    storage = Storage.from_objects(objects(core, storage_v1, api))
-                    try:
-                        made = core.create_namespaced_pod(NS, probe(name, bound + names, node))
-                        theirs = binding_verdict(cluster, name, names, node)
-                    finally:
-                        unbind(cluster, name, names)
-                    stored = api.sanitize_for_serialization(made)
-                    ours = attach_refusal(read[node], staying_on[node], [stored], storage)
-                    if (ours is None) != theirs:
-                        disagree.append(
-                            f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}"
-                        )
-                    theirs_on[shape, node] = theirs
+        with staged(cluster, dict.fromkeys(WAITING_ON, {}), scene) as (read, staying_on, _):
+            yield read, staying_on
     finally:
         gone(storage_v1.delete_storage_class, "wffc-a")
-    assert not disagree, "\n".join(disagree)
+
+
+def _check_waiting_counts(theirs_on: dict[tuple[str, str], bool]) -> None:
     # x1 is full, x3 has no limit; x2 takes two volumes of a, not three
     assert not any(theirs_on[s, "x1"] for s in WAITING_SHAPES), theirs_on
     assert all(theirs_on[s, "x3"] for s in WAITING_SHAPES), theirs_on
     assert theirs_on["two", "x2"] and not theirs_on["three", "x2"], theirs_on
     assert theirs_on["bound-and-one", "x2"] and not theirs_on["bound-and-two", "x2"], theirs_on
+
+
+@pytest.mark.e2e
+def test_claims_that_wait_for_their_pod_count_as_kube_scheduler_counts_them(
+    cluster: ControlPlane,
+) -> None:
+    """A claim of a WaitForFirstConsumer class names no volume until its pod is placed: it
+    counts as a new volume of its class's provisioner, beside the node's and the pod's bound
+    ones. Every shape on every node: kube-scheduler passes the node (placing the probe, or
+    starting to provision its claims there) exactly when vramsched's rule does."""
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    theirs_on: dict[tuple[str, str], bool] = {}
+    disagree = []
+    with waiting_scene(cluster) as (read, staying_on):
+        for i, (shape, (bound, waiting)) in enumerate(WAITING_SHAPES.items()):
+            for node in WAITING_ON:
+                name = f"wprobe-{i}-{node}"
+                names = [f"{name}-{j}" for j in range(waiting)]
+                for claim in names:
+                    core.create_namespaced_persistent_volume_claim(NS, _waiting(claim))
+                storage = Storage.from_objects(objects(core, storage_v1, api))
+                try:
+                    made = core.create_namespaced_pod(NS, probe(name, bound + names, node))
+                    theirs = binding_verdict(cluster, name, names, node)
+                finally:
+                    unbind(cluster, name, names)
+                stored = api.sanitize_for_serialization(made)
+                ours = attach_refusal(read[node], staying_on[node], [stored], storage)
+                if (ours is None) != theirs:
+                    disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
+                theirs_on[shape, node] = theirs
+    assert not disagree, "\n".join(disagree)
+    _check_waiting_counts(theirs_on)
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="a pod held back until its claims exist needs scheduling gates")
+def test_ephemeral_volumes_count_as_the_claims_they_make(cluster: ControlPlane) -> None:
+    """The same shapes with the waiting claims as generic ephemeral volumes of class wffc-a,
+    judged from their templates before their claims exist (as a moved pod's new copy is), then
+    released to kube-scheduler once their claims are made (`storage_scene.release_ephemeral`)."""
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    theirs_on: dict[tuple[str, str], bool] = {}
+    disagree = []
+    template = _waiting("")["spec"]
+    with waiting_scene(cluster) as (read, staying_on):
+        for i, (shape, (bound, waiting)) in enumerate(WAITING_SHAPES.items()):
+            for node in WAITING_ON:
+                name = f"eprobe-{i}-{node}"
+                storage = Storage.from_objects(objects(core, storage_v1, api))
+                names: list[str] = []
+                try:
+                    body = ephemeral(probe(name, bound, node), [template] * waiting)
+                    made = core.create_namespaced_pod(NS, body)
+                    names = release_ephemeral(cluster, made)
+                    theirs = binding_verdict(cluster, name, names, node)
+                finally:
+                    unbind(cluster, name, names)
+                stored = api.sanitize_for_serialization(made)
+                ours = attach_refusal(read[node], staying_on[node], [stored], storage)
+                if (ours is None) != theirs:
+                    disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
+                theirs_on[shape, node] = theirs
+    assert not disagree, "\n".join(disagree)
+    _check_waiting_counts(theirs_on)

@@ -21,11 +21,15 @@ The third gives probes claims of WaitForFirstConsumer classes, which name no vol
 pod is placed, on nodes with free local volumes: kube-scheduler passes a node when each claim
 gets a volume there or its class provisions there. No PV controller or provisioner runs, so a
 pass shows as kube-scheduler's PreBind starting to bind (a volume's `claimRef`, or the claim's
-selected node), and the test undoes that binding before the next probe.
+selected node), and the test undoes that binding before the next probe. The fourth (1.36) gives
+the same shapes as generic ephemeral volumes, judged from their templates before their claims
+exist, as a moved pod's new copy is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -38,10 +42,12 @@ from storage_scene import (
     Scene,
     binding_verdict,
     csi_node,
+    ephemeral,
     gone,
     in_tree_volume,
     objects,
     probe,
+    release_ephemeral,
     staged,
     unbind,
 )
@@ -345,6 +351,7 @@ BINDING_NODES: dict[str, dict[str, str]] = {
     "u4": {HOST: "u4", ZONE: "z1"},
 }
 WAIT = "WaitForFirstConsumer"
+DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
 
 #: a CSI driver that reports its capacity (as TopoLVM does for local disks), and what it reports
 #: for class wffc-room: room for a 5Gi volume (of 10Gi) in z1, for 1Gi in z2
@@ -423,22 +430,18 @@ def _waiting_claim(
     return {"metadata": meta, "spec": spec}
 
 
-@pytest.mark.e2e
-def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
-    cluster: ControlPlane,
-) -> None:
-    """Claims of WaitForFirstConsumer classes name no volume until their pod is placed: a node
-    passes when each gets a free local volume there (size, access and volume mode, selector, one
-    volume per claim) or a class that provisions there (a provisioner, `allowedTopologies`, room
-    its CSI driver reports; 1.20 checks no room). Every shape on every node: kube-scheduler passes
-    the node exactly when vramsched's rule does."""
+@contextmanager
+def binding_scene(
+    cluster: ControlPlane, *, default_class: str | None = None
+) -> Iterator[dict[str, dict[str, Any]]]:
+    """kube-scheduler, BINDING_NODES, the classes (`default_class` annotated as the default), the
+    capacity-reporting driver and what it reports, and FREE_VOLUMES; the nodes as read. Removed
+    again after."""
     cluster.start_scheduler(ControlPlane.scheduler_config(SCHEDULER))
     core, api = cluster.core_v1(), cluster.api_client()
     storage_v1 = kubernetes.client.StorageV1Api(api)
     for name, on in BINDING_NODES.items():
         cluster.create_gpu_node(name, labels=on)
-    disagree: list[str] = []
-    placed = dict.fromkeys(BINDING_NODES, 0)
     try:
         for name, (provisioner, topologies) in BINDING_CLASSES.items():
             body: dict[str, Any] = {
@@ -446,6 +449,8 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
                 "provisioner": provisioner,
                 "volumeBindingMode": WAIT,
             }
+            if name == default_class:
+                body["metadata"]["annotations"] = {DEFAULT_CLASS: "true"}
             if topologies:
                 body["allowedTopologies"] = topologies
             storage_v1.create_storage_class(body)
@@ -458,7 +463,33 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
         for name, fields in FREE_VOLUMES.items():
             core.create_persistent_volume(_free_volume(name, *fields))
             core.patch_persistent_volume_status(name, {"status": {"phase": "Available"}})
-        read = {n: api.sanitize_for_serialization(core.read_node(n)) for n in BINDING_NODES}
+        yield {n: api.sanitize_for_serialization(core.read_node(n)) for n in BINDING_NODES}
+    finally:
+        for name in FREE_VOLUMES:
+            gone(core.patch_persistent_volume, name, UNHELD)
+            gone(core.delete_persistent_volume, name)
+        for name in BINDING_CLASSES:
+            gone(storage_v1.delete_storage_class, name)
+        gone(storage_v1.delete_csi_driver, ROOM_DRIVER)
+        if cluster.release.minor >= (1, 24):
+            for name in ROOM:
+                gone(storage_v1.delete_namespaced_csi_storage_capacity, name, NS)
+
+
+@pytest.mark.e2e
+def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
+    cluster: ControlPlane,
+) -> None:
+    """Claims of WaitForFirstConsumer classes name no volume until their pod is placed: a node
+    passes when each gets a free local volume there (size, access and volume mode, selector, one
+    volume per claim) or a class that provisions there (a provisioner, `allowedTopologies`, room
+    its CSI driver reports; 1.20 checks no room). Every shape on every node: kube-scheduler passes
+    the node exactly when vramsched's rule does."""
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    disagree: list[str] = []
+    placed = dict.fromkeys(BINDING_NODES, 0)
+    with binding_scene(cluster) as read:
         for i, (shape, claims) in enumerate(WAITING_SHAPES.items()):
             for node in BINDING_NODES:
                 name = f"bprobe-{i}-{node}"
@@ -477,16 +508,58 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
                 placed[node] += theirs
-    finally:
-        for name in FREE_VOLUMES:
-            gone(core.patch_persistent_volume, name, UNHELD)
-            gone(core.delete_persistent_volume, name)
-        for name in BINDING_CLASSES:
-            gone(storage_v1.delete_storage_class, name)
-        gone(storage_v1.delete_csi_driver, ROOM_DRIVER)
-        if cluster.release.minor >= (1, 24):
-            for name in ROOM:
-                gone(storage_v1.delete_namespaced_csi_storage_capacity, name, NS)
     assert not disagree, "\n".join(disagree)
     # every node passes some shapes and refuses others
     assert all(0 < n < len(WAITING_SHAPES) for n in placed.values()), placed
+
+
+#: the shapes as generic ephemeral volumes (a claim's annotations are not a template's to set),
+#: and one whose template names no class: the default one, here wffc-z1
+EPHEMERAL_SHAPES = {
+    **{k: v for k, v in WAITING_SHAPES.items() if not any(c[3] for c in v)},
+    "default-class": [("", "1Gi", {}, {})],
+}
+
+
+def _template(cls: str, size: str, more: dict[str, Any], _: dict[str, str]) -> dict[str, Any]:
+    """A claim spec of `cls` (none: the default class), as an ephemeral volume's template."""
+    spec = _waiting_claim("", cls, size, more, {})["spec"]
+    if not cls:
+        del spec["storageClassName"]
+    return spec
+
+
+@pytest.mark.e2e
+@pytest.mark.k8s("1.36", reason="a pod held back until its claims exist needs scheduling gates")
+def test_ephemeral_volumes_are_judged_as_the_claims_they_make(cluster: ControlPlane) -> None:
+    """A moved pod's generic ephemeral volume gets a new claim from its template once the new
+    pod exists, so vramsched judges the template as a claim that waits for its pod. Here each
+    probe is judged before its claims exist; they are then made as the ephemeral volume
+    controller makes them (`<pod>-<volume>`, owned by the pod; no controller runs) and the gate
+    lifted: kube-scheduler passes the node exactly when vramsched's rule does."""
+    core, api = cluster.core_v1(), cluster.api_client()
+    storage_v1 = kubernetes.client.StorageV1Api(api)
+    disagree: list[str] = []
+    placed = dict.fromkeys(EPHEMERAL_SHAPES, 0)
+    with binding_scene(cluster, default_class="wffc-z1") as read:
+        for i, (shape, claims) in enumerate(EPHEMERAL_SHAPES.items()):
+            for node in BINDING_NODES:
+                name = f"eprobe-{i}-{node}"
+                names = [f"{name}-e{j}" for j in range(len(claims))]
+                storage = Storage.from_objects(objects(core, storage_v1, api))
+                templates = [_template(*fields) for fields in claims]
+                try:
+                    body = ephemeral(probe(name, [], node), templates)
+                    stored = core.create_namespaced_pod(NS, body)
+                    assert release_ephemeral(cluster, stored) == names
+                    theirs = binding_verdict(cluster, name, names, node)
+                finally:
+                    unbind(cluster, name, names)
+                ours = volume_refusal(api.sanitize_for_serialization(stored), read[node], storage)
+                if (ours is None) != theirs:
+                    disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
+                placed[shape] += theirs
+    assert not disagree, "\n".join(disagree)
+    # a template without a class takes the default one (wffc-z1): placed where the z1 shape is
+    assert 0 < placed["default-class"] == placed["z1"] < len(BINDING_NODES), placed
+    assert placed["any"] == len(BINDING_NODES), placed
