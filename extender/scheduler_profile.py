@@ -1,7 +1,7 @@
 """What a kube-scheduler profile's configuration changes in the filters vramsched re-checks. Pure.
 
 Live repacking and `plan-defrag` check every pod a plan sends somewhere against kube-scheduler's
-filters (`target_rules`). Two of those filters take arguments from the scheduler's configuration
+filters (`target_rules`). Three of those filters take arguments from the scheduler's configuration
 file, and without them vramsched reads them as the defaults:
 
 - **NodeResourcesFit** `ignoredResources` and `ignoredResourceGroups`: extended resources the
@@ -11,6 +11,9 @@ file, and without them vramsched reads them as the defaults:
   every pod that states none, selecting the pods of its Services and controller. Set to
   `DoNotSchedule` they refuse nodes; read as default, vramsched would send a model's replica where
   kube-scheduler keeps it off.
+- **NodeAffinity** `addedAffinity`: a required node affinity the profile adds to every pod (a
+  profile for GPU pods kept to GPU nodes). Read as default, vramsched would send a pod to a node
+  outside it.
 
 `scheduler_profile(doc, name)` reads the profile that schedules pods of `name` from a
 KubeSchedulerConfiguration (v1, or the v1beta1 to v1beta3 of older kube-schedulers) and keeps
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
+from extender.node_rules import node_labels, node_name, selector_terms_hold
 
 __all__ = [
     "SchedulerConfigError",
@@ -71,6 +76,8 @@ class SchedulerProfile:
     ignored_groups: frozenset[str] = frozenset()
     #: PodTopologySpread's `DoNotSchedule` default constraints (`defaultingType: List`), as written
     default_spread: tuple[Mapping[str, Any], ...] = ()
+    #: NodeAffinity `addedAffinity`'s required nodeSelectorTerms (any one must hold); () for none
+    added_affinity: tuple[Mapping[str, Any], ...] = ()
 
     def ignores(self, resource: str) -> bool:
         """Whether NodeResourcesFit leaves `resource` out (only extended resources can be)."""
@@ -78,6 +85,14 @@ class SchedulerProfile:
             return False
         group = resource.split("/", 1)[0]
         return resource in self.ignored_resources or group in self.ignored_groups
+
+    def added_affinity_refusal(self, node: Mapping[str, Any]) -> str | None:
+        """Why the profile's `addedAffinity` keeps every pod off `node`, or None."""
+        if not self.added_affinity or selector_terms_hold(
+            self.added_affinity, node_labels(node), node_name(node)
+        ):
+            return None
+        return f"node {node_name(node)} does not match the scheduler profile's added node affinity"
 
 
 def _strings(value: Any, where: str) -> frozenset[str]:
@@ -166,6 +181,25 @@ def _default_spread(args: Mapping[str, Any], version: str) -> tuple[Mapping[str,
     return tuple(dict(c) for c in constraints if c["whenUnsatisfiable"] == "DoNotSchedule")
 
 
+def _added_affinity(args: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
+    added = args.get("addedAffinity")
+    if added is None:
+        return ()
+    where = "NodeAffinity addedAffinity"
+    if not isinstance(added, Mapping):
+        raise SchedulerConfigError(f"{where} must be an object")
+    required = added.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if required is None:
+        return ()  # preferred terms only weigh scores
+    terms = required.get("nodeSelectorTerms") if isinstance(required, Mapping) else None
+    if not isinstance(terms, list) or not terms or not all(isinstance(t, Mapping) for t in terms):
+        raise SchedulerConfigError(
+            f"{where}.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms must be "
+            "a list of at least one term"
+        )
+    return tuple(dict(t) for t in terms)
+
+
 def scheduler_profile(doc: Any, name: str) -> SchedulerProfile:
     """The arguments of the profile with schedulerName `name` in a KubeSchedulerConfiguration."""
     if not isinstance(doc, Mapping):
@@ -182,6 +216,7 @@ def scheduler_profile(doc: Any, name: str) -> SchedulerProfile:
             fit.get("ignoredResourceGroups"), "NodeResourcesFit ignoredResourceGroups"
         ),
         default_spread=_default_spread(_args(profile, "PodTopologySpread"), version),
+        added_affinity=_added_affinity(_args(profile, "NodeAffinity")),
     )
 
 

@@ -51,15 +51,20 @@ __all__ = [
 
 
 def schedulable_on(
-    pod: Mapping[str, Any], node: Mapping[str, Any], storage: Storage | None = None
+    pod: Mapping[str, Any],
+    node: Mapping[str, Any],
+    storage: Storage | None = None,
+    profile: SchedulerProfile | None = None,
 ) -> str | None:
     """Why kube-scheduler would keep a pod with this spec off `node`, or None. The rules a plan
-    cannot see, checked for a move's target: nodeSelector, required node affinity, taints that
-    repel new pods (NoSchedule, NoExecute), cordoned nodes and, with `storage`, the node
-    affinity and zones of the volumes its claims are bound to (`volume_rules`; without it they are
-    not checked). A move that fails them would leave its re-created pod waiting for a node it may
-    not use."""
-    refusal = node_affinity_refusal(pod, node)
+    cannot see, checked for a move's target: nodeSelector, required node affinity (and the
+    scheduler `profile`'s added one), taints that repel new pods (NoSchedule, NoExecute),
+    cordoned nodes and, with `storage`, the node affinity and zones of the volumes its claims are
+    bound to (`volume_rules`; without it they are not checked). A move that fails them would
+    leave its re-created pod waiting for a node it may not use."""
+    refusal = profile.added_affinity_refusal(node) if profile is not None else None
+    if refusal is None:
+        refusal = node_affinity_refusal(pod, node)
     if refusal is not None:
         return refusal
     name = node_name(node)
@@ -245,10 +250,11 @@ def node_masks(
     pods: Mapping[str, Mapping[str, Any]],
     node_names: Sequence[str],
     storage: Storage | None = None,
+    profile: SchedulerProfile | None = None,
 ) -> Callable[[str], np.ndarray | None]:
     """Per pod key, the nodes (in ledger row order) whose labels, taints, cordon and (with
-    `storage`) volumes let its new copy on (`schedulable_on`), worked out once per distinct set
-    of the pod's node rules and claims."""
+    `storage`) volumes let its new copy on (`schedulable_on`, with the scheduler `profile`'s added
+    node affinity), worked out once per distinct set of the pod's node rules and claims."""
     cache: dict[bytes, np.ndarray] = {}
 
     def mask(key: str) -> np.ndarray | None:
@@ -265,7 +271,10 @@ def node_masks(
         sig = orjson.dumps(rules, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
         if sig not in cache:
             cache[sig] = np.fromiter(
-                (n in nodes and schedulable_on(pod, nodes[n], storage) is None for n in node_names),
+                (
+                    n in nodes and schedulable_on(pod, nodes[n], storage, profile) is None
+                    for n in node_names
+                ),
                 bool,
                 len(node_names),
             )

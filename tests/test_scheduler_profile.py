@@ -25,7 +25,7 @@ from extender.scheduler_profile import (
     scheduler_profile,
 )
 from extender.spread_defaults import SpreadDefaults, controller_ref
-from extender.target_rules import room_problem, target_problem
+from extender.target_rules import room_problem, schedulable_on, target_problem
 from extender.topology_spread import has_hard_spread, spread_problem
 
 ZONE = {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}
@@ -86,6 +86,31 @@ def test_defaulting_type_defaults_as_each_version_does() -> None:
             parse_scheduler_profile(_config(spread, version=version), "vramsched")
     system = {"PodTopologySpread": {"defaultingType": "System"}}
     assert parse_scheduler_profile(_config(system), "vramsched").default_spread == ()
+
+
+GPU_POOL = {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}
+
+
+def test_the_added_node_affinity_keeps_every_pod_to_its_nodes() -> None:
+    required = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [GPU_POOL]}}
+    text = _config({"NodeAffinity": {"addedAffinity": required}})
+    profile = parse_scheduler_profile(text, "vramsched")
+    assert profile.added_affinity == (GPU_POOL,)
+    gpu = {"metadata": {"name": "g", "labels": {"pool": "gpu"}}, "spec": {}}
+    cpu = {"metadata": {"name": "c", "labels": {"pool": "cpu"}}, "spec": {}}
+    pod: dict[str, Any] = {"metadata": {"name": "p"}, "spec": {}}
+    assert schedulable_on(pod, gpu, profile=profile) is None
+    assert schedulable_on(pod, cpu) is None
+    assert schedulable_on(pod, cpu, profile=profile) == (
+        "node c does not match the scheduler profile's added node affinity"
+    )
+    # preferred terms only weigh scores
+    preferred = {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1}]}
+    text = _config({"NodeAffinity": {"addedAffinity": preferred}})
+    assert parse_scheduler_profile(text, "vramsched").added_affinity == ()
+    for bad in ({"requiredDuringSchedulingIgnoredDuringExecution": {}}, [1]):
+        with pytest.raises(SchedulerConfigError, match="addedAffinity"):
+            parse_scheduler_profile(_config({"NodeAffinity": {"addedAffinity": bad}}), "vramsched")
 
 
 def test_no_profiles_is_the_default_scheduler_alone() -> None:
@@ -353,9 +378,9 @@ _JSON = st.recursive(
 
 
 @settings(max_examples=500, deadline=None)
-@given(fit=_JSON, kind=_JSON, constraints=_JSON, name=_JSON)
+@given(fit=_JSON, kind=_JSON, constraints=_JSON, name=_JSON, added=_JSON)
 def test_any_arguments_are_read_or_refused_by_name(
-    fit: Any, kind: Any, constraints: Any, name: Any
+    fit: Any, kind: Any, constraints: Any, name: Any, added: Any
 ) -> None:
     doc = {
         "apiVersion": "kubescheduler.config.k8s.io/v1beta1",
@@ -370,6 +395,7 @@ def test_any_arguments_are_read_or_refused_by_name(
                         "name": "PodTopologySpread",
                         "args": {"defaultingType": kind, "defaultConstraints": constraints},
                     },
+                    {"name": "NodeAffinity", "args": {"addedAffinity": added}},
                 ],
             },
         ],
@@ -380,3 +406,6 @@ def test_any_arguments_are_read_or_refused_by_name(
         assert str(exc)
         return
     assert all(c["whenUnsatisfiable"] == "DoNotSchedule" for c in profile.default_spread)
+    node = {"metadata": {"name": "n", "labels": {"a/b": "zone"}}}
+    refusal = profile.added_affinity_refusal(node)
+    assert refusal is None or "added node affinity" in refusal

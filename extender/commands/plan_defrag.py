@@ -42,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the pod's new copy there. A pod with PersistentVolumeClaims moves only if its claims "
         "and their volumes are read, and one with CSI volumes to another node only if the "
         "CSINodes, VolumeAttachments and StorageClasses are: listed from the API server, or in "
-        "the cluster file. With --scheduler-config, the scheduler profile's ignored resources and "
-        "default spread constraints count too (the Services and controllers those select by are "
+        "the cluster file. With --scheduler-config, the scheduler profile's ignored resources, "
+        "default spread constraints and added node affinity count too (the Services and controllers those select by are "
         "listed, or taken from the file). Nothing is evicted.",
     )
     add_source_args(p, server=False)
@@ -51,8 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scheduler-config",
         metavar="FILE",
         help="the KubeSchedulerConfiguration of the kube-scheduler that places the moved pods: "
-        "moves are checked with its profile's ignored resources and default spread constraints "
-        "(--scheduler-name's profile; default: the defaults)",
+        "moves are checked with its profile's ignored resources, default spread constraints and "
+        "added node affinity (--scheduler-name's profile; default: the defaults)",
     )
     p.add_argument(
         "--max-moves", type=whole(at_least=0), default=None, help="at most N moves in total"
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         demands[d.pod.key] = (d.cpu_milli, d.memory_bytes, d.resource)
     left_out: dict[str, str] = {}
     mask, kept = kept_home(
-        node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names, storage),
+        node_masks(cluster.nodes, cluster.pods, cap.arrays.node_names, storage, profile),
         cluster.pods,
         cap.arrays.node_names,
         storage,

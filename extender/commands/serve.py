@@ -179,8 +179,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scheduler-config",
         metavar="FILE",
         help="--repack: the KubeSchedulerConfiguration of the kube-scheduler that calls vramsched, "
-        "so that plans are checked with its profile's NodeResourcesFit ignored resources and "
-        "PodTopologySpread default constraints (default: the defaults, as deploy/ runs it)",
+        "so that plans are checked with its profile's NodeResourcesFit ignored resources, "
+        "PodTopologySpread default constraints and NodeAffinity added affinity (default: the "
+        "defaults, as deploy/ runs it)",
     )
     p.add_argument(
         "--repack-max-moves-per-gpu",

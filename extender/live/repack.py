@@ -309,7 +309,9 @@ class Repacker:
             mix = Counter(self.cluster.demand_mix)
             # per pod, the nodes kube-scheduler's labels, taints, cordon and its volumes let it
             # onto: the blocked pod's worked out here, the moved pods' in the worker, on copies
-            masks = node_masks(dict(self.cluster.nodes), pods, cap.arrays.node_names, storage)
+            masks = node_masks(
+                dict(self.cluster.nodes), pods, cap.arrays.node_names, storage, self.profile
+            )
             pod_nodes = masks(key)
             loop = asyncio.get_running_loop()
             found, controllers = await loop.run_in_executor(
@@ -453,14 +455,14 @@ class Repacker:
         node = c.nodes.get(found.placement.node)
         if pod is None or node is None:
             return "stale", "the pod or its node is gone", None
-        refusal = schedulable_on(pod, node, storage)
+        refusal = schedulable_on(pod, node, storage, self.profile)
         if refusal is not None:
             return "refused", f"the plan puts it where it may not run ({refusal})", None
         for m in moves:
             moved, target = c.pod(m.pod.key), c.nodes.get(m.target.node)
             if moved is None or target is None:
                 return "stale", f"pod {m.pod.key} or node {m.target.node} is gone", None
-            refusal = schedulable_on(moved, target, storage)
+            refusal = schedulable_on(moved, target, storage, self.profile)
             if refusal is not None:
                 return "refused", f"pod {m.pod.key} may not move there: {refusal}", m.pod.key
         problem = plan_target_problem(
@@ -671,7 +673,7 @@ class Repacker:
     def _nowhere(self, pod: Mapping[str, Any], names: Sequence[str], storage: Storage) -> str:
         """Why the waiting pod may go to no node of `names`: what keeps it off the first."""
         for name in names:
-            why = schedulable_on(pod, self.cluster.nodes.get(name) or {}, storage)
+            why = schedulable_on(pod, self.cluster.nodes.get(name) or {}, storage, self.profile)
             if why is not None:
                 return f"the waiting pod may go to no node (on {name}: {why})"
         return "the waiting pod may go to no node"

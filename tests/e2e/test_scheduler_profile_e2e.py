@@ -2,8 +2,9 @@
 
 `serve --repack --scheduler-config FILE` checks every pod a plan sends somewhere with the
 profile's NodeResourcesFit ignored resources and its PodTopologySpread default constraints
-(`scheduler_profile`, `spread_defaults`). Here kube-scheduler runs with a profile that sets
-both, and 15 pod shapes meet 5 nodes (two zones with pods, a third, one without a zone label):
+(`scheduler_profile`, `spread_defaults`), and the node affinity it adds to every pod. Here
+kube-scheduler runs with a profile that sets all three, and 15 pod shapes meet 6 nodes (two zones
+with pods, a third, one without a zone label, one in a pool the added affinity excludes):
 pods selected by Services, owned by a ReplicaSet, StatefulSet or ReplicationController (found or
 not), stating their own constraints, or asking extended resources the profile ignores and one it
 does not. A probe is held to one node by an extended resource only that node has. kube-scheduler
@@ -44,6 +45,7 @@ NODES: dict[str, dict[str, str]] = {
     "d3": {"zone": "z2"},
     "d4": {"zone": "z3"},
     "d5": {},
+    "d6": {"zone": "z2", "pool": "cpu"},
 }
 
 #: name -> (node, labels)
@@ -69,6 +71,22 @@ PLUGIN_CONFIG = [
                 {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"},
                 {"maxSkew": 1, "topologyKey": HOST, "whenUnsatisfiable": "ScheduleAnyway"},
             ],
+        },
+    },
+    {
+        "name": "NodeAffinity",
+        "args": {
+            "addedAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "pool", "operator": "NotIn", "values": ["cpu"]}
+                            ]
+                        }
+                    ]
+                }
+            }
         },
     },
     {
@@ -277,12 +295,12 @@ def test_scheduler_profile_is_read_as_kube_scheduler_reads_it(cluster: ControlPl
         }
         nodes = {n: api.sanitize_for_serialization(core.read_node(n)) for n in NODES}
 
-        disagree, placed = [], dict.fromkeys(SHAPES, 0)
+        disagree, placed, on_cpu_pool = [], dict.fromkeys(SHAPES, 0), 0
         for i, shape in enumerate(SHAPES):
             for node in NODES:
                 probe = _probe(f"profile-{i}-{node}", shape, node, uids)
                 theirs, stored = probe_alone(cluster, probe)
-                ours = schedulable_on(stored, nodes[node])
+                ours = schedulable_on(stored, nodes[node], profile=profile)
                 if ours is None:
                     found = target_problem(
                         nodes,
@@ -296,11 +314,14 @@ def test_scheduler_profile_is_read_as_kube_scheduler_reads_it(cluster: ControlPl
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
                 placed[shape] += theirs
+                on_cpu_pool += theirs and node == "d6"
     finally:
         _delete_workloads(cluster)
     assert not disagree, "\n".join(disagree)
     # the defaults refuse some nodes to the shapes they apply to, and which ones differs
-    assert placed["selected-by-none"] == len(NODES)
-    assert placed["ignored-by-name"] == placed["ignored-by-group"] == len(NODES)
+    # the profile's added node affinity keeps every pod off the cpu pool's node
+    assert on_cpu_pool == 0
+    assert placed["selected-by-none"] == len(NODES) - 1
+    assert placed["ignored-by-name"] == placed["ignored-by-group"] == len(NODES) - 1
     assert placed["not-ignored"] == 0
     assert len({placed[s] for s in ("service", "replicaset", "selected-by-none")}) == 3, placed
