@@ -27,7 +27,9 @@ __all__ = [
     "Scene",
     "binding_verdict",
     "attachment",
+    "create_ephemeral",
     "ephemeral",
+    "judged",
     "release_ephemeral",
     "claim",
     "csi_node",
@@ -297,6 +299,27 @@ def ephemeral(body: dict[str, Any], templates: Sequence[Mapping[str, Any]]) -> d
     ]
     body["spec"]["schedulingGates"] = [{"name": GATE}]
     return body
+
+
+def judged(
+    cluster: ControlPlane, name: str, node: str, claims: list[str], create: Callable[[], Any]
+) -> tuple[bool, dict[str, Any]]:
+    """Create probe `name` (`create` returns it as created), take kube-scheduler's verdict on
+    `node` by its `claims` (`binding_verdict`) and undo it (`unbind`): (the verdict, the probe as
+    the API server stored it)."""
+    try:
+        made = create()
+        theirs = binding_verdict(cluster, name, claims, node)
+    finally:
+        unbind(cluster, name, claims)
+    return theirs, cluster.api_client().sanitize_for_serialization(made)
+
+
+def create_ephemeral(cluster: ControlPlane, body: Mapping[str, Any]) -> Any:
+    """Create probe `body` (made with `ephemeral`) and `release_ephemeral` it; the pod created."""
+    made = cluster.core_v1().create_namespaced_pod(NS, body)
+    release_ephemeral(cluster, made)
+    return made
 
 
 def release_ephemeral(cluster: ControlPlane, made: Any) -> list[str]:

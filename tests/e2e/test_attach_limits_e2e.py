@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import kubernetes.client
@@ -37,16 +38,15 @@ from storage_scene import (
     NS,
     SCHEDULER,
     Scene,
-    binding_verdict,
+    create_ephemeral,
     csi_node,
     ephemeral,
     gone,
     in_tree_volume,
+    judged,
     objects,
     probe,
-    release_ephemeral,
     staged,
-    unbind,
     with_inline,
 )
 from verdicts import probe_alone
@@ -359,12 +359,8 @@ def test_claims_that_wait_for_their_pod_count_as_kube_scheduler_counts_them(
                 for claim in names:
                     core.create_namespaced_persistent_volume_claim(NS, _waiting(claim))
                 storage = Storage.from_objects(objects(core, storage_v1, api))
-                try:
-                    made = core.create_namespaced_pod(NS, probe(name, bound + names, node))
-                    theirs = binding_verdict(cluster, name, names, node)
-                finally:
-                    unbind(cluster, name, names)
-                stored = api.sanitize_for_serialization(made)
+                create = partial(core.create_namespaced_pod, NS, probe(name, bound + names, node))
+                theirs, stored = judged(cluster, name, node, names, create)
                 ours = attach_refusal(read[node], staying_on[node], [stored], storage)
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
@@ -388,16 +384,11 @@ def test_ephemeral_volumes_count_as_the_claims_they_make(cluster: ControlPlane) 
         for i, (shape, (bound, waiting)) in enumerate(WAITING_SHAPES.items()):
             for node in WAITING_ON:
                 name = f"eprobe-{i}-{node}"
+                names = [f"{name}-e{j}" for j in range(waiting)]
                 storage = Storage.from_objects(objects(core, storage_v1, api))
-                names: list[str] = []
-                try:
-                    body = ephemeral(probe(name, bound, node), [template] * waiting)
-                    made = core.create_namespaced_pod(NS, body)
-                    names = release_ephemeral(cluster, made)
-                    theirs = binding_verdict(cluster, name, names, node)
-                finally:
-                    unbind(cluster, name, names)
-                stored = api.sanitize_for_serialization(made)
+                body = ephemeral(probe(name, bound, node), [template] * waiting)
+                create = partial(create_ephemeral, cluster, body)
+                theirs, stored = judged(cluster, name, node, names, create)
                 ours = attach_refusal(read[node], staying_on[node], [stored], storage)
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import kubernetes.client
@@ -40,16 +41,15 @@ from storage_scene import (
     SELECTED_NODE,
     UNHELD,
     Scene,
-    binding_verdict,
+    create_ephemeral,
     csi_node,
     ephemeral,
     gone,
     in_tree_volume,
+    judged,
     objects,
     probe,
-    release_ephemeral,
     staged,
-    unbind,
 )
 from verdicts import probe_alone
 
@@ -499,12 +499,9 @@ def test_claims_that_wait_for_their_pod_are_judged_as_kube_scheduler_binds_them(
                         NS, _waiting_claim(claim, *fields)
                     )
                 storage = Storage.from_objects(objects(core, storage_v1, api))
-                try:
-                    stored = core.create_namespaced_pod(NS, probe(name, names, node))
-                    theirs = binding_verdict(cluster, name, names, node)
-                finally:
-                    unbind(cluster, name, names)
-                ours = volume_refusal(api.sanitize_for_serialization(stored), read[node], storage)
+                create = partial(core.create_namespaced_pod, NS, probe(name, names, node))
+                theirs, stored = judged(cluster, name, node, names, create)
+                ours = volume_refusal(stored, read[node], storage)
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
                 placed[node] += theirs
@@ -547,15 +544,10 @@ def test_ephemeral_volumes_are_judged_as_the_claims_they_make(cluster: ControlPl
                 name = f"eprobe-{i}-{node}"
                 names = [f"{name}-e{j}" for j in range(len(claims))]
                 storage = Storage.from_objects(objects(core, storage_v1, api))
-                templates = [_template(*fields) for fields in claims]
-                try:
-                    body = ephemeral(probe(name, [], node), templates)
-                    stored = core.create_namespaced_pod(NS, body)
-                    assert release_ephemeral(cluster, stored) == names
-                    theirs = binding_verdict(cluster, name, names, node)
-                finally:
-                    unbind(cluster, name, names)
-                ours = volume_refusal(api.sanitize_for_serialization(stored), read[node], storage)
+                body = ephemeral(probe(name, [], node), [_template(*c) for c in claims])
+                create = partial(create_ephemeral, cluster, body)
+                theirs, stored = judged(cluster, name, node, names, create)
+                ours = volume_refusal(stored, read[node], storage)
                 if (ours is None) != theirs:
                     disagree.append(f"{shape} on {node}: kube-scheduler {theirs}, vramsched {ours}")
                 placed[shape] += theirs
