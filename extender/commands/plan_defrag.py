@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and their volumes are read, and one with CSI volumes to another node only if the "
         "CSINodes, VolumeAttachments and StorageClasses are: listed from the API server, or in "
         "the cluster file. With --scheduler-config, the scheduler profile's ignored resources, "
-        "default spread constraints and added node affinity count too (the Services and controllers those select by are "
-        "listed, or taken from the file). Nothing is evicted.",
+        "default spread constraints and added node affinity count too (the Services and "
+        "controllers those select by are listed, or taken from the file). Nothing is evicted.",
     )
     add_source_args(p, server=False)
     p.add_argument(

@@ -14,9 +14,10 @@ makes the API calls (Evictions, Events, one annotation) and runs one plan at a t
    (`final_state_fits`, `final_state_problem`: the device plugin's bound, the pin rule) and
    kube-scheduler's own rules for every target (`schedulable_on`, and `plan_target_problem`: the
    pod count, host ports, the resources a plan does not book, inter-pod affinity, topology
-   spread, with the scheduler profile's ignored resources and default spread constraints: the
-   Services and controllers those select by are read per plan, `spread_reads`). The plan itself
-   keeps the blocked pod and the moved pods to the nodes `schedulable_on` allows them, volumes included: the claims of the blocked pod and of every
+   spread, with the scheduler profile's ignored resources, default spread constraints and added
+   node affinity: the Services and controllers the defaults select by are read per plan,
+   `spread_reads`). The plan itself keeps the blocked pod and the moved pods to the nodes
+   `schedulable_on` allows them, volumes included: the claims of the blocked pod and of every
    pod marked movable are read first (`_storage`; one that cannot be read keeps its pod put),
    with the lists CSI attach limits need when one of them has CSI volumes, and once a plan sends
    such pods somewhere, the claims of the pods on their targets (`storage_reads.StorageReads`,

@@ -491,6 +491,8 @@ class BackgroundPlanner:
             "profile": self.profile(),
             "aheadTypes": len(self.ahead.entries) if self.ahead is not None else 0,
             "aheadRounds": self.ahead.rounds if self.ahead is not None else 0,
+            # whether the last round was made on the cluster as it is now (its mix included)
+            "aheadCurrent": self.ahead is not None and not self.ahead.stale(),
             "aheadHits": self.ahead.hits if self.ahead is not None else 0,
             "aheadInline": self.ahead.inline_choices if self.ahead is not None else 0,
         }

@@ -65,10 +65,22 @@ def test_pods_placed_at_once_get_the_planner_rule_not_best_fit(
         api.create_namespaced_pod(NS, _running(name, node, gib))
     for name in ("c1", "c2"):
         api.create_namespaced_pod(NS, _running(name, "pa-c", 40))
+
+    def planned_with_every_pod() -> bool:
+        # the inline rule weighs by the last round's mix: one made before the extender saw c1
+        # and c2 would weigh the two sizes alike
+        state = ext.get("/state") or {}
+        ahead = state.get("planner") or {}
+        return (
+            state.get("allocatedBytes") == 140 * GIB
+            and ahead.get("aheadTypes") == 1
+            and ahead.get("aheadCurrent") is True
+        )
+
     cp.wait_for(
-        lambda: _planner(ext).get("aheadTypes") == 1,
+        planned_with_every_pod,
         timeout=30,
-        message="a round of planning ahead for the 40 GiB pods",
+        message="a round of planning ahead for the 40 GiB pods, with all four pods seen",
     )
     plain = probe_scores(ext, "p20", "20Gi", ["pa-a", "pa-b"])
     assert plain["pa-a"] == 10  # not pending in the cluster: the hot path's best fit
