@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 import yaml
 
+from extender.spread_defaults import SPREAD_LISTS
+
 __all__ = [
     "CLUSTER_KINDS",
     "STORAGE_KINDS",
@@ -27,9 +29,8 @@ __all__ = [
 #: what a cluster file is read for by default, and what plan-defrag also reads of it
 CLUSTER_KINDS = ("Node", "Pod")
 STORAGE_KINDS = ("PersistentVolumeClaim", "PersistentVolume")
-#: what a scheduler profile's default topology spread selects by (`spread_defaults`)
-SPREAD_KINDS = ("Service", "ReplicationController", "ReplicaSet", "StatefulSet")
-_NAMESPACED = frozenset({"Pod", "PersistentVolumeClaim", *SPREAD_KINDS})
+#: kinds whose objects are told apart by namespace too (the spread kinds: `spread_defaults`)
+_NAMESPACED = frozenset({"Pod", "PersistentVolumeClaim", *SPREAD_LISTS})
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 

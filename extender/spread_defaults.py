@@ -16,13 +16,21 @@ stating it. Live repacking checks a plan with these as it checks a pod's own con
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from extender.object_fields import items, labels, mapping, meta, namespace, spec
+from extender.object_fields import items, labels, mapping, meta, name, namespace, spec
 
-__all__ = ["SpreadDefaults", "controller_ref", "wants_defaults"]
+__all__ = ["SPREAD_LISTS", "SpreadDefaults", "controller_ref", "wants_defaults"]
+
+#: the kinds the default selectors are made of, each with the API's plural for it
+SPREAD_LISTS = {
+    "Service": "services",
+    "ReplicationController": "replicationcontrollers",
+    "ReplicaSet": "replicasets",
+    "StatefulSet": "statefulsets",
+}
 
 #: the controllers whose selector kube-scheduler adds: (apiVersion, kind)
 _CONTROLLERS = {
@@ -58,6 +66,21 @@ class SpreadDefaults:
     constraints: tuple[Mapping[str, Any], ...]
     services: Sequence[Mapping[str, Any]] = ()
     controllers: Mapping[tuple[str, str, str], Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_objects(
+        cls, constraints: tuple[Mapping[str, Any], ...], objects: Iterable[Mapping[str, Any]]
+    ) -> SpreadDefaults:
+        """The defaults with `objects` of the `SPREAD_LISTS` kinds, each naming its "kind" (as a
+        cluster file holds them, or as listed with the kind added)."""
+        services, controllers = [], {}
+        for o in objects:
+            kind = str(o.get("kind"))
+            if kind == "Service":
+                services.append(o)
+            elif kind in SPREAD_LISTS:
+                controllers[kind, namespace(o), name(o)] = o
+        return cls(constraints, services, controllers)
 
     def selector(self, pod: Mapping[str, Any]) -> dict[str, Any] | None:
         """The label selector the defaults count with for `pod`, or None when it would be empty

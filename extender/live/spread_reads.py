@@ -14,17 +14,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from extender.live.api_client import ApiError, KubeApi
-from extender.object_fields import name, namespace
-from extender.spread_defaults import SpreadDefaults, controller_ref, wants_defaults
+from extender.object_fields import namespace
+from extender.spread_defaults import SPREAD_LISTS, SpreadDefaults, controller_ref, wants_defaults
 
 __all__ = ["read_spread_defaults"]
-
-#: controller kind -> the list `KubeApi.list_in` reads
-_LISTS = {
-    "ReplicationController": "replicationcontrollers",
-    "ReplicaSet": "replicasets",
-    "StatefulSet": "statefulsets",
-}
 
 
 async def read_spread_defaults(
@@ -39,22 +32,18 @@ async def read_spread_defaults(
     wanting = [p for p in sent if wants_defaults(p)]
     if not constraints or not wanting:
         return None, None
-    services: list[Mapping[str, Any]] = []
-    controllers: dict[tuple[str, str, str], Mapping[str, Any]] = {}
-    lists = {("services", ns) for ns in map(namespace, wanting)}
-    lists |= {(_LISTS[ref[0]], ref[1]) for p in wanting if (ref := controller_ref(p))}
-    kinds = {v: k for k, v in _LISTS.items()}
+    lists = {("Service", ns) for ns in map(namespace, wanting)}
+    lists |= {(ref[0], ref[1]) for p in wanting if (ref := controller_ref(p))}
+    objects: list[Mapping[str, Any]] = []
     for kind, ns in sorted(lists):
+        plural = SPREAD_LISTS[kind]
         try:
-            found = await call(api.list_in, kind, ns)
+            found = await call(api.list_in, plural, ns)
         except ApiError as exc:
             why = exc.reason or str(exc.status)
             return None, (
-                f"the {kind} of namespace {ns} that its default topology spread selects by could "
-                f"not be read ({why})"
+                f"the {plural} of namespace {ns} that its default topology spread selects by "
+                f"could not be read ({why})"
             )
-        if kind == "services":
-            services += found
-        else:
-            controllers.update({(kinds[kind], ns, name(o)): o for o in found})
-    return SpreadDefaults(constraints, services, controllers), None
+        objects += [{**o, "kind": kind} for o in found]
+    return SpreadDefaults.from_objects(constraints, objects), None

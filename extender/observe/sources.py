@@ -22,15 +22,13 @@ import orjson
 
 from extender.cluster import DEFAULT_SCHEDULER_NAME, ClusterState
 from extender.inventory import ReplicaPolicy
-from extender.object_fields import name as name_of
-from extender.object_fields import namespace as namespace_of
 from extender.scheduler_profile import (
     SchedulerConfigError,
     SchedulerProfile,
     parse_scheduler_profile,
 )
-from extender.source_file import SPREAD_KINDS, STORAGE_KINDS, ClusterFileError, read_cluster_file
-from extender.spread_defaults import SpreadDefaults
+from extender.source_file import STORAGE_KINDS, ClusterFileError, read_cluster_file
+from extender.spread_defaults import SPREAD_LISTS, SpreadDefaults
 from extender.volume_rules import ATTACH_KINDS, ATTACH_LISTS, Storage
 
 __all__ = [
@@ -269,7 +267,7 @@ def load_spread_defaults(
         return None
     if args.cluster:
         try:
-            held = read_cluster_file(args.cluster, SPREAD_KINDS)
+            held = read_cluster_file(args.cluster, tuple(SPREAD_LISTS))
         except (ClusterFileError, OSError) as exc:
             raise SourceError(
                 f"cannot read the Services and controllers of {args.cluster}: {exc}"
@@ -281,8 +279,8 @@ def load_spread_defaults(
         held = []
         try:
             api = ClientApi(kubeconfig)
-            for kind in SPREAD_KINDS:
-                items, _ = api.list(kind.lower() + "s")
+            for kind, plural in SPREAD_LISTS.items():
+                items, _ = api.list(plural)
                 held += [{**item, "kind": kind} for item in items]
         except (ApiError, KubeconfigError) as exc:
             where = kubeconfig or "the in-cluster ServiceAccount"
@@ -290,10 +288,4 @@ def load_spread_defaults(
                 f"cannot list the Services and controllers the scheduler profile's default "
                 f"spread selects by from the API server ({where}): {exc}"
             ) from None
-    services = [o for o in held if o.get("kind") == "Service"]
-    controllers = {
-        (str(o.get("kind")), namespace_of(o), name_of(o)): o
-        for o in held
-        if o.get("kind") != "Service"
-    }
-    return SpreadDefaults(profile.default_spread, services, controllers)
+    return SpreadDefaults.from_objects(profile.default_spread, held)
