@@ -80,9 +80,13 @@ class Binder(Protocol):
 class PlanSource(Protocol):
     """What the background planner offers the hot path: a node, and devices, per pending pod."""
 
-    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+    def planned_node(
+        self, pod_key: str, nodes: Sequence[str] | None = None, demand: Demand | None = None
+    ) -> str | None:
         """The pod's planned node; `nodes`: the ones kube-scheduler found feasible, which a
-        choice made now (not one planned before) keeps to."""
+        choice made now (not one planned before) keeps to; `demand`: the pod's as the request
+        carries it, for a pod the cluster has not seen yet (kube-scheduler can be faster than
+        live mode's pod watch)."""
         ...
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None: ...
@@ -341,7 +345,9 @@ class ExtenderService:
         if not demand.wants_gpu:
             return [HostPriority(Host=n, Score=0) for n in names]
         key = demand.pod.key
-        planned = self.planner.planned_node(key, names) if self.planner is not None else None
+        planned = (
+            self.planner.planned_node(key, names, demand) if self.planner is not None else None
+        )
         now = time.monotonic()
         node_names, rows, scores = score_rows(
             self.ledger, demand, names, planned, avoid=self._recent_choices(key, now)

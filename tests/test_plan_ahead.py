@@ -93,6 +93,46 @@ def _rule_now(c, planner, p):
     return cap.arrays.node_names[row], res.device_ids
 
 
+def test_a_pod_the_watch_has_not_delivered_yet_gets_the_planned_choice_too():
+    """Live mode: kube-scheduler can ask about a pod before the extender's pod watch delivers it,
+    and a filter body does not write the cluster there; prioritize plans from the request's pod,
+    and bind (which reads the pod from the API) takes the planned GPUs."""
+    from extender.live.source import WatchedPods
+
+    c = _cluster()
+    planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1, plan_ahead=4)
+    p = pod("p20", "20Gi")
+
+    async def read_pod(namespace: str, name: str) -> dict:
+        assert (namespace, name) == ("default", "p20")
+        return p
+
+    svc = ExtenderService(
+        c, EmbeddedBinder(c), planner=planner, pods=WatchedPods(c, read_pod=read_pod)
+    )
+    planner.plan_ahead_once()
+    plain = ExtenderService(c, EmbeddedBinder(c), pods=WatchedPods(c))
+    assert _top(plain, p) == "a"  # best fit
+    assert svc.filter(ExtenderArgs(Pod=p, NodeNames=NODES)).NodeNames == ["a", "b"]
+    assert c.pod("default/p20") is None  # the body wrote nothing
+    assert _top(svc, p) == "b"  # the type's entry, as for a pod the watch delivered
+    queue = next(q for q in planner.ahead.entries.values() if q[0].demand.bytes_per_gpu == 20 << 30)
+    assert _bind(svc, p, "b") == ""
+    assert c.ledger.reservation("default/p20").device_ids == queue[0].reservation.device_ids
+    assert planner.state()["aheadHits"] == 1
+    # a type with no entry gets the inline rule's choice, and its GPUs at bind
+    odd = pod("odd", "30Gi")
+    node, gpus = _rule_now(c, planner, odd)
+    assert planner.planned_node("default/odd") is None  # unknown, and no request to read
+    assert _top(svc, odd) == node
+    c.upsert_pod(odd)  # what bind's read of the API does
+    assert _bind(svc, odd, node) == ""
+    assert c.ledger.reservation("default/odd").device_ids == gpus
+    # a pod the cluster holds bound is not planned from a stale request
+    assert planner.planned_node("default/odd", None, pod_demand(odd)) is None
+    assert check_invariant(c.ledger) == []
+
+
 def test_no_entry_for_a_type_the_cluster_does_not_hold_or_without_plan_ahead():
     c = _cluster()
     planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1, plan_ahead=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from extender.demand import Demand
 from extender.ledger import Reservation
 from extender.live.repack import Repacker
 from extender.service import PlanSource
@@ -42,11 +43,15 @@ class NominatingPlanSource:
     def nominated(self, pod_key: str) -> Reservation | None:
         return self.repacker.nominated(pod_key)
 
-    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+    def planned_node(
+        self, pod_key: str, nodes: Sequence[str] | None = None, demand: Demand | None = None
+    ) -> str | None:
         res = self.repacker.nominated(pod_key)
         if res is not None:
             return res.node
-        return self.inner.planned_node(pod_key, nodes) if self.inner is not None else None
+        if self.inner is None:
+            return None
+        return self.inner.planned_node(pod_key, nodes, demand)
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
         if self.repacker.nominated(pod_key) is not None:

@@ -246,14 +246,20 @@ class PlanAhead:
         e = self._entry(demand) if demand is not None else None
         return (e, demand) if e is not None and demand is not None else None
 
-    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+    def planned_node(
+        self, pod_key: str, nodes: Sequence[str] | None = None, demand: Demand | None = None
+    ) -> str | None:
         """A pending pod's node: its entry's (`lookup`), else the inline rule's (`_inline_node`);
-        the pod's demand parsed once (prioritize asks for every pod)."""
-        demand = self._pending_demand(pod_key)
-        if demand is None:
+        the pod's demand parsed once (prioritize asks for every pod). A pod the cluster does not
+        hold yet (kube-scheduler asked before the pod watch delivered it) is taken as the
+        request carries it (`demand`); a pod the cluster holds bound gets nothing."""
+        pending = self._pending_demand(pod_key)
+        if pending is None and demand is not None and demand.pod.key == pod_key:
+            pending = demand if self.cluster.pod(pod_key) is None else None
+        if pending is None:
             return None
-        e = self._entry(demand)
-        return e.node if e is not None else self._inline_node(pod_key, demand, nodes)
+        e = self._entry(pending)
+        return e.node if e is not None else self._inline_node(pod_key, pending, nodes)
 
     def _entry(self, demand: Demand) -> AheadEntry | None:
         """`lookup` for a parsed demand."""

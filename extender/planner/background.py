@@ -141,13 +141,15 @@ class BackgroundPlanner:
             self.poll = min(self.poll, ahead_interval)
 
     # ----- PlanSource ---------------------------------------------------------------------------
-    def planned_node(self, pod_key: str, nodes: Sequence[str] | None = None) -> str | None:
+    def planned_node(
+        self, pod_key: str, nodes: Sequence[str] | None = None, demand: Demand | None = None
+    ) -> str | None:
         e = self._valid(pod_key)
         if e is not None:
             return e.node
         if self.ahead is None:
             return None
-        return self.ahead.planned_node(pod_key, nodes)
+        return self.ahead.planned_node(pod_key, nodes, demand)
 
     def planned_reservation(self, pod_key: str, node: str) -> Reservation | None:
         e = self._valid(pod_key)
