@@ -844,6 +844,27 @@ async def test_a_move_keeps_the_profiles_default_spread(world: Any) -> None:
     assert found.evictions.real() == ["m2"]
 
 
+async def test_the_default_spread_selectors_are_read_once_per_attempt(world: Any) -> None:
+    """Each pod the dry run or the check refuses makes the attempt plan again, moving another pod
+    of the same ReplicaSet: the Services and ReplicaSets are listed once for all three plans."""
+    w = world([*room_on_either_node(), pod("p", "14Gi", uid="p")], profile=ZONE_SPREAD)
+    zones(w)
+    w.api.namespaced = {"services": [], "replicasets": [WEB_RS]}
+    for name in ("m1", "ma", "m2"):
+        w.evictions.refuse[name] = 429
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == [] and w.planned == 3
+    assert {name for name, _ in w.evictions.calls} == {"m1", "ma"}  # m2's plan: the spread
+    lists = [c for c in w.api.calls if c[0] == "list_in"]
+    assert sorted(lists) == [
+        ("list_in", "replicasets", "default"),
+        ("list_in", "services", "default"),
+    ]
+    await w.step(advance=11)  # the next attempt reads them afresh
+    assert len([c for c in w.api.calls if c[0] == "list_in"]) == 4
+
+
 async def test_unread_default_spread_selectors_move_nothing(world: Any) -> None:
     """Without the Services the profile's default spread selects by, no plan runs; without a
     profile that has one, they are not read at all."""

@@ -299,6 +299,7 @@ class Repacker:
         if not demand.wants_gpu or self.budget.allowance(demand.gpu_count) <= 0:
             return
         storage, excluded = await self._storage(dict(self.cluster.pods), key)
+        spread_lists: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
         for _ in range(self.attempts):
             allowance = self.budget.allowance(demand.gpu_count)
             if allowance <= 0:
@@ -355,7 +356,11 @@ class Repacker:
             )
             # the profile's default spread: read only when a pod sent somewhere gets it
             spread, unread = await read_spread_defaults(
-                self.api, self._call, self.profile.default_spread, [p for p, _ in sent]
+                self.api,
+                self._call,
+                self.profile.default_spread,
+                [p for p, _ in sent],
+                spread_lists,
             )
             if unread is not None:
                 self.stats.refused += 1
