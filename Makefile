@@ -66,17 +66,17 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test: venv deps control-plane node-deps
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -rs -p no:cacheprovider
 
 # The fast tests, while changing code (on every core, pytest-xdist): no control plane, and none of the tests that run
 # vramsched or locust as a process or fuzz the HTTP API (markers in pyproject.toml).
 unit: venv
-	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not integration" -n auto
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m "not e2e and not integration" -n auto
 
 # Only the tests that run against the real control planes (etcd, kube-apiserver, kube-scheduler),
 # each once per Kubernetes version (tests/e2e/releases.py); `-k k8s-1.36` picks one version.
 e2e: venv deps control-plane node-deps
-	$(PY) -m pytest -q -p no:cacheprovider -m e2e tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m e2e tests
 
 # Load test: vramsched and a parse-only floor server under the same locust scenario, same run.
 # `make loadtest NODES=1000 DURATION=20s`; results in loadtest/results/ (see docs/benchmarks/load-test.md).
