@@ -329,7 +329,7 @@ def scheduling_events(api: kubernetes.client.CoreV1Api, name: str) -> list[str]:
 
 def probe_scores(ext: Extender, name: str, memory: str, nodes: list[str]) -> dict[str, int]:
     """Prioritize's scores for a pod `name` asking `memory` that the cluster does not hold yet
-    (the hot path's answer). Use the name of the pod created next: prioritize keeps the node it
+    (the hot path's answer; with `--plan-ahead`, the planner's rule). Use the name of the pod created next: prioritize keeps the node it
     gave 10 away from *other* pods for a few seconds."""
     probe = gpu_pod(name, memory)
     probe["metadata"].update(namespace=NS, uid="probe")
