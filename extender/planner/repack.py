@@ -212,7 +212,8 @@ def search_repack(
     if now is not None and (pod_nodes is None or _allows(cap, pod_nodes, now.node)):
         plan = RepackPlan(pod, now, (), "FITS", True, clock.now() - start)
         return RepackSearch(plan, True, "FITS", "fits without moves", 0, seconds=plan.seconds)
-    limit = INF if max_moves is None else max(0, max_moves)
+    # below INF even without a cap: a node the pod may not use (`pod_nodes`) is ranked INF
+    limit = INF - 1 if max_moves is None else max(0, max_moves)
     pool = Pool(cap, pod, running, movable)
     everyone = np.ones(len(pool), bool)
     valid = node_bounds(cap, pod, pool, everyone)

@@ -202,6 +202,8 @@ def solve_counts(
         settings=Settings(num_workers=num_workers, random_seed=0, light_presolve=True),
     )
     status = result.stages[0].status if result.stages else result.status
+    if status == "CONSTANT":  # no pod to move: the one solve's own status says if it fits
+        status = "OPTIMAL" if result.values is not None else result.status
     if result.values is None:
         return None, status
     plan = cm.read_back(result.values, status)
