@@ -569,6 +569,29 @@ class ControlPlane:
     def core_v1(self) -> kubernetes.client.CoreV1Api:
         return kubernetes.client.CoreV1Api(self.api_client())
 
+    def create_rbac(self, docs: Iterable[Mapping[str, Any]]) -> None:
+        """The Roles, ClusterRoles and their bindings among `docs` (deploy/ manifests, as
+        shipped), other kinds passed over; one that exists already (an earlier test made it) is
+        kept. A namespaced one's namespace is made if missing."""
+        with self.api_client() as client:
+            core = kubernetes.client.CoreV1Api(client)
+            rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+            for doc in docs:
+                ns = doc["metadata"].get("namespace")
+                create: Callable[[], Any] | None = {
+                    "ClusterRole": lambda d=doc: rbac.create_cluster_role(d),
+                    "ClusterRoleBinding": lambda d=doc: rbac.create_cluster_role_binding(d),
+                    "Role": lambda d=doc, n=ns: rbac.create_namespaced_role(n, d),
+                    "RoleBinding": lambda d=doc, n=ns: rbac.create_namespaced_role_binding(n, d),
+                }.get(doc["kind"])
+                if create is None:
+                    continue
+                if doc["kind"] in ("Role", "RoleBinding"):
+                    _create_ignore_conflict(
+                        lambda n=ns: core.create_namespace({"metadata": {"name": n}})
+                    )
+                _create_ignore_conflict(create)
+
     def service_account_kubeconfig(
         self, namespace: str, name: str, *, expiration_seconds: int = 24 * 3600
     ) -> Path:

@@ -128,13 +128,7 @@ def _plugin_kubeconfig(cp: ControlPlane136) -> Path:
         for d in yaml.safe_load_all((REPO_ROOT / "deploy/device-plugin/rbac.yaml").read_text())
         if d
     ]
-    with cp.api_client() as client:
-        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        for doc in docs:
-            if doc["kind"] == "ClusterRole":
-                rbac.create_cluster_role(doc)
-            elif doc["kind"] == "ClusterRoleBinding":
-                rbac.create_cluster_role_binding(doc)
+    cp.create_rbac(docs)
     return kubeconfig
 
 

@@ -111,19 +111,7 @@ def _grant_extender_rbac(cp: ControlPlane) -> Path:
         docs += [
             d for d in yaml.safe_load_all(path.read_text()) if d and d["metadata"]["name"] in wanted
         ]
-    with cp.api_client() as client:
-        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        for doc in docs:
-            create = (
-                rbac.create_cluster_role
-                if doc["kind"] == "ClusterRole"
-                else rbac.create_cluster_role_binding
-            )
-            try:
-                create(doc)
-            except kubernetes.client.ApiException as exc:
-                if exc.status != 409:
-                    raise
+    cp.create_rbac(docs)
     assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}, (
         "deploy/ RBAC for the extender is missing"
     )

@@ -24,7 +24,6 @@ from controlplane import REPO_ROOT, ControlPlane
 from test_extender_e2e import (
     NS,
     SA_NAME,
-    SA_NAMESPACE,
     Extender,
     _grant_extender_rbac,
     add_node,
@@ -51,25 +50,7 @@ def _grant_lease_role(cp: ControlPlane) -> None:
         if d and d["metadata"]["name"] == "vramsched-leader-election"
     ]
     assert {d["kind"] for d in docs} == {"Role", "RoleBinding"}
-    with cp.api_client() as client:
-        core_api = kubernetes.client.CoreV1Api(client)
-        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        try:
-            core_api.create_namespace({"metadata": {"name": SA_NAMESPACE}})
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-        for doc in docs:
-            create = (
-                rbac.create_namespaced_role
-                if doc["kind"] == "Role"
-                else rbac.create_namespaced_role_binding
-            )
-            try:
-                create(doc["metadata"]["namespace"], doc)
-            except kubernetes.client.ApiException as exc:
-                if exc.status != 409:
-                    raise
+    cp.create_rbac(docs)
     assert docs[1]["subjects"][0]["name"] == SA_NAME
 
 

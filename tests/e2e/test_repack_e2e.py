@@ -52,19 +52,7 @@ REPACK_RBAC = REPO_ROOT / "deploy" / "repack" / "rbac.yaml"
 def _grant_repack_rbac(cp: ControlPlane) -> list[tuple[str, str]]:
     """deploy/repack/rbac.yaml as shipped; returns what to delete after the test."""
     docs = [d for d in yaml.safe_load_all(REPACK_RBAC.read_text()) if d]
-    with cp.api_client() as client:
-        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        for doc in docs:
-            create = (
-                rbac.create_cluster_role
-                if doc["kind"] == "ClusterRole"
-                else rbac.create_cluster_role_binding
-            )
-            try:
-                create(doc)
-            except kubernetes.client.ApiException as exc:
-                if exc.status != 409:
-                    raise
+    cp.create_rbac(docs)
     return [(d["kind"], d["metadata"]["name"]) for d in docs]
 
 

@@ -71,25 +71,7 @@ def _register(cp: ControlPlane, port: int, ca_pem: bytes | None) -> str:
 
 def _grant_webhook_rbac(cp: ControlPlane) -> None:
     """deploy/webhook.yaml's Role, ClusterRole and bindings, as the extender's SA gets them."""
-    with cp.api_client() as client:
-        rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        for doc in yaml.safe_load_all(WEBHOOK_YAML.read_text()):
-            if not doc:
-                continue
-            kind, ns = doc["kind"], doc["metadata"].get("namespace")
-            create = {
-                "Role": lambda d: rbac.create_namespaced_role(ns, d),
-                "RoleBinding": lambda d: rbac.create_namespaced_role_binding(ns, d),
-                "ClusterRole": rbac.create_cluster_role,
-                "ClusterRoleBinding": rbac.create_cluster_role_binding,
-            }.get(kind)
-            if create is None:
-                continue
-            try:
-                create(doc)
-            except kubernetes.client.ApiException as exc:
-                if exc.status != 409:
-                    raise
+    cp.create_rbac(d for d in yaml.safe_load_all(WEBHOOK_YAML.read_text()) if d)
 
 
 def _raw_create(
