@@ -142,6 +142,7 @@ class FakeApi:
         self.deliver = deliver  # (op, object) -> None
         self.pods: dict[str, dict[str, Any]] = {}
         self.bindings: dict[str, list[str]] = defaultdict(list)  # uid -> nodes it was bound to
+        self.last_uid: dict[str, str] = {}  # key -> the UID of the last pod created under it
         self.events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
 
     async def watch(self) -> None:
@@ -155,7 +156,9 @@ class FakeApi:
         self.events.put_nowait((op, copy.deepcopy(obj)))
 
     def create(self, obj: dict[str, Any]) -> None:
-        self.pods[pod_ref(obj).key] = obj
+        ref = pod_ref(obj)
+        self.pods[ref.key] = obj
+        self.last_uid[ref.key] = ref.uid
         self._emit("upsert", obj)
 
     def delete(self, key: str) -> None:
@@ -250,8 +253,10 @@ async def live_round(seed: int) -> dict[str, int]:
 
     async def bind(name: str, node: str) -> None:
         await ticks(rng.randint(0, 30))
+        # kube-scheduler binds a pod it has seen: the one of that name now, or the last one
+        # before it was deleted (never an empty UID, which would match no pod)
         obj = api.pods.get(f"default/{name}")
-        uid = obj["metadata"]["uid"] if obj else ""
+        uid = obj["metadata"]["uid"] if obj else api.last_uid[f"default/{name}"]
         result = await service.bind(
             ExtenderBindingArgs(PodName=name, PodNamespace="default", PodUID=uid, Node=node)
         )
