@@ -21,6 +21,7 @@ __all__ = [
     "NodeSummary",
     "summary_of",
     "slot_free_of",
+    "slot_free_bytes",
     "sole_share",
     "run_starts",
     "run_ranks",
@@ -99,6 +100,15 @@ class DeviceArrays:
 _PAD = np.int64(-(1 << 62))  # "no such device" in NodeSummary.top: below any real free VRAM
 
 
+def slot_free_bytes(capacity: np.ndarray, used: np.ndarray, has_slot: np.ndarray) -> np.ndarray:
+    """Per device, its free VRAM where a replica is free and -1 where none is, so one max over
+    a node's devices says both. An overcommitted device (records over its memory) counts 0 free,
+    not below: a negative value would read as no free replica, and filter would word a node
+    whose replicas are free but whose memory is gone as "all GPU replicas in use"."""
+    free: np.ndarray = (np.maximum(capacity - used, 0) + 1) * has_slot - 1
+    return free
+
+
 def sole_share(
     capacity: np.ndarray,
     used: np.ndarray,
@@ -123,8 +133,8 @@ def sole_share(
 class NodeSummary:
     """One resource's devices per node row, as filter and prioritize need them.
 
-    `top[r]`: `(free + 1) * has_slot - 1` of node r's devices of the resource (free VRAM where a
-    replica is free, -1 or below where not), largest first, padded with `_PAD`; so a node has k
+    `top[r]`: `slot_free_bytes` of node r's devices of the resource (free VRAM where a replica is
+    free, -1 where not), largest first, padded with `_PAD`; so a node has k
     devices with `need` bytes and a free replica iff `top[r, k - 1] >= need`. `slots[r]`: how
     many of them have a free replica. `largest`: `top[:, 0]`, -1 for a node without any.
     `busy[r]` / `idle[r]`: free VRAM of those with a free replica and some / no pod, largest
@@ -214,7 +224,7 @@ def summary_of(a: DeviceArrays, resource_id: int) -> NodeSummary:
     slots = np.zeros(n, np.int64)
     has_slot = a.used_replicas[rows] < a.replicas[rows]
     idle = a.used_replicas[rows] == 0
-    free = (a.capacity[rows] - a.used[rows] + 1) * has_slot - 1
+    free = slot_free_bytes(a.capacity[rows], a.used[rows], has_slot)
     sole = sole_share(
         a.capacity[rows],
         a.used[rows],

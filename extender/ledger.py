@@ -24,6 +24,7 @@ from extender.arrays import (
     first_k_per_node,
     offsets,
     run_starts,
+    slot_free_bytes,
     slot_free_of,
     sole_share,
     summary_of,
@@ -466,7 +467,7 @@ class Ledger:
 
     def slot_free(self, resource_id: int) -> np.ndarray:
         """Per node row: the largest free VRAM on a device of `resource_id` with a free replica,
-        -1 where none has one (the max of `(free + 1) * has_slot - 1` over those devices)."""
+        -1 where none has one (the max of `slot_free_bytes` over those devices)."""
         return self.summary(resource_id).largest
 
     def _refresh_summaries(self) -> None:
@@ -483,7 +484,7 @@ class Ledger:
             lo, hi = int(starts[r]), int(starts[r + 1])
             has_slot = a.used_replicas[lo:hi] < a.replicas[lo:hi]
             idle = a.used_replicas[lo:hi] == 0
-            free = (a.capacity[lo:hi] - a.used[lo:hi] + 1) * has_slot - 1
+            free = slot_free_bytes(a.capacity[lo:hi], a.used[lo:hi], has_slot)
             sole = sole_share(
                 a.capacity[lo:hi],
                 a.used[lo:hi],

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from extender.arrays import DeviceArrays, NodeSummary
+from extender.arrays import DeviceArrays, NodeSummary, slot_free_bytes
 from extender.demand import Demand
 from extender.ledger import Ledger
 from extender.placement.fit import (
@@ -205,7 +205,7 @@ def _filter_one(
     if largest is None:
         with_slot = static_fit(a, demand)[2] & (a.used_replicas < a.replicas)
         largest = segment_max(
-            (a.capacity - a.used + 1) * with_slot - 1, a.node_start, len(a.node_names)
+            slot_free_bytes(a.capacity, a.used, with_slot), a.node_start, len(a.node_names)
         )
     good = largest[rows] >= demand.bytes_per_gpu
     bad = split_feasible(ledger, a, rows, good, out)
