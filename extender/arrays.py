@@ -134,9 +134,9 @@ class NodeSummary:
     """One resource's devices per node row, as filter and prioritize need them.
 
     `top[r]`: `slot_free_bytes` of node r's devices of the resource (free VRAM where a replica is
-    free, -1 where not), largest first, padded with `_PAD`; so a node has k
-    devices with `need` bytes and a free replica iff `top[r, k - 1] >= need`. `slots[r]`: how
-    many of them have a free replica. `largest`: `top[:, 0]`, -1 for a node without any.
+    free, -1 where not), largest first, padded with `_PAD`; so a node has k devices with `need`
+    bytes and a free replica iff `top[r, k - 1] >= need`. `slots[r]`: how many of them have a
+    free replica. `largest`: `top[:, 0]`, -1 for a node without any.
     `busy[r]` / `idle[r]`: free VRAM of those with a free replica and some / no pod, largest
     first (ties: larger `sole` first), padded with `_PAD` (best fit: the smallest one that covers
     the pod). `busy_sole[r]` / `idle_sole[r]`: the `sole_share` of the same devices, entry for

@@ -4,8 +4,9 @@ controllers that the scheduler profile's default constraints select by (`spread_
 Read only when the profile has `DoNotSchedule` default constraints and a pod a plan sends
 somewhere states no constraint of its own: one LIST of Services per namespace of such pods, and
 one of each kind of controller (ReplicationController, ReplicaSet, StatefulSet) that controls one,
-each at most once per repack attempt however many plans it makes (`read`). A list the API does not answer (no RBAC, a timeout) refuses the plan: vramsched
-does not move a pod where it cannot tell which of its neighbours kube-scheduler counts.
+each at most once per repack attempt however many plans it makes (`read`). A list the API does
+not answer (no RBAC, a timeout) refuses the plan: vramsched does not move a pod where it cannot
+tell which of its neighbours kube-scheduler counts.
 """
 
 from __future__ import annotations
