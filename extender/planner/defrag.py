@@ -161,12 +161,15 @@ def plan_defrag(
     if limits.max_per_node is not None:
         for terms in per_node.values():
             m.add(sum(terms) <= limits.max_per_node)
-    W = (len(movers) + 1) * 2
+    # one goal, lexicographic by its weights: a move costs `per_move`, which outweighs the +1 of
+    # every pod of the highest priority moved (there are fewer than `per_move`), and a GPU freed
+    # is worth `W`, more than every move together
     max_prio = max((r.priority for r in sources), default=0)
-    # one goal: GPUs freed weigh more than all moves together; moves cost 2, plus 1 when the pod
-    # is of the highest priority among the movable ones
+    per_move = len(movers) + 1
+    most = len(movers) * (per_move + 1)  # every pod moved, each of the highest priority
+    W = most + 1
     goal = W * sum(f for f, _ in freed) - sum(
-        (2 + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mm.placed[i]
+        (per_move + (1 if r.priority >= max_prio and max_prio > 0 else 0)) * mm.placed[i]
         for i, r in enumerate(sources)
     )
     result = staged_solve(
@@ -203,7 +206,7 @@ def plan_defrag(
         moves,
         sorted((a.devices[g].node, a.devices[g].device_id) for f, g in freed if values[f.index]),
         stage.status,
-        int(stage.bound // W),
+        int((stage.bound + most) // W),  # the moves' cost is 0 to `most`, under W
         clock.now() - start,
         free_before,
     )
