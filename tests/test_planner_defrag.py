@@ -31,7 +31,8 @@ Demands = dict[str, tuple[int, int, str | None]]
 def random_case(seed: int) -> tuple[Capacity, Demands, Limits]:
     """2-3 nodes of 1-2 time-sliced 80 GiB GPUs (2-4 replicas, 8 or 16 cores), 3-5 pods of one
     declared share (10-40 GiB, 0-6 cores, priority 0, 5 or 9) placed at random where they fit,
-    sometimes a pod of a whole GPU (which never moves), and random disruption limits."""
+    sometimes a pod of a whole GPU (which never moves), in namespace default or prod, and random
+    disruption limits (moves in all, per namespace, per node, prod left alone)."""
     rng = random.Random(seed)
     nodes = [
         gpu_node(
@@ -51,7 +52,7 @@ def random_case(seed: int) -> tuple[Capacity, Demands, Limits]:
         pods.append(("whole", 0))
     for name, gib in pods:
         d = Demand(
-            PodRef("default", name),
+            PodRef(rng.choice(["default", "prod"]), name),
             1,
             gib * GIB if gib else None,
             cpu_milli=rng.choice([0, 2000, 4000, 6000]),
@@ -74,7 +75,9 @@ def random_case(seed: int) -> tuple[Capacity, Demands, Limits]:
         demands[d.pod.key] = (d.cpu_milli, d.memory_bytes, d.resource)
     limits = Limits(
         max_moves=rng.choice([None, None, 1, 2, 3]),
+        max_per_namespace=rng.choice([None, None, 1, 2]),
         max_per_node=rng.choice([None, None, 1]),
+        exclude_namespaces=rng.choice([frozenset(), frozenset(), frozenset({"prod"})]),
     )
     return cap, demands, limits
 
@@ -90,7 +93,11 @@ def brute_force(cap: Capacity, demands: Demands, limits: Limits) -> tuple[int, i
         g = ledger.row(res.node, res.device_ids[0])
         assert g is not None
         holders[g].append(res.key)
-        if res.declared and res.key not in limits.exclude_pods:
+        if (
+            res.declared
+            and res.key not in limits.exclude_pods
+            and res.pod.namespace not in limits.exclude_namespaces
+        ):
             cpu, _, _ = demands[res.key]
             movers.append((res.key, g, int(a.node_of[g]), res.bytes_per_device[0], cpu))
             priority[res.key] = res.priority
@@ -110,17 +117,23 @@ def brute_force(cap: Capacity, demands: Demands, limits: Limits) -> tuple[int, i
         if limits.max_moves is not None and len(moves) > limits.max_moves:
             continue
         per_node: dict[int, int] = defaultdict(int)
+        per_ns: dict[str, int] = defaultdict(int)
         into_b: dict[int, int] = defaultdict(int)
         into_n: dict[int, int] = defaultdict(int)
         into_cpu: dict[int, int] = defaultdict(int)
-        for (_, _, n, b, cpu), h in moves:
+        for (key, _, n, b, cpu), h in moves:
             per_node[n] += 1
+            per_ns[key.split("/")[0]] += 1
             into_b[h] += b
             into_n[h] += 1
             if int(a.node_of[h]) != n:  # a move within its node takes no new CPU
                 into_cpu[int(a.node_of[h])] += cpu
         if limits.max_per_node is not None and any(
             v > limits.max_per_node for v in per_node.values()
+        ):
+            continue
+        if limits.max_per_namespace is not None and any(
+            v > limits.max_per_namespace for v in per_ns.values()
         ):
             continue
         if any(into_b[h] > free[h] or into_n[h] > rep_free[h] for h in into_b):
@@ -165,7 +178,11 @@ def test_the_most_gpus_freed_with_the_fewest_moves_as_the_brute_force(seed: int)
         assert plan.moves == [] and plan.freed == []
         return
     assert plan.status == "OPTIMAL", plan
-    top = max(r.priority for r in cap.ledger.reservations() if r.declared)
+    top = max(
+        r.priority
+        for r in cap.ledger.reservations()
+        if r.declared and r.pod.namespace not in limits.exclude_namespaces
+    )
     plan_high = sum(1 for mv in plan.moves if top > 0 and mv.priority == top)
     assert (len(plan.freed), len(plan.moves), plan_high) == (freed, moves, high), plan
     assert plan.bound_freed == freed
