@@ -300,8 +300,16 @@ def test_the_cluster_file_is_read_as_serve_reads_it(cluster: Path, tmp_path: Pat
     bad.write_text("- 1\n- 2\n")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        assert plan_mig.run(args(bad), out=io.StringIO()) == 1
-    assert err.getvalue().startswith(f"plan-mig: {bad}: expected a Kubernetes object, got int")
+        assert plan_mig.run(args(bad), out=io.StringIO()) == 2
+    assert err.getvalue() == (
+        f"vramsched plan-mig: cannot read {bad}: expected a Kubernetes object, got int\n"
+    )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert plan_mig.run(args(tmp_path / "missing.yaml"), out=io.StringIO()) == 2
+    assert err.getvalue() == (
+        f"vramsched plan-mig: cannot read {tmp_path / 'missing.yaml'}: No such file or directory\n"
+    )
 
 
 @pytest.mark.parametrize("count", [None, [1], "-1", "1.5", "two", "1_0", "\u0661", True])

@@ -42,7 +42,7 @@ from extender.planner.mig_geometry import (
 )
 from extender.quantity import QuantityError, parse_quantity
 from extender.quantity import parse_bytes as _parse_bytes
-from extender.source_file import read_cluster_file
+from extender.source_file import ClusterFileError, read_cluster_file
 
 # ---------------------------------------------------------------------------------------------
 # the cluster as the MIG planner sees it
@@ -449,8 +449,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     try:
         snap = read_cluster(args.cluster, args.pending)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        print(f"plan-mig: {e}", file=sys.stderr)
+    except OSError as e:  # as plan-defrag and simulate say it: the file, then why
+        print(f"vramsched plan-mig: cannot read {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ClusterFileError as e:  # names the file
+        print(f"vramsched plan-mig: cannot read {e}", file=sys.stderr)
+        return 2
+    except (ValueError, yaml.YAMLError) as e:  # a pod or node the plan cannot stand on
+        print(f"vramsched plan-mig: {e}", file=sys.stderr)
         return 1
     if not snap.gpus:
         out.write("no MIG GPUs found in the cluster file\n")
