@@ -134,6 +134,11 @@ class ClusterState:
                     self.nominated[key] = target
                 else:
                     self.nominated.pop(key, None)
+            else:  # the pod of this key is another scheduler's now: none of ours is left here
+                self.pending.discard(key)
+                self.nominated.pop(key, None)
+                self._unparsed.pop(key, None)
+                self._mix.set(key, None)
             return
         self.pending.discard(key)
         self.nominated.pop(key, None)
