@@ -215,6 +215,7 @@ class ClusterState:
                 self._count_bound(ref, pod, node, parts)
             else:
                 self._drop_usage(ref.key)
+                self.ledger.release(ref.key)  # it holds no GPU we can count
             return None
         self._count_bound(ref, pod, node, (demand,))
         return demand
@@ -230,6 +231,7 @@ class ClusterState:
         first = parts[0]
         self._set_usage(ref.key, node, first.cpu_milli, first.memory_bytes)
         if not any(p.wants_gpu for p in parts):
+            self.ledger.release(ref.key)  # no GPU asked: nothing held (vramsched binds none)
             return
         if len(parts) == 1:
             try:

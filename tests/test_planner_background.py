@@ -193,9 +193,10 @@ def _reference_usage(c) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("seed", range(16))
 def test_cpu_and_memory_sums_and_the_demand_mix_follow_every_pod_event(seed: int) -> None:
-    """After any sequence of pod events the CPU and memory sums and the demand mix are those of
-    the latest objects alone, including events no API server sends (a pod's scheduler or node
-    changed under the same UID): the cluster's state must not depend on the path taken."""
+    """After any sequence of pod events the CPU and memory sums, the demand mix and the ledger's
+    holdings are those of the latest objects alone, including events no API server sends (a
+    pod's scheduler, node or GPU count changed under the same UID): the cluster's state must not
+    depend on the path taken."""
     import random
 
     from extender.cluster import check_cluster
@@ -233,9 +234,9 @@ def test_cpu_and_memory_sums_and_the_demand_mix_follow_every_pod_event(seed: int
         ) == ({k: v for k, v in want_cpu.items() if v}, {k: v for k, v in want_mem.items() if v}), (
             step
         )
-        assert not [
-            v for v in check_cluster(c) if "CPU/memory" in v.what or "demand mix" in v.what
-        ], step
+        # every rule but the device one: a pod bound by another scheduler, or guessed on whole
+        # GPUs, may hold more than a GPU has, as the API says it does
+        assert not [str(v) for v in check_cluster(c) if "oversubscribed" not in v.what], step
     assert c.cpu_used  # the walk ended with pods running somewhere
     assert c.demand_mix  # and pods of ours pending or running
 
