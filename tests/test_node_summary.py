@@ -557,3 +557,28 @@ def test_filter_under_a_replica_policy_equals_the_per_device_path(
                 dict(want.unresolvable),
             ), (step, demand)
     assert any(taken)  # the live-mode path answered (and was compared)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_filter_passes_exactly_the_nodes_bind_can_place_the_pod_on(seed: int) -> None:
+    """kube-scheduler binds to a node filter passed: bind must find devices there, and a node
+    filter refused must be one bind could not use either. On random clusters (every sharing
+    mode, MIG, records over a GPU's memory, relabels), with and without a replica policy."""
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(rng.randint(3, 20))] + ["mig"]
+    c = cluster(
+        *[_random_node(rng, n) for n in names[:-1]],
+        mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+        replica_policy=rng.choice([None, "distributed", "packed", "pinned"]),
+    )
+    passed = 0
+    for step in range(40):
+        _random_step(rng, c, names, step)
+        for j in range(6):
+            demand = pod_demand(_random_pod(rng, f"q{step}-{j}"))
+            feasible = set(filter_nodes(c.ledger, demand, names).feasible)
+            for node in names:
+                placed = isinstance(choose_devices(c.ledger, demand, node), Reservation)
+                assert placed == (node in feasible), (step, demand, node)
+            passed += len(feasible)
+    assert passed > 50  # pods did fit, and were placed
