@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from builders import assigned, cluster, gpu_node, mig_mixed_node, pod
+import random
 
+from builders import assigned, cluster, gpu_node, mig_mixed_node, pod
+from test_node_summary import _random_node, _random_pod, _random_step
+
+from extender.demand import pod_demand
+from extender.ledger import Reservation
 from extender.observe.why import describe_closest, event_text, explain, explanation_dict
+from extender.placement import choose_devices
 
 GIB = 1 << 30
 
@@ -119,3 +125,32 @@ def test_mig_pod_gets_the_smallest_profile_that_holds_it() -> None:
     # no slice that large exists: the A100-80GB's smallest profile over 15Gi is 1g.20gb
     assert e2.mig.profile == "1g.20gb" and e2.mig.free_slices == 0
     assert e2.mig.reconfigure
+
+
+def test_the_pods_named_for_the_closest_node_do_make_room_there() -> None:
+    """`why` tells the user the pod fits on its closest node once the pods it names are gone:
+    on random clusters (every sharing mode, MIG, records over a GPU's memory), releasing them
+    lets bind's device choice place the pod on that node."""
+    named = 0
+    for seed in range(24):
+        rng = random.Random(seed)
+        names = [f"n{i}" for i in range(rng.randint(3, 12))] + ["mig"]
+        c = cluster(
+            *[_random_node(rng, n) for n in names[:-1]],
+            mig_mixed_node("mig", {"1g.10gb": (2, 9984), "3g.40gb": (1, 40192)}),
+        )
+        for step in range(30):
+            _random_step(rng, c, names, step)
+            for j in range(4):
+                p = _random_pod(rng, f"q{step}-{j}")
+                closest = explain(c.ledger, p, pods=c.pods).closest
+                if closest is None or closest.remove is None:
+                    continue
+                named += 1
+                ledger = c.ledger.clone()
+                for share in closest.remove:
+                    assert ledger.reservation(share.key).node == closest.node
+                    ledger.release(share.key)
+                placed = choose_devices(ledger, pod_demand(p), closest.node)
+                assert isinstance(placed, Reservation), (seed, step, closest)
+    assert named >= 20  # the advice was given, and checked
