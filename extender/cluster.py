@@ -135,10 +135,7 @@ class ClusterState:
                 else:
                     self.nominated.pop(key, None)
             else:  # the pod of this key is another scheduler's now: none of ours is left here
-                self.pending.discard(key)
-                self.nominated.pop(key, None)
-                self._unparsed.pop(key, None)
-                self._mix.set(key, None)
+                self._forget(key)
             return
         self.pending.discard(key)
         self.nominated.pop(key, None)
