@@ -85,11 +85,17 @@ class KubeletPod:
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    """The Allocate is for `slot` of `pod` (namespace/name), UID `uid`."""
+    """The Allocate is for `slot` of `pod` (namespace/name), UID `uid`.
+
+    `tied`: other pods that look as if they wait for a slot of the same GPUs. The kubelet admits
+    one pod at a time, so all but one of them were admitted before, and look waiting only
+    because a restart lost the record of their plain init containers: the caller marks each
+    one's init slot as served too, so that the pod really admitted keeps its own record."""
 
     pod: str
     uid: str
     slot: Slot
+    tied: tuple[Match, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +283,8 @@ def identify(
             "wait with different GPUs; refusing rather than guessing",
             ambiguous=True,
         )
-    return candidates[0]
+    first, *rest = candidates
+    return Match(first.pod, first.uid, first.slot, tuple(rest)) if rest else first
 
 
 def _next_slot(

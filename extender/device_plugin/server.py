@@ -358,12 +358,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     f"pod {decision.pod} is assigned GPU {','.join(map(str, bad))}, which this "
                     f"node cannot serve ({why})"
                 )
-            if slot.init:
-                self.served_init[decision.uid] = self.served_init.get(decision.uid, frozenset()) | {
-                    slot.container
-                }
-                self._served_pod[decision.uid] = decision.pod
-        taken.setdefault(decision.pod, set()).add(slot.container)
+            for m in (decision, *decision.tied):
+                if m.slot.init:
+                    self.served_init[m.uid] = self.served_init.get(m.uid, frozenset()) | {
+                        m.slot.container
+                    }
+                    self._served_pod[m.uid] = m.pod
+        for m in (decision, *decision.tied):
+            taken.setdefault(m.pod, set()).add(m.slot.container)
         uuids = [self.gpus[i].uuid for i in slot.gpus]
         spec = container_spec(self.strategies, uuids, slot.gpus, str(uuid.uuid4()))
         log.info(
