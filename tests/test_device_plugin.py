@@ -689,6 +689,27 @@ def test_rebuild_knows_which_init_containers_were_served():
     assert isinstance(got, Match) and got.pod == "ns/waiting" and got.slot.gpus == (3,)
 
 
+def test_a_pod_tied_with_one_a_restart_left_waiting_keeps_its_own_record():
+    """After a restart, a pod whose GPUs are only in init containers looks waiting until the
+    kubelet writes its status. A new pod whose first init container shares its GPU was served
+    (same GPUs), but the record went to the stale pod: the new pod's sidecar then matched the
+    stale pod's second init container, the only candidate, and got its GPUs 1 and 7."""
+    inits = [("i0", 1, False), ("i1", 2, False)]
+    stale = pod("stale", [1, 7], containers=[("main", 0)], inits=inits)
+    new = pod(
+        "new", [1, 0, 3], containers=[("main", 1)], inits=[("i0", 1, False), ("side", 2, True)]
+    )
+    service = service_over([kp("stale", main=()), kp("new", side=(), main=())], index(stale, new))
+    service.rebuild()  # the stale pod's status is not written: nothing says it was admitted
+    ids = [i for i, _ in service.device_ids()]
+    first = service._allocate_one(ids[:1], {})
+    assert not isinstance(first, Refusal) and first.envs["VRAMSCHED_GPU_INDEX"] == "1"
+    assert service.served_init == {"uid-stale": {"i0"}, "uid-new": {"i0"}}
+    # the sidecar: the stale pod's i1 looks as if it waits for 2 GPUs too, on other GPUs
+    second = service._allocate_one(ids[:2], {})
+    assert isinstance(second, Refusal) and second.ambiguous, second
+
+
 @pytest.mark.parametrize(
     "containers",
     [[("main", 0)], [("main", 1)]],
@@ -894,10 +915,11 @@ class Plugin:
         )
         return list(got.container_responses[0].deviceIDs)
 
-    def allocate(self, size: int) -> dict[str, str]:
+    def allocate(self, size: int, ids: list[str] | None = None) -> dict[str, str]:
+        """Allocate `ids`, by default the first `size` devices."""
         got = self.stub.Allocate(
             dp.AllocateRequest(
-                container_requests=[dp.ContainerAllocateRequest(devices_ids=self.ids[:size])]
+                container_requests=[dp.ContainerAllocateRequest(devices_ids=ids or self.ids[:size])]
             ),
             timeout=10,
         )
@@ -974,11 +996,26 @@ def test_a_list_serves_one_allocate_and_the_latest_get_preferred_allocation_deci
     assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "1"
     assert len(calls) == 3 and node.service.metrics.list_reused._value.get() == 0
     plugin.prefer(2)
-    plugin.prefer(1)
-    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "1"
+    preferred = plugin.prefer(1)
+    assert plugin.allocate(1, preferred)["VRAMSCHED_GPU_INDEX"] == "1"
     assert len(calls) == 5 and node.service.metrics.list_reused._value.get() == 1
-    assert plugin.allocate(1)["VRAMSCHED_GPU_INDEX"] == "1"  # the list was taken: List again
+    # the list was taken: List again
+    assert plugin.allocate(1, preferred)["VRAMSCHED_GPU_INDEX"] == "1"
     assert len(calls) == 6 and node.service.metrics.list_reused._value.get() == 1
+
+
+def test_a_list_is_not_reused_for_devices_it_did_not_prefer(node, plugin):
+    """A GetPreferredAllocation whose Allocate never came, and within the time limit an Allocate
+    of as many devices, but not the ones preferred: the kubelet allocates what it was told to
+    prefer, so this one is for another container (here one with no choice to make, for which
+    the kubelet asks no preference). With `a`'s list it got `a`'s GPU 1."""
+    calls = counting_lists(node.service)
+    a = waiting(node, pod("a", [1]))
+    preferred = plugin.prefer(1)
+    waiting(node, pod("b", [3]), gone=a)
+    other = [d for d in plugin.ids if d not in preferred][:1]
+    assert plugin.allocate(1, other)["VRAMSCHED_GPU_INDEX"] == "3"
+    assert len(calls) == 2 and node.service.metrics.list_reused._value.get() == 0
 
 
 def test_pods_the_watch_has_not_delivered_are_read_from_the_api_and_counted():

@@ -62,7 +62,9 @@ PodLookup = Callable[[list[str]], dict[str, dict[str, Any]]]
 #: GetPreferredAllocation, then `allocateContainerResources` calls Allocate) while it admits one
 #: pod at a time, so in between no pod can join the list and the gap is milliseconds. An older
 #: list means something else happened in between (an Allocate that never came, a kubelet
-#: restart): it is dropped, never trusted.
+#: restart): it is dropped, never trusted. So is a list whose Allocate names other devices than
+#: the ones preferred: the kubelet allocates the preferred ones when it asked, so that Allocate
+#: is for another container, or came without a GetPreferredAllocation of its own.
 LIST_REUSE_SECONDS = 2.0
 
 
@@ -73,6 +75,7 @@ class _Listing:
     size: int  # the request's allocation_size
     at: float  # time.monotonic() when List was called
     pods: list[KubeletPod]
+    preferred: frozenset[str] = frozenset()  # the device IDs it answered
 
 
 class Metrics:
@@ -237,19 +240,18 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 decision = listed
             else:
                 decision = self._identify(size, {}, listed)
-                if len(requests) == 1:
-                    listing = _Listing(size, at, listed)
             gpus = (
                 [self.gpus[i].uuid for i in decision.slot.gpus if i in self.gpus]
                 if isinstance(decision, Match)
                 else None
             )
+            chosen = preferred_devices(
+                list(req.available_deviceIDs), list(req.must_include_deviceIDs), size, gpus
+            )
+            if len(requests) == 1 and not isinstance(listed, Refusal):
+                listing = _Listing(size, at, listed, frozenset(chosen))
             out.container_responses.append(
-                dp.ContainerPreferredAllocationResponse(
-                    deviceIDs=preferred_devices(
-                        list(req.available_deviceIDs), list(req.must_include_deviceIDs), size, gpus
-                    )
-                )
+                dp.ContainerPreferredAllocationResponse(deviceIDs=chosen)
             )
         with self._lock:
             self._listing = listing  # replaces an unused one: only the latest is for the next
@@ -262,7 +264,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         taken: dict[str, set[str]] = {}  # earlier containers of this very request
         requests = list(request.container_requests)
         # the list GetPreferredAllocation read for this container, if any: for the first only
-        reuse = self._take_listing(len(requests[0].devices_ids) if requests else 0)
+        reuse = self._take_listing(list(requests[0].devices_ids) if requests else [])
         for req in requests:
             ids = list(req.devices_ids)
             answer = self._allocate_one(ids, taken, reuse)
@@ -295,14 +297,16 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self.metrics.pod_resources_seconds.observe(time.perf_counter() - started)
         return kubelet_pods
 
-    def _take_listing(self, size: int) -> list[KubeletPod] | None:
-        """The list the last GetPreferredAllocation read, if it asked for `size` devices and is
-        younger than LIST_REUSE_SECONDS; taken once (any Allocate clears it)."""
+    def _take_listing(self, ids: Sequence[str]) -> list[KubeletPod] | None:
+        """The list the last GetPreferredAllocation read, if it asked for as many devices as
+        `ids`, preferred exactly those and is younger than LIST_REUSE_SECONDS; taken once (any
+        Allocate clears it)."""
         with self._lock:
             listing, self._listing = self._listing, None
         if (
             listing is None
-            or listing.size != size
+            or listing.size != len(ids)
+            or listing.preferred != frozenset(ids)
             or time.monotonic() - listing.at > LIST_REUSE_SECONDS
         ):
             return None
