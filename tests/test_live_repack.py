@@ -153,14 +153,17 @@ class World:
         leader: Callable[[], bool | None] = lambda: True,
         open_cost: float = 0.0,
         profile: SchedulerProfile | None = None,
+        nodes: list[str] = NODES,
+        node_gpus: int = 1,
     ) -> None:
+        self.nodes = list(nodes)
         self.api = FakeApi()
         self.cluster = ClusterState(replica_policy=ReplicaPolicy.DISTRIBUTED)
         self.source = LiveSource(self.cluster, api=self.api)
         self.source.apply(
             "nodes",
             "replace",
-            [gpu_node(n, count=1, memory_mib=24 * 1024, replicas=4) for n in NODES],
+            [gpu_node(n, count=node_gpus, memory_mib=24 * 1024, replicas=4) for n in self.nodes],
         )
         self.source.apply("pods", "replace", copy.deepcopy(pods))
         for p in pods:
@@ -202,7 +205,7 @@ class World:
         return self.base + self.offset
 
     def filter(self, key: str) -> tuple[list[str], dict[str, str]]:
-        out = self.service.filter(ExtenderArgs(Pod=self.cluster.pod(key), NodeNames=NODES))
+        out = self.service.filter(ExtenderArgs(Pod=self.cluster.pod(key), NodeNames=self.nodes))
         return list(out.NodeNames or []), dict(out.FailedAndUnresolvableNodes or {})
 
     async def bind(self, key: str, node: str) -> str:

@@ -1,0 +1,187 @@
+"""Live repacking along random histories on the scripted API: fragmented clusters of three
+single-GPU time-sliced nodes, pods blocked for want of one GPU's room, and in any order the
+repacker's steps with the clock moving, kube-scheduler's filter and bind of any pending pod to
+any node filter offers, controllers re-creating evicted pods, terminating pods finishing, users
+deleting pods and creating new ones, and PodDisruptionBudgets refusing evictions now and then.
+
+After every action the ledger's invariant holds with the plan's holds counted as the pods they
+stand for; only consenting pods of a controller are evicted, never more than the per-minute cap
+within a minute; and once the history is played out (every evicted pod re-created, every pod
+that can be placed bound, the clock past every hold's deadline), no hold is left and the cluster
+passes every check."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from builders import assigned, pod
+from test_live_repack import World, owned, world  # noqa: F401 (the fixture)
+
+from extender.cluster import check_cluster
+from extender.repack_holds import HOLD_SUFFIX
+from extender.repack_policy import MOVABLE
+
+NODES = ["a", "b", "c"]
+GIB_FREE = 24  # each GPU: 24Gi in 4 replicas
+PER_MINUTE = 3
+
+
+def placed(name: str, gib: int, node: str, device: int, movable: bool) -> dict[str, Any]:
+    """A running pod on one GPU; a movable one belongs to the ReplicaSet of its size (the pods of
+    one ReplicaSet share a template)."""
+    ann = assigned(node, str(device), gib)
+    p = pod(name, f"{gib}Gi", node=node, uid=name, annotations=ann, phase="Running")
+    return owned_by_size(p, gib) if movable else p
+
+
+def owned_by_size(p: dict[str, Any], gib: int) -> dict[str, Any]:
+    p["metadata"]["annotations"][MOVABLE] = "true"
+    return owned(p, "ReplicaSet", f"web{gib}-abc", f"rs-web{gib}", "abc")
+
+
+def random_cluster(rng: random.Random, gpus: int) -> list[dict[str, Any]]:
+    """Each GPU filled with 2-3 pods, some of them movable; one or two pods that fit on no GPU
+    while the free memory summed would hold them."""
+    pods: list[dict[str, Any]] = []
+    top = 0
+    for node in NODES:
+        for device in range(gpus):
+            left = GIB_FREE
+            for j in range(rng.randint(2, 3)):
+                gib = rng.randint(2, min(10, left - 1))
+                left -= gib
+                pods.append(placed(f"{node}{device}{j}", gib, node, device, rng.random() < 0.6))
+            top = max(top, left)
+    for j in range(rng.randint(1, 2)):
+        gib = rng.randint(top + 1, min(top + 8, 22))
+        pods.append(pod(f"p{j}", f"{gib}Gi", uid=f"p{j}"))
+    return pods
+
+
+class Walk:
+    def __init__(self, world: Any, seed: int, gpus: int = 1) -> None:
+        self.rng = random.Random(seed)
+        self.w: World = world(
+            random_cluster(self.rng, gpus), nodes=NODES, per_minute=PER_MINUTE, node_gpus=gpus
+        )
+        self.made = 0
+        self.recreated: set[str] = set()
+        self.evicted_at: list[float] = []
+        self.binds = 0
+
+    def pending(self) -> list[str]:
+        return sorted(
+            k
+            for k, p in self.w.api.pods.items()
+            if not p["spec"].get("nodeName") and "deletionTimestamp" not in p["metadata"]
+        )
+
+    def terminating(self) -> list[str]:
+        return sorted(k for k, p in self.w.api.pods.items() if "deletionTimestamp" in p["metadata"])
+
+    async def schedule(self, key: str) -> None:
+        """kube-scheduler's cycle for one pod: filter, then a bind to any node it offers."""
+        nodes, _ = self.w.filter(key)
+        if nodes:
+            if await self.w.bind(key, self.rng.choice(nodes)) == "":
+                self.binds += 1
+        self.w.assert_sound()
+
+    def recreate_one(self) -> None:
+        todo = [k for k in self.terminating() if k not in self.recreated]
+        todo = [k for k in todo if self.w.api.pods[k]["metadata"].get("ownerReferences")]
+        if todo:
+            key = self.rng.choice(todo)
+            self.recreated.add(key)
+            self.made += 1
+            self.w.recreate(key, f"web-new{self.made}")
+            self.w.assert_sound()
+
+    def finish_one(self) -> None:
+        if done := self.terminating():
+            self.w.gone(self.rng.choice(done))
+            self.w.assert_sound()
+
+    def user_action(self) -> None:
+        rng = self.rng
+        if rng.random() < 0.5:
+            running = [k for k, p in self.w.api.pods.items() if p["spec"].get("nodeName")]
+            if running:  # a user deletes a running pod
+                self.w.gone(rng.choice(running))
+        else:  # a user creates a pod
+            self.made += 1
+            name = f"u{self.made}"
+            gib = rng.randint(2, 20)
+            p = pod(name, f"{gib}Gi", uid=name)
+            if rng.random() < 0.5:
+                owned_by_size(p, gib)
+            self.w.api.add_pod(p)
+            self.w.source.apply("pods", "ADDED", p)
+        self.w.assert_sound()
+
+    def note_evictions(self, before: int) -> None:
+        for name in self.w.evictions.real()[before:]:
+            key = f"default/{name}"
+            meta = self.w.api.pods[key]["metadata"]
+            assert meta["annotations"].get("vramsched.io/movable") == "true", name
+            assert meta.get("ownerReferences"), name
+            self.evicted_at.append(self.w.clock())
+        for t in self.evicted_at:
+            window = [u for u in self.evicted_at if t <= u < t + 60]
+            assert len(window) <= PER_MINUTE, self.evicted_at
+
+    async def act(self) -> None:
+        rng = self.rng
+        before = len(self.w.evictions.real())
+        roll = rng.random()
+        if roll < 0.3:
+            await self.w.step(advance=rng.choice([0.0, 0.5, 1.5, 5.0, 11.0, 31.0]))
+        elif roll < 0.6:
+            if pending := self.pending():
+                await self.schedule(rng.choice(pending))
+        elif roll < 0.72:
+            self.recreate_one()
+        elif roll < 0.84:
+            self.finish_one()
+        elif roll < 0.92:
+            self.user_action()
+        else:  # a PodDisruptionBudget starts or stops refusing a pod's eviction
+            names = [k.split("/")[1] for k in self.w.api.pods]
+            if names:
+                name = rng.choice(names)
+                if self.w.evictions.refuse.pop(name, None) is None:
+                    self.w.evictions.refuse[name] = 429
+        self.note_evictions(before)
+
+    async def settle(self) -> None:
+        """Play the history out: controllers and kubelets finish, the scheduler retries."""
+        self.w.evictions.refuse.clear()
+        for _ in range(12):
+            before = len(self.w.evictions.real())
+            while [k for k in self.terminating() if k not in self.recreated]:
+                self.recreate_one()
+            while self.terminating():
+                self.finish_one()
+            for key in self.pending():
+                await self.schedule(key)
+            await self.w.step(advance=45.0)
+            self.note_evictions(before)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("seed", range(16))
+async def test_random_histories_keep_the_books_and_leave_no_hold(
+    world: Any, seed: int, gpus: int
+) -> None:
+    walk = Walk(world, seed, gpus)
+    for _ in range(80):
+        await walk.act()
+    await walk.settle()
+    w = walk.w
+    assert w.repacker.run is None
+    assert [r.key for r in w.cluster.ledger.reservations() if HOLD_SUFFIX in r.key] == []
+    live = w.cluster.live_pod_keys()
+    assert {r.key for r in w.cluster.ledger.reservations()} <= live
+    assert check_cluster(w.cluster) == []
