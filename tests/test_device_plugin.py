@@ -1035,6 +1035,81 @@ def test_pods_the_watch_has_not_delivered_are_read_from_the_api_and_counted():
     assert reads == [1]
 
 
+def test_a_pod_created_again_under_its_name_is_read_afresh_not_from_a_lagging_watch():
+    """A StatefulSet pod deleted and created again on the same node while the plugin's pod watch
+    lags: the cache still holds the old object, admitted (Running), assigned GPU 1, while the
+    kubelet holds a new pod under that name, without devices, assigned GPU 3. From the cache
+    the new pod got GPU 1, which the ledger books for nobody now."""
+    old = pod("web-0", [1], uid="old")
+    old["status"] = {"phase": "Running", "containerStatuses": [{"name": "main"}]}
+    new = pod("web-0", [3], uid="new")
+    reads: list[list[str]] = []
+
+    def reread(keys: list[str]) -> dict[str, dict[str, Any]]:
+        reads.append(keys)
+        return {"ns/web-0": new}
+
+    listed = [kp("web-0")]
+    service = service_over(listed, index(old))
+    got = service._allocate_one([i for i, _ in service.device_ids()][:1], {})
+    assert not isinstance(got, Refusal) and got.envs["VRAMSCHED_GPU_INDEX"] == "1"  # the hazard
+    service.reread = reread
+    got = service._allocate_one([i for i, _ in service.device_ids()][:1], {})
+    assert not isinstance(got, Refusal) and got.envs["VRAMSCHED_GPU_INDEX"] == "3"
+    assert reads == [["ns/web-0"]]
+    # the old object being deleted, the API without a pod of that name yet: refused, not GPU 1
+    old["metadata"]["deletionTimestamp"] = "now"
+    old["status"] = {"phase": "Pending"}
+    service.reread = lambda keys: {}
+    got = service._allocate_one([i for i, _ in service.device_ids()][:1], {})
+    assert isinstance(got, Refusal) and "no pod on gpu-a is waiting" in got.reason
+
+
+def test_pods_the_kubelet_agrees_with_are_not_read_again():
+    """Admitted pods holding their devices, an admitted pod whose GPU is in its init container
+    only (PodResources lists no device for it), and a pod that ended (older kubelets list them
+    without devices) cost no API read."""
+    running = pod("running", [0])
+    running["status"] = {"phase": "Running"}
+    init_only = admitted_status(
+        pod("init-only", [1], containers=[("main", 0)], inits=[("warmup", 1, False)])
+    )
+    done = ended_pod("done", [2], "Succeeded")
+    waiting_pod = pod("waiting", [3])
+    listed = [kp("running", main=("x",)), kp("init-only", main=()), kp("done"), kp("waiting")]
+    service = service_over(listed, index(running, init_only, done, waiting_pod))
+    reads: list[list[str]] = []
+    service.reread = lambda keys: reads.append(keys) or {}
+    got = service._allocate_one([i for i, _ in service.device_ids()][:1], {})
+    assert not isinstance(got, Refusal) and got.envs["VRAMSCHED_GPU_INDEX"] == "3"
+    assert reads == []
+
+
+def test_node_pods_read_asks_the_api_whatever_the_cache_holds():
+    from extender.device_plugin.pods import NodePods
+    from extender.live.api_client import ApiError
+
+    now = {"ns/a": pod("a", [3], uid="new"), "ns/far": pod("far", [0], node="gpu-b")}
+
+    class Api:
+        node = NODE
+
+        def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+            if f"{namespace}/{name}" not in now:
+                raise ApiError(404, "NotFound", "gone")
+            return now[f"{namespace}/{name}"]
+
+    pods = NodePods(Api())  # type: ignore[arg-type]
+    pods._deliver("replace", [pod("a", [1], uid="old"), pod("b", [2])])
+    reads: list[int] = []
+    pods.on_api_read = lambda: reads.append(1)
+    got = pods.read(["ns/a", "ns/b", "ns/far"])
+    assert list(got) == ["ns/a"] and got["ns/a"]["metadata"]["uid"] == "new"
+    assert len(reads) == 3
+    # the cache is the watch's: still the old object
+    assert pods.snapshot(["ns/a"])["ns/a"]["metadata"]["uid"] == "old"
+
+
 @pytest.mark.parametrize(
     ("label", "replicas"), [(None, 1), ("", 1), ("0", 1), ("4", 4), ("1024", 1024)]
 )

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         strategies=strategies,
         kubelet_pods=PodResources(args.pod_resources_socket, args.resource_name).list,
         lookup=pods.snapshot,
+        reread=pods.read,
         resource=args.resource_name,
     )
     pods.on_api_read = service.metrics.api_reads.inc

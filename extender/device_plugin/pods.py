@@ -104,21 +104,29 @@ class NodePods:
         with self._lock:
             out = {k: self._pods[k] for k in keys if k in self._pods}
         for key in keys:
-            if key in out:
-                continue
-            namespace, _, name = key.partition("/")
-            self.on_api_read()
-            try:
-                pod = self.api.read_pod(namespace, name)
-            except ApiError as exc:
-                if exc.status != 404:
-                    log.warning("cannot read pod %s: %s", key, exc)
-                continue
-            if (pod.get("spec") or {}).get("nodeName") == self.api.node:
+            if key not in out and (pod := self._read(key)) is not None:
                 out[key] = pod
                 with self._lock:
                     self._pods.setdefault(key, pod)
         return out
+
+    def read(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The pods named by `keys` as the API has them now, whatever the cache holds: for
+        cached objects the kubelet's list contradicts (a pod deleted and created again under its
+        name while our watch lags). Left out: pods the API no longer has, or cannot tell. The
+        cache is left to the watch."""
+        return {key: pod for key in keys if (pod := self._read(key)) is not None}
+
+    def _read(self, key: str) -> dict[str, Any] | None:
+        namespace, _, name = key.partition("/")
+        self.on_api_read()
+        try:
+            pod = self.api.read_pod(namespace, name)
+        except ApiError as exc:
+            if exc.status != 404:
+                log.warning("cannot read pod %s: %s", key, exc)
+            return None
+        return pod if (pod.get("spec") or {}).get("nodeName") == self.api.node else None
 
 
 def _key(pod: Mapping[str, Any]) -> str:

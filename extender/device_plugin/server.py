@@ -134,7 +134,8 @@ class Metrics:
         )
         self.api_reads = Counter(
             "vramsched_device_plugin_pods_read_from_api",
-            "Pods the kubelet listed before the plugin's pod watch delivered them, read from the API",
+            "Pods read from the API: the kubelet listed them before the plugin's pod watch "
+            "delivered them, or the kubelet's list contradicts the object the watch delivered",
             registry=self.registry,
         )
 
@@ -153,6 +154,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         lookup: PodLookup,
         resource: str = "nvidia.com/gpu",
         metrics: Metrics | None = None,
+        reread: PodLookup | None = None,
     ) -> None:
         self.node = node
         self.gpus = {g.index: g for g in gpus}
@@ -161,6 +163,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self.strategies = tuple(strategies)
         self.kubelet_pods = kubelet_pods
         self.lookup = lookup
+        #: the API's pods now, bypassing `lookup`'s cache (`NodePods.read`); None: `lookup` is
+        #: never stale (tests)
+        self.reread = reread
         self.resource = resource
         self.metrics = metrics or Metrics()
         self.unhealthy: dict[int, str] = {}
@@ -331,11 +336,40 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         if taken:
             kubelet_pods = [_with_taken(kp, taken.get(kp.key)) for kp in kubelet_pods]
         pods = self.lookup([kp.key for kp in kubelet_pods])
+        if self.reread is not None and (stale := self._contradicted(kubelet_pods, pods)):
+            now = self.reread(stale)
+            pods = {k: p for k, p in pods.items() if k not in stale} | now
         self.metrics.lookup_seconds.observe(time.perf_counter() - looking)
         with self._lock:
             self._prune_served(kubelet_pods, pods)
             served = dict(self.served_init)
         return identify(count, kubelet_pods, pods, served, self.resource, self.node, self._slots)
+
+    def _contradicted(
+        self, kubelet_pods: Iterable[KubeletPod], pods: Mapping[str, Mapping[str, Any]]
+    ) -> list[str]:
+        """Pods whose API object, as looked up, the kubelet's list contradicts: the object says
+        the pod was admitted (container statuses, a phase past Pending) or is being deleted, yet
+        the kubelet holds no devices for one of its GPU containers (sidecars and app containers:
+        the ones PodResources lists). A kubelet allocates every container when it admits a pod
+        and never admits one being deleted, so the pod it holds under that name is another one:
+        deleted and created again while the plugin's watch lags. Its old assignment would hand
+        the new pod the old one's GPUs. Pods that ended are left alone: they are never
+        candidates, and kubelets before 1.34 list them on without devices."""
+        out = []
+        for kp in kubelet_pods:
+            pod = pods.get(kp.key)
+            if pod is None or ended(pod):  # older kubelets list ended pods without devices
+                continue
+            meta = pod.get("metadata") or {}
+            if not (meta.get("deletionTimestamp") or admitted(pod)):
+                continue
+            slots = self._slots(pod, self.resource, self.node)
+            if isinstance(slots, list) and any(
+                not s.init and not kp.devices.get(s.container) for s in slots
+            ):
+                out.append(kp.key)
+        return out
 
     def _allocate_one(
         self,
