@@ -689,6 +689,26 @@ def test_rebuild_knows_which_init_containers_were_served():
     assert isinstance(got, Match) and got.pod == "ns/waiting" and got.slot.gpus == (3,)
 
 
+def test_a_registration_again_keeps_what_this_process_served():
+    """A kubelet restart makes the plugin register again and rebuild its record. A pod admitted
+    with its GPU in its init container only, whose status the kubelet has not written yet, lost
+    its record there and looked as if it still waited: the next pod was refused as ambiguous."""
+    inits = [("warmup", 1, False)]
+    first = pod("first", [1], containers=[("main", 0)], inits=inits)
+    listed = [kp("first", main=())]
+    pods = index(first)
+    service = service_over(listed, pods)
+    ids = [i for i, _ in service.device_ids()]
+    assert not isinstance(service._allocate_one(ids[:1], {}), Refusal)
+    assert service.rebuild() == 0  # nothing shows it admitted but this process's record
+    assert service.served_init == {"uid-first": {"warmup"}}
+    second = pod("second", [3])
+    listed.append(kp("second"))
+    pods.update(index(second))
+    got = service._allocate_one(ids[:1], {})
+    assert not isinstance(got, Refusal) and got.envs["VRAMSCHED_GPU_INDEX"] == "3", got
+
+
 def test_a_pod_tied_with_one_a_restart_left_waiting_keeps_its_own_record():
     """After a restart, a pod whose GPUs are only in init containers looks waiting until the
     kubelet writes its status. A new pod whose first init container shares its GPU was served

@@ -215,6 +215,9 @@ class Walk:
             ]
             if pending:
                 self.write_status(self.rng.choice(pending))
+        elif roll < 0.95:
+            # the kubelet restarted: this plugin registers again and rebuilds its record
+            self.service.rebuild()
         elif self.restarts_anywhere or all(
             self.api[p.key]["status"]["phase"] != "Pending" for p in self.listed
         ):

@@ -449,13 +449,18 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         does not list plain init containers, so a pod the kubelet lists has had its init
         containers allocated when its other containers hold devices, or when the API shows the
         kubelet admitted it (a pod whose only GPU container is an init container holds no
-        listed device). Returns how many listed pods were admitted with our devices."""
+        listed device). What this process served itself (a re-registration after a kubelet
+        restart) it knows exactly, and keeps for the pods still listed: a pod admitted whose
+        status the kubelet has not written yet would otherwise look as if it still waited.
+        Returns how many listed pods were admitted with our devices."""
         try:
             kubelet_pods = self.kubelet_pods()
         except grpc.RpcError as exc:
             log.warning("cannot read PodResources to rebuild the record: %s", _code(exc))
             return 0
         pods = self.lookup([kp.key for kp in kubelet_pods])
+        with self._lock:
+            known = dict(self.served_init)
         served: dict[str, frozenset[str]] = {}
         served_pod: dict[str, str] = {}
         held = 0
@@ -466,13 +471,18 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             slots = container_slots(pod, self.resource, self.node)
             if not slots or isinstance(slots, Refusal):
                 continue
-            if not (any(kp.devices.values()) or admitted(pod)):
+            uid = _uid(pod)
+            was_admitted = any(kp.devices.values()) or admitted(pod)
+            held += was_admitted
+            if uid in known:
+                served[uid], served_pod[uid] = known[uid], kp.key
+                continue
+            if not was_admitted:
                 continue  # not admitted yet: its Allocate calls are still to come
-            held += 1
             inits = frozenset(s.container for s in slots if s.init)
             if inits:
-                served[_uid(pod)] = inits
-                served_pod[_uid(pod)] = kp.key
+                served[uid] = inits
+                served_pod[uid] = kp.key
         with self._lock:
             self.served_init = served
             self._served_pod = served_pod
