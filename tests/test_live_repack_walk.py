@@ -1,8 +1,9 @@
 """Live repacking along random histories on the scripted API: fragmented clusters of three
-single-GPU time-sliced nodes, pods blocked for want of one GPU's room, and in any order the
+time-sliced nodes of one or two GPUs, pods blocked for want of one GPU's room, and in any order the
 repacker's steps with the clock moving, kube-scheduler's filter and bind of any pending pod to
 any node filter offers, controllers re-creating evicted pods, terminating pods finishing, users
-deleting pods and creating new ones, and PodDisruptionBudgets refusing evictions now and then.
+deleting pods and creating new ones, PodDisruptionBudgets refusing evictions now and then (also
+after the dry run passed), and this replica losing and winning the leader election.
 
 After every action the ledger's invariant holds with the plan's holds counted as the pods they
 stand for; only consenting pods of a controller are evicted, never more than the per-minute cap
@@ -63,13 +64,27 @@ def random_cluster(rng: random.Random, gpus: int) -> list[dict[str, Any]]:
 class Walk:
     def __init__(self, world: Any, seed: int, gpus: int = 1) -> None:
         self.rng = random.Random(seed)
+        self.leading = True
         self.w: World = world(
-            random_cluster(self.rng, gpus), nodes=NODES, per_minute=PER_MINUTE, node_gpus=gpus
+            random_cluster(self.rng, gpus),
+            nodes=NODES,
+            per_minute=PER_MINUTE,
+            node_gpus=gpus,
+            leader=lambda: self.leading,
         )
         self.made = 0
         self.recreated: set[str] = set()
         self.evicted_at: list[float] = []
         self.binds = 0
+        self.accepted: list[str] = []  # real evictions the API accepted, in order
+        evict = self.w.repacker.evict
+
+        def recording(namespace: str, name: str, body: Any, dry_run: bool) -> None:
+            evict(namespace, name, body, dry_run)  # raises when refused
+            if not dry_run:
+                self.accepted.append(name)
+
+        self.w.repacker.evict = recording
 
     def pending(self) -> list[str]:
         return sorted(
@@ -122,7 +137,7 @@ class Walk:
         self.w.assert_sound()
 
     def note_evictions(self, before: int) -> None:
-        for name in self.w.evictions.real()[before:]:
+        for name in self.accepted[before:]:
             key = f"default/{name}"
             meta = self.w.api.pods[key]["metadata"]
             assert meta["annotations"].get("vramsched.io/movable") == "true", name
@@ -134,7 +149,7 @@ class Walk:
 
     async def act(self) -> None:
         rng = self.rng
-        before = len(self.w.evictions.real())
+        before = len(self.accepted)
         roll = rng.random()
         if roll < 0.3:
             await self.w.step(advance=rng.choice([0.0, 0.5, 1.5, 5.0, 11.0, 31.0]))
@@ -147,19 +162,26 @@ class Walk:
             self.finish_one()
         elif roll < 0.92:
             self.user_action()
-        else:  # a PodDisruptionBudget starts or stops refusing a pod's eviction
+        elif roll < 0.97:
+            # a PodDisruptionBudget starts or stops refusing a pod's eviction: every call, or
+            # the real one only (its dry run passed: the plan is abandoned part way)
             names = [k.split("/")[1] for k in self.w.api.pods]
             if names:
                 name = rng.choice(names)
-                if self.w.evictions.refuse.pop(name, None) is None:
-                    self.w.evictions.refuse[name] = 429
+                refuse = rng.choice([self.w.evictions.refuse, self.w.evictions.refuse_real])
+                if refuse.pop(name, None) is None:
+                    refuse[name] = 429
+        else:  # this replica loses or wins the leader election
+            self.leading = not self.leading
         self.note_evictions(before)
 
     async def settle(self) -> None:
         """Play the history out: controllers and kubelets finish, the scheduler retries."""
         self.w.evictions.refuse.clear()
+        self.w.evictions.refuse_real.clear()
+        self.leading = True
         for _ in range(12):
-            before = len(self.w.evictions.real())
+            before = len(self.accepted)
             while [k for k in self.terminating() if k not in self.recreated]:
                 self.recreate_one()
             while self.terminating():
