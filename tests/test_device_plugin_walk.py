@@ -242,3 +242,63 @@ def test_a_restart_at_any_moment_refuses_or_hands_the_right_gpus(seed: int) -> N
     for _ in range(100):
         walk.step()
     assert walk.allocations > 0
+
+
+# ----- the same through gRPC, GetPreferredAllocation then Allocate, as the kubelet calls them -----
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_admissions_through_grpc_hand_each_container_its_gpus(tmp_path: Any, seed: int) -> None:
+    """SimKubelet admits pods through the plugin's socket: per container GetPreferredAllocation
+    (whose list the Allocate after it reuses), then Allocate; pods leave, names come back, the
+    plugin process restarts. Every container gets exactly its GPUs, and the kubelet's own record
+    holds replicas of them whenever they had free ones."""
+    from test_device_plugin import Node
+
+    rng = random.Random(seed)
+    node = Node(tmp_path, gpus=GPUS, replicas=4)
+    try:
+        uuids = [g.uuid for g in node.source.gpus()]
+        held: dict[str, list[str]] = {}  # pod key -> the kubelet's device IDs it holds
+        admitted = recorded = 0
+        for n in range(40):
+            roll = rng.random()
+            if roll < 0.25 and held:
+                key = rng.choice(sorted(held))
+                node.kubelet.remove(key)
+                del held[key]
+                continue
+            if roll < 0.3:
+                node.restart_plugin()
+                continue
+            name = f"p{rng.randint(0, n)}"
+            if f"ns/{name}" in held:
+                continue
+            containers = random_containers(rng)
+            in_use = {d for ids in held.values() for d in ids}
+            if sum(c.count for c in containers) > GPUS * 4 - len(in_use):
+                continue  # SimKubelet has too few device IDs left (it reuses no init's)
+            gpus = rng.sample(range(GPUS), gpus_needed(containers))
+            p = api_pod(name, f"uid-{n}", containers, gpus)
+            want = expected_gpus(containers, gpus)
+            got = node.admit(p)
+            p["status"] = {"phase": "Running"}  # the kubelet writes it once admitted
+            held[f"ns/{name}"] = [d for ids in got.devices.values() for d in ids]
+            admitted += 1
+            for c in containers:
+                if not c.count:
+                    continue
+                env = got.responses[c.name].envs
+                assert env["VRAMSCHED_GPU_INDEX"] == ",".join(map(str, want[c.name])), c
+                free = {
+                    g: sum(1 for r in range(4) if f"{uuids[g]}::{r}" not in in_use)
+                    for g in want[c.name]
+                }
+                if all(free.values()):
+                    kubelet_gpus = sorted(d.split("::")[0] for d in got.devices[c.name])
+                    assert kubelet_gpus == sorted(uuids[g] for g in want[c.name]), c
+                    recorded += 1
+                in_use |= set(got.devices[c.name])
+        assert admitted > 10 and recorded > 10
+    finally:
+        node.close()
