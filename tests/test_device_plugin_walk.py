@@ -234,10 +234,11 @@ def test_every_allocate_hands_the_container_its_gpus(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(100))
 def test_a_restart_at_any_moment_refuses_or_hands_the_right_gpus(seed: int) -> None:
-    """A plugin restarted between two Allocate calls of one pod, or before the kubelet wrote an
-    admitted pod's status, may not know which plain init containers it served: it may then
-    refuse (the pod fails admission and its controller makes a new one), never hand a
-    container other GPUs than its own."""
+    """A plugin process restarted before the kubelet wrote an admitted pod's status may not know
+    which plain init containers it served: it may then refuse (the pod fails admission and its
+    controller makes a new one), never hand a container other GPUs than its own. One that dies
+    between two Allocate calls of one pod fails that pod's admission (the kubelet's next call
+    reaches no plugin)."""
     walk = Walk(seed, restarts_anywhere=True)
     for _ in range(100):
         walk.step()
