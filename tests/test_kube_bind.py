@@ -151,6 +151,27 @@ async def test_a_definite_failure_rolls_back_and_removes_the_annotation() -> Non
     assert api.writes() == ["patch_pod", "create_binding", "patch_pod"]
 
 
+async def test_a_rollback_never_touches_a_pod_created_again_under_the_name() -> None:
+    """The Binding fails for good after the pod was deleted and created again under its name
+    (a StatefulSet's next pod), whose own bind wrote its assignment: the rollback, a patch by
+    name, once removed that assignment, and the device plugin then refused the new pod."""
+    p = pod("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    again = pod("p", "10Gi", uid="again")
+    theirs = orjson.dumps({"node": "n1", "devices": ["2"], "bytesPerDevice": 10 * GIB}).decode()
+    again["metadata"]["annotations"][ASSIGNMENT] = theirs
+
+    def created_again_then_refused() -> None:
+        api.pods["default/p"] = again
+        raise ApiError(403, "Forbidden", 'cannot create resource "pods/binding"')
+
+    api.fail["create_binding"] = [created_again_then_refused]
+    result = await service.bind(bind_args(p, "n1"))
+    assert "forbidden by RBAC" in result.Error
+    assert api.pods["default/p"]["metadata"]["annotations"][ASSIGNMENT] == theirs
+    assert c.ledger.reservation("default/p") is None
+
+
 async def test_a_deleted_pod_fails_the_bind_cleanly() -> None:
     p = pod("p", "30Gi")
     service, api, c = live([gpu_node("n1")], [p])

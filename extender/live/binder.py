@@ -266,22 +266,16 @@ class KubeBinder:
             )
 
     async def _unannotate(self, ref: Any) -> None:
-        """Best effort after a definite failure: a pending pod should not carry a stale assignment."""
+        """Best effort after a definite failure: a pending pod should not carry a stale assignment.
+        With the pod's UID as precondition, as the annotation was written: a pod created again
+        under the name meanwhile keeps the assignment its own bind wrote."""
+        meta: dict[str, Any] = {
+            "annotations": {ASSIGNMENT: None, GPU_INDEX: None, FRACTION_ANNOTATION: None}
+        }
+        if ref.uid:
+            meta["uid"] = ref.uid
         try:
-            await self.call(
-                self.api.patch_pod,
-                ref.namespace,
-                ref.name,
-                {
-                    "metadata": {
-                        "annotations": {
-                            ASSIGNMENT: None,
-                            GPU_INDEX: None,
-                            FRACTION_ANNOTATION: None,
-                        }
-                    }
-                },
-            )
+            await self.call(self.api.patch_pod, ref.namespace, ref.name, {"metadata": meta})
         except ApiError:
             pass
 
