@@ -13,7 +13,15 @@ from typing import Any, Protocol
 
 import orjson
 
-__all__ = ["ApiError", "KubeApi", "ClientApi", "KubeconfigError", "LIST_PAGE", "load_client"]
+__all__ = [
+    "ApiError",
+    "KubeApi",
+    "ClientApi",
+    "KubeconfigError",
+    "LIST_PAGE",
+    "load_client",
+    "annotation_patch",
+]
 
 LIST_PAGE = 500
 
@@ -31,6 +39,15 @@ class ApiError(Exception):
     def transient(self) -> bool:
         """Worth retrying as is: no answer, throttled, or a server-side failure."""
         return self.status == 0 or self.status == 429 or self.status >= 500
+
+
+def annotation_patch(uid: str, annotations: Mapping[str, str | None]) -> dict[str, Any]:
+    """A merge patch of a pod's annotations (None removes one), with its UID as precondition
+    when known: the API refuses it for a pod created again under the name meanwhile."""
+    meta: dict[str, Any] = {"annotations": dict(annotations)}
+    if uid:
+        meta["uid"] = uid
+    return {"metadata": meta}
 
 
 class KubeconfigError(Exception):

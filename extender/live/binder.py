@@ -20,7 +20,7 @@ from extender.bind_event import bind_event, bind_message
 from extender.cluster import ClusterState
 from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, pod_ref, reads_pin_annotation
 from extender.ledger import Reservation
-from extender.live.api_client import ApiError, KubeApi
+from extender.live.api_client import ApiError, KubeApi, annotation_patch
 from extender.live.events import EventRecorder
 from extender.pinning import pin_configmap_name, pin_environment, references_pin_configmap
 from extender.quantity import format_bytes
@@ -130,14 +130,7 @@ class KubeBinder:
                 f"but its GPUs on {node} cannot be pinned; it would start without a GPU"
             )
         if reservation is not None:
-            patch = {
-                "metadata": {
-                    "uid": ref.uid or None,
-                    "annotations": self.annotations(pod, reservation),
-                }
-            }
-            if not ref.uid:
-                del patch["metadata"]["uid"]
+            patch = annotation_patch(ref.uid, self.annotations(pod, reservation))
             try:
                 await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
             except ApiError as exc:
@@ -269,13 +262,11 @@ class KubeBinder:
         """Best effort after a definite failure: a pending pod should not carry a stale assignment.
         With the pod's UID as precondition, as the annotation was written: a pod created again
         under the name meanwhile keeps the assignment its own bind wrote."""
-        meta: dict[str, Any] = {
-            "annotations": {ASSIGNMENT: None, GPU_INDEX: None, FRACTION_ANNOTATION: None}
-        }
-        if ref.uid:
-            meta["uid"] = ref.uid
+        patch = annotation_patch(
+            ref.uid, {ASSIGNMENT: None, GPU_INDEX: None, FRACTION_ANNOTATION: None}
+        )
         try:
-            await self.call(self.api.patch_pod, ref.namespace, ref.name, {"metadata": meta})
+            await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
         except ApiError:
             pass
 

@@ -61,7 +61,7 @@ from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
 from extender.ledger import Reservation
-from extender.live.api_client import ApiError, KubeApi
+from extender.live.api_client import ApiError, KubeApi, annotation_patch
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
 from extender.live.spread_reads import read_spread_defaults
@@ -605,9 +605,7 @@ class Repacker:
             pod = self.cluster.pod(ref.key)
             if pod is None or (pod.get("spec") or {}).get("nodeName"):
                 continue  # bound already: nothing to try again
-            patch: dict[str, Any] = {"metadata": {"annotations": {NOMINATED: res.node}}}
-            if ref.uid:
-                patch["metadata"]["uid"] = ref.uid
+            patch = annotation_patch(ref.uid, {NOMINATED: res.node})
             try:
                 await self._call(self.api.patch_pod, ref.namespace, ref.name, patch)
             except ApiError as exc:
