@@ -71,8 +71,10 @@ def owned(p: dict[str, Any], kind: str, name: str, uid: str, hash_: str = "") ->
     return p
 
 
-def bound(name: str, gib: int, node: str, *, consent: bool = False) -> dict[str, Any]:
-    ann = {**assigned(node, "0", gib), **({MOVABLE: "true"} if consent else {})}
+def bound(
+    name: str, gib: int, node: str, *, consent: bool = False, device: str = "0"
+) -> dict[str, Any]:
+    ann = {**assigned(node, device, gib), **({MOVABLE: "true"} if consent else {})}
     return pod(name, f"{gib}Gi", node=node, uid=name, annotations=ann, phase="Running")
 
 

@@ -17,8 +17,8 @@ import random
 from typing import Any
 
 import pytest
-from builders import assigned, pod
-from test_live_repack import World, owned, world  # noqa: F401 (the fixture)
+from builders import pod
+from test_live_repack import World, bound, owned, world  # noqa: F401 (the fixture)
 
 from extender.cluster import check_cluster
 from extender.repack_holds import HOLD_SUFFIX
@@ -32,8 +32,7 @@ PER_MINUTE = 3
 def placed(name: str, gib: int, node: str, device: int, movable: bool) -> dict[str, Any]:
     """A running pod on one GPU; a movable one belongs to the ReplicaSet of its size (the pods of
     one ReplicaSet share a template)."""
-    ann = assigned(node, str(device), gib)
-    p = pod(name, f"{gib}Gi", node=node, uid=name, annotations=ann, phase="Running")
+    p = bound(name, gib, node, device=str(device))
     return owned_by_size(p, gib) if movable else p
 
 
