@@ -25,7 +25,9 @@ and without letting anyone else take the room it needs:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
@@ -84,7 +86,8 @@ class RepackRun:
     #: the blocked pod's hold, or None
     hold: Reservation | None = None
     #: how the blocked pod ended: "" while open, "placed" (bound to its placement), "elsewhere",
-    #: "lapsed" (its hold expired unused), "gone" (deleted or re-created)
+    #: "lapsed" (its hold expired unused), "gone" (deleted or re-created), "changed" (its
+    #: model-memory edited before its bind: the placement no longer fits what it asks)
     blocked_outcome: str = ""
     outcome: str = ""
     #: real pods whose hold was just taken, for the adapter to annotate (kube-scheduler retries a
@@ -110,7 +113,8 @@ class RepackRun:
             return None
         self.settle(now)
         if pod_key == self.blocked.pod.key:
-            return self.placement
+            # not for a pod re-created under its name, nor one that asks something else now
+            return None if self.blocked_outcome in ("gone", "changed") else self.placement
         for t in self.targets:
             if t.replacement is not None and t.replacement.key == pod_key and not t.outcome:
                 return t.move.target
@@ -294,6 +298,11 @@ class RepackRun:
             own = ledger.reservation(key)
             placed = own is not None and own.same_placement(self.placement)
             self.blocked_outcome = "placed" if placed else "elsewhere"
+        elif not self._asks_the_same(pod):
+            # its model-memory was edited: the placement was sized for what it asked before
+            self.blocked_outcome = "changed"
+            if self.hold is not None and self._holds(key):
+                ledger.release(key)
         elif self.hold is not None:
             if not self._holds(key):
                 self.blocked_outcome = "lapsed"
@@ -302,6 +311,14 @@ class RepackRun:
             self.hold = self._reserve(res, self.blocked, self._expiry(now))
             if self.hold is not None:
                 self.pokes.append(self.blocked.pod)
+
+    def _asks_the_same(self, pod: Mapping[str, Any]) -> bool:
+        """Whether the blocked pod, as the cluster holds it now, asks what the plan placed."""
+        try:
+            demand = pod_demand(pod, headroom=self.cluster.headroom)
+        except DemandError:
+            return False
+        return same_shape(demand, self.blocked)
 
     def _finished(self) -> bool:
         return bool(self.blocked_outcome) and all(t.outcome for t in self.targets)

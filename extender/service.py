@@ -29,6 +29,7 @@ from extender.observe.usage import state_nodes, usage_from_ledger
 from extender.placement import (
     MAX_SCORE,
     FilterOutcome,
+    books_demand,
     choose_devices,
     filter_nodes,
     held_for_nominated,
@@ -424,13 +425,18 @@ class ExtenderService:
         if demand.wants_gpu:
             self.ledger.expire()
             held = self.ledger.reservation(key)
-            if held is not None and held.node == args.Node:
+            if (
+                held is not None
+                and held.node == args.Node
+                and books_demand(self.ledger, demand, held)
+            ):
                 reservation = held  # retry of a bind still in flight or assumed
             else:
                 if held is not None:
                     if held.assumed:
                         # An earlier bind whose outcome is unknown (a timeout) may have landed there:
                         # freeing its devices now could double-book them when its watch event arrives.
+                        # So may one made before the pod's model-memory was edited.
                         return ExtenderBindingResult(
                             Error=f"pod {key} may already be bound to {held.node} (unconfirmed); retry later"
                         )
@@ -462,8 +468,9 @@ class ExtenderService:
         return result
 
     def _reserve(self, demand: Demand, node: str) -> Reservation:
-        """Reserve the planned devices when they are still free and the device plugin's bound
-        allows them (plans are made on per-device books alone), else best fit on that node."""
+        """Reserve the planned devices when they are still free, the device plugin's bound allows
+        them (plans are made on per-device books alone) and they book what the pod asks now (a
+        plan made before its `model-memory` was edited does not), else best fit on that node."""
         planned = (
             self.planner.planned_reservation(demand.pod.key, node)
             if self.planner is not None
@@ -471,6 +478,7 @@ class ExtenderService:
         )
         if (
             planned is not None
+            and books_demand(self.ledger, demand, planned)
             and self.ledger.fits(planned) is None
             and plugin_allows(self.ledger, demand, planned)
         ):

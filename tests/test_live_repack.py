@@ -1277,6 +1277,27 @@ async def test_unused_holds_lapse_and_the_plan_ends(world: Any) -> None:
     assert check_cluster(w.cluster) == []
 
 
+async def test_a_blocked_pod_edited_while_held_is_booked_at_its_new_size(world: Any) -> None:
+    """The hold was sized for the model-memory the blocked pod asked when planned: once it asks
+    more, the plan no longer stands for it, and its bind books what it asks now."""
+    w = world(fragmented())
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    w.gone("default/m2")
+    w.filter("default/p")
+    assert w.cluster.ledger.reservation("default/p").bytes_per_device == (16 * GIB,)
+    edited = copy.deepcopy(w.api.pods["default/p"])
+    edited["metadata"]["annotations"]["vramsched.io/model-memory"] = "17Gi"
+    w.api.pods["default/p"] = edited
+    w.watch("default/p")
+    assert w.filter("default/p")[0] == ["b"]  # 18 GiB free there, as for any pod
+    assert w.repacker.run is not None and w.repacker.run.blocked_outcome == "changed"
+    assert "default/p" not in w.held()  # the plan's hold for its old size is gone
+    assert await w.bind("default/p", "b") == ""
+    assert w.cluster.ledger.reservation("default/p").bytes_per_device == (17 * GIB,)
+    w.assert_sound()
+
+
 async def test_a_statefulset_pod_is_held_its_target_under_its_own_name(world: Any) -> None:
     pods = fragmented()
     pods[3] = owned(bound("db-0", 4, "b", consent=True), "StatefulSet", "db", "sts-db")

@@ -173,6 +173,25 @@ def test_no_entry_for_a_type_the_cluster_does_not_hold_or_without_plan_ahead():
     assert [q[0].demand.bytes_per_gpu for q in one.ahead.entries.values()] == [40 * 2**30]
 
 
+def test_the_inline_choice_made_at_prioritize_is_not_booked_after_the_pod_was_edited():
+    """kube-scheduler binds without prioritizing again (one feasible node skips scoring), so the
+    inline rule's pick at prioritize can reach bind after the pod's model-memory was edited: it
+    books what the pod asks now, never the old size."""
+    c = _cluster()
+    planner = BackgroundPlanner(c, time_limit=1.0, num_workers=1, plan_ahead=4)
+    svc = ExtenderService(c, EmbeddedBinder(c), planner=planner)
+    planner.plan_ahead_once()
+    odd = pod("odd", "30Gi", uid="u1")
+    c.upsert_pod(odd)
+    node = _top(svc, odd)  # the inline rule's node, its GPUs kept for the bind
+    assert planner.planned_node("default/odd") == node
+    assert node == "a"  # 40 GiB free there
+    c.upsert_pod(pod("odd", "35Gi", uid="u1"))  # a size no entry is kept for: the inline pick
+    assert _bind(svc, odd, node) == ""
+    assert c.ledger.reservation("default/odd").bytes_per_device == (35 << 30,)
+    assert check_invariant(c.ledger) == []
+
+
 def test_the_loop_plans_ahead_again_only_after_a_change():
     async def scenario():
         c = _cluster()

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from builders import cluster, gpu_node, pod
 
-from extender.demand import PodRef
+from extender.cluster import check_cluster
+from extender.demand import PodRef, pod_demand
 from extender.embedded import EmbeddedBinder
 from extender.ledger import Reservation, check_invariant
 from extender.planner.background import BackgroundPlanner
@@ -158,6 +159,70 @@ def test_a_recreated_pod_does_not_inherit_the_old_plan():
     assert planner.planned_node("default/x") is not None
     c.upsert_pod(pod("x", "20Gi", uid="new"))
     assert planner.planned_node("default/x") is None
+
+
+def test_a_plan_made_before_the_model_memory_was_edited_is_not_booked():
+    """A pending pod's annotation can be edited under the same UID. The plan's GPUs were sized
+    for the old value: booked as they are, the ledger (and the assignment bind writes) would
+    count 20 GiB for a pod that now uses 70."""
+    c, planner, svc = setup(pod("x", "20Gi", uid="u1"))
+    planner.plan_once()
+    node = planner.entries["default/x"].node
+    edited = pod("x", "70Gi", uid="u1")
+    c.upsert_pod(edited)
+    assert planner.planned_node("default/x", NODES, pod_demand(edited)) is None
+    assert (
+        asyncio.run(
+            svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node))
+        ).Error
+        == ""
+    )
+    held = c.ledger.reservation("default/x")
+    assert (held.pod.uid, held.bytes_per_device) == ("u1", (70 * GIB,))
+    assert svc.plan_refused_at_bind == 0  # the entry was dropped at prioritize, not refused
+    assert check_cluster(c) == []
+
+
+def test_bind_books_what_the_pod_asks_even_when_handed_a_plan_for_its_old_size():
+    c, planner, svc = setup(pod("x", "20Gi", uid="u1"))
+    planner.plan_once()
+    node = planner.entries["default/x"].node
+    c.upsert_pod(pod("x", "70Gi", uid="u1"))  # no prioritize since: the entry is still there
+    assert (
+        asyncio.run(
+            svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node))
+        ).Error
+        == ""
+    )
+    assert c.ledger.reservation("default/x").bytes_per_device == (70 * GIB,)
+    assert svc.plan_refused_at_bind == 1
+    assert check_cluster(c) == []
+
+
+def test_a_pod_re_created_while_the_solver_runs_does_not_get_the_old_pods_plan(monkeypatch):
+    from extender.planner import background
+
+    c, planner, svc = setup(pod("x", "20Gi", uid="u1"))
+    solve = background._solve
+
+    def slow_solve(*args, **kwargs):
+        c.upsert_pod(pod("x", "70Gi", uid="u2"))  # a StatefulSet's next pod, meanwhile
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(background, "_solve", slow_solve)
+    plan = asyncio.run(planner.replan())
+    assert plan is not None and plan.placed == 1
+    assert planner.planned_node("default/x") is None
+    node = plan.choices[0][0].node
+    assert (
+        asyncio.run(
+            svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node))
+        ).Error
+        == ""
+    )
+    held = c.ledger.reservation("default/x")
+    assert (held.pod.uid, held.bytes_per_device) == ("u2", (70 * GIB,))
+    assert check_cluster(c) == []
 
 
 def _with_requests(p: dict, cpu: str, memory: str) -> dict:

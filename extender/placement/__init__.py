@@ -20,7 +20,7 @@ only fit; nominated, filter and choose); callers import from this package, which
 public names.
 """
 
-from extender.placement.choose import choose_devices, plugin_allows
+from extender.placement.choose import books_demand, choose_devices, plugin_allows
 from extender.placement.filter import filter_nodes
 from extender.placement.fit import device_need
 from extender.placement.nominated import held_for_nominated
@@ -37,6 +37,7 @@ __all__ = [
     "filter_nodes",
     "score_nodes",
     "choose_devices",
+    "books_demand",
     "plugin_allows",
     "preempt_victims",
     "held_for_nominated",

@@ -209,6 +209,30 @@ def _choose_on_node(ledger: Ledger, demand: Demand, node: str, r: int) -> Reserv
     )
 
 
+def books_demand(ledger: Ledger, demand: Demand, res: Reservation) -> bool:
+    """Whether `res`, chosen earlier (a plan, a hold, the inline rule's pick at prioritize), is
+    what bind books for `demand` now: the same pod (UID), as many distinct devices of the pod's
+    resource and GPU models, each with the bytes the pod takes there. A choice made for an
+    earlier version of the pod, whose `model-memory` was edited since or which was re-created
+    under its name, is not: booked as it is, it would hold less VRAM than the pod uses."""
+    if res.pod != demand.pod or len(set(res.device_ids)) != demand.gpu_count:
+        return False
+    if len(res.bytes_per_device) != len(res.device_ids):
+        return False
+    r = ledger.node_row(res.node)
+    if r is None or not demand.wants_gpu:
+        return False
+    fit = fit_on_node(ledger, demand, r)
+    lo, hi = int(ledger.arrays.node_start[r]), int(ledger.arrays.node_start[r + 1])
+    for dev, nbytes in zip(res.device_ids, res.bytes_per_device):
+        i = ledger.row(res.node, dev)
+        if i is None or not lo <= i < hi:
+            return False
+        if not fit.matches[i - lo] or int(fit.need[i - lo]) != nbytes:
+            return False
+    return True
+
+
 def plugin_allows(ledger: Ledger, demand: Demand, res: Reservation) -> bool:
     """Whether the device plugin's node-level bound (and its pin requirement) allows the devices
     of `res`, chosen elsewhere: a background plan, made on per-device books alone. This is what

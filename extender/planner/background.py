@@ -26,7 +26,7 @@ from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
 from extender.ledger import Reservation
-from extender.planner.ahead import PlanAhead, plan_ahead_round
+from extender.planner.ahead import PlanAhead, plan_ahead_round, same_shape
 from extender.planner.capacity import MAX_TYPES, Capacity, FragIndex, Workload
 from extender.planner.model import Plan, solve_batch
 
@@ -144,7 +144,7 @@ class BackgroundPlanner:
     def planned_node(
         self, pod_key: str, nodes: Sequence[str] | None = None, demand: Demand | None = None
     ) -> str | None:
-        e = self._valid(pod_key)
+        e = self._valid(pod_key, demand)
         if e is not None:
             return e.node
         if self.ahead is None:
@@ -178,9 +178,15 @@ class BackgroundPlanner:
         else:
             self._unschedulable.discard(pod_key)
 
-    def _valid(self, pod_key: str) -> PlanEntry | None:
+    def _valid(self, pod_key: str, demand: Demand | None = None) -> PlanEntry | None:
+        """The pod's entry while it still holds: the same pod, pending, asking what it asked when
+        planned (`demand`, when the caller has it), on a node that has not changed since or
+        where the entry's GPUs are still free."""
         e = self.entries.get(pod_key)
         if e is None:
+            return None
+        if demand is not None and e.demand is not None and not same_shape(e.demand, demand):
+            self.entries.pop(pod_key, None)
             return None
         pod = self.cluster.pod(pod_key)
         if pod is None or pod_key not in self.cluster.pending:
@@ -337,10 +343,9 @@ class BackgroundPlanner:
         entries: dict[str, PlanEntry] = dict(keep) if keep else {}
         for i, (res, node_row, _) in plan.choices.items():
             d = demands[i]
-            pod = self.cluster.pod(d.pod.key)
-            uid = str(((pod or {}).get("metadata") or {}).get("uid") or "")
             node = a.node_names[node_row]
-            entries[d.pod.key] = PlanEntry(node, res, gens.get(node, 0), uid, d)
+            # the UID the plan was made for: a pod re-created while the solver ran is not it
+            entries[d.pod.key] = PlanEntry(node, res, gens.get(node, 0), d.pod.uid, d)
         self.entries = entries
         self.stats.plans += 1
         self.stats.last_status = plan.status
