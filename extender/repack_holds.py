@@ -61,7 +61,8 @@ class TargetState:
     #: the reservation this plan holds for the target (None: not yet, or taken by a bind)
     hold: Reservation | None = None
     #: how the target ended: "" while open, "placed" (a bind took the hold), "elsewhere" (the
-    #: new pod holds other GPUs), "lapsed" (the hold expired unused), "dropped" (plan ended first)
+    #: new pod holds other GPUs), "lapsed" (the hold expired unused), "dropped" (plan ended first),
+    #: "gone" (the new pod was deleted), "changed" (its model-memory edited before its bind)
     outcome: str = ""
 
 
@@ -272,6 +273,16 @@ class RepackRun:
                     ledger.release(t.hold.key)
                 t.hold = None
                 return
+            pod = self.cluster.pod(t.replacement.key)
+            uid = str(((pod or {}).get("metadata") or {}).get("uid") or "")
+            if uid != t.replacement.uid or not self._asks_the_same(pod, t.move.demand):
+                # deleted, or its model-memory edited before its bind (the target was sized
+                # for what it asked before)
+                t.outcome = "gone" if uid != t.replacement.uid else "changed"
+                if t.hold is not None and self._holds(t.hold.key):
+                    ledger.release(t.hold.key)
+                t.hold = None
+                return
             if t.hold is not None and t.hold.key != t.replacement.key:
                 # the re-created pod showed up: the hold moves to its key, in one step
                 ledger.release(t.hold.key)
@@ -298,7 +309,7 @@ class RepackRun:
             own = ledger.reservation(key)
             placed = own is not None and own.same_placement(self.placement)
             self.blocked_outcome = "placed" if placed else "elsewhere"
-        elif not self._asks_the_same(pod):
+        elif not self._asks_the_same(pod, self.blocked):
             # its model-memory was edited: the placement was sized for what it asked before
             self.blocked_outcome = "changed"
             if self.hold is not None and self._holds(key):
@@ -312,13 +323,15 @@ class RepackRun:
             if self.hold is not None:
                 self.pokes.append(self.blocked.pod)
 
-    def _asks_the_same(self, pod: Mapping[str, Any]) -> bool:
-        """Whether the blocked pod, as the cluster holds it now, asks what the plan placed."""
+    def _asks_the_same(self, pod: Mapping[str, Any] | None, planned: Demand) -> bool:
+        """Whether `pod`, as the cluster holds it now, asks what the plan placed for `planned`."""
+        if pod is None:
+            return False
         try:
             demand = pod_demand(pod, headroom=self.cluster.headroom)
         except DemandError:
             return False
-        return same_shape(demand, self.blocked)
+        return same_shape(demand, planned)
 
     def _finished(self) -> bool:
         return bool(self.blocked_outcome) and all(t.outcome for t in self.targets)

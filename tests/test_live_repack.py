@@ -1298,6 +1298,25 @@ async def test_a_blocked_pod_edited_while_held_is_booked_at_its_new_size(world: 
     w.assert_sound()
 
 
+async def test_a_re_created_pod_edited_before_its_bind_is_booked_at_its_new_size(
+    world: Any,
+) -> None:
+    w = world(fragmented())
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    new = w.recreate("default/m2", "web-new")
+    assert w.filter(new)[0] == ["a"] and w.held()[new] == ("a", ("0",))
+    w.api.pods[new]["metadata"]["annotations"]["vramsched.io/model-memory"] = "6Gi"
+    w.watch(new)
+    assert w.filter(new)[0] == ["a", "b"]  # no longer the plan's: placed as any pod is
+    run = w.repacker.run
+    assert run is not None and [t.outcome for t in run.targets] == ["changed"]
+    assert new not in w.held()
+    assert await w.bind(new, "a") == ""
+    assert w.cluster.ledger.reservation(new).bytes_per_device == (6 * GIB,)
+    w.assert_sound()
+
+
 async def test_a_statefulset_pod_is_held_its_target_under_its_own_name(world: Any) -> None:
     pods = fragmented()
     pods[3] = owned(bound("db-0", 4, "b", consent=True), "StatefulSet", "db", "sts-db")

@@ -2,12 +2,13 @@
 time-sliced nodes of one or two GPUs, pods blocked for want of one GPU's room, and in any order the
 repacker's steps with the clock moving, kube-scheduler's filter and bind of any pending pod to
 any node filter offers, controllers re-creating evicted pods, terminating pods finishing, users
-deleting pods and creating new ones, PodDisruptionBudgets refusing evictions now and then (also
-after the dry run passed), and this replica losing and winning the leader election.
+deleting pods, creating new ones and editing a waiting pod's model-memory, PodDisruptionBudgets
+refusing evictions now and then (also after the dry run passed), and this replica losing and
+winning the leader election.
 
 After every action the ledger's invariant holds with the plan's holds counted as the pods they
 stand for; only consenting pods of a controller are evicted, never more than the per-minute cap
-within a minute; and once the history is played out (every evicted pod re-created, every pod
+within a minute; every bind books what the pod asks at that moment; and once the history is played out (every evicted pod re-created, every pod
 that can be placed bound, the clock past every hold's deadline), no hold is left and the cluster
 passes every check."""
 
@@ -21,6 +22,7 @@ from builders import pod
 from test_live_repack import World, bound, owned, world  # noqa: F401 (the fixture)
 
 from extender.cluster import check_cluster
+from extender.quantity import parse_bytes
 from extender.repack_holds import HOLD_SUFFIX
 from extender.repack_policy import MOVABLE
 
@@ -75,6 +77,7 @@ class Walk:
         self.recreated: set[str] = set()
         self.evicted_at: list[float] = []
         self.binds = 0
+        self.edits = 0
         self.accepted: list[str] = []  # real evictions the API accepted, in order
         evict = self.w.repacker.evict
 
@@ -101,6 +104,12 @@ class Walk:
         if nodes:
             if await self.w.bind(key, self.rng.choice(nodes)) == "":
                 self.binds += 1
+                # booked at what the pod asks now, whatever the plan sized for it
+                p = self.w.cluster.pod(key)
+                held = self.w.cluster.ledger.reservation(key)
+                assert p is not None and held is not None, key
+                asks = p["metadata"]["annotations"]["vramsched.io/model-memory"]
+                assert held.bytes_per_device == (parse_bytes(asks),) * len(held.device_ids)
         self.w.assert_sound()
 
     def recreate_one(self) -> None:
@@ -120,10 +129,19 @@ class Walk:
 
     def user_action(self) -> None:
         rng = self.rng
-        if rng.random() < 0.5:
+        roll = rng.random()
+        if roll < 0.4:
             running = [k for k, p in self.w.api.pods.items() if p["spec"].get("nodeName")]
             if running:  # a user deletes a running pod
                 self.w.gone(rng.choice(running))
+        elif roll < 0.6:
+            if pending := self.pending():  # a user edits a waiting pod's model-memory
+                key = rng.choice(pending)
+                self.w.api.pods[key]["metadata"]["annotations"]["vramsched.io/model-memory"] = (
+                    f"{rng.randint(2, 20)}Gi"
+                )
+                self.edits += 1
+                self.w.watch(key)
         else:  # a user creates a pod
             self.made += 1
             name = f"u{self.made}"
