@@ -68,10 +68,11 @@ class Plugin:
         self.probe_port = 0
         self.starts = 0
 
-    def start(self, *extra: str) -> None:
+    def start(self, *extra: str, fault: str = "") -> None:
+        """`fault`: Python run in the process before the plugin starts (a failure to inject)."""
         self.probe_port = free_port()
         self.starts += 1
-        boot = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); from extender.cli import main; sys.exit(main())"
+        boot = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); {fault}from extender.cli import main; sys.exit(main())"
         argv = [
             sys.executable,
             "-c",
@@ -592,6 +593,63 @@ def test_volume_mounts_and_an_unhealthy_gpu(stack: Stack) -> None:
         stack.plugin.stop()
         stack.plugin.start()
         stack.wait_serving()
+
+
+#: the plugin process dies the moment the kubelet asks its second Allocate, before answering
+EXIT_ON_SECOND_ALLOCATE = (
+    "import os; from extender.device_plugin import server as s; f = s.DevicePluginService.Allocate; "
+    "n = [0]; s.DevicePluginService.Allocate = "
+    "lambda self, r, c: (n.__setitem__(0, n[0] + 1), os._exit(1) if n[0] == 2 else None, "
+    "f(self, r, c))[2]; "
+)
+
+
+def test_a_plugin_dying_between_a_pods_two_allocations_fails_that_pod_only(
+    stack: Stack,
+) -> None:
+    """The kubelet allocates a pod's GPU containers one call each, back to back, at admission.
+    The plugin process dies after serving the first (an init container) and before answering
+    the second: the kubelet fails that pod's admission, visibly, and does not hand the second
+    call to the process started next. That process serves every later pod exactly, with a
+    GPU init container too, and refuses none as ambiguous (it must not take the failed pod
+    for one still waiting for its app container's GPU)."""
+    stack.delete_all()
+
+    def registrations() -> int:
+        return stack.plugin.log().count('"registered with the kubelet"')
+
+    stack.plugin.stop()
+    seen = registrations()
+    stack.plugin.start(fault=EXIT_ON_SECOND_ALLOCATE)
+    stack.cp.wait_for(lambda: registrations() == seen + 1, timeout=90, message="faulty plugin")
+    stack.wait_serving()
+    faulty = stack.plugin.component
+    stack.create("torn", "20Gi", gpus=1, init_gpus=1)
+    torn = stack.admitted({"torn"})["torn"]
+    assert (torn.status.phase, torn.status.reason) == ("Failed", "UnexpectedAdmissionError"), (
+        torn.status.phase,
+        torn.status.reason,
+        torn.status.message,
+    )
+    assert faulty is not None and not faulty.running()
+    log = (stack.cp.logs_dir / f"device-plugin-{stack.plugin.starts}.log").read_text()
+    assert log.count('"allocated"') == 1  # the init container's, then the process died
+    stack.plugin.start()
+    stack.cp.wait_for(lambda: registrations() == seen + 2, timeout=90, message="plugin back")
+    stack.wait_serving()
+    # the same 20Gi again with an init container, then pods filling the GPUs
+    stack.create("after-init", "20Gi", gpus=1, init_gpus=1)
+    stack.create("after-init-only", "20Gi", gpus=0, init_gpus=1)
+    names = {"after-init", "after-init-only"} | {f"after-{i}" for i in range(3)}
+    for i in range(3):
+        stack.create(f"after-{i}", "60Gi")
+    pods = stack.admitted(names)
+    assert all(p.status.phase == "Running" for p in pods.values()), {
+        n: (p.status.phase, p.status.message) for n, p in pods.items()
+    }
+    check_books(stack, check_running_pods(stack))
+    assert stack.plugin.metric("ambiguous") == 0 and stack.plugin.metric("refused") == 0
+    stack.delete_all()
 
 
 def test_plugin_and_kubelet_restarts_hand_out_nothing_twice(stack: Stack) -> None:
