@@ -26,6 +26,7 @@ from extender.quantity import (
 )
 
 __all__ = [
+    "asks_same_gpus",
     "TERMINAL_PHASES",
     "well_formed_pod",
     "container_requests",
@@ -123,6 +124,17 @@ class Demand:
     def describe(self) -> str:
         per = "whole device" if self.bytes_per_gpu is None else format_bytes(self.bytes_per_gpu)
         return f"{self.gpu_count}x {self.resource} ({per} each)"
+
+
+def asks_same_gpus(a: Demand, b: Demand) -> bool:
+    """Whether two demands ask the same GPUs: as many devices of the same resource and models,
+    each with the same memory. A choice of GPUs made for one holds for the other."""
+    return (a.gpu_count, a.bytes_per_gpu, a.resource, a.allowed_products) == (
+        b.gpu_count,
+        b.bytes_per_gpu,
+        b.resource,
+        b.allowed_products,
+    )
 
 
 def well_formed_pod(pod: Mapping[str, Any]) -> bool:

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from extender.cluster import ClusterState
-from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
+from extender.demand import Demand, DemandError, PodRef, asks_same_gpus, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
 from extender.placement import plugin_allows
-from extender.repack_policy import PlannedMove, replaces, same_shape
+from extender.repack_policy import PlannedMove, replaces
 
 __all__ = ["HOLD_SUFFIX", "RepackRun", "TargetState", "hold_key"]
 
@@ -227,7 +227,9 @@ class RepackRun:
                         demand = pod_demand(pod, headroom=self.cluster.headroom)
                     except DemandError:
                         break
-                    if same_shape(demand, t.move.demand):
+                    # the re-created pod needs what the moved one held (a template change
+                    # would break the plan)
+                    if asks_same_gpus(demand, t.move.demand):
                         t.replacement = pod_ref(pod)
                     break
 
@@ -331,7 +333,7 @@ class RepackRun:
             demand = pod_demand(pod, headroom=self.cluster.headroom)
         except DemandError:
             return False
-        return same_shape(demand, planned)
+        return asks_same_gpus(demand, planned)
 
     def _finished(self) -> bool:
         return bool(self.blocked_outcome) and all(t.outcome for t in self.targets)

@@ -48,7 +48,6 @@ __all__ = [
     "moves_to_place",
     "movable",
     "replaces",
-    "same_shape",
     "plan_target_problem",
     "final_state_problem",
     "nominated_outcome",
@@ -149,16 +148,6 @@ def replaces(controller: Controller, moved: PodRef, pod: Mapping[str, Any]) -> b
         )
     labels = pod_meta.get("labels") or {}
     return str(labels.get(_TEMPLATE_HASH) or "") == controller.template_hash
-
-
-def same_shape(a: Demand, b: Demand) -> bool:
-    """The re-created pod needs what the moved one held (a template change would break the plan)."""
-    return (a.gpu_count, a.bytes_per_gpu, a.resource, a.allowed_products) == (
-        b.gpu_count,
-        b.bytes_per_gpu,
-        b.resource,
-        b.allowed_products,
-    )
 
 
 # ----- will kube-scheduler let each pod where the plan sends it? ---------------------------------

@@ -21,7 +21,7 @@ import orjson
 from prometheus_client.registry import Collector
 
 from extender.cluster import ClusterState
-from extender.demand import Demand, DemandError, pod_demand, pod_ref
+from extender.demand import Demand, DemandError, asks_same_gpus, pod_demand, pod_ref
 from extender.embedded import LearnedPods
 from extender.ledger import Ledger, LedgerError, Reservation
 from extender.observe.pending import PendingReasons, outcome_class
@@ -226,6 +226,8 @@ class ExtenderService:
         )
         #: demands by the pod's JSON (see _demand)
         self._demands: dict[bytes, tuple[float, Demand]] = {}
+        #: what each pod asked in kube-scheduler's last filter of it, by key (bind compares)
+        self._filtered: dict[str, Demand] = {}
         #: each pending pod's class from its last filter answer (`vramsched_pods_pending`)
         self.pending_reasons = PendingReasons(cluster.pending)
 
@@ -273,6 +275,7 @@ class ExtenderService:
         else:
             names = args.NodeNames or []
         self.pods.learn(args.Pod)
+        self._note_filtered(demand)
         self.ledger.expire()
         nominated = (
             self.nominations.nominated(demand.pod.key)
@@ -308,6 +311,15 @@ class ExtenderService:
             FailedNodes=failed,
             FailedAndUnresolvableNodes=outcome.unresolvable,
         )
+
+    def _note_filtered(self, demand: Demand) -> None:
+        """Keep what kube-scheduler's copy of the pod asked, for its bind (at most DEMANDS_CACHED
+        pods, oldest dropped first)."""
+        filtered = self._filtered
+        filtered.pop(demand.pod.key, None)
+        filtered[demand.pod.key] = demand
+        while len(filtered) > DEMANDS_CACHED:
+            del filtered[next(iter(filtered))]
 
     def _keep_nominated_room(self, demand: Demand, outcome: FilterOutcome) -> FilterOutcome:
         """Refuse the feasible nodes where pods kube-scheduler nominated there after preempting
@@ -413,6 +425,15 @@ class ExtenderService:
             demand = self._demand(pod)
         except DemandError as exc:
             return ExtenderBindingResult(Error=str(exc))
+        filtered = self._filtered.get(key)
+        if filtered is not None and filtered.pod == ref and not asks_same_gpus(filtered, demand):
+            # The pod was edited (its model-memory) and kube-scheduler's copy and the one bind
+            # reads are on either side of the edit: neither booking nor the nodes filter chose
+            # can be trusted. Once both copies have the edit, the next cycle agrees.
+            return ExtenderBindingResult(
+                Error=f"pod {key} changed while being scheduled: filter saw it ask"
+                f" {filtered.describe()}, it now asks {demand.describe()}; retry"
+            )
         reservation: Reservation | None = None
         created = (
             False  # a hold this call took; one reused from an earlier bind outlives our failure

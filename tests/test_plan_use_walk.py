@@ -5,8 +5,9 @@ snapshot, installed after the solver ran), the plan-ahead round's entries and th
 pick at prioritize. Meanwhile a pending pod's `model-memory` can be edited under the same UID,
 and a pod can be deleted and created again under its name. Random histories of those, with
 plans made at any point (also while a pod changes during the solve), filter, prioritize and
-binds as kube-scheduler sends them (a bind without a prioritize when one node was feasible, and
-one whose prioritize saw the pod before an edit), must keep:
+binds as kube-scheduler sends them (a bind without a prioritize when one node was feasible; the
+bind of a cycle whose filter saw the pod before an edit, refused when it asks other GPUs now;
+the next cycle's filter and bind), must keep:
 
 - after every step, the ledger's invariant and its agreement with the pods (`check_cluster`);
 - after every bind that succeeds, the pod held on as many GPUs as it asks, each at the bytes it
@@ -54,6 +55,8 @@ class Walk:
         self.binds = 0
         #: binds of a pod whose size changed after something was chosen for it
         self.stale_binds = 0
+        #: binds refused because filter saw the pod before an edit the bind reads
+        self.torn = 0
         #: pod key -> the size (model-memory) when prioritize or a plan last chose for it
         self.chosen_at: dict[str, str] = {}
 
@@ -131,12 +134,13 @@ class Walk:
         best = max(h.Score for h in hosts)
         return next(h.Host for h in hosts if h.Score == best)
 
-    def bind(self, key: str, node: str, uid: str) -> None:
+    def bind(self, key: str, node: str, uid: str) -> str:
+        """kube-scheduler's bind; on success, checks what was booked. Returns the error."""
         ns, name = key.split("/")
         args = ExtenderBindingArgs(PodName=name, PodNamespace=ns, PodUID=uid, Node=node)
         result = asyncio.run(self.svc.bind(args))
         if result.Error:
-            return
+            return result.Error
         self.binds += 1
         p = self.c.pod(key)
         assert p is not None and p["spec"]["nodeName"] == node
@@ -151,6 +155,7 @@ class Walk:
         size = p["metadata"]["annotations"]["vramsched.io/model-memory"]
         if self.chosen_at.get(key, size) != size:
             self.stale_binds += 1
+        return ""
 
     def schedule(self) -> None:
         """One scheduling cycle for a pending pod: filter, prioritize when more than one node is
@@ -167,7 +172,9 @@ class Walk:
         self.bind(key, node, uid)
 
     def schedule_across_a_change(self) -> None:
-        """Prioritize sees the pod, then it is edited or replaced before the bind comes."""
+        """Prioritize sees the pod, then it is edited or replaced before the bind comes: the bind
+        of that cycle, or kube-scheduler's next cycle with its copy of the pod updated (filter,
+        then a bind without a prioritize, as with one feasible node)."""
         keys = self.pending()
         if not keys:
             return
@@ -177,9 +184,20 @@ class Walk:
             return
         node = self.top(key, names)
         uid = self.c.pod(key)["metadata"]["uid"]  # type: ignore[index]
+        before = pod_demand(self.c.pod(key))  # type: ignore[arg-type]
         self.change()
-        if key in self.c.pending:
-            self.bind(key, node, uid)
+        if key not in self.c.pending:
+            return
+        if self.rng.random() < 0.5:
+            error = self.bind(key, node, uid)
+            now = pod_demand(self.c.pod(key))  # type: ignore[arg-type]
+            if now.pod.uid == uid and now.bytes_per_gpu != before.bytes_per_gpu:
+                assert "changed while being scheduled" in error, error
+                self.torn += 1
+            return
+        names = self.feasible(key)
+        if names:
+            self.bind(key, names[0], self.c.pod(key)["metadata"]["uid"])  # type: ignore[index]
 
     # ----- checks -----------------------------------------------------------------------------
     def check(self) -> None:
@@ -187,7 +205,7 @@ class Walk:
         assert check_cluster(self.c) == []
 
 
-def walk(seed: int, monkeypatch: pytest.MonkeyPatch, steps: int = 60) -> Walk:
+def walk(seed: int, monkeypatch: pytest.MonkeyPatch, steps: int = 80) -> Walk:
     rng = random.Random(seed)
     w = Walk(
         rng,
@@ -202,7 +220,7 @@ def walk(seed: int, monkeypatch: pytest.MonkeyPatch, steps: int = 60) -> Walk:
         (lambda: w.plan_while_changing(monkeypatch), 2),
         (w.plan_ahead, 1),
         (w.schedule, 4),
-        (w.schedule_across_a_change, 2),
+        (w.schedule_across_a_change, 3),
     ]
     funcs, weights = zip(*actions)
     for _ in range(steps):
@@ -224,4 +242,5 @@ def test_the_walks_bind_pods_whose_size_changed_after_a_choice(
     walks = [walk(seed, monkeypatch) for seed in range(12)]
     assert sum(w.binds for w in walks) >= 100
     assert sum(w.stale_binds for w in walks) >= 10
+    assert sum(w.torn for w in walks) >= 5
     assert sum(w.svc.plan_refused_at_bind for w in walks) >= 1

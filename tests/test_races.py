@@ -431,6 +431,32 @@ def bind_args(name: str, node: str, uid: str = "") -> ExtenderBindingArgs:
     return ExtenderBindingArgs(PodName=name, PodNamespace="default", PodUID=uid, Node=node)
 
 
+@pytest.mark.parametrize("watch_first", [False, True])
+async def test_a_pod_edited_between_filter_and_bind_is_not_booked_at_either_size(
+    watch_first: bool,
+) -> None:
+    """kube-scheduler filters with its copy of the pod, bind reads the watch's: an edit of the
+    pod's model-memory can reach one before the other. Booked at the watch's size, the pod
+    could land on a node filter chose for the other; booked at the old one, the ledger would
+    count less than the pod uses. The bind is refused, changes nothing, and the next cycle,
+    with both copies edited, binds."""
+    state = make_cluster(gpu_node("a", count=1, memory_mib=80 * 1024, replicas=4))
+    old, new = pod("p", "20Gi", uid="u1"), pod("p", "70Gi", uid="u1")
+    state.upsert_pod(new if watch_first else old)
+    service = ExtenderService(state, EmbeddedBinder(state), pods=WatchedPods(state))
+    out = service.filter(ExtenderArgs(Pod=old if watch_first else new, NodeNames=["a"]))
+    assert out.NodeNames == ["a"]
+    refused = await service.bind(bind_args("p", "a", "u1"))
+    assert "changed while being scheduled" in refused.Error
+    assert "(20Gi each)" in refused.Error and "(70Gi each)" in refused.Error, refused.Error
+    assert state.ledger.reservation("default/p") is None
+    state.upsert_pod(new)  # the watch catches up (or kube-scheduler's copy does)
+    assert service.filter(ExtenderArgs(Pod=new, NodeNames=["a"])).NodeNames == ["a"]
+    assert (await service.bind(bind_args("p", "a", "u1"))).Error == ""
+    assert state.ledger.reservation("default/p").bytes_per_device == (70 << 30,)
+    assert check_cluster(state) == []
+
+
 async def test_a_second_bind_to_another_node_while_one_is_in_flight_is_refused() -> None:
     service, binder, state = gated_service()
     first = asyncio.ensure_future(service.bind(bind_args("p", "a")))
