@@ -157,16 +157,21 @@ class Walk:
             self.stale_binds += 1
         return ""
 
+    def filtered_pod(self) -> tuple[str, list[str]] | None:
+        """A random pending pod and the nodes filter finds for it; None when there is none."""
+        keys = self.pending()
+        if not keys:
+            return None
+        key = self.rng.choice(keys)
+        names = self.feasible(key)
+        return (key, names) if names else None
+
     def schedule(self) -> None:
         """One scheduling cycle for a pending pod: filter, prioritize when more than one node is
         feasible, bind to the top node."""
-        keys = self.pending()
-        if not keys:
+        if (found := self.filtered_pod()) is None:
             return
-        key = self.rng.choice(keys)
-        names = self.feasible(key)
-        if not names:
-            return
+        key, names = found
         node = names[0] if len(names) == 1 else self.top(key, names)
         uid = self.c.pod(key)["metadata"]["uid"]  # type: ignore[index]
         self.bind(key, node, uid)
@@ -175,13 +180,9 @@ class Walk:
         """Prioritize sees the pod, then it is edited or replaced before the bind comes: the bind
         of that cycle, or kube-scheduler's next cycle with its copy of the pod updated (filter,
         then a bind without a prioritize, as with one feasible node)."""
-        keys = self.pending()
-        if not keys:
+        if (found := self.filtered_pod()) is None:
             return
-        key = self.rng.choice(keys)
-        names = self.feasible(key)
-        if not names:
-            return
+        key, names = found
         node = self.top(key, names)
         uid = self.c.pod(key)["metadata"]["uid"]  # type: ignore[index]
         before = pod_demand(self.c.pod(key))  # type: ignore[arg-type]

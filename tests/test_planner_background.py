@@ -161,6 +161,12 @@ def test_a_recreated_pod_does_not_inherit_the_old_plan():
     assert planner.planned_node("default/x") is None
 
 
+def bind_x(svc, node: str) -> str:
+    """kube-scheduler's bind of pod default/x to `node`: its error, "" on success."""
+    args = ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node)
+    return asyncio.run(svc.bind(args)).Error
+
+
 def test_a_plan_made_before_the_model_memory_was_edited_is_not_booked():
     """A pending pod's annotation can be edited under the same UID. The plan's GPUs were sized
     for the old value: booked as they are, the ledger (and the assignment bind writes) would
@@ -171,12 +177,7 @@ def test_a_plan_made_before_the_model_memory_was_edited_is_not_booked():
     edited = pod("x", "70Gi", uid="u1")
     c.upsert_pod(edited)
     assert planner.planned_node("default/x", NODES, pod_demand(edited)) is None
-    assert (
-        asyncio.run(
-            svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node))
-        ).Error
-        == ""
-    )
+    assert bind_x(svc, node) == ""
     held = c.ledger.reservation("default/x")
     assert (held.pod.uid, held.bytes_per_device) == ("u1", (70 * GIB,))
     assert svc.plan_refused_at_bind == 0  # the entry was dropped at prioritize, not refused
@@ -188,12 +189,7 @@ def test_bind_books_what_the_pod_asks_even_when_handed_a_plan_for_its_old_size()
     planner.plan_once()
     node = planner.entries["default/x"].node
     c.upsert_pod(pod("x", "70Gi", uid="u1"))  # no prioritize since: the entry is still there
-    assert (
-        asyncio.run(
-            svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node))
-        ).Error
-        == ""
-    )
+    assert bind_x(svc, node) == ""
     assert c.ledger.reservation("default/x").bytes_per_device == (70 * GIB,)
     assert svc.plan_refused_at_bind == 1
     assert check_cluster(c) == []
@@ -214,12 +210,7 @@ def test_a_pod_re_created_while_the_solver_runs_does_not_get_the_old_pods_plan(m
     assert plan is not None and plan.placed == 1
     assert planner.planned_node("default/x") is None
     node = plan.choices[0][0].node
-    assert (
-        asyncio.run(
-            svc.bind(ExtenderBindingArgs(PodName="x", PodNamespace="default", Node=node))
-        ).Error
-        == ""
-    )
+    assert bind_x(svc, node) == ""
     held = c.ledger.reservation("default/x")
     assert (held.pod.uid, held.bytes_per_device) == ("u2", (70 * GIB,))
     assert check_cluster(c) == []
