@@ -378,3 +378,44 @@ def test_room_freed_by_preemption_is_kept_for_the_nominated_pod():
     # bound (or nominated no more), it keeps nothing beyond what it holds
     c.upsert_pod({**preemptor, "status": {"phase": "Pending"}})
     assert not c.nominated and feasible(pod("low2", "30Gi"))[0] == ["a", "b"]
+
+
+def test_books_demand_takes_a_choice_only_for_the_pod_and_bytes_it_asks_now():
+    """What bind checks before booking a placement chosen earlier (a plan, a hold, a pick)."""
+    from dataclasses import replace
+
+    from extender.demand import PodRef
+    from extender.placement import books_demand
+
+    c = cluster(
+        gpu_node("ts", count=2, memory_mib=80 * 1024, replicas=4),
+        gpu_node("ex", count=1, memory_mib=80 * 1024),
+        mig_mixed_node("mig", {"1g.10gb": (2, 9728)}),
+    )
+    d = pod_demand(pod("p", "20Gi", uid="u1"))
+    chosen = choose_devices(c.ledger, d, "ts")
+    assert not isinstance(chosen, str) and books_demand(c.ledger, d, chosen)
+    edited = pod_demand(pod("p", "30Gi", uid="u1"))
+    assert not books_demand(c.ledger, edited, chosen)  # sized for 20Gi
+    assert not books_demand(c.ledger, pod_demand(pod("p", "20Gi", uid="u2")), chosen)
+    other = replace(chosen, pod=PodRef("default", "q", "u1"))
+    assert not books_demand(c.ledger, d, other)
+    two = pod_demand(pod("p", "40Gi", gpus=2, uid="u1"))  # 20Gi on each of 2 GPUs
+    assert not books_demand(c.ledger, two, chosen)  # one device where it asks two
+    twice = replace(chosen, device_ids=("0", "0"), bytes_per_device=(20 * GIB, 20 * GIB))
+    assert not books_demand(c.ledger, two, twice)  # the same GPU counted twice
+    both = replace(chosen, device_ids=("0", "1"), bytes_per_device=(20 * GIB, 20 * GIB))
+    assert books_demand(c.ledger, two, both)
+    assert not books_demand(c.ledger, d, replace(chosen, node="ghost"))
+    assert not books_demand(c.ledger, d, replace(chosen, device_ids=("7",)))  # no such GPU
+    # a whole device books what the device's cap is: all of an exclusive GPU
+    whole = pod_demand(pod("w", None, uid="w"))
+    on_ex = choose_devices(c.ledger, whole, "ex")
+    assert not isinstance(on_ex, str) and books_demand(c.ledger, whole, on_ex)
+    assert not books_demand(c.ledger, whole, replace(on_ex, bytes_per_device=(20 * GIB,)))
+    # a MIG slice is not a GPU of the resource the pod asks
+    mig = pod_demand(pod("m", "9Gi", uid="m", resource="nvidia.com/mig-1g.10gb"))
+    slice_ = choose_devices(c.ledger, mig, "mig")
+    assert not isinstance(slice_, str) and books_demand(c.ledger, mig, slice_)
+    as_gpu = replace(slice_, pod=d.pod, bytes_per_device=(20 * GIB,))
+    assert not books_demand(c.ledger, d, as_gpu)
