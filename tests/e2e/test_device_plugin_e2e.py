@@ -72,7 +72,13 @@ class Plugin:
         """`fault`: Python run in the process before the plugin starts (a failure to inject)."""
         self.probe_port = free_port()
         self.starts += 1
-        boot = f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); {fault}from extender.cli import main; sys.exit(main())"
+        boot = "\n".join(
+            (
+                f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r})",
+                fault,
+                "from extender.cli import main; sys.exit(main())",
+            )
+        )
         argv = [
             sys.executable,
             "-c",
@@ -596,12 +602,17 @@ def test_volume_mounts_and_an_unhealthy_gpu(stack: Stack) -> None:
 
 
 #: the plugin process dies the moment the kubelet asks its second Allocate, before answering
-EXIT_ON_SECOND_ALLOCATE = (
-    "import os; from extender.device_plugin import server as s; f = s.DevicePluginService.Allocate; "
-    "n = [0]; s.DevicePluginService.Allocate = "
-    "lambda self, r, c: (n.__setitem__(0, n[0] + 1), os._exit(1) if n[0] == 2 else None, "
-    "f(self, r, c))[2]; "
-)
+EXIT_ON_SECOND_ALLOCATE = """
+import os
+from extender.device_plugin import server
+allocate, calls = server.DevicePluginService.Allocate, []
+def dying(self, request, context):
+    calls.append(request)
+    if len(calls) == 2:
+        os._exit(1)
+    return allocate(self, request, context)
+server.DevicePluginService.Allocate = dying
+"""
 
 
 def test_a_plugin_dying_between_a_pods_two_allocations_fails_that_pod_only(
