@@ -166,14 +166,40 @@ class FakeApi:
         key = f"{namespace}/{body['metadata']['name']}"
         if key in self.configmaps:
             raise ApiError(409, "AlreadyExists", "")
-        self.configmaps[key] = copy.deepcopy(dict(body))
-        return copy.deepcopy(dict(body))
+        stored = copy.deepcopy(dict(body))
+        stored["metadata"].update(uid=f"cm-{len(self.calls)}", resourceVersion="1")
+        self.configmaps[key] = stored
+        return copy.deepcopy(stored)
 
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]:
         self.calls.append(("read_configmap", namespace, name))
         cm = self.configmaps.get(f"{namespace}/{name}")
         if cm is None:
             raise ApiError(404, "NotFound", "")
+        return copy.deepcopy(cm)
+
+    def patch_configmap(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A merge patch of `data`, with the API's preconditions: `metadata.uid` and
+        `metadata.resourceVersion` in the patch must be the stored ones (409 otherwise)."""
+        self.calls.append(("patch_configmap", namespace, name, copy.deepcopy(dict(patch))))
+        self._maybe_fail("patch_configmap")
+        cm = self.configmaps.get(f"{namespace}/{name}")
+        if cm is None:
+            raise ApiError(404, "NotFound", "")
+        meta, want = cm.setdefault("metadata", {}), patch.get("metadata") or {}
+        for field in ("uid", "resourceVersion"):
+            if field in want and want[field] != meta.get(field):
+                raise ApiError(409, "Conflict", f"precondition failed: {field}")
+        data = dict(cm.get("data") or {})
+        for key, value in (patch.get("data") or {}).items():
+            if value is None:
+                data.pop(key, None)
+            else:
+                data[key] = value
+        cm["data"] = data
+        meta["resourceVersion"] = str(int(meta.get("resourceVersion") or "0") + 1)
         return copy.deepcopy(cm)
 
     def server_version(self) -> dict[str, Any]:
@@ -191,5 +217,7 @@ class FakeApi:
 
     def writes(self) -> list[str]:
         return [
-            c[0] for c in self.calls if c[0] in ("patch_pod", "create_binding", "create_configmap")
+            c[0]
+            for c in self.calls
+            if c[0] in ("patch_pod", "create_binding", "create_configmap", "patch_configmap")
         ]

@@ -46,11 +46,13 @@ def test_extender_role_grants_exactly_what_the_extender_uses() -> None:
     }
 
 
-def test_pinning_role_only_creates_and_reads_back_configmaps() -> None:
-    # get: only after a 409 on create (a retried bind), to check the existing ConfigMap is this pod's.
+def test_pinning_role_only_creates_reads_back_and_repins_configmaps() -> None:
+    # get: only after a 409 on create (a retried bind), to check the existing ConfigMap is this
+    # pod's; patch: only when it is, but pins the GPUs of an earlier bind that did not land.
     assert rules_of(load(PIN / "rbac.yaml"), "ClusterRole", "vramsched-extender-pinning") == {
         ("", "configmaps", "create", None),
         ("", "configmaps", "get", None),
+        ("", "configmaps", "patch", None),
     }
     assert not any(
         o["kind"] == "ClusterRole" and "configmaps" in str(o["rules"]) for o in base_objects()

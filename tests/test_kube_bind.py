@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import orjson
-from builders import gpu_node, pod
+from builders import assigned, gpu_node, pod
 from kube_fakes import FakeApi
 
 from extender.cluster import ClusterState
@@ -242,6 +242,34 @@ async def test_pinned_policy_writes_a_configmap_owned_by_the_pod() -> None:
     }
     result = await service.bind(bind_args(q, "ts"))
     assert "belongs to another pod" in result.Error and c.ledger.reservation("default/q") is None
+
+
+async def test_a_bind_after_one_that_did_not_land_repins_the_pods_own_configmap() -> None:
+    """A Binding refused for good leaves the pod's ConfigMap naming that bind's GPU (the pod
+    owns it; nothing deletes it). The next bind, to another GPU, points it at that GPU: refused
+    instead, the pod could never bind anywhere but the first GPU. A ConfigMap changed meanwhile
+    (another resourceVersion) is not overwritten."""
+    p = pinned_pod("p", "12Gi")
+    node = gpu_node("ts", count=2, memory_mib=23034, replicas=4)
+    service, api, c = live([node], [p], replica_policy="pinned")
+    api.fail["create_binding"] = [ApiError(422, "Invalid", "denied by a policy webhook")]
+    assert "rejected: 422" in (await service.bind(bind_args(p, "ts"))).Error
+    first = api.configmaps["default/vramsched-p"]["data"]["NVIDIA_VISIBLE_DEVICES"]
+    other = pod("o", "15Gi", node="ts", uid="o", annotations=assigned("ts", first, 15))
+    api.add_pod(other)
+    service.source.apply("pods", "ADDED", other)  # that GPU is no longer the best fit
+    api.fail["patch_configmap"] = [ApiError(409, "Conflict", "the object has been modified")]
+    refused = await service.bind(bind_args(p, "ts"))
+    assert "cannot update ConfigMap vramsched-p" in refused.Error
+    assert c.ledger.reservation("default/p") is None
+    assert (await service.bind(bind_args(p, "ts"))).Error == ""
+    index = api.pods["default/p"]["metadata"]["annotations"][GPU_INDEX]
+    assert index != first
+    assert api.configmaps["default/vramsched-p"]["data"] == {
+        "NVIDIA_VISIBLE_DEVICES": index,
+        "VRAMSCHED_PINNED": "true",
+    }
+    assert api.pods["default/p"]["spec"]["nodeName"] == "ts"
 
 
 async def test_without_pinning_a_referenced_configmap_still_exists_but_pins_nothing() -> None:

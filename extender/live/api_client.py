@@ -104,6 +104,10 @@ class KubeApi(Protocol):
 
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]: ...
 
+    def patch_configmap(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]: ...
+
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None: ...
 
     def server_version(self) -> dict[str, Any]: ...
@@ -357,6 +361,17 @@ class ClientApi:
 
     def read_configmap(self, namespace: str, name: str) -> dict[str, Any]:
         return self._json("GET", f"/api/v1/namespaces/{namespace}/configmaps/{name}")
+
+    def patch_configmap(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return self._json(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/configmaps/{name}",
+            body=dict(patch),
+            content_type="application/merge-patch+json",
+            timeout=self.write_timeout,
+        )
 
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
         # core/v1, not events.k8s.io: the same call works from 1.20 to today.

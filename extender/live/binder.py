@@ -253,10 +253,23 @@ class KubeBinder:
             raise BindError(
                 f"ConfigMap {name} exists and belongs to another pod (garbage collection pending?)"
             )
-        if (existing.get("data") or {}) != data:
-            raise BindError(
-                f"ConfigMap {name} pins other GPUs ({(existing.get('data') or {}).get('NVIDIA_VISIBLE_DEVICES')})"
-            )
+        old = existing.get("data") or {}
+        if old == data:
+            return
+        # This pod's own ConfigMap from an earlier bind that did not land: a Binding refused for
+        # good, or one whose outcome stayed unknown until its hold lapsed (bind holds the same
+        # GPUs while it may still land). The pod is not bound, so no container read it; it must
+        # now name this bind's GPUs, or the pod could never bind to others. The UID and
+        # resourceVersion make it fail rather than overwrite a ConfigMap changed meanwhile.
+        meta = existing.get("metadata") or {}
+        patch = {
+            "metadata": {k: meta[k] for k in ("uid", "resourceVersion") if meta.get(k)},
+            "data": {**{k: None for k in old if k not in data}, **data},
+        }
+        try:
+            await self.call(self.api.patch_configmap, ref.namespace, name, patch)
+        except ApiError as exc:
+            raise _definite(exc, f"cannot update ConfigMap {name} to this bind's GPUs") from None
 
     async def _unannotate(self, ref: Any) -> None:
         """Best effort after a definite failure: a pending pod should not carry a stale assignment.
