@@ -314,14 +314,18 @@ class ClientApi:
                     pass
 
     # ----- binder ----------------------------------------------------------------------------------
-    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+    def _merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch (metadata.uid and resourceVersion in it act as preconditions)."""
         return self._json(
             "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            path,
             body=dict(patch),
             content_type="application/merge-patch+json",
             timeout=self.write_timeout,
         )
+
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self._merge_patch(f"/api/v1/namespaces/{namespace}/pods/{name}", patch)
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return self._json(
@@ -365,13 +369,7 @@ class ClientApi:
     def patch_configmap(
         self, namespace: str, name: str, patch: Mapping[str, Any]
     ) -> dict[str, Any]:
-        return self._json(
-            "PATCH",
-            f"/api/v1/namespaces/{namespace}/configmaps/{name}",
-            body=dict(patch),
-            content_type="application/merge-patch+json",
-            timeout=self.write_timeout,
-        )
+        return self._merge_patch(f"/api/v1/namespaces/{namespace}/configmaps/{name}", patch)
 
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
         # core/v1, not events.k8s.io: the same call works from 1.20 to today.
