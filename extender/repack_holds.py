@@ -223,13 +223,9 @@ class RepackRun:
             self._scanned.add(key)
             for t in open_:
                 if t.replacement is None and replaces(t.move.controller, t.move.pod, pod):
-                    try:
-                        demand = pod_demand(pod, headroom=self.cluster.headroom)
-                    except DemandError:
-                        break
                     # the re-created pod needs what the moved one held (a template change
                     # would break the plan)
-                    if asks_same_gpus(demand, t.move.demand):
+                    if self._asks_the_same(pod, t.move.demand):
                         t.replacement = pod_ref(pod)
                     break
 
