@@ -28,6 +28,7 @@ from extender.demand import (
 )
 from extender.inventory import ReplicaPolicy, is_gpu_resource, node_inventory
 from extender.ledger import Ledger, Reservation, Violation, check_invariant
+from extender.object_fields import uid_of, version_of
 from extender.placement import choose_devices, device_need
 from extender.planner.capacity import Kind, demand_kind
 from extender.planner.mix import DemandMix
@@ -88,7 +89,7 @@ class ClusterState:
         if not isinstance(name, str) or not name:
             return
         old = self.nodes.get(name)
-        if old is not None and _rv(old) and _rv(old) == _rv(node):
+        if old is not None and version_of(old) and version_of(old) == version_of(node):
             return
         self.nodes[name] = node
         self.ledger.upsert_node(node_inventory(node))
@@ -107,7 +108,7 @@ class ClusterState:
             return
         key = ref.key
         old = self.pods.get(key)
-        if old is not None and _uid(old) and _uid(pod) and _uid(old) != _uid(pod):
+        if old is not None and uid_of(old) and uid_of(pod) and uid_of(old) != uid_of(pod):
             self.delete_pod(key)  # same name, new pod: the old one's VRAM is free
         self.pods[key] = pod
         spec = pod.get("spec") or {}
@@ -433,11 +434,3 @@ def check_cluster(cluster: ClusterState) -> list[Violation]:
             )
         )
     return out
-
-
-def _rv(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
-
-
-def _uid(obj: Mapping[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("uid") or "")

@@ -10,7 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["mapping", "items", "field", "meta", "spec", "labels", "name", "namespace"]
+__all__ = [
+    "mapping",
+    "items",
+    "field",
+    "meta",
+    "spec",
+    "labels",
+    "name",
+    "namespace",
+    "uid_of",
+    "version_of",
+]
 
 
 def mapping(value: Any) -> Mapping[str, Any]:
@@ -50,3 +61,14 @@ def name(obj: Any) -> str:
 
 def namespace(obj: Any) -> str:
     return str(meta(obj).get("namespace") or "default")
+
+
+def uid_of(obj: Any) -> str:
+    """metadata.uid, "" when absent: the identity that tells a pod from one created again under
+    its name."""
+    return str(meta(obj).get("uid") or "")
+
+
+def version_of(obj: Any) -> str:
+    """metadata.resourceVersion, "" when absent: opaque, compared for equality only."""
+    return str(meta(obj).get("resourceVersion") or "")

@@ -32,6 +32,7 @@ from typing import Any
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, asks_same_gpus, pod_demand, pod_ref
 from extender.ledger import LedgerError, Reservation
+from extender.object_fields import uid_of
 from extender.placement import plugin_allows
 from extender.repack_policy import PlannedMove, replaces
 
@@ -272,11 +273,10 @@ class RepackRun:
                 t.hold = None
                 return
             pod = self.cluster.pod(t.replacement.key)
-            uid = str(((pod or {}).get("metadata") or {}).get("uid") or "")
-            if uid != t.replacement.uid or not self._asks_the_same(pod, t.move.demand):
+            if uid_of(pod) != t.replacement.uid or not self._asks_the_same(pod, t.move.demand):
                 # deleted, or its model-memory edited before its bind (the target was sized
                 # for what it asked before)
-                t.outcome = "gone" if uid != t.replacement.uid else "changed"
+                t.outcome = "gone" if uid_of(pod) != t.replacement.uid else "changed"
                 if t.hold is not None and self._holds(t.hold.key):
                     ledger.release(t.hold.key)
                 t.hold = None
@@ -301,7 +301,7 @@ class RepackRun:
         ledger = self.cluster.ledger
         key = self.blocked.pod.key
         pod = self.cluster.pod(key)
-        if pod is None or str((pod.get("metadata") or {}).get("uid") or "") != self.blocked.pod.uid:
+        if pod is None or uid_of(pod) != self.blocked.pod.uid:
             self.blocked_outcome = "gone"
         elif self._bound(key):
             own = ledger.reservation(key)

@@ -16,6 +16,7 @@ from typing import Any
 
 from extender.live.api_client import ApiError, ClientApi
 from extender.live.informer import Informer
+from extender.object_fields import uid_of
 from extender.plugin_state import STATE_ANNOTATION, PluginState, encode_state
 
 __all__ = ["NodeApi", "NodePods"]
@@ -95,7 +96,7 @@ class NodePods:
             elif op == "DELETED":
                 key = _key(payload)
                 known = self._pods.get(key)
-                if known is not None and _uid(known) == _uid(payload):
+                if known is not None and uid_of(known) == uid_of(payload):
                     del self._pods[key]
 
     def snapshot(self, keys: Mapping[str, Any] | list[str]) -> dict[str, dict[str, Any]]:
@@ -133,7 +134,3 @@ def _key(pod: Mapping[str, Any]) -> str:
     meta = pod.get("metadata") or {}
     name = meta.get("name")
     return f"{meta.get('namespace') or 'default'}/{name}" if name else ""
-
-
-def _uid(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("metadata") or {}).get("uid") or "")

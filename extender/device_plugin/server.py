@@ -46,6 +46,7 @@ from extender.device_plugin.matcher import (
     replica_id,
 )
 from extender.device_plugin.specs import container_spec
+from extender.object_fields import uid_of
 from extender.plugin_state import PluginState
 
 __all__ = ["DevicePluginService", "PluginRunner", "PodLookup", "Metrics"]
@@ -440,7 +441,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         listed = {kp.key for kp in kubelet_pods}
         for uid, key in list(self._served_pod.items()):
             pod = pods.get(key)
-            if key not in listed or (pod is not None and _uid(pod) != uid):
+            if key not in listed or (pod is not None and uid_of(pod) != uid):
                 self.served_init.pop(uid, None)
                 del self._served_pod[uid]
 
@@ -471,7 +472,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             slots = container_slots(pod, self.resource, self.node)
             if not slots or isinstance(slots, Refusal):
                 continue
-            uid = _uid(pod)
+            uid = uid_of(pod)
             was_admitted = any(kp.devices.values()) or admitted(pod)
             held += was_admitted
             if uid in known:
@@ -508,10 +509,6 @@ def _with_taken(kp: KubeletPod, containers: set[str] | None) -> KubeletPod:
     for c in containers:
         devices[c] = devices.get(c) or ("(this request)",)
     return KubeletPod(kp.namespace, kp.name, devices)
-
-
-def _uid(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("metadata") or {}).get("uid") or "")
 
 
 def _code(exc: grpc.RpcError) -> str:

@@ -26,6 +26,7 @@ from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, pod_demand
 from extender.ledger import Reservation
+from extender.object_fields import uid_of
 from extender.planner.ahead import PlanAhead, plan_ahead_round, same_shape
 from extender.planner.capacity import MAX_TYPES, Capacity, FragIndex, Workload
 from extender.planner.model import Plan, solve_batch
@@ -192,8 +193,7 @@ class BackgroundPlanner:
         if pod is None or pod_key not in self.cluster.pending:
             self.entries.pop(pod_key, None)
             return None
-        uid = str((pod.get("metadata") or {}).get("uid") or "")
-        if uid != e.uid:
+        if uid_of(pod) != e.uid:
             self.entries.pop(pod_key, None)
             return None
         ledger = self.cluster.ledger
