@@ -111,6 +111,7 @@ class FakeApi:
         want_uid = (patch.get("metadata") or {}).get("uid")
         if want_uid and want_uid != meta.get("uid"):
             raise ApiError(422, "Invalid", "metadata.uid: field is immutable")
+        _check_version(pod, patch)
         ann = dict(meta.get("annotations") or {})
         for k, v in ((patch.get("metadata") or {}).get("annotations") or {}).items():
             if v is None:
@@ -118,7 +119,17 @@ class FakeApi:
             else:
                 ann[k] = v
         meta["annotations"] = ann
+        _bump_version(pod)
         return copy.deepcopy(pod)
+
+    def edit_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        """Someone else's update of a pod's annotations (a user's `kubectl annotate`)."""
+        pod = self.pods[f"{namespace}/{name}"]
+        pod["metadata"]["annotations"] = {
+            **(pod["metadata"].get("annotations") or {}),
+            **annotations,
+        }
+        _bump_version(pod)
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         self.calls.append(("read_pod", namespace, name))
@@ -152,6 +163,7 @@ class FakeApi:
             uid = (body.get("metadata") or {}).get("uid")
             if uid and uid != pod["metadata"].get("uid"):
                 raise ApiError(409, "Conflict", "Precondition failed: UID")
+            _check_version(pod, body)
             if pod["spec"].get("nodeName"):
                 raise ApiError(
                     409,
@@ -159,6 +171,7 @@ class FakeApi:
                     f"pod {name} is already assigned to node {pod['spec']['nodeName']}",
                 )
             pod["spec"]["nodeName"] = body["target"]["name"]
+            _bump_version(pod)
 
     def create_configmap(self, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
         self.calls.append(("create_configmap", namespace, copy.deepcopy(dict(body))))
@@ -221,3 +234,23 @@ class FakeApi:
             for c in self.calls
             if c[0] in ("patch_pod", "create_binding", "create_configmap", "patch_configmap")
         ]
+
+
+def _check_version(stored: Mapping[str, Any], request: Mapping[str, Any]) -> None:
+    """A write naming a resourceVersion applies only to that version (409 otherwise), as the
+    API server's optimistic concurrency does for a merge patch and for a Binding."""
+    want = (request.get("metadata") or {}).get("resourceVersion")
+    have = (stored.get("metadata") or {}).get("resourceVersion")
+    if want and want != have:
+        raise ApiError(
+            409,
+            "Conflict",
+            "the object has been modified; please apply your changes to the latest version",
+        )
+
+
+def _bump_version(stored: dict[str, Any]) -> None:
+    """A new resourceVersion after a write, for objects that carry one."""
+    meta = stored["metadata"]
+    if meta.get("resourceVersion"):
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)

@@ -14,7 +14,7 @@ from builders import assigned, gpu_node, pod
 from kube_fakes import FakeApi
 
 from extender.cluster import ClusterState
-from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_FIELD_PATH
+from extender.demand import ASSIGNMENT, GPU_INDEX, MODEL_MEMORY, PIN_FIELD_PATH
 from extender.inventory import ReplicaPolicy
 from extender.ledger import check_invariant
 from extender.live.api_client import ApiError
@@ -170,6 +170,96 @@ async def test_a_rollback_never_touches_a_pod_created_again_under_the_name() -> 
     assert "forbidden by RBAC" in result.Error
     assert api.pods["default/p"]["metadata"]["annotations"][ASSIGNMENT] == theirs
     assert c.ledger.reservation("default/p") is None
+
+
+def versioned(name: str, memory: str) -> dict[str, Any]:
+    """A pod as the API server and the watch hand it out: with a resourceVersion."""
+    p = pod(name, memory)
+    p["metadata"]["resourceVersion"] = "7"
+    return p
+
+
+async def test_a_pod_edited_after_bind_read_it_is_refused_before_anything_is_written() -> None:
+    """The edit (30Gi to 70Gi) reaches the API after the watch copy bind books: the annotation
+    patch names the version booked, the API refuses it, and bind reads the pod again."""
+    p = versioned("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    api.edit_pod("default", "p", {MODEL_MEMORY: "70Gi"})
+    result = await service.bind(bind_args(p, "n1"))
+    assert "changed while being bound" in result.Error
+    assert "(30Gi each), it now asks 1x nvidia.com/gpu (70Gi each)" in result.Error
+    assert api.calls[0][3]["metadata"]["resourceVersion"] == "7"
+    assert api.writes() == ["patch_pod"]  # refused: no assignment, no Binding
+    assert ASSIGNMENT not in api.pods["default/p"]["metadata"]["annotations"]
+    assert "nodeName" not in api.pods["default/p"]["spec"]
+    assert c.ledger.reservation("default/p") is None and check_invariant(c.ledger) == []
+
+
+async def test_a_pod_edited_between_its_annotation_and_its_binding_is_not_bound() -> None:
+    p = versioned("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    api.fail["create_binding"] = [lambda: api.edit_pod("default", "p", {MODEL_MEMORY: "70Gi"})]
+    result = await service.bind(bind_args(p, "n1"))
+    assert "changed while being bound" in result.Error
+    binding = api.calls[1][3]
+    assert binding["metadata"]["resourceVersion"] == "8"  # the annotated version
+    assert api.writes() == ["patch_pod", "create_binding", "patch_pod"]
+    stored = api.pods["default/p"]
+    assert "nodeName" not in stored["spec"]
+    assert ASSIGNMENT not in stored["metadata"]["annotations"]  # the stale assignment removed
+    assert stored["metadata"]["annotations"][MODEL_MEMORY] == "70Gi"
+    assert c.ledger.reservation("default/p") is None and check_invariant(c.ledger) == []
+
+
+async def test_an_update_that_leaves_the_gpu_ask_alone_is_written_again_and_bound() -> None:
+    """A label or status update between bind's read and each write: same ask, so bind reads the
+    new version and writes again, to it."""
+    p = versioned("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    api.edit_pod("default", "p", {"team": "search"})
+    api.fail["create_binding"] = [lambda: api.edit_pod("default", "p", {"owner": "x"})]
+    result = await service.bind(bind_args(p, "n1"))
+    assert result.Error == ""
+    assert api.writes() == ["patch_pod", "patch_pod", "create_binding", "create_binding"]
+    assert [
+        call[3]["metadata"]["resourceVersion"] for call in api.calls if call[0] != "read_pod"
+    ] == [
+        "7",
+        "8",
+        "9",
+        "10",
+    ]
+    stored = api.pods["default/p"]
+    assert stored["spec"]["nodeName"] == "n1"
+    assert orjson.loads(stored["metadata"]["annotations"][ASSIGNMENT])["bytesPerDevice"] == [
+        30 * GIB
+    ]
+    held = c.ledger.reservation("default/p")
+    assert held is not None and held.total_bytes == 30 * GIB
+
+
+async def test_a_pod_that_keeps_changing_is_refused_after_a_few_writes() -> None:
+    p = versioned("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    api.fail["patch_pod"] = [lambda: api.edit_pod("default", "p", {"n": str(i)}) for i in range(3)]
+    result = await service.bind(bind_args(p, "n1"))
+    assert "kept changing while being bound" in result.Error
+    assert api.writes() == ["patch_pod"] * 3
+    assert ASSIGNMENT not in api.pods["default/p"]["metadata"]["annotations"]
+    assert c.ledger.reservation("default/p") is None
+
+
+async def test_a_retried_bind_from_a_stale_copy_finds_its_binding_landed() -> None:
+    """kube-scheduler retries a bind whose Binding landed before the watch shows it: the copy
+    bind reads is the version before its own writes, and the pod bound with these devices is
+    the success it reports, without writing again."""
+    p = versioned("p", "30Gi")
+    service, api, c = live([gpu_node("n1")], [p])
+    assert (await service.bind(bind_args(p, "n1"))).Error == ""
+    again = await service.bind(bind_args(p, "n1"))
+    assert again.Error == ""
+    assert api.writes() == ["patch_pod", "create_binding", "patch_pod"]  # the second refused
+    assert len(list(c.ledger.reservations())) == 1 and check_invariant(c.ledger) == []
 
 
 async def test_a_deleted_pod_fails_the_bind_cleanly() -> None:

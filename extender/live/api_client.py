@@ -41,12 +41,17 @@ class ApiError(Exception):
         return self.status == 0 or self.status == 429 or self.status >= 500
 
 
-def annotation_patch(uid: str, annotations: Mapping[str, str | None]) -> dict[str, Any]:
+def annotation_patch(
+    uid: str, annotations: Mapping[str, str | None], resource_version: str = ""
+) -> dict[str, Any]:
     """A merge patch of a pod's annotations (None removes one), with its UID as precondition
-    when known: the API refuses it for a pod created again under the name meanwhile."""
+    when known: the API refuses it for a pod created again under the name meanwhile. With a
+    `resource_version`, also for a pod changed since that version (409 Conflict)."""
     meta: dict[str, Any] = {"annotations": dict(annotations)}
     if uid:
         meta["uid"] = uid
+    if resource_version:
+        meta["resourceVersion"] = resource_version
     return {"metadata": meta}
 
 

@@ -1,5 +1,9 @@
 """Live mode's `Binder`: the assignment annotations, the pin ConfigMap, then the Binding.
 
+Both pod writes carry the version bind booked as a precondition, so an edit of the pod's
+`model-memory` landing after bind read it fails them rather than binding a pod its booking
+no longer covers.
+
 The API calls run in a thread pool; the reservation was already taken synchronously by the
 service before the first await. After a bind it hands one `VramschedAssigned` Event to the
 `EventRecorder`, which posts it later: an event never delays or fails a bind.
@@ -18,10 +22,20 @@ from typing import Any
 from extender.assignment import encode_assignment
 from extender.bind_event import bind_event, bind_message
 from extender.cluster import ClusterState
-from extender.demand import ASSIGNMENT, GPU_INDEX, PIN_ENV, pod_ref, reads_pin_annotation
+from extender.demand import (
+    ASSIGNMENT,
+    GPU_INDEX,
+    PIN_ENV,
+    DemandError,
+    asks_same_gpus,
+    pod_demand,
+    pod_ref,
+    reads_pin_annotation,
+)
 from extender.ledger import Reservation
 from extender.live.api_client import ApiError, KubeApi, annotation_patch
 from extender.live.events import EventRecorder
+from extender.object_fields import mapping, meta, spec, uid_of, version_of
 from extender.pinning import pin_configmap_name, pin_environment, references_pin_configmap
 from extender.quantity import format_bytes
 from extender.service import BindError
@@ -31,6 +45,10 @@ from extender.stock_plugin import is_time_sliced
 __all__ = ["BindUncertain", "KubeBinder"]
 
 log = logging.getLogger(__name__)
+
+#: writes of one bind retried after a 409 whose pod still asks the same GPUs (a status or
+#: label update landed in between); a pod changing faster than that is refused, to retry
+WRITE_ATTEMPTS = 3
 
 
 class BindUncertain(BindError):
@@ -129,41 +147,15 @@ class KubeBinder:
                 f"pod {ref.key} reads {PIN_ENV} from annotation {GPU_INDEX}, "
                 f"but its GPUs on {node} cannot be pinned; it would start without a GPU"
             )
-        if reservation is not None:
-            patch = annotation_patch(ref.uid, self.annotations(pod, reservation))
-            try:
-                await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
-            except ApiError as exc:
-                raise _definite(exc, f"cannot annotate pod {ref.key}") from None
-            if references_pin_configmap(pod):
-                await self._configmap(pod, reservation)
-        binding = {
-            "apiVersion": "v1",
-            "kind": "Binding",
-            "metadata": {
-                "name": ref.name,
-                "namespace": ref.namespace,
-                **({"uid": ref.uid} if ref.uid else {}),
-            },
-            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
-        }
-        try:
-            await self.call(self.api.create_binding, ref.namespace, ref.name, binding)
-        except ApiError as exc:
-            if exc.status == 409:
-                await self._already_bound(ref, node, exc)
-            elif exc.transient:
-                log.warning(
-                    "bind outcome unknown",
-                    extra={"fields": {"pod": ref.key, "node": node, "error": str(exc)}},
-                )
-                raise BindUncertain(
-                    f"Binding to {node} may not have landed ({exc.status or exc.reason}); will retry"
-                ) from None
-            else:
-                if reservation is not None:
-                    await self._unannotate(ref)
-                raise _definite(exc, f"Binding to {node} rejected") from None
+        if reservation is None:
+            await self._create_binding(pod, node, None, "")
+        else:
+            annotations = self.annotations(pod, reservation)
+            version = await self._annotate(pod, node, annotations)
+            if version is not None:  # None: an earlier attempt's Binding put it there already
+                if references_pin_configmap(pod):
+                    await self._configmap(pod, reservation)
+                await self._create_binding(pod, node, annotations, version)
         if reservation is not None:
             # The API accepted the Binding: the hold is now the truth, not a guess that may lapse.
             # It stays `assumed` until the watch shows the pod, but no TTL can free it meanwhile:
@@ -199,23 +191,141 @@ class KubeBinder:
             log.exception("cannot build the bind event")
             self.events.failed += 1
 
-    async def _already_bound(self, ref: Any, node: str, exc: ApiError) -> None:
+    async def _annotate(
+        self, pod: Mapping[str, Any], node: str, annotations: Mapping[str, str | None]
+    ) -> str | None:
+        """Write the assignment, on the pod version bind booked (its resourceVersion as
+        precondition): the resourceVersion to bind at, or None when a Binding of an earlier
+        attempt already put the pod on `node` with these devices. A pod changed since is read
+        again: re-annotated when it asks the same GPUs (a status or label update), refused when
+        its ask changed, since the booking was sized for the version bind read."""
+        ref = pod_ref(pod)
+        version = version_of(pod)
+        for _ in range(WRITE_ATTEMPTS):
+            patch = annotation_patch(ref.uid, annotations, version)
+            try:
+                written = await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
+                return version_of(written)
+            except ApiError as exc:
+                if exc.status != 409 or not version:
+                    raise _definite(exc, f"cannot annotate pod {ref.key}") from None
+            try:
+                current = await self.call(self.api.read_pod, ref.namespace, ref.name)
+            except ApiError as exc:
+                raise _definite(exc, f"pod {ref.key} changed and cannot be read again") from None
+            if self._bound_here(ref, current, node):
+                if _annotation(current, ASSIGNMENT) == annotations.get(ASSIGNMENT):
+                    return None  # a retried bind whose Binding landed: success
+                raise BindError(f"pod {ref.key} is already bound to {node} on other devices")
+            if problem := self._changed(pod, current):
+                raise BindError(problem)
+            version = version_of(current)
+        raise BindError(f"pod {ref.key} kept changing while being bound; retry")
+
+    async def _create_binding(
+        self,
+        pod: Mapping[str, Any],
+        node: str,
+        annotations: Mapping[str, str | None] | None,
+        version: str,
+    ) -> None:
+        """The Binding, with the UID and the annotated version as preconditions, so that the pod
+        bound is the pod booked. A 409 is read again: a retried bind that landed is success, a
+        pod changed since the annotation is bound again if it asks the same GPUs."""
+        ref = pod_ref(pod)
+        for _ in range(WRITE_ATTEMPTS):
+            header: dict[str, str] = {"name": ref.name, "namespace": ref.namespace}
+            header.update({k: v for k, v in (("uid", ref.uid), ("resourceVersion", version)) if v})
+            binding = {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": header,
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+            }
+            try:
+                await self.call(self.api.create_binding, ref.namespace, ref.name, binding)
+                return
+            except ApiError as exc:
+                if exc.status == 409:
+                    retry = await self._binding_conflict(pod, node, annotations, exc)
+                    if retry is None:
+                        return
+                    version = retry
+                    continue
+                if exc.transient:
+                    log.warning(
+                        "bind outcome unknown",
+                        extra={"fields": {"pod": ref.key, "node": node, "error": str(exc)}},
+                    )
+                    raise BindUncertain(
+                        f"Binding to {node} may not have landed ({exc.status or exc.reason}); will retry"
+                    ) from None
+                if annotations is not None:
+                    await self._unannotate(ref)
+                raise _definite(exc, f"Binding to {node} rejected") from None
+        if annotations is not None:
+            await self._unannotate(ref)
+        raise BindError(f"pod {ref.key} kept changing while being bound; retry")
+
+    async def _binding_conflict(
+        self,
+        pod: Mapping[str, Any],
+        node: str,
+        annotations: Mapping[str, str | None] | None,
+        exc: ApiError,
+    ) -> str | None:
+        """After a 409 on the Binding: None when the pod is bound to `node` (a retry whose first
+        Binding landed), the version to bind at when it changed but asks the same GPUs, else
+        an error (unannotated when the pod changed under the booking)."""
+        ref = pod_ref(pod)
         try:
             current = await self.call(self.api.read_pod, ref.namespace, ref.name)
         except ApiError as read_exc:
             raise BindUncertain(
                 f"Binding conflict and pod unreadable ({read_exc.status})"
             ) from None
-        meta = current.get("metadata") or {}
-        if ref.uid and meta.get("uid") and meta.get("uid") != ref.uid:
-            raise BindError(f"pod {ref.key} was re-created (UID {meta.get('uid')})")
-        bound = (current.get("spec") or {}).get("nodeName")
-        if bound == node:
-            return  # a retried bind whose first Binding landed: success
-        if bound:
+        if self._bound_here(ref, current, node):
+            return None
+        if annotations is None:  # no precondition was sent: not a change of the pod
+            raise BindUncertain(
+                f"Binding conflict ({exc.message or exc.reason}) but pod is not bound yet"
+            )
+        if meta(current).get("deletionTimestamp"):
+            raise BindError(f"pod {ref.key} is being deleted")
+        if problem := self._changed(pod, current):
+            await self._unannotate(ref)
+            raise BindError(problem)
+        if _annotation(current, ASSIGNMENT) != annotations.get(ASSIGNMENT):
+            raise BindError(f"pod {ref.key}: its {ASSIGNMENT} annotation was rewritten meanwhile")
+        return version_of(current)
+
+    @staticmethod
+    def _bound_here(ref: Any, current: Mapping[str, Any], node: str) -> bool:
+        """Whether the pod read back is bound to `node`; an error when it is another pod (created
+        again under the name) or bound elsewhere."""
+        now = uid_of(current)
+        if ref.uid and now and now != ref.uid:
+            raise BindError(f"pod {ref.key} was re-created (UID {now})")
+        bound = spec(current).get("nodeName")
+        if bound and bound != node:
             raise BindError(f"pod {ref.key} is already bound to {bound}")
-        raise BindUncertain(
-            f"Binding conflict ({exc.message or exc.reason}) but pod is not bound yet"
+        return bound == node
+
+    def _changed(self, pod: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+        """Why the pod read back cannot take the booking made for `pod`, or None when it asks
+        the same GPUs (same count, resource, models and memory)."""
+        headroom = self.cluster.headroom if self.cluster is not None else 0.0
+        key = pod_ref(pod).key
+        try:
+            booked = pod_demand(pod, headroom=headroom)
+            now = pod_demand(current, headroom=headroom)
+        except DemandError as exc:
+            return f"pod {key} changed while being bound: {exc}; retry"
+        if asks_same_gpus(booked, now):
+            return None
+        return (
+            f"pod {key} changed while being bound: it was booked for {booked.describe()},"
+            f" it now asks {now.describe()}; retry"
         )
 
     async def _configmap(self, pod: Mapping[str, Any], reservation: Reservation) -> None:
@@ -261,9 +371,9 @@ class KubeBinder:
         # GPUs while it may still land). The pod is not bound, so no container read it; it must
         # now name this bind's GPUs, or the pod could never bind to others. The UID and
         # resourceVersion make it fail rather than overwrite a ConfigMap changed meanwhile.
-        meta = existing.get("metadata") or {}
+        held = meta(existing)
         patch = {
-            "metadata": {k: meta[k] for k in ("uid", "resourceVersion") if meta.get(k)},
+            "metadata": {k: held[k] for k in ("uid", "resourceVersion") if held.get(k)},
             "data": {**{k: None for k in old if k not in data}, **data},
         }
         try:
@@ -282,6 +392,10 @@ class KubeBinder:
             await self.call(self.api.patch_pod, ref.namespace, ref.name, patch)
         except ApiError:
             pass
+
+
+def _annotation(obj: Mapping[str, Any], name: str) -> Any:
+    return mapping(meta(obj).get("annotations")).get(name)
 
 
 def _definite(exc: ApiError, what: str) -> BindError:

@@ -52,6 +52,12 @@ class Release:
         return self.minor >= (1, 25)
 
     @property
+    def binding_honors_preconditions(self) -> bool:
+        """pods/binding checks metadata.uid and resourceVersion from 1.23 (kubernetes#105913);
+        1.20 ignores both and binds whatever version of the pod is stored."""
+        return self.minor >= (1, 23)
+
+    @property
     def has_insecure_port(self) -> bool:
         """kube-apiserver dropped ``--insecure-port`` in 1.24; before, it must be set to 0."""
         return self.minor < (1, 24)
