@@ -352,6 +352,7 @@ async def test_a_bind_after_one_that_did_not_land_repins_the_pods_own_configmap(
     refused = await service.bind(bind_args(p, "ts"))
     assert "cannot update ConfigMap vramsched-p" in refused.Error
     assert c.ledger.reservation("default/p") is None
+    assert ASSIGNMENT not in api.pods["default/p"]["metadata"]["annotations"]  # nor left behind
     assert (await service.bind(bind_args(p, "ts"))).Error == ""
     index = api.pods["default/p"]["metadata"]["annotations"][GPU_INDEX]
     assert index != first

@@ -154,7 +154,11 @@ class KubeBinder:
             version = await self._annotate(pod, node, annotations)
             if version is not None:  # None: an earlier attempt's Binding put it there already
                 if references_pin_configmap(pod):
-                    await self._configmap(pod, reservation)
+                    try:
+                        await self._configmap(pod, reservation)
+                    except BindError:
+                        await self._unannotate(ref)  # as for a refused Binding: still pending
+                        raise
                 await self._create_binding(pod, node, annotations, version)
         if reservation is not None:
             # The API accepted the Binding: the hold is now the truth, not a guess that may lapse.
