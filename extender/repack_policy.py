@@ -27,7 +27,7 @@ from typing import Any
 from extender.bind_event import bind_event
 from extender.demand import ANNOTATION_PREFIX, TERMINAL_PHASES, Demand, PodRef
 from extender.ledger import Ledger, LedgerError, Reservation
-from extender.object_fields import meta
+from extender.object_fields import meta, uid_of
 from extender.placement import FilterOutcome, plugin_allows
 from extender.placement.pin_rule import unpinnable
 from extender.quantity import format_bytes
@@ -52,6 +52,7 @@ __all__ = [
     "final_state_problem",
     "nominated_outcome",
     "eviction_body",
+    "withdrawn",
     "eviction_api_version",
     "eviction_message",
     "nominated_message",
@@ -104,6 +105,11 @@ def _controller_ref(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
+#: why `movable` refuses a consenting pod that is leaving already
+TERMINATING = "terminating"
+NOT_RUNNING = "not running"
+
+
 def movable(pod: Mapping[str, Any]) -> Controller | str:
     """The controller that will re-create this running pod if it is evicted, or why it may not
     be moved (a short phrase for logs)."""
@@ -112,11 +118,11 @@ def movable(pod: Mapping[str, Any]) -> Controller | str:
     if not isinstance(annotations, Mapping) or annotations.get(MOVABLE) != "true":
         return f"not annotated {MOVABLE}: true"
     if pod_meta.get("deletionTimestamp"):
-        return "terminating"
+        return TERMINATING
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     if not spec.get("nodeName") or status.get("phase") in TERMINAL_PHASES:
-        return "not running"
+        return NOT_RUNNING
     ref = _controller_ref(pod)
     if ref is None:
         return "no controller re-creates it (bare pod)"
@@ -327,17 +333,40 @@ def eviction_api_version(version: Mapping[str, Any] | None) -> str:
     return "policy/v1" if (major, minor) >= (1, 22) else "policy/v1beta1"
 
 
-def eviction_body(pod: PodRef, api_version: str = "policy/v1") -> dict[str, Any]:
+def eviction_body(
+    pod: PodRef, api_version: str = "policy/v1", resource_version: str = ""
+) -> dict[str, Any]:
     """An Eviction of exactly this pod (UID precondition: never a re-created one of the same
-    name). The pod's own grace period applies: its VRAM is counted until it is gone."""
+    name), and with `resource_version`, of the version whose consent was read (a pod whose
+    `movable` annotation was removed since is refused with a 409). The pod's own grace period
+    applies: its VRAM is counted until it is gone."""
     body: dict[str, Any] = {
         "apiVersion": api_version,
         "kind": "Eviction",
         "metadata": {"name": pod.name, "namespace": pod.namespace},
     }
-    if pod.uid:
-        body["deleteOptions"] = {"preconditions": {"uid": pod.uid}}
+    preconditions = {
+        k: v for k, v in (("uid", pod.uid), ("resourceVersion", resource_version)) if v
+    }
+    if preconditions:
+        body["deleteOptions"] = {"preconditions": preconditions}
     return body
+
+
+def withdrawn(planned: PodRef, pod: Mapping[str, Any] | None) -> str | None:
+    """Why a pod planned to move may no longer be evicted, or None: it was created again under
+    its name, or no longer consents (its `movable` annotation removed, its controller gone).
+    A pod gone is not withdrawn, nor one still consenting that is terminating or finished: it
+    is leaving already, and its eviction changes nothing."""
+    if pod is None:
+        return None
+    uid = uid_of(pod)
+    if planned.uid and uid and uid != planned.uid:
+        return f"pod {planned.key} was created again under its name"
+    why = movable(pod)
+    if isinstance(why, Controller) or why in (TERMINATING, NOT_RUNNING):
+        return None
+    return f"pod {planned.key} may no longer move: {why}"
 
 
 def _where(res: Reservation) -> str:

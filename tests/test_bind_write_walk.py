@@ -12,7 +12,7 @@ once. After every bind:
 - once the watch has delivered every pod, the ledger agrees with them (`check_cluster`).
 
 The fake API honours a write's resourceVersion as kube-apiserver does from 1.23
-(tests/e2e/test_bind_preconditions_e2e.py checks both servers).
+(tests/e2e/test_write_preconditions_e2e.py checks both servers).
 """
 
 from __future__ import annotations

@@ -116,8 +116,10 @@ def two_moves() -> list[dict[str, Any]]:
 
 class Evictions:
     """The Eviction API: records (name, dry run); `refuse[name]` answers that status to every call
-    for the pod, `refuse_real[name]` to the real (not dry-run) ones only. An accepted eviction
-    marks the pod terminating in the API, as a graceful deletion does."""
+    for the pod, `refuse_real[name]` to the real (not dry-run) ones only; `before[(name, dry
+    run)]` runs once before such a call is answered. The preconditions are checked against the
+    pod in the API (409), as the API server does. An accepted eviction marks the pod terminating
+    in the API, as a graceful deletion does."""
 
     def __init__(self, api: FakeApi) -> None:
         self.api = api
@@ -125,10 +127,20 @@ class Evictions:
         self.bodies: list[dict[str, Any]] = []
         self.refuse: dict[str, int] = {}
         self.refuse_real: dict[str, int] = {}
+        self.before: dict[tuple[str, bool], Callable[[], None]] = {}
 
     def __call__(self, namespace: str, name: str, body: Any, dry_run: bool) -> None:
         self.calls.append((name, dry_run))
         self.bodies.append(copy.deepcopy(dict(body)))
+        if (hook := self.before.pop((name, dry_run), None)) is not None:
+            hook()
+        stored = self.api.pods.get(f"{namespace}/{name}")
+        if stored is None:
+            raise ApiError(404, "NotFound", f'pods "{name}" not found')
+        preconditions = (body.get("deleteOptions") or {}).get("preconditions") or {}
+        for field, want in preconditions.items():
+            if want != stored["metadata"].get(field):
+                raise ApiError(409, "Conflict", f"the {field} in the precondition does not match")
         status = self.refuse.get(name) or (None if dry_run else self.refuse_real.get(name))
         if status:
             raise ApiError(
@@ -714,6 +726,77 @@ async def test_an_eviction_refused_part_way_abandons_the_plan_and_says_so(world:
     assert check_cluster(w.cluster) == []
 
 
+def versioned(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods as the API server hands them out: with a resourceVersion."""
+    for p in pods:
+        p["metadata"]["resourceVersion"] = "1"
+    return pods
+
+
+async def test_a_pod_whose_consent_is_withdrawn_after_the_dry_run_is_not_evicted(
+    world: Any,
+) -> None:
+    """Its owner removes `movable` while the plan runs, after the dry runs passed: the plan is
+    abandoned before that pod's eviction, whether the watch delivered the edit (m3 is read
+    again before its eviction) or not yet (its Eviction names the version read, the API
+    refuses it, and the pod read from the API no longer consents)."""
+    for delivered in (True, False):
+        w = world(versioned(two_moves()))
+
+        def withdraw(w: Any = w, delivered: bool = delivered) -> None:
+            del w.api.pods["default/m3"]["metadata"]["annotations"][MOVABLE]
+            w.api.pods["default/m3"]["metadata"]["resourceVersion"] = "2"
+            if delivered:
+                w.watch("default/m3")
+
+        w.evictions.before[("m2", False)] = withdraw
+        w.filter("default/p")
+        await w.step(advance=1.5)
+        assert w.evictions.real() == ["m2"] if delivered else ["m2", "m3"]
+        assert w.api.pods["default/m3"]["metadata"].get("deletionTimestamp") is None
+        assert w.repacker.run is None and w.repacker.stats.abandoned == 1
+        assert not [k for k in w.held() if HOLD_SUFFIX in k]
+        warning = [e for e in await w.events() if e["reason"] == ABANDONED_REASON]
+        assert len(warning) == 1
+        assert "pod default/m3 may no longer move: not annotated" in warning[0]["message"]
+
+
+async def test_a_moved_pod_updated_after_its_watch_copy_is_still_evicted(world: Any) -> None:
+    """A status update the watch has not delivered yet: the Eviction's version is refused, the
+    pod read from the API still consents, and it is evicted at that version."""
+    w = world(versioned(two_moves()))
+
+    def relabel() -> None:
+        w.api.edit_pod("default", "m3", {"note": "status written"})
+
+    w.evictions.before[("m2", False)] = relabel
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["m2", "m3", "m3"]
+    assert w.evictions.bodies[-1]["deleteOptions"] == {
+        "preconditions": {"uid": "m3", "resourceVersion": "2"}
+    }
+    assert w.api.pods["default/m3"]["metadata"]["deletionTimestamp"] == "now"
+    assert w.repacker.run is not None and w.repacker.run.phase == "releasing"
+
+
+async def test_a_moved_pod_already_terminating_does_not_stop_the_plan(world: Any) -> None:
+    """Its user deleted m3 while m2 was evicted: it is leaving anyway, so the plan goes on."""
+    w = world(versioned(two_moves()))
+
+    def deleted() -> None:
+        w.api.edit_pod("default", "m3", {})
+        w.api.pods["default/m3"]["metadata"]["deletionTimestamp"] = "by its user"
+        w.watch("default/m3")
+
+    w.evictions.before[("m2", False)] = deleted
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["m2", "m3"]
+    assert w.repacker.stats.abandoned == 0
+    assert w.repacker.run is not None and w.repacker.run.phase == "releasing"
+
+
 async def test_pods_without_consent_are_never_evicted(world: Any) -> None:
     w = world(fragmented(consent=False))
     w.filter("default/p")
@@ -907,8 +990,8 @@ def with_claim(w: World, p: dict[str, Any], pool: str) -> None:
         "spec": {"nodeAffinity": {"required": {"nodeSelectorTerms": [term]}}},
     }
     if p["spec"].get("nodeName"):
-        w.api.add_pod(p)
         p["metadata"]["resourceVersion"] = "2"
+        w.api.add_pod(p)
         w.source.apply("pods", "MODIFIED", copy.deepcopy(p))
 
 

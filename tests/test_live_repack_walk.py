@@ -2,9 +2,10 @@
 time-sliced nodes of one or two GPUs, pods blocked for want of one GPU's room, and in any order the
 repacker's steps with the clock moving, kube-scheduler's filter and bind of any pending pod to
 any node filter offers, controllers re-creating evicted pods, terminating pods finishing, users
-deleting pods, creating new ones and editing a waiting pod's model-memory, PodDisruptionBudgets
-refusing evictions now and then (also after the dry run passed), and this replica losing and
-winning the leader election.
+deleting pods, creating new ones, editing a waiting pod's model-memory and withdrawing a running
+pod's consent (also while a plan evicts, with the watch delivering it at once or later),
+PodDisruptionBudgets refusing evictions now and then (also after the dry run passed), and this
+replica losing and winning the leader election.
 
 After every action the ledger's invariant holds with the plan's holds counted as the pods they
 stand for; only consenting pods of a controller are evicted, never more than the per-minute cap
@@ -59,6 +60,8 @@ def random_cluster(rng: random.Random, gpus: int) -> list[dict[str, Any]]:
     for j in range(rng.randint(1, 2)):
         gib = rng.randint(top + 1, min(top + 8, 22))
         pods.append(pod(f"p{j}", f"{gib}Gi", uid=f"p{j}"))
+    for p in pods:  # as the API server hands them out
+        p["metadata"]["resourceVersion"] = "1"
     return pods
 
 
@@ -79,9 +82,18 @@ class Walk:
         self.binds = 0
         self.edits = 0
         self.accepted: list[str] = []  # real evictions the API accepted, in order
+        self.withdrawals = 0
+        #: consent withdrawn while the next eviction is on its way, and edits the watch has
+        #: not delivered yet
+        self.at_next_eviction: list[Any] = []
+        self.undelivered: set[str] = set()
         evict = self.w.repacker.evict
 
         def recording(namespace: str, name: str, body: Any, dry_run: bool) -> None:
+            if not dry_run:
+                for hook in self.at_next_eviction:
+                    hook()
+                self.at_next_eviction.clear()
             evict(namespace, name, body, dry_run)  # raises when refused
             if not dry_run:
                 self.accepted.append(name)
@@ -130,10 +142,24 @@ class Walk:
     def user_action(self) -> None:
         rng = self.rng
         roll = rng.random()
-        if roll < 0.4:
+        if roll < 0.3:
             running = [k for k, p in self.w.api.pods.items() if p["spec"].get("nodeName")]
             if running:  # a user deletes a running pod
-                self.w.gone(rng.choice(running))
+                key = rng.choice(running)
+                self.undelivered.discard(key)
+                self.w.gone(key)
+        elif roll < 0.45:
+            consenting = [
+                k
+                for k, p in self.w.api.pods.items()
+                if p["metadata"]["annotations"].get(MOVABLE) == "true"
+            ]
+            if consenting:  # its owner withdraws a pod's consent, now or during an eviction
+                hook = self.withdraw(rng.choice(consenting), delivered=rng.random() < 0.5)
+                if rng.random() < 0.5:
+                    hook()
+                else:
+                    self.at_next_eviction.append(hook)
         elif roll < 0.6:
             if pending := self.pending():  # a user edits a waiting pod's model-memory
                 key = rng.choice(pending)
@@ -147,11 +173,37 @@ class Walk:
             name = f"u{self.made}"
             gib = rng.randint(2, 20)
             p = pod(name, f"{gib}Gi", uid=name)
+            p["metadata"]["resourceVersion"] = "1"
             if rng.random() < 0.5:
                 owned_by_size(p, gib)
             self.w.api.add_pod(p)
             self.w.source.apply("pods", "ADDED", p)
         self.w.assert_sound()
+
+    def withdraw(self, key: str, delivered: bool) -> Any:
+        """A hook removing the pod's `movable` annotation in the API (a new resourceVersion);
+        the watch delivers it at once or at a later action."""
+
+        def hook() -> None:
+            stored = self.w.api.pods.get(key)
+            if stored is None or stored["metadata"]["annotations"].pop(MOVABLE, None) is None:
+                return
+            meta = stored["metadata"]
+            meta["resourceVersion"] = str(int(meta.get("resourceVersion") or "1") + 1)
+            self.withdrawals += 1
+            if delivered:
+                self.w.watch(key)
+            else:
+                self.undelivered.add(key)
+
+        return hook
+
+    def deliver(self) -> None:
+        """The watch catches up with the withdrawals it has not delivered."""
+        for key in sorted(self.undelivered):
+            if key in self.w.api.pods:
+                self.w.watch(key)
+        self.undelivered.clear()
 
     def note_evictions(self, before: int) -> None:
         for name in self.accepted[before:]:
@@ -167,6 +219,8 @@ class Walk:
     async def act(self) -> None:
         rng = self.rng
         before = len(self.accepted)
+        if rng.random() < 0.2:
+            self.deliver()
         roll = rng.random()
         if roll < 0.3:
             await self.w.step(advance=rng.choice([0.0, 0.5, 1.5, 5.0, 11.0, 31.0]))
@@ -196,6 +250,8 @@ class Walk:
         """Play the history out: controllers and kubelets finish, the scheduler retries."""
         self.w.evictions.refuse.clear()
         self.w.evictions.refuse_real.clear()
+        self.at_next_eviction.clear()
+        self.deliver()
         self.leading = True
         for rounds in range(40):  # a plan started in one round ends in the next ones
             before = len(self.accepted)

@@ -66,6 +66,7 @@ from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
 from extender.live.spread_reads import read_spread_defaults
 from extender.live.storage_reads import StorageReads
+from extender.object_fields import version_of
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
@@ -84,6 +85,7 @@ from extender.repack_policy import (
     nominated_message,
     plan_target_problem,
     repack_event,
+    withdrawn,
 )
 from extender.scheduler_profile import SchedulerProfile
 from extender.spread_defaults import SpreadDefaults
@@ -96,6 +98,9 @@ log = logging.getLogger(__name__)
 
 #: movable pods named in a "no plan" message when rules keep them to their nodes
 KEPT_NAMED = 5
+#: evictions of one pod asked again after a 409 while it still consents (a status update
+#: landed after the watch copy whose consent was read)
+CONFLICTS = 3
 
 
 class PlanFn(Protocol):
@@ -557,21 +562,42 @@ class Repacker:
 
     async def _evict_retrying(self, pod: PodRef) -> str | None:
         """Evict; a 429 is asked again every `retry_interval` for `eviction_retry` seconds. None
-        when the pod is evicted (or already gone), else why not."""
+        when the pod is evicted (or already gone), else why not.
+
+        Consent is read again before each try, and the Eviction names the version it was read
+        from: the plan was made (and the dry run passed) up to minutes earlier, and an owner
+        who removed `vramsched.io/movable` since must not see the pod evicted. A 409 (the pod
+        changed since the watch copy) reads the pod from the API and asks again if it still
+        consents."""
         give_up = self.clock() + self.eviction_retry
+        current = self.cluster.pod(pod.key)
+        conflicts = 0
         while True:
+            if (why := withdrawn(pod, current)) is not None:
+                return why
             try:
-                await self._call(self._evict, pod, False)
+                await self._call(self._evict, pod, False, version_of(current or {}))
                 return None
             except ApiError as exc:
                 if exc.status == 404:
                     return None
+                if exc.status == 409 and current is not None and conflicts < CONFLICTS:
+                    conflicts += 1
+                    try:
+                        current = await self._call(self.api.read_pod, pod.namespace, pod.name)
+                    except ApiError as read:
+                        if read.status == 404:
+                            return None
+                        return f"pod {pod.key} changed and cannot be read: {_refusal(read)}"
+                    continue
                 if exc.status != 429 or self.clock() >= give_up:
                     return _refusal(exc)
             await asyncio.sleep(self.retry_interval)
+            current = self.cluster.pod(pod.key)
 
-    def _evict(self, pod: PodRef, dry_run: bool) -> None:
-        self.evict(pod.namespace, pod.name, eviction_body(pod, self.eviction_version), dry_run)
+    def _evict(self, pod: PodRef, dry_run: bool, version: str = "") -> None:
+        body = eviction_body(pod, self.eviction_version, version)
+        self.evict(pod.namespace, pod.name, body, dry_run)
 
     # ----- a running plan ---------------------------------------------------------------------------
     async def _progress(self, now: float) -> None:

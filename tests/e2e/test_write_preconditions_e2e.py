@@ -1,8 +1,9 @@
-"""Bind's preconditions against a real kube-apiserver (extender.live.binder): the annotation patch
-and the Binding name the pod version bind booked. The API refuses the patch for a pod changed
+"""The preconditions of vramsched's pod writes against a real kube-apiserver. Bind's
+(extender.live.binder): the annotation patch and the Binding name the pod version bind booked. The API refuses the patch for a pod changed
 since (409) on every version, and the Binding from 1.23 on, as the fake API in
 tests/kube_fakes.py assumes; the binder then refuses a pod whose `model-memory` was edited and
-binds one whose update left its GPU ask alone."""
+binds one whose update left its GPU ask alone. Live repacking's Eviction names the version whose
+consent it read (extender.live.repack)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from extender.demand import ASSIGNMENT, MODEL_MEMORY, pod_ref
 from extender.ledger import Reservation
 from extender.live.api_client import ApiError, ClientApi, annotation_patch
 from extender.live.binder import KubeBinder
+from extender.live.evictions import KubeEvictions, eviction_version
+from extender.object_fields import version_of
+from extender.repack_policy import eviction_body
 from extender.service import BindError
 
 pytestmark = pytest.mark.e2e
@@ -146,3 +150,23 @@ def test_an_edit_between_annotation_and_binding_fails_the_bind(cluster: ControlP
         assert now["metadata"]["annotations"][MODEL_MEMORY] == "70Gi"
     finally:
         binder.close()
+
+
+def test_an_eviction_naming_a_stale_version_is_refused(cluster: ControlPlane) -> None:
+    """Live repacking's Eviction names the pod version whose consent it read: a pod changed
+    since (its `movable` annotation removed, say) is refused, and the current version evicted."""
+    api = ClientApi(str(cluster.kubeconfig_path))
+    evict = KubeEvictions(api)
+    made = create(cluster, api, gpu_pod("moved", "30Gi"))
+    version = eviction_version(api)
+    api.patch_pod("default", "moved", {"metadata": {"labels": {"team": "search"}}})
+    stale = eviction_body(pod_ref(made), version, made["metadata"]["resourceVersion"])
+    with pytest.raises(ApiError) as refused:
+        evict("default", "moved", stale, False)
+    assert refused.value.status == 409, refused.value
+    assert api.read_pod("default", "moved")["metadata"]["uid"] == made["metadata"]["uid"]
+    now = api.read_pod("default", "moved")
+    evict("default", "moved", eviction_body(pod_ref(now), version, version_of(now)), False)
+    with pytest.raises(ApiError) as gone:
+        api.read_pod("default", "moved")
+    assert gone.value.status == 404
