@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 EXAMPLES = DEPLOY / "examples"
 PIN = DEPLOY / "pin-gpus"
+ASSIGNMENT_POLICY = DEPLOY / "assignment-policy"
 PLUGIN = DEPLOY / "device-plugin"
 CONFIG = ROOT / "config" / "KubeSchedulerConfiguration.yaml"
 CONFIG_KEY = "KubeSchedulerConfiguration.yaml"
@@ -48,6 +49,14 @@ MODEL_OF = {
         "admissionregistration.k8s.io/v1",
         "MutatingWebhookConfiguration",
     ): "V1MutatingWebhookConfiguration",
+    (
+        "admissionregistration.k8s.io/v1",
+        "ValidatingAdmissionPolicy",
+    ): "V1ValidatingAdmissionPolicy",
+    (
+        "admissionregistration.k8s.io/v1",
+        "ValidatingAdmissionPolicyBinding",
+    ): "V1ValidatingAdmissionPolicyBinding",
 }
 _API = ApiClient()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from deploy_objects import (
+    ASSIGNMENT_POLICY,
     CONFIG,
     CONFIG_KEY,
     DEPLOY,
@@ -26,6 +27,9 @@ from deploy_objects import (
     one,
     serve_args,
 )
+
+from extender.demand import ASSIGNMENT, GPU_INDEX
+from extender.sizing.handoff import FRACTION_ANNOTATION
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +85,26 @@ def test_kustomize_renders_the_pinning_rbac() -> None:
     for doc in docs:
         check_object(doc)
     assert {d["kind"] for d in docs} == {"ClusterRole", "ClusterRoleBinding"}
+
+
+def test_the_assignment_policy_guards_what_bind_writes_for_the_extenders_account() -> None:
+    """deploy/assignment-policy names the ServiceAccount the base runs the extender as, and the
+    annotations bind writes (their real behaviour: tests/e2e/test_assignment_policy_e2e.py)."""
+    docs = kustomize(ASSIGNMENT_POLICY)
+    for doc in docs:
+        check_object(doc)
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    account = one(base_objects(), "ServiceAccount")["metadata"]
+    assert deployment()["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
+    (rule,) = policy["spec"]["validations"]
+    user = f"system:serviceaccount:{account['namespace']}:{account['name']}"
+    assert f"request.userInfo.username == '{user}'" in rule["expression"]
+    (changed,) = policy["spec"]["variables"]
+    written = set(re.findall(r"'(vramsched\.io/[\w.-]+)'", changed["expression"]))
+    assert written == {ASSIGNMENT, GPU_INDEX, FRACTION_ANNOTATION}
 
 
 def test_pinning_patch_only_adds_the_flag() -> None:
