@@ -14,9 +14,12 @@ import kubernetes.client
 import pytest
 import yaml
 from controlplane import ControlPlane
+from deploy_objects import CONFIG, container, deployment
 from kubernetes.client.rest import ApiException
+from test_deploy_e2e import E2E_GPU_LABELS, _start_extender, rbac_cluster  # noqa: F401 (fixture)
 
 from extender.demand import ASSIGNMENT, GPU_INDEX
+from extender.inventory import GPU_RESOURCE
 from extender.sizing.handoff import FRACTION_ANNOTATION
 
 pytestmark = [
@@ -29,11 +32,54 @@ VRAMSCHED = "system:serviceaccount:vramsched:vramsched"
 BOOKED = '{"node":"gpu-a","devices":["0"],"bytesPerDevice":[21474836480]}'
 
 
+def gpu_pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": {"vramsched.io/model-memory": "20Gi"}},
+        "spec": {
+            "schedulerName": "vramsched",
+            "containers": [
+                {"name": "main", "image": "vllm", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+            ],
+        },
+    }
+
+
 @pytest.fixture
 def policy(cluster: ControlPlane) -> Iterator[None]:
-    """The shipped policy and its binding, and cluster-admin for the ServiceAccount it names
-    (impersonated below, so RBAC never refuses what the policy would allow)."""
+    """The shipped policy and its binding, once the API server enforces them (a probe pod's
+    assignment written by the admin is refused)."""
     docs = list(yaml.safe_load_all(POLICY.read_text()))
+    with cluster.api_client() as client:
+        admission = kubernetes.client.AdmissionregistrationV1Api(client)
+        core = kubernetes.client.CoreV1Api(client)
+        admission.create_validating_admission_policy(docs[0])
+        admission.create_validating_admission_policy_binding(docs[1])
+        try:
+            core.create_namespaced_pod("default", gpu_pod("probe"))
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    annotate(cluster, {ASSIGNMENT: BOOKED}, pod="probe")
+                except ApiException as exc:
+                    if exc.status in (403, 422):
+                        break
+                    raise
+                annotate(cluster, {ASSIGNMENT: None}, pod="probe")
+                assert time.monotonic() < deadline, "the policy never refused the admin's write"
+                time.sleep(0.5)
+            core.delete_namespaced_pod("probe", "default", grace_period_seconds=0)
+            yield
+        finally:
+            admission.delete_validating_admission_policy_binding(docs[1]["metadata"]["name"])
+            admission.delete_validating_admission_policy(docs[0]["metadata"]["name"])
+
+
+@pytest.fixture
+def sa_may_patch_pods(cluster: ControlPlane) -> Iterator[None]:
+    """cluster-admin for the ServiceAccount the policy names (impersonated below), so RBAC never
+    refuses what the policy would allow."""
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRoleBinding",
@@ -46,25 +92,22 @@ def policy(cluster: ControlPlane) -> Iterator[None]:
         "subjects": [{"kind": "ServiceAccount", "name": "vramsched", "namespace": "vramsched"}],
     }
     with cluster.api_client() as client:
-        admission = kubernetes.client.AdmissionregistrationV1Api(client)
         rbac = kubernetes.client.RbacAuthorizationV1Api(client)
-        admission.create_validating_admission_policy(docs[0])
-        admission.create_validating_admission_policy_binding(docs[1])
         rbac.create_cluster_role_binding(role)
         try:
             yield
         finally:
-            admission.delete_validating_admission_policy_binding(docs[1]["metadata"]["name"])
-            admission.delete_validating_admission_policy(docs[0]["metadata"]["name"])
             rbac.delete_cluster_role_binding(role["metadata"]["name"])
 
 
-def annotate(cluster: ControlPlane, annotations: dict[str, Any], user: str | None = None) -> None:
+def annotate(
+    cluster: ControlPlane, annotations: dict[str, Any], user: str | None = None, pod: str = "p"
+) -> None:
     with cluster.api_client() as client:
         if user is not None:
             client.set_default_header("Impersonate-User", user)
         kubernetes.client.CoreV1Api(client).patch_namespaced_pod(
-            "p", "default", {"metadata": {"annotations": annotations}}
+            pod, "default", {"metadata": {"annotations": annotations}}
         )
 
 
@@ -76,33 +119,10 @@ def refused(cluster: ControlPlane, annotations: dict[str, Any]) -> str:
 
 
 def test_only_vramsched_changes_the_annotations_it_books_by(
-    cluster: ControlPlane, policy: None
+    cluster: ControlPlane, policy: None, sa_may_patch_pods: None
 ) -> None:
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "p", "annotations": {"vramsched.io/model-memory": "20Gi"}},
-        "spec": {
-            "schedulerName": "vramsched",
-            "containers": [
-                {"name": "main", "image": "vllm", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
-            ],
-        },
-    }
     with cluster.api_client() as client:
-        kubernetes.client.CoreV1Api(client).create_namespaced_pod("default", pod)
-    # The policy takes effect once the API server has loaded it: wait for its first refusal.
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            annotate(cluster, {ASSIGNMENT: BOOKED})
-        except ApiException as exc:
-            if exc.status in (403, 422):
-                break
-            raise
-        annotate(cluster, {ASSIGNMENT: None})
-        assert time.monotonic() < deadline, "the policy never refused the admin's write"
-        time.sleep(0.5)
+        kubernetes.client.CoreV1Api(client).create_namespaced_pod("default", gpu_pod("p"))
     assert "only vramsched may change vramsched.io/assignment" in refused(
         cluster, {ASSIGNMENT: BOOKED}
     )
@@ -118,3 +138,24 @@ def test_only_vramsched_changes_the_annotations_it_books_by(
     with cluster.api_client() as client:
         stored = kubernetes.client.CoreV1Api(client).read_namespaced_pod("p", "default")
     assert stored.metadata.annotations == {"vramsched.io/model-memory": "20Gi", "team": "search"}
+
+
+def test_the_extender_binds_under_the_policy(rbac_cluster: Any, policy: None) -> None:
+    """The extender as deployed (its own ServiceAccount token, the deploy role alone) binds a pod
+    while the policy is enforced; the owner's rewrite of the assignment is then refused."""
+    cp = rbac_cluster
+    cp.create_gpu_node("a100-ts-0", E2E_GPU_LABELS, {GPU_RESOURCE: 4})
+    url = _start_extender(cp, container(deployment(), "extender")["args"])
+    cp.start_scheduler(CONFIG.read_text(), extender_url=url)
+    with cp.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespaced_pod("default", gpu_pod("p"))
+        cp.wait_for(
+            lambda: core.read_namespaced_pod("p", "default").spec.node_name,
+            timeout=60,
+            message=f"p bound under the policy\n{cp.extender.describe()}",
+        )
+        written = core.read_namespaced_pod("p", "default").metadata.annotations[ASSIGNMENT]
+    assert written == BOOKED.replace("gpu-a", "a100-ts-0")  # 20 GiB on GPU 0
+    lowered = written.replace("21474836480", "1073741824")
+    assert "only vramsched may change vramsched.io/assignment" in refused(cp, {ASSIGNMENT: lowered})
