@@ -273,10 +273,11 @@ class RepackRun:
                 t.hold = None
                 return
             pod = self.cluster.pod(t.replacement.key)
-            if uid_of(pod) != t.replacement.uid or not self._asks_the_same(pod, t.move.demand):
+            gone = uid_of(pod) != t.replacement.uid
+            if gone or not self._asks_the_same(pod, t.move.demand):
                 # deleted, or its model-memory edited before its bind (the target was sized
                 # for what it asked before)
-                t.outcome = "gone" if uid_of(pod) != t.replacement.uid else "changed"
+                t.outcome = "gone" if gone else "changed"
                 if t.hold is not None and self._holds(t.hold.key):
                     ledger.release(t.hold.key)
                 t.hold = None

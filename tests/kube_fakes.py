@@ -202,9 +202,9 @@ class FakeApi:
         if cm is None:
             raise ApiError(404, "NotFound", "")
         meta, want = cm.setdefault("metadata", {}), patch.get("metadata") or {}
-        for field in ("uid", "resourceVersion"):
-            if field in want and want[field] != meta.get(field):
-                raise ApiError(409, "Conflict", f"precondition failed: {field}")
+        if "uid" in want and want["uid"] != meta.get("uid"):
+            raise ApiError(409, "Conflict", "precondition failed: uid")
+        _check_version(cm, patch)
         data = dict(cm.get("data") or {})
         for key, value in (patch.get("data") or {}).items():
             if value is None:
