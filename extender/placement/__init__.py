@@ -10,13 +10,14 @@ Python only loops over the nodes it must explain.
   (`outcome` holds the answer);
 - `score`: prioritize's best-fit bands, kept per demand shape and patched where nodes changed;
 - `choose`: the devices a bind takes on one node;
-- `preempt`: the fewest victims that make room; `nominated`: the room kept for the pods
-  kube-scheduler nominated to a node after preempting for them;
+- `preempt`: the fewest victims that make room, for kube-scheduler's preempt verb and for
+  vramsched's own preemption by VRAM (`plan_preemption`); `nominated`: the room kept for the
+  pods kube-scheduler nominated to a node after preempting for them;
 - `views` and `cache`: the per-resource and per-node views of the arrays, and what is derived
   from them and kept with them.
 
 Imports run one way: outcome, cache, views, fit, reasons, filter, choose, score (preempt needs
-only fit; nominated, filter and choose); callers import from this package, which re-exports the
+fit and choose; nominated, filter and choose); callers import from this package, which re-exports the
 public names.
 """
 
@@ -25,7 +26,7 @@ from extender.placement.filter import filter_nodes
 from extender.placement.fit import device_need
 from extender.placement.nominated import held_for_nominated
 from extender.placement.outcome import FilterOutcome, SharedReasons
-from extender.placement.preempt import preempt_victims
+from extender.placement.preempt import PreemptionPlan, plan_preemption, preempt_victims
 from extender.placement.reasons import ReasonKind
 from extender.placement.score import MAX_SCORE, score_nodes, score_rows
 from extender.placement.views import row_counts, warm
@@ -40,6 +41,8 @@ __all__ = [
     "books_demand",
     "plugin_allows",
     "preempt_victims",
+    "plan_preemption",
+    "PreemptionPlan",
     "held_for_nominated",
     "MAX_SCORE",
     "device_need",

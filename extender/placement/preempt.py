@@ -1,17 +1,35 @@
-"""Preempt: the fewest lowest-priority victims whose removal lets a pod fit on each node."""
+"""Preempt: the fewest lowest-priority victims whose removal lets a pod fit on each node.
+
+Two callers: kube-scheduler's `preempt` verb (`preempt_victims`: it proposes victims per node,
+found by its in-tree filters, and vramsched narrows them by VRAM) and vramsched's own preemption
+(`plan_preemption`, `serve --preempt`): kube-scheduler's dry run never asks the extender, so a
+pod that only VRAM keeps out (a time-sliced GPU with replicas left) finds no victims there.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import combinations
 
 from extender.demand import Demand
 from extender.ledger import Ledger, Reservation
+from extender.placement.choose import choose_devices
 from extender.placement.fit import Fit, demand_fit, plugin_view
 from extender.placement.pin_rule import unpinnable
 from extender.stock_plugin import allowed_without
 
 _MAX_COMBINATIONS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionPlan:
+    """Evict `victims` (all on `node`, each of lower priority than the pod); the pod then takes
+    `placement`, devices the victims free, chosen as bind would choose them."""
+
+    node: str
+    victims: tuple[Reservation, ...]
+    placement: Reservation
 
 
 def preempt_victims(
@@ -57,7 +75,8 @@ def _fewest_victims(
     ledger: Ledger, fit: Fit, lo: int, hi: int, k: int, ours: list[Reservation]
 ) -> list[Reservation] | None:
     """The fewest of `ours` (sorted, lowest priority first) whose removal lets the pod fit on the
-    node of rows lo..hi, the lowest priorities among equally few; None when even all would not.
+    node of rows lo..hi, the lowest priorities among equally few, then the least VRAM (no more
+    evicted than needed); None when even all would not.
     Past _MAX_COMBINATIONS sets of one size, the first ones of `ours` that do."""
     for size in range(1, len(ours) + 1):
         tried = 0
@@ -70,7 +89,14 @@ def _fewest_victims(
                 winners.append(combo)
         if winners:
             return list(
-                min(winners, key=lambda c: (max(r.priority for r in c), sum(r.priority for r in c)))
+                min(
+                    winners,
+                    key=lambda c: (
+                        max(r.priority for r in c),
+                        sum(r.priority for r in c),
+                        sum(r.total_bytes for r in c),
+                    ),
+                )
             )
         if tried > _MAX_COMBINATIONS:
             for extra in range(size, len(ours) + 1):
@@ -108,3 +134,62 @@ def _fits_without(
             & allowed_without(ledger, plugin_view(ledger), lo, hi, victims, fit.need, k)
         )
     return int(ok.sum()) >= k
+
+
+def plan_preemption(
+    ledger: Ledger,
+    demand: Demand,
+    *,
+    nodes: Sequence[str] | None = None,
+    eligible: Callable[[Reservation], bool] = lambda res: True,
+) -> PreemptionPlan | None:
+    """Where to preempt for a pod that fits nowhere by VRAM: None when it fits some node of
+    `nodes` (default: every node) already, or no set of victims makes room anywhere.
+
+    Victims are reservations on one node that `eligible` accepts (the caller's: running pods
+    of the API, not holds) with a priority below the pod's; per node the fewest, the lowest
+    priorities among equally few (`_fewest_victims`, as the preempt verb). Nodes are ranked as
+    kube-scheduler's `pickOneNodeForPreemption` ranks its candidates (PodDisruptionBudgets
+    aside: the caller asks the API): the lowest highest victim priority, the lowest sum of
+    priorities, the fewest victims; then the least VRAM evicted and the node order.
+    """
+    if not demand.wants_gpu:
+        return None
+    names = list(nodes) if nodes is not None else list(ledger.arrays.node_names)
+    fit = demand_fit(ledger, demand)
+    refused = unpinnable(ledger, demand, names)
+    ranked: list[tuple[tuple[int, int, int, int, int], str, list[Reservation]]] = []
+    for order, node in enumerate(names):
+        r = ledger.node_row(node)
+        if r is None or node in refused:
+            continue
+        lo, hi = int(fit.a.node_start[r]), int(fit.a.node_start[r + 1])
+        if _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()):
+            return None  # room now: kube-scheduler's next try places it
+        ours = sorted(
+            (
+                res
+                for res in ledger.pods_on(node)
+                if res.priority < demand.priority and res.device_ids and eligible(res)
+            ),
+            key=lambda res: (res.priority, -res.total_bytes, res.key),
+        )
+        victims = _fewest_victims(ledger, fit, lo, hi, demand.gpu_count, ours)
+        if not victims:
+            continue
+        rank = (
+            max(v.priority for v in victims),
+            sum(v.priority for v in victims),
+            len(victims),
+            sum(v.total_bytes for v in victims),
+            order,
+        )
+        ranked.append((rank, node, victims))
+    for _, node, victims in sorted(ranked, key=lambda c: c[0]):
+        after = ledger.clone()
+        for v in victims:
+            after.release(v.key)
+        placement = choose_devices(after, demand, node)
+        if isinstance(placement, Reservation):
+            return PreemptionPlan(node, tuple(victims), placement)
+    return None

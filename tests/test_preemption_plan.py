@@ -1,0 +1,200 @@
+"""vramsched's own preemption plan (`placement.plan_preemption`) against brute force on small
+random clusters: two or three nodes of exclusive or time-sliced GPUs, pods of one or two GPUs at
+several priorities, every replica policy.
+
+What every set of victims says, tried one by one (filter run on the cluster rebuilt without
+them): no plan when the pod fits a node already, or when no set of lower-priority pods makes
+room anywhere; else, per node, the fewest such pods, the lowest priorities among equally few,
+and among nodes the one kube-scheduler would pick (lowest highest victim priority, lowest sum,
+fewest victims, least VRAM evicted, node order). The placement returned fits the ledger once the
+victims are gone, and no pod `eligible` refuses is ever a victim."""
+
+from __future__ import annotations
+
+import json
+import random
+from itertools import combinations
+from typing import Any
+
+import pytest
+from builders import cluster, gpu_node, pod
+
+from extender.demand import pod_demand
+from extender.inventory import ReplicaPolicy
+from extender.placement import filter_nodes, plan_preemption, preempt_victims
+
+GIB = 1 << 30
+PRIORITY = 50
+
+
+def running(name: str, gib: int, node: str, devices: list[int], priority: int) -> dict[str, Any]:
+    ann = {
+        "vramsched.io/assignment": json.dumps(
+            {
+                "node": node,
+                "devices": [str(d) for d in devices],
+                "bytesPerDevice": [gib * GIB] * len(devices),
+            }
+        )
+    }
+    return pod(
+        name,
+        f"{gib * len(devices)}Gi",
+        gpus=len(devices),
+        node=node,
+        uid=name,
+        annotations=ann,
+        phase="Running",
+        priority=priority,
+    )
+
+
+def random_case(rng: random.Random) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    """Nodes of one kind, their pods, and a pod of priority 50 that may need some of them gone."""
+    count = rng.choice([1, 2])
+    replicas = rng.choice([1, 2, 4])
+    memory = rng.choice([16, 24, 80])
+    names = [f"n{i}" for i in range(rng.choice([2, 3]))]
+    objects: list[dict[str, Any]] = []
+    for node in names:
+        objects.append(gpu_node(node, count=count, memory_mib=memory * 1024, replicas=replicas))
+        free = {d: memory for d in range(count)}
+        slots = {d: replicas for d in range(count)}
+        for i in range(rng.randint(1, 4)):
+            width = 2 if count > 1 and rng.random() < 0.25 else 1
+            open_ = [d for d in range(count) if slots[d] > 0 and free[d] >= 2]
+            if len(open_) < width:
+                break
+            devices = rng.sample(open_, width)
+            gib = rng.randint(2, min(free[d] for d in devices))
+            for d in devices:
+                free[d] -= gib
+                slots[d] -= 1
+            objects.append(running(f"{node}-v{i}", gib, node, devices, rng.choice([0, 1, 50, 100])))
+    width = 2 if count > 1 and rng.random() < 0.25 else 1
+    new = pod("new", f"{rng.randint(memory // 2, memory) * width}Gi", gpus=width, priority=PRIORITY)
+    return objects, names, new
+
+
+def fits_without(
+    objects: list[dict[str, Any]], gone: set[str], new: dict[str, Any], node: str, policy: Any
+) -> bool:
+    c = cluster(*(o for o in objects if o["metadata"]["name"] not in gone), replica_policy=policy)
+    return filter_nodes(c.ledger, pod_demand(new), [node]).feasible == [node]
+
+
+def brute_force(
+    objects: list[dict[str, Any]],
+    names: list[str],
+    new: dict[str, Any],
+    policy: Any,
+    eligible: set[str],
+) -> tuple[str, tuple[int, ...]] | None | bool:
+    """True: it fits already; None: no victims make room; else (node, its rank)."""
+    if any(fits_without(objects, set(), new, n, policy) for n in names):
+        return True
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    priority = {p["metadata"]["name"]: p["spec"]["priority"] for p in pods}
+    gib = {
+        p["metadata"]["name"]: sum(
+            json.loads(p["metadata"]["annotations"]["vramsched.io/assignment"])["bytesPerDevice"]
+        )
+        for p in pods
+    }
+    best: tuple[tuple[int, ...], str] | None = None
+    for order, node in enumerate(names):
+        lower = [
+            n
+            for n in priority
+            if n.startswith(node + "-") and priority[n] < PRIORITY and n in eligible
+        ]
+        for size in range(1, len(lower) + 1):
+            working = [
+                s
+                for s in combinations(lower, size)
+                if fits_without(objects, set(s), new, node, policy)
+            ]
+            if working:
+                top, total = min(
+                    (max(priority[n] for n in s), sum(priority[n] for n in s)) for s in working
+                )
+                chosen = [
+                    s
+                    for s in working
+                    if (max(priority[n] for n in s), sum(priority[n] for n in s)) == (top, total)
+                ]
+                freed = min(sum(gib[n] for n in s) for s in chosen)
+                rank = (top, total, size, freed, order)
+                if best is None or rank < best[0]:
+                    best = (rank, node)
+                break
+    return None if best is None else (best[1], best[0])
+
+
+@pytest.mark.parametrize("policy", list(ReplicaPolicy))
+@pytest.mark.parametrize("seed", range(60))
+def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any) -> None:
+    rng = random.Random(seed)
+    objects, names, new = random_case(rng)
+    pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+    eligible = {n for n in pods if rng.random() < 0.85}
+    c = cluster(*objects, replica_policy=policy)
+    got = plan_preemption(
+        c.ledger, pod_demand(new), nodes=names, eligible=lambda res: res.pod.name in eligible
+    )
+    want = brute_force(objects, names, new, policy, eligible)
+    if want is True or want is None:
+        assert got is None, (objects, new, got)
+        return
+    assert got is not None, (objects, new, want)
+    node, rank = want
+    victims = {v.pod.name for v in got.victims}
+    priority = {v.pod.name: v.priority for v in got.victims}
+    assert got.node == node, (got, want)
+    assert all(v.node == node and v.priority < PRIORITY for v in got.victims)
+    assert victims <= eligible
+    top, total = max(priority.values()), sum(priority.values())
+    assert (top, total, len(victims)) == rank[:3]
+    assert fits_without(objects, victims, new, node, policy)
+    after = cluster(
+        *(o for o in objects if o["metadata"]["name"] not in victims), replica_policy=policy
+    )
+    assert got.placement.node == node
+    assert after.ledger.fits(got.placement) is None, got.placement
+
+
+def test_a_pod_that_only_vram_keeps_out_gets_one_victim() -> None:
+    """A time-sliced 80 GiB GPU with replicas left: two pods of 35 GiB hold it; a 40 GiB pod of
+    higher priority needs one of them gone. kube-scheduler's dry run (replicas only) finds no
+    victim here; the plan evicts the lower-priority one."""
+    objects = [
+        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
+        running("low", 35, "n", [0], 0),
+        running("mid", 35, "n", [0], 10),
+    ]
+    new = pod("new", "40Gi", priority=100)
+    c = cluster(*objects)
+    got = plan_preemption(c.ledger, pod_demand(new))
+    assert got is not None
+    assert [v.pod.name for v in got.victims] == ["low"]
+    assert (got.node, got.placement.device_ids) == ("n", ("0",))
+    # not below its own priority, nor when it fits already
+    assert plan_preemption(c.ledger, pod_demand(pod("new", "40Gi", priority=0))) is None
+    assert plan_preemption(c.ledger, pod_demand(pod("new", "10Gi", priority=100))) is None
+    # the preempt verb's answer is unchanged: it still narrows what kube-scheduler proposes
+    assert preempt_victims(c.ledger, pod_demand(new), {"n": ["low", "mid"]}) == {"n": ["low"]}
+
+
+def test_nodes_outside_the_allowed_ones_are_not_touched() -> None:
+    objects = [
+        gpu_node("a", count=1, memory_mib=80 * 1024, replicas=4),
+        gpu_node("b", count=1, memory_mib=80 * 1024, replicas=4),
+        running("a-low", 70, "a", [0], 0),
+        running("b-low", 70, "b", [0], 5),
+    ]
+    c = cluster(*objects)
+    new = pod_demand(pod("new", "40Gi", priority=100))
+    assert plan_preemption(c.ledger, new).node == "a"  # type: ignore[union-attr]
+    only_b = plan_preemption(c.ledger, new, nodes=["b"])
+    assert only_b is not None and [v.pod.name for v in only_b.victims] == ["b-low"]
+    assert plan_preemption(c.ledger, new, nodes=[]) is None
