@@ -1,4 +1,5 @@
 """One repack plan while it runs: the GPUs it frees are held in the ledger for the pods it places.
+A preemption (`serve --preempt`) runs as a plan whose evicted pods (`victims`) go nowhere.
 
 Pure (no I/O, no await); `extender.live.repack` evicts and posts, this module decides what the
 ledger holds at each moment. The plan's final state was checked on the live ledger before the
@@ -95,6 +96,9 @@ class RepackRun:
     #: real pods whose hold was just taken, for the adapter to annotate (kube-scheduler retries a
     #: pod at once when it changes)
     pokes: list[PodRef] = field(default_factory=list)
+    #: a preemption (`serve --preempt`): the pods it evicted so far (each added before its
+    #: eviction is asked); they go nowhere, so they have no target
+    victims: list[PodRef] = field(default_factory=list)
     _scanned: set[str] = field(default_factory=set)
 
     @property
@@ -137,13 +141,14 @@ class RepackRun:
             self.phase, self.outcome = "done", self._summary()
 
     def leaving(self) -> list[str]:
-        """The moved pods the ledger still counts (terminating, or not evicted yet)."""
+        """The moved or preempted pods the ledger still counts (terminating, or not evicted
+        yet)."""
         ledger = self.cluster.ledger
         out = []
-        for t in self.targets:
-            res = ledger.reservation(t.move.pod.key)
-            if res is not None and res.pod.uid == t.move.pod.uid:
-                out.append(t.move.pod.key)
+        for pod in [t.move.pod for t in self.targets] + self.victims:
+            res = ledger.reservation(pod.key)
+            if res is not None and res.pod.uid == pod.uid:
+                out.append(pod.key)
         return out
 
     def all_held(self) -> bool:
@@ -167,7 +172,7 @@ class RepackRun:
             self.hold.expires_at = min(self.hold.expires_at, now + ABANDON_GRACE)
         self.blocked_outcome = self.blocked_outcome or "dropped"
         self.phase = "abandoned"
-        return [t.move.pod for t in self.targets if t.evicted]
+        return [t.move.pod for t in self.targets if t.evicted] + list(self.victims)
 
     def summary(self) -> dict[str, object]:
         """For /state and the logs."""
@@ -187,6 +192,7 @@ class RepackRun:
                 }
                 for t in self.targets
             ],
+            "preempted": [p.key for p in self.victims],
             "blockedOutcome": self.blocked_outcome or None,
             "outcome": self.outcome or None,
         }
@@ -336,6 +342,8 @@ class RepackRun:
         return bool(self.blocked_outcome) and all(t.outcome for t in self.targets)
 
     def _summary(self) -> str:
+        if self.victims:
+            return f"blocked pod {self.blocked_outcome}; {len(self.victims)} pod(s) preempted"
         placed = sum(t.outcome == "placed" for t in self.targets)
         return (
             f"blocked pod {self.blocked_outcome}; {placed} of {len(self.targets)} re-created "

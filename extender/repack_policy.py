@@ -58,6 +58,8 @@ __all__ = [
     "nominated_message",
     "abandoned_message",
     "repack_event",
+    "needs_text",
+    "where_text",
 ]
 
 #: the owner's consent: only pods annotated exactly "true" are ever moved
@@ -369,13 +371,13 @@ def withdrawn(planned: PodRef, pod: Mapping[str, Any] | None) -> str | None:
     return f"pod {planned.key} may no longer move: {why}"
 
 
-def _where(res: Reservation) -> str:
+def where_text(res: Reservation) -> str:
     """`device 0 of gpu-b`, `devices 0, 1 of gpu-b` (device ids as the assignment names them)."""
     plural = "devices" if len(res.device_ids) > 1 else "device"
     return f"{plural} {', '.join(res.device_ids)} of {res.node}"
 
 
-def _needs(demand: Demand) -> str:
+def needs_text(demand: Demand) -> str:
     """`16Gi on 1 GPU`, `40Gi on each of 2 GPUs`, `2 GPUs, whole`."""
     gpus = "1 GPU" if demand.gpu_count == 1 else f"each of {demand.gpu_count} GPUs"
     if demand.bytes_per_gpu is None:
@@ -390,9 +392,9 @@ def eviction_message(
     again = "under the same name" if move.controller.kind == "StatefulSet" else "from its template"
     return (
         f"evicted by vramsched (move {index} of {total}) to make room for pod {blocked.pod.key} "
-        f"({_needs(blocked)}), which fits on no node while free VRAM is split; it gets "
-        f"{_where(placement)}. {move.controller.kind} {move.controller.name} re-creates this pod "
-        f"{again}, and vramsched holds {_where(move.target)} for the new one"
+        f"({needs_text(blocked)}), which fits on no node while free VRAM is split; it gets "
+        f"{where_text(placement)}. {move.controller.kind} {move.controller.name} re-creates this pod "
+        f"{again}, and vramsched holds {where_text(move.target)} for the new one"
     )
 
 
@@ -401,7 +403,7 @@ def nominated_message(placement: Reservation, moves: Sequence[PlannedMove]) -> s
     moved = ", ".join(m.pod.key for m in moves)
     return (
         f"vramsched moved {len(moves)} pod(s) ({moved}) to free room for this pod and holds "
-        f"{_where(placement)} for it"
+        f"{where_text(placement)} for it"
     )
 
 

@@ -169,6 +169,8 @@ class World:
         profile: SchedulerProfile | None = None,
         nodes: list[str] = NODES,
         node_gpus: int = 1,
+        repack: bool = True,
+        preempt: bool = False,
     ) -> None:
         self.nodes = list(nodes)
         self.api = FakeApi()
@@ -203,6 +205,8 @@ class World:
             release_slack=10.0,
             open_cost=open_cost,
             profile=profile,
+            repack=repack,
+            preempt=preempt,
         )
         self.plans = NominatingPlanSource(self.repacker)
         self.service = live_service(
@@ -1474,7 +1478,7 @@ def test_scheduler_config_is_read_before_the_server_starts(tmp_path: Any) -> Non
         "profiles: [{schedulerName: other}]\n"
     )
     live = ["serve", "--kubeconfig", str(tmp_path / "none"), "--scheduler-config"]
-    with pytest.raises(SystemExit, match="is read by --repack only"):
+    with pytest.raises(SystemExit, match="is read by --repack and --preempt only"):
         args = parser.parse_args([*live, str(config)])
         args.run(args)
     with pytest.raises(SystemExit, match=r"config.yaml: no profile has schedulerName 'vramsched'"):

@@ -176,9 +176,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default off; docs/repack-live.md)",
     )
     p.add_argument(
+        "--preempt",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="live mode: when a pod fits no GPU's free VRAM, evict the fewest pods of lower "
+        "priority that make room on one node (kube-scheduler's own preemption counts GPUs, not "
+        "VRAM) through the Eviction API, and hold the freed GPUs for it; with --repack, only "
+        "when no move places it (default off; docs/live.md)",
+    )
+    p.add_argument(
         "--scheduler-config",
         metavar="FILE",
-        help="--repack: the KubeSchedulerConfiguration of the kube-scheduler that calls vramsched, "
+        help="--repack, --preempt: the KubeSchedulerConfiguration of the kube-scheduler that calls vramsched, "
         "so that plans are checked with its profile's NodeResourcesFit ignored resources, "
         "PodTopologySpread default constraints and NodeAffinity added affinity (default: the "
         "defaults, as deploy/ runs it)",
@@ -226,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(str(exc)) from None
     if args.repack and args.cluster:
         raise SystemExit("--repack needs live mode (--kubeconfig, or in-cluster): it evicts pods")
+    if args.preempt and args.cluster:
+        raise SystemExit("--preempt needs live mode (--kubeconfig, or in-cluster): it evicts pods")
     webhook.check_arguments(args)
     args.scheduler_profile = _scheduler_profile(args)
     try:
@@ -239,8 +250,10 @@ def _scheduler_profile(args: argparse.Namespace) -> SchedulerProfile:
     cannot be read, or has no such profile, stops the server before it starts."""
     if not args.scheduler_config:
         return SchedulerProfile(name=args.scheduler_name)
-    if not args.repack:
-        raise SystemExit("--scheduler-config is read by --repack only: add --repack or drop it")
+    if not (args.repack or args.preempt):
+        raise SystemExit(
+            "--scheduler-config is read by --repack and --preempt only: add one or drop it"
+        )
     try:
         return load_profile(args.scheduler_config, args.scheduler_name)
     except SchedulerConfigError as exc:
@@ -325,7 +338,7 @@ async def _serve(args: argparse.Namespace) -> int:
         except KubeconfigError as exc:
             raise SystemExit(str(exc)) from None
         nominating: NominatingPlanSource | None = None
-        if args.repack:
+        if args.repack or args.preempt:
             from extender.live.nominating import NominatingPlanSource
 
             repacker = _repacker(args, cluster, source)
@@ -459,7 +472,8 @@ def _planner(args: argparse.Namespace, cluster: ClusterState) -> BackgroundPlann
 
 
 def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSource) -> Repacker:
-    """Live repacking (`--repack`), started once the source runs (`_start_repacker`)."""
+    """Live repacking (`--repack`) and preemption by VRAM (`--preempt`), started once the source
+    runs (`_start_repacker`)."""
     from extender.live.evictions import KubeEvictions
     from extender.live.repack import Repacker
     from extender.planner.repack import plan_repack  # OR-Tools: only when asked for
@@ -478,6 +492,8 @@ def _repacker(args: argparse.Namespace, cluster: ClusterState, source: LiveSourc
         time_limit=args.planner_time_limit,
         open_cost=args.open_gpu_cost,
         profile=args.scheduler_profile,
+        repack=args.repack,
+        preempt=args.preempt,
     )
 
 

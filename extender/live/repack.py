@@ -67,9 +67,18 @@ from extender.live.evictions import Evict
 from extender.live.spread_reads import read_spread_defaults
 from extender.live.storage_reads import StorageReads
 from extender.object_fields import version_of
+from extender.placement import PreemptionPlan, filter_nodes, plan_preemption
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
+from extender.preemption_policy import (
+    PREEMPTED_REASON,
+    may_preempt,
+    preempted_message,
+    preempting_message,
+    preemption_abandoned_message,
+    victim_problem,
+)
 from extender.repack_holds import RepackRun, TargetState
 from extender.repack_policy import (
     ABANDONED_REASON,
@@ -89,7 +98,7 @@ from extender.repack_policy import (
 )
 from extender.scheduler_profile import SchedulerProfile
 from extender.spread_defaults import SpreadDefaults
-from extender.target_rules import node_masks, schedulable_on
+from extender.target_rules import node_masks, schedulable_on, target_problem
 from extender.volume_rules import Storage
 
 __all__ = ["Repacker", "RepackCollector"]
@@ -136,6 +145,9 @@ class RepackStats:
     #: the plan no longer held on the live ledger when it came back
     stale: int = 0
     errors: int = 0
+    #: preemptions started (`--preempt`), and the pods they evicted
+    preemptions: int = 0
+    preempted: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -168,6 +180,8 @@ class Repacker:
         clock: Callable[[], float] = time.monotonic,
         eviction_version: str = "policy/v1",
         profile: SchedulerProfile | None = None,
+        repack: bool = True,
+        preempt: bool = False,
     ) -> None:
         self.cluster = cluster
         self.api = api
@@ -192,6 +206,10 @@ class Repacker:
         self.eviction_version = eviction_version
         #: the scheduler profile's arguments the target checks read (`--scheduler-config`)
         self.profile = profile if profile is not None else SchedulerProfile()
+        #: `--repack`: move movable pods; `--preempt`: evict pods of lower priority (tried when
+        #: no move plan places the pod, or with repacking off)
+        self.repack = repack
+        self.preempt = preempt
         self.instance = socket.gethostname()
         self.stats = RepackStats()
         self.run: RepackRun | None = None
@@ -279,7 +297,7 @@ class Repacker:
             self._told.pop(key, None)
         for key in [k for k, t in self._retry_at.items() if t <= now]:
             del self._retry_at[key]
-        if self.budget.allowance() <= 0:
+        if self.budget.allowance() <= 0 and not self.preempt:
             return None
         best: tuple[int, float, str] | None = None
         for key, since in self._blocked.items():
@@ -301,14 +319,24 @@ class Repacker:
             demand = pod_demand(pod or {}, headroom=self.cluster.headroom)
         except DemandError:
             return
-        if not demand.wants_gpu or self.budget.allowance(demand.gpu_count) <= 0:
+        if not demand.wants_gpu:
             return
+        if self.repack and self.budget.allowance(demand.gpu_count) > 0:
+            if await self._repack(key, demand, now):
+                return
+        if self.preempt:
+            await self._preempt(key, demand)
+
+    async def _repack(self, key: str, demand: Demand, now: float) -> bool:
+        """Plan, check, dry-run and start a repack for the pod; True when it started one, or
+        when none is needed or the plan went stale (the next turn sees), False when there is
+        no plan now."""
         storage, excluded = await self._storage(dict(self.cluster.pods), key)
         spread_lists: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
         for _ in range(self.attempts):
             allowance = self.budget.allowance(demand.gpu_count)
             if allowance <= 0:
-                return
+                return False
             cap = Capacity.from_ledger(
                 self.cluster.ledger.clone(), self.cluster.cpu_used, self.cluster.memory_used
             )
@@ -345,9 +373,9 @@ class Repacker:
                     nowhere = self._nowhere(pods.get(key) or {}, cap.arrays.node_names, storage)
                     message += f"; {nowhere}"
                 self._tell(demand.pod, message)
-                return
+                return False
             if not found.moves:
-                return  # it fits now: kube-scheduler's next try places it
+                return True  # it fits now: kube-scheduler's next try places it
             moves = [
                 PlannedMove(m.pod, m.demand, m.source, m.target, controllers[m.pod.key])
                 for m in found.moves
@@ -370,7 +398,7 @@ class Repacker:
             if unread is not None:
                 self.stats.refused += 1
                 self._tell(demand.pod, f"no repack now: {unread}")
-                return
+                return False
             problem = self._check(demand, found, moves, storage, spread)
             if problem is not None:
                 kind, what, who = problem
@@ -378,23 +406,24 @@ class Repacker:
                     self.stats.stale += 1
                     self._retry_at[key] = now + min(self.retry, 2.0)
                     log.info("repack plan stale", extra={"fields": {"pod": key, "why": what}})
-                    return
+                    return True
                 if who is None:
                     self.stats.refused += 1
                     self._tell(demand.pod, f"no repack now: {what}")
-                    return
+                    return False
                 excluded[who] = what
                 continue
-            refused = await self._dry_run(moves)
+            refused = await self._dry_run([m.pod for m in moves])
             if refused:
                 excluded.update(refused)
                 continue
             await self._execute(demand, found.placement, moves)
-            return
+            return True
         self.stats.refused += 1
         self._tell(
             demand.pod, self._none_message(self.budget.allowance(demand.gpu_count), excluded)
         )
+        return False
 
     def _solve(
         self,
@@ -509,14 +538,14 @@ class Repacker:
         ]
         return await self.reads.for_pods(pods, wanted, blocked)
 
-    async def _dry_run(self, moves: Sequence[PlannedMove]) -> dict[str, str]:
+    async def _dry_run(self, pods: Sequence[PodRef]) -> dict[str, str]:
         """Ask the API server whether each eviction would be accepted now; nothing changes."""
         refused: dict[str, str] = {}
-        for m in moves:
+        for pod in pods:
             try:
-                await self._call(self._evict, m.pod, True)
+                await self._call(self._evict, pod, True)
             except ApiError as exc:
-                refused[m.pod.key] = _refusal(exc)
+                refused[pod.key] = _refusal(exc)
         if refused:
             log.info("repack dry run refused", extra={"fields": {"pods": refused, "evicted": 0}})
         return refused
@@ -560,7 +589,129 @@ class Repacker:
         run.settle(self.clock())
         await self._progress(self.clock())
 
-    async def _evict_retrying(self, pod: PodRef) -> str | None:
+    # ----- preemption by VRAM (`--preempt`) ------------------------------------------------------
+    async def _preempt(self, key: str, demand: Demand) -> None:
+        """Evict the fewest pods of lower priority that make room for the pod on one node
+        (`plan_preemption`), when it may preempt (`may_preempt`) and would not fit once the
+        pods already leaving are gone. Nodes are those kube-scheduler's labels, taints, cordon
+        and volumes let it onto; the node's other rules (CPU, memory, pod count, ports,
+        affinity, spread) are checked with the victims gone. A refused dry run (a
+        PodDisruptionBudget) plans again without that pod."""
+        pod = self.cluster.pod(key)
+        if pod is None or may_preempt(pod) is not None:
+            return
+        if not any(r.priority < demand.priority for r in self.cluster.ledger.reservations()):
+            return  # nobody to preempt: no Event for every pod of the lowest priority
+        pods = dict(self.cluster.pods)
+        storage, _ = await self.reads.for_pods(pods, [key], key)
+        ledger = self.cluster.ledger.clone()
+        for res in list(ledger.reservations()):
+            if victim_problem(res, pods.get(res.key), demand.priority) == "terminating":
+                ledger.release(res.key)  # leaving already: its GPUs come free anyway
+        names = list(ledger.arrays.node_names)
+        mask = node_masks(dict(self.cluster.nodes), pods, names, storage, self.profile)(key)
+        allowed = [n for i, n in enumerate(names) if mask is None or bool(mask[i])]
+        if filter_nodes(ledger, demand, allowed).feasible:
+            return  # room once the leaving pods are gone: kube-scheduler's next try
+        excluded: dict[str, str] = {}
+        spread_lists: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+        spread, unread = await read_spread_defaults(
+            self.api, self._call, self.profile.default_spread, [pod], spread_lists
+        )
+        if unread is not None:
+            self._tell(demand.pod, f"no preemption now: {unread}")
+            return
+        for _ in range(self.attempts + len(allowed)):
+            plan = plan_preemption(
+                ledger,
+                demand,
+                nodes=allowed,
+                eligible=lambda res: (
+                    res.key not in excluded
+                    and victim_problem(res, pods.get(res.key), demand.priority) is None
+                ),
+            )
+            if plan is None:
+                break
+            leaving = {v.key for v in plan.victims}
+            problem = target_problem(
+                self.cluster.nodes,
+                pods,
+                [(None, pod, plan.node)],
+                leaving,
+                storage,
+                profile=self.profile,
+                spread=spread,
+            )
+            if problem is not None:
+                allowed.remove(plan.node)  # the node refuses it for more than VRAM
+                continue
+            refused = await self._dry_run([v.pod for v in plan.victims])
+            if refused:
+                excluded.update(refused)
+                continue
+            await self._execute_preemption(demand, plan)
+            return
+        left_out = "; ".join(f"{k}: {v}" for k, v in sorted(excluded.items()))
+        self._tell(
+            demand.pod,
+            "no preemption now: no pods of lower priority whose eviction frees enough VRAM on "
+            "a node it may use" + (f" (left out: {left_out})" if left_out else ""),
+        )
+
+    async def _execute_preemption(self, preemptor: Demand, plan: PreemptionPlan) -> None:
+        now = self.clock()
+        victims = [v.pod for v in plan.victims]
+        grace = max(_grace(self.cluster.pod(v.key)) for v in victims)
+        run = RepackRun(
+            self.cluster,
+            preemptor,
+            plan.placement,
+            [],
+            deadline=now + len(victims) * self.eviction_retry + grace + self.release_slack,
+            ttl=self.hold_ttl,
+            known_pending=frozenset(self.cluster.pending),
+        )
+        self.run = run
+        self.stats.preemptions += 1
+        log.info("preemption plan", extra={"fields": {**run.summary(), "victims": victims}})
+        run.settle(now)
+
+        def still(ref: PodRef, current: Mapping[str, Any] | None) -> str | None:
+            res = self.cluster.ledger.reservation(ref.key)
+            if current is None or res is None or res.pod.uid != ref.uid:
+                return None  # gone already: nothing to evict
+            why = victim_problem(res, current, preemptor.priority)
+            return None if why in (None, "terminating", "finished") else f"pod {ref.key}: {why}"
+
+        for i, victim in enumerate(plan.victims, start=1):
+            run.victims.append(victim.pod)  # before the call, as for a move
+            error = await self._evict_retrying(victim.pod, still)
+            if error is not None:
+                run.victims.pop()
+                self._abandon(run, f"eviction of {victim.key} refused: {error}", len(victims))
+                return
+            self.stats.preempted += 1
+            message = preempted_message(preemptor, plan.placement, victim.priority, i, len(victims))
+            self.events.emit(
+                victim.pod.namespace,
+                repack_event(
+                    victim.pod, message, time.time(), self.instance, reason=PREEMPTED_REASON
+                ),
+            )
+            log.info(
+                "preempted",
+                extra={"fields": {"pod": victim.key, "for": preemptor.pod.key, "victim": i}},
+            )
+        run.phase = "releasing"
+        run.settle(self.clock())
+        await self._progress(self.clock())
+
+    async def _evict_retrying(
+        self,
+        pod: PodRef,
+        still: Callable[[PodRef, Mapping[str, Any] | None], str | None] = withdrawn,
+    ) -> str | None:
         """Evict; a 429 is asked again every `retry_interval` for `eviction_retry` seconds. None
         when the pod is evicted (or already gone), else why not.
 
@@ -568,12 +719,13 @@ class Repacker:
         from: the plan was made (and the dry run passed) up to minutes earlier, and an owner
         who removed `vramsched.io/movable` since must not see the pod evicted. A 409 (the pod
         changed since the watch copy) reads the pod from the API and asks again if it still
-        consents."""
+        consents. A preemption passes its own test as `still` (the victim is still of lower
+        priority, running)."""
         give_up = self.clock() + self.eviction_retry
         current = self.cluster.pod(pod.key)
         conflicts = 0
         while True:
-            if (why := withdrawn(pod, current)) is not None:
+            if (why := still(pod, current)) is not None:
                 return why
             try:
                 await self._call(self._evict, pod, False, version_of(current or {}))
@@ -608,7 +760,10 @@ class Repacker:
         await self._pokes(run)
         if run.phase == "releasing" and now >= run.deadline:
             leaving = ", ".join(run.leaving()) or "none"
-            self._abandon(run, f"the moved pods were not all gone in time (still there: {leaving})")
+            which = "preempted" if run.victims else "moved"
+            self._abandon(
+                run, f"the {which} pods were not all gone in time (still there: {leaving})"
+            )
         if self.run is run and not run.active:
             self._finish(run)
 
@@ -619,7 +774,11 @@ class Repacker:
             ref = run.pokes.pop(0)
             if ref.key == run.blocked.pod.key:
                 res = run.placement
-                message = nominated_message(run.placement, [t.move for t in run.targets])
+                message = (
+                    preempting_message(run.placement, run.victims)
+                    if run.victims
+                    else nominated_message(run.placement, [t.move for t in run.targets])
+                )
                 self.events.emit(
                     ref.namespace, repack_event(ref, message, time.time(), self.instance)
                 )
@@ -637,10 +796,16 @@ class Repacker:
             except ApiError as exc:
                 log.info("cannot annotate %s: %s", ref.key, exc)
 
-    def _abandon(self, run: RepackRun, why: str) -> None:
+    def _abandon(self, run: RepackRun, why: str, victims: int = 0) -> None:
+        """Stop a plan part way; `victims`: how many pods the preemption meant to evict (its
+        run knows only those evicted so far)."""
         evicted = run.abandon(self.clock())
         self.stats.abandoned += 1
-        message = abandoned_message(evicted, len(run.targets), why)
+        if victims or run.victims:
+            total = max(victims, len(run.victims))
+            message = preemption_abandoned_message(evicted, total, why)
+        else:
+            message = abandoned_message(evicted, len(run.targets), why)
         log.warning(
             "repack abandoned",
             extra={
@@ -773,6 +938,11 @@ class RepackCollector(Collector):
         s = self._repacker.stats
         yield CounterMetricFamily(
             "vramsched_repack_moves", "Pods evicted by repack plans", value=s.moves
+        )
+        yield CounterMetricFamily(
+            "vramsched_preempted_pods",
+            "Pods of lower priority evicted by vramsched's preemption by VRAM (--preempt)",
+            value=s.preempted,
         )
         plans = CounterMetricFamily(
             "vramsched_repack_plans", "Repack attempts by outcome", labels=["outcome"]
