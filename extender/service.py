@@ -542,7 +542,8 @@ class ExtenderService:
                     Pods=[MetaPod(UID=u) for u in uids], NumPDBViolations=pdb.get(node, 0)
                 )
                 for node, uids in chosen.items()
-                if uids
+                # a placeholder that needs nobody gone passes through (kubernetes PR 135486)
+                if uids or not candidates.get(node)
             }
         )
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, overload
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, RootModel
 
 __all__ = [
     "VERBS",
@@ -186,9 +186,15 @@ class MetaPod(BaseModel):
     UID: str
 
 
+def _none_as_empty(value: Any) -> Any:
+    """Go marshals a nil slice as null: a node kube-scheduler proposes with no victims yet (a
+    placeholder, kubernetes PR 135486) comes as `"Pods": null`."""
+    return [] if value is None else value
+
+
 class MetaVictims(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    Pods: list[MetaPod] = Field(default_factory=list)
+    Pods: Annotated[list[MetaPod], BeforeValidator(_none_as_empty)] = Field(default_factory=list)
     NumPDBViolations: int = 0
 
 
@@ -196,7 +202,9 @@ class Victims(BaseModel):
     """Full-pod victims, sent when nodeCacheCapable=false."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    Pods: list[dict[str, Any]] = Field(default_factory=list)
+    Pods: Annotated[list[dict[str, Any]], BeforeValidator(_none_as_empty)] = Field(
+        default_factory=list
+    )
     NumPDBViolations: int = 0
 
 

@@ -17,11 +17,12 @@ from itertools import combinations
 from typing import Any
 
 import pytest
-from builders import cluster, gpu_node, pod
+from builders import cluster, gpu_node, pod, service
 
 from extender.demand import pod_demand
 from extender.inventory import ReplicaPolicy
 from extender.placement import filter_nodes, plan_preemption, preempt_victims
+from extender.wire import ExtenderPreemptionArgs
 
 GIB = 1 << 30
 PRIORITY = 50
@@ -198,3 +199,54 @@ def test_nodes_outside_the_allowed_ones_are_not_touched() -> None:
     only_b = plan_preemption(c.ledger, new, nodes=["b"])
     assert only_b is not None and [v.pod.name for v in only_b.victims] == ["b-low"]
     assert plan_preemption(c.ledger, new, nodes=[]) is None
+
+
+def test_the_preempt_verb_picks_victims_for_a_node_kube_scheduler_sent_without_any() -> None:
+    """kube-scheduler with kubernetes PR 135486 sends a node its in-tree dry run fits with
+    nobody gone as a placeholder, with no victims: vramsched picks them (the fewest of lower
+    priority), or leaves the node out when none make room."""
+    objects = [
+        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
+        running("low", 35, "n", [0], 0),
+        running("mid", 35, "n", [0], 10),
+    ]
+    c = cluster(*objects)
+    assert preempt_victims(c.ledger, pod_demand(pod("new", "40Gi", priority=100)), {"n": []}) == {
+        "n": ["low"]
+    }
+    assert preempt_victims(c.ledger, pod_demand(pod("new", "40Gi", priority=0)), {"n": []}) == {}
+    # it fits already: the placeholder passes through as it came
+    assert preempt_victims(c.ledger, pod_demand(pod("new", "8Gi", priority=100)), {"n": []}) == {
+        "n": []
+    }
+    assert preempt_victims(c.ledger, pod_demand(pod("new", "79Gi", priority=100)), {"n": []}) == {
+        "n": ["low", "mid"]
+    } or preempt_victims(c.ledger, pod_demand(pod("new", "79Gi", priority=100)), {"n": []}) == {
+        "n": ["mid", "low"]
+    }
+
+
+def test_the_preempt_verb_reads_a_placeholder_sent_as_null_and_passes_it_on() -> None:
+    """Go sends a nil victim list as `"Pods": null`; the answer keeps the placeholder when the
+    pod needs nobody gone, names the victims when it does."""
+    objects = [
+        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
+        gpu_node("m", count=1, memory_mib=80 * 1024, replicas=4),
+        running("low", 35, "n", [0], 0),
+        running("mid", 35, "n", [0], 10),
+    ]
+    c = cluster(*objects)
+    body = {
+        "Pod": pod("new", "40Gi", priority=100),
+        "NodeNameToMetaVictims": {
+            "n": {"Pods": None, "NumPDBViolations": 0},
+            "m": {"Pods": None, "NumPDBViolations": 0},
+        },
+    }
+    out = service(c).preempt(ExtenderPreemptionArgs.model_validate(body))
+    assert out.model_dump() == {
+        "NodeNameToMetaVictims": {
+            "n": {"Pods": [{"UID": "low"}], "NumPDBViolations": 0},
+            "m": {"Pods": [], "NumPDBViolations": 0},
+        }
+    }

@@ -39,7 +39,10 @@ def preempt_victims(
 
     `candidates` maps node -> UIDs kube-scheduler proposes. Victims we hold no GPUs for are kept
     (the scheduler needed them for other resources); ours are cut to the smallest set that frees
-    enough VRAM and replicas. Nodes where even all victims would not make room are dropped, and
+    enough VRAM and replicas. A node proposed with no victims is a placeholder (kube-scheduler
+    with kubernetes PR 135486: its in-tree dry run fits the pod with nobody gone, so only an
+    extender can tell who must go): its victims are picked among the lower-priority pods of
+    ours there. Nodes where even all victims would not make room are dropped, and
     so are the nodes the pin rule refuses (`extender.placement.pin_rule`): evicting anyone there
     would free nothing the pod can use.
     """
@@ -54,6 +57,16 @@ def preempt_victims(
             continue
         lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
         held = {res.pod.uid: res for res in ledger.pods_on(node) if res.pod.uid}
+        if not uids and _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()):
+            result[node] = []  # a placeholder that needs nobody gone: passed through
+            continue
+        if not uids:
+            # a placeholder: kube-scheduler's in-tree dry run fits the pod with nobody gone, and
+            # the victims, if any, are for vramsched to pick among the pods it holds there
+            uids = [u for u, res in held.items() if res.device_ids and not res.assumed]
+            uids = [u for u in uids if held[u].priority < demand.priority]
+            if not uids:
+                continue
         ours = sorted(
             (held[u] for u in uids if u in held),
             key=lambda res: (res.priority, -res.total_bytes, res.key),
