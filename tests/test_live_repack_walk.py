@@ -4,12 +4,14 @@ repacker's steps with the clock moving, kube-scheduler's filter and bind of any 
 any node filter offers, controllers re-creating evicted pods, terminating pods finishing, users
 deleting pods, creating new ones, editing a waiting pod's model-memory and withdrawing a running
 pod's consent (also while a plan evicts, with the watch delivering it at once or later),
+with `--preempt` too: pods of random priorities, and a running pod's priority raised above every
+waiting one (at once, or while a preemption evicts),
 PodDisruptionBudgets refusing evictions now and then (also after the dry run passed), and this
 replica losing and winning the leader election.
 
 After every action the ledger's invariant holds with the plan's holds counted as the pods they
-stand for; only consenting pods of a controller are evicted, never more than the per-minute cap
-within a minute; every bind books what the pod asks at that moment; and once the history is played out (every evicted pod re-created, every pod
+stand for; only consenting pods of a controller are moved, never more than the per-minute cap
+within a minute, and a pod is preempted only for a pod of higher priority than it has then; every bind books what the pod asks at that moment; and once the history is played out (every evicted pod re-created, every pod
 that can be placed bound, the clock past every hold's deadline), no hold is left and the cluster
 passes every check."""
 
@@ -44,9 +46,19 @@ def owned_by_size(p: dict[str, Any], gib: int) -> dict[str, Any]:
     return owned(p, "ReplicaSet", f"web{gib}-abc", f"rs-web{gib}", "abc")
 
 
-def random_cluster(rng: random.Random, gpus: int) -> list[dict[str, Any]]:
+#: priorities of running pods and of pods that wait, with `--preempt` on
+RUNNING_PRIORITIES = (0, 10, 100)
+WAITING_PRIORITIES = (10, 100, 1000)
+
+
+def prioritised(p: dict[str, Any], rng: random.Random, choices: tuple[int, ...]) -> dict[str, Any]:
+    p["spec"]["priority"] = rng.choice(choices)
+    return p
+
+
+def random_cluster(rng: random.Random, gpus: int, preempt: bool = False) -> list[dict[str, Any]]:
     """Each GPU filled with 2-3 pods, some of them movable; one or two pods that fit on no GPU
-    while the free memory summed would hold them."""
+    while the free memory summed would hold them. With `preempt`, of random priorities."""
     pods: list[dict[str, Any]] = []
     top = 0
     for node in NODES:
@@ -60,22 +72,31 @@ def random_cluster(rng: random.Random, gpus: int) -> list[dict[str, Any]]:
     for j in range(rng.randint(1, 2)):
         gib = rng.randint(top + 1, min(top + 8, 22))
         pods.append(pod(f"p{j}", f"{gib}Gi", uid=f"p{j}"))
+    if preempt:
+        for p in pods:
+            waiting = not p["spec"].get("nodeName")
+            prioritised(p, rng, WAITING_PRIORITIES if waiting else RUNNING_PRIORITIES)
     for p in pods:  # as the API server hands them out
         p["metadata"]["resourceVersion"] = "1"
     return pods
 
 
 class Walk:
-    def __init__(self, world: Any, seed: int, gpus: int = 1) -> None:
+    def __init__(self, world: Any, seed: int, gpus: int = 1, preempt: bool = False) -> None:
         self.rng = random.Random(seed)
         self.leading = True
+        self.preempt = preempt
         self.w: World = world(
-            random_cluster(self.rng, gpus),
+            random_cluster(self.rng, gpus, preempt),
             nodes=NODES,
             per_minute=PER_MINUTE,
             node_gpus=gpus,
             leader=lambda: self.leading,
+            preempt=preempt,
         )
+        #: pods evicted by a preemption (not moves: no consent, no per-minute cap)
+        self.preempted: set[str] = set()
+        self.raised = 0
         self.made = 0
         self.recreated: set[str] = set()
         self.evicted_at: list[float] = []
@@ -97,6 +118,13 @@ class Walk:
             evict(namespace, name, body, dry_run)  # raises when refused
             if not dry_run:
                 self.accepted.append(name)
+                run = self.w.repacker.run
+                if run is not None and run.victims and run.victims[-1].name == name:
+                    # a preemption: only a pod of lower priority than the pod it is for, as
+                    # the API holds it when its eviction is accepted
+                    stored = self.w.api.pods[f"{namespace}/{name}"]
+                    assert stored["spec"].get("priority", 0) < run.blocked.priority, name
+                    self.preempted.add(name)
 
         self.w.repacker.evict = recording
 
@@ -160,6 +188,14 @@ class Walk:
                     hook()
                 else:
                     self.at_next_eviction.append(hook)
+        elif roll < 0.5 and self.preempt:
+            running = [k for k, p in self.w.api.pods.items() if p["spec"].get("nodeName")]
+            if running:  # a running pod's priority goes up (created again in a higher class)
+                hook = self.raise_priority(rng.choice(running), delivered=rng.random() < 0.5)
+                if rng.random() < 0.5:
+                    hook()
+                else:
+                    self.at_next_eviction.append(hook)
         elif roll < 0.6:
             if pending := self.pending():  # a user edits a waiting pod's model-memory
                 key = rng.choice(pending)
@@ -174,6 +210,8 @@ class Walk:
             gib = rng.randint(2, 20)
             p = pod(name, f"{gib}Gi", uid=name)
             p["metadata"]["resourceVersion"] = "1"
+            if self.preempt:
+                prioritised(p, rng, WAITING_PRIORITIES)
             if rng.random() < 0.5:
                 owned_by_size(p, gib)
             self.w.api.add_pod(p)
@@ -198,6 +236,25 @@ class Walk:
 
         return hook
 
+    def raise_priority(self, key: str, delivered: bool) -> Any:
+        """A hook raising the pod's priority in the API above any pod that waits (a new
+        resourceVersion); the watch delivers it at once or at a later action."""
+
+        def hook() -> None:
+            stored = self.w.api.pods.get(key)
+            if stored is None:
+                return
+            stored["spec"]["priority"] = 10_000
+            meta = stored["metadata"]
+            meta["resourceVersion"] = str(int(meta.get("resourceVersion") or "1") + 1)
+            self.raised += 1
+            if delivered:
+                self.w.watch(key)
+            else:
+                self.undelivered.add(key)
+
+        return hook
+
     def deliver(self) -> None:
         """The watch catches up with the withdrawals it has not delivered."""
         for key in sorted(self.undelivered):
@@ -207,6 +264,8 @@ class Walk:
 
     def note_evictions(self, before: int) -> None:
         for name in self.accepted[before:]:
+            if name in self.preempted:
+                continue  # checked when its eviction was accepted
             key = f"default/{name}"
             meta = self.w.api.pods[key]["metadata"]
             assert meta["annotations"].get("vramsched.io/movable") == "true", name
@@ -267,12 +326,13 @@ class Walk:
                 break
 
 
+@pytest.mark.parametrize("preempt", [False, True], ids=["repack", "repack+preempt"])
 @pytest.mark.parametrize("gpus", [1, 2])
 @pytest.mark.parametrize("seed", range(16))
 async def test_random_histories_keep_the_books_and_leave_no_hold(
-    world: Any, seed: int, gpus: int
+    world: Any, seed: int, gpus: int, preempt: bool
 ) -> None:
-    walk = Walk(world, seed, gpus)
+    walk = Walk(world, seed, gpus, preempt)
     for _ in range(80):
         await walk.act()
     await walk.settle()
