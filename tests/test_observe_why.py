@@ -40,11 +40,12 @@ def test_groups_event_closest_and_fewest_removals() -> None:
         "1 not a GPU node: missing label nvidia.com/gpu.product, 2 no GPU with 45Gi free."
     )
     # a misses by 25Gi, b by 35Gi: a is closest; removing one 30Gi pod leaves 50Gi free.
-    # a2 (priority 0) goes rather than a1 (priority 5): preemption may evict it (want is 1)
+    # a2 (priority 0) goes rather than a1 (priority 5): it may be preempted (want is 1)
     cl = e.closest
     assert (cl.node, cl.short_bytes) == ("a", 25 * GIB)
     assert [p.key for p in cl.remove] == ["default/a2"] and cl.preemptible
     assert "fits once default/a2 (30Gi) is gone" in describe_closest(cl)
+    assert "`serve --preempt` for VRAM" in describe_closest(cl)
     doc = explanation_dict(e)
     assert doc["closest"]["remove"] == [
         {"pod": "default/a2", "bytes": 30 * GIB, "modelMemory": 30 * GIB}

@@ -353,7 +353,7 @@ def describe_closest(c: Closest) -> str:
         return f"{head}: removing its pods would not make it fit"
     who = ", ".join(f"{p.key} ({format_bytes(p.bytes or 0)})" for p in c.remove)
     how = (
-        "lower priority: preemption may evict"
+        "lower priority: kube-scheduler preempts only for GPU counts, `serve --preempt` for VRAM"
         if c.preemptible
         else "not lower priority: only deleting frees"
     )
