@@ -207,6 +207,25 @@ async def test_with_repacking_on_a_move_comes_before_a_preemption(world: Any) ->
     assert run is not None and run.targets == [] and run.placement.node == "b"
 
 
+async def test_a_plan_the_cluster_outgrew_while_it_was_checked_evicts_nobody(
+    world: Any,
+) -> None:
+    """A pod lands on a between the plan and the evictions (after the dry run): with low0
+    gone, a would have 14Gi free, not 16. Nothing is evicted; the next try plans again."""
+    w = world(crowded())
+
+    def lands() -> None:
+        w.source.apply("pods", "ADDED", running("late", 10, "a", 1000))
+
+    w.evictions.before[("low0", True)] = lands
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == [] and w.repacker.run is None
+    assert w.repacker.stats.stale == 1
+    await w.step(advance=11)  # the next try: low5 on b is the only way now
+    assert w.evictions.real() == ["low5"]
+
+
 async def test_preemption_metrics(world: Any) -> None:
     w = world(crowded())
     w.filter("default/p")

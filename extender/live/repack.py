@@ -60,14 +60,14 @@ from prometheus_client.registry import Collector
 from extender.background_task import BackgroundTask
 from extender.cluster import ClusterState
 from extender.demand import Demand, DemandError, PodRef, pod_demand, pod_ref
-from extender.ledger import Reservation
+from extender.ledger import Ledger, Reservation
 from extender.live.api_client import ApiError, KubeApi, annotation_patch
 from extender.live.events import EventRecorder
 from extender.live.evictions import Evict
 from extender.live.spread_reads import read_spread_defaults
 from extender.live.storage_reads import StorageReads
 from extender.object_fields import version_of
-from extender.placement import PreemptionPlan, filter_nodes, plan_preemption
+from extender.placement import PreemptionPlan, filter_nodes, plan_preemption, plugin_allows
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
@@ -611,7 +611,8 @@ class Repacker:
         names = list(ledger.arrays.node_names)
         mask = node_masks(dict(self.cluster.nodes), pods, names, storage, self.profile)(key)
         allowed = [n for i, n in enumerate(names) if mask is None or bool(mask[i])]
-        if filter_nodes(ledger, demand, allowed).feasible:
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(self._pool, _fits_any, ledger, demand, allowed):
             return  # room once the leaving pods are gone: kube-scheduler's next try
         excluded: dict[str, str] = {}
         spread_lists: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
@@ -621,15 +622,18 @@ class Repacker:
         if unread is not None:
             self._tell(demand.pod, f"no preemption now: {unread}")
             return
+
+        def eligible(res: Reservation) -> bool:
+            return (
+                res.key not in excluded
+                and victim_problem(res, pods.get(res.key), demand.priority) is None
+            )
+
         for _ in range(self.attempts + len(allowed)):
-            plan = plan_preemption(
-                ledger,
-                demand,
-                nodes=allowed,
-                eligible=lambda res: (
-                    res.key not in excluded
-                    and victim_problem(res, pods.get(res.key), demand.priority) is None
-                ),
+            # on the worker thread (a pass over every node it may use), on the private copy
+            plan = await loop.run_in_executor(
+                self._pool,
+                lambda: plan_preemption(ledger, demand, nodes=list(allowed), eligible=eligible),
             )
             if plan is None:
                 break
@@ -650,6 +654,10 @@ class Repacker:
             if refused:
                 excluded.update(refused)
                 continue
+            if (why := self._preemption_stale(demand, plan)) is not None:
+                self.stats.stale += 1
+                log.info("preemption plan stale", extra={"fields": {"pod": key, "why": why}})
+                return  # tried again after `retry`, on the cluster as it is then
             await self._execute_preemption(demand, plan)
             return
         left_out = "; ".join(f"{k}: {v}" for k, v in sorted(excluded.items()))
@@ -658,6 +666,27 @@ class Repacker:
             "no preemption now: no pods of lower priority whose eviction frees enough VRAM on "
             "a node it may use" + (f" (left out: {left_out})" if left_out else ""),
         )
+
+    def _preemption_stale(self, preemptor: Demand, plan: PreemptionPlan) -> str | None:
+        """Why the plan no longer holds on the live ledger (it was made on a copy, before the
+        API calls since), or None: the pod's placement must fit once the victims and the pods
+        leaving already are gone, within the device plugin's bound."""
+        live = self.cluster.ledger
+        after = live.clone()
+        pods = self.cluster.pods
+        for res in list(after.reservations()):
+            if victim_problem(res, pods.get(res.key), preemptor.priority) == "terminating":
+                after.release(res.key)
+        for v in plan.victims:
+            held = after.reservation(v.key)
+            if held is None or held.pod.uid != v.pod.uid:
+                return f"victim {v.key} changed while planning"
+            after.release(v.key)
+        if (why := after.fits(plan.placement)) is not None:
+            return why
+        if not plugin_allows(after, preemptor, plan.placement):
+            return "the device plugin's bound no longer allows the placement"
+        return None
 
     async def _execute_preemption(self, preemptor: Demand, plan: PreemptionPlan) -> None:
         now = self.clock()
@@ -910,6 +939,11 @@ class Repacker:
             "last": self.last,
             "events": self.events.stats(),
         }
+
+
+def _fits_any(ledger: Ledger, demand: Demand, nodes: Sequence[str]) -> bool:
+    """Whether the pod fits one of `nodes` on `ledger` now (on the worker thread)."""
+    return bool(filter_nodes(ledger, demand, list(nodes)).feasible)
 
 
 def _refusal(exc: ApiError) -> str:
