@@ -17,7 +17,7 @@ from typing import Any
 from extender.demand import Demand, PodRef
 from extender.ledger import Reservation
 from extender.object_fields import meta, uid_of
-from extender.repack_policy import needs_text, where_text
+from extender.repack_policy import abandoned_message, needs_text, where_text
 
 __all__ = [
     "PREEMPTED_REASON",
@@ -96,8 +96,4 @@ def preempting_message(placement: Reservation, victims: Sequence[PodRef]) -> str
 
 def preemption_abandoned_message(evicted: Sequence[PodRef], total: int, why: str) -> str:
     """The preemptor's Warning when a started preemption stops part way."""
-    done = ", ".join(p.key for p in evicted) or "none"
-    return (
-        f"vramsched preemption abandoned after evicting {len(evicted)} of {total} pod(s) "
-        f"({done}): {why}; this pod still does not fit"
-    )
+    return abandoned_message(evicted, total, why, what="preemption", then="")

@@ -407,14 +407,22 @@ def nominated_message(placement: Reservation, moves: Sequence[PlannedMove]) -> s
     )
 
 
-def abandoned_message(moves_done: Sequence[PodRef], total: int, why: str) -> str:
-    """The blocked pod's Warning when a started plan stops part way."""
+def abandoned_message(
+    moves_done: Sequence[PodRef],
+    total: int,
+    why: str,
+    *,
+    what: str = "repack",
+    then: str = "the evicted pods' controllers re-create them, placed as usual",
+) -> str:
+    """The blocked pod's Warning when a started plan (`what`: a repack, a preemption) stops
+    part way; `then`: what becomes of the pods evicted so far, if anything is to be said."""
     done = ", ".join(p.key for p in moves_done) or "none"
-    return (
-        f"vramsched repack abandoned after evicting {len(moves_done)} of {total} pod(s) "
-        f"({done}): {why}; this pod still does not fit, and the evicted pods' controllers "
-        f"re-create them, placed as usual"
+    text = (
+        f"vramsched {what} abandoned after evicting {len(moves_done)} of {total} pod(s) "
+        f"({done}): {why}; this pod still does not fit"
     )
+    return f"{text}, and {then}" if then else text
 
 
 def repack_event(

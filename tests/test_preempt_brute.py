@@ -46,17 +46,23 @@ def running(name: str, gib: int, node: str, devices: list[int], priority: int) -
     return p
 
 
-def random_case(rng: random.Random) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One node, its pods and a pod that may need some of them gone."""
-    count = rng.choice([1, 2, 3])
-    replicas = rng.choice([1, 2, 4])
-    memory = rng.choice([16, 24, 80])
-    objects: list[dict[str, Any]] = [
-        gpu_node("n", count=count, memory_mib=memory * 1024, replicas=replicas)
-    ]
+def fill(
+    rng: random.Random,
+    node: str,
+    count: int,
+    memory: int,
+    replicas: int,
+    *,
+    pods: int,
+    priorities: tuple[int, ...],
+    prefix: str = "",
+) -> list[dict[str, Any]]:
+    """1 to `pods` running pods of one or two GPUs on `node` (`count` GPUs of `memory` GiB and
+    `replicas` replicas each), of random sizes and `priorities`, named `<prefix>v<i>`."""
+    out: list[dict[str, Any]] = []
     free = {d: memory for d in range(count)}
     slots = {d: replicas for d in range(count)}
-    for i in range(rng.randint(1, 6)):
+    for i in range(rng.randint(1, pods)):
         width = 2 if count > 1 and rng.random() < 0.25 else 1
         open_ = [d for d in range(count) if slots[d] > 0 and free[d] >= 2]
         if len(open_) < width:
@@ -68,7 +74,19 @@ def random_case(rng: random.Random) -> tuple[list[dict[str, Any]], dict[str, Any
         for d in devices:
             free[d] -= gib
             slots[d] -= 1
-        objects.append(running(f"v{i}", gib, "n", devices, rng.choice([0, 1, 5, 100])))
+        out.append(running(f"{prefix}v{i}", gib, node, devices, rng.choice(priorities)))
+    return out
+
+
+def random_case(rng: random.Random) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One node, its pods and a pod that may need some of them gone."""
+    count = rng.choice([1, 2, 3])
+    replicas = rng.choice([1, 2, 4])
+    memory = rng.choice([16, 24, 80])
+    objects: list[dict[str, Any]] = [
+        gpu_node("n", count=count, memory_mib=memory * 1024, replicas=replicas)
+    ]
+    objects += fill(rng, "n", count, memory, replicas, pods=6, priorities=(0, 1, 5, 100))
     width = 2 if count > 1 and rng.random() < 0.25 else 1
     new = pod("new", f"{rng.randint(2, memory) * width}Gi", gpus=width, priority=50)
     return objects, new

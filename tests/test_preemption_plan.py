@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from builders import cluster, gpu_node, pod, service
+from test_preempt_brute import fill, running
 
 from extender.demand import pod_demand
 from extender.inventory import ReplicaPolicy
@@ -28,26 +29,15 @@ GIB = 1 << 30
 PRIORITY = 50
 
 
-def running(name: str, gib: int, node: str, devices: list[int], priority: int) -> dict[str, Any]:
-    ann = {
-        "vramsched.io/assignment": json.dumps(
-            {
-                "node": node,
-                "devices": [str(d) for d in devices],
-                "bytesPerDevice": [gib * GIB] * len(devices),
-            }
-        )
-    }
-    return pod(
-        name,
-        f"{gib * len(devices)}Gi",
-        gpus=len(devices),
-        node=node,
-        uid=name,
-        annotations=ann,
-        phase="Running",
-        priority=priority,
-    )
+def held_twice(*extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Node n, a time-sliced 80 GiB GPU of 4 replicas, held by two 35 GiB pods of priority 0
+    (low) and 10 (mid): a 40 GiB pod fits once one of them is gone, with replicas left."""
+    return [
+        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
+        *extra,
+        running("low", 35, "n", [0], 0),
+        running("mid", 35, "n", [0], 10),
+    ]
 
 
 def random_case(rng: random.Random) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
@@ -59,19 +49,16 @@ def random_case(rng: random.Random) -> tuple[list[dict[str, Any]], list[str], di
     objects: list[dict[str, Any]] = []
     for node in names:
         objects.append(gpu_node(node, count=count, memory_mib=memory * 1024, replicas=replicas))
-        free = {d: memory for d in range(count)}
-        slots = {d: replicas for d in range(count)}
-        for i in range(rng.randint(1, 4)):
-            width = 2 if count > 1 and rng.random() < 0.25 else 1
-            open_ = [d for d in range(count) if slots[d] > 0 and free[d] >= 2]
-            if len(open_) < width:
-                break
-            devices = rng.sample(open_, width)
-            gib = rng.randint(2, min(free[d] for d in devices))
-            for d in devices:
-                free[d] -= gib
-                slots[d] -= 1
-            objects.append(running(f"{node}-v{i}", gib, node, devices, rng.choice([0, 1, 50, 100])))
+        objects += fill(
+            rng,
+            node,
+            count,
+            memory,
+            replicas,
+            pods=4,
+            priorities=(0, 1, 50, 100),
+            prefix=f"{node}-",
+        )
     width = 2 if count > 1 and rng.random() < 0.25 else 1
     new = pod("new", f"{rng.randint(memory // 2, memory) * width}Gi", gpus=width, priority=PRIORITY)
     return objects, names, new
@@ -168,13 +155,8 @@ def test_a_pod_that_only_vram_keeps_out_gets_one_victim() -> None:
     """A time-sliced 80 GiB GPU with replicas left: two pods of 35 GiB hold it; a 40 GiB pod of
     higher priority needs one of them gone. kube-scheduler's dry run (replicas only) finds no
     victim here; the plan evicts the lower-priority one."""
-    objects = [
-        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
-        running("low", 35, "n", [0], 0),
-        running("mid", 35, "n", [0], 10),
-    ]
     new = pod("new", "40Gi", priority=100)
-    c = cluster(*objects)
+    c = cluster(*held_twice())
     got = plan_preemption(c.ledger, pod_demand(new))
     assert got is not None
     assert [v.pod.name for v in got.victims] == ["low"]
@@ -205,12 +187,7 @@ def test_the_preempt_verb_picks_victims_for_a_node_kube_scheduler_sent_without_a
     """kube-scheduler with kubernetes PR 135486 sends a node its in-tree dry run fits with
     nobody gone as a placeholder, with no victims: vramsched picks them (the fewest of lower
     priority), or leaves the node out when none make room."""
-    objects = [
-        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
-        running("low", 35, "n", [0], 0),
-        running("mid", 35, "n", [0], 10),
-    ]
-    c = cluster(*objects)
+    c = cluster(*held_twice())
     assert preempt_victims(c.ledger, pod_demand(pod("new", "40Gi", priority=100)), {"n": []}) == {
         "n": ["low"]
     }
@@ -219,23 +196,14 @@ def test_the_preempt_verb_picks_victims_for_a_node_kube_scheduler_sent_without_a
     assert preempt_victims(c.ledger, pod_demand(pod("new", "8Gi", priority=100)), {"n": []}) == {
         "n": []
     }
-    assert preempt_victims(c.ledger, pod_demand(pod("new", "79Gi", priority=100)), {"n": []}) == {
-        "n": ["low", "mid"]
-    } or preempt_victims(c.ledger, pod_demand(pod("new", "79Gi", priority=100)), {"n": []}) == {
-        "n": ["mid", "low"]
-    }
+    both = preempt_victims(c.ledger, pod_demand(pod("new", "79Gi", priority=100)), {"n": []})
+    assert sorted(both["n"]) == ["low", "mid"]
 
 
 def test_the_preempt_verb_reads_a_placeholder_sent_as_null_and_passes_it_on() -> None:
     """Go sends a nil victim list as `"Pods": null`; the answer keeps the placeholder when the
     pod needs nobody gone, names the victims when it does."""
-    objects = [
-        gpu_node("n", count=1, memory_mib=80 * 1024, replicas=4),
-        gpu_node("m", count=1, memory_mib=80 * 1024, replicas=4),
-        running("low", 35, "n", [0], 0),
-        running("mid", 35, "n", [0], 10),
-    ]
-    c = cluster(*objects)
+    c = cluster(*held_twice(gpu_node("m", count=1, memory_mib=80 * 1024, replicas=4)))
     body = {
         "Pod": pod("new", "40Gi", priority=100),
         "NodeNameToMetaVictims": {
