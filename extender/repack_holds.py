@@ -96,8 +96,10 @@ class RepackRun:
     #: real pods whose hold was just taken, for the adapter to annotate (kube-scheduler retries a
     #: pod at once when it changes)
     pokes: list[PodRef] = field(default_factory=list)
-    #: a preemption (`serve --preempt`): the pods it evicted so far (each added before its
-    #: eviction is asked); they go nowhere, so they have no target
+    #: a preemption (`serve --preempt`): the pods it is to evict; they go nowhere, so they
+    #: have no target
+    preempting: tuple[PodRef, ...] = ()
+    #: of those, the ones evicted so far (each added before its eviction is asked)
     victims: list[PodRef] = field(default_factory=list)
     _scanned: set[str] = field(default_factory=set)
 
@@ -145,7 +147,7 @@ class RepackRun:
         yet)."""
         ledger = self.cluster.ledger
         out = []
-        for pod in [t.move.pod for t in self.targets] + self.victims:
+        for pod in [t.move.pod for t in self.targets] + list(self.preempting):
             res = ledger.reservation(pod.key)
             if res is not None and res.pod.uid == pod.uid:
                 out.append(pod.key)
@@ -342,7 +344,7 @@ class RepackRun:
         return bool(self.blocked_outcome) and all(t.outcome for t in self.targets)
 
     def _summary(self) -> str:
-        if self.victims:
+        if self.preempting:
             return f"blocked pod {self.blocked_outcome}; {len(self.victims)} pod(s) preempted"
         placed = sum(t.outcome == "placed" for t in self.targets)
         return (

@@ -226,6 +226,24 @@ async def test_a_plan_the_cluster_outgrew_while_it_was_checked_evicts_nobody(
     assert w.evictions.real() == ["low5"]
 
 
+async def test_a_victim_that_never_leaves_abandons_the_preemption(world: Any) -> None:
+    """A kubelet that never confirms the deletion: the pod never gets the GPU; once the victim
+    had to be gone, the preemption is abandoned, saying which pod is still there."""
+    w = world(crowded())
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    run = w.repacker.run
+    assert run is not None and run.leaving() == ["default/low0"]
+    await w.step(advance=run.deadline - w.clock() + 1)
+    assert w.repacker.run is None and w.repacker.stats.abandoned == 1
+    assert "default/p" not in w.held()
+    (warning,) = [e for e in await w.events() if e["reason"] == ABANDONED_REASON]
+    assert warning["message"].startswith(
+        "vramsched preemption abandoned after evicting 1 of 1 pod(s) (default/low0): the "
+        "preempted pods were not all gone in time (still there: default/low0)"
+    )
+
+
 async def test_preemption_metrics(world: Any) -> None:
     w = world(crowded())
     w.filter("default/p")

@@ -700,6 +700,7 @@ class Repacker:
             deadline=now + len(victims) * self.eviction_retry + grace + self.release_slack,
             ttl=self.hold_ttl,
             known_pending=frozenset(self.cluster.pending),
+            preempting=tuple(victims),
         )
         self.run = run
         self.stats.preemptions += 1
@@ -718,7 +719,7 @@ class Repacker:
             error = await self._evict_retrying(victim.pod, still)
             if error is not None:
                 run.victims.pop()
-                self._abandon(run, f"eviction of {victim.key} refused: {error}", len(victims))
+                self._abandon(run, f"eviction of {victim.key} refused: {error}")
                 return
             self.stats.preempted += 1
             message = preempted_message(preemptor, plan.placement, victim.priority, i, len(victims))
@@ -789,7 +790,7 @@ class Repacker:
         await self._pokes(run)
         if run.phase == "releasing" and now >= run.deadline:
             leaving = ", ".join(run.leaving()) or "none"
-            which = "preempted" if run.victims else "moved"
+            which = "preempted" if run.preempting else "moved"
             self._abandon(
                 run, f"the {which} pods were not all gone in time (still there: {leaving})"
             )
@@ -804,8 +805,8 @@ class Repacker:
             if ref.key == run.blocked.pod.key:
                 res = run.placement
                 message = (
-                    preempting_message(run.placement, run.victims)
-                    if run.victims
+                    preempting_message(run.placement, run.preempting)
+                    if run.preempting
                     else nominated_message(run.placement, [t.move for t in run.targets])
                 )
                 self.events.emit(
@@ -825,14 +826,11 @@ class Repacker:
             except ApiError as exc:
                 log.info("cannot annotate %s: %s", ref.key, exc)
 
-    def _abandon(self, run: RepackRun, why: str, victims: int = 0) -> None:
-        """Stop a plan part way; `victims`: how many pods the preemption meant to evict (its
-        run knows only those evicted so far)."""
+    def _abandon(self, run: RepackRun, why: str) -> None:
         evicted = run.abandon(self.clock())
         self.stats.abandoned += 1
-        if victims or run.victims:
-            total = max(victims, len(run.victims))
-            message = preemption_abandoned_message(evicted, total, why)
+        if run.preempting:
+            message = preemption_abandoned_message(evicted, len(run.preempting), why)
         else:
             message = abandoned_message(evicted, len(run.targets), why)
         log.warning(
