@@ -6,7 +6,8 @@ What every set of victims says, tried one by one (filter run on the cluster rebu
 them): no plan when the pod fits a node already, or when no set of lower-priority pods makes
 room anywhere; else, per node, the fewest such pods, the lowest priorities among equally few,
 and among nodes the one kube-scheduler would pick (lowest highest victim priority, lowest sum,
-fewest victims, least VRAM evicted, node order). The placement returned fits the ledger once the
+sum shifted by 2^31 as kube-scheduler shifts it, fewest victims, least VRAM evicted, node
+order). The placement returned fits the ledger once the
 victims are gone, and no pod `eligible` refuses is ever a victim."""
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def brute_force(
                     if (max(priority[n] for n in s), sum(priority[n] for n in s)) == (top, total)
                 ]
                 freed = min(sum(gib[n] for n in s) for s in chosen)
-                rank = (top, total, size, freed, order)
+                # kube-scheduler sums priorities shifted by 2^31 (MaxInt32 + 1)
+                rank = (top, total + size * (1 << 31), size, freed, order)
                 if best is None or rank < best[0]:
                     best = (rank, node)
                 break
@@ -141,7 +143,7 @@ def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any) -> None:
     assert got.node == node, (got, want)
     assert all(v.node == node and v.priority < PRIORITY for v in got.victims)
     assert victims <= eligible
-    top, total = max(priority.values()), sum(priority.values())
+    top, total = max(priority.values()), sum(p + (1 << 31) for p in priority.values())
     assert (top, total, len(victims)) == rank[:3]
     assert fits_without(objects, victims, new, node, policy)
     after = cluster(
@@ -218,3 +220,17 @@ def test_the_preempt_verb_reads_a_placeholder_sent_as_null_and_passes_it_on() ->
             "m": {"Pods": [], "NumPDBViolations": 0},
         }
     }
+
+
+def test_negative_priorities_are_summed_as_kube_scheduler_sums_them() -> None:
+    """Node a needs both its pods of priority -10 gone, node b its one: summed plainly, a's
+    -20 would win; shifted by 2^31 each, as kube-scheduler sums them, b's one victim does."""
+    objects = [
+        gpu_node("a", count=1, memory_mib=80 * 1024, replicas=4),
+        gpu_node("b", count=1, memory_mib=80 * 1024, replicas=4),
+        running("a1", 35, "a", [0], -10),
+        running("a2", 35, "a", [0], -10),
+        running("b1", 60, "b", [0], -10),
+    ]
+    got = plan_preemption(cluster(*objects).ledger, pod_demand(pod("new", "50Gi", priority=0)))
+    assert got is not None and [v.pod.name for v in got.victims] == ["b1"]

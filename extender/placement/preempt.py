@@ -20,6 +20,10 @@ from extender.placement.pin_rule import unpinnable
 from extender.stock_plugin import allowed_without
 
 _MAX_COMBINATIONS = 4096
+#: added to each priority before summing, as kube-scheduler does (math.MaxInt32 + 1): every term
+#: is then positive, so a node with a few pods of negative priority is not preferred to one with
+#: fewer pods of the same priority
+_SHIFT = 1 << 31
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +168,8 @@ def plan_preemption(
     priorities among equally few (`_fewest_victims`, as the preempt verb). Nodes are ranked as
     kube-scheduler's `pickOneNodeForPreemption` ranks its candidates (PodDisruptionBudgets
     aside: the caller asks the API): the lowest highest victim priority, the lowest sum of
-    priorities, the fewest victims; then the least VRAM evicted and the node order.
+    priorities (each shifted by 2^31, as there), the fewest victims; then the least VRAM
+    evicted and the node order.
     """
     if not demand.wants_gpu:
         return None
@@ -192,7 +197,7 @@ def plan_preemption(
             continue
         rank = (
             max(v.priority for v in victims),
-            sum(v.priority for v in victims),
+            sum(v.priority + _SHIFT for v in victims),
             len(victims),
             sum(v.total_bytes for v in victims),
             order,
