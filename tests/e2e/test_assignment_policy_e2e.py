@@ -61,12 +61,14 @@ def policy(cluster: ControlPlane) -> Iterator[None]:
             deadline = time.monotonic() + 30
             while True:
                 try:
+                    # added, then removed: either write refused means the policy is enforced
+                    # (it may start to be between the two)
                     annotate(cluster, {ASSIGNMENT: BOOKED}, pod="probe")
+                    annotate(cluster, {ASSIGNMENT: None}, pod="probe")
                 except ApiException as exc:
                     if exc.status in (403, 422):
                         break
                     raise
-                annotate(cluster, {ASSIGNMENT: None}, pod="probe")
                 assert time.monotonic() < deadline, "the policy never refused the admin's write"
                 time.sleep(0.5)
             core.delete_namespaced_pod("probe", "default", grace_period_seconds=0)
