@@ -154,6 +154,32 @@ async def test_only_nodes_the_pod_may_use_are_preempted_on(world: Any) -> None:
     assert w.evictions.real() == ["low5"]
 
 
+def requests_cpu(p: dict[str, Any], cores: str) -> dict[str, Any]:
+    p["spec"]["containers"][0]["resources"]["requests"]["cpu"] = cores
+    return p
+
+
+async def test_a_node_short_of_cpu_with_the_victims_gone_is_passed_over(world: Any) -> None:
+    """p asks 60 cores; a (64) runs a pod of 10 cores that may not go: evicting low0 there would
+    free the VRAM but not the cores, so low5 on b goes instead (a plan books GPUs only; kube-
+    scheduler would refuse p on a for its cores)."""
+    pods = crowded()
+    requests_cpu(pods[2], "60")
+    pods.append(requests_cpu(running("hog", 2, "a", 1000), "10"))
+    pods[0] = running("low0", 12, "a", 0)  # a: 12 + 2 used, 10 free; 24 free with low0 gone
+    w = world(pods)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert w.evictions.real() == ["low5"]
+    # the victims' own cores count as freed: with low0 asking 10, 54 of a's 64 come free
+    requests_cpu(pods[0], "10")
+    requests_cpu(pods[2], "50")
+    w2 = world(pods)
+    w2.filter("default/p")
+    await w2.step(advance=1.5)
+    assert w2.evictions.real() == ["low0"]
+
+
 async def test_a_pod_leaving_already_is_waited_for(world: Any) -> None:
     pods = crowded()
     pods[0]["metadata"]["deletionTimestamp"] = "now"

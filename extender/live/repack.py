@@ -605,9 +605,11 @@ class Repacker:
         pods = dict(self.cluster.pods)
         storage, _ = await self.reads.for_pods(pods, [key], key)
         ledger = self.cluster.ledger.clone()
+        leaving: list[str] = []
         for res in list(ledger.reservations()):
             if victim_problem(res, pods.get(res.key), demand.priority) == "terminating":
                 ledger.release(res.key)  # leaving already: its GPUs come free anyway
+                leaving.append(res.key)
         names = list(ledger.arrays.node_names)
         mask = node_masks(dict(self.cluster.nodes), pods, names, storage, self.profile)(key)
         allowed = [n for i, n in enumerate(names) if mask is None or bool(mask[i])]
@@ -637,12 +639,12 @@ class Repacker:
             )
             if plan is None:
                 break
-            leaving = {v.key for v in plan.victims}
-            problem = target_problem(
+            gone = {v.key for v in plan.victims} | set(leaving)
+            problem = self._cpu_memory_short(plan.node, demand, gone, pods) or target_problem(
                 self.cluster.nodes,
                 pods,
                 [(None, pod, plan.node)],
-                leaving,
+                gone,
                 storage,
                 profile=self.profile,
                 spread=spread,
@@ -666,6 +668,38 @@ class Repacker:
             "no preemption now: no pods of lower priority whose eviction frees enough VRAM on "
             "a node it may use" + (f" (left out: {left_out})" if left_out else ""),
         )
+
+    def _cpu_memory_short(
+        self,
+        node: str,
+        demand: Demand,
+        gone: set[str],
+        pods: Mapping[str, Mapping[str, Any]],
+    ) -> str | None:
+        """Whether the node lacks the cores or memory the pod asks, once the pods `gone` have
+        left (the plan books GPUs only; a repack plan books CPU and memory in its model).
+        Victims are picked for VRAM: a node short of CPU too is passed over, not preempted on
+        for it."""
+        c = self.cluster
+        r = c.ledger.node_row(node)
+        if r is None:
+            return f"node {node} is gone"
+        cap = Capacity.from_ledger(c.ledger, c.cpu_used, c.memory_used)
+        cpu, memory = int(cap.cpu_free[r]), int(cap.mem_free[r])
+        for key in gone:
+            res = c.ledger.reservation(key)
+            if res is None or res.node != node:
+                continue
+            try:
+                d = pod_demand(pods.get(key) or {}, headroom=c.headroom)
+            except DemandError:
+                continue
+            cpu, memory = cpu + d.cpu_milli, memory + d.memory_bytes
+        if demand.cpu_milli > cpu:
+            return f"node {node} has {cpu}m CPU free with the victims gone, the pod asks more"
+        if demand.memory_bytes > memory:
+            return f"node {node} has {memory} bytes of memory free with the victims gone"
+        return None
 
     def _preemption_stale(self, preemptor: Demand, plan: PreemptionPlan) -> str | None:
         """Why the plan no longer holds on the live ledger (it was made on a copy, before the
