@@ -604,12 +604,7 @@ class Repacker:
             return  # nobody to preempt: no Event for every pod of the lowest priority
         pods = dict(self.cluster.pods)
         storage, _ = await self.reads.for_pods(pods, [key], key)
-        ledger = self.cluster.ledger.clone()
-        leaving: list[str] = []
-        for res in list(ledger.reservations()):
-            if victim_problem(res, pods.get(res.key), demand.priority) == "terminating":
-                ledger.release(res.key)  # leaving already: its GPUs come free anyway
-                leaving.append(res.key)
+        ledger, leaving = _without_leaving(self.cluster.ledger, pods, demand.priority)
         names = list(ledger.arrays.node_names)
         mask = node_masks(dict(self.cluster.nodes), pods, names, storage, self.profile)(key)
         allowed = [n for i, n in enumerate(names) if mask is None or bool(mask[i])]
@@ -705,12 +700,7 @@ class Repacker:
         """Why the plan no longer holds on the live ledger (it was made on a copy, before the
         API calls since), or None: the pod's placement must fit once the victims and the pods
         leaving already are gone, within the device plugin's bound."""
-        live = self.cluster.ledger
-        after = live.clone()
-        pods = self.cluster.pods
-        for res in list(after.reservations()):
-            if victim_problem(res, pods.get(res.key), preemptor.priority) == "terminating":
-                after.release(res.key)
+        after, _ = _without_leaving(self.cluster.ledger, self.cluster.pods, preemptor.priority)
         for v in plan.victims:
             held = after.reservation(v.key)
             if held is None or held.pod.uid != v.pod.uid:
@@ -971,6 +961,20 @@ class Repacker:
             "last": self.last,
             "events": self.events.stats(),
         }
+
+
+def _without_leaving(
+    ledger: Ledger, pods: Mapping[str, Mapping[str, Any]], priority: int
+) -> tuple[Ledger, list[str]]:
+    """A copy of the ledger without the pods terminating already (their GPUs come free anyway),
+    and their keys."""
+    after = ledger.clone()
+    leaving = []
+    for res in list(after.reservations()):
+        if victim_problem(res, pods.get(res.key), priority) == "terminating":
+            after.release(res.key)
+            leaving.append(res.key)
+    return after, leaving
 
 
 def _fits_any(ledger: Ledger, demand: Demand, nodes: Sequence[str]) -> bool:

@@ -61,31 +61,32 @@ def preempt_victims(
             continue
         lo, hi = int(a.node_start[r]), int(a.node_start[r + 1])
         held = {res.pod.uid: res for res in ledger.pods_on(node) if res.pod.uid}
-        if not uids and _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()):
-            result[node] = []  # a placeholder that needs nobody gone: passed through
-            continue
-        if not uids:
-            # a placeholder: kube-scheduler's in-tree dry run fits the pod with nobody gone, and
-            # the victims, if any, are for vramsched to pick among the pods it holds there
-            uids = [u for u, res in held.items() if res.device_ids and not res.assumed]
-            uids = [u for u in uids if held[u].priority < demand.priority]
-            if not uids:
-                continue
-        ours = sorted(
-            (held[u] for u in uids if u in held),
-            key=lambda res: (res.priority, -res.total_bytes, res.key),
-        )
+        placeholder = not uids
+        if placeholder:
+            # kube-scheduler's in-tree dry run fits the pod with nobody gone: the victims, if
+            # any, are for vramsched to pick among the lower-priority pods it holds there
+            uids = [
+                u
+                for u, res in held.items()
+                if res.device_ids and not res.assumed and res.priority < demand.priority
+            ]
+        ours = sorted((held[u] for u in uids if u in held), key=_victim_order)
         others = [u for u in uids if u not in held]
         if any(res.priority >= demand.priority for res in ours):
             ours = [res for res in ours if res.priority < demand.priority]
         if _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()):
-            result[node] = uids
+            result[node] = [] if placeholder else uids  # a placeholder passes through
             continue
         best = _fewest_victims(ledger, fit, lo, hi, demand.gpu_count, ours)
         if best is None:
             continue
         result[node] = others + [res.pod.uid for res in best]
     return result
+
+
+def _victim_order(res: Reservation) -> tuple[int, int, str]:
+    """Victims are tried lowest priority first, larger holders first among equals."""
+    return (res.priority, -res.total_bytes, res.key)
 
 
 def _fewest_victims(
@@ -190,7 +191,7 @@ def plan_preemption(
                 for res in ledger.pods_on(node)
                 if res.priority < demand.priority and res.device_ids and eligible(res)
             ),
-            key=lambda res: (res.priority, -res.total_bytes, res.key),
+            key=_victim_order,
         )
         victims = _fewest_victims(ledger, fit, lo, hi, demand.gpu_count, ours)
         if not victims:
