@@ -508,8 +508,25 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             except OSError:
                 pass
         if self.host_before is not None:
-            self._remove_added(self.host_before)
-            self.host_problems = self.host_before.differences(HostState.capture(self.workdir))
+            self.host_problems = self._settle(self.host_before)
+
+    def _settle(self, before: HostState, timeout: float = 20) -> list[str]:
+        """Remove what the run added until the host matches `before`, or `timeout` passes: the
+        kernel ends SIGKILLed processes, frees their cgroups and drops a netns's veth pair a
+        little after the call that asked, so one pass can race them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for entry in _pod_processes() - before.pod_processes:
+                try:  # a container the shims' trees missed (reparented to init)
+                    os.kill(int(entry.split()[0]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._remove_added(before)
+            self._remove_cgroups()
+            problems = before.differences(HostState.capture(self.workdir))
+            if not problems or time.monotonic() > deadline:
+                return problems
+            time.sleep(0.5)
 
     def check_host(self) -> None:
         """Raise when `stop()` left the host other than `start()` found it (call after stop)."""
