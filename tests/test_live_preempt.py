@@ -180,6 +180,31 @@ async def test_a_node_short_of_cpu_with_the_victims_gone_is_passed_over(world: A
     assert w2.evictions.real() == ["low0"]
 
 
+async def test_victims_free_the_cores_as_well_as_the_vram(world: Any) -> None:
+    """On a (64 cores, 24Gi): low0 holds the VRAM p needs (12Gi, 2 cores) and lowcpu the cores
+    (2Gi, 40); hog (10 cores) may not go, nor b's pod (priority 200). Evicting low0 alone frees
+    the VRAM but leaves 14 cores of the 50 p asks: both go, the fewest that free both."""
+    pods = [
+        requests_cpu(running("low0", 12, "a", 0), "2"),
+        requests_cpu(running("lowcpu", 2, "a", 0), "40"),
+        requests_cpu(running("hog", 2, "a", 1000), "10"),
+        running("high", 14, "b", 200),
+        requests_cpu(pod("p", "14Gi", uid="p", priority=100), "50"),
+    ]
+    w = world(pods)
+    w.filter("default/p")
+    await w.step(advance=1.5)
+    assert sorted(w.evictions.real()) == ["low0", "lowcpu"]
+    run = w.repacker.run
+    assert run is not None and run.placement.node == "a"
+    # p asking 56 cores: short even with both gone (54 free, hog stays), so nobody is evicted
+    requests_cpu(pods[4], "56")
+    w2 = world(pods)
+    w2.filter("default/p")
+    await w2.step(advance=1.5)
+    assert w2.evictions.real() == [] and w2.repacker.run is None
+
+
 async def test_a_pod_leaving_already_is_waited_for(world: Any) -> None:
     pods = crowded()
     pods[0]["metadata"]["deletionTimestamp"] = "now"

@@ -8,12 +8,14 @@ room anywhere; else, per node, the fewest such pods, the lowest priorities among
 and among nodes the one kube-scheduler would pick (lowest highest victim priority, lowest sum,
 sum shifted by 2^31 as kube-scheduler shifts it, fewest victims, least VRAM evicted, node
 order). The placement returned fits the ledger once the
-victims are gone, and no pod `eligible` refuses is ever a victim."""
+victims are gone, and no pod `eligible` refuses is ever a victim. With a `HostRoom` (cores each
+node has free and each pod holds), the victims must free the pod's cores too."""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from itertools import combinations
 from typing import Any
 
@@ -23,7 +25,7 @@ from test_preempt_brute import fill, running
 
 from extender.demand import pod_demand
 from extender.inventory import ReplicaPolicy
-from extender.placement import filter_nodes, plan_preemption, preempt_victims
+from extender.placement import HostRoom, filter_nodes, plan_preemption, preempt_victims
 from extender.wire import ExtenderPreemptionArgs
 
 GIB = 1 << 30
@@ -78,9 +80,18 @@ def brute_force(
     new: dict[str, Any],
     policy: Any,
     eligible: set[str],
+    cores: Cores | None = None,
 ) -> tuple[str, tuple[int, ...]] | None | bool:
-    """True: it fits already; None: no victims make room; else (node, its rank)."""
-    if any(fits_without(objects, set(), new, n, policy) for n in names):
+    """True: it fits already; None: no victims make room; else (node, its rank). `cores`: the
+    cores each node has free, each pod holds and the new pod asks."""
+
+    def room(node: str, gone: tuple[str, ...]) -> bool:
+        if cores is None:
+            return True
+        free, held, need = cores
+        return free[node] + sum(held[n] for n in gone) >= need
+
+    if any(fits_without(objects, set(), new, n, policy) and room(n, ()) for n in names):
         return True
     pods = [o for o in objects if o["kind"] == "Pod"]
     priority = {p["metadata"]["name"]: p["spec"]["priority"] for p in pods}
@@ -101,7 +112,7 @@ def brute_force(
             working = [
                 s
                 for s in combinations(lower, size)
-                if fits_without(objects, set(s), new, node, policy)
+                if fits_without(objects, set(s), new, node, policy) and room(node, s)
             ]
             if working:
                 top, total = min(
@@ -121,18 +132,46 @@ def brute_force(
     return None if best is None else (best[1], best[0])
 
 
+#: cores free per node, held per pod, asked by the new pod
+Cores = tuple[dict[str, int], dict[str, int], int]
+
+
+def random_cores(seed: int, names: list[str], pods: list[str]) -> Cores:
+    rng = random.Random(seed + 1000)  # its own draws: the cases without cores stay as they were
+    return (
+        {n: rng.randint(0, 3) for n in names},
+        {p: rng.randint(0, 4) for p in pods},
+        rng.randint(0, 7),
+    )
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["vram", "vram+cores"])
 @pytest.mark.parametrize("policy", list(ReplicaPolicy))
 @pytest.mark.parametrize("seed", range(60))
-def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any) -> None:
+def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any, host: bool) -> None:
     rng = random.Random(seed)
     objects, names, new = random_case(rng)
     pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
     eligible = {n for n in pods if rng.random() < 0.85}
     c = cluster(*objects, replica_policy=policy)
+    cores = random_cores(seed, names, pods) if host else None
+    demand = pod_demand(new)
+    room = None
+    if cores is not None:
+        free, held, need = cores
+        demand = replace(demand, cpu_milli=need * 1000)
+        room = HostRoom(
+            {n: (free[n] * 1000, 1 << 40) for n in names},
+            lambda res: (held[res.pod.name] * 1000, 0),
+        )
     got = plan_preemption(
-        c.ledger, pod_demand(new), nodes=names, eligible=lambda res: res.pod.name in eligible
+        c.ledger,
+        demand,
+        nodes=names,
+        eligible=lambda res: res.pod.name in eligible,
+        host=room,
     )
-    want = brute_force(objects, names, new, policy, eligible)
+    want = brute_force(objects, names, new, policy, eligible, cores)
     if want is True or want is None:
         assert got is None, (objects, new, got)
         return
@@ -146,6 +185,8 @@ def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any) -> None:
     top, total = max(priority.values()), sum(p + (1 << 31) for p in priority.values())
     assert (top, total, len(victims)) == rank[:3]
     assert fits_without(objects, victims, new, node, policy)
+    if cores is not None:
+        assert cores[0][node] + sum(cores[1][v] for v in victims) >= cores[2]
     after = cluster(
         *(o for o in objects if o["metadata"]["name"] not in victims), replica_policy=policy
     )

@@ -67,7 +67,13 @@ from extender.live.evictions import Evict
 from extender.live.spread_reads import read_spread_defaults
 from extender.live.storage_reads import StorageReads
 from extender.object_fields import version_of
-from extender.placement import PreemptionPlan, filter_nodes, plan_preemption, plugin_allows
+from extender.placement import (
+    HostRoom,
+    PreemptionPlan,
+    filter_nodes,
+    plan_preemption,
+    plugin_allows,
+)
 from extender.planner.capacity import Capacity, FragIndex, Kind, Workload
 from extender.planner.model import SEQUENTIAL_RULE
 from extender.planner.repack import final_state_fits
@@ -594,9 +600,10 @@ class Repacker:
         """Evict the fewest pods of lower priority that make room for the pod on one node
         (`plan_preemption`), when it may preempt (`may_preempt`) and would not fit once the
         pods already leaving are gone. Nodes are those kube-scheduler's labels, taints, cordon
-        and volumes let it onto; the node's other rules (CPU, memory, pod count, ports,
-        affinity, spread) are checked with the victims gone. A refused dry run (a
-        PodDisruptionBudget) plans again without that pod."""
+        and volumes let it onto; the victims free the pod's VRAM, CPU and memory there
+        (`HostRoom`), and the node's other rules (pod count, ports, affinity, spread) are
+        checked with them gone. A refused dry run (a PodDisruptionBudget) plans again without
+        that pod."""
         pod = self.cluster.pod(key)
         if pod is None or may_preempt(pod) is not None:
             return
@@ -626,16 +633,20 @@ class Repacker:
                 and victim_problem(res, pods.get(res.key), demand.priority) is None
             )
 
+        host = self._host_room(pods, leaving)
+
         for _ in range(self.attempts + len(allowed)):
             # on the worker thread (a pass over every node it may use), on the private copy
             plan = await loop.run_in_executor(
                 self._pool,
-                lambda: plan_preemption(ledger, demand, nodes=list(allowed), eligible=eligible),
+                lambda: plan_preemption(
+                    ledger, demand, nodes=list(allowed), eligible=eligible, host=host
+                ),
             )
             if plan is None:
                 break
             gone = {v.key for v in plan.victims} | set(leaving)
-            problem = self._cpu_memory_short(plan.node, demand, gone, pods) or target_problem(
+            problem = target_problem(
                 self.cluster.nodes,
                 pods,
                 [(None, pod, plan.node)],
@@ -664,37 +675,31 @@ class Repacker:
             "a node it may use" + (f" (left out: {left_out})" if left_out else ""),
         )
 
-    def _cpu_memory_short(
-        self,
-        node: str,
-        demand: Demand,
-        gone: set[str],
-        pods: Mapping[str, Mapping[str, Any]],
-    ) -> str | None:
-        """Whether the node lacks the cores or memory the pod asks, once the pods `gone` have
-        left (the plan books GPUs only; a repack plan books CPU and memory in its model).
-        Victims are picked for VRAM: a node short of CPU too is passed over, not preempted on
-        for it."""
+    def _host_room(self, pods: Mapping[str, Mapping[str, Any]], leaving: list[str]) -> HostRoom:
+        """The CPU and memory each node has free, the terminating pods' counted as free (they
+        are going), and what each pod holds: the victims must free the pod's cores and memory
+        too (the ledger books GPUs only; a repack plan books CPU and memory in its model)."""
         c = self.cluster
-        r = c.ledger.node_row(node)
-        if r is None:
-            return f"node {node} is gone"
         cap = Capacity.from_ledger(c.ledger, c.cpu_used, c.memory_used)
-        cpu, memory = int(cap.cpu_free[r]), int(cap.mem_free[r])
-        for key in gone:
+        names = c.ledger.arrays.node_names
+        free = {n: (int(cap.cpu_free[r]), int(cap.mem_free[r])) for r, n in enumerate(names)}
+        parsed: dict[str, tuple[int, int]] = {}
+
+        def held(res: Reservation) -> tuple[int, int]:
+            if res.key not in parsed:
+                try:
+                    d = pod_demand(pods.get(res.key) or {}, headroom=c.headroom)
+                    parsed[res.key] = (d.cpu_milli, d.memory_bytes)
+                except DemandError:
+                    parsed[res.key] = (0, 0)  # unreadable: counted as freeing nothing
+            return parsed[res.key]
+
+        for key in leaving:
             res = c.ledger.reservation(key)
-            if res is None or res.node != node:
-                continue
-            try:
-                d = pod_demand(pods.get(key) or {}, headroom=c.headroom)
-            except DemandError:
-                continue
-            cpu, memory = cpu + d.cpu_milli, memory + d.memory_bytes
-        if demand.cpu_milli > cpu:
-            return f"node {node} has {cpu}m CPU free with the victims gone, the pod asks more"
-        if demand.memory_bytes > memory:
-            return f"node {node} has {memory} bytes of memory free with the victims gone"
-        return None
+            if res is not None and res.node in free:
+                cpu, memory = held(res)
+                free[res.node] = (free[res.node][0] + cpu, free[res.node][1] + memory)
+        return HostRoom(free, held)
 
     def _preemption_stale(self, preemptor: Demand, plan: PreemptionPlan) -> str | None:
         """Why the plan no longer holds on the live ledger (it was made on a copy, before the

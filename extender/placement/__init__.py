@@ -26,7 +26,7 @@ from extender.placement.filter import filter_nodes
 from extender.placement.fit import device_need
 from extender.placement.nominated import held_for_nominated
 from extender.placement.outcome import FilterOutcome, SharedReasons
-from extender.placement.preempt import PreemptionPlan, plan_preemption, preempt_victims
+from extender.placement.preempt import HostRoom, PreemptionPlan, plan_preemption, preempt_victims
 from extender.placement.reasons import ReasonKind
 from extender.placement.score import MAX_SCORE, score_nodes, score_rows
 from extender.placement.views import row_counts, warm
@@ -43,6 +43,7 @@ __all__ = [
     "preempt_victims",
     "plan_preemption",
     "PreemptionPlan",
+    "HostRoom",
     "held_for_nominated",
     "MAX_SCORE",
     "device_need",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import combinations
 
 from extender.demand import Demand
@@ -24,6 +25,24 @@ _MAX_COMBINATIONS = 4096
 #: is then positive, so a node with a few pods of negative priority is not preferred to one with
 #: fewer pods of the same priority
 _SHIFT = 1 << 31
+
+
+@dataclass(frozen=True, slots=True)
+class HostRoom:
+    """The CPU (millicores) and memory (bytes) each node has free and each pod holds: with it,
+    a preemption's victims must free the pod's cores and memory too, not its VRAM alone (a
+    node short of both would otherwise be passed over, or the pod refused there)."""
+
+    free: Mapping[str, tuple[int, int]]
+    held: Callable[[Reservation], tuple[int, int]]
+
+    def fits(self, node: str, demand: Demand, victims: Sequence[Reservation]) -> bool:
+        """Whether `node` takes the pod's CPU and memory once `victims` are gone."""
+        cpu, memory = self.free.get(node, (0, 0))
+        for res in victims:
+            c, m = self.held(res)
+            cpu, memory = cpu + c, memory + m
+        return demand.cpu_milli <= cpu and demand.memory_bytes <= memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +103,35 @@ def preempt_victims(
     return result
 
 
+def _anything(victims: Sequence[Reservation]) -> bool:
+    return True
+
+
 def _victim_order(res: Reservation) -> tuple[int, int, str]:
     """Victims are tried lowest priority first, larger holders first among equals."""
     return (res.priority, -res.total_bytes, res.key)
 
 
 def _fewest_victims(
-    ledger: Ledger, fit: Fit, lo: int, hi: int, k: int, ours: list[Reservation]
+    ledger: Ledger,
+    fit: Fit,
+    lo: int,
+    hi: int,
+    k: int,
+    ours: list[Reservation],
+    room: Callable[[Sequence[Reservation]], bool] | None = None,
 ) -> list[Reservation] | None:
     """The fewest of `ours` (sorted, lowest priority first) whose removal lets the pod fit on the
-    node of rows lo..hi, the lowest priorities among equally few, then the least VRAM (no more
-    evicted than needed); None when even all would not.
-    Past _MAX_COMBINATIONS sets of one size, the first ones of `ours` that do."""
+    node of rows lo..hi (its VRAM, and whatever else `room` checks), the lowest priorities among
+    equally few, then the least VRAM (no more evicted than needed); None when even all would
+    not. Past _MAX_COMBINATIONS sets of one size, the first ones of `ours` that do."""
+
+    def frees(victims: Sequence[Reservation]) -> bool:  # the cheap check first
+        return (room is None or room(victims)) and _fits_without(ledger, fit, lo, hi, k, victims)
+
+    if not ours or not frees(ours):
+        return None  # not even with all of them gone, so with no fewer
+
     for size in range(1, len(ours) + 1):
         tried = 0
         winners: list[tuple[Reservation, ...]] = []
@@ -103,7 +139,7 @@ def _fewest_victims(
             tried += 1
             if tried > _MAX_COMBINATIONS:
                 break
-            if _fits_without(ledger, fit, lo, hi, k, combo):
+            if frees(combo):
                 winners.append(combo)
         if winners:
             return list(
@@ -118,7 +154,7 @@ def _fewest_victims(
             )
         if tried > _MAX_COMBINATIONS:
             for extra in range(size, len(ours) + 1):
-                if _fits_without(ledger, fit, lo, hi, k, ours[:extra]):
+                if frees(ours[:extra]):
                     return list(ours[:extra])
             return None
     return None
@@ -160,6 +196,7 @@ def plan_preemption(
     *,
     nodes: Sequence[str] | None = None,
     eligible: Callable[[Reservation], bool] = lambda res: True,
+    host: HostRoom | None = None,
 ) -> PreemptionPlan | None:
     """Where to preempt for a pod that fits nowhere by VRAM: None when it fits some node of
     `nodes` (default: every node) already, or no set of victims makes room anywhere.
@@ -171,6 +208,10 @@ def plan_preemption(
     aside: the caller asks the API): the lowest highest victim priority, the lowest sum of
     priorities (each shifted by 2^31, as there), the fewest victims; then the least VRAM
     evicted and the node order.
+
+    With `host`, the victims must also free the pod's CPU and memory on their node, and "fits
+    already" means by VRAM, CPU and memory: a node with VRAM free but not cores is one more
+    node to preempt on.
     """
     if not demand.wants_gpu:
         return None
@@ -183,7 +224,10 @@ def plan_preemption(
         if r is None or node in refused:
             continue
         lo, hi = int(fit.a.node_start[r]), int(fit.a.node_start[r + 1])
-        if _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()):
+        room: Callable[[Sequence[Reservation]], bool] = (
+            _anything if host is None else partial(host.fits, node, demand)
+        )
+        if _fits_without(ledger, fit, lo, hi, demand.gpu_count, ()) and room(()):
             return None  # room now: kube-scheduler's next try places it
         ours = sorted(
             (
@@ -193,7 +237,7 @@ def plan_preemption(
             ),
             key=_victim_order,
         )
-        victims = _fewest_victims(ledger, fit, lo, hi, demand.gpu_count, ours)
+        victims = _fewest_victims(ledger, fit, lo, hi, demand.gpu_count, ours, room)
         if not victims:
             continue
         rank = (
