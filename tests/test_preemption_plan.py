@@ -194,6 +194,65 @@ def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any, host: bool) -
     assert after.ledger.fits(got.placement) is None, got.placement
 
 
+def dense_case(rng: random.Random) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    """Two nodes of one 24 GiB GPU with 8 replicas, each shared by up to 8 pods of 2-4 GiB (as
+    gpushare lists share a GPU): a pod of 12-20 GiB needs two to five of them gone."""
+    names = ["n0", "n1"]
+    objects: list[dict[str, Any]] = []
+    for node in names:
+        objects.append(gpu_node(node, count=1, memory_mib=24 * 1024, replicas=8))
+        free = 24
+        for i in range(rng.randint(4, 8)):
+            gib = rng.randint(2, 4)
+            if gib > free:
+                break
+            free -= gib
+            objects.append(running(f"{node}-v{i}", gib, node, [0], rng.choice((0, 1, 50, 100))))
+    return objects, names, pod("new", f"{rng.randint(12, 20)}Gi", priority=PRIORITY)
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["vram", "vram+cores"])
+@pytest.mark.parametrize("seed", range(30))
+def test_many_small_pods_on_one_gpu_give_the_plan_brute_force_finds(seed: int, host: bool) -> None:
+    rng = random.Random(seed)
+    objects, names, new = dense_case(rng)
+    pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+    c = cluster(*objects)
+    cores = random_cores(seed, names, pods) if host else None
+    demand = pod_demand(new)
+    room = None
+    if cores is not None:
+        free, held, need = cores
+        demand = replace(demand, cpu_milli=need * 1000)
+        room = HostRoom(
+            {n: (free[n] * 1000, 1 << 40) for n in names},
+            lambda res: (held[res.pod.name] * 1000, 0),
+        )
+    got = plan_preemption(c.ledger, demand, nodes=names, host=room)
+    want = brute_force(objects, names, new, None, set(pods), cores)
+    if want is True or want is None:
+        assert got is None, (objects, new, got)
+        return
+    assert got is not None, (objects, new, want)
+    priority = {v.pod.name: v.priority for v in got.victims}
+    top, total = max(priority.values()), sum(p + (1 << 31) for p in priority.values())
+    assert (got.node, top, total, len(priority)) == (want[0], *want[1][:3])
+
+
+def test_the_fewest_victims_may_be_on_any_gpu_of_the_node() -> None:
+    """Two 24 GiB GPUs: a and b (10 GiB each) on GPU 0, c (16 GiB) on GPU 1. A 20 GiB pod needs
+    both of GPU 0's pods gone, or c alone: c goes, and the pod takes GPU 1."""
+    objects = [
+        gpu_node("n", count=2, memory_mib=24 * 1024, replicas=4),
+        running("a", 10, "n", [0], 0),
+        running("b", 10, "n", [0], 0),
+        running("c", 16, "n", [1], 0),
+    ]
+    got = plan_preemption(cluster(*objects).ledger, pod_demand(pod("new", "20Gi", priority=50)))
+    assert got is not None and [v.pod.name for v in got.victims] == ["c"]
+    assert got.placement.device_ids == ("1",)
+
+
 def test_a_pod_that_only_vram_keeps_out_gets_one_victim() -> None:
     """A time-sliced 80 GiB GPU with replicas left: two pods of 35 GiB hold it; a 40 GiB pod of
     higher priority needs one of them gone. kube-scheduler's dry run (replicas only) finds no
