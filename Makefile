@@ -14,7 +14,7 @@ ARGS ?=
 export PYTHONDONTWRITEBYTECODE :=
 export PYTHONPYCACHEPREFIX ?= $(HOME)/.cache/vramsched/pycache
 
-.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-packing-live bench-packing-ahead bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
+.PHONY: run test unit lint e2e venv deps control-plane node-deps protos bench-device-plugin bench-mig bench-packing bench-packing-live bench-packing-ahead bench-preempt bench-kube-scoring bench-llm-mixed bench-planner bench-metrics loadtest loadtest-scrape soak clean
 
 venv: $(STAMP)
 
@@ -119,6 +119,13 @@ bench-packing-ahead: venv
 	$(PY) benchmarks/trace_packing.py --no-bound --inflate 1.3 0 --time-limit 0.25 \
 		--policies plan-ahead hot-path fgd first-fit best-fit \
 		--out benchmarks/results/trace_packing_ahead.json $(ARGS)
+
+# Preemption by VRAM on the trace, priorities from its qos column: planner against
+# planner+preempt at 1.3x on the 6 lists of docs/benchmarks/preemption.md (about 15 minutes on 2
+# cores; others: ARGS="--lists NAME ...").
+bench-preempt: venv
+	$(PY) benchmarks/trace_preemption.py \
+		--lists default gpuspec05 gpuspec10 gpuspec20 gpuspec25 gpushare20 $(ARGS)
 
 # The server's hot path under kube-scheduler's scoring variants, on the trace at 1.3x (~1 minute).
 bench-kube-scoring: venv

@@ -85,6 +85,7 @@ def test_a_list_without_optional_columns_takes_the_documented_defaults(tmp_path:
     assert y.gpu_count == 2 and y.bytes_per_gpu is None
     assert x.gpu_count == 0 and x.cpu_milli == 0 and x.memory_bytes == 0
     assert w.bytes_per_gpu == 250 * MIB and w.allowed_products is None
+    assert {t.qos for t in tasks} == {""} and {d.priority for d in (z, y, x, w)} == {0}
     assert set(TRACE_POD_DEFAULTS) >= {"cpu_milli", "memory_mib", "gpu_milli", "creation_time"}
 
 
@@ -114,6 +115,7 @@ def test_a_list_without_optional_columns_takes_the_documented_defaults(tmp_path:
         ),
         # int() takes underscores and every script's digits; the dataset writes ASCII digits
         ("name,num_gpu\na,1_0\n", "line 2: num_gpu '1_0' is not a whole number"),
+        ("name,num_gpu,qos\na,1,LS\nb,1,ls\n", "line 3: qos 'ls' is not one of LS, Guaranteed"),
         (
             "name,num_gpu,gpu_milli\na,1,\u0665\u0660\u0660\n",
             "line 2: gpu_milli '.+' is not a whole",

@@ -23,6 +23,7 @@ POLICY_CHOICES = (
     "spread",
     "fgd",
     "plan-ahead",
+    "planner+preempt",
     "all",
 )
 #: the move budgets `--budget-curve` replays `planner+repack` with
@@ -81,7 +82,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="policy to run (repeatable; default all): planner, planner+repack (the planner, and "
         "when a GPU pod fits nowhere, the fewest moves of running pods that make it fit), hot-path "
         "(what the server does to a pod placed at once), best-fit, first-fit, spread, fgd; "
-        "plan-ahead (what serve --plan-ahead 8 does to pods placed at once; not in all)",
+        "plan-ahead (what serve --plan-ahead 8 does to pods placed at once; not in all); "
+        "planner+preempt (the planner, and when a GPU pod fits nowhere, preemption by VRAM as "
+        "serve --preempt plans it; not in all; needs pods of different priorities)",
+    )
+    p.add_argument(
+        "--priorities",
+        choices=("none", "qos"),
+        default="none",
+        help="trace pods' priorities: none (every pod 0, the default) or qos (from the trace's "
+        "qos column: LS and Guaranteed 1000, Burstable 500, BE 0); YAML pods keep spec.priority",
     )
     p.add_argument(
         "--move-budget",
@@ -201,13 +211,20 @@ def run(args: argparse.Namespace) -> int:
     from extender.simulate.engine import (
         MOVE_BUDGET,
         MOVES_PER_GPU,
+        PREEMPT_POLICY,
         REPACK_TIME_LIMIT,
         all_fit_line,
         build_capacity,
         replay,
         while_all_fit,
     )
-    from extender.simulate.trace import DEFAULT_REPLICAS, TRACE_GPU_MIB, inflate, read_inputs
+    from extender.simulate.trace import (
+        DEFAULT_REPLICAS,
+        TRACE_GPU_MIB,
+        inflate,
+        read_inputs,
+        with_qos_priorities,
+    )
     from extender.source_file import ClusterFileError
 
     try:
@@ -222,6 +239,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not nodes:
         print("vramsched simulate: no nodes in --nodes", file=sys.stderr)
+        return 2
+    if args.priorities == "qos":
+        tasks = with_qos_priorities(tasks)
+    if PREEMPT_POLICY in (args.policy or ()) and len({t.demand.priority for t in tasks}) < 2:
+        print(
+            f"vramsched simulate: {PREEMPT_POLICY} needs pods of different priorities, and "
+            "every pod of --pods has the same one (a trace's come from --priorities qos)",
+            file=sys.stderr,
+        )
         return 2
     workload = Workload.from_demands(t.demand for t in tasks)
     cluster, cap = build_capacity(nodes, bound)
@@ -306,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
                 "inflate": args.inflate,
                 "churn": args.churn,
                 "profile": args.profile,
+                "priorities": args.priorities,
                 "deterministic": args.deterministic,
             },
             "whileAllFit": all_fit,
@@ -356,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [
         r.policy
         for r in results
-        if r.policy in ("planner", "planner+repack")
+        if r.policy in ("planner", "planner+repack", PREEMPT_POLICY)
         and (r.overcommittedGpusPeak or r.invariantViolations)
     ]
     if bad:
@@ -412,6 +439,19 @@ def _table(results, n_tasks: int, gpus: int) -> None:
     ]
     print(f"{n_tasks} pods, {gpus} GPUs")
     print_table(head, rows)
+    for r in results:
+        held = r.extra.get("allocatedByPriority")
+        if held:
+            failed = r.extra["failedGpuPodsByPriority"]
+            line = ", ".join(
+                f"{p}: {format_bytes(b)} ({failed[p]} GPU pods failed)" for p, b in held.items()
+            )
+            print(f"{r.policy}, by priority: {line}")
+        if "preempted" in r.extra:
+            print(
+                f"{r.policy}: {r.extra['preemptions']} preemptions evicted "
+                f"{r.extra['preempted']} pods, {r.extra['preemptedPlacedAgain']} placed again"
+            )
     for r in results:
         if r.repackByRequest:
             print(f"{r.policy}, GPU pods that found no place, by request:")

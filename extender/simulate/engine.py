@@ -7,7 +7,8 @@ Every vramsched policy places through `Ledger.reserve`, so an overcommit would r
 records what the device plugin would do, overcommit included, and the metrics count it.
 
 `planner+repack` is the planner, and when a GPU pod then fits nowhere, repacking by migration
-within a move budget (`repack_replay`). What a replay measured is a `PolicyResult`; the bounds
+within a move budget (`repack_replay`); `planner+preempt` is the planner, and then preemption by
+VRAM (`preempt_replay`). What a replay measured is a `PolicyResult`; the bounds
 it is compared with are `bound_report`'s.
 """
 
@@ -30,6 +31,7 @@ from extender.planner.greedy import choose, first_fit, place_one
 from extender.repack_policy import MOVES_PER_GPU
 from extender.simulate.ahead_replay import place_with_ahead
 from extender.simulate.budget_bound import snapshot
+from extender.simulate.preempt_replay import PriorityTally, preempt_failed
 from extender.simulate.profile import PROFILES, LiveProfile
 from extender.simulate.repack_replay import (
     MOVE_BUDGET,
@@ -60,10 +62,20 @@ __all__ = [
 ]
 
 ALL_POLICIES = ("planner", "planner+repack", "hot-path", "best-fit", "first-fit", "spread", "fgd")
+#: `planner+preempt`: what `serve --preempt` adds to the planner; not in ALL_POLICIES: it acts
+#: only on pods of different priorities (`simulate --priorities qos` for the trace)
+PREEMPT_POLICY = "planner+preempt"
 #: policies whose one-pod rule is the planner's: they judge placements with its FragIndex
-PLANNER_POLICIES = ("planner", "planner+repack", "plan-ahead")
+PLANNER_POLICIES = ("planner", "planner+repack", "plan-ahead", PREEMPT_POLICY)
 #: policies that must never overcommit (they are vramsched's own).
-VRAMSCHED_POLICIES = ("planner", "planner+repack", "plan-ahead", "hot-path", "vramsched")
+VRAMSCHED_POLICIES = (
+    "planner",
+    "planner+repack",
+    "plan-ahead",
+    PREEMPT_POLICY,
+    "hot-path",
+    "vramsched",
+)
 #: `plan-ahead`: what `serve --plan-ahead N` does to pods placed at once (`ahead_replay`); not in
 #: ALL_POLICIES: it knows only the pods seen so far, whatever `profile` says
 PROFILE_OF = {"plan-ahead": "live"}
@@ -130,7 +142,8 @@ def run_policy(
         else FragIndex(cap, workload, count_foreign=count_foreign, open_cost=open_cost)
     )
     repack = policy == "planner+repack"
-    base = "planner" if repack else policy
+    preempt = policy == PREEMPT_POLICY
+    base = "planner" if repack or preempt else policy
     out = PolicyResult(
         policy,
         moveBudget=move_budget if repack else 0.0,
@@ -144,6 +157,8 @@ def run_policy(
     )
     running: dict[str, tuple[Demand, Reservation]] = {}
     skips = RepackSkips()
+    tally = PriorityTally(len(cap.arrays.node_names)) if preempt else None
+    failed_by: dict[int, int] = {}  # GPU pods failed, by priority
     start = time.perf_counter()
     where: dict[str, int] = {}
     demands_of: dict[str, Task] = {}
@@ -163,6 +178,8 @@ def run_policy(
                 n = where.pop(key)
                 running.pop(key, None)
                 cap.remove(demands_of[key].demand, n)
+                if tally is not None:
+                    tally.remove(demands_of[key].demand, n)
                 skips.forget()
                 if frag is not None:
                     frag.refresh([n])
@@ -193,6 +210,8 @@ def run_policy(
             demands_of[t.key] = t
             if repack:
                 running[t.key] = (t.demand, held(cap, t.demand, n))
+            if tally is not None:
+                tally.add(t.demand, n)
         if out.placedAtFirstFailure is None and not churn and len(placed) < len(batch):
             if any(t.demand.wants_gpu and t.key not in where for t in batch):
                 out.placedAtFirstFailure = [demands_of[k].demand for k in where]
@@ -215,6 +234,16 @@ def run_policy(
                 nowhere,
                 limits,
             )
+        if tally is not None:
+            more, lost = preempt_failed(
+                cap, _planner_rule(), frag, batch, where, demands_of, tally, out, nowhere
+            )
+            placed += more
+            out.placed -= len(lost)  # running pods evicted that found no place again
+            out.failed += len(lost)
+            out.failedGpuPods += len(lost)
+            for t in lost:
+                failed_by[t.demand.priority] = failed_by.get(t.demand.priority, 0) + 1
         a = cap.arrays
         in_use = int((a.used_replicas > 0).sum())
         out.overcommittedGpusPeak = max(out.overcommittedGpusPeak, int(_overcommitted(a).sum()))
@@ -226,6 +255,8 @@ def run_policy(
             if t.key not in ok:
                 out.failed += 1
                 out.failedGpuPods += t.demand.gpu_count > 0
+                if t.demand.wants_gpu:
+                    failed_by[t.demand.priority] = failed_by.get(t.demand.priority, 0) + 1
                 all_fit = all_fit and demand_kind(t.demand) in nowhere
         arrived = (out.freeSeries[-1][0] if out.freeSeries else 0) + len(batch)
         out.freeSeries.append((arrived, len(a.used_replicas) - in_use))
@@ -235,10 +266,26 @@ def run_policy(
     out.gpusFreeMean = free_sum / max(1, out.batches)
     if not churn:
         out.placedAtEnd = [demands_of[k].demand for k in where]
+    by_priority = _allocated_by_priority(cap, tasks)
+    if by_priority is not None:
+        out.extra["allocatedByPriority"] = by_priority
+        out.extra["failedGpuPodsByPriority"] = {p: failed_by.get(int(p), 0) for p in by_priority}
     _measure(out, cap, workload, [demands_of[k].demand for k in where])
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
     return out
+
+
+def _allocated_by_priority(cap: Capacity, tasks: Sequence[Task]) -> dict[str, int] | None:
+    """VRAM the pods hold at the end per priority (as text, highest first), where the replayed
+    pods have more than one: what preemption trades."""
+    priorities = {t.demand.priority for t in tasks}
+    if len(priorities) < 2:
+        return None
+    held = dict.fromkeys(sorted(priorities, reverse=True), 0)
+    for res in cap.ledger.reservations():
+        held[res.priority] = held.get(res.priority, 0) + res.total_bytes
+    return {str(p): b for p, b in held.items()}
 
 
 def fit_nowhere(cap: Capacity, tasks: Sequence[Task]) -> set[tuple]:

@@ -33,6 +33,8 @@ __all__ = [
     "read_yaml",
     "read_inputs",
     "inflate",
+    "QOS_PRIORITIES",
+    "with_qos_priorities",
 ]
 
 TRACE_GPU_MIB = 1000
@@ -50,6 +52,9 @@ class Task:
     demand: Demand
     arrival: float = 0.0
     departure: float | None = None
+    #: the trace's `qos` column (LS, BE, Burstable, Guaranteed; empty: none), which
+    #: `with_qos_priorities` turns into a pod priority
+    qos: str = ""
 
     @property
     def key(self) -> str:
@@ -132,7 +137,13 @@ TRACE_POD_DEFAULTS: dict[str, str] = {
     "gpu_spec": "empty: no GPU type constraint",
     "creation_time": "file order: the n-th task arrives alone, at time n",
     "deletion_time": "empty: the task never leaves, even with churn",
+    "qos": "empty: no class (priority 0 with --priorities qos)",
 }
+
+#: the pod priority `--priorities qos` gives each of the trace's `qos` classes: latency-sensitive
+#: services (LS) and Guaranteed pods above Burstable ones, best-effort (BE) batch work lowest, as
+#: a cluster's PriorityClasses would rank online inference above batch jobs
+QOS_PRIORITIES: dict[str, int] = {"LS": 1000, "Guaranteed": 1000, "Burstable": 500, "BE": 0, "": 0}
 
 
 class TraceError(ValueError):
@@ -239,7 +250,21 @@ def _trace_task(row: Mapping[str, str | None], index: int, timed: bool) -> Task:
     deleted = _time(row, "deletion_time")
     if timed and deleted is not None and deleted < arrival:
         raise ValueError(f"deletion_time {deleted:g} is before creation_time {arrival:g}")
-    return Task(demand, arrival, deleted)
+    qos = (row.get("qos") or "").strip()
+    if qos not in QOS_PRIORITIES:
+        known = ", ".join(q for q in QOS_PRIORITIES if q)
+        raise ValueError(f"qos {qos[:40]!r} is not one of {known} (or empty)")
+    return Task(demand, arrival, deleted, qos)
+
+
+def with_qos_priorities(tasks: Sequence[Task]) -> list[Task]:
+    """`tasks` with each trace pod's priority taken from its `qos` class (`QOS_PRIORITIES`).
+    Without it every trace pod has priority 0, so nobody may preempt anybody; pods without a
+    class (a YAML pod's priority is its own, `spec.priority`) are left as they are."""
+    return [
+        replace(t, demand=replace(t.demand, priority=QOS_PRIORITIES[t.qos])) if t.qos else t
+        for t in tasks
+    ]
 
 
 def read_yaml(
@@ -372,10 +397,11 @@ def inflate(
                     name += f"-r{rnd}"
                 d = replace(d, pod=PodRef(d.pod.namespace, name))
                 taken.add(d.pod.key)
-                t = Task(
-                    d,
-                    t.arrival + rnd * span,
-                    None if t.departure is None else t.departure + rnd * span,
+                t = replace(
+                    t,
+                    demand=d,
+                    arrival=t.arrival + rnd * span,
+                    departure=None if t.departure is None else t.departure + rnd * span,
                 )
             out.append(t)
             demand += gpu_units(d, gpu_bytes)
