@@ -23,7 +23,7 @@ import pytest
 from builders import cluster, gpu_node, pod, service
 from test_preempt_brute import fill, running
 
-from extender.demand import pod_demand
+from extender.demand import Demand, pod_demand
 from extender.inventory import ReplicaPolicy
 from extender.placement import HostRoom, filter_nodes, plan_preemption, preempt_victims
 from extender.wire import ExtenderPreemptionArgs
@@ -145,6 +145,20 @@ def random_cores(seed: int, names: list[str], pods: list[str]) -> Cores:
     )
 
 
+def with_cores(
+    demand: Demand, names: list[str], cores: Cores | None
+) -> tuple[Demand, HostRoom | None]:
+    """The pod asking `cores`' cores, and the room the nodes have for them (memory unlimited)."""
+    if cores is None:
+        return demand, None
+    free, held, need = cores
+    room = HostRoom(
+        {n: (free[n] * 1000, 1 << 40) for n in names},
+        lambda res: (held[res.pod.name] * 1000, 0),
+    )
+    return replace(demand, cpu_milli=need * 1000), room
+
+
 @pytest.mark.parametrize("host", [False, True], ids=["vram", "vram+cores"])
 @pytest.mark.parametrize("policy", list(ReplicaPolicy))
 @pytest.mark.parametrize("seed", range(60))
@@ -155,15 +169,7 @@ def test_plan_is_the_one_brute_force_finds(seed: int, policy: Any, host: bool) -
     eligible = {n for n in pods if rng.random() < 0.85}
     c = cluster(*objects, replica_policy=policy)
     cores = random_cores(seed, names, pods) if host else None
-    demand = pod_demand(new)
-    room = None
-    if cores is not None:
-        free, held, need = cores
-        demand = replace(demand, cpu_milli=need * 1000)
-        room = HostRoom(
-            {n: (free[n] * 1000, 1 << 40) for n in names},
-            lambda res: (held[res.pod.name] * 1000, 0),
-        )
+    demand, room = with_cores(pod_demand(new), names, cores)
     got = plan_preemption(
         c.ledger,
         demand,
@@ -219,15 +225,7 @@ def test_many_small_pods_on_one_gpu_give_the_plan_brute_force_finds(seed: int, h
     pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
     c = cluster(*objects)
     cores = random_cores(seed, names, pods) if host else None
-    demand = pod_demand(new)
-    room = None
-    if cores is not None:
-        free, held, need = cores
-        demand = replace(demand, cpu_milli=need * 1000)
-        room = HostRoom(
-            {n: (free[n] * 1000, 1 << 40) for n in names},
-            lambda res: (held[res.pod.name] * 1000, 0),
-        )
+    demand, room = with_cores(pod_demand(new), names, cores)
     got = plan_preemption(c.ledger, demand, nodes=names, host=room)
     want = brute_force(objects, names, new, None, set(pods), cores)
     if want is True or want is None:
