@@ -36,8 +36,8 @@ def write(tmp_path, nodes: list[str], pods: list[str]):
     return n, p
 
 
-def task(name, gpus, milli, t, *, cpu=1000, spec="", dele=""):
-    return f"{name},{cpu},1024,{gpus},{milli},{spec},LS,Running,{t},{dele},{t}"
+def task(name, gpus, milli, t, *, cpu=1000, spec="", dele="", qos="LS"):
+    return f"{name},{cpu},1024,{gpus},{milli},{spec},{qos},Running,{t},{dele},{t}"
 
 
 def test_trace_reader_follows_the_trace_convention(tmp_path):

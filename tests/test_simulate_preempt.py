@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
+from test_simulate import task, write
 
 from extender.cli import main
 from extender.quantity import MIB
@@ -21,19 +23,10 @@ from extender.simulate.trace import (
     with_qos_priorities,
 )
 
-NODE_HEAD = "sn,cpu_milli,memory_mib,gpu,model\n"
-POD_HEAD = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,creation_time,deletion_time\n"
 
-
-def write(tmp_path, nodes: list[str], pods: list[str]):
-    n, p = tmp_path / "nodes.csv", tmp_path / "pods.csv"
-    n.write_text(NODE_HEAD + "".join(r + "\n" for r in nodes))
-    p.write_text(POD_HEAD + "".join(r + "\n" for r in pods))
-    return n, p
-
-
-def task(name: str, milli: int, t: int, qos: str, *, spec: str = "", dele: str = "", cpu=1000):
-    return f"{name},{cpu},1024,1,{milli},{spec},{qos},{t},{dele}"
+def one_gpu(name: str, milli: int, t: int, qos: str, **kw: Any) -> str:
+    """A trace row of a one-GPU pod of class `qos` (test_simulate's `task`)."""
+    return task(name, 1, milli, t, qos=qos, **kw)
 
 
 def test_the_qos_column_gives_priorities_only_when_asked(tmp_path) -> None:
@@ -41,11 +34,11 @@ def test_the_qos_column_gives_priorities_only_when_asked(tmp_path) -> None:
         tmp_path,
         [],
         [
-            task("ls", 100, 0, "LS"),
-            task("be", 100, 1, "BE"),
-            task("bu", 100, 2, "Burstable"),
-            task("gu", 100, 3, "Guaranteed"),
-            task("none", 100, 4, ""),
+            one_gpu("ls", 100, 0, "LS"),
+            one_gpu("be", 100, 1, "BE"),
+            one_gpu("bu", 100, 2, "Burstable"),
+            one_gpu("gu", 100, 3, "Guaranteed"),
+            one_gpu("none", 100, 4, ""),
         ],
     )
     tasks = read_trace_pods(p)
@@ -59,7 +52,7 @@ def test_the_qos_column_gives_priorities_only_when_asked(tmp_path) -> None:
 
 
 def test_an_unknown_qos_names_its_row(tmp_path) -> None:
-    _, p = write(tmp_path, [], [task("a", 100, 0, "LS"), task("b", 100, 1, "Gold")])
+    _, p = write(tmp_path, [], [one_gpu("a", 100, 0, "LS"), one_gpu("b", 100, 1, "Gold")])
     with pytest.raises(
         TraceError, match=r"line 3: qos 'Gold' is not one of LS, Guaranteed, Burstable, BE"
     ):
@@ -77,10 +70,10 @@ def test_a_list_without_the_qos_column_reads_as_no_class(tmp_path) -> None:
 #: `ls` (T4 only, 700 milli) then fits no GPU (400 free on each T4)
 NODES = ["node-a,32000,65536,1,T4", "node-b,32000,65536,1,T4", "node-c,32000,65536,1,P100"]
 PODS = [
-    task("full", 1000, 0, "LS", spec="P100", dele="25"),
-    task("be1", 600, 10, "BE"),
-    task("be2", 600, 20, "BE"),
-    task("ls", 700, 30, "LS", spec="T4"),
+    one_gpu("full", 1000, 0, "LS", spec="P100", dele="25"),
+    one_gpu("be1", 600, 10, "BE"),
+    one_gpu("be2", 600, 20, "BE"),
+    one_gpu("ls", 700, 30, "LS", spec="T4"),
 ]
 
 
@@ -115,7 +108,7 @@ def test_a_victim_with_nowhere_to_go_counts_as_failed(tmp_path) -> None:
 
 
 def test_nobody_is_preempted_for_a_pod_of_the_same_priority(tmp_path) -> None:
-    pods = [*PODS[:3], task("ls", 700, 30, "BE", spec="T4")]
+    pods = [*PODS[:3], one_gpu("ls", 700, 30, "BE", spec="T4")]
     nodes, tasks, bound = read_inputs(*write(tmp_path, NODES, pods))
     r = run_policy(PREEMPT_POLICY, nodes, with_qos_priorities(tasks), bound)
     assert "preempted" not in r.extra and r.failed == 1
@@ -126,9 +119,9 @@ def test_only_a_node_with_the_cores_for_the_pod_is_preempted_on(tmp_path) -> Non
     its BE pod is gone, wherever the planner put which BE pod."""
     nodes = ["node-a,10000,65536,1,T4", "node-b,16000,65536,1,T4"]
     pods = [
-        task("be1", 600, 10, "BE", cpu=2000),
-        task("be2", 600, 20, "BE", cpu=2000),
-        task("ls", 700, 30, "LS", cpu=15000),
+        one_gpu("be1", 600, 10, "BE", cpu=2000),
+        one_gpu("be2", 600, 20, "BE", cpu=2000),
+        one_gpu("ls", 700, 30, "LS", cpu=15000),
     ]
     nodes_, tasks, bound = read_inputs(*write(tmp_path, nodes, pods))
     seen = []
@@ -154,7 +147,7 @@ def random_trace(rng: random.Random) -> tuple[list[str], list[str]]:
         milli = rng.choice([200, 300, 500, 700, 1000]) if gpus == 1 else 0
         cpu = rng.choice([1000, 2000, 4000])
         dele = str(i + rng.randint(1, 6)) if rng.random() < 0.3 else ""
-        pods.append(f"p{i},{cpu},1024,{gpus},{milli},,{qos},{i},{dele}")
+        pods.append(task(f"p{i}", gpus, milli, i, cpu=cpu, dele=dele, qos=qos))
     return nodes, pods
 
 

@@ -104,6 +104,7 @@ def preempt_victims(
 
 
 def _anything(victims: Sequence[Reservation]) -> bool:
+    """No check beyond VRAM (the preempt verb, and `plan_preemption` without a `HostRoom`)."""
     return True
 
 
@@ -119,7 +120,7 @@ def _fewest_victims(
     hi: int,
     k: int,
     ours: list[Reservation],
-    room: Callable[[Sequence[Reservation]], bool] | None = None,
+    room: Callable[[Sequence[Reservation]], bool] = _anything,
 ) -> list[Reservation] | None:
     """The fewest of `ours` (sorted, lowest priority first) whose removal lets the pod fit on the
     node of rows lo..hi (its VRAM, and whatever else `room` checks), the lowest priorities among
@@ -127,18 +128,19 @@ def _fewest_victims(
     not. Past _MAX_COMBINATIONS sets of one size, the first ones of `ours` that do."""
 
     def frees(victims: Sequence[Reservation]) -> bool:  # the cheap check first
-        return (room is None or room(victims)) and _fits_without(ledger, fit, lo, hi, k, victims)
+        return room(victims) and _fits_without(ledger, fit, lo, hi, k, victims)
 
     if not ours or not frees(ours):
         return None  # not even with all of them gone, so with no fewer
 
+    on_device = _by_device(ledger, lo, hi, ours)
     pools = [ours]
-    if k == 1 and fit.shared is None and (room is None or room(())):
+    if k == 1 and fit.shared is None and room(()):
         # The pod takes one device, booked exactly, and the cores are free already: a fewest set
         # is on one device (any pod elsewhere could stay), so sets are drawn per device. On a
         # node of 8 GPUs shared by 100 pods, that is thousands of sets fewer for each size.
-        pools = _per_device(ledger, lo, hi, ours)
-    for size in range(max(1, _at_least(ledger, fit, lo, hi, ours)), len(ours) + 1):
+        pools = [[res for res, _ in on_device[i]] for i in sorted(on_device)]
+    for size in range(max(1, _at_least(fit, lo, hi, on_device, len(ours))), len(ours) + 1):
         tried = 0
         winners: list[tuple[Reservation, ...]] = []
         for combo in (c for pool in pools for c in combinations(pool, size)):
@@ -166,38 +168,34 @@ def _fewest_victims(
     return None
 
 
-def _per_device(
+def _by_device(
     ledger: Ledger, lo: int, hi: int, ours: Sequence[Reservation]
-) -> list[list[Reservation]]:
-    """`ours` by the device of rows lo..hi each holds (in their order; a pod of several GPUs
-    is in each of its devices' lists)."""
-    pools: dict[int, list[Reservation]] = {}
-    for res in ours:
-        for dev_id in res.device_ids:
-            i = ledger.row(res.node, dev_id)
-            if i is not None and lo <= i < hi:
-                pools.setdefault(i, []).append(res)
-    return [pools[i] for i in sorted(pools)]
-
-
-def _at_least(ledger: Ledger, fit: Fit, lo: int, hi: int, ours: Sequence[Reservation]) -> int:
-    """A lower bound on the victims any set needs: the pod needs at least one device of the node
-    with its memory and a replica free, and on each device that takes the fewest of `ours`
-    holding it, the largest first. Sizes below it need not be tried (on a GPU shared by many
-    small pods, every set of two is thousands of sets, all of which fail)."""
-    a = fit.a
-    held: dict[int, list[int]] = {}
+) -> dict[int, list[tuple[Reservation, int]]]:
+    """`ours` by the device row in lo..hi each holds, with its bytes there (in their order; a pod
+    of several GPUs is under each of its devices)."""
+    out: dict[int, list[tuple[Reservation, int]]] = {}
     for res in ours:
         for dev_id, nbytes in zip(res.device_ids, res.bytes_per_device, strict=True):
             i = ledger.row(res.node, dev_id)
             if i is not None and lo <= i < hi:
-                held.setdefault(i, []).append(nbytes)
-    best = len(ours) + 1
+                out.setdefault(i, []).append((res, nbytes))
+    return out
+
+
+def _at_least(
+    fit: Fit, lo: int, hi: int, on_device: Mapping[int, list[tuple[Reservation, int]]], most: int
+) -> int:
+    """A lower bound on the victims any set needs (`most` + 1: none makes room): the pod needs
+    at least one device of the node with its memory and a replica free, and on each device that
+    takes the fewest pods holding it, the largest first. Sizes below it need not be tried (on a
+    GPU shared by many small pods, every set of two is thousands of sets, all of which fail)."""
+    a = fit.a
+    best = most + 1
     for i in range(lo, hi):
         need = int(fit.need[i])
         if not fit.matches[i] or a.per_pod_cap[i] < need:
             continue
-        freed = sorted(held.get(i, ()), reverse=True)
+        freed = sorted((nbytes for _, nbytes in on_device.get(i, ())), reverse=True)
         short = need - int(a.capacity[i] - a.used[i])
         count = 0
         while short > 0 and count < len(freed):

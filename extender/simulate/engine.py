@@ -15,6 +15,7 @@ it is compared with are `bound_report`'s.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from itertools import groupby
@@ -158,7 +159,7 @@ def run_policy(
     running: dict[str, tuple[Demand, Reservation]] = {}
     skips = RepackSkips()
     tally = PriorityTally(len(cap.arrays.node_names)) if preempt else None
-    failed_by: dict[int, int] = {}  # GPU pods failed, by priority
+    failed_by: Counter[int] = Counter()  # GPU pods failed, by priority
     start = time.perf_counter()
     where: dict[str, int] = {}
     demands_of: dict[str, Task] = {}
@@ -242,8 +243,7 @@ def run_policy(
             out.placed -= len(lost)  # running pods evicted that found no place again
             out.failed += len(lost)
             out.failedGpuPods += len(lost)
-            for t in lost:
-                failed_by[t.demand.priority] = failed_by.get(t.demand.priority, 0) + 1
+            failed_by.update(t.demand.priority for t in lost)
         a = cap.arrays
         in_use = int((a.used_replicas > 0).sum())
         out.overcommittedGpusPeak = max(out.overcommittedGpusPeak, int(_overcommitted(a).sum()))
@@ -256,7 +256,7 @@ def run_policy(
                 out.failed += 1
                 out.failedGpuPods += t.demand.gpu_count > 0
                 if t.demand.wants_gpu:
-                    failed_by[t.demand.priority] = failed_by.get(t.demand.priority, 0) + 1
+                    failed_by[t.demand.priority] += 1
                 all_fit = all_fit and demand_kind(t.demand) in nowhere
         arrived = (out.freeSeries[-1][0] if out.freeSeries else 0) + len(batch)
         out.freeSeries.append((arrived, len(a.used_replicas) - in_use))
@@ -269,7 +269,7 @@ def run_policy(
     by_priority = _allocated_by_priority(cap, tasks)
     if by_priority is not None:
         out.extra["allocatedByPriority"] = by_priority
-        out.extra["failedGpuPodsByPriority"] = {p: failed_by.get(int(p), 0) for p in by_priority}
+        out.extra["failedGpuPodsByPriority"] = {p: failed_by[int(p)] for p in by_priority}
     _measure(out, cap, workload, [demands_of[k].demand for k in where])
     if policy != "spread":
         out.invariantViolations = len(check_invariant(cap.ledger))
